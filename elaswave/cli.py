@@ -1,0 +1,84 @@
+"""``elaswave run | reference``: the command line."""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from elaswave import config
+from elaswave.config import ConfigError
+from elaswave.runtime.metrics import MetricsWriter, print_error
+
+
+def _job_args(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--config", help="TOML file with [model] [data] [train] [parallel] sections")
+    ap.add_argument("--set", action="append", default=[], dest="overrides", metavar="KEY=VALUE",
+                    help="override one key, e.g. --set parallel.dp=4 (repeatable)")
+    ap.add_argument("--deterministic", action="store_true",
+                    help="bit-identical results across every dp x pp layout")
+    ap.add_argument("--metrics-out", metavar="F.jsonl", help="write one JSON line per step and a summary")
+
+
+def _load(args: argparse.Namespace) -> config.JobConfig:
+    overrides = list(args.overrides) + (["train.deterministic=true"] if args.deterministic else [])
+    return config.load(args.config, overrides)
+
+
+def _check_data(cfg: config.JobConfig) -> None:
+    """Load the corpus once up front so a bad data file is one line here, not N worker tracebacks."""
+    from elaswave.data.corpus import load_corpus
+
+    load_corpus(cfg.data, cfg.model.vocab_size, cfg.model.seq_len + 1)
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    cfg = _load(args)
+    if args.nproc is not None and args.nproc != cfg.world_size:
+        raise ConfigError(f"--nproc={args.nproc} is invalid: parallel.dp={cfg.parallel.dp} x "
+                          f"parallel.pp={cfg.parallel.pp} needs {cfg.world_size} ranks")
+    _check_data(cfg)
+    from elaswave.launch import launch
+
+    print(f"elaswave: dp={cfg.parallel.dp} pp={cfg.parallel.pp} ({cfg.world_size} ranks), "
+          f"{cfg.model.num_layers} layers, global batch {cfg.train.num_micro_batches} x "
+          f"{cfg.train.micro_batch_size} sequences, {'deterministic' if cfg.train.deterministic else 'fast'} mode",
+          flush=True)
+    return launch(cfg, args.metrics_out, timeout_s=args.timeout_s)
+
+
+def cmd_reference(args: argparse.Namespace) -> int:
+    cfg = _load(args)
+    _check_data(cfg)
+    from elaswave.reference import train_reference
+
+    writer = MetricsWriter(args.metrics_out, total_steps=cfg.train.steps)
+    result = train_reference(cfg, on_step=writer.write)
+    writer.write({"event": "summary", "steps": cfg.train.steps, "final_loss": result["losses"][-1],
+                  "params_sha256": result["params_sha256"], "world_size": 1, "dp": 1, "pp": 1,
+                  "deterministic": cfg.train.deterministic})
+    writer.close()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="elaswave", description="Elastic hybrid-parallel training on PyTorch.")
+    sub = ap.add_subparsers(dest="command", required=True)
+    run = sub.add_parser("run", help="train with dp x pp worker processes on this host")
+    _job_args(run)
+    run.add_argument("--nproc", type=int, help="number of ranks (must equal dp x pp)")
+    run.add_argument("--timeout-s", type=float, default=None, help="stop the job after this many seconds")
+    run.set_defaults(func=cmd_run)
+    ref = sub.add_parser("reference", help="train with the single-process reference oracle")
+    _job_args(ref)
+    ref.set_defaults(func=cmd_reference)
+    args = ap.parse_args(argv)
+    try:
+        return args.func(args)
+    except ConfigError as exc:
+        print_error(str(exc))
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,121 @@
+"""A small GPT as an explicit sequence of layers: [embedding, block x N, head].
+
+A pipeline stage is a contiguous range of these layers. Each layer initialises itself from a stream
+keyed by (seed, layer index), so a rank that builds only layers 3..5 gets the same weights as the
+single-process reference. Dropout draws from a generator the caller passes in, keyed by
+(seed, step, micro-batch, layer): the rank that runs the layer never enters the numbers.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from elaswave import rng
+from elaswave.config import ModelConfig
+
+
+def keyed_dropout(x: torch.Tensor, p: float, gen: torch.Generator | None) -> torch.Tensor:
+    """Dropout whose mask comes from ``gen`` (``None`` means evaluation: no dropout)."""
+    if gen is None or p == 0.0:
+        return x
+    keep = torch.rand(x.shape, generator=gen, device=x.device) >= p
+    return x * keep / (1.0 - p)
+
+
+class Embedding(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.p = cfg.dropout
+        self.tok = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.pos = nn.Embedding(cfg.seq_len, cfg.d_model)
+
+    def forward(self, idx: torch.Tensor, gen: torch.Generator | None) -> torch.Tensor:
+        pos = torch.arange(idx.shape[1], device=idx.device)
+        return keyed_dropout(self.tok(idx) + self.pos(pos), self.p, gen)
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block with causal self-attention written out (no fused kernels,
+    whose choice of algorithm could change the bits between processes)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.p = cfg.dropout
+        self.num_heads = cfg.num_heads
+        self.ln1 = nn.LayerNorm(cfg.d_model)
+        self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model)
+        self.proj = nn.Linear(cfg.d_model, cfg.d_model)
+        self.ln2 = nn.LayerNorm(cfg.d_model)
+        self.fc = nn.Linear(cfg.d_model, 4 * cfg.d_model)
+        self.out = nn.Linear(4 * cfg.d_model, cfg.d_model)
+        mask = torch.triu(torch.ones(cfg.seq_len, cfg.seq_len, dtype=torch.bool), diagonal=1)
+        self.register_buffer("causal", mask, persistent=False)
+
+    def forward(self, x: torch.Tensor, gen: torch.Generator | None) -> torch.Tensor:
+        b, t, d = x.shape
+        h = self.num_heads
+        q, k, v = self.qkv(self.ln1(x)).split(d, dim=2)
+        q, k, v = (z.view(b, t, h, d // h).transpose(1, 2) for z in (q, k, v))
+        att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(d // h))
+        att = att.masked_fill(self.causal[:t, :t], float("-inf")).softmax(dim=-1)
+        att = keyed_dropout(att, self.p, gen)
+        y = (att @ v).transpose(1, 2).reshape(b, t, d)
+        x = x + keyed_dropout(self.proj(y), self.p, gen)
+        return x + keyed_dropout(self.out(F.gelu(self.fc(self.ln2(x)))), self.p, gen)
+
+
+class Head(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.ln = nn.LayerNorm(cfg.d_model)
+        self.lm = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+
+    def forward(self, x: torch.Tensor, gen: torch.Generator | None) -> torch.Tensor:
+        return self.lm(self.ln(x))
+
+
+def _init_layer(layer: nn.Module, gen: torch.Generator, num_blocks: int) -> None:
+    """GPT-2 style init from a keyed stream; residual projections scaled by depth."""
+    with torch.no_grad():
+        for name, p in layer.named_parameters():
+            if name.endswith("bias"):
+                p.zero_()
+            elif isinstance(getattr(layer, name.split(".")[0], None), nn.LayerNorm):
+                p.fill_(1.0)
+            else:
+                std = 0.02 / math.sqrt(2 * num_blocks) if name.split(".")[0] in ("proj", "out") else 0.02
+                p.copy_(torch.randn(p.shape, generator=gen) * std)
+
+
+def build_layer(cfg: ModelConfig, index: int, seed: int, init: bool = True) -> nn.Module:
+    """Layer ``index`` of the model (0 = embedding, last = head), initialised from its own stream
+    (``init=False`` only builds shapes, e.g. on the meta device to count parameters)."""
+    if not 0 <= index < cfg.num_layers:
+        raise ValueError(f"layer index {index} out of range 0..{cfg.num_layers - 1}")
+    if index == 0:
+        layer: nn.Module = Embedding(cfg)
+    elif index == cfg.num_layers - 1:
+        layer = Head(cfg)
+    else:
+        layer = Block(cfg)
+    if init:
+        _init_layer(layer, rng.generator(seed, rng.INIT, index), cfg.num_blocks)
+    return layer
+
+
+def layer_flops(cfg: ModelConfig, index: int) -> float:
+    """Forward multiply-adds per token of one layer: the planner's default cost profile."""
+    d, t = cfg.d_model, cfg.seq_len
+    if index == 0:
+        return float(d)
+    if index == cfg.num_layers - 1:
+        return float(d * cfg.vocab_size)
+    return float(12 * d * d + 2 * t * d)
+
+
+def token_loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy summed over the micro-batch's tokens (callers divide by the global count)."""
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="sum")

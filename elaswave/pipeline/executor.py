@@ -1,0 +1,70 @@
+"""Runs one step's schedule on a stage through a dispatch table, one handler per action."""
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import torch
+
+from elaswave.data.sampler import Sampler
+from elaswave.model.gpt import token_loss_sum
+from elaswave.pipeline.p2p import P2P
+from elaswave.pipeline.schedule import Action, Op
+from elaswave.pipeline.stage import Stage
+
+
+class Executor:
+    """``on_backward`` is called after each micro-batch's backward (the gradient accumulator)."""
+
+    def __init__(self, stage: Stage, p2p: P2P, sampler: Sampler | None, global_tokens: int,
+                 on_backward: Callable[[], None]):
+        self.stage, self.p2p, self.sampler = stage, p2p, sampler
+        self.global_tokens = global_tokens
+        self.on_backward = on_backward
+        self._table = {
+            Op.RECV_ACT: self._recv_act, Op.FORWARD: self._forward, Op.SEND_ACT: self._send_act,
+            Op.RECV_GRAD: self._recv_grad, Op.BACKWARD: self._backward, Op.SEND_GRAD: self._send_grad,
+        }
+
+    def run(self, actions: Sequence[Action], step: int) -> dict[int, float]:
+        """Execute the actions; returns each micro-batch's summed token loss (last stage only)."""
+        self.step = step
+        self.inputs: dict[int, torch.Tensor] = {}
+        self.outputs: dict[int, torch.Tensor] = {}
+        self.grads: dict[int, torch.Tensor] = {}
+        self.losses: dict[int, float] = {}
+        for action in actions:
+            self._table[action.op](action.micro_batch)
+        self.p2p.drain()
+        return self.losses
+
+    def _recv_act(self, mb: int) -> None:
+        self.inputs[mb] = self.p2p.recv_act(mb).requires_grad_(True)
+
+    def _forward(self, mb: int) -> None:
+        batch = self.sampler.micro_batch(self.step, mb) if self.sampler is not None else None
+        x = batch.inputs.to(self.stage.device) if self.stage.is_first else self.inputs[mb]
+        out = self.stage.forward(x, self.step, mb)
+        if self.stage.is_last:
+            loss_sum = token_loss_sum(out, batch.targets.to(self.stage.device))
+            self.losses[mb] = float(loss_sum.detach())
+            # Scale by the *global* token count: the gradient is the mean over the whole batch,
+            # whichever pipeline runs this micro-batch and however many pipelines are alive.
+            out = loss_sum / self.global_tokens
+        self.outputs[mb] = out
+
+    def _send_act(self, mb: int) -> None:
+        self.p2p.send_act(self.outputs[mb], mb)
+
+    def _recv_grad(self, mb: int) -> None:
+        self.grads[mb] = self.p2p.recv_grad(mb)
+
+    def _backward(self, mb: int) -> None:
+        out = self.outputs.pop(mb)
+        if self.stage.is_last:
+            out.backward()
+        else:
+            torch.autograd.backward(out, self.grads.pop(mb))
+        self.on_backward()
+
+    def _send_grad(self, mb: int) -> None:
+        self.p2p.send_grad(self.inputs.pop(mb).grad, mb)

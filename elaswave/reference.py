@@ -1,0 +1,62 @@
+"""The reference oracle: a single-process, failure-free trainer that defines "correct".
+
+It runs the whole model on micro-batches 0..M-1 one after the other, with the same data, dropout
+streams, fixed-point accumulation (deterministic mode), clipping and AdamW as the distributed
+runtime, where one holder owns every chunk. Elastic runs are compared against what it produces.
+"""
+from __future__ import annotations
+
+import math
+import time
+from typing import Callable
+
+import torch
+
+from elaswave.config import JobConfig
+from elaswave.data.corpus import load_corpus
+from elaswave.data.sampler import Sampler
+from elaswave.model.gpt import token_loss_sum
+from elaswave.pipeline.stage import Stage
+from elaswave.plan.chunks import ChunkIndex
+from elaswave.zero.bucket import Bucket
+from elaswave.zero.flat import params_sha256
+from elaswave.zero.optimizer import ShardedAdamW, clip_coef, lr_at
+from elaswave.zero.reduce import GradAccumulator
+
+
+def train_reference(cfg: JobConfig, on_step: Callable[[dict], None] | None = None) -> dict:
+    """Train ``cfg.train.steps`` steps; returns ``{"losses": [...], "params_sha256": ...}``."""
+    t, m = cfg.train, cfg.model
+    torch.set_num_threads(1)  # the same kernels, hence the same bits, as a one-thread worker rank
+    sampler = Sampler(load_corpus(cfg.data, m.vocab_size, m.seq_len + 1), t.seed, t.micro_batch_size, m.seq_len)
+    stage = Stage(cfg, (0, m.num_layers), torch.device("cpu"))
+    layers = stage.layers
+    bucket = Bucket((0,), [l.index for l in layers], [l.numel for l in layers], cfg.parallel.chunk_numel, me=0)
+    optimizer = ShardedAdamW([bucket], layers, t)
+    accumulator = GradAccumulator(layers, t.deterministic, t.grad_fixed_point_bits, t.num_micro_batches)
+    index = ChunkIndex.build([l.numel for l in layers], cfg.parallel.chunk_numel)
+    global_tokens = t.num_micro_batches * t.micro_batch_size * m.seq_len
+    losses = []
+    for step in range(t.steps):
+        started = time.perf_counter()
+        accumulator.zero()
+        loss_sums = []
+        for mb in range(t.num_micro_batches):
+            batch = sampler.micro_batch(step, mb)
+            loss_sum = token_loss_sum(stage.forward(batch.inputs, step, mb), batch.targets)
+            loss_sums.append(float(loss_sum.detach()))
+            (loss_sum / global_tokens).backward()
+            accumulator.add_micro_batch()
+        grad = accumulator.to_float(bucket.pack([accumulator.sums[l.index] for l in layers]))
+        norm, coef = clip_coef(list(optimizer.chunk_sumsq([grad], index).values()), t.grad_clip)
+        optimizer.step([grad], step, lr_at(step, t), coef)
+        with torch.no_grad():
+            for layer, flat in zip(layers, bucket.unpack(optimizer.params[0])):
+                layer.flat.copy_(flat)
+        loss = math.fsum(loss_sums) / global_tokens
+        losses.append(loss)
+        if on_step is not None:
+            on_step({"event": "step", "step": step, "loss": loss, "grad_norm": norm,
+                     "num_samples": t.num_micro_batches * t.micro_batch_size, "world_size": 1, "epoch": 0,
+                     "step_time_s": time.perf_counter() - started})
+    return {"losses": losses, "params_sha256": params_sha256([l.digest() for l in layers])}

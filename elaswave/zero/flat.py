@@ -1,0 +1,43 @@
+"""A layer's parameters as one flat float vector, with the module's parameters as views into it.
+
+The flat vector's element order (parameters in module order) is the canonical order used for
+chunks, snapshots and the ``params_sha256`` digest, whatever the layout.
+"""
+from __future__ import annotations
+
+import hashlib
+
+import torch
+from torch import nn
+
+
+class FlatLayer:
+    def __init__(self, module: nn.Module, index: int):
+        self.module = module
+        self.index = index
+        self.params = list(module.parameters())
+        self.flat = torch.cat([p.detach().reshape(-1) for p in self.params])
+        offset = 0
+        for p in self.params:
+            n = p.numel()
+            p.data = self.flat[offset:offset + n].view_as(p)
+            offset += n
+        self.numel = offset
+        # Weight decay only on matrices (embeddings, linear weights), as GPT training does.
+        self.decay_mask = torch.cat([
+            torch.full((p.numel(),), p.dim() >= 2, dtype=torch.bool, device=self.flat.device) for p in self.params])
+
+    def take_grad(self) -> torch.Tensor:
+        """This micro-batch's gradient as a flat vector; clears ``.grad`` so the next one starts at zero."""
+        out = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in self.params])
+        for p in self.params:
+            p.grad = None
+        return out
+
+    def digest(self) -> bytes:
+        return hashlib.sha256(self.flat.detach().cpu().contiguous().numpy().tobytes()).digest()
+
+
+def params_sha256(layer_digests: list[bytes]) -> str:
+    """Digest of all parameters in canonical layer order: sha256 over the per-layer digests."""
+    return hashlib.sha256(b"".join(layer_digests)).hexdigest()

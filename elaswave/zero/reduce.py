@@ -1,0 +1,75 @@
+"""Gradient accumulation per micro-batch and its reduction to chunk owners.
+
+Deterministic mode turns each micro-batch's gradient into fixed point, ``round(g * 2**bits)`` in
+int64, before anything is added. Integer addition is associative, so the sum over the M
+micro-batches has the same bits whichever pipeline ran which micro-batch and in whatever order the
+reduce-scatter adds them. Fast mode adds float32 gradients as they come.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+
+from elaswave.zero.bucket import Bucket
+from elaswave.zero.flat import FlatLayer
+
+
+class GradientOverflowError(RuntimeError):
+    pass
+
+
+class GradAccumulator:
+    def __init__(self, layers: Sequence[FlatLayer], deterministic: bool, fixed_point_bits: int,
+                 num_micro_batches: int):
+        self.layers = list(layers)
+        self.deterministic = deterministic
+        self.scale = float(2 ** fixed_point_bits)
+        # The sum of M values each below this bound stays inside int64.
+        self.max_abs = float(2 ** (62 - fixed_point_bits)) / num_micro_batches
+        dtype = torch.int64 if deterministic else torch.float32
+        self.sums = {l.index: torch.zeros(l.numel, dtype=dtype, device=l.flat.device) for l in self.layers}
+
+    def zero(self) -> None:
+        for t in self.sums.values():
+            t.zero_()
+
+    def add_micro_batch(self) -> None:
+        """Fold the gradient of the micro-batch just back-propagated into the sums."""
+        for layer in self.layers:
+            g = layer.take_grad()
+            if not self.deterministic:
+                self.sums[layer.index].add_(g)
+                continue
+            peak = float(g.abs().max()) if g.numel() else 0.0
+            if not peak < self.max_abs:  # also catches NaN/inf
+                raise GradientOverflowError(
+                    f"layer {layer.index}: |gradient| = {peak:.3g} does not fit fixed point with "
+                    f"train.grad_fixed_point_bits={round(torch.log2(torch.tensor(self.scale)).item())} "
+                    f"(limit {self.max_abs:.3g}); lower the bits or the learning rate")
+            self.sums[layer.index].add_(torch.round(g.double() * self.scale).to(torch.int64))
+
+    def to_float(self, t: torch.Tensor) -> torch.Tensor:
+        if not self.deterministic:
+            return t
+        return (t.double() / self.scale).float()  # dividing by a power of two is exact
+
+
+def reduce_scatter(bucket: Bucket, sums: dict[int, torch.Tensor], group: dist.ProcessGroup | None) -> torch.Tensor:
+    """The holder group's summed gradient for this rank's chunks (its slot of the bucket)."""
+    packed = bucket.pack([sums[l] for l in bucket.layers])
+    if bucket.num_holders == 1:
+        return packed
+    out = torch.empty(bucket.slot_numel, dtype=packed.dtype, device=packed.device)
+    dist.reduce_scatter_tensor(out, packed, op=dist.ReduceOp.SUM, group=group)
+    return out
+
+
+def all_gather(bucket: Bucket, shard: torch.Tensor, group: dist.ProcessGroup | None) -> list[torch.Tensor]:
+    """Every holder's updated chunks -> the full per-layer parameter vectors."""
+    if bucket.num_holders == 1:
+        return bucket.unpack(shard)
+    packed = torch.empty(bucket.num_holders * bucket.slot_numel, dtype=shard.dtype, device=shard.device)
+    dist.all_gather_into_tensor(packed, shard.contiguous(), group=group)
+    return bucket.unpack(packed)
