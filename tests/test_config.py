@@ -1,0 +1,30 @@
+import pytest
+
+from elaswave import config
+from elaswave.config import ConfigError
+
+
+def test_defaults_are_valid_and_overrides_apply(tmp_path):
+    cfg = config.load(None, ["parallel.dp=3", "train.lr=1e-3", "train.deterministic=true", "data.source=stdlib"])
+    assert (cfg.parallel.dp, cfg.train.lr, cfg.train.deterministic) == (3, 1e-3, True)
+    f = tmp_path / "job.toml"
+    f.write_text("[parallel]\ndp = 1\npp = 3\n[train]\nsteps = 7\n")
+    cfg = config.load(str(f), ["train.steps=9"])
+    assert (cfg.parallel.dp, cfg.parallel.pp, cfg.train.steps) == (1, 3, 9)
+    assert config.from_dict(cfg.to_dict()) == cfg
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["parallel.pp=9"], "parallel.pp=9 is invalid: must be <= the model's 6 layers"),
+    (["train.steps=-1"], "train.steps=-1 is invalid: must be >= 1"),
+    (["train.stepz=3"], "train.stepz='3' is invalid: unknown key; train has steps"),
+    (["model.d_model=30"], "model.d_model=30 is invalid: must be divisible by model.num_heads=4"),
+    (["parallel.dp=abc"], "parallel.dp='abc' is invalid: must be a int"),
+    (["data.source=bin", "data.path=/nope.bin"], "data.path='/nope.bin' is invalid: no such file"),
+    (["train.num_micro_batches=2", "parallel.dp=4"], "train.num_micro_batches=2 is invalid: must be >= parallel.dp=4"),
+    (["dp=2"], "dp='2' is invalid: unknown key; sections are"),
+])
+def test_bad_values_name_key_value_and_what_is_valid(overrides, message):
+    with pytest.raises(ConfigError) as err:
+        config.load(None, overrides)
+    assert message in str(err.value)

@@ -1,0 +1,57 @@
+import torch
+
+from elaswave.config import TrainConfig
+from elaswave.zero.bucket import Bucket
+from elaswave.zero.flat import FlatLayer
+from elaswave.zero.optimizer import ShardedAdamW, clip_coef, lr_at
+
+
+def test_bucket_pack_unpack_and_ownership():
+    numels = [10, 3, 9]
+    b = Bucket((4, 7), [0, 1, 2], numels, chunk_numel=4, me=7)
+    flats = [torch.arange(n, dtype=torch.float32) + 100 * i for i, n in enumerate(numels)]
+    packed = b.pack(flats)
+    assert [torch.equal(a, c) for a, c in zip(b.unpack(packed), flats)] == [True] * 3
+    # holder 7 is slot 1: chunk 1 of layer 0, chunk 1 of layer 2
+    assert [(o.layer, o.chunk, o.numel) for o in b.owned] == [(0, 1, 4), (2, 1, 4)]
+    mine = b.my_part(packed)
+    assert mine[:4].tolist() == [4.0, 5.0, 6.0, 7.0]
+
+
+def test_sharded_adamw_matches_torch_adamw():
+    torch.manual_seed(0)
+    cfg = TrainConfig(weight_decay=0.1, lr=1e-2)
+    model = torch.nn.Linear(20, 30)
+    ref = torch.nn.Linear(20, 30)
+    ref.load_state_dict(model.state_dict())
+    layer = FlatLayer(model, 0)
+    halves = [Bucket((0, 1), [0], [layer.numel], 64, me) for me in (0, 1)]
+    opts = [ShardedAdamW([b], [layer], cfg) for b in halves]
+    decay = [p for p in ref.parameters() if p.dim() >= 2]
+    no_decay = [p for p in ref.parameters() if p.dim() < 2]
+    torch_opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
+                                  lr=1e-2, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
+    for step in range(5):
+        g = torch.randn(layer.numel)
+        off = 0
+        for p in ref.parameters():
+            p.grad = g[off:off + p.numel()].view_as(p).clone()
+            off += p.numel()
+        torch_opt.step()
+        for b, opt in zip(halves, opts):
+            opt.step([b.my_part(b.pack([g]))], step, 1e-2, 1.0)
+        full = halves[0].pack([layer.flat])
+        for b, opt in zip(halves, opts):
+            full[b.my_slot * b.slot_numel:(b.my_slot + 1) * b.slot_numel] = opt.params[0]
+        layer.flat.copy_(halves[0].unpack(full)[0])
+    expected = torch.cat([p.detach().reshape(-1) for p in ref.parameters()])
+    assert torch.allclose(layer.flat, expected, atol=1e-6)
+
+
+def test_lr_schedule_and_clipping():
+    cfg = TrainConfig(steps=20, warmup_steps=5, lr=1.0, min_lr=0.1)
+    assert lr_at(0, cfg) == 0.2 and lr_at(4, cfg) == 1.0
+    assert abs(lr_at(20, cfg) - 0.1) < 1e-12
+    norm, coef = clip_coef([9.0, 16.0], 1.0)
+    assert norm == 5.0 and abs(coef - 1 / (5 + 1e-6)) < 1e-12
+    assert clip_coef([0.25], 1.0) == (0.5, 1.0)
