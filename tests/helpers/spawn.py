@@ -75,3 +75,26 @@ def run_reference(tmp_path: Path, steps: int, deterministic: bool, num_micro_bat
     res = run_cli(args, tmp_path)
     assert res.returncode == 0, f"reference failed:\n{res.stdout}\n{res.stderr}"
     return res
+
+
+def children(pid: int) -> list[int]:
+    """PIDs whose parent is ``pid`` (from /proc; Linux only)."""
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as fh:
+                    fields = fh.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == pid:
+                out.append(int(entry))
+    return out
+
+
+def alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False

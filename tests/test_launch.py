@@ -1,0 +1,32 @@
+"""Until elasticity lands, a rank that dies ends the job: promptly, non-zero, nothing left running."""
+import os
+import signal
+import subprocess
+import sys
+import time
+
+from tests.helpers.spawn import TINY, alive, children
+
+
+def test_sigkill_of_a_worker_ends_the_job_cleanly():
+    sets = [*TINY, "train.steps=100000", "parallel.timeout_s=20"]
+    cmd = [sys.executable, "-m", "elaswave.cli", "run"] + [x for s in sets for x in ("--set", s)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        line = ""
+        while "step" not in line and time.monotonic() < deadline:  # training is under way
+            line = proc.stdout.readline()
+        workers = children(proc.pid)
+        assert len(workers) == 4, workers
+        os.kill(workers[2], signal.SIGKILL)
+        code = proc.wait(timeout=60)
+        assert code != 0
+        assert "rank" in proc.stderr.read()
+        time.sleep(0.5)
+        assert not [w for w in workers if alive(w)], "workers outlived the job"
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
