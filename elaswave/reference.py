@@ -48,7 +48,7 @@ def train_reference(cfg: JobConfig, on_step: Callable[[dict], None] | None = Non
             (loss_sum / global_tokens).backward()
             accumulator.add_micro_batch()
         grad = accumulator.to_float(bucket.pack([accumulator.sums[l.index] for l in layers]))
-        norm, coef = clip_coef(list(optimizer.chunk_sumsq([grad], index).values()), t.grad_clip)
+        norm, coef = clip_coef(list(optimizer.chunk_sumsq([grad], index, owned_only=True).values()), t.grad_clip)
         optimizer.step([grad], step, lr_at(step, t), coef)
         with torch.no_grad():
             for layer, flat in zip(layers, bucket.unpack(optimizer.params[0])):

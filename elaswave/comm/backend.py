@@ -48,3 +48,24 @@ def wait(work: dist.Work, timeout_s: float, what: str) -> None:
 def shutdown() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+# torch 2.13 renamed the flat collectives (*_single); older releases (>= 2.4) have the *_tensor names.
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def reduce_scatter_is_all_reduce(backend_name: str) -> bool:
+    """gloo builds reduce-scatter from a full all-reduce plus a slice: calling all-reduce costs the
+    same and leaves every holder the whole sum (NCCL's reduce-scatter really moves half the bytes)."""
+    return backend_name == "gloo"
+
+
+def reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGroup | None) -> None:
+    """``out`` = this rank's 1/n slice of the sum of every rank's ``inp``."""
+    _reduce_scatter(out, inp, op=dist.ReduceOp.SUM, group=group)
+
+
+def all_gather(out: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGroup | None) -> None:
+    """``out`` = every rank's ``inp``, concatenated in group-rank order."""
+    _all_gather(out, inp, group=group)

@@ -1,8 +1,9 @@
 """ZeRO-1 chunk ownership (pure).
 
-A layer's parameters are one flat vector cut into fixed-size chunks. Chunk ``c`` of a layer is owned
-by the holder ``holders[c mod n]`` (holders sorted), so a holder's state is spread over every layer
-and the loss of one holder leaves a scattered, evenly sized set of chunks to recover.
+A layer's parameters are one flat vector cut into fixed-size chunks. The chunks of a holder group's
+layers are numbered in layer order and chunk ``c`` is owned by ``holders[c mod n]`` (holders sorted),
+so a holder's state is spread over every layer and the loss of one holder leaves a scattered,
+evenly sized set of chunks to recover.
 """
 from __future__ import annotations
 
@@ -19,8 +20,9 @@ def chunk_range(numel: int, chunk_numel: int, c: int) -> tuple[int, int]:
     return start, min(numel, start + chunk_numel)
 
 
-def owner(holders: Sequence[int], c: int) -> int:
-    return holders[c % len(holders)]
+def owner(holders: Sequence[int], group_chunk: int) -> int:
+    """The holder that owns chunk number ``group_chunk`` of its holder group."""
+    return holders[group_chunk % len(holders)]
 
 
 @dataclass(frozen=True)

@@ -34,6 +34,7 @@ class RankState:
     optimizer: ShardedAdamW
     chunk_index: ChunkIndex
     device: torch.device
+    backend_name: str
 
 
 def layer_numels(cfg: JobConfig) -> list[int]:
@@ -72,4 +73,5 @@ def build_rank(cfg: JobConfig, plan: Plan, rank: int, tokens: torch.Tensor | Non
         executor=Executor(stage, p2p, sampler, global_tokens, accumulator.add_micro_batch),
         accumulator=accumulator, buckets=buckets, groups=groups,
         optimizer=ShardedAdamW(buckets, stage.layers, t),
-        chunk_index=ChunkIndex.build(numels, par.chunk_numel), device=device)
+        chunk_index=ChunkIndex.build(numels, par.chunk_numel), device=device,
+        backend_name=backend_name)

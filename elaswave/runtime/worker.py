@@ -60,7 +60,8 @@ def run(cfg: JobConfig, rank: int, world_size: int, metrics_out: str | None) -> 
         took = time.perf_counter() - started
         writer.write({"event": "step", "step": step, "loss": result.loss, "grad_norm": result.grad_norm,
                       "lr": result.lr, "num_samples": samples, "world_size": world_size,
-                      "epoch": plan.epoch, "step_time_s": took, "tokens_per_s": samples * m.seq_len / took})
+                      "epoch": plan.epoch, "step_time_s": took, "tokens_per_s": samples * m.seq_len / took,
+                      "phases_s": result.phases_s})
     wall = time.perf_counter() - began
 
     # params_sha256 over every layer in canonical order, each digested by its first holder.

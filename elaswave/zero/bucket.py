@@ -1,7 +1,8 @@
 """The owner-major, chunk-padded layout of one holder group's layers (no communication).
 
-For a holder group of ``n`` ranks holding layers ``L``: chunk ``c`` of layer ``l`` belongs to holder
-``c mod n``. The bucket places every holder's chunks in its own *slot*, each chunk padded to
+For a holder group of ``n`` ranks holding layers ``L``, the group's chunks are numbered in layer
+order across all of ``L`` and chunk ``c`` belongs to holder ``c mod n``: numbering per bucket rather
+than per layer keeps every holder's share within one chunk of the others. The bucket places every holder's chunks in its own *slot*, each chunk padded to
 ``chunk_numel`` so that a reduce-scatter hands each holder exactly its chunks and an all-gather puts
 them back. Padding also gives every chunk the same memory alignment in every layout, which keeps
 element-wise optimizer kernels bit-identical between a 1-holder reference and an n-holder run.
@@ -14,6 +15,11 @@ from typing import Sequence
 import torch
 
 from elaswave.plan.chunks import chunk_range, num_chunks
+
+
+def _valid(numel: int, chunk_numel: int, c: int) -> int:
+    start, end = chunk_range(numel, chunk_numel, c)
+    return end - start
 
 
 @dataclass(frozen=True)
@@ -36,9 +42,11 @@ class Bucket:
         self.my_slot = self.holders.index(me)
         n = len(self.holders)
         per_owner: list[list[tuple[int, int]]] = [[] for _ in range(n)]
+        group_chunk = 0
         for layer, numel in zip(self.layers, self.layer_numels):
             for c in range(num_chunks(numel, chunk_numel)):
-                per_owner[c % n].append((layer, c))
+                per_owner[group_chunk % n].append((layer, c))
+                group_chunk += 1
         self.slot_chunks = max(len(items) for items in per_owner)
         self.slot_numel = self.slot_chunks * chunk_numel
         position = {item: k * self.slot_numel + i * chunk_numel
@@ -50,12 +58,16 @@ class Bucket:
                 index.append(torch.arange(end - start) + position[(layer, c)])
         self.pack_index = torch.cat(index).to(device)
         numel_of = dict(zip(self.layers, self.layer_numels))
-        owned = []
-        for i, (layer, c) in enumerate(per_owner[self.my_slot]):
-            start, end = chunk_range(numel_of[layer], chunk_numel, c)
-            owned.append(OwnedChunk(layer, c, i * chunk_numel, end - start))
-        self.owned = tuple(owned)
+        self._owned_by = tuple(
+            tuple(OwnedChunk(layer, c, i * chunk_numel, _valid(numel_of[layer], chunk_numel, c))
+                  for i, (layer, c) in enumerate(items))
+            for items in per_owner)
+        self.owned = self._owned_by[self.my_slot]
         self.device = device
+
+    def owned_by(self, slot: int) -> tuple[OwnedChunk, ...]:
+        """The chunks held in ``slot`` (holder ``holders[slot]``), in slot order."""
+        return self._owned_by[slot]
 
     @property
     def num_holders(self) -> int:

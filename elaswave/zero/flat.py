@@ -17,22 +17,19 @@ class FlatLayer:
         self.index = index
         self.params = list(module.parameters())
         self.flat = torch.cat([p.detach().reshape(-1) for p in self.params])
+        # Gradients live in one flat buffer too: autograd accumulates into the views in place.
+        self.grad = torch.zeros_like(self.flat)
         offset = 0
         for p in self.params:
             n = p.numel()
             p.data = self.flat[offset:offset + n].view_as(p)
+            p.grad = self.grad[offset:offset + n].view_as(p)
             offset += n
         self.numel = offset
         # Weight decay only on matrices (embeddings, linear weights), as GPT training does.
         self.decay_mask = torch.cat([
             torch.full((p.numel(),), p.dim() >= 2, dtype=torch.bool, device=self.flat.device) for p in self.params])
 
-    def take_grad(self) -> torch.Tensor:
-        """This micro-batch's gradient as a flat vector; clears ``.grad`` so the next one starts at zero."""
-        out = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in self.params])
-        for p in self.params:
-            p.grad = None
-        return out
 
     def digest(self) -> bytes:
         return hashlib.sha256(self.flat.detach().cpu().contiguous().numpy().tobytes()).digest()

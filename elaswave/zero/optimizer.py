@@ -49,13 +49,20 @@ class ShardedAdamW:
             self.exp_avg.append(torch.zeros_like(self.params[-1]))
             self.exp_avg_sq.append(torch.zeros_like(self.params[-1]))
 
-    def chunk_sumsq(self, grads: Sequence[torch.Tensor], index: ChunkIndex) -> dict[int, float]:
-        """Sum of squares of each owned chunk, keyed by its global chunk number."""
+    def chunk_sumsq(self, grads: Sequence[torch.Tensor], index: ChunkIndex, owned_only: bool) -> dict[int, float]:
+        """Sum of squares per chunk, keyed by global chunk number: of every chunk in ``grads`` (whole
+        buckets or slots), or only of the chunks this rank owns. Each is computed over the same
+        chunk-padded slice whoever computes it, so the bits agree."""
         out = {}
         for b, g in zip(self.buckets, grads):
-            for oc in b.owned:
-                piece = g[oc.slot_offset:oc.slot_offset + b.chunk_numel].double()
-                out[index.offsets[oc.layer] + oc.chunk] = float(torch.dot(piece, piece))
+            whole = g.numel() > b.slot_numel
+            for slot in (range(b.num_holders) if whole else [b.my_slot]):
+                if owned_only and slot != b.my_slot:
+                    continue
+                base = slot * b.slot_numel if whole else 0
+                for oc in b.owned_by(slot):
+                    piece = g[base + oc.slot_offset:base + oc.slot_offset + b.chunk_numel].double()
+                    out[index.offsets[oc.layer] + oc.chunk] = float(torch.dot(piece, piece))
         return out
 
     def step(self, grads: Sequence[torch.Tensor], step: int, lr: float, coef: float) -> None:

@@ -12,6 +12,7 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
+from elaswave.comm import backend
 from elaswave.zero.bucket import Bucket
 from elaswave.zero.flat import FlatLayer
 
@@ -28,20 +29,21 @@ class GradAccumulator:
         self.scale = float(2 ** fixed_point_bits)
         # The sum of M values each below this bound stays inside int64.
         self.max_abs = float(2 ** (62 - fixed_point_bits)) / num_micro_batches
-        dtype = torch.int64 if deterministic else torch.float32
-        self.sums = {l.index: torch.zeros(l.numel, dtype=dtype, device=l.flat.device) for l in self.layers}
+        # Fast mode lets autograd add each micro-batch into the layer's flat gradient buffer.
+        self.sums = {l.index: torch.zeros(l.numel, dtype=torch.int64, device=l.flat.device) if deterministic
+                     else l.grad for l in self.layers}
 
     def zero(self) -> None:
-        for t in self.sums.values():
-            t.zero_()
+        for layer in self.layers:
+            layer.grad.zero_()
+            self.sums[layer.index].zero_()
 
     def add_micro_batch(self) -> None:
         """Fold the gradient of the micro-batch just back-propagated into the sums."""
+        if not self.deterministic:
+            return
         for layer in self.layers:
-            g = layer.take_grad()
-            if not self.deterministic:
-                self.sums[layer.index].add_(g)
-                continue
+            g = layer.grad
             peak = float(g.abs().max()) if g.numel() else 0.0
             if not peak < self.max_abs:  # also catches NaN/inf
                 raise GradientOverflowError(
@@ -49,6 +51,7 @@ class GradAccumulator:
                     f"train.grad_fixed_point_bits={round(torch.log2(torch.tensor(self.scale)).item())} "
                     f"(limit {self.max_abs:.3g}); lower the bits or the learning rate")
             self.sums[layer.index].add_(torch.round(g.double() * self.scale).to(torch.int64))
+            g.zero_()
 
     def to_float(self, t: torch.Tensor) -> torch.Tensor:
         if not self.deterministic:
@@ -56,13 +59,18 @@ class GradAccumulator:
         return (t.double() / self.scale).float()  # dividing by a power of two is exact
 
 
-def reduce_scatter(bucket: Bucket, sums: dict[int, torch.Tensor], group: dist.ProcessGroup | None) -> torch.Tensor:
-    """The holder group's summed gradient for this rank's chunks (its slot of the bucket)."""
+def reduce(bucket: Bucket, sums: dict[int, torch.Tensor], group: dist.ProcessGroup | None,
+           whole: bool) -> torch.Tensor:
+    """The holder group's summed gradient: the whole bucket if ``whole`` (an all-reduce), else only
+    this rank's slot (a reduce-scatter)."""
     packed = bucket.pack([sums[l] for l in bucket.layers])
     if bucket.num_holders == 1:
         return packed
+    if whole:
+        dist.all_reduce(packed, group=group)
+        return packed
     out = torch.empty(bucket.slot_numel, dtype=packed.dtype, device=packed.device)
-    dist.reduce_scatter_tensor(out, packed, op=dist.ReduceOp.SUM, group=group)
+    backend.reduce_scatter(out, packed, group)
     return out
 
 
@@ -71,5 +79,5 @@ def all_gather(bucket: Bucket, shard: torch.Tensor, group: dist.ProcessGroup | N
     if bucket.num_holders == 1:
         return bucket.unpack(shard)
     packed = torch.empty(bucket.num_holders * bucket.slot_numel, dtype=shard.dtype, device=shard.device)
-    dist.all_gather_into_tensor(packed, shard.contiguous(), group=group)
+    backend.all_gather(packed, shard.contiguous(), group)
     return bucket.unpack(packed)

@@ -12,10 +12,17 @@ def test_bucket_pack_unpack_and_ownership():
     flats = [torch.arange(n, dtype=torch.float32) + 100 * i for i, n in enumerate(numels)]
     packed = b.pack(flats)
     assert [torch.equal(a, c) for a, c in zip(b.unpack(packed), flats)] == [True] * 3
-    # holder 7 is slot 1: chunk 1 of layer 0, chunk 1 of layer 2
-    assert [(o.layer, o.chunk, o.numel) for o in b.owned] == [(0, 1, 4), (2, 1, 4)]
+    # Chunks are numbered across the group (layer 0: 0-2, layer 1: 3, layer 2: 4-6);
+    # holder 7 is slot 1 and owns the odd ones.
+    assert [(o.layer, o.chunk, o.numel) for o in b.owned] == [(0, 1, 4), (1, 0, 3), (2, 1, 4)]
     mine = b.my_part(packed)
     assert mine[:4].tolist() == [4.0, 5.0, 6.0, 7.0]
+
+
+def test_holders_share_chunks_within_one_of_each_other():
+    numels = [5000, 13000, 13000, 13000, 4500]  # per-layer numbering would give holder 0 the most
+    counts = [len(Bucket(range(4), range(5), numels, 4096, me).owned) for me in range(4)]
+    assert max(counts) - min(counts) <= 1 and sum(counts) == 2 + 4 * 3 + 2
 
 
 def test_sharded_adamw_matches_torch_adamw():
