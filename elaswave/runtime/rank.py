@@ -10,6 +10,7 @@ import torch.distributed as dist
 from elaswave.comm import backend
 from elaswave.config import JobConfig
 from elaswave.data.sampler import Sampler
+from elaswave.model.gpt import build_layer
 from elaswave.pipeline.executor import Executor
 from elaswave.pipeline.p2p import P2P
 from elaswave.pipeline.schedule import Action, one_f_one_b
@@ -39,8 +40,6 @@ class RankState:
 
 def layer_numels(cfg: JobConfig) -> list[int]:
     """Parameter count of every layer, from shapes alone (no weights are built)."""
-    from elaswave.model.gpt import build_layer
-
     with torch.device("meta"):
         return [sum(p.numel() for p in build_layer(cfg.model, i, 0, init=False).parameters())
                 for i in range(cfg.model.num_layers)]
