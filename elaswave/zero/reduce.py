@@ -26,6 +26,7 @@ class GradAccumulator:
                  num_micro_batches: int):
         self.layers = list(layers)
         self.deterministic = deterministic
+        self.bits = fixed_point_bits
         self.scale = float(2 ** fixed_point_bits)
         # The sum of M values each below this bound stays inside int64.
         self.max_abs = float(2 ** (62 - fixed_point_bits)) / num_micro_batches
@@ -48,7 +49,7 @@ class GradAccumulator:
             if not peak < self.max_abs:  # also catches NaN/inf
                 raise GradientOverflowError(
                     f"layer {layer.index}: |gradient| = {peak:.3g} does not fit fixed point with "
-                    f"train.grad_fixed_point_bits={round(torch.log2(torch.tensor(self.scale)).item())} "
+                    f"train.grad_fixed_point_bits={self.bits} "
                     f"(limit {self.max_abs:.3g}); lower the bits or the learning rate")
             self.sums[layer.index].add_(torch.round(g.double() * self.scale).to(torch.int64))
             g.zero_()
