@@ -62,3 +62,18 @@ def test_lr_schedule_and_clipping():
     norm, coef = clip_coef([9.0, 16.0], 1.0)
     assert norm == 5.0 and abs(coef - 1 / (5 + 1e-6)) < 1e-12
     assert clip_coef([0.25], 1.0) == (0.5, 1.0)
+
+
+def test_fixed_point_overflow_is_a_clear_error_not_a_wrap():
+    import pytest
+
+    from elaswave.zero.reduce import GradAccumulator, GradientOverflowError
+
+    layer = FlatLayer(torch.nn.Linear(2, 2), 0)
+    acc = GradAccumulator([layer], deterministic=True, fixed_point_bits=40, num_micro_batches=8)
+    layer.grad.fill_(1e9)
+    with pytest.raises(GradientOverflowError, match="grad_fixed_point_bits=40"):
+        acc.add_micro_batch()
+    layer.grad.fill_(float("nan"))
+    with pytest.raises(GradientOverflowError):
+        acc.add_micro_batch()
