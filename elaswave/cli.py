@@ -16,10 +16,15 @@ def _job_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--deterministic", action="store_true",
                     help="bit-identical results across every dp x pp layout")
     ap.add_argument("--metrics-out", metavar="F.jsonl", help="write one JSON line per step and a summary")
+    ap.add_argument("--inject", action="append", default=[], metavar="FAULT",
+                    help="kill:rank=R,step=S[,phase=forward|backward|reduce|optimizer|snapshot] or "
+                         "stop:rank=R,step=S[,phase=...]: the rank SIGKILLs (SIGSTOPs) itself there (repeatable)")
 
 
 def _load(args: argparse.Namespace) -> config.JobConfig:
     overrides = list(args.overrides) + (["train.deterministic=true"] if args.deterministic else [])
+    if args.inject:
+        overrides.append("elastic.inject=" + ";".join(args.inject))
     return config.load(args.config, overrides)
 
 

@@ -12,6 +12,8 @@ import os
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from elaswave.control import faults
+
 try:  # Python >= 3.11
     import tomllib
 except ModuleNotFoundError:  # pragma: no cover - exercised only on 3.9/3.10
@@ -147,12 +149,56 @@ class ParallelConfig:
             _fail("parallel.timeout_s", self.timeout_s, "must be > 0")
 
 
+POLICIES = ("elaswave", "drop_replica")
+
+
+@dataclass
+class ElasticConfig:
+    enabled: bool = True
+    """Survive rank failures; off: one dead rank ends the job (the launcher stops every worker)."""
+    heartbeat_interval_s: float = 0.2
+    heartbeat_timeout_s: float = 2.0
+    """A rank whose heartbeat has not moved for this long is declared gone (a hang, e.g. SIGSTOP)."""
+    agree_timeout_s: float = 1.0
+    """After an alert, a member that has not checked in within this long is left out of the next
+    epoch (a dead process is usually known sooner: its launcher reports it)."""
+    snapshots: bool = True
+    """Copy every rank's ZeRO chunks into a peer's memory after each step (needed to recover them)."""
+    standby_groups: bool = True
+    """Pre-build the communicator for the loss of each member (gloo), so recovery does not wait for it."""
+    policy: str = "elaswave"
+    """elaswave: the dead rank's micro-batches move to survivors (global batch kept);
+    drop_replica: a baseline that skips them and averages over the live replicas, as TorchFT does."""
+    inject: tuple = ()
+    """Faults to inject, e.g. "kill:rank=2,step=12,phase=reduce" or "stop:rank=1,step=5"."""
+
+    def validate(self) -> None:
+        for name in ("heartbeat_interval_s", "heartbeat_timeout_s", "agree_timeout_s"):
+            if getattr(self, name) <= 0:
+                _fail(f"elastic.{name}", getattr(self, name), "must be > 0")
+        if self.heartbeat_timeout_s < 2 * self.heartbeat_interval_s:
+            _fail("elastic.heartbeat_timeout_s", self.heartbeat_timeout_s,
+                  f"must be >= 2 x elastic.heartbeat_interval_s={self.heartbeat_interval_s}")
+        if self.policy not in POLICIES:
+            _fail("elastic.policy", self.policy, f"must be one of {', '.join(POLICIES)}")
+        for text in self.inject:
+            try:
+                faults.parse(text)
+            except ValueError as exc:
+                _fail("elastic.inject", text, str(exc))
+
+    @property
+    def faults(self) -> list[faults.Fault]:
+        return [faults.parse(text) for text in self.inject]
+
+
 @dataclass
 class JobConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    elastic: ElasticConfig = field(default_factory=ElasticConfig)
 
     @property
     def world_size(self) -> int:
@@ -163,6 +209,12 @@ class JobConfig:
         self.data.validate()
         self.train.validate()
         self.parallel.validate()
+        self.elastic.validate()
+        for text in self.elastic.inject:
+            fault = faults.parse(text)
+            if fault.rank >= self.world_size:
+                _fail("elastic.inject", text, f"rank {fault.rank} does not exist: the job has ranks "
+                                              f"0..{self.world_size - 1}")
         if self.parallel.pp > self.model.num_layers:
             _fail("parallel.pp", self.parallel.pp,
                   f"must be <= the model's {self.model.num_layers} layers "
@@ -186,6 +238,11 @@ _SECTIONS = {f.name: f.type for f in fields(JobConfig)}
 def _coerce(key: str, raw: Any, default: Any) -> Any:
     """Parse ``raw`` (a string from --set, or a TOML value) into the type of ``default``."""
     kind = type(default)
+    if kind is tuple:  # a list in TOML/JSON, or ';'-separated items from --set
+        items = raw.split(";") if isinstance(raw, str) else raw
+        if not isinstance(items, (list, tuple)) or not all(isinstance(x, str) for x in items):
+            _fail(key, raw, "must be a list of strings")
+        return tuple(x.strip() for x in items if x.strip())
     if isinstance(raw, str) and kind is not str:
         text = raw.strip()
         try:

@@ -1,14 +1,19 @@
 """The one module that knows the backend: gloo on CPU, NCCL on GPUs.
 
-Every wait is bounded: the process group carries ``timeout_s`` and p2p receives wait with it.
+Groups are built straight from a store (no default process group), so a broken world never has
+to be torn down. Every wait is bounded by ``timeout_s`` and gives up early when the epoch's
+:class:`~elaswave.interrupt.Interrupt` trips.
 """
 from __future__ import annotations
 
 import os
+import threading
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+
+from elaswave.interrupt import CommError, Interrupt
 
 
 def choose(backend: str) -> tuple[str, torch.device]:
@@ -24,35 +29,79 @@ def choose(backend: str) -> tuple[str, torch.device]:
     return "gloo", torch.device("cpu")
 
 
-def init_world(backend: str, rank: int, world_size: int, store: dist.Store | None, timeout_s: float) -> None:
-    """Join the world: over ``store`` when the launcher hosts one, else torchrun's ``env://``."""
+def connect_store(addr: str, timeout_s: float) -> dist.Store:
+    """A client of the launcher's TCPStore at ``host:port``."""
+    host, port = addr.rsplit(":", 1)
+    return dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=timeout_s))
+
+
+def rendezvous_store(timeout_s: float) -> tuple[dist.Store, int, int]:
+    """(store, rank, world size) from torchrun's ``env://`` variables, without a process group."""
+    store, rank, world_size = next(dist.rendezvous("env://", timeout=timedelta(seconds=timeout_s)))
+    return store, rank, world_size
+
+
+def make_process_group(store: dist.Store, prefix: str, group_rank: int, size: int, backend: str,
+                       timeout_s: float, device: torch.device) -> dist.ProcessGroup:
+    """A backend group over ``size`` ranks that meet under ``prefix`` in ``store``.
+
+    Only the members take part, so it can be built while other ranks are dead or busy. gloo
+    releases the GIL while it connects, so this also runs in a background thread."""
+    sub = dist.PrefixStore(prefix, store)
     timeout = timedelta(seconds=timeout_s)
-    if store is not None:
-        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
-    else:
-        dist.init_process_group(backend, init_method="env://", timeout=timeout)
+    if backend == "nccl":
+        opts = dist.ProcessGroupNCCL.Options()
+        opts._timeout = timeout
+        return dist.ProcessGroupNCCL(sub, group_rank, size, opts)
+    return dist.ProcessGroupGloo(sub, group_rank, size, timeout)
 
 
-def new_group(ranks: tuple[int, ...], backend: str, timeout_s: float) -> dist.ProcessGroup:
-    """A group over ``ranks``; every rank of the world must call this in the same order."""
-    return dist.new_group(list(ranks), backend=backend, timeout=timedelta(seconds=timeout_s))
+def wait(work: dist.Work, timeout_s: float, what: str, interrupt: Interrupt | None = None,
+         epoch: int = 0) -> None:
+    """Wait for ``work`` at most ``timeout_s``, and not at all once ``interrupt`` trips for ``epoch``.
+
+    Raises CommError on a backend error or timeout, EpochBroken on an interrupt."""
+    if interrupt is None:
+        _wait_now(work, timeout_s, what)
+        return
+    interrupt.check(epoch)
+    done = threading.Event()
+    helper: dict = {}
+    interrupt.register(done)
+    try:
+        try:
+            work.get_future().add_done_callback(lambda _: done.set())
+        except RuntimeError:
+            # gloo's send/recv works have no future, and may be waited on only once: a helper
+            # thread does that wait. If the peer is dead it stays blocked until the group's
+            # timeout, harmlessly (daemon).
+            helper["thread"] = threading.Thread(target=_wait_quietly, args=(work, timeout_s, done, helper),
+                                                daemon=True)
+            helper["thread"].start()
+        if not done.wait(timeout_s):
+            raise CommError(f"{what} did not complete within {timeout_s}s")
+        interrupt.check(epoch)
+    finally:
+        interrupt.unregister(done)
+    if "thread" not in helper:
+        _wait_now(work, timeout_s, what)  # completed: raises if it failed
+    elif "error" in helper:
+        raise CommError(f"{what} failed: {helper['error']}") from helper["error"]
 
 
-def wait(work: dist.Work, timeout_s: float, what: str) -> None:
+def _wait_now(work: dist.Work, timeout_s: float, what: str) -> None:
     try:
         work.wait(timeout=timedelta(seconds=timeout_s))
     except RuntimeError as exc:
-        raise TimeoutError(f"{what} did not complete within {timeout_s}s: {exc}") from exc
+        raise CommError(f"{what} failed: {exc}") from exc
 
 
-def shutdown() -> None:
-    if dist.is_initialized():
-        dist.destroy_process_group()
-
-
-# torch 2.13 renamed the flat collectives (*_single); older releases (>= 2.4) have the *_tensor names.
-_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+def _wait_quietly(work: dist.Work, timeout_s: float, done: threading.Event, box: dict) -> None:
+    try:
+        work.wait(timeout=timedelta(seconds=timeout_s))
+    except RuntimeError as exc:
+        box["error"] = exc
+    done.set()
 
 
 def reduce_scatter_is_all_reduce(backend_name: str) -> bool:
@@ -61,11 +110,25 @@ def reduce_scatter_is_all_reduce(backend_name: str) -> bool:
     return backend_name == "gloo"
 
 
-def reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGroup | None) -> None:
-    """``out`` = this rank's 1/n slice of the sum of every rank's ``inp``."""
-    _reduce_scatter(out, inp, op=dist.ReduceOp.SUM, group=group)
+def all_reduce(pg: dist.ProcessGroup, t: torch.Tensor) -> dist.Work:
+    return pg.allreduce([t])
 
 
-def all_gather(out: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGroup | None) -> None:
-    """``out`` = every rank's ``inp``, concatenated in group-rank order."""
-    _all_gather(out, inp, group=group)
+def all_gather(pg: dist.ProcessGroup, out: torch.Tensor, inp: torch.Tensor) -> dist.Work:
+    """``out`` = every member's ``inp``, concatenated in group-rank order."""
+    return pg._allgather_base(out, inp)
+
+
+def reduce_scatter(pg: dist.ProcessGroup, out: torch.Tensor, inp: torch.Tensor) -> dist.Work:
+    """``out`` = this member's 1/n slice of the sum of every member's ``inp``."""
+    opts = dist.ReduceScatterOptions()
+    opts.reduceOp = dist.ReduceOp.SUM
+    return pg._reduce_scatter_base(out, inp, opts)
+
+
+def send(pg: dist.ProcessGroup, t: torch.Tensor, dst_group_rank: int, tag: int) -> dist.Work:
+    return pg.send([t], dst_group_rank, tag)
+
+
+def recv(pg: dist.ProcessGroup, t: torch.Tensor, src_group_rank: int, tag: int) -> dist.Work:
+    return pg.recv([t], src_group_rank, tag)

@@ -13,13 +13,15 @@ from elaswave.pipeline.stage import Stage
 
 
 class Executor:
-    """``on_backward`` is called after each micro-batch's backward (the gradient accumulator)."""
+    """``on_backward`` is called after each micro-batch's backward (the gradient accumulator);
+    ``before`` before every action (fault injection, and giving up early in a broken epoch)."""
 
     def __init__(self, stage: Stage, p2p: P2P, sampler: Sampler | None, global_tokens: int,
-                 on_backward: Callable[[], None]):
+                 on_backward: Callable[[], None], before: Callable[[int, Action], None] | None = None):
         self.stage, self.p2p, self.sampler = stage, p2p, sampler
         self.global_tokens = global_tokens
         self.on_backward = on_backward
+        self.before = before
         self._table = {
             Op.RECV_ACT: self._recv_act, Op.FORWARD: self._forward, Op.SEND_ACT: self._send_act,
             Op.RECV_GRAD: self._recv_grad, Op.BACKWARD: self._backward, Op.SEND_GRAD: self._send_grad,
@@ -33,6 +35,8 @@ class Executor:
         self.grads: dict[int, torch.Tensor] = {}
         self.losses: dict[int, float] = {}
         for action in actions:
+            if self.before is not None:
+                self.before(step, action)
             self._table[action.op](action.micro_batch)
         self.p2p.drain()
         return self.losses

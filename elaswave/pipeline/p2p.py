@@ -1,31 +1,31 @@
 """Activation and gradient transfer between neighbouring stages of one pipeline.
 
-Sends are asynchronous (kept alive until :meth:`P2P.drain`); receives block with a timeout. Tags
-keep activations and gradients of different micro-batches apart on gloo; NCCL matches by order,
-which the schedule keeps the same on both sides.
+Sends are asynchronous (kept alive until :meth:`P2P.drain`); receives wait with the epoch group's
+bounded, interruptible wait. Tags keep activations and gradients of different micro-batches apart
+on gloo; NCCL matches by order, which the schedule keeps the same on both sides.
 """
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
-from elaswave.comm import backend
+from elaswave.comm.groups import Group
 
 
 class P2P:
-    def __init__(self, prev_rank: int | None, next_rank: int | None, shape: tuple[int, ...],
-                 device: torch.device, timeout_s: float):
+    def __init__(self, group: Group, prev_rank: int | None, next_rank: int | None, shape: tuple[int, ...],
+                 device: torch.device):
+        self.group = group
         self.prev_rank, self.next_rank = prev_rank, next_rank
-        self.shape, self.device, self.timeout_s = shape, device, timeout_s
-        self.pending: list[tuple[dist.Work, torch.Tensor]] = []
+        self.shape, self.device = shape, device
+        self.pending: list = []
 
     def _send(self, t: torch.Tensor, dst: int, tag: int) -> None:
         t = t.detach().contiguous()
-        self.pending.append((dist.isend(t, dst=dst, tag=tag), t))
+        self.pending.append((self.group.isend(t, dst, tag), t))
 
     def _recv(self, src: int, tag: int, what: str) -> torch.Tensor:
         buf = torch.empty(self.shape, dtype=torch.float32, device=self.device)
-        backend.wait(dist.irecv(buf, src=src, tag=tag), self.timeout_s, f"{what} from rank {src}")
+        self.group.wait(self.group.irecv(buf, src, tag), f"{what} from rank {src}")
         return buf
 
     def send_act(self, t: torch.Tensor, mb: int) -> None:
@@ -42,5 +42,5 @@ class P2P:
 
     def drain(self) -> None:
         for work, _ in self.pending:
-            backend.wait(work, self.timeout_s, "pipeline send")
+            self.group.wait(work, "pipeline send")
         self.pending.clear()

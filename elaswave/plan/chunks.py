@@ -1,14 +1,22 @@
 """ZeRO-1 chunk ownership (pure).
 
-A layer's parameters are one flat vector cut into fixed-size chunks. The chunks of a holder group's
-layers are numbered in layer order and chunk ``c`` is owned by ``holders[c mod n]`` (holders sorted),
-so a holder's state is spread over every layer and the loss of one holder leaves a scattered,
-evenly sized set of chunks to recover.
+A layer's parameters are one flat vector cut into fixed-size chunks, named ``(layer, c)``. At the
+start, the chunks of a holder group's layers are numbered in layer order and chunk number ``k``
+goes to ``holders[k mod n]`` (holders sorted), so a holder's state is spread over every layer and
+the loss of one holder leaves a scattered, evenly sized set of chunks to recover. After a loss,
+surviving owners keep every chunk they had; only the lost owner's chunks are dealt out, each to
+the holder that owns the fewest so far -- a re-shard moves the lost chunks and nothing else.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Mapping, Sequence
+
+ChunkKey = tuple[int, int]
+"""(layer, chunk within the layer)."""
+
+Owners = tuple[tuple[int, ...], ...]
+"""owners[layer][c] = the rank that owns chunk c of that layer."""
 
 
 def num_chunks(numel: int, chunk_numel: int) -> int:
@@ -21,8 +29,43 @@ def chunk_range(numel: int, chunk_numel: int, c: int) -> tuple[int, int]:
 
 
 def owner(holders: Sequence[int], group_chunk: int) -> int:
-    """The holder that owns chunk number ``group_chunk`` of its holder group."""
+    """The initial owner of chunk number ``group_chunk`` of its holder group."""
     return holders[group_chunk % len(holders)]
+
+
+def round_robin_owners(holder_groups: Mapping[tuple[int, ...], Sequence[int]],
+                       layer_numels: Sequence[int], chunk_numel: int) -> Owners:
+    out: list[tuple[int, ...]] = [()] * len(layer_numels)
+    for holders, layers in holder_groups.items():
+        k = 0
+        for layer in layers:
+            n = num_chunks(layer_numels[layer], chunk_numel)
+            out[layer] = tuple(owner(holders, k + c) for c in range(n))
+            k += n
+    return tuple(out)
+
+
+def reassign_owners(owners: Owners, holder_groups: Mapping[tuple[int, ...], Sequence[int]]) -> Owners:
+    """Keep every chunk whose owner still holds its layer; deal the others to the least-loaded holder
+    of the group (ties to the lower rank), in chunk order."""
+    out = [list(o) for o in owners]
+    for holders, layers in holder_groups.items():
+        load = {h: 0 for h in holders}
+        for layer in layers:
+            for o in owners[layer]:
+                if o in load:
+                    load[o] += 1
+        for layer in layers:
+            for c, o in enumerate(owners[layer]):
+                if o not in load:
+                    new = min(holders, key=lambda h: (load[h], h))
+                    out[layer][c] = new
+                    load[new] += 1
+    return tuple(tuple(o) for o in out)
+
+
+def chunks_of(owners: Owners, rank: int) -> tuple[ChunkKey, ...]:
+    return tuple((layer, c) for layer, row in enumerate(owners) for c, o in enumerate(row) if o == rank)
 
 
 @dataclass(frozen=True)

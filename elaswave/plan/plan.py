@@ -1,14 +1,19 @@
-"""The plan of an epoch: a pure function of (live ranks, job shape, cost profile).
+"""The plan of an epoch: a pure function of (live ranks, job shape, cost profile, previous plan).
 
 Every rank computes the same plan from the same inputs; nothing here touches a process group.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Sequence
+from dataclasses import dataclass, replace
+from typing import Mapping, Sequence
 
 from elaswave.plan import microbatches
+from elaswave.plan.chunks import Owners, chunks_of, reassign_owners, round_robin_owners
 from elaswave.plan.partition import partition
+
+
+class PlanError(ValueError):
+    """No plan fits the live ranks; the message says why."""
 
 
 @dataclass(frozen=True)
@@ -21,10 +26,17 @@ class Plan:
     """layer_ranges[d][s] = (start, end) layers of stage s of pipeline d."""
     micro_batches: tuple[tuple[int, ...], ...]
     """micro_batches[d] = ids of the micro-batches pipeline d runs each step."""
+    chunk_owners: Owners = ()
+    """chunk_owners[layer][c] = the rank owning ZeRO chunk c of the layer."""
 
     @property
     def ranks(self) -> tuple[int, ...]:
         return tuple(sorted(r for p in self.pipelines for r in p))
+
+    @property
+    def num_micro_batches(self) -> int:
+        """Micro-batches in a step (the global batch, unless a baseline policy dropped some)."""
+        return sum(len(m) for m in self.micro_batches)
 
     def position(self, rank: int) -> tuple[int, int]:
         """(pipeline, stage) of ``rank``."""
@@ -53,17 +65,66 @@ class Plan:
             groups.setdefault(self.holders(layer), []).append(layer)
         return {h: tuple(ls) for h, ls in sorted(groups.items())}
 
+    def chunks_of(self, rank: int):
+        return chunks_of(self.chunk_owners, rank)
 
-def initial_plan(world_size: int, dp: int, pp: int, layer_costs: Sequence[float], num_micro_batches: int) -> Plan:
+    def snapshot_holder(self, rank: int) -> int | None:
+        """Who keeps ``rank``'s snapshot: the next rank in order (a ring), None when alone."""
+        ranks = self.ranks
+        if len(ranks) < 2:
+            return None
+        return ranks[(ranks.index(rank) + 1) % len(ranks)]
+
+    def snapshot_owner(self, rank: int) -> int | None:
+        """Whose snapshot ``rank`` keeps: the previous rank in order."""
+        ranks = self.ranks
+        if len(ranks) < 2:
+            return None
+        return ranks[(ranks.index(rank) - 1) % len(ranks)]
+
+
+def initial_plan(world_size: int, dp: int, pp: int, layer_costs: Sequence[float], num_micro_batches: int,
+                 layer_numels: Sequence[int] = (), chunk_numel: int = 1) -> Plan:
     """Rank ``d * pp + s`` is stage ``s`` of pipeline ``d``: a pipeline's stages are neighbours."""
     if dp * pp != world_size:
         raise ValueError(f"dp={dp} x pp={pp} = {dp * pp} must equal the world size {world_size}")
     ranges = tuple(partition(layer_costs, pp))
     pipelines = tuple(tuple(d * pp + s for s in range(pp)) for d in range(dp))
-    return Plan(
+    plan = Plan(
         epoch=0,
         num_layers=len(layer_costs),
         pipelines=pipelines,
         layer_ranges=tuple(ranges for _ in range(dp)),
         micro_batches=tuple(microbatches.assign(num_micro_batches, [1.0] * dp)),
     )
+    if layer_numels:
+        plan = replace(plan, chunk_owners=round_robin_owners(plan.holder_groups(), layer_numels, chunk_numel))
+    return plan
+
+
+def replan(prev: Plan, live: Sequence[int], epoch: int, num_micro_batches: int,
+           speeds: Mapping[int, float] | None = None, policy: str = "elaswave") -> Plan:
+    """The plan after a membership change to ``live`` (data-parallel jobs: one rank per pipeline).
+
+    elaswave: the global batch stays ``num_micro_batches``, spread over the live pipelines by speed.
+    drop_replica (a baseline): each live pipeline keeps its micro-batches; the dead one's are skipped."""
+    live = tuple(sorted(live))
+    if not live:
+        raise PlanError(f"epoch {epoch}: no rank is left")
+    if any(len(p) > 1 for p in prev.pipelines):
+        raise PlanError(f"epoch {epoch}: pipelines with {len(prev.pipelines[0])} stages lost a rank; "
+                        "re-partitioning pipelines is not supported yet (parallel.pp must be 1 to survive)")
+    missing = [r for r in live if r not in prev.ranks]
+    if missing:
+        raise PlanError(f"epoch {epoch}: ranks {missing} were not in epoch {prev.epoch}; joins are not supported yet")
+    if num_micro_batches < len(live):
+        raise PlanError(f"epoch {epoch}: {num_micro_batches} micro-batches cannot feed {len(live)} pipelines")
+    pipelines = tuple((r,) for r in live)
+    if policy == "drop_replica":
+        mbs = tuple(prev.micro_batches[prev.position(r)[0]] for r in live)
+    else:
+        speed = [float((speeds or {}).get(r, 1.0)) for r in live]
+        mbs = tuple(microbatches.assign(num_micro_batches, speed))
+    plan = Plan(epoch=epoch, num_layers=prev.num_layers, pipelines=pipelines,
+                layer_ranges=tuple(prev.layer_ranges[prev.position(r)[0]] for r in live), micro_batches=mbs)
+    return replace(plan, chunk_owners=reassign_owners(prev.chunk_owners, plan.holder_groups()))

@@ -1,18 +1,32 @@
-"""Structured metrics (JSON lines) and the live progress line."""
+"""Structured metrics (JSON lines), the live progress line, and the step journal.
+
+A step's record is written only once the step is *committed* -- when the next step's exchange
+proved every snapshot of its result verified -- so a step redone after a failure is written once.
+The writer is the lowest rank of the epoch; a new writer appends to the same file and skips
+steps already there.
+"""
 from __future__ import annotations
 
 import json
+import os
 import sys
 from typing import IO
 
 
 class MetricsWriter:
-    def __init__(self, path: str | None, show_progress: bool = True, total_steps: int = 0):
-        self.fh: IO[str] | None = open(path, "w") if path else None
+    def __init__(self, path: str | None, show_progress: bool = True, total_steps: int = 0, append: bool = False):
+        self.written_steps: set[int] = set()
+        if path and append and os.path.exists(path):
+            self.written_steps = {r["step"] for r in read_jsonl(path) if r.get("event") == "step"}
+        self.fh: IO[str] | None = open(path, "a" if append else "w") if path else None
         self.show_progress = show_progress
         self.total_steps = total_steps
 
     def write(self, record: dict) -> None:
+        if record.get("event") == "step":
+            if record["step"] in self.written_steps:
+                return
+            self.written_steps.add(record["step"])
         if self.fh is not None:
             self.fh.write(json.dumps(record) + "\n")
             self.fh.flush()
@@ -20,6 +34,9 @@ class MetricsWriter:
             print(f"step {record['step'] + 1:>4}/{self.total_steps}  loss {record['loss']:.4f}  "
                   f"tok/s {record.get('tokens_per_s', 0):>8.0f}  world {record['world_size']}  "
                   f"epoch {record['epoch']}", flush=True)
+        elif self.show_progress and record.get("event") == "recovery":
+            print(f"recovered: epoch {record['epoch']}, lost ranks {record['lost_ranks']}, "
+                  f"resumed at step {record['resume_step']}, mttr {record['mttr_s']:.3f}s", flush=True)
         elif self.show_progress and record.get("event") == "summary":
             print(f"done: {record['steps']} steps, final loss {record['final_loss']:.4f}, "
                   f"params_sha256 {record['params_sha256'][:16]}...", flush=True)
@@ -28,6 +45,28 @@ class MetricsWriter:
         if self.fh is not None:
             self.fh.close()
             self.fh = None
+
+
+class StepJournal:
+    """Holds step records until they are committed; every rank keeps one so any can take over writing."""
+
+    def __init__(self) -> None:
+        self.pending: dict[int, dict] = {}
+
+    def add(self, record: dict) -> None:
+        self.pending[record["step"]] = record
+
+    def commit_before(self, step: int, writer: MetricsWriter | None) -> None:
+        """Steps below ``step`` are committed: write them (if we write) and forget them."""
+        for s in sorted(k for k in self.pending if k < step):
+            record = self.pending.pop(s)
+            if writer is not None:
+                writer.write(record)
+
+    def discard_from(self, step: int) -> None:
+        """Steps from ``step`` on will be redone."""
+        for s in [k for k in self.pending if k >= step]:
+            del self.pending[s]
 
 
 def read_jsonl(path: str) -> list[dict]:

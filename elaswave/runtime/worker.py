@@ -1,85 +1,196 @@
-"""The worker entry point: one rank of a job.
+"""The worker entry point: one rank of a job, and its loop over steps and epochs.
 
 Started by ``elaswave run`` (which hosts the TCPStore and passes ``ELASWAVE_STORE=host:port``) or by
 ``torchrun`` (``env://`` rendezvous), with the same arguments either way:
-``python -m elaswave.runtime.worker [--config F] [--set key=value]...``.
+``python -m elaswave.runtime.worker [--config F] [--set key=value]... [--metrics-out F]``.
 """
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import os
+import signal
+import resource
 import sys
 import time
-from datetime import timedelta
 
 import torch
-import torch.distributed as dist
 
 from elaswave import config
 from elaswave.comm import backend
+from elaswave.comm.groups import Communicator
 from elaswave.config import ConfigError, JobConfig
+from elaswave.control.faults import FaultInjector
+from elaswave.control.heartbeat import Watcher
+from elaswave.control.membership import Membership
 from elaswave.data.corpus import load_corpus
+from elaswave.data.sampler import Sampler
+from elaswave.interrupt import Disruption, Interrupt
 from elaswave.model.gpt import layer_flops
+from elaswave.pipeline.schedule import Action, Op
+from elaswave.pipeline.stage import Stage
 from elaswave.plan.plan import initial_plan
-from elaswave.runtime.metrics import MetricsWriter, print_error
-from elaswave.runtime.rank import build_rank
+from elaswave.runtime import recovery
+from elaswave.runtime.metrics import MetricsWriter, StepJournal, print_error
+from elaswave.runtime.rank import build_rank, layer_numels
 from elaswave.runtime.step import train_step
+from elaswave.snapshot.pool import SnapshotPool
 from elaswave.zero.flat import params_sha256
 
+EXIT_EXCLUDED = 3
 
-def _store(timeout_s: float) -> dist.Store | None:
+
+class Context:
+    """What a rank keeps across epochs: its control-plane links, communicator, weights and data."""
+
+    def __init__(self, cfg: JobConfig, rank: int, store, backend_name: str, device: torch.device):
+        e = cfg.elastic
+        self.cfg, self.rank, self.device = cfg, rank, device
+        self.interrupt = Interrupt()
+        self.membership = Membership(store, rank)
+        self.comm = Communicator(store, rank, backend_name, device, cfg.parallel.timeout_s, self.interrupt,
+                                 e.enabled and e.standby_groups)
+        self.pool = SnapshotPool(rank, cfg.parallel.chunk_numel) if e.enabled and e.snapshots else None
+        self.injector = FaultInjector(cfg.elastic.faults, rank, self.membership)
+        self.speed = 1.0
+        """Micro-batches per second of compute, measured; the re-plan balances by it."""
+        self.plan = None
+        self.watcher = Watcher(_second_client(store), rank, self._view, self.interrupt,
+                               e.heartbeat_interval_s, e.heartbeat_timeout_s) if e.enabled else None
+        self.sampler = None
+
+    def _view(self):
+        plan = self.plan
+        return (plan.epoch, plan.ranks) if plan is not None else (0, ())
+
+    def before_action(self, step: int, action: Action) -> None:
+        if action.op == Op.FORWARD and action.micro_batch == self._first_mb:
+            self.injector.at(step, "forward")
+        elif action.op == Op.BACKWARD and action.micro_batch == self._first_mb:
+            self.injector.at(step, "backward")
+        if self.plan is not None:
+            self.interrupt.check(self.plan.epoch)
+
+    @property
+    def _first_mb(self) -> int:
+        d, _ = self.plan.position(self.rank)
+        return self.plan.micro_batches[d][0]
+
+
+def _second_client(store):
+    """The watcher's own store connection, so its blocking waits never stall the training loop."""
+    return store.clone()
+
+
+def _connect(cfg: JobConfig, rank: int, world_size: int):
     addr = os.environ.get("ELASWAVE_STORE")
-    if not addr:
-        return None
-    host, port = addr.rsplit(":", 1)
-    return dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=timeout_s))
+    if addr:
+        return backend.connect_store(addr, cfg.parallel.timeout_s), rank, world_size
+    return backend.rendezvous_store(cfg.parallel.timeout_s)
 
 
-def run(cfg: JobConfig, rank: int, world_size: int, metrics_out: str | None) -> None:
+def run(cfg: JobConfig, rank: int, world_size: int, metrics_out: str | None) -> int:
     t, m = cfg.train, cfg.model
     torch.set_num_threads(1)  # many ranks share a few cores; one thread each also fixes kernel order
     if cfg.world_size != world_size:
         raise ConfigError(f"parallel.dp={cfg.parallel.dp} x parallel.pp={cfg.parallel.pp} = {cfg.world_size} "
                           f"is invalid: the job has {world_size} ranks")
     name, device = backend.choose(cfg.parallel.backend)
-    backend.init_world(name, rank, world_size, _store(cfg.parallel.timeout_s), cfg.parallel.timeout_s)
+    store, rank, world_size = _connect(cfg, rank, world_size)
+    ctx = Context(cfg, rank, store, name, device)
+    numels = layer_numels(cfg)
     plan = initial_plan(world_size, cfg.parallel.dp, cfg.parallel.pp,
-                        [layer_flops(m, i) for i in range(m.num_layers)], t.num_micro_batches)
+                        [layer_flops(m, i) for i in range(m.num_layers)], t.num_micro_batches,
+                        numels, cfg.parallel.chunk_numel)
+    ctx.plan = plan
     start, end = plan.layers_of(rank)
-    needs_data = start == 0 or end == m.num_layers  # first stages read inputs, last stages targets
+    # Every rank of a data-parallel job may one day run any micro-batch, so all of them read data.
+    needs_data = cfg.parallel.pp == 1 or start == 0 or end == m.num_layers
     tokens = load_corpus(cfg.data, m.vocab_size, m.seq_len + 1) if needs_data else None
-    st = build_rank(cfg, plan, rank, tokens, name, device)
-    writer = MetricsWriter(metrics_out if rank == 0 else None, show_progress=rank == 0, total_steps=t.steps)
-    samples = t.num_micro_batches * t.micro_batch_size
-    dist.barrier()
-    began = time.perf_counter()
-    result = None
-    for step in range(t.steps):
-        started = time.perf_counter()
-        result = train_step(st, cfg, step)
-        took = time.perf_counter() - started
-        writer.write({"event": "step", "step": step, "loss": result.loss, "grad_norm": result.grad_norm,
-                      "lr": result.lr, "num_samples": samples, "world_size": world_size,
-                      "epoch": plan.epoch, "step_time_s": took, "tokens_per_s": samples * m.seq_len / took,
-                      "phases_s": result.phases_s})
-    wall = time.perf_counter() - began
+    ctx.sampler = Sampler(tokens, t.seed, t.micro_batch_size, m.seq_len) if tokens is not None else None
+    stage = Stage(cfg, (start, end), device)
+    world = ctx.comm.group(plan.ranks, plan.epoch)
+    st = build_rank(cfg, plan, rank, stage, ctx.sampler, world, ctx.comm, device, name, before=ctx.before_action)
+    ctx.comm.prepare_standbys(plan.ranks, plan.epoch)
+    world.all_reduce(torch.zeros(1, device=device), "start-up barrier")
+    if ctx.watcher is not None:
+        ctx.watcher.start()
 
-    # params_sha256 over every layer in canonical order, each digested by its first holder.
-    mine = {l.index: l.digest() for l in st.stage.layers if plan.holders(l.index)[0] == rank}
-    gathered: list = [None] * world_size
-    dist.all_gather_object(gathered, (mine, st.optimizer.state_bytes()))
-    if rank == 0:
-        digests = {i: h for part, _ in gathered for i, h in part.items()}
+    journal = StepJournal()
+    writer = MetricsWriter(metrics_out if rank == 0 else None, show_progress=rank == 0, total_steps=t.steps)
+    began = time.perf_counter()
+    step, result, pending = 0, None, None
+    while True:
+        try:
+            while step < t.steps:
+                started = time.perf_counter()
+                result = train_step(st, cfg, step, ctx.pool, ctx.injector.at)
+                took = time.perf_counter() - started
+                mine = st.plan.micro_batches[st.plan.position(rank)[0]]
+                ctx.speed = len(mine) / max(result.phases_s.get("compute", took), 1e-9)
+                journal.commit_before(step, writer)
+                samples = st.plan.num_micro_batches * t.micro_batch_size
+                journal.add({"event": "step", "step": step, "loss": result.loss, "grad_norm": result.grad_norm,
+                             "lr": result.lr, "num_samples": samples, "world_size": len(st.plan.ranks),
+                             "epoch": st.epoch, "step_time_s": took, "tokens_per_s": samples * m.seq_len / took,
+                             "wall_time": time.time(), "phases_s": result.phases_s})
+                if pending is not None:
+                    if writer.fh is not None or writer.show_progress:
+                        writer.write(pending.record(time.time(), took))
+                    pending = None
+                step += 1
+            summary = _finish(ctx, st, cfg)
+            journal.commit_before(t.steps, writer)
+            break
+        except Disruption as exc:
+            noticed = time.time()
+            if not cfg.elastic.enabled:
+                raise
+            try:
+                st, pending = recovery.recover(ctx, st, exc, noticed)
+            except recovery.Excluded as out:
+                print_error(str(out))
+                writer.close()
+                return EXIT_EXCLUDED
+            ctx.plan = st.plan
+            step = pending.resume_step
+            journal.discard_from(step)
+            if rank == st.plan.ranks[0] and writer.fh is None and metrics_out:
+                writer = MetricsWriter(metrics_out, show_progress=True, total_steps=t.steps, append=True)
+            journal.commit_before(step, writer if rank == st.plan.ranks[0] else None)
+    wall = time.perf_counter() - began
+    if rank == st.plan.ranks[0]:
+        digests = {i: h for part in summary.values() for i, h in part["digests"].items()}
         writer.write({"event": "summary", "steps": t.steps, "final_loss": result.loss if result else float("nan"),
-                      "params_sha256": params_sha256([digests[i] for i in range(m.num_layers)]),
-                      "wall_s": wall, "world_size": world_size, "dp": cfg.parallel.dp, "pp": cfg.parallel.pp,
-                      "deterministic": t.deterministic,
-                      "optimizer_state_bytes_per_rank": [b for _, b in gathered]})
+                      "params_sha256": params_sha256([bytes.fromhex(digests[str(i)]) for i in range(m.num_layers)]),
+                      "wall_s": wall, "world_size": len(st.plan.ranks), "dp": cfg.parallel.dp, "pp": cfg.parallel.pp,
+                      "epoch": st.epoch, "ranks": list(st.plan.ranks), "deterministic": t.deterministic,
+                      "optimizer_state_bytes_per_rank": [summary[r]["state_bytes"] for r in st.plan.ranks],
+                      "snapshot_bytes_held_per_rank": [summary[r]["snapshot_bytes"] for r in st.plan.ranks],
+                      "peak_rss_bytes_per_rank": [summary[r]["peak_rss_bytes"] for r in st.plan.ranks]})
+        ctx.membership.stamp("done")
     writer.close()
-    backend.shutdown()
+    if ctx.watcher is not None:
+        ctx.watcher.stop()
+    return 0
+
+
+def _finish(ctx: Context, st, cfg: JobConfig) -> dict[int, dict]:
+    """Every rank posts its layers' digests (each layer by its first holder) and its memory figures."""
+    plan = st.plan
+    doc = {"digests": {str(l.index): l.digest().hex() for l in st.stage.layers if plan.holders(l.index)[0] == st.rank},
+           "state_bytes": st.optimizer.state_bytes(),
+           "snapshot_bytes": ctx.pool.bytes_held() if ctx.pool else 0,
+           "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+    ctx.membership.post(plan.epoch, "final", doc)
+    st.world.all_reduce(torch.zeros(1, device=st.device), "final barrier")
+    if st.rank != plan.ranks[0]:
+        return {}
+    return ctx.membership.gather(plan.epoch, "final", plan.ranks, cfg.parallel.timeout_s)
 
 
 def main(argv: list[str] | None = None) -> int:
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1` shows where a rank is
     ap = argparse.ArgumentParser(prog="elaswave-worker")
     ap.add_argument("--config")
     ap.add_argument("--set", action="append", default=[], dest="overrides")
@@ -89,17 +200,20 @@ def main(argv: list[str] | None = None) -> int:
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     try:
         cfg = config.load(args.config, args.overrides)
-        run(cfg, rank, world_size, args.metrics_out)
+        code = run(cfg, rank, world_size, args.metrics_out)
     except ConfigError as exc:
         print_error(str(exc))
-        return 2
+        code = 2
     except Exception as exc:  # one line for the user; the traceback goes with ELASWAVE_DEBUG=1
         if os.environ.get("ELASWAVE_DEBUG"):
             raise
         print_error(f"rank {rank}: {type(exc).__name__}: {exc}")
-        return 1
-    return 0
+        code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # Parked broken groups and standby threads stuck on dead peers must not delay the exit.
+    os._exit(code)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

@@ -1,8 +1,8 @@
 """The owner-major, chunk-padded layout of one holder group's layers (no communication).
 
-For a holder group of ``n`` ranks holding layers ``L``, the group's chunks are numbered in layer
-order across all of ``L`` and chunk ``c`` belongs to holder ``c mod n``: numbering per bucket rather
-than per layer keeps every holder's share within one chunk of the others. The bucket places every holder's chunks in its own *slot*, each chunk padded to
+For a holder group of ``n`` ranks holding layers ``L``, each chunk has an owner among the holders
+(the plan's ``chunk_owners``; at the start chunk number ``k`` of the group goes to holder
+``k mod n``, see :mod:`elaswave.plan.chunks`). The bucket places every holder's chunks in its own *slot*, in (layer, chunk) order, each chunk padded to
 ``chunk_numel`` so that a reduce-scatter hands each holder exactly its chunks and an all-gather puts
 them back. Padding also gives every chunk the same memory alignment in every layout, which keeps
 element-wise optimizer kernels bit-identical between a 1-holder reference and an n-holder run.
@@ -14,7 +14,7 @@ from typing import Sequence
 
 import torch
 
-from elaswave.plan.chunks import chunk_range, num_chunks
+from elaswave.plan.chunks import chunk_range, num_chunks, owner
 
 
 def _valid(numel: int, chunk_numel: int, c: int) -> int:
@@ -32,7 +32,9 @@ class OwnedChunk:
 
 class Bucket:
     def __init__(self, holders: Sequence[int], layers: Sequence[int], layer_numels: Sequence[int],
-                 chunk_numel: int, me: int, device: torch.device | str = "cpu"):
+                 chunk_numel: int, me: int, device: torch.device | str = "cpu",
+                 owners: Sequence[Sequence[int]] | None = None):
+        """``owners[i][c]``: the rank owning chunk c of ``layers[i]``; None = the initial round robin."""
         if me not in holders:
             raise ValueError(f"rank {me} is not a holder of layers {list(layers)} (holders {list(holders)})")
         self.holders = tuple(holders)
@@ -43,9 +45,13 @@ class Bucket:
         n = len(self.holders)
         per_owner: list[list[tuple[int, int]]] = [[] for _ in range(n)]
         group_chunk = 0
-        for layer, numel in zip(self.layers, self.layer_numels):
+        for i, (layer, numel) in enumerate(zip(self.layers, self.layer_numels)):
             for c in range(num_chunks(numel, chunk_numel)):
-                per_owner[group_chunk % n].append((layer, c))
+                rank = owner(self.holders, group_chunk) if owners is None else owners[i][c]
+                if rank not in self.holders:
+                    raise ValueError(f"chunk {c} of layer {layer} is owned by rank {rank}, "
+                                     f"which does not hold it (holders {list(self.holders)})")
+                per_owner[self.holders.index(rank)].append((layer, c))
                 group_chunk += 1
         self.slot_chunks = max(len(items) for items in per_owner)
         self.slot_numel = self.slot_chunks * chunk_numel

@@ -7,12 +7,12 @@ element-wise update gives the same bits in both.
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from typing import Mapping, Sequence
 
 import torch
 
 from elaswave.config import TrainConfig
-from elaswave.plan.chunks import ChunkIndex
+from elaswave.plan.chunks import ChunkIndex, ChunkKey
 from elaswave.zero.bucket import Bucket
 from elaswave.zero.flat import FlatLayer
 
@@ -35,19 +35,42 @@ def clip_coef(chunk_sumsq: Sequence[float], max_norm: float) -> tuple[float, flo
 
 
 class ShardedAdamW:
-    """Owns, per bucket, this rank's slot: parameter shard, gradient shard, exp_avg, exp_avg_sq."""
+    """Owns, per bucket, this rank's slot as one ``[3, slot_numel]`` tensor: parameter shard, exp_avg,
+    exp_avg_sq. It keeps two *generations* -- the state at the start of step ``gen`` and of the step
+    before -- so a step that must be redone after a failure can always be redone from here."""
 
-    def __init__(self, buckets: Sequence[Bucket], layers: Sequence[FlatLayer], cfg: TrainConfig):
+    def __init__(self, buckets: Sequence[Bucket], layers: Sequence[FlatLayer], cfg: TrainConfig,
+                 gen: int = 0, chunks: Mapping[ChunkKey, torch.Tensor] | None = None):
+        """Parameters come from ``layers`` (moments zero) unless ``chunks`` gives a chunk's
+        ``[3, chunk_numel]`` state (a recovery)."""
         self.cfg = cfg
         self.buckets = list(buckets)
+        self.gen = gen
         by_index = {l.index: l for l in layers}
-        self.params, self.exp_avg, self.exp_avg_sq, self.decay = [], [], [], []
+        self.state, self.decay = [], []
         for b in self.buckets:
             flats = [by_index[i].flat for i in b.layers]
-            self.params.append(b.my_part(b.pack([f.detach() for f in flats])).clone())
+            state = torch.zeros(3, b.slot_numel, dtype=flats[0].dtype, device=flats[0].device)
+            state[0] = b.my_part(b.pack([f.detach() for f in flats]))
+            for oc in b.owned:
+                if chunks is not None and (oc.layer, oc.chunk) in chunks:
+                    state[:, oc.slot_offset:oc.slot_offset + b.chunk_numel] = chunks[(oc.layer, oc.chunk)]
+            self.state.append(state)
             self.decay.append(b.my_part(b.pack([by_index[i].decay_mask for i in b.layers], fill=False)).float())
-            self.exp_avg.append(torch.zeros_like(self.params[-1]))
-            self.exp_avg_sq.append(torch.zeros_like(self.params[-1]))
+        self.prev = [torch.empty_like(s) for s in self.state]
+        self.prev_gen: int | None = None
+
+    @property
+    def params(self) -> list[torch.Tensor]:
+        return [s[0] for s in self.state]
+
+    @property
+    def exp_avg(self) -> list[torch.Tensor]:
+        return [s[1] for s in self.state]
+
+    @property
+    def exp_avg_sq(self) -> list[torch.Tensor]:
+        return [s[2] for s in self.state]
 
     def chunk_sumsq(self, grads: Sequence[torch.Tensor], index: ChunkIndex, owned_only: bool) -> dict[int, float]:
         """Sum of squares per chunk, keyed by global chunk number: of every chunk in ``grads`` (whole
@@ -66,6 +89,11 @@ class ShardedAdamW:
         return out
 
     def step(self, grads: Sequence[torch.Tensor], step: int, lr: float, coef: float) -> None:
+        if step != self.gen:
+            raise RuntimeError(f"optimizer state is at step {self.gen}, cannot apply step {step}")
+        for prev, state in zip(self.prev, self.state):
+            prev.copy_(state)
+        self.prev_gen = self.gen
         c = self.cfg
         t = step + 1
         bc1, bc2 = 1.0 - c.beta1 ** t, 1.0 - c.beta2 ** t
@@ -77,6 +105,34 @@ class ShardedAdamW:
             v.mul_(c.beta2).addcmul_(g, g, value=1.0 - c.beta2)
             denom = (v.sqrt() / math.sqrt(bc2)).add_(c.eps)
             p.addcdiv_(m, denom, value=-lr / bc1)
+        self.gen = step + 1
+
+    # -- generations, for snapshots and recovery ---------------------------------------------
+    def keys(self) -> list[ChunkKey]:
+        return [(oc.layer, oc.chunk) for b in self.buckets for oc in b.owned]
+
+    def holding(self) -> dict[int, list[ChunkKey]]:
+        gens = [self.gen] + ([self.prev_gen] if self.prev_gen is not None else [])
+        return {g: self.keys() for g in gens}
+
+    def chunk(self, key: ChunkKey, gen: int) -> torch.Tensor:
+        """A ``[3, chunk_numel]`` copy of one owned chunk's state at generation ``gen``."""
+        source = self.state if gen == self.gen else self.prev if gen == self.prev_gen else None
+        if source is None:
+            raise KeyError(f"generation {gen} of chunk {key} is not here (have {self.gen}, {self.prev_gen})")
+        for b, s in zip(self.buckets, source):
+            for oc in b.owned:
+                if (oc.layer, oc.chunk) == key:
+                    return s[:, oc.slot_offset:oc.slot_offset + b.chunk_numel].clone()
+        raise KeyError(f"chunk {key} is not owned here")
+
+    def payload(self) -> torch.Tensor:
+        """Every owned chunk's current state, ``[num_owned, 3, chunk_numel]`` in :meth:`keys` order."""
+        parts = [s[:, oc.slot_offset:oc.slot_offset + b.chunk_numel]
+                 for b, s in zip(self.buckets, self.state) for oc in b.owned]
+        if not parts:
+            return torch.zeros(0, 3, self.buckets[0].chunk_numel if self.buckets else 1)
+        return torch.stack(parts)
 
     def state_bytes(self) -> int:
         """Optimizer-state bytes this rank holds (exp_avg + exp_avg_sq, padding included)."""

@@ -10,9 +10,8 @@ from __future__ import annotations
 from typing import Sequence
 
 import torch
-import torch.distributed as dist
 
-from elaswave.comm import backend
+from elaswave.comm.groups import Group
 from elaswave.zero.bucket import Bucket
 from elaswave.zero.flat import FlatLayer
 
@@ -60,25 +59,24 @@ class GradAccumulator:
         return (t.double() / self.scale).float()  # dividing by a power of two is exact
 
 
-def reduce(bucket: Bucket, sums: dict[int, torch.Tensor], group: dist.ProcessGroup | None,
-           whole: bool) -> torch.Tensor:
+def reduce(bucket: Bucket, sums: dict[int, torch.Tensor], group: Group, whole: bool) -> torch.Tensor:
     """The holder group's summed gradient: the whole bucket if ``whole`` (an all-reduce), else only
     this rank's slot (a reduce-scatter)."""
     packed = bucket.pack([sums[l] for l in bucket.layers])
     if bucket.num_holders == 1:
         return packed
     if whole:
-        dist.all_reduce(packed, group=group)
+        group.all_reduce(packed, "gradient all-reduce")
         return packed
     out = torch.empty(bucket.slot_numel, dtype=packed.dtype, device=packed.device)
-    backend.reduce_scatter(out, packed, group)
+    group.reduce_scatter(out, packed, "gradient reduce-scatter")
     return out
 
 
-def all_gather(bucket: Bucket, shard: torch.Tensor, group: dist.ProcessGroup | None) -> list[torch.Tensor]:
+def all_gather(bucket: Bucket, shard: torch.Tensor, group: Group | None) -> list[torch.Tensor]:
     """Every holder's updated chunks -> the full per-layer parameter vectors."""
     if bucket.num_holders == 1:
         return bucket.unpack(shard)
     packed = torch.empty(bucket.num_holders * bucket.slot_numel, dtype=shard.dtype, device=shard.device)
-    backend.all_gather(packed, shard.contiguous(), group)
+    group.all_gather(packed, shard.contiguous(), "parameter all-gather")
     return bucket.unpack(packed)

@@ -1,0 +1,161 @@
+"""The dynamic communicator: one group per epoch, and standby groups for the next one.
+
+gloo cannot shrink a group (``supports_shrinking`` is False in torch 2.13) and a broken gloo
+group stays broken, so editing means switching. The fastest switch is one already built: while an
+epoch trains, a background thread builds, for every other member ``x``, the group of the members
+without ``x``. When ``x`` dies, the survivors' group for the next epoch is ready and already
+connected; the communicator phase of recovery is a dictionary look-up. Losses that no standby
+covers (two at once) build their group on demand over a fresh store prefix, among the survivors
+only (a *partial rebuild*). Broken groups are never destroyed on the recovery path (destroying a
+gloo group costs ~10 ms per member); they are parked.
+"""
+from __future__ import annotations
+
+import threading
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+
+from elaswave.comm import backend
+from elaswave.interrupt import CommError, Interrupt
+
+
+class Group:
+    """A process group over global ranks ``members``; every call is bounded and interruptible."""
+
+    def __init__(self, pg: dist.ProcessGroup | None, members: Sequence[int], me: int, epoch: int,
+                 timeout_s: float, interrupt: Interrupt | None):
+        self.pg, self.members, self.me = pg, tuple(members), me
+        self.epoch, self.timeout_s, self.interrupt = epoch, timeout_s, interrupt
+        self.size = len(self.members)
+        self.group_rank = self.members.index(me)
+
+    def wait(self, work: dist.Work, what: str) -> None:
+        backend.wait(work, self.timeout_s, what, self.interrupt, self.epoch)
+
+    def _call(self, fn, *args) -> dist.Work:
+        try:
+            return fn(self.pg, *args)
+        except RuntimeError as exc:  # a group that broke earlier raises at once
+            raise CommError(f"{fn.__name__} on group {self.members} failed: {exc}") from exc
+
+    def all_reduce_async(self, t: torch.Tensor) -> dist.Work | None:
+        return None if self.size == 1 else self._call(backend.all_reduce, t)
+
+    def all_reduce(self, t: torch.Tensor, what: str = "all-reduce") -> None:
+        work = self.all_reduce_async(t)
+        if work is not None:
+            self.wait(work, what)
+
+    def all_gather(self, out: torch.Tensor, inp: torch.Tensor, what: str = "all-gather") -> None:
+        if self.size == 1:
+            out.copy_(inp)
+            return
+        self.wait(self._call(backend.all_gather, out, inp), what)
+
+    def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, what: str = "reduce-scatter") -> None:
+        if self.size == 1:
+            out.copy_(inp)
+            return
+        self.wait(self._call(backend.reduce_scatter, out, inp), what)
+
+    def isend(self, t: torch.Tensor, dst: int, tag: int) -> dist.Work:
+        return self._call(backend.send, t, self.members.index(dst), tag)
+
+    def irecv(self, t: torch.Tensor, src: int, tag: int) -> dist.Work:
+        return self._call(backend.recv, t, self.members.index(src), tag)
+
+    def sub(self, members: Sequence[int]) -> "Group":
+        """A view of this group for holders that are every member (the usual dp-only case)."""
+        if tuple(members) != self.members:
+            raise ValueError(f"group {self.members} cannot stand in for {tuple(members)}")
+        return self
+
+
+def _prefix(kind: str, epoch: int, members: Sequence[int]) -> str:
+    return f"ew/grp/{kind}/{epoch}/{'-'.join(map(str, members))}/"
+
+
+class Communicator:
+    """Owns every group this rank has: the current ones, the standbys, and the parked broken ones."""
+
+    def __init__(self, store: dist.Store, me: int, backend_name: str, device: torch.device,
+                 timeout_s: float, interrupt: Interrupt, use_standbys: bool):
+        self.store, self.me, self.backend_name, self.device = store, me, backend_name, device
+        self.timeout_s, self.interrupt = timeout_s, interrupt
+        self.use_standbys = use_standbys and backend_name == "gloo"  # NCCL comms hold GPU memory
+        self._standby: dict[tuple[int, ...], tuple[threading.Thread, dict]] = {}
+        self._standby_store: dist.Store | None = None
+        self.parked: list[dist.ProcessGroup] = []
+        self.last_source = ""
+        """How the last group came to be: 'standby' or 'built' (reported in recovery phases)."""
+
+    def build(self, members: Sequence[int], epoch: int, kind: str = "ep") -> dist.ProcessGroup | None:
+        members = tuple(members)
+        if len(members) == 1:
+            return None
+        return backend.make_process_group(self.store, _prefix(kind, epoch, members), members.index(self.me),
+                                          len(members), self.backend_name, self.timeout_s, self.device)
+
+    def standby_ready(self, members: Sequence[int]) -> bool:
+        """Whether this rank's standby group for ``members`` is connected (all members must say so
+        before any of them uses it, or some would wait in a group the others never join)."""
+        entry = self._standby.get(tuple(sorted(members)))
+        return entry is not None and entry[1].get("pg") is not None
+
+    def group(self, members: Sequence[int], epoch: int, use_standby: bool = False) -> Group:
+        """The group of ``members`` for ``epoch``: the ready standby when every member has it, else built now."""
+        members = tuple(sorted(members))
+        entry = self._standby.pop(members, None)
+        pg = entry[1].get("pg") if entry is not None and use_standby else None
+        if pg is not None:
+            self.last_source = "standby"
+        elif len(members) > 1:
+            if entry is not None and entry[1].get("pg") is not None:
+                self.parked.append(entry[1]["pg"])
+            self.last_source = "built"
+            pg = self.build(members, epoch)
+        else:
+            self.last_source = "none"
+        self._park_standbys()
+        return Group(pg, members, self.me, epoch, self.timeout_s, self.interrupt)
+
+    def prepare_standbys(self, members: Sequence[int], epoch: int) -> None:
+        """Start building, in the background, the group of ``members`` minus each other member.
+
+        One thread builds them one after another in the same order on every rank, over its own
+        store connection: a store client serves one blocking request at a time, and groups built
+        in different orders on different ranks could wait on each other forever."""
+        if not self.use_standbys or len(members) < 3:
+            return
+        if self._standby_store is None:
+            self._standby_store = self.store.clone()
+        plan = [tuple(r for r in members if r != gone) for gone in members if gone != self.me]
+        boxes = {rest: {} for rest in plan}
+        thread = threading.Thread(target=self._build_all, args=(boxes, epoch), daemon=True,
+                                  name=f"standby-groups-{epoch}")
+        thread.start()
+        for rest, box in boxes.items():
+            self._standby[rest] = (thread, box)
+
+    def _build_all(self, boxes: dict[tuple[int, ...], dict], epoch: int) -> None:
+        for members, box in boxes.items():
+            try:
+                box["pg"] = backend.make_process_group(
+                    self._standby_store, _prefix("sb", epoch, members), members.index(self.me), len(members),
+                    self.backend_name, self.timeout_s, self.device)
+            except Exception as exc:  # a member died while connecting: this standby is unusable
+                box["error"] = exc
+            box["done"] = True
+
+    def _park_standbys(self) -> None:
+        # Standbys of the old epoch are useless now; keep them referenced so no destructor runs here.
+        for thread, box in self._standby.values():
+            if box.get("pg") is not None:
+                self.parked.append(box["pg"])
+        self._standby.clear()
+
+    def park(self, group: Group | None) -> None:
+        if group is not None and group.pg is not None:
+            self.parked.append(group.pg)

@@ -1,0 +1,81 @@
+"""Each rank's watcher thread: heartbeats, a neighbour watch, and instant reaction to alerts.
+
+It runs beside the training loop on its own store connection, so it keeps beating and checking in
+while the main thread computes or waits in a collective. Watching one neighbour (the next member
+in rank order) instead of everyone keeps the store traffic O(members) per interval; one detection
+is enough, since any alert makes every live rank check in and the check-ins decide who is left.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from datetime import timedelta
+from typing import Callable
+
+import torch.distributed as dist
+
+from elaswave.control.membership import PREFIX, Membership, is_stale
+from elaswave.interrupt import Interrupt
+
+
+class Watcher(threading.Thread):
+    def __init__(self, store: dist.Store, rank: int, view: Callable[[], tuple[int, tuple[int, ...]]],
+                 interrupt: Interrupt, interval_s: float, timeout_s: float):
+        super().__init__(name=f"elaswave-watcher-{rank}", daemon=True)
+        self.membership = Membership(store, rank)
+        self.store, self.rank, self.view = store, rank, view
+        self.interrupt, self.interval_s, self.timeout_s = interrupt, interval_s, timeout_s
+        self._halt = threading.Event()
+        self.seen_alerts = self.membership.alert_count()
+        self.last_alert = None
+        self.noticed_at: dict[int, float] = {}
+        """epoch -> wall time (time.time()) at which this watcher learnt the epoch was broken."""
+
+    def stop(self) -> None:
+        self._halt.set()
+
+    def run(self) -> None:
+        watched, count, changed_at = None, None, time.monotonic()
+        suspected_in: set[int] = set()
+        while not self._halt.is_set():
+            try:
+                self.store.add(f"{PREFIX}hb/{self.rank}", 1)
+                epoch, members = self.view()
+                neighbour = _next(members, self.rank)
+                if neighbour != watched:
+                    watched, count, changed_at = neighbour, None, time.monotonic()
+                if neighbour is not None:
+                    now_count = self.store.add(f"{PREFIX}hb/{neighbour}", 0)
+                    now = time.monotonic()
+                    if now_count != count:
+                        count, changed_at = now_count, now
+                    elif is_stale(changed_at, now, self.timeout_s) and epoch not in suspected_in:
+                        suspected_in.add(epoch)
+                        self.membership.alert(epoch, f"rank {neighbour} missed heartbeats for "
+                                                     f"{now - changed_at:.2f}s", [neighbour])
+                self._wait_for_alert(epoch)
+            except Exception:  # the store is gone (job over, or its host died): nothing left to watch
+                if self._halt.is_set():
+                    return
+                time.sleep(self.interval_s)
+
+    def _wait_for_alert(self, epoch: int) -> None:
+        key = f"{PREFIX}alert/{self.seen_alerts + 1}"
+        try:
+            self.store.wait([key], timedelta(seconds=self.interval_s))
+        except Exception:  # timed out: no alert this interval
+            return
+        self.seen_alerts += 1
+        alert = self.membership.read_alert(self.seen_alerts)
+        self.last_alert = alert
+        if alert.epoch >= epoch:
+            # Check in first: the others may be waiting for us to decide the next epoch.
+            self.membership.check_in(alert.epoch + 1)
+            self.noticed_at.setdefault(alert.epoch, time.time())
+            self.interrupt.trip(alert.epoch)
+
+
+def _next(members: tuple[int, ...], me: int) -> int | None:
+    if len(members) < 2 or me not in members:
+        return None
+    return members[(members.index(me) + 1) % len(members)]

@@ -1,0 +1,142 @@
+"""Membership epochs on torch's TCPStore: alerts, check-ins and one agreed live set per epoch.
+
+The protocol, all through the store (hosted by the launcher, or torchrun's rendezvous store):
+
+1. Anyone who sees trouble in epoch ``e`` posts an *alert* ``ew/alert/<n>`` (n from a counter):
+   a rank whose collective failed, a watcher whose neighbour's heartbeat went stale, the launcher
+   that reaped a dead worker (it also writes ``ew/dead/<rank>``).
+2. Every live rank's watcher thread wakes on the alert at once (``store.wait``) and *checks in* for
+   epoch ``e + 1``. A killed or stopped process has no running thread, so it never checks in.
+3. :func:`decide` -- a pure function of what the store holds and the time waited -- turns the
+   check-ins into the next live set; the first rank to compute it publishes it with
+   ``compare_set``, so every rank adopts the same decision.
+"""
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import torch.distributed as dist
+
+PREFIX = "ew/"
+
+
+def decide(prev_members: Sequence[int], checked_in: set[int], known_dead: set[int], waited_s: float,
+           agree_timeout_s: float) -> tuple[int, ...] | None:
+    """The next epoch's members, or None while it is still too early to tell.
+
+    Every previous member must have checked in or be known dead, unless ``agree_timeout_s`` has
+    passed: then whoever has not checked in is presumed gone (a hung rank never checks in)."""
+    live = tuple(sorted(r for r in prev_members if r in checked_in))
+    settled = all(r in checked_in or r in known_dead for r in prev_members)
+    if settled or waited_s >= agree_timeout_s:
+        return live
+    return None
+
+
+def is_stale(last_change_s: float, now_s: float, timeout_s: float) -> bool:
+    """A heartbeat counter that has not moved for ``timeout_s`` (both times on the watcher's clock)."""
+    return now_s - last_change_s > timeout_s
+
+
+@dataclass(frozen=True)
+class Alert:
+    epoch: int
+    by: str
+    reason: str
+    ranks: tuple[int, ...] = ()
+
+
+class Membership:
+    """Store operations of the protocol for one rank (or for the launcher, with ``rank=-1``)."""
+
+    def __init__(self, store: dist.Store, rank: int, clock: Callable[[], float] = time.monotonic):
+        self.store, self.rank, self.clock = store, rank, clock
+
+    # -- alerts -----------------------------------------------------------------------------
+    def alert(self, epoch: int, reason: str, ranks: Sequence[int] = ()) -> None:
+        n = self.store.add(PREFIX + "alert_seq", 1)
+        by = "launcher" if self.rank < 0 else f"rank {self.rank}"
+        self.store.set(f"{PREFIX}alert/{n}", json.dumps(
+            {"epoch": epoch, "by": by, "reason": reason, "ranks": list(ranks)}))
+
+    def report_dead(self, rank: int, how: str) -> None:
+        self.store.set(f"{PREFIX}dead/{rank}", how)
+        self.alert(self.current_epoch(), f"rank {rank} {how}", [rank])
+
+    def alert_count(self) -> int:
+        return self.store.add(PREFIX + "alert_seq", 0)
+
+    def read_alert(self, n: int) -> Alert:
+        doc = json.loads(self.store.get(f"{PREFIX}alert/{n}"))
+        return Alert(doc["epoch"], doc["by"], doc["reason"], tuple(doc["ranks"]))
+
+    def current_epoch(self) -> int:
+        return int(self.store.add(PREFIX + "epoch", 0))
+
+    # -- agreement --------------------------------------------------------------------------
+    def check_in(self, epoch: int) -> None:
+        self.store.set(f"{PREFIX}ep/{epoch}/in/{self.rank}", "1")
+        self.store.add(f"{PREFIX}ep/{epoch}/num_in", 1)
+
+    def _checked_in(self, epoch: int, prev: Sequence[int]) -> set[int]:
+        return {r for r in prev if self.store.check([f"{PREFIX}ep/{epoch}/in/{r}"])}
+
+    def _known_dead(self, prev: Sequence[int]) -> set[int]:
+        dead = {r for r in prev if self.store.check([f"{PREFIX}dead/{r}"])}
+        for n in range(1, self.alert_count() + 1):
+            if self.store.check([f"{PREFIX}alert/{n}"]):
+                dead.update(r for r in self.read_alert(n).ranks if r in prev)
+        return dead
+
+    def agree(self, prev_members: Sequence[int], epoch: int, agree_timeout_s: float,
+              timeout_s: float, poll_s: float = 0.002) -> tuple[int, ...]:
+        """Block until epoch ``epoch``'s members are decided; returns them (maybe without us)."""
+        key = f"{PREFIX}ep/{epoch}/members"
+        start = self.clock()
+        seen_in, dead = -1, set()
+        checked: set[int] = set()
+        while True:
+            if self.store.check([key]):
+                return tuple(json.loads(self.store.get(key)))
+            waited = self.clock() - start
+            num_in = self.store.add(f"{PREFIX}ep/{epoch}/num_in", 0)
+            if num_in != seen_in:  # only rescan when something changed
+                seen_in = num_in
+                checked = self._checked_in(epoch, prev_members)
+                dead = self._known_dead(prev_members)
+            members = decide(prev_members, checked, dead, waited, agree_timeout_s)
+            if members is not None:
+                stored = self.store.compare_set(key, "", json.dumps(list(members)))
+                won = json.loads(stored)
+                if list(won) == list(members):
+                    self.store.add(PREFIX + "epoch", epoch - self.current_epoch())
+                return tuple(won)
+            if waited > timeout_s:
+                raise TimeoutError(f"no agreement on epoch {epoch} within {timeout_s}s")
+            if waited > 0.05:  # past the usual case, re-check deaths now and then
+                dead = self._known_dead(prev_members)
+            time.sleep(poll_s)
+
+    # -- state reports (one JSON document per member and epoch) -----------------------------
+    def post(self, epoch: int, what: str, doc: dict) -> None:
+        self.store.set(f"{PREFIX}ep/{epoch}/{what}/{self.rank}", json.dumps(doc))
+
+    def gather(self, epoch: int, what: str, members: Sequence[int], timeout_s: float) -> dict[int, dict]:
+        keys = [f"{PREFIX}ep/{epoch}/{what}/{r}" for r in members]
+        self.store.wait(keys, _td(timeout_s))
+        return {r: json.loads(v) for r, v in zip(members, self.store.multi_get(keys))}
+
+    def stamp(self, key: str, value: float | None = None) -> None:
+        self.store.set(PREFIX + key, repr(time.time() if value is None else value))
+
+    def read_stamp(self, key: str) -> float | None:
+        return float(self.store.get(PREFIX + key)) if self.store.check([PREFIX + key]) else None
+
+
+def _td(seconds: float):
+    from datetime import timedelta
+
+    return timedelta(seconds=seconds)

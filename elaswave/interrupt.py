@@ -1,0 +1,58 @@
+"""How a broken epoch reaches a rank that is waiting: one flag, tripped by the control plane.
+
+gloo does not unblock a collective whose peer died (only the dead rank's ring neighbours see an
+error; the others wait for the group's timeout). So no wait in elaswave blocks on a collective
+alone: it waits for *either* the collective's completion *or* this flag, whichever comes first.
+"""
+from __future__ import annotations
+
+import threading
+
+
+class Disruption(Exception):
+    """The current epoch cannot go on: a member died, hung or left. The step is redone after recovery."""
+
+
+class EpochBroken(Disruption):
+    """The control plane says the epoch is broken (another rank's error, a missed heartbeat, a death)."""
+
+
+class CommError(Disruption):
+    """A collective or p2p transfer failed or timed out on this rank."""
+
+
+class Interrupt:
+    """Tripped with an epoch number: every wait of that epoch (or an older one) gives up at once."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._broken_epoch = -1
+        self._waiters: set[threading.Event] = set()
+
+    @property
+    def broken_epoch(self) -> int:
+        return self._broken_epoch
+
+    def trip(self, epoch: int) -> None:
+        with self._lock:
+            if epoch <= self._broken_epoch:
+                return
+            self._broken_epoch = epoch
+            waiters = list(self._waiters)
+        for ev in waiters:
+            ev.set()
+
+    def is_broken(self, epoch: int) -> bool:
+        return self._broken_epoch >= epoch
+
+    def check(self, epoch: int) -> None:
+        if self.is_broken(epoch):
+            raise EpochBroken(f"epoch {epoch} was declared broken by the control plane")
+
+    def register(self, ev: threading.Event) -> None:
+        with self._lock:
+            self._waiters.add(ev)
+
+    def unregister(self, ev: threading.Event) -> None:
+        with self._lock:
+            self._waiters.discard(ev)

@@ -1,0 +1,153 @@
+"""The recovery executor: from a broken epoch to a working one, each phase timed.
+
+detect (fault -> this rank noticed) -> agree (the next epoch's members) -> communicator (a standby
+group, or one built now) -> plan (new micro-batch assignment and chunk owners, and the step to
+resume at) -> state (lost chunks restored from snapshot holders by disjoint rank-to-rank
+transfers, parameters re-gathered, the new snapshot ring started). The first step on the new
+epoch is timed by the caller; MTTR runs from the fault to its end.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from elaswave.config import JobConfig
+from elaswave.interrupt import CommError, Disruption
+from elaswave.model.gpt import build_layer
+from elaswave.plan.chunks import ChunkKey, chunk_range
+from elaswave.plan.plan import replan
+from elaswave.plan.recovery import Holding, Restore, plan_restore
+from elaswave.runtime.rank import RankState, build_rank
+from elaswave.runtime.step import gather_params
+from elaswave.zero.flat import FlatLayer
+
+TAG_RESTORE = 2_000_000
+
+
+class Excluded(RuntimeError):
+    """This rank was left out of the next epoch (it checked in too late)."""
+
+
+@dataclass
+class Recovery:
+    epoch: int
+    lost_ranks: list[int]
+    resume_step: int
+    fault_wall: float | None
+    noticed_wall: float
+    phases_s: dict[str, float] = field(default_factory=dict)
+    communicator: str = ""
+    is_fallback: bool = False
+    bytes_received: int = 0
+
+    def record(self, first_step_end_wall: float, first_step_s: float) -> dict:
+        start = self.fault_wall if self.fault_wall is not None else self.noticed_wall
+        phases = {"detect": self.noticed_wall - start, **self.phases_s, "first_step": first_step_s}
+        return {"event": "recovery", "epoch": self.epoch, "lost_ranks": self.lost_ranks,
+                "resume_step": self.resume_step, "mttr_s": first_step_end_wall - start,
+                "phases_s": phases, "communicator": self.communicator, "is_fallback": self.is_fallback,
+                "bytes_received": self.bytes_received}
+
+
+def recover(ctx, st: RankState, cause: Disruption, noticed_wall: float) -> tuple[RankState, Recovery]:
+    """Run every phase on this rank; returns the new epoch's state and the recovery's account."""
+    cfg: JobConfig = ctx.cfg
+    old = st.plan
+    epoch = old.epoch + 1
+    t = time.perf_counter()
+    phases: dict[str, float] = {}
+
+    def lap(name: str) -> None:
+        nonlocal t
+        now = time.perf_counter()
+        phases[name] = now - t
+        t = now
+
+    if isinstance(cause, CommError) and not ctx.interrupt.is_broken(old.epoch):
+        ctx.membership.alert(old.epoch, f"rank {ctx.rank}: {cause}")
+    noticed_wall = min([noticed_wall] + [w for e, w in ctx.watcher.noticed_at.items() if e >= old.epoch])
+    members = ctx.membership.agree(old.ranks, epoch, cfg.elastic.agree_timeout_s, cfg.parallel.timeout_s)
+    if ctx.rank not in members:
+        raise Excluded(f"rank {ctx.rank} was left out of epoch {epoch} (members {list(members)})")
+    lost = sorted(set(old.ranks) - set(members))
+    holding = Holding(ctx.rank, st.optimizer.holding(), ctx.pool.holding() if ctx.pool else {})
+    ctx.membership.post(epoch, "state", {"holding": holding.to_doc(), "speed": ctx.speed,
+                                         "standby_ready": ctx.comm.standby_ready(members)})
+    reports = ctx.membership.gather(epoch, "state", members, cfg.parallel.timeout_s)
+    lap("agree")
+
+    ctx.comm.park(st.world)
+    world = ctx.comm.group(members, epoch, use_standby=all(doc["standby_ready"] for doc in reports.values()))
+    lap("communicator")
+
+    plan = replan(old, members, epoch, cfg.train.num_micro_batches,
+                  {r: doc["speed"] for r, doc in reports.items()}, cfg.elastic.policy)
+    restore = plan_restore(old.chunk_owners, plan.chunk_owners,
+                           [Holding.from_doc(r, doc["holding"]) for r, doc in reports.items()])
+    lap("plan")
+
+    chunks, received = _restore_chunks(ctx, st, world, plan.chunk_owners, restore)
+    new = build_rank(cfg, plan, ctx.rank, st.stage, ctx.sampler, world, ctx.comm, st.device, st.backend_name,
+                     gen=restore.resume_step, chunks=chunks, before=ctx.before_action)
+    gather_params(new)
+    if ctx.pool is not None:
+        ctx.pool.reset()
+        ctx.pool.send(world, plan, new.optimizer.gen, new.optimizer.keys(), new.optimizer.payload())
+        ctx.pool.expect(world, plan, new.device)
+    ctx.comm.prepare_standbys(members, epoch)
+    lap("state")
+    fault_walls = [w for w in (ctx.membership.read_stamp(f"fault/{r}") for r in lost) if w is not None]
+    return new, Recovery(epoch, lost, restore.resume_step, min(fault_walls) if fault_walls else None,
+                         noticed_wall, phases, ctx.comm.last_source, restore.is_fallback, received)
+
+
+def _restore_chunks(ctx, st: RankState, world, new_owners, restore: Restore) -> tuple[dict[ChunkKey, torch.Tensor], int]:
+    """The state at the resume step of every chunk this rank owns next: kept, or received from its
+    source rank in one message per (source, destination) pair, or rebuilt from the seed."""
+    gen, me = restore.resume_step, ctx.rank
+
+    def local(key: ChunkKey) -> torch.Tensor:
+        _, kind = restore.sources[key]
+        return st.optimizer.chunk(key, gen) if kind == "own" else ctx.pool.chunk(key, gen)
+
+    transfers = restore.transfers(new_owners)
+    works, inbox = [], {}
+    for (src, dst), keys in transfers.items():
+        if src == me:
+            payload = torch.stack([local(k) for k in keys]).to(st.device)
+            works.append((world.isend(payload, dst, TAG_RESTORE), payload, f"chunks to rank {dst}"))
+        elif dst == me:
+            buf = torch.empty(len(keys), 3, ctx.cfg.parallel.chunk_numel, device=st.device)
+            works.append((world.irecv(buf, src, TAG_RESTORE), buf, f"chunks from rank {src}"))
+            inbox[src] = (keys, buf)
+    for work, _, what in works:
+        world.wait(work, f"restore: {what}")
+    chunks: dict[ChunkKey, torch.Tensor] = {}
+    received = 0
+    for keys, buf in inbox.values():
+        received += buf.numel() * buf.element_size()
+        for k, part in zip(keys, buf):
+            chunks[k] = part
+    fresh: dict[int, FlatLayer] = {}
+    for key, (src, _) in restore.sources.items():
+        if new_owners[key[0]][key[1]] != me or key in chunks:
+            continue
+        if src == me:
+            chunks[key] = local(key).to(st.device)
+        elif src is None:
+            chunks[key] = _initial_chunk(ctx.cfg, key, fresh, st.device)
+    return chunks, received
+
+
+def _initial_chunk(cfg: JobConfig, key: ChunkKey, cache: dict, device: torch.device) -> torch.Tensor:
+    """A chunk's state at step 0: the keyed initial weights and zero moments."""
+    layer, c = key
+    if layer not in cache:
+        cache[layer] = FlatLayer(build_layer(cfg.model, layer, cfg.train.seed), layer)
+    flat = cache[layer].flat
+    start, end = chunk_range(flat.numel(), cfg.parallel.chunk_numel, c)
+    out = torch.zeros(3, cfg.parallel.chunk_numel, device=device)
+    out[0, :end - start] = flat[start:end]
+    return out
