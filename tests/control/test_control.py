@@ -1,0 +1,72 @@
+"""Control plane: pure decisions, fault parsing, and the protocol on a real TCPStore."""
+import json
+import threading
+import time
+from datetime import timedelta
+
+import pytest
+import torch.distributed as dist
+
+from elaswave.control import faults
+from elaswave.control.membership import Membership, decide, is_stale
+
+
+def test_decide_waits_for_every_member_or_the_timeout():
+    assert decide([0, 1, 2, 3], {0, 1}, set(), 0.1, 1.0) is None
+    assert decide([0, 1, 2, 3], {0, 1, 3}, {2}, 0.1, 1.0) == (0, 1, 3)
+    assert decide([0, 1, 2, 3], {0, 1, 3}, set(), 1.5, 1.0) == (0, 1, 3)  # a hung rank never checks in
+
+
+def test_is_stale():
+    assert not is_stale(10.0, 11.0, 2.0)
+    assert is_stale(10.0, 12.5, 2.0)
+
+
+@pytest.mark.parametrize("text,expect", [
+    ("kill:rank=2,step=12", faults.Fault("kill", 2, 12, "forward")),
+    ("stop:rank=0,step=3,phase=snapshot", faults.Fault("stop", 0, 3, "snapshot")),
+])
+def test_fault_parsing(text, expect):
+    assert faults.parse(text) == expect
+
+
+@pytest.mark.parametrize("text,needle", [
+    ("kil:rank=1,step=1", "must start with one of kill, stop"),
+    ("kill:rank=1", "rank= and step= are required"),
+    ("kill:rank=1,step=x", "must be integers"),
+    ("kill:rank=1,step=2,phase=lunch", "phase=lunch is not one of"),
+    ("kill:rank=1,step=2,when=now", "'when=now' is not rank=, step= or phase="),
+])
+def test_bad_faults_say_what_is_wrong(text, needle):
+    with pytest.raises(ValueError, match=needle):
+        faults.parse(text)
+
+
+@pytest.fixture
+def store():
+    server = dist.TCPStore("127.0.0.1", 0, world_size=None, is_master=True, wait_for_workers=False,
+                           timeout=timedelta(seconds=10))
+    yield server
+
+
+def test_agreement_over_a_real_store(store):
+    # Ranks 0, 1, 3 check in; the launcher reports rank 2 dead: all three agree on (0, 1, 3).
+    clients = {r: Membership(dist.TCPStore("127.0.0.1", store.port, is_master=False,
+                                           timeout=timedelta(seconds=10)), r) for r in (0, 1, 3)}
+    Membership(store, -1).report_dead(2, "was killed by SIGKILL")
+    results = {}
+
+    def run(r):
+        clients[r].check_in(1)
+        results[r] = clients[r].agree([0, 1, 2, 3], 1, agree_timeout_s=5.0, timeout_s=10.0)
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in clients]
+    start = time.monotonic()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(15)
+    assert results == {0: (0, 1, 3), 1: (0, 1, 3), 3: (0, 1, 3)}
+    assert time.monotonic() - start < 2.0  # the death notice settles it; no waiting for the timeout
+    assert json.loads(store.get("ew/ep/1/members")) == [0, 1, 3]
+    assert clients[0].current_epoch() == 1

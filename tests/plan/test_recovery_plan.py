@@ -1,0 +1,100 @@
+"""Pure planner pieces of a recovery: chunk re-ownership, re-plan, and where to resume."""
+import pytest
+
+from elaswave.plan.chunks import chunks_of, reassign_owners, round_robin_owners
+from elaswave.plan.plan import PlanError, initial_plan, replan
+from elaswave.plan.recovery import Holding, plan_restore
+
+NUMELS = [10, 33, 33, 7]
+
+
+def _plan(dp=4, pp=1, mbs=12):
+    return initial_plan(dp * pp, dp, pp, [1.0] * len(NUMELS), mbs, NUMELS, chunk_numel=4)
+
+
+def test_only_the_lost_owners_chunks_move_and_load_stays_even():
+    plan = _plan()
+    after = replan(plan, [0, 1, 3], 1, 12)
+    for layer, (old, new) in enumerate(zip(plan.chunk_owners, after.chunk_owners)):
+        for o, n in zip(old, new):
+            assert n == o if o != 2 else n in (0, 1, 3)
+    counts = [len(chunks_of(after.chunk_owners, r)) for r in (0, 1, 3)]
+    assert max(counts) - min(counts) <= 1
+    assert sum(counts) == sum(-(-n // 4) for n in NUMELS)
+
+
+def test_replan_keeps_the_global_batch_and_its_ids():
+    after = replan(_plan(), [0, 1, 3], 1, 12)
+    ids = sorted(m for mbs in after.micro_batches for m in mbs)
+    assert ids == list(range(12))
+    assert after.ranks == (0, 1, 3) and after.epoch == 1
+    assert sorted(len(m) for m in after.micro_batches) == [4, 4, 4]
+
+
+def test_replan_balances_micro_batches_by_speed():
+    after = replan(_plan(), [0, 1, 3], 1, 12, speeds={0: 1.0, 1: 1.0, 3: 2.0})
+    assert [len(m) for m in after.micro_batches] == [3, 3, 6]
+
+
+def test_drop_replica_baseline_skips_the_dead_ranks_micro_batches():
+    plan = _plan()
+    after = replan(plan, [0, 1, 3], 1, 12, policy="drop_replica")
+    assert after.num_micro_batches == 9
+    assert after.micro_batches == (plan.micro_batches[0], plan.micro_batches[1], plan.micro_batches[3])
+
+
+def test_pipelines_cannot_shrink_yet():
+    with pytest.raises(PlanError, match="pipelines with 2 stages"):
+        replan(_plan(dp=2, pp=2, mbs=4), [0, 1, 2], 1, 4)
+
+
+def test_snapshot_ring():
+    plan = _plan()
+    assert [plan.snapshot_holder(r) for r in range(4)] == [1, 2, 3, 0]
+    assert [plan.snapshot_owner(r) for r in range(4)] == [3, 0, 1, 2]
+
+
+def _holdings(plan, gens_own, gens_held, lost):
+    out = []
+    for r in plan.ranks:
+        if r in lost:
+            continue
+        mine = chunks_of(plan.chunk_owners, r)
+        owner = plan.snapshot_owner(r)
+        held = chunks_of(plan.chunk_owners, owner)
+        out.append(Holding(r, {g: mine for g in gens_own[r]}, {g: held for g in gens_held.get(r, ())}))
+    return out
+
+
+def test_resume_at_newest_generation_every_chunk_has():
+    plan = _plan()
+    new = replan(plan, [0, 1, 3], 1, 12)
+    # Rank 1 already updated (has 12, 13); the others not (11, 12); rank 3 holds rank 2's 11 and 12.
+    own = {0: (11, 12), 1: (12, 13), 3: (11, 12)}
+    held = {0: (12,), 1: (11, 12), 3: (11, 12)}
+    restore = plan_restore(plan.chunk_owners, new.chunk_owners, _holdings(plan, own, held, [2]))
+    assert restore.resume_step == 12 and not restore.is_fallback
+    lost = chunks_of(plan.chunk_owners, 2)
+    assert all(restore.sources[k] == (3, "held") for k in lost)
+    transfers = restore.transfers(new.chunk_owners)
+    # Disjoint: rank 3 sends each survivor a distinct part; nothing else moves.
+    assert set(transfers) == {(3, 0), (3, 1)}
+    sent = [k for keys in transfers.values() for k in keys]
+    assert len(sent) == len(set(sent))
+    assert set(sent) | {k for k in lost if new.chunk_owners[k[0]][k[1]] == 3} == set(lost)
+
+
+def test_owner_and_holder_dying_together_is_a_loud_fallback():
+    plan = _plan()
+    new = replan(plan, [0, 1], 1, 12)
+    own = {0: (11, 12), 1: (11, 12)}
+    held = {0: (11, 12), 1: (11, 12)}  # rank 2's snapshot was on rank 3, which died too
+    restore = plan_restore(plan.chunk_owners, new.chunk_owners, _holdings(plan, own, held, [2, 3]))
+    assert restore.is_fallback and restore.resume_step == 0
+    assert restore.unrecoverable_owners == (2,)
+
+
+def test_round_robin_matches_the_initial_rule():
+    owners = round_robin_owners({(0, 1): (0, 1)}, [9, 9], 4)
+    assert owners == ((0, 1, 0), (1, 0, 1))
+    assert reassign_owners(owners, {(1,): (0, 1)}) == ((1, 1, 1), (1, 1, 1))

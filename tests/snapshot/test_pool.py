@@ -1,0 +1,71 @@
+"""The snapshot pool over two real gloo ranks in threads: ring transfer, checksum, generations."""
+import threading
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from elaswave.comm.backend import make_process_group
+from elaswave.comm.groups import Group
+from elaswave.interrupt import Interrupt
+from elaswave.plan.plan import initial_plan
+from elaswave.snapshot.pool import SnapshotPool
+
+CHUNK = 4
+
+
+def _run_pair(body):
+    store = dist.TCPStore("127.0.0.1", 0, world_size=None, is_master=True, wait_for_workers=False,
+                          timeout=timedelta(seconds=10))
+    plan = initial_plan(2, 2, 1, [1.0, 1.0], 2, [8, 5], CHUNK)
+    out, errors = {}, []
+
+    def rank(r):
+        try:
+            client = dist.TCPStore("127.0.0.1", store.port, is_master=False, timeout=timedelta(seconds=10))
+            pg = make_process_group(client, "t/", r, 2, "gloo", 10.0, torch.device("cpu"))
+            out[r] = body(r, Group(pg, (0, 1), r, 0, 10.0, Interrupt()), plan)
+        except Exception as exc:  # surfaced below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert not errors, errors
+    return out
+
+
+def test_snapshot_travels_round_the_ring_and_keeps_two_generations():
+    def body(r, group, plan):
+        pool = SnapshotPool(r, CHUNK)
+        keys = list(plan.chunks_of(r))
+        kept = []
+        for gen in (1, 2, 3):
+            payload = torch.full((len(keys), 3, CHUNK), float(10 * r + gen))
+            pool.expect(group, plan, torch.device("cpu"))
+            pool.send(group, plan, gen, keys, payload)
+            assert pool.verify(group, gen)
+            pool.wait_sends(group)
+            kept.append(sorted(pool.holding()))
+        peer = plan.snapshot_owner(r)
+        return kept, pool.chunk(plan.chunks_of(peer)[0], 3)[0, 0].item(), peer
+
+    out = _run_pair(body)
+    for r, (kept, value, peer) in out.items():
+        assert kept == [[1], [1, 2], [2, 3]]
+        assert value == 10 * peer + 3
+
+
+def test_a_snapshot_for_the_wrong_step_is_refused():
+    def body(r, group, plan):
+        pool = SnapshotPool(r, CHUNK)
+        keys = list(plan.chunks_of(r))
+        pool.expect(group, plan, torch.device("cpu"))
+        pool.send(group, plan, 5, keys, torch.zeros(len(keys), 3, CHUNK))
+        ok = pool.verify(group, 6)
+        pool.wait_sends(group)
+        return ok, pool.holding()
+
+    assert all(res == (False, {}) for res in _run_pair(body).values())
