@@ -8,6 +8,7 @@ epoch is timed by the caller; MTTR runs from the fault to its end.
 """
 from __future__ import annotations
 
+import sys
 import time
 from dataclasses import dataclass, field
 
@@ -86,6 +87,10 @@ def recover(ctx, st: RankState, cause: Disruption, noticed_wall: float) -> tuple
                   {r: doc["speed"] for r, doc in reports.items()}, cfg.elastic.policy)
     restore = plan_restore(old.chunk_owners, plan.chunk_owners,
                            [Holding.from_doc(r, doc["holding"]) for r, doc in reports.items()])
+    if restore.is_fallback and ctx.rank == members[0]:
+        print(f"elaswave: WARNING: the ZeRO chunks of ranks {list(restore.unrecoverable_owners)} died with "
+              f"their snapshot holders; training goes back to step {restore.resume_step}, the newest "
+              "state every chunk still has", file=sys.stderr, flush=True)
     lap("plan")
 
     chunks, received = _restore_chunks(ctx, st, world, plan.chunk_owners, restore)

@@ -1,0 +1,125 @@
+"""The elastic core's numbers, each measured in one invocation on this machine (dp=4, pp=1, gloo).
+
+1. MTTR: rank 2 is SIGKILLed at step 12 (the phase rotates over the runs); median over runs of the
+   recovery's ``mttr_s`` and of each phase.
+2. Fast mode after the same failure: max |loss - failure-free loss| over the remaining steps, for
+   elaswave (micro-batches re-sharded, global batch kept) and for the drop-replica baseline (the
+   dead replica's samples skipped, the mean taken over the live replicas, as TorchFT does).
+3. Steady-state overhead: median step time with elasticity on (heartbeats, standby groups, per-step
+   snapshots) over the same job with it off, runs interleaved; peak RSS per rank on vs off and the
+   bytes each rank's snapshot pool holds.
+
+    python bench/elastic.py --kills 5 --repeats 3
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+JOB = ["parallel.dp=4", "parallel.pp=1", "train.num_micro_batches=12", "train.steps=30"]
+PHASES = ["forward", "backward", "reduce", "optimizer", "snapshot"]
+
+
+def run(sets: list[str], deterministic: bool = False) -> list[dict]:
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "m.jsonl"
+        cmd = [sys.executable, "-m", "elaswave.cli", "run", "--metrics-out", str(out)]
+        cmd += [x for s in JOB + sets for x in ("--set", s)] + (["--deterministic"] if deterministic else [])
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600,
+                              env=dict(os.environ, OMP_NUM_THREADS="1"))
+        if proc.returncode != 0:
+            raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stderr[-2000:]}")
+        return [json.loads(line) for line in out.read_text().splitlines() if line.strip()]
+
+
+def steps(records):
+    return [r for r in records if r["event"] == "step"]
+
+
+def one(records, event):
+    return next(r for r in records if r["event"] == event)
+
+
+def mttr(kills: int) -> dict:
+    recs = []
+    for k in range(kills):
+        phase = PHASES[k % len(PHASES)]
+        rec = one(run([f"elastic.inject=kill:rank=2,step=12,phase={phase}"]), "recovery")
+        recs.append({"phase": phase, **rec})
+        print(f"  kill in {phase}: mttr {rec['mttr_s']:.3f}s", flush=True)
+    names = list(recs[0]["phases_s"])
+    return {"runs": recs, "median_mttr_s": statistics.median(r["mttr_s"] for r in recs),
+            "max_mttr_s": max(r["mttr_s"] for r in recs),
+            "median_phases_s": {n: statistics.median(r["phases_s"][n] for r in recs) for n in names}}
+
+
+def deviation() -> dict:
+    base = [r["loss"] for r in steps(run([]))]
+    out = {}
+    for policy in ("elaswave", "drop_replica"):
+        losses = [r["loss"] for r in steps(run(["elastic.inject=kill:rank=2,step=12,phase=reduce",
+                                                 f"elastic.policy={policy}"]))]
+        after = [abs(a - b) for a, b in zip(losses[12:], base[12:])]
+        out[policy] = {"max_abs_dloss": max(after), "mean_abs_dloss": statistics.mean(after)}
+    out["drop_replica_over_elaswave"] = out["drop_replica"]["max_abs_dloss"] / max(out["elaswave"]["max_abs_dloss"], 1e-300)
+    return out
+
+
+def overhead(repeats: int) -> dict:
+    times = {"on": [], "off": []}
+    summaries = {"on": [], "off": []}
+    for _ in range(repeats):
+        for mode in ("off", "on"):
+            records = run([f"elastic.enabled={'true' if mode == 'on' else 'false'}"])
+            times[mode] += [r["step_time_s"] for r in steps(records)[5:]]
+            summaries[mode].append(one(records, "summary"))
+    med = {m: statistics.median(v) for m, v in times.items()}
+    rss = {m: max(max(s["peak_rss_bytes_per_rank"]) for s in summaries[m]) for m in summaries}
+    return {"median_step_s": med, "on_over_off": med["on"] / med["off"], "peak_rss_bytes": rss,
+            "rss_on_over_off": rss["on"] / rss["off"],
+            "snapshot_bytes_held_per_rank": summaries["on"][-1]["snapshot_bytes_held_per_rank"],
+            "optimizer_state_bytes_per_rank": summaries["on"][-1]["optimizer_state_bytes_per_rank"]}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--kills", type=int, default=5)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--out", default=str(HERE / "results" / "elastic"))
+    args = ap.parse_args()
+    print("MTTR ...", flush=True)
+    result = {"job": JOB, "mttr": mttr(args.kills)}
+    print("fast-mode deviation ...", flush=True)
+    result["deviation"] = deviation()
+    print("steady-state overhead ...", flush=True)
+    result["overhead"] = overhead(args.repeats)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out + ".json").write_text(json.dumps(result, indent=1))
+    m, d, o = result["mttr"], result["deviation"], result["overhead"]
+    md = [f"elaswave elastic core, {' '.join(JOB)}, default model, gloo, 2-core CPU box.", "",
+          f"**MTTR** (SIGKILL of rank 2 at step 12, {args.kills} runs, phase rotating): median "
+          f"{m['median_mttr_s']:.3f} s, max {m['max_mttr_s']:.3f} s.", "",
+          "| phase | median (s) |", "| --- | --- |"]
+    md += [f"| {n} | {v:.4f} |" for n, v in m["median_phases_s"].items()]
+    md += ["", "**Fast mode after the same failure** (max / mean |loss - failure-free loss| over steps 12-29):", "",
+           "| policy | max | mean |", "| --- | --- | --- |"]
+    md += [f"| {p} | {d[p]['max_abs_dloss']:.2e} | {d[p]['mean_abs_dloss']:.2e} |" for p in ("elaswave", "drop_replica")]
+    md += ["", f"drop-replica / elaswave (max): {d['drop_replica_over_elaswave']:.0f}x", "",
+           f"**Steady-state overhead** ({args.repeats} interleaved runs each): median step "
+           f"{o['median_step_s']['on'] * 1e3:.1f} ms on vs {o['median_step_s']['off'] * 1e3:.1f} ms off = "
+           f"**{o['on_over_off']:.3f}x**; peak RSS per rank {o['peak_rss_bytes']['on'] / 2**20:.0f} MiB on vs "
+           f"{o['peak_rss_bytes']['off'] / 2**20:.0f} MiB off; snapshot bytes held per rank "
+           f"{o['snapshot_bytes_held_per_rank']} (own optimizer state {o['optimizer_state_bytes_per_rank']})."]
+    Path(args.out + ".md").write_text("\n".join(md) + "\n")
+    print("\n".join(md))
+
+
+if __name__ == "__main__":
+    main()
