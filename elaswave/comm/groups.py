@@ -66,12 +66,6 @@ class Group:
     def irecv(self, t: torch.Tensor, src: int, tag: int) -> dist.Work:
         return self._call(backend.recv, t, self.members.index(src), tag)
 
-    def sub(self, members: Sequence[int]) -> "Group":
-        """A view of this group for holders that are every member (the usual dp-only case)."""
-        if tuple(members) != self.members:
-            raise ValueError(f"group {self.members} cannot stand in for {tuple(members)}")
-        return self
-
 
 def _prefix(kind: str, epoch: int, members: Sequence[int]) -> str:
     return f"ew/grp/{kind}/{epoch}/{'-'.join(map(str, members))}/"

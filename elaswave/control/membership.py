@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Callable, Sequence
 
 import torch.distributed as dist
@@ -126,7 +127,7 @@ class Membership:
 
     def gather(self, epoch: int, what: str, members: Sequence[int], timeout_s: float) -> dict[int, dict]:
         keys = [f"{PREFIX}ep/{epoch}/{what}/{r}" for r in members]
-        self.store.wait(keys, _td(timeout_s))
+        self.store.wait(keys, timedelta(seconds=timeout_s))
         return {r: json.loads(v) for r, v in zip(members, self.store.multi_get(keys))}
 
     def stamp(self, key: str, value: float | None = None) -> None:
@@ -134,9 +135,3 @@ class Membership:
 
     def read_stamp(self, key: str) -> float | None:
         return float(self.store.get(PREFIX + key)) if self.store.check([PREFIX + key]) else None
-
-
-def _td(seconds: float):
-    from datetime import timedelta
-
-    return timedelta(seconds=seconds)

@@ -55,7 +55,8 @@ class Context:
         self.speed = 1.0
         """Micro-batches per second of compute, measured; the re-plan balances by it."""
         self.plan = None
-        self.watcher = Watcher(_second_client(store), rank, self._view, self.interrupt,
+        # The watcher has its own store connection: its blocking waits must never stall training.
+        self.watcher = Watcher(store.clone(), rank, self._view, self.interrupt,
                                e.heartbeat_interval_s, e.heartbeat_timeout_s) if e.enabled else None
         self.sampler = None
 
@@ -75,11 +76,6 @@ class Context:
     def _first_mb(self) -> int:
         d, _ = self.plan.position(self.rank)
         return self.plan.micro_batches[d][0]
-
-
-def _second_client(store):
-    """The watcher's own store connection, so its blocking waits never stall the training loop."""
-    return store.clone()
 
 
 def _connect(cfg: JobConfig, rank: int, world_size: int):
