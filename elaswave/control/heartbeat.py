@@ -27,7 +27,6 @@ class Watcher(threading.Thread):
         self.interrupt, self.interval_s, self.timeout_s = interrupt, interval_s, timeout_s
         self._halt = threading.Event()
         self.seen_alerts = self.membership.alert_count()
-        self.last_alert = None
         self.noticed_at: dict[int, float] = {}
         """epoch -> wall time (time.time()) at which this watcher learnt the epoch was broken."""
 
@@ -67,7 +66,6 @@ class Watcher(threading.Thread):
             return
         self.seen_alerts += 1
         alert = self.membership.read_alert(self.seen_alerts)
-        self.last_alert = alert
         if alert.epoch >= epoch:
             # Check in first: the others may be waiting for us to decide the next epoch.
             self.membership.check_in(alert.epoch + 1)

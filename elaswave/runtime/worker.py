@@ -130,9 +130,8 @@ def run(cfg: JobConfig, rank: int, world_size: int, metrics_out: str | None) -> 
                              "lr": result.lr, "num_samples": samples, "world_size": len(st.plan.ranks),
                              "epoch": st.epoch, "step_time_s": took, "tokens_per_s": samples * m.seq_len / took,
                              "wall_time": time.time(), "phases_s": result.phases_s})
-                if pending is not None:
-                    if writer.fh is not None or writer.show_progress:
-                        writer.write(pending.record(time.time(), took))
+                if pending is not None:  # (a no-op writer on ranks that do not write)
+                    writer.write(pending.record(time.time(), took))
                     pending = None
                 step += 1
             summary = _finish(ctx, st, cfg)
@@ -153,7 +152,7 @@ def run(cfg: JobConfig, rank: int, world_size: int, metrics_out: str | None) -> 
             journal.discard_from(step)
             if rank == st.plan.ranks[0] and writer.fh is None and metrics_out:
                 writer = MetricsWriter(metrics_out, show_progress=True, total_steps=t.steps, append=True)
-            journal.commit_before(step, writer if rank == st.plan.ranks[0] else None)
+            journal.commit_before(step, writer)
     wall = time.perf_counter() - began
     if rank == st.plan.ranks[0]:
         digests = {i: h for part in summary.values() for i, h in part["digests"].items()}
