@@ -1,7 +1,12 @@
 """The elastic core's numbers, each measured in one invocation on this machine (dp=4, pp=1, gloo).
 
 1. MTTR: rank 2 is SIGKILLed at step 12 (the phase rotates over the runs); median over runs of the
-   recovery's ``mttr_s`` and of each phase.
+   recovery's ``mttr_s`` and of each phase. Against it, in the same invocation, restart-based
+   recovery as torchrun does it: the same job under real ``torchrun --max-restarts=1`` with
+   elasticity off and a disk checkpoint every 5 steps; the kill ends every worker, torchrun starts
+   them again, and they resume from the last checkpoint (step 10) and redo the steps since. Its
+   MTTR runs from the kill to the end of the interrupted step done again, the same end point as
+   elaswave's.
 2. Fast mode after the same failure: max |loss - failure-free loss| over the remaining steps, for
    elaswave (micro-batches re-sharded, global batch kept) and for the drop-replica baseline (the
    dead replica's samples skipped, the mean taken over the live replicas, as TorchFT does).
@@ -9,13 +14,14 @@
    snapshots) over the same job with it off, runs interleaved; peak RSS per rank on vs off and the
    bytes each rank's snapshot pool holds.
 
-    python bench/elastic.py --kills 5 --repeats 3
+    python bench/elastic.py --kills 5 --pairs 8
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -60,6 +66,40 @@ def mttr(kills: int) -> dict:
             "median_phases_s": {n: statistics.median(r["phases_s"][n] for r in recs) for n in names}}
 
 
+def restart_run(phase: str, every: int) -> dict:
+    """One torchrun restart-from-checkpoint recovery; times from the fault's wall-clock stamp."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "m.jsonl"
+        sets = JOB + ["elastic.enabled=false", f"checkpoint.dir={tmp}/ckpt", f"checkpoint.every_steps={every}",
+                      f"elastic.inject=kill:rank=2,step=12,phase={phase}"]
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4",
+               "--max-restarts=1", "-m", "elaswave.runtime.worker", "--metrics-out", str(out)]
+        cmd += [x for s in sets for x in ("--set", s)]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, start_new_session=True,
+                              env=dict(os.environ, OMP_NUM_THREADS="1"))
+        if proc.returncode != 0:
+            raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stderr[-3000:]}")
+        fault = float(re.search(r"injecting kill into rank 2 at step 12 .*wall time ([0-9.]+)", proc.stderr).group(1))
+        records = [json.loads(line) for line in out.read_text().splitlines() if line.strip()]
+    resume = one(records, "resume")
+    again = next(r for r in steps(records) if r["step"] == 12)
+    return {"phase": phase, "mttr_s": again["wall_time"] - fault, "restart_s": resume["wall_time"] - fault,
+            "load_s": resume["load_s"], "resumed_at": resume["step"], "steps_redone": 12 - resume["step"],
+            "step_s": statistics.median(r["step_time_s"] for r in steps(records))}
+
+
+def restart(kills: int, every: int = 5) -> dict:
+    runs = []
+    for k in range(kills):
+        rec = restart_run(PHASES[k % len(PHASES)], every)
+        runs.append(rec)
+        print(f"  torchrun restart, kill in {rec['phase']}: mttr {rec['mttr_s']:.3f}s "
+              f"(restart {rec['restart_s']:.3f}s, {rec['steps_redone']} steps redone)", flush=True)
+    return {"checkpoint_every_steps": every, "runs": runs,
+            "median_mttr_s": statistics.median(r["mttr_s"] for r in runs),
+            "median_restart_s": statistics.median(r["restart_s"] for r in runs)}
+
+
 def deviation() -> dict:
     base = [r["loss"] for r in steps(run([]))]
     out = {}
@@ -72,34 +112,49 @@ def deviation() -> dict:
     return out
 
 
-def overhead(repeats: int) -> dict:
-    times = {"on": [], "off": []}
-    summaries = {"on": [], "off": []}
-    for _ in range(repeats):
-        for mode in ("off", "on"):
+def overhead(pairs: int) -> dict:
+    """Runs with elasticity off and on, back to back in pairs (the box's speed drifts by more than
+    the effect over minutes); the ratio is the median over pairs of on/off median step time."""
+    ratios, cpu_ratios = [], []
+    times: dict[str, list[float]] = {"on": [], "off": []}
+    summaries: dict[str, list[dict]] = {"on": [], "off": []}
+    for i in range(pairs):
+        med = {}
+        for mode in (("off", "on") if i % 2 == 0 else ("on", "off")):
             records = run([f"elastic.enabled={'true' if mode == 'on' else 'false'}"])
-            times[mode] += [r["step_time_s"] for r in steps(records)[5:]]
+            t = [r["step_time_s"] for r in steps(records)[5:]]
+            med[mode] = statistics.median(t)
+            times[mode] += t
             summaries[mode].append(one(records, "summary"))
-    med = {m: statistics.median(v) for m, v in times.items()}
+        ratios.append(med["on"] / med["off"])
+        cpu = {m: sum(summaries[m][-1]["cpu_s_per_rank"]) for m in med}
+        cpu_ratios.append(cpu["on"] / cpu["off"])
+        print(f"  pair {i}: on/off step {ratios[-1]:.3f}, cpu {cpu_ratios[-1]:.3f}", flush=True)
     rss = {m: max(max(s["peak_rss_bytes_per_rank"]) for s in summaries[m]) for m in summaries}
-    return {"median_step_s": med, "on_over_off": med["on"] / med["off"], "peak_rss_bytes": rss,
-            "rss_on_over_off": rss["on"] / rss["off"],
+    return {"pairs": pairs, "on_over_off": statistics.median(ratios), "pair_ratios": ratios,
+            "cpu_on_over_off": statistics.median(cpu_ratios),
+            "median_step_s": {m: statistics.median(v) for m, v in times.items()},
+            "peak_rss_bytes": rss, "rss_on_over_off": rss["on"] / rss["off"],
             "snapshot_bytes_held_per_rank": summaries["on"][-1]["snapshot_bytes_held_per_rank"],
+            "snapshot_buffer_bytes_per_rank": summaries["on"][-1]["snapshot_buffer_bytes_per_rank"],
             "optimizer_state_bytes_per_rank": summaries["on"][-1]["optimizer_state_bytes_per_rank"]}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--kills", type=int, default=5)
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--pairs", type=int, default=8)
     ap.add_argument("--out", default=str(HERE / "results" / "elastic"))
     args = ap.parse_args()
     print("MTTR ...", flush=True)
     result = {"job": JOB, "mttr": mttr(args.kills)}
+    print("restart-based recovery (torchrun) ...", flush=True)
+    result["restart"] = restart(args.kills)
+    result["restart_over_elaswave"] = result["restart"]["median_mttr_s"] / result["mttr"]["median_mttr_s"]
     print("fast-mode deviation ...", flush=True)
     result["deviation"] = deviation()
     print("steady-state overhead ...", flush=True)
-    result["overhead"] = overhead(args.repeats)
+    result["overhead"] = overhead(args.pairs)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out + ".json").write_text(json.dumps(result, indent=1))
     m, d, o = result["mttr"], result["deviation"], result["overhead"]
@@ -108,15 +163,24 @@ def main() -> None:
           f"{m['median_mttr_s']:.3f} s, max {m['max_mttr_s']:.3f} s.", "",
           "| phase | median (s) |", "| --- | --- |"]
     md += [f"| {n} | {v:.4f} |" for n, v in m["median_phases_s"].items()]
+    r = result["restart"]
+    md += ["", f"**Restart-based recovery** (real torchrun --max-restarts=1, checkpoint every "
+               f"{r['checkpoint_every_steps']} steps, same kills): median MTTR {r['median_mttr_s']:.3f} s, of which "
+               f"{r['median_restart_s']:.3f} s until the restarted workers had loaded step "
+               f"{r['runs'][0]['resumed_at']}, the rest redoing {r['runs'][0]['steps_redone']} steps. "
+               f"**elaswave is {result['restart_over_elaswave']:.1f}x faster.**"]
     md += ["", "**Fast mode after the same failure** (max / mean |loss - failure-free loss| over steps 12-29):", "",
            "| policy | max | mean |", "| --- | --- | --- |"]
     md += [f"| {p} | {d[p]['max_abs_dloss']:.2e} | {d[p]['mean_abs_dloss']:.2e} |" for p in ("elaswave", "drop_replica")]
     md += ["", f"drop-replica / elaswave (max): {d['drop_replica_over_elaswave']:.0f}x", "",
-           f"**Steady-state overhead** ({args.repeats} interleaved runs each): median step "
-           f"{o['median_step_s']['on'] * 1e3:.1f} ms on vs {o['median_step_s']['off'] * 1e3:.1f} ms off = "
-           f"**{o['on_over_off']:.3f}x**; peak RSS per rank {o['peak_rss_bytes']['on'] / 2**20:.0f} MiB on vs "
+           f"**Steady-state overhead** ({o['pairs']} back-to-back pairs of runs, median of the pairs' "
+           f"on/off ratios): **{o['on_over_off']:.3f}x** step time (pairs: "
+           f"{', '.join(f'{x:.3f}' for x in o['pair_ratios'])}); CPU time {o['cpu_on_over_off']:.3f}x; "
+           f"median step {o['median_step_s']['on'] * 1e3:.1f} ms on, {o['median_step_s']['off'] * 1e3:.1f} ms off; peak RSS per rank {o['peak_rss_bytes']['on'] / 2**20:.0f} MiB on vs "
            f"{o['peak_rss_bytes']['off'] / 2**20:.0f} MiB off; snapshot bytes held per rank "
-           f"{o['snapshot_bytes_held_per_rank']} (own optimizer state {o['optimizer_state_bytes_per_rank']})."]
+           f"{o['snapshot_bytes_held_per_rank']} (one peer's shard: parameter slice + exp_avg + exp_avg_sq) and "
+           f"transfer buffers {o['snapshot_buffer_bytes_per_rank']} (the outgoing message and one receive "
+           f"buffer); own optimizer state (moments) {o['optimizer_state_bytes_per_rank']}."]
     Path(args.out + ".md").write_text("\n".join(md) + "\n")
     print("\n".join(md))
 

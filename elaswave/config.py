@@ -193,12 +193,38 @@ class ElasticConfig:
 
 
 @dataclass
+class CheckpointConfig:
+    """Disk checkpoints (torch.distributed.checkpoint): for whole-job restarts, and the fallback when
+    a rank dies together with the peer that holds its in-memory snapshot."""
+
+    dir: str = ""
+    """Where checkpoints go; empty: none are written or read."""
+    every_steps: int = 0
+    """Save the state every this many steps, in the background; 0: never save."""
+    keep: int = 2
+    """Complete checkpoints kept; older ones are deleted."""
+    resume: bool = True
+    """At start, continue from the newest complete checkpoint in ``dir`` if there is one."""
+
+    def validate(self) -> None:
+        if self.every_steps < 0:
+            _fail("checkpoint.every_steps", self.every_steps, "must be >= 0 (0: never save)")
+        if self.every_steps > 0 and not self.dir:
+            _fail("checkpoint.every_steps", self.every_steps, "needs checkpoint.dir set to a directory")
+        if self.keep < 1:
+            _fail("checkpoint.keep", self.keep, "must be >= 1")
+        if self.dir and os.path.exists(self.dir) and not os.path.isdir(self.dir):
+            _fail("checkpoint.dir", self.dir, "exists and is not a directory")
+
+
+@dataclass
 class JobConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     elastic: ElasticConfig = field(default_factory=ElasticConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
 
     @property
     def world_size(self) -> int:
@@ -210,6 +236,7 @@ class JobConfig:
         self.train.validate()
         self.parallel.validate()
         self.elastic.validate()
+        self.checkpoint.validate()
         for text in self.elastic.inject:
             fault = faults.parse(text)
             if fault.rank >= self.world_size:
@@ -230,6 +257,10 @@ class JobConfig:
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+    def model_identity(self) -> dict:
+        """What a checkpoint must match to load into this job: the model's shape."""
+        return {k: v for k, v in dataclasses.asdict(self.model).items() if k != "dropout"}
 
 
 _SECTIONS = {f.name: f.type for f in fields(JobConfig)}

@@ -7,6 +7,7 @@ to be torn down. Every wait is bounded by ``timeout_s`` and gives up early when 
 from __future__ import annotations
 
 import os
+import queue
 import threading
 from datetime import timedelta
 
@@ -38,7 +39,9 @@ def connect_store(addr: str, timeout_s: float) -> dist.Store:
 def rendezvous_store(timeout_s: float) -> tuple[dist.Store, int, int]:
     """(store, rank, world size) from torchrun's ``env://`` variables, without a process group."""
     store, rank, world_size = next(dist.rendezvous("env://", timeout=timedelta(seconds=timeout_s)))
-    return store, rank, world_size
+    # A restarted worker group must not meet the dead attempt's keys (gloo addresses, epochs).
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return dist.PrefixStore(f"attempt{attempt}", store), rank, world_size
 
 
 def make_process_group(store: dist.Store, prefix: str, group_rank: int, size: int, backend: str,
@@ -75,9 +78,8 @@ def wait(work: dist.Work, timeout_s: float, what: str, interrupt: Interrupt | No
             # gloo's send/recv works have no future, and may be waited on only once: a helper
             # thread does that wait. If the peer is dead it stays blocked until the group's
             # timeout, harmlessly (daemon).
-            helper["thread"] = threading.Thread(target=_wait_quietly, args=(work, timeout_s, done, helper),
-                                                daemon=True)
-            helper["thread"].start()
+            helper["thread"] = True
+            _WAITERS.submit(_wait_quietly, work, timeout_s, done, helper)
         if not done.wait(timeout_s):
             raise CommError(f"{what} did not complete within {timeout_s}s")
         interrupt.check(epoch)
@@ -87,6 +89,34 @@ def wait(work: dist.Work, timeout_s: float, what: str, interrupt: Interrupt | No
         _wait_now(work, timeout_s, what)  # completed: raises if it failed
     elif "error" in helper:
         raise CommError(f"{what} failed: {helper['error']}") from helper["error"]
+
+
+class _Waiters:
+    """Daemon threads that each wait on one Work at a time: reused (a thread per wait cost more than
+    the wait), and one more is started whenever all are busy, e.g. stuck on a dead peer."""
+
+    def __init__(self) -> None:
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._idle = 0
+        self._lock = threading.Lock()
+
+    def submit(self, fn, *args) -> None:
+        with self._lock:
+            if self._idle:
+                self._idle -= 1
+            else:
+                threading.Thread(target=self._serve, name="elaswave-wait", daemon=True).start()
+        self._jobs.put((fn, args))
+
+    def _serve(self) -> None:
+        while True:
+            fn, args = self._jobs.get()
+            fn(*args)
+            with self._lock:
+                self._idle += 1
+
+
+_WAITERS = _Waiters()
 
 
 def _wait_now(work: dist.Work, timeout_s: float, what: str) -> None:

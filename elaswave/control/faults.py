@@ -2,12 +2,15 @@
 
 ``kill:rank=R,step=S[,phase=P]`` and ``stop:rank=R,step=S[,phase=P]``; phases are the points of a
 step at which the signal goes out. Before the signal the rank stamps the wall time of the fault
-in the store, which is where every MTTR is measured from.
+in the store, which is where every MTTR is measured from, and prints it (one line on stderr) for
+runs whose store does not outlive the fault: a job that torchrun restarts gets a new store.
 """
 from __future__ import annotations
 
 import os
 import signal
+import sys
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Sequence
 
@@ -65,4 +68,6 @@ class FaultInjector:
             if f.step == step and f.phase == phase:
                 if self.membership is not None:
                     self.membership.stamp(f"fault/{f.rank}")
+                print(f"elaswave: injecting {f.kind} into rank {f.rank} at step {step} ({phase}), "
+                      f"wall time {time.time():.6f}", file=sys.stderr, flush=True)
                 os.kill(os.getpid(), signal.SIGKILL if f.kind == "kill" else signal.SIGSTOP)

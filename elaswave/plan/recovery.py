@@ -1,12 +1,12 @@
 """Where a recovery resumes and which chunk moves from whom to whom (pure).
 
-Every rank keeps two generations of its own ZeRO chunks (the state at the start of the current
-step and of the next one) and two generations of the snapshot it holds for a peer. Generation
-``g`` is the state at the start of step ``g``. After a loss, each survivor reports which
-generations of which chunks it has; the job resumes at the newest generation that every chunk
-has somewhere, and each chunk's new owner gets it from one source. Generation 0 (the keyed
-initialisation) can be rebuilt by anyone, so it is always available -- but falling back to it
-discards progress, which the caller reports loudly.
+Generation ``g`` is the state at the start of step ``g``. Every rank keeps two generations of its
+own ZeRO chunks and one or two of the snapshot it holds for a peer. After a loss, each survivor
+reports which generations of which chunks it has; the job resumes at the newest generation that
+every chunk has somewhere, and each chunk's new owner gets it from one source. Two more sources
+have every chunk: the newest complete disk checkpoint, which any rank can read, and generation 0
+(the keyed initialisation), which any rank can rebuild. Going back to either discards progress,
+which the caller reports loudly.
 """
 from __future__ import annotations
 
@@ -39,7 +39,8 @@ class Holding:
 class Restore:
     resume_step: int
     sources: dict[ChunkKey, tuple[int | None, str]]
-    """chunk -> (rank that sends it, 'own' | 'held'); (None, 'init') = rebuilt from the seed."""
+    """chunk -> (rank that sends it, 'own' | 'held'); (None, 'disk') = read from the disk
+    checkpoint by its new owner; (None, 'init') = rebuilt from the seed."""
     is_fallback: bool
     """True when the job goes back further than the survivors' own state (progress discarded):
     some ranks died together with the holders of their snapshots."""
@@ -57,7 +58,9 @@ class Restore:
         return out
 
 
-def plan_restore(old_owners: Owners, new_owners: Owners, holdings: Sequence[Holding]) -> Restore:
+def plan_restore(old_owners: Owners, new_owners: Owners, holdings: Sequence[Holding],
+                 disk_step: int | None = None) -> Restore:
+    """``disk_step``: the generation of the newest disk checkpoint every survivor can read, if any."""
     have: dict[ChunkKey, dict[int, list[tuple[int, str]]]] = {}
     for h in sorted(holdings, key=lambda h: h.rank):
         for kind, part in (("own", h.own), ("held", h.held)):
@@ -65,9 +68,10 @@ def plan_restore(old_owners: Owners, new_owners: Owners, holdings: Sequence[Hold
                 for key in keys:
                     have.setdefault(key, {}).setdefault(gen, []).append((h.rank, kind))
     keys = [(layer, c) for layer, row in enumerate(old_owners) for c in range(len(row))]
+    everywhere = {0} | ({disk_step} if disk_step is not None else set())
     common: set[int] | None = None
     for key in keys:
-        gens = set(have.get(key, {})) | {0}
+        gens = set(have.get(key, {})) | everywhere
         common = gens if common is None else common & gens
     resume = max(common) if common else 0
     newest_own = max((g for h in holdings for g in h.own), default=0)
@@ -75,7 +79,7 @@ def plan_restore(old_owners: Owners, new_owners: Owners, holdings: Sequence[Hold
     for key in keys:
         options = have.get(key, {}).get(resume, [])
         if not options:
-            sources[key] = (None, "init")
+            sources[key] = (None, "disk" if resume == disk_step else "init")
             continue
         dst = new_owners[key[0]][key[1]]
         local = [o for o in options if o[0] == dst]

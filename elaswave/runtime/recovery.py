@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from elaswave.checkpoint import disk
 from elaswave.config import JobConfig
 from elaswave.interrupt import CommError, Disruption
 from elaswave.model.gpt import build_layer
@@ -75,8 +76,12 @@ def recover(ctx, st: RankState, cause: Disruption, noticed_wall: float) -> tuple
     lost = sorted(set(old.ranks) - set(members))
     holding = Holding(ctx.rank, st.optimizer.holding(), ctx.pool.holding() if ctx.pool else {})
     ctx.membership.post(epoch, "state", {"holding": holding.to_doc(), "speed": ctx.speed,
-                                         "standby_ready": ctx.comm.standby_ready(members)})
+                                         "standby_ready": ctx.comm.standby_ready(members),
+                                         "disk_step": _readable_checkpoint(ctx)})
     reports = ctx.membership.gather(epoch, "state", members, cfg.parallel.timeout_s)
+    disk_steps = [doc["disk_step"] for doc in reports.values()]
+    # The newest checkpoint every survivor saw complete (they may have looked at different moments).
+    disk_step = None if None in disk_steps else min(disk_steps)
     lap("agree")
 
     ctx.comm.park(st.world)
@@ -86,11 +91,14 @@ def recover(ctx, st: RankState, cause: Disruption, noticed_wall: float) -> tuple
     plan = replan(old, members, epoch, cfg.train.num_micro_batches,
                   {r: doc["speed"] for r, doc in reports.items()}, cfg.elastic.policy)
     restore = plan_restore(old.chunk_owners, plan.chunk_owners,
-                           [Holding.from_doc(r, doc["holding"]) for r, doc in reports.items()])
+                           [Holding.from_doc(r, doc["holding"]) for r, doc in reports.items()], disk_step)
     if restore.is_fallback and ctx.rank == members[0]:
+        source = (f"the disk checkpoint in {disk.step_dir(cfg.checkpoint.dir, disk_step)}"
+                  if restore.resume_step == disk_step and disk_step else
+                  "the keyed initial state (no disk checkpoint: set checkpoint.dir and checkpoint.every_steps)")
         print(f"elaswave: WARNING: the ZeRO chunks of ranks {list(restore.unrecoverable_owners)} died with "
-              f"their snapshot holders; training goes back to step {restore.resume_step}, the newest "
-              "state every chunk still has", file=sys.stderr, flush=True)
+              f"their snapshot holders; training goes back to step {restore.resume_step}, from {source}",
+              file=sys.stderr, flush=True)
     lap("plan")
 
     chunks, received = _restore_chunks(ctx, st, world, plan.chunk_owners, restore)
@@ -99,7 +107,7 @@ def recover(ctx, st: RankState, cause: Disruption, noticed_wall: float) -> tuple
     gather_params(new)
     if ctx.pool is not None:
         ctx.pool.reset()
-        ctx.pool.send(world, plan, new.optimizer.gen, new.optimizer.keys(), new.optimizer.payload())
+        ctx.pool.send(world, plan, new.optimizer.gen, new.optimizer.keys(), new.optimizer.payload, new.device)
         ctx.pool.expect(world, plan, new.device)
     ctx.comm.prepare_standbys(members, epoch)
     lap("state")
@@ -136,14 +144,32 @@ def _restore_chunks(ctx, st: RankState, world, new_owners, restore: Restore) -> 
         for k, part in zip(keys, buf):
             chunks[k] = part
     fresh: dict[int, FlatLayer] = {}
-    for key, (src, _) in restore.sources.items():
+    from_disk = []
+    for key, (src, kind) in restore.sources.items():
         if new_owners[key[0]][key[1]] != me or key in chunks:
             continue
         if src == me:
             chunks[key] = local(key).to(st.device)
+        elif kind == "disk":
+            from_disk.append(key)
         elif src is None:
             chunks[key] = _initial_chunk(ctx.cfg, key, fresh, st.device)
+    if from_disk:
+        manifest = disk.read_manifest(disk.step_dir(ctx.cfg.checkpoint.dir, gen))
+        chunks.update({k: v.to(st.device) for k, v in disk.load_chunks(manifest, from_disk).items()})
     return chunks, received
+
+
+def _readable_checkpoint(ctx) -> int | None:
+    """The step of the newest complete checkpoint, once this rank's own save in flight is done."""
+    if ctx.checkpointer is None:
+        return None
+    try:
+        ctx.checkpointer.wait()
+    except disk.CheckpointError as exc:
+        print(f"elaswave: WARNING: rank {ctx.rank}: {exc}", file=sys.stderr, flush=True)
+    newest = disk.latest(ctx.cfg.checkpoint.dir)
+    return newest.step if newest is not None else None
 
 
 def _initial_chunk(cfg: JobConfig, key: ChunkKey, cache: dict, device: torch.device) -> torch.Tensor:

@@ -87,6 +87,8 @@ def train_step(st: RankState, cfg: JobConfig, step: int, pool: SnapshotPool | No
     if exchange[-1].item() != st.world.size:
         raise SnapshotError(f"step {step}: only {int(exchange[-1].item())} of {st.world.size} snapshots "
                             "passed their checksum")
+    if pool is not None:
+        pool.commit(step)
     lap("norm")
 
     # 4. ZeRO-1: each owner updates its chunks, then the holders re-gather whole layers.
@@ -101,7 +103,7 @@ def train_step(st: RankState, cfg: JobConfig, step: int, pool: SnapshotPool | No
     # 5. Snapshot: the new state of this rank's chunks goes to its holder while the next step computes.
     if pool is not None:
         pool.wait_sends(st.world)
-        pool.send(st.world, st.plan, st.optimizer.gen, st.optimizer.keys(), st.optimizer.payload())
+        pool.send(st.world, st.plan, st.optimizer.gen, st.optimizer.keys(), st.optimizer.payload, st.device)
         pool.expect(st.world, st.plan, st.device)
     fault(step, "snapshot")
     lap("snapshot")

@@ -17,6 +17,7 @@ import time
 import torch
 
 from elaswave import config
+from elaswave.checkpoint import disk
 from elaswave.comm import backend
 from elaswave.comm.groups import Communicator
 from elaswave.config import ConfigError, JobConfig
@@ -33,7 +34,7 @@ from elaswave.plan.plan import initial_plan
 from elaswave.runtime import recovery
 from elaswave.runtime.metrics import MetricsWriter, StepJournal, print_error
 from elaswave.runtime.rank import build_rank, layer_numels
-from elaswave.runtime.step import train_step
+from elaswave.runtime.step import gather_params, train_step
 from elaswave.snapshot.pool import SnapshotPool
 from elaswave.zero.flat import params_sha256
 
@@ -51,7 +52,12 @@ class Context:
         self.comm = Communicator(store, rank, backend_name, device, cfg.parallel.timeout_s, self.interrupt,
                                  e.enabled and e.standby_groups)
         self.pool = SnapshotPool(rank, cfg.parallel.chunk_numel) if e.enabled and e.snapshots else None
-        self.injector = FaultInjector(cfg.elastic.faults, rank, self.membership)
+        # A fault is an event in the run's life: a job restarted by torchrun does not meet it again.
+        first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+        self.injector = FaultInjector(cfg.elastic.faults if first_attempt else [], rank, self.membership)
+        c = cfg.checkpoint
+        self.checkpointer = disk.Checkpointer(c.dir, rank, c.every_steps, c.keep, cfg.model_identity(),
+                                              cfg.parallel.chunk_numel) if c.dir else None
         self.speed = 1.0
         """Micro-batches per second of compute, measured; the re-plan balances by it."""
         self.plan = None
@@ -106,16 +112,25 @@ def run(cfg: JobConfig, rank: int, world_size: int, metrics_out: str | None) -> 
     ctx.sampler = Sampler(tokens, t.seed, t.micro_batch_size, m.seq_len) if tokens is not None else None
     stage = Stage(cfg, (start, end), device)
     world = ctx.comm.group(plan.ranks, plan.epoch)
-    st = build_rank(cfg, plan, rank, stage, ctx.sampler, world, ctx.comm, device, name, before=ctx.before_action)
+    resumed = _resume_point(cfg, plan, rank)
+    gen, chunks = (resumed[0].step, resumed[1]) if resumed else (0, None)
+    st = build_rank(cfg, plan, rank, stage, ctx.sampler, world, ctx.comm, device, name, gen=gen, chunks=chunks,
+                    before=ctx.before_action)
+    if resumed:
+        gather_params(st)
     ctx.comm.prepare_standbys(plan.ranks, plan.epoch)
     world.all_reduce(torch.zeros(1, device=device), "start-up barrier")
     if ctx.watcher is not None:
         ctx.watcher.start()
 
     journal = StepJournal()
-    writer = MetricsWriter(metrics_out if rank == 0 else None, show_progress=rank == 0, total_steps=t.steps)
+    writer = MetricsWriter(metrics_out if rank == 0 else None, show_progress=rank == 0, total_steps=t.steps,
+                           append=resumed is not None)
+    if resumed:
+        writer.write({"event": "resume", "step": gen, "checkpoint": str(disk.step_dir(cfg.checkpoint.dir, gen)),
+                      "load_s": resumed[2], "wall_time": time.time()})
     began = time.perf_counter()
-    step, result, pending = 0, None, None
+    step, result, pending = gen, None, None
     while True:
         try:
             while step < t.steps:
@@ -134,6 +149,11 @@ def run(cfg: JobConfig, rank: int, world_size: int, metrics_out: str | None) -> 
                     writer.write(pending.record(time.time(), took))
                     pending = None
                 step += 1
+                if ctx.checkpointer is not None and ctx.checkpointer.due(step):
+                    ctx.checkpointer.save(step, st.plan.chunk_owners, st.optimizer.keys(), st.optimizer.payload(),
+                                          is_writer=rank == st.plan.ranks[0])
+            if ctx.checkpointer is not None:
+                ctx.checkpointer.wait()
             summary = _finish(ctx, st, cfg)
             journal.commit_before(t.steps, writer)
             break
@@ -162,7 +182,9 @@ def run(cfg: JobConfig, rank: int, world_size: int, metrics_out: str | None) -> 
                       "epoch": st.epoch, "ranks": list(st.plan.ranks), "deterministic": t.deterministic,
                       "optimizer_state_bytes_per_rank": [summary[r]["state_bytes"] for r in st.plan.ranks],
                       "snapshot_bytes_held_per_rank": [summary[r]["snapshot_bytes"] for r in st.plan.ranks],
-                      "peak_rss_bytes_per_rank": [summary[r]["peak_rss_bytes"] for r in st.plan.ranks]})
+                      "snapshot_buffer_bytes_per_rank": [summary[r]["snapshot_buffer_bytes"] for r in st.plan.ranks],
+                      "peak_rss_bytes_per_rank": [summary[r]["peak_rss_bytes"] for r in st.plan.ranks],
+                      "cpu_s_per_rank": [summary[r]["cpu_s"] for r in st.plan.ranks]})
         ctx.membership.stamp("done")
     writer.close()
     if ctx.watcher is not None:
@@ -170,13 +192,34 @@ def run(cfg: JobConfig, rank: int, world_size: int, metrics_out: str | None) -> 
     return 0
 
 
+def _resume_point(cfg: JobConfig, plan, rank: int):
+    """(manifest, this rank's chunks, seconds to load) from the newest complete checkpoint, or None."""
+    c = cfg.checkpoint
+    if not (c.dir and c.resume):
+        return None
+    began = time.perf_counter()
+    manifest = disk.latest(c.dir)
+    if manifest is None:
+        return None
+    manifest.check_fits(cfg.model_identity(), cfg.parallel.chunk_numel, plan.chunk_owners)
+    if manifest.step >= cfg.train.steps:
+        raise ConfigError(f"train.steps={cfg.train.steps} is invalid: the checkpoint in {c.dir} is already at "
+                          f"step {manifest.step}; raise train.steps or use another checkpoint.dir")
+    chunks = disk.load_chunks(manifest, plan.chunks_of(rank))
+    if rank == 0:
+        print(f"elaswave: resuming at step {manifest.step} from {disk.step_dir(c.dir, manifest.step)}", flush=True)
+    return manifest, chunks, time.perf_counter() - began
+
+
 def _finish(ctx: Context, st, cfg: JobConfig) -> dict[int, dict]:
     """Every rank posts its layers' digests (each layer by its first holder) and its memory figures."""
     plan = st.plan
+    usage = resource.getrusage(resource.RUSAGE_SELF)
     doc = {"digests": {str(l.index): l.digest().hex() for l in st.stage.layers if plan.holders(l.index)[0] == st.rank},
            "state_bytes": st.optimizer.state_bytes(),
            "snapshot_bytes": ctx.pool.bytes_held() if ctx.pool else 0,
-           "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+           "snapshot_buffer_bytes": ctx.pool.bytes_buffered() if ctx.pool else 0,
+           "peak_rss_bytes": usage.ru_maxrss * 1024, "cpu_s": usage.ru_utime + usage.ru_stime}
     ctx.membership.post(plan.epoch, "final", doc)
     st.world.all_reduce(torch.zeros(1, device=st.device), "final barrier")
     if st.rank != plan.ranks[0]:
@@ -196,7 +239,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = config.load(args.config, args.overrides)
         code = run(cfg, rank, world_size, args.metrics_out)
-    except ConfigError as exc:
+    except (ConfigError, disk.CheckpointError) as exc:
         print_error(str(exc))
         code = 2
     except Exception as exc:  # one line for the user; the traceback goes with ELASWAVE_DEBUG=1

@@ -2,14 +2,20 @@
 
 Placement is a ring over the epoch's ranks (:meth:`Plan.snapshot_holder`): rank ``r`` sends to the
 next rank and keeps the previous one's. A snapshot travels as a small header (generation, CRC-32,
-chunk keys) and one payload tensor, both asynchronous, so the copy overlaps the next step's
+chunk keys) and the payload in one asynchronous message, so the copy overlaps the next step's
 compute. The holder verifies it before the next step's update may start (the step's loss exchange
 carries a "verified" flag from every holder), which is what lets every rank drop the generation
 before: a recovery then always finds one generation that every chunk has somewhere.
+
+A holder keeps one verified generation at rest. From its verification until the step's exchange
+proves *every* holder verified the same generation (:meth:`commit`), it keeps the one before too:
+otherwise two owners dying in that window, one of whose holders had verified and one not, would
+leave no generation common to all chunks.
 """
 from __future__ import annotations
 
 import zlib
+from typing import Callable
 
 import torch
 
@@ -17,7 +23,7 @@ from elaswave.comm.groups import Group
 from elaswave.plan.chunks import ChunkKey
 from elaswave.plan.plan import Plan
 
-TAG_HEADER, TAG_PAYLOAD = 1_000_001, 1_000_002
+TAG_SNAPSHOT = 1_000_001
 
 
 class SnapshotError(RuntimeError):
@@ -28,30 +34,47 @@ def crc32(t: torch.Tensor) -> int:
     return zlib.crc32(t.detach().cpu().contiguous().numpy())
 
 
+def _sizes(k: int, chunk_numel: int) -> tuple[int, int]:
+    """Bytes of a snapshot message's header (int64: generation, CRC-32, k, then k keys) and payload."""
+    return 8 * (3 + 2 * k), 4 * k * 3 * chunk_numel
+
+
 class SnapshotPool:
+    """One message per snapshot -- header and payload in one byte buffer -- so a step costs one send,
+    one receive and one wait on each side; the buffers are reused from step to step."""
+
     def __init__(self, rank: int, chunk_numel: int):
         self.rank, self.chunk_numel = rank, chunk_numel
-        self.held: dict[tuple[int, int], tuple[tuple[ChunkKey, ...], torch.Tensor]] = {}
-        """(owner, generation) -> (chunk keys, [k, 3, chunk_numel] payload in CPU memory)."""
-        self._sends: list = []
+        self.held: dict[tuple[int, int], tuple[tuple[ChunkKey, ...], torch.Tensor, torch.Tensor]] = {}
+        """(owner, generation) -> (chunk keys, [k, 3, chunk_numel] payload in CPU memory, its buffer)."""
+        self._send: tuple | None = None
+        self._out: torch.Tensor | None = None
         self._incoming = None
+        self._spare: list[torch.Tensor] = []
         self.owner: int | None = None
 
     # -- the owner's side ---------------------------------------------------------------------
-    def send(self, group: Group, plan: Plan, gen: int, keys: list[ChunkKey], payload: torch.Tensor) -> None:
+    def send(self, group: Group, plan: Plan, gen: int, keys: list[ChunkKey], fill: Callable[[torch.Tensor], object],
+             device: torch.device) -> None:
+        """Post this rank's snapshot of generation ``gen``; ``fill(out)`` writes the chunks' state
+        into ``out`` (``[len(keys), 3, chunk_numel]``, part of the message buffer: no extra copy)."""
         holder = plan.snapshot_holder(self.rank)
         if holder is None:
             return
+        hbytes, pbytes = _sizes(len(keys), self.chunk_numel)
+        if self._out is None or self._out.numel() != hbytes + pbytes or self._out.device != device:
+            self._out = torch.empty(hbytes + pbytes, dtype=torch.uint8, device=device)
+        payload = self._out[hbytes:].view(torch.float32).view(len(keys), 3, self.chunk_numel)
+        fill(payload)
         header = torch.tensor([gen, crc32(payload), len(keys)] + [x for k in keys for x in k], dtype=torch.int64)
-        header = header.to(payload.device)
-        payload = payload.contiguous()
-        self._sends.append((group.isend(header, holder, TAG_HEADER), header))
-        self._sends.append((group.isend(payload, holder, TAG_PAYLOAD), payload))
+        self._out[:hbytes].view(torch.int64).copy_(header)
+        self._send = (group.isend(self._out, holder, TAG_SNAPSHOT), holder)
 
     def wait_sends(self, group: Group) -> None:
-        for work, _ in self._sends:
-            group.wait(work, "snapshot send")
-        self._sends.clear()
+        if self._send is not None:
+            work, holder = self._send
+            self._send = None
+            group.wait(work, f"snapshot to rank {holder}")
 
     # -- the holder's side --------------------------------------------------------------------
     def expect(self, group: Group, plan: Plan, device: torch.device) -> None:
@@ -61,46 +84,64 @@ class SnapshotPool:
             self._incoming = None
             return
         k = len(plan.chunks_of(self.owner))
-        header = torch.empty(3 + 2 * k, dtype=torch.int64, device=device)
-        payload = torch.empty(k, 3, self.chunk_numel, dtype=torch.float32, device=device)
-        self._incoming = (group.irecv(header, self.owner, TAG_HEADER), header,
-                          group.irecv(payload, self.owner, TAG_PAYLOAD), payload)
+        hbytes, pbytes = _sizes(k, self.chunk_numel)
+        fits = [b for b in self._spare if b.numel() == hbytes + pbytes and b.device == device]
+        buf = fits[0] if fits else torch.empty(hbytes + pbytes, dtype=torch.uint8, device=device)
+        self._spare = [b for b in self._spare if b is not buf]
+        self._incoming = (group.irecv(buf, self.owner, TAG_SNAPSHOT), buf, k)
 
     def verify(self, group: Group, gen: int) -> bool:
         """Wait for the expected snapshot of generation ``gen``; keep it if its checksum is right."""
         if self._incoming is None:
             return True
-        hwork, header, pwork, payload = self._incoming
+        work, buf, k = self._incoming
         self._incoming = None
-        group.wait(hwork, f"snapshot header from rank {self.owner}")
-        group.wait(pwork, f"snapshot from rank {self.owner}")
-        h = header.cpu().tolist()
-        payload = payload.cpu()
-        if h[0] != gen or h[1] != crc32(payload):
+        group.wait(work, f"snapshot from rank {self.owner}")
+        buf = buf.cpu()
+        hbytes, _ = _sizes(k, self.chunk_numel)
+        h = buf[:hbytes].view(torch.int64).tolist()
+        payload = buf[hbytes:].view(torch.float32).view(k, 3, self.chunk_numel)
+        if h[0] != gen or h[2] != k or h[1] != crc32(payload):
+            self._spare.append(buf)
             return False
-        keys = tuple((h[3 + 2 * i], h[4 + 2 * i]) for i in range(h[2]))
-        self.held[(self.owner, gen)] = (keys, payload)
-        for old in [k for k in self.held if k[1] < gen - 1]:
-            del self.held[old]
+        keys = tuple((h[3 + 2 * i], h[4 + 2 * i]) for i in range(k))
+        self.held[(self.owner, gen)] = (keys, payload, buf)
+        self._drop_before(gen - 1)
         return True
+
+    def commit(self, gen: int) -> None:
+        """Every holder verified generation ``gen``: the ones before are no longer needed."""
+        self._drop_before(gen)
+
+    def _drop_before(self, gen: int) -> None:
+        for old in [k for k in self.held if k[1] < gen]:
+            self._spare.append(self.held.pop(old)[2])
 
     def holding(self) -> dict[int, list[ChunkKey]]:
         out: dict[int, list[ChunkKey]] = {}
-        for (_, g), (keys, _) in self.held.items():
+        for (_, g), (keys, _, _) in self.held.items():
             out.setdefault(g, []).extend(keys)
         return out
 
     def chunk(self, key: ChunkKey, gen: int) -> torch.Tensor:
-        for (_, g), (keys, payload) in self.held.items():
+        for (_, g), (keys, payload, _) in self.held.items():
             if g == gen and key in keys:
                 return payload[keys.index(key)].clone()
         raise KeyError(f"no snapshot of chunk {key} at step {gen} here")
 
     def bytes_held(self) -> int:
-        return sum(p.numel() * p.element_size() for _, p in self.held.values())
+        """Verified snapshots kept for peers (payload bytes)."""
+        return sum(p.numel() * p.element_size() for _, p, _ in self.held.values())
+
+    def bytes_buffered(self) -> int:
+        """Transfer buffers: this rank's outgoing message and the receive buffers (in flight or spare)."""
+        bufs = ([self._out] if self._out is not None else []) + self._spare
+        bufs += [self._incoming[1]] if self._incoming is not None else []
+        return sum(b.numel() for b in bufs)
 
     def reset(self) -> None:
         """A new epoch re-pairs owners and holders; what is held stays a recovery source until the
         next verified snapshot replaces it."""
         self._incoming = None
-        self._sends.clear()
+        self._send = None
+        self._out = None  # a send of the old epoch may still read the old buffer

@@ -126,13 +126,14 @@ class ShardedAdamW:
                     return s[:, oc.slot_offset:oc.slot_offset + b.chunk_numel].clone()
         raise KeyError(f"chunk {key} is not owned here")
 
-    def payload(self) -> torch.Tensor:
-        """Every owned chunk's current state, ``[num_owned, 3, chunk_numel]`` in :meth:`keys` order."""
+    def payload(self, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Every owned chunk's current state, ``[num_owned, 3, chunk_numel]`` in :meth:`keys` order
+        (written into ``out`` when given)."""
         parts = [s[:, oc.slot_offset:oc.slot_offset + b.chunk_numel]
                  for b, s in zip(self.buckets, self.state) for oc in b.owned]
         if not parts:
-            return torch.zeros(0, 3, self.buckets[0].chunk_numel if self.buckets else 1)
-        return torch.stack(parts)
+            return out if out is not None else torch.zeros(0, 3, self.buckets[0].chunk_numel if self.buckets else 1)
+        return torch.stack(parts, out=out) if out is not None else torch.stack(parts)
 
     def state_bytes(self) -> int:
         """Optimizer-state bytes this rank holds (exp_avg + exp_avg_sq, padding included)."""

@@ -36,9 +36,10 @@ class Result:
         return [r["loss"] for r in self.steps]
 
 
-def run_cli(args: list[str], tmp_path: Path, timeout_s: float = 240.0) -> Result:
-    """Run ``elaswave ARGS`` with ``--metrics-out`` in ``tmp_path``; kill everything it started."""
-    metrics = tmp_path / f"metrics-{len(list(tmp_path.iterdir()))}.jsonl"
+def run_cli(args: list[str], tmp_path: Path, timeout_s: float = 240.0, metrics: Path | None = None) -> Result:
+    """Run ``elaswave ARGS`` with ``--metrics-out`` (a new file in ``tmp_path`` unless ``metrics``
+    names one); kill everything it started."""
+    metrics = metrics or tmp_path / f"metrics-{len(list(tmp_path.iterdir()))}.jsonl"
     cmd = [sys.executable, "-m", "elaswave.cli", *args]
     if args and args[0] in ("run", "reference"):
         cmd += ["--metrics-out", str(metrics)]

@@ -92,6 +92,29 @@ def test_owner_and_holder_dying_together_is_a_loud_fallback():
     restore = plan_restore(plan.chunk_owners, new.chunk_owners, _holdings(plan, own, held, [2, 3]))
     assert restore.is_fallback and restore.resume_step == 0
     assert restore.unrecoverable_owners == (2,)
+    assert {kind for _, kind in restore.sources.values()} == {"init"}
+
+
+def test_the_fallback_takes_the_disk_checkpoint_when_there_is_one():
+    plan = _plan()
+    new = replan(plan, [0, 1], 1, 12)
+    own = {0: (11, 12), 1: (11, 12)}
+    held = {0: (11, 12), 1: (11, 12)}
+    restore = plan_restore(plan.chunk_owners, new.chunk_owners, _holdings(plan, own, held, [2, 3]), disk_step=10)
+    assert restore.is_fallback and restore.resume_step == 10 and restore.unrecoverable_owners == (2,)
+    # Nobody has generation 10 in memory: every new owner reads its chunks from disk; nothing travels.
+    assert set(restore.sources.values()) == {(None, "disk")}
+    assert restore.transfers(new.chunk_owners) == {}
+
+
+def test_memory_is_preferred_to_disk_when_both_have_the_generation():
+    plan = _plan()
+    new = replan(plan, [0, 1, 3], 1, 12)
+    own = {0: (11, 12), 1: (11, 12), 3: (11, 12)}
+    held = {0: (12,), 1: (12,), 3: (12,)}
+    restore = plan_restore(plan.chunk_owners, new.chunk_owners, _holdings(plan, own, held, [2]), disk_step=12)
+    assert restore.resume_step == 12 and not restore.is_fallback
+    assert all(kind in ("own", "held") for _, kind in restore.sources.values())
 
 
 def test_round_robin_matches_the_initial_rule():

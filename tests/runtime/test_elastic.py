@@ -72,3 +72,16 @@ def test_pipeline_jobs_stop_with_a_clear_error_until_pipeline_elasticity(tmp_pat
     assert res.returncode != 0
     assert "re-partitioning pipelines is not supported yet" in res.stderr
     assert "Traceback" not in res.stderr
+
+
+def test_owner_dying_with_its_snapshot_holder_falls_back_to_the_disk_checkpoint(tmp_path, reference):
+    # Rank 3 holds rank 2's snapshot: with both gone, rank 2's chunks exist only on disk (step 10).
+    ckpt = tmp_path / "ckpt"
+    res = _elastic(tmp_path, ["kill:rank=2,step=12", "kill:rank=3,step=12"],
+                   extra=[f"checkpoint.dir={ckpt}", "checkpoint.every_steps=5"])
+    _assert_same_run(res, reference)
+    (rec,) = _recoveries(res)
+    assert sorted(rec["lost_ranks"]) == [2, 3]
+    assert rec["is_fallback"] and rec["resume_step"] == 10
+    assert "died with their snapshot holders" in res.stderr and "disk checkpoint" in res.stderr
+    assert res.summary["ranks"] == [0, 1]

@@ -37,7 +37,7 @@ def _run_pair(body):
     return out
 
 
-def test_snapshot_travels_round_the_ring_and_keeps_two_generations():
+def test_snapshot_travels_round_the_ring_and_keeps_one_generation_once_committed():
     def body(r, group, plan):
         pool = SnapshotPool(r, CHUNK)
         keys = list(plan.chunks_of(r))
@@ -45,16 +45,18 @@ def test_snapshot_travels_round_the_ring_and_keeps_two_generations():
         for gen in (1, 2, 3):
             payload = torch.full((len(keys), 3, CHUNK), float(10 * r + gen))
             pool.expect(group, plan, torch.device("cpu"))
-            pool.send(group, plan, gen, keys, payload)
+            pool.send(group, plan, gen, keys, lambda out: out.copy_(payload), torch.device("cpu"))
             assert pool.verify(group, gen)
             pool.wait_sends(group)
+            kept.append(sorted(pool.holding()))
+            pool.commit(gen)
             kept.append(sorted(pool.holding()))
         peer = plan.snapshot_owner(r)
         return kept, pool.chunk(plan.chunks_of(peer)[0], 3)[0, 0].item(), peer
 
     out = _run_pair(body)
     for r, (kept, value, peer) in out.items():
-        assert kept == [[1], [1, 2], [2, 3]]
+        assert kept == [[1], [1], [1, 2], [2], [2, 3], [3]]
         assert value == 10 * peer + 3
 
 
@@ -63,7 +65,7 @@ def test_a_snapshot_for_the_wrong_step_is_refused():
         pool = SnapshotPool(r, CHUNK)
         keys = list(plan.chunks_of(r))
         pool.expect(group, plan, torch.device("cpu"))
-        pool.send(group, plan, 5, keys, torch.zeros(len(keys), 3, CHUNK))
+        pool.send(group, plan, 5, keys, lambda out: out.zero_(), torch.device("cpu"))
         ok = pool.verify(group, 6)
         pool.wait_sends(group)
         return ok, pool.holding()

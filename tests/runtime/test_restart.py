@@ -1,0 +1,57 @@
+"""Whole-job restarts from disk checkpoints: torchrun's own restart (--max-restarts) and a second
+``elaswave run`` in another layout both continue the same run from the last checkpoint."""
+import os
+import signal
+import subprocess
+import sys
+
+from elaswave.runtime.metrics import read_jsonl
+from tests.helpers.spawn import TINY, run_cli, run_reference
+
+STEPS, MBS = 10, 6
+
+
+def _sets(tmp_path, dp, pp, extra=()):
+    return [*TINY, f"parallel.dp={dp}", f"parallel.pp={pp}", f"train.steps={STEPS}",
+            f"train.num_micro_batches={MBS}", "train.deterministic=true", "elastic.enabled=false",
+            f"checkpoint.dir={tmp_path / 'ckpt'}", "checkpoint.every_steps=4", *extra]
+
+
+def _assert_continues_the_same_run(records, reference, resumed_at):
+    steps = [r for r in records if r["event"] == "step"]
+    assert [r["step"] for r in steps] == list(range(STEPS)), "a step was lost or counted twice"
+    assert [r["loss"] for r in steps] == reference.losses
+    assert records[-1]["params_sha256"] == reference.summary["params_sha256"]
+    assert [r["step"] for r in records if r["event"] == "resume"] == [resumed_at]
+
+
+def test_torchrun_restart_resumes_from_the_last_checkpoint(tmp_path):
+    metrics = tmp_path / "torchrun.jsonl"
+    sets = _sets(tmp_path, 2, 2, ["elastic.inject=kill:rank=1,step=6,phase=backward"])
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4", "--max-restarts=1",
+           "-m", "elaswave.runtime.worker", "--metrics-out", str(metrics)] + [x for s in sets for x in ("--set", s)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    try:
+        out, err = proc.communicate(timeout=300)
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    assert proc.returncode == 0, f"{out}\n{err}"
+    reference = run_reference(tmp_path, STEPS, deterministic=True, num_micro_batches=MBS)
+    _assert_continues_the_same_run(read_jsonl(str(metrics)), reference, resumed_at=4)
+
+
+def test_a_new_run_resumes_the_checkpoint_in_another_layout(tmp_path):
+    # Saved at dp=2 x pp=2, the job dies (no elasticity); the next run at dp=3 x pp=1 continues it.
+    metrics = tmp_path / "m.jsonl"
+    first = run_cli(["run"] + [x for s in _sets(tmp_path, 2, 2, ["elastic.inject=kill:rank=3,step=7"])
+                               for x in ("--set", s)], tmp_path, metrics=metrics)
+    assert first.returncode != 0
+    second = run_cli(["run"] + [x for s in _sets(tmp_path, 3, 1) for x in ("--set", s)], tmp_path, metrics=metrics)
+    assert second.returncode == 0, second.stderr
+    assert "resuming at step 4" in second.stdout
+    reference = run_reference(tmp_path, STEPS, deterministic=True, num_micro_batches=MBS)
+    _assert_continues_the_same_run(second.records, reference, resumed_at=4)
