@@ -6,6 +6,7 @@ assignment is easy to read in logs.
 """
 from __future__ import annotations
 
+import heapq
 from typing import Sequence
 
 
@@ -25,6 +26,36 @@ def assign(num_micro_batches: int, speeds: Sequence[float]) -> list[tuple[int, .
     order = sorted(range(len(speeds)), key=lambda d: (-(shares[d] - int(shares[d])), d))
     for d in order[: num_micro_batches - sum(counts)]:
         counts[d] += 1
+    out, start = [], 0
+    for c in counts:
+        out.append(tuple(range(start, start + c)))
+        start += c
+    return out
+
+
+def balance(num_micro_batches: int, bottleneck_s: Sequence[float], num_stages: Sequence[int]) -> list[tuple[int, ...]]:
+    """Counts that make the pipelines finish a step together: pipeline ``d`` with ``m`` micro-batches
+    takes ``(m + num_stages[d] - 1) * bottleneck_s[d]`` under 1F1B (fill and drain included).
+
+    Minimax by greedy filling -- each next micro-batch goes to the pipeline that would finish it
+    soonest (ties to the lower index) -- which is optimal because each pipeline's time only grows
+    with its count. Ids stay contiguous per pipeline, in pipeline order."""
+    if not bottleneck_s or len(bottleneck_s) != len(num_stages):
+        raise ValueError(f"balance needs one bottleneck time and stage count per pipeline, got "
+                         f"{list(bottleneck_s)} and {list(num_stages)}")
+    if any(t <= 0 for t in bottleneck_s) or any(s < 1 for s in num_stages):
+        raise ValueError(f"bottleneck times must be > 0 and stage counts >= 1, got {list(bottleneck_s)}, "
+                         f"{list(num_stages)}")
+    if num_micro_batches < len(bottleneck_s):
+        raise ValueError(
+            f"{num_micro_batches} micro-batches cannot give each of {len(bottleneck_s)} pipelines at least one")
+    counts = [1] * len(bottleneck_s)
+    heap = [((1 + 1 + s - 1) * t, d) for d, (t, s) in enumerate(zip(bottleneck_s, num_stages))]
+    heapq.heapify(heap)
+    for _ in range(num_micro_batches - len(counts)):
+        _, d = heapq.heappop(heap)
+        counts[d] += 1
+        heapq.heappush(heap, ((counts[d] + 1 + num_stages[d] - 1) * bottleneck_s[d], d))
     out, start = [], 0
     for c in counts:
         out.append(tuple(range(start, start + c)))

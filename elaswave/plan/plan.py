@@ -9,7 +9,7 @@ from typing import Mapping, Sequence
 
 from elaswave.plan import microbatches
 from elaswave.plan.chunks import Owners, chunks_of, reassign_owners, round_robin_owners
-from elaswave.plan.partition import partition
+from elaswave.plan.partition import PartitionError, partition
 
 
 class PlanError(ValueError):
@@ -28,6 +28,8 @@ class Plan:
     """micro_batches[d] = ids of the micro-batches pipeline d runs each step."""
     chunk_owners: Owners = ()
     """chunk_owners[layer][c] = the rank owning ZeRO chunk c of the layer."""
+    layer_costs: tuple[float, ...] = ()
+    """Each layer's relative compute cost (forward + backward): what stages are balanced by."""
 
     @property
     def ranks(self) -> tuple[int, ...]:
@@ -96,6 +98,7 @@ def initial_plan(world_size: int, dp: int, pp: int, layer_costs: Sequence[float]
         pipelines=pipelines,
         layer_ranges=tuple(ranges for _ in range(dp)),
         micro_batches=tuple(microbatches.assign(num_micro_batches, [1.0] * dp)),
+        layer_costs=tuple(float(c) for c in layer_costs),
     )
     if layer_numels:
         plan = replace(plan, chunk_owners=round_robin_owners(plan.holder_groups(), layer_numels, chunk_numel))
@@ -104,27 +107,67 @@ def initial_plan(world_size: int, dp: int, pp: int, layer_costs: Sequence[float]
 
 def replan(prev: Plan, live: Sequence[int], epoch: int, num_micro_batches: int,
            speeds: Mapping[int, float] | None = None, policy: str = "elaswave") -> Plan:
-    """The plan after a membership change to ``live`` (data-parallel jobs: one rank per pipeline).
+    """The plan after ranks were lost: ``live`` are the survivors.
 
-    elaswave: the global batch stays ``num_micro_batches``, spread over the live pipelines by speed.
-    drop_replica (a baseline): each live pipeline keeps its micro-batches; the dead one's are skipped."""
+    elaswave: a pipeline that lost stages goes on with its survivors (in stage order) as a shorter
+    pipeline, its layers re-partitioned over them (minimax on the layer costs); the global batch
+    stays ``num_micro_batches``, spread over the pipelines by predicted speed.
+    drop_replica (a baseline, data-parallel only): each live pipeline keeps its micro-batches; the
+    dead one's are skipped.
+
+    ``speeds``: micro-batches per second each rank measured on its current stage."""
     live = tuple(sorted(live))
     if not live:
         raise PlanError(f"epoch {epoch}: no rank is left")
-    if any(len(p) > 1 for p in prev.pipelines):
-        raise PlanError(f"epoch {epoch}: pipelines with {len(prev.pipelines[0])} stages lost a rank; "
-                        "re-partitioning pipelines is not supported yet (parallel.pp must be 1 to survive)")
     missing = [r for r in live if r not in prev.ranks]
     if missing:
         raise PlanError(f"epoch {epoch}: ranks {missing} were not in epoch {prev.epoch}; joins are not supported yet")
-    if num_micro_batches < len(live):
-        raise PlanError(f"epoch {epoch}: {num_micro_batches} micro-batches cannot feed {len(live)} pipelines")
-    pipelines = tuple((r,) for r in live)
+    deep = any(len(p) > 1 for p in prev.pipelines)
+    if policy == "drop_replica" and deep:
+        raise PlanError(f"epoch {epoch}: elastic.policy=drop_replica is a data-parallel baseline; "
+                        "with parallel.pp > 1 use elastic.policy=elaswave")
+    pipelines, ranges, kept = [], [], []
+    for d, pipe in enumerate(prev.pipelines):
+        survivors = tuple(r for r in pipe if r in live)
+        if not survivors:
+            continue
+        pipelines.append(survivors)
+        kept.append(d)
+        if len(survivors) == len(pipe):
+            ranges.append(prev.layer_ranges[d])
+            continue
+        try:
+            ranges.append(tuple(partition(_costs(prev), len(survivors))))
+        except PartitionError as exc:
+            raise PlanError(f"epoch {epoch}: pipeline {d} is left with ranks {list(survivors)}: {exc}") from None
+    if num_micro_batches < len(pipelines):
+        raise PlanError(f"epoch {epoch}: {num_micro_batches} micro-batches cannot feed {len(pipelines)} pipelines")
     if policy == "drop_replica":
-        mbs = tuple(prev.micro_batches[prev.position(r)[0]] for r in live)
+        mbs = tuple(prev.micro_batches[d] for d in kept)
     else:
-        speed = [float((speeds or {}).get(r, 1.0)) for r in live]
-        mbs = tuple(microbatches.assign(num_micro_batches, speed))
-    plan = Plan(epoch=epoch, num_layers=prev.num_layers, pipelines=pipelines,
-                layer_ranges=tuple(prev.layer_ranges[prev.position(r)[0]] for r in live), micro_batches=mbs)
+        rate = _rank_rates(prev, speeds or {})
+        bottleneck = [max(_cost(prev, i, j) / rate[r] for r, (i, j) in zip(pipe, rng))
+                      for pipe, rng in zip(pipelines, ranges)]
+        mbs = tuple(microbatches.balance(num_micro_batches, bottleneck, [len(p) for p in pipelines]))
+    plan = Plan(epoch=epoch, num_layers=prev.num_layers, pipelines=tuple(pipelines), layer_ranges=tuple(ranges),
+                micro_batches=mbs, layer_costs=prev.layer_costs)
     return replace(plan, chunk_owners=reassign_owners(prev.chunk_owners, plan.holder_groups()))
+
+
+def _costs(plan: Plan) -> tuple[float, ...]:
+    return plan.layer_costs or (1.0,) * plan.num_layers
+
+
+def _cost(plan: Plan, start: int, end: int) -> float:
+    return sum(_costs(plan)[start:end])
+
+
+def _rank_rates(prev: Plan, speeds: Mapping[int, float]) -> dict[int, float]:
+    """Layer cost per second each rank sustains: its measured micro-batch rate times the cost of
+    the layers it ran. Ranks that did not measure count as the average one (rate of 1 micro-batch
+    per unit of time)."""
+    out = {}
+    for r in prev.ranks:
+        i, j = prev.layers_of(r)
+        out[r] = float(speeds.get(r, 1.0 / _cost(prev, i, j))) * _cost(prev, i, j)
+    return out

@@ -8,6 +8,7 @@ from typing import Callable, Mapping
 
 import torch
 
+from elaswave.comm.backend import reduce_scatter_is_all_reduce
 from elaswave.comm.groups import Communicator, Group
 from elaswave.config import JobConfig
 from elaswave.data.sampler import Sampler
@@ -39,6 +40,9 @@ class RankState:
     chunk_index: ChunkIndex
     device: torch.device
     backend_name: str
+    norm_needs_exchange: bool
+    """Decided from the plan, the same on every rank: with pipelines of different depths some ranks
+    hold every layer and others do not, yet all must take part in the exchange."""
 
     @property
     def epoch(self) -> int:
@@ -80,4 +84,6 @@ def build_rank(cfg: JobConfig, plan: Plan, rank: int, stage: Stage, sampler: Sam
         executor=Executor(stage, p2p, sampler, step_tokens, accumulator.add_micro_batch, before),
         accumulator=accumulator, buckets=buckets, groups=groups, world=world,
         optimizer=ShardedAdamW(buckets, stage.layers, t, gen, chunks),
-        chunk_index=ChunkIndex.build(numels, par.chunk_numel), device=device, backend_name=backend_name)
+        chunk_index=ChunkIndex.build(numels, par.chunk_numel), device=device, backend_name=backend_name,
+        norm_needs_exchange=not (reduce_scatter_is_all_reduce(backend_name) and all(
+            plan.layers_of(r) == (0, plan.num_layers) for r in plan.ranks)))

@@ -18,6 +18,7 @@ from elaswave.checkpoint import disk
 from elaswave.config import JobConfig
 from elaswave.interrupt import CommError, Disruption
 from elaswave.model.gpt import build_layer
+from elaswave.pipeline.stage import Stage
 from elaswave.plan.chunks import ChunkKey, chunk_range
 from elaswave.plan.plan import replan
 from elaswave.plan.recovery import Holding, Restore, plan_restore
@@ -102,8 +103,12 @@ def recover(ctx, st: RankState, cause: Disruption, noticed_wall: float) -> tuple
     lap("plan")
 
     chunks, received = _restore_chunks(ctx, st, world, plan.chunk_owners, restore)
-    new = build_rank(cfg, plan, ctx.rank, st.stage, ctx.sampler, world, ctx.comm, st.device, st.backend_name,
-                     gen=restore.resume_step, chunks=chunks, before=ctx.before_action)
+    layers = plan.layers_of(ctx.rank)
+    # A re-partitioned stage starts from fresh layers; the gather below fills in their parameters
+    # from the chunk owners, who hold the same layers in the other pipelines.
+    stage = st.stage if (st.stage.start, st.stage.end) == layers else Stage(cfg, layers, st.device)
+    new = build_rank(cfg, plan, ctx.rank, stage, ctx.sampler_for(stage), world, ctx.comm, st.device,
+                     st.backend_name, gen=restore.resume_step, chunks=chunks, before=ctx.before_action)
     gather_params(new)
     if ctx.pool is not None:
         ctx.pool.reset()

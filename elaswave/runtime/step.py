@@ -74,10 +74,11 @@ def train_step(st: RankState, cfg: JobConfig, step: int, pool: SnapshotPool | No
                for b, g in zip(st.buckets, st.groups)]
     lap("reduce")
 
-    # 3. Global norm for clipping, summed per chunk in chunk order. A rank that saw every chunk
-    #    computes it alone; otherwise owners exchange their chunks' squares exactly.
-    sumsq = st.optimizer.chunk_sumsq(reduced, st.chunk_index, owned_only=False)
-    if len(sumsq) < st.chunk_index.total:
+    # 3. Global norm for clipping, summed per chunk in chunk order. When every rank saw every chunk,
+    #    each computes it alone; otherwise owners exchange their chunks' squares exactly.
+    if not st.norm_needs_exchange:
+        sumsq = st.optimizer.chunk_sumsq(reduced, st.chunk_index, owned_only=False)
+    else:
         owned = st.optimizer.chunk_sumsq(reduced, st.chunk_index, owned_only=True)
         sumsq = dict(enumerate(_exchange_exact(st, owned, st.chunk_index.total)))
     norm, coef = clip_coef(list(sumsq.values()), t.grad_clip)

@@ -64,7 +64,16 @@ class Context:
         # The watcher has its own store connection: its blocking waits must never stall training.
         self.watcher = Watcher(store.clone(), rank, self._view, self.interrupt,
                                e.heartbeat_interval_s, e.heartbeat_timeout_s) if e.enabled else None
-        self.sampler = None
+        self._sampler = None
+
+    def sampler_for(self, stage: Stage) -> Sampler | None:
+        """The data, read the first time this rank runs a first or last stage (a data-parallel rank
+        always does; a middle stage may become one when its pipeline is re-partitioned)."""
+        if self._sampler is None and (stage.is_first or stage.is_last):
+            m, t = self.cfg.model, self.cfg.train
+            tokens = load_corpus(self.cfg.data, m.vocab_size, m.seq_len + 1)
+            self._sampler = Sampler(tokens, t.seed, t.micro_batch_size, m.seq_len)
+        return self._sampler
 
     def _view(self):
         plan = self.plan
@@ -105,17 +114,12 @@ def run(cfg: JobConfig, rank: int, world_size: int, metrics_out: str | None) -> 
                         [layer_flops(m, i) for i in range(m.num_layers)], t.num_micro_batches,
                         numels, cfg.parallel.chunk_numel)
     ctx.plan = plan
-    start, end = plan.layers_of(rank)
-    # Every rank of a data-parallel job may one day run any micro-batch, so all of them read data.
-    needs_data = cfg.parallel.pp == 1 or start == 0 or end == m.num_layers
-    tokens = load_corpus(cfg.data, m.vocab_size, m.seq_len + 1) if needs_data else None
-    ctx.sampler = Sampler(tokens, t.seed, t.micro_batch_size, m.seq_len) if tokens is not None else None
-    stage = Stage(cfg, (start, end), device)
+    stage = Stage(cfg, plan.layers_of(rank), device)
     world = ctx.comm.group(plan.ranks, plan.epoch)
     resumed = _resume_point(cfg, plan, rank)
     gen, chunks = (resumed[0].step, resumed[1]) if resumed else (0, None)
-    st = build_rank(cfg, plan, rank, stage, ctx.sampler, world, ctx.comm, device, name, gen=gen, chunks=chunks,
-                    before=ctx.before_action)
+    st = build_rank(cfg, plan, rank, stage, ctx.sampler_for(stage), world, ctx.comm, device, name, gen=gen,
+                    chunks=chunks, before=ctx.before_action)
     if resumed:
         gather_params(st)
     ctx.comm.prepare_standbys(plan.ranks, plan.epoch)

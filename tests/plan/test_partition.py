@@ -63,3 +63,26 @@ def test_initial_plan_layout():
     assert list(plan.holder_groups()) == [(0, 2, 4), (1, 3, 5)]
     with pytest.raises(ValueError, match="dp=2 x pp=2 = 4 must equal the world size 6"):
         initial_plan(6, 2, 2, [1.0] * 6, 4)
+
+
+def _finish(counts, times, stages):
+    return max((m + s - 1) * t for m, t, s in zip(counts, times, stages))
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_balance_is_minimax_over_1f1b_step_times(seed):
+    r = random.Random(seed)
+    d = r.randint(1, 4)
+    times = [r.choice([0.5, 1.0, 1.5, 2.0]) for _ in range(d)]
+    stages = [r.randint(1, 4) for _ in range(d)]
+    m = r.randint(d, 10)
+    out = microbatches.balance(m, times, stages)
+    assert sorted(x for p in out for x in p) == list(range(m))
+    best = min(_finish(c, times, stages) for c in itertools.product(range(1, m + 1), repeat=d) if sum(c) == m)
+    assert _finish([len(p) for p in out], times, stages) == pytest.approx(best)
+
+
+def test_balance_gives_a_shorter_pipeline_with_a_bigger_bottleneck_fewer_micro_batches():
+    # 3-stage pipeline (bottleneck 4) and its broken twin re-partitioned over 2 stages (bottleneck 5).
+    assert [len(p) for p in microbatches.balance(8, [5.0, 4.0], [2, 3])] == [4, 4]
+    assert [len(p) for p in microbatches.balance(16, [5.0, 4.0], [2, 3])] == [7, 9]

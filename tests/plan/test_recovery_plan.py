@@ -43,9 +43,37 @@ def test_drop_replica_baseline_skips_the_dead_ranks_micro_batches():
     assert after.micro_batches == (plan.micro_batches[0], plan.micro_batches[1], plan.micro_batches[3])
 
 
-def test_pipelines_cannot_shrink_yet():
-    with pytest.raises(PlanError, match="pipelines with 2 stages"):
-        replan(_plan(dp=2, pp=2, mbs=4), [0, 1, 2], 1, 4)
+def test_a_broken_pipeline_goes_on_re_partitioned_over_its_survivors():
+    plan = initial_plan(6, 2, 3, [1.0, 2.0, 2.0, 2.0, 2.0, 1.0], 16, [9] * 6, 4)
+    after = replan(plan, [0, 2, 3, 4, 5], 1, 16)  # rank 1, the middle stage of pipeline 0, died
+    assert after.pipelines == ((0, 2), (3, 4, 5))
+    assert after.layer_ranges[1] == plan.layer_ranges[1]  # the intact pipeline keeps its layout
+    assert after.layer_ranges[0] == ((0, 3), (3, 6))  # minimax over two stages: 5 and 5
+    # Every layer is held once per pipeline; the global batch and its ids are kept, and the
+    # two-stage pipeline (bottleneck 5) gets fewer micro-batches than the three-stage one (4).
+    assert all(len(after.holders(layer)) == 2 for layer in range(6))
+    assert sorted(m for mbs in after.micro_batches for m in mbs) == list(range(16))
+    assert len(after.micro_batches[0]) < len(after.micro_batches[1])
+    # Chunks stay with owners that still hold their layer; each chunk has a holder as owner.
+    for layer, (old, new) in enumerate(zip(plan.chunk_owners, after.chunk_owners)):
+        for o, n in zip(old, new):
+            assert n in after.holders(layer)
+            if o in after.holders(layer):
+                assert n == o
+
+
+def test_a_pipeline_that_lost_every_rank_is_gone():
+    plan = _plan(dp=2, pp=2, mbs=4)
+    after = replan(plan, [2, 3], 1, 4)
+    assert after.pipelines == ((2, 3),) and after.micro_batches == ((0, 1, 2, 3),)
+
+
+def test_pipeline_replans_give_clear_errors():
+    plan = _plan(dp=2, pp=2, mbs=4)
+    with pytest.raises(PlanError, match="drop_replica is a data-parallel baseline"):
+        replan(plan, [0, 2, 3], 1, 4, policy="drop_replica")
+    with pytest.raises(PlanError, match="2 micro-batches cannot feed 3 pipelines"):
+        replan(initial_plan(6, 3, 2, [1.0] * 4, 3, [9] * 4, 4), [0, 2, 4], 1, 2)
 
 
 def test_snapshot_ring():

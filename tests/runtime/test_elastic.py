@@ -64,16 +64,6 @@ def test_sigstop_hang_is_detected_by_heartbeat(tmp_path, reference):
     assert timeout_s - interval_s - 0.05 <= rec["phases_s"]["detect"] < timeout_s + 1.5
 
 
-def test_pipeline_jobs_stop_with_a_clear_error_until_pipeline_elasticity(tmp_path):
-    res = run_cli(["run", "--set", "parallel.dp=2", "--set", "parallel.pp=2", "--set", "train.steps=20",
-                   "--set", "model.d_model=32", "--set", "model.num_heads=2", "--set", "model.seq_len=32",
-                   "--set", "train.micro_batch_size=2", "--set", "data.max_corpus_bytes=200000",
-                   "--inject", "kill:rank=1,step=3"], tmp_path, timeout_s=120)
-    assert res.returncode != 0
-    assert "re-partitioning pipelines is not supported yet" in res.stderr
-    assert "Traceback" not in res.stderr
-
-
 def test_owner_dying_with_its_snapshot_holder_falls_back_to_the_disk_checkpoint(tmp_path, reference):
     # Rank 3 holds rank 2's snapshot: with both gone, rank 2's chunks exist only on disk (step 10).
     ckpt = tmp_path / "ckpt"
@@ -85,3 +75,27 @@ def test_owner_dying_with_its_snapshot_holder_falls_back_to_the_disk_checkpoint(
     assert rec["is_fallback"] and rec["resume_step"] == 10
     assert "died with their snapshot holders" in res.stderr and "disk checkpoint" in res.stderr
     assert res.summary["ranks"] == [0, 1]
+
+
+PIPE_STEPS, PIPE_MBS = 12, 6
+
+
+@pytest.fixture(scope="module")
+def pipe_reference(tmp_path_factory):
+    return run_reference(tmp_path_factory.mktemp("pref"), PIPE_STEPS, deterministic=True, num_micro_batches=PIPE_MBS)
+
+
+@pytest.mark.parametrize("dp,pp,fault", [
+    (2, 2, "kill:rank=1,step=5,phase=backward"),   # last stage
+    (2, 3, "kill:rank=4,step=5,phase=reduce"),     # middle stage
+    (3, 2, "kill:rank=2,step=5,phase=forward"),    # first stage
+])
+def test_a_broken_pipeline_is_re_partitioned_and_gives_the_same_run(tmp_path, pipe_reference, dp, pp, fault):
+    res = run_job(tmp_path, dp, pp, PIPE_STEPS, True,
+                  extra=[f"train.num_micro_batches={PIPE_MBS}", "parallel.timeout_s=60", f"elastic.inject={fault}"])
+    assert [r["step"] for r in res.steps] == list(range(PIPE_STEPS)), "a step was lost or counted twice"
+    assert res.losses == pipe_reference.losses
+    assert res.summary["params_sha256"] == pipe_reference.summary["params_sha256"]
+    (rec,) = _recoveries(res)
+    assert rec["lost_ranks"] == [int(fault.split("rank=")[1].split(",")[0])]
+    assert res.summary["world_size"] == dp * pp - 1
