@@ -59,36 +59,56 @@ def make_process_group(store: dist.Store, prefix: str, group_rank: int, size: in
     return dist.ProcessGroupGloo(sub, group_rank, size, timeout)
 
 
-def wait(work: dist.Work, timeout_s: float, what: str, interrupt: Interrupt | None = None,
+class Watched:
+    """A Work whose completion is being watched: ``done`` is set when it completes, by its future
+    or -- gloo's send/recv works have none and may be waited on only once -- by a helper thread
+    that does that one wait. If the peer is dead the helper stays blocked until the group's
+    timeout, harmlessly (daemon). Watching as soon as the work is posted keeps the helper's
+    hand-off off the critical path: on a busy machine waking a thread costs milliseconds."""
+
+    def __init__(self, work: dist.Work, timeout_s: float):
+        self.work, self.done = work, threading.Event()
+        self.error: BaseException | None = None
+        self.has_future = True
+        try:
+            work.get_future().add_done_callback(lambda _: self.done.set())
+        except RuntimeError:
+            self.has_future = False
+            _WAITERS.submit(self._wait_once, timeout_s)
+
+    def _wait_once(self, timeout_s: float) -> None:
+        try:
+            self.work.wait(timeout=timedelta(seconds=timeout_s))
+        except RuntimeError as exc:
+            self.error = exc
+        self.done.set()
+
+
+def wait(work: dist.Work | Watched, timeout_s: float, what: str, interrupt: Interrupt | None = None,
          epoch: int = 0) -> None:
     """Wait for ``work`` at most ``timeout_s``, and not at all once ``interrupt`` trips for ``epoch``.
 
     Raises CommError on a backend error or timeout, EpochBroken on an interrupt."""
-    if interrupt is None:
+    if interrupt is None and not isinstance(work, Watched):
         _wait_now(work, timeout_s, what)
         return
-    interrupt.check(epoch)
-    done = threading.Event()
-    helper: dict = {}
-    interrupt.register(done)
-    try:
-        try:
-            work.get_future().add_done_callback(lambda _: done.set())
-        except RuntimeError:
-            # gloo's send/recv works have no future, and may be waited on only once: a helper
-            # thread does that wait. If the peer is dead it stays blocked until the group's
-            # timeout, harmlessly (daemon).
-            helper["thread"] = True
-            _WAITERS.submit(_wait_quietly, work, timeout_s, done, helper)
-        if not done.wait(timeout_s):
-            raise CommError(f"{what} did not complete within {timeout_s}s")
+    if interrupt is not None:
         interrupt.check(epoch)
+    watched = work if isinstance(work, Watched) else Watched(work, timeout_s)
+    if interrupt is not None:
+        interrupt.register(watched.done)
+    try:
+        if not watched.done.wait(timeout_s):
+            raise CommError(f"{what} did not complete within {timeout_s}s")
+        if interrupt is not None:
+            interrupt.check(epoch)
     finally:
-        interrupt.unregister(done)
-    if "thread" not in helper:
-        _wait_now(work, timeout_s, what)  # completed: raises if it failed
-    elif "error" in helper:
-        raise CommError(f"{what} failed: {helper['error']}") from helper["error"]
+        if interrupt is not None:
+            interrupt.unregister(watched.done)
+    if watched.has_future:
+        _wait_now(watched.work, timeout_s, what)  # completed: raises if it failed
+    elif watched.error is not None:
+        raise CommError(f"{what} failed: {watched.error}") from watched.error
 
 
 class _Waiters:
@@ -124,14 +144,6 @@ def _wait_now(work: dist.Work, timeout_s: float, what: str) -> None:
         work.wait(timeout=timedelta(seconds=timeout_s))
     except RuntimeError as exc:
         raise CommError(f"{what} failed: {exc}") from exc
-
-
-def _wait_quietly(work: dist.Work, timeout_s: float, done: threading.Event, box: dict) -> None:
-    try:
-        work.wait(timeout=timedelta(seconds=timeout_s))
-    except RuntimeError as exc:
-        box["error"] = exc
-    done.set()
 
 
 def reduce_scatter_is_all_reduce(backend_name: str) -> bool:

@@ -90,6 +90,7 @@ def train_step(st: RankState, cfg: JobConfig, step: int, pool: SnapshotPool | No
                             "passed their checksum")
     if pool is not None:
         pool.commit(step)
+        pool.wait_sends(st.world, delivered=True)
     lap("norm")
 
     # 4. ZeRO-1: each owner updates its chunks, then the holders re-gather whole layers.

@@ -70,11 +70,15 @@ class SnapshotPool:
         self._out[:hbytes].view(torch.int64).copy_(header)
         self._send = (group.isend(self._out, holder, TAG_SNAPSHOT), holder)
 
-    def wait_sends(self, group: Group) -> None:
+    def wait_sends(self, group: Group, delivered: bool = False) -> None:
+        """``delivered``: the holder confirmed it (the step's exchange), so the wait is direct."""
         if self._send is not None:
             work, holder = self._send
             self._send = None
-            group.wait(work, f"snapshot to rank {holder}")
+            if delivered:
+                group.wait_delivered(work, f"snapshot to rank {holder}")
+            else:
+                group.wait(work, f"snapshot to rank {holder}")
 
     # -- the holder's side --------------------------------------------------------------------
     def expect(self, group: Group, plan: Plan, device: torch.device) -> None:
@@ -88,7 +92,7 @@ class SnapshotPool:
         fits = [b for b in self._spare if b.numel() == hbytes + pbytes and b.device == device]
         buf = fits[0] if fits else torch.empty(hbytes + pbytes, dtype=torch.uint8, device=device)
         self._spare = [b for b in self._spare if b is not buf]
-        self._incoming = (group.irecv(buf, self.owner, TAG_SNAPSHOT), buf, k)
+        self._incoming = (group.watch(group.irecv(buf, self.owner, TAG_SNAPSHOT)), buf, k)
 
     def verify(self, group: Group, gen: int) -> bool:
         """Wait for the expected snapshot of generation ``gen``; keep it if its checksum is right."""
