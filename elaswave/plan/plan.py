@@ -5,6 +5,7 @@ Every rank computes the same plan from the same inputs; nothing here touches a p
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from functools import cached_property
 from typing import Mapping, Sequence
 
 from elaswave.plan import microbatches
@@ -31,9 +32,28 @@ class Plan:
     layer_costs: tuple[float, ...] = ()
     """Each layer's relative compute cost (forward + backward): what stages are balanced by."""
 
-    @property
+    # Lookups are indexed once per plan (cached on the frozen instance): a plan for 10^5 ranks is
+    # queried by every rank, so nothing here may scan all pipelines per call.
+    @cached_property
     def ranks(self) -> tuple[int, ...]:
         return tuple(sorted(r for p in self.pipelines for r in p))
+
+    @cached_property
+    def _where(self) -> dict[int, tuple[int, int]]:
+        return {r: (d, s) for d, pipe in enumerate(self.pipelines) for s, r in enumerate(pipe)}
+
+    @cached_property
+    def _order(self) -> dict[int, int]:
+        return {r: i for i, r in enumerate(self.ranks)}
+
+    @cached_property
+    def _holders(self) -> tuple[tuple[int, ...], ...]:
+        out: list[list[int]] = [[] for _ in range(self.num_layers)]
+        for pipe, ranges in zip(self.pipelines, self.layer_ranges):
+            for r, (i, j) in zip(pipe, ranges):
+                for layer in range(i, j):
+                    out[layer].append(r)
+        return tuple(tuple(sorted(h)) for h in out)
 
     @property
     def num_micro_batches(self) -> int:
@@ -42,10 +62,10 @@ class Plan:
 
     def position(self, rank: int) -> tuple[int, int]:
         """(pipeline, stage) of ``rank``."""
-        for d, pipe in enumerate(self.pipelines):
-            if rank in pipe:
-                return d, pipe.index(rank)
-        raise KeyError(f"rank {rank} is not in the plan of epoch {self.epoch} (ranks {self.ranks})")
+        try:
+            return self._where[rank]
+        except KeyError:
+            raise KeyError(f"rank {rank} is not in the plan of epoch {self.epoch} (ranks {self.ranks})") from None
 
     def layers_of(self, rank: int) -> tuple[int, int]:
         d, s = self.position(rank)
@@ -53,18 +73,13 @@ class Plan:
 
     def holders(self, layer: int) -> tuple[int, ...]:
         """The holder group of a layer: the rank of each pipeline that holds it, sorted."""
-        out = []
-        for d, pipe in enumerate(self.pipelines):
-            for s, (i, j) in enumerate(self.layer_ranges[d]):
-                if i <= layer < j:
-                    out.append(pipe[s])
-        return tuple(sorted(out))
+        return self._holders[layer]
 
     def holder_groups(self) -> dict[tuple[int, ...], tuple[int, ...]]:
         """Distinct holder sets -> the layers they hold together (one gradient bucket each)."""
         groups: dict[tuple[int, ...], list[int]] = {}
-        for layer in range(self.num_layers):
-            groups.setdefault(self.holders(layer), []).append(layer)
+        for layer, holders in enumerate(self._holders):
+            groups.setdefault(holders, []).append(layer)
         return {h: tuple(ls) for h, ls in sorted(groups.items())}
 
     def chunks_of(self, rank: int):
@@ -75,14 +90,14 @@ class Plan:
         ranks = self.ranks
         if len(ranks) < 2:
             return None
-        return ranks[(ranks.index(rank) + 1) % len(ranks)]
+        return ranks[(self._order[rank] + 1) % len(ranks)]
 
     def snapshot_owner(self, rank: int) -> int | None:
         """Whose snapshot ``rank`` keeps: the previous rank in order."""
         ranks = self.ranks
         if len(ranks) < 2:
             return None
-        return ranks[(ranks.index(rank) - 1) % len(ranks)]
+        return ranks[(self._order[rank] - 1) % len(ranks)]
 
 
 def initial_plan(world_size: int, dp: int, pp: int, layer_costs: Sequence[float], num_micro_batches: int,
@@ -119,7 +134,8 @@ def replan(prev: Plan, live: Sequence[int], epoch: int, num_micro_batches: int,
     live = tuple(sorted(live))
     if not live:
         raise PlanError(f"epoch {epoch}: no rank is left")
-    missing = [r for r in live if r not in prev.ranks]
+    alive, known = set(live), set(prev.ranks)
+    missing = [r for r in live if r not in known]
     if missing:
         raise PlanError(f"epoch {epoch}: ranks {missing} were not in epoch {prev.epoch}; joins are not supported yet")
     deep = any(len(p) > 1 for p in prev.pipelines)
@@ -128,7 +144,7 @@ def replan(prev: Plan, live: Sequence[int], epoch: int, num_micro_batches: int,
                         "with parallel.pp > 1 use elastic.policy=elaswave")
     pipelines, ranges, kept = [], [], []
     for d, pipe in enumerate(prev.pipelines):
-        survivors = tuple(r for r in pipe if r in live)
+        survivors = tuple(r for r in pipe if r in alive)
         if not survivors:
             continue
         pipelines.append(survivors)

@@ -149,3 +149,13 @@ def test_round_robin_matches_the_initial_rule():
     owners = round_robin_owners({(0, 1): (0, 1)}, [9, 9], 4)
     assert owners == ((0, 1, 0), (1, 0, 1))
     assert reassign_owners(owners, {(1,): (0, 1)}) == ((1, 1, 1), (1, 1, 1))
+
+
+def test_replan_scales_to_ten_thousand_ranks():
+    # Guards against anything quadratic in the number of ranks (10^5 takes < 1 s: bench/planner.py).
+    import time
+    plan = initial_plan(10_000, 625, 16, [1.0] * 34, 2500, [1 << 20] * 34, 1 << 16)
+    began = time.perf_counter()
+    after = replan(plan, [r for r in plan.ranks if r != 8], 1, 2500)
+    assert time.perf_counter() - began < 5.0
+    assert len(after.pipelines[0]) == 15 and len(after.ranks) == 9_999
