@@ -59,12 +59,11 @@ def make_process_group(store: dist.Store, prefix: str, group_rank: int, size: in
     return dist.ProcessGroupGloo(sub, group_rank, size, timeout)
 
 
-class Watched:
+class _Watched:
     """A Work whose completion is being watched: ``done`` is set when it completes, by its future
     or -- gloo's send/recv works have none and may be waited on only once -- by a helper thread
     that does that one wait. If the peer is dead the helper stays blocked until the group's
-    timeout, harmlessly (daemon). Watching as soon as the work is posted keeps the helper's
-    hand-off off the critical path: on a busy machine waking a thread costs milliseconds."""
+    timeout, harmlessly (daemon)."""
 
     def __init__(self, work: dist.Work, timeout_s: float):
         self.work, self.done = work, threading.Event()
@@ -84,27 +83,23 @@ class Watched:
         self.done.set()
 
 
-def wait(work: dist.Work | Watched, timeout_s: float, what: str, interrupt: Interrupt | None = None,
+def wait(work: dist.Work, timeout_s: float, what: str, interrupt: Interrupt | None = None,
          epoch: int = 0) -> None:
     """Wait for ``work`` at most ``timeout_s``, and not at all once ``interrupt`` trips for ``epoch``.
 
     Raises CommError on a backend error or timeout, EpochBroken on an interrupt."""
-    if interrupt is None and not isinstance(work, Watched):
+    if interrupt is None:
         _wait_now(work, timeout_s, what)
         return
-    if interrupt is not None:
-        interrupt.check(epoch)
-    watched = work if isinstance(work, Watched) else Watched(work, timeout_s)
-    if interrupt is not None:
-        interrupt.register(watched.done)
+    interrupt.check(epoch)
+    watched = _Watched(work, timeout_s)
+    interrupt.register(watched.done)
     try:
         if not watched.done.wait(timeout_s):
             raise CommError(f"{what} did not complete within {timeout_s}s")
-        if interrupt is not None:
-            interrupt.check(epoch)
+        interrupt.check(epoch)
     finally:
-        if interrupt is not None:
-            interrupt.unregister(watched.done)
+        interrupt.unregister(watched.done)
     if watched.has_future:
         _wait_now(watched.work, timeout_s, what)  # completed: raises if it failed
     elif watched.error is not None:

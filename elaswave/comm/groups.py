@@ -31,16 +31,17 @@ class Group:
         self.size = len(self.members)
         self.group_rank = self.members.index(me)
 
-    def wait(self, work: dist.Work | backend.Watched, what: str) -> None:
+    def wait(self, work: dist.Work, what: str) -> None:
         backend.wait(work, self.timeout_s, what, self.interrupt, self.epoch)
-
-    def watch(self, work: dist.Work) -> backend.Watched:
-        """Start watching ``work`` now; :meth:`wait` on the result later."""
-        return backend.Watched(work, self.timeout_s)
 
     def wait_delivered(self, work: dist.Work, what: str) -> None:
         """Wait, directly, for a send its receiver has already confirmed: it cannot block."""
         backend.wait(work, self.timeout_s, what)
+
+    def wait_direct(self, work: dist.Work, what: str, timeout_s: float) -> None:
+        """Wait on this thread, at most ``timeout_s`` (an interrupt cannot cut it short)."""
+        self.interrupt.check(self.epoch)
+        backend.wait(work, timeout_s, what)
 
     def _call(self, fn, *args) -> dist.Work:
         try:

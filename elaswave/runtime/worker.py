@@ -51,7 +51,8 @@ class Context:
         self.membership = Membership(store, rank)
         self.comm = Communicator(store, rank, backend_name, device, cfg.parallel.timeout_s, self.interrupt,
                                  e.enabled and e.standby_groups)
-        self.pool = SnapshotPool(rank, cfg.parallel.chunk_numel) if e.enabled and e.snapshots else None
+        self.pool = (SnapshotPool(rank, cfg.parallel.chunk_numel, e.heartbeat_timeout_s)
+                     if e.enabled and e.snapshots else None)
         # A fault is an event in the run's life: a job restarted by torchrun does not meet it again.
         first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
         self.injector = FaultInjector(cfg.elastic.faults if first_attempt else [], rank, self.membership)

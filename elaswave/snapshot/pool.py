@@ -43,8 +43,10 @@ class SnapshotPool:
     """One message per snapshot -- header and payload in one byte buffer -- so a step costs one send,
     one receive and one wait on each side; the buffers are reused from step to step."""
 
-    def __init__(self, rank: int, chunk_numel: int):
-        self.rank, self.chunk_numel = rank, chunk_numel
+    def __init__(self, rank: int, chunk_numel: int, verify_wait_s: float = 2.0):
+        """``verify_wait_s``: how long :meth:`verify` may block on an owner that sent nothing (a hung
+        one); the heartbeat timeout, within which a hung rank is declared gone anyway."""
+        self.rank, self.chunk_numel, self.verify_wait_s = rank, chunk_numel, verify_wait_s
         self.held: dict[tuple[int, int], tuple[tuple[ChunkKey, ...], torch.Tensor, torch.Tensor]] = {}
         """(owner, generation) -> (chunk keys, [k, 3, chunk_numel] payload in CPU memory, its buffer)."""
         self._send: tuple | None = None
@@ -92,7 +94,7 @@ class SnapshotPool:
         fits = [b for b in self._spare if b.numel() == hbytes + pbytes and b.device == device]
         buf = fits[0] if fits else torch.empty(hbytes + pbytes, dtype=torch.uint8, device=device)
         self._spare = [b for b in self._spare if b is not buf]
-        self._incoming = (group.watch(group.irecv(buf, self.owner, TAG_SNAPSHOT)), buf, k)
+        self._incoming = (group.irecv(buf, self.owner, TAG_SNAPSHOT), buf, k)
 
     def verify(self, group: Group, gen: int) -> bool:
         """Wait for the expected snapshot of generation ``gen``; keep it if its checksum is right."""
@@ -100,7 +102,10 @@ class SnapshotPool:
             return True
         work, buf, k = self._incoming
         self._incoming = None
-        group.wait(work, f"snapshot from rank {self.owner}")
+        # Waited for here, on this thread: it was sent a whole step ago and is almost always in,
+        # and no helper thread waking mid-step competes with the compute for the GIL. A dead
+        # owner fails the wait at once; a hung one within verify_wait_s.
+        group.wait_direct(work, f"snapshot from rank {self.owner}", self.verify_wait_s)
         buf = buf.cpu()
         hbytes, _ = _sizes(k, self.chunk_numel)
         h = buf[:hbytes].view(torch.int64).tolist()
