@@ -36,13 +36,8 @@ class Result:
         return [r["loss"] for r in self.steps]
 
 
-def run_cli(args: list[str], tmp_path: Path, timeout_s: float = 240.0, metrics: Path | None = None) -> Result:
-    """Run ``elaswave ARGS`` with ``--metrics-out`` (a new file in ``tmp_path`` unless ``metrics``
-    names one); kill everything it started."""
-    metrics = metrics or tmp_path / f"metrics-{len(list(tmp_path.iterdir()))}.jsonl"
-    cmd = [sys.executable, "-m", "elaswave.cli", *args]
-    if args and args[0] in ("run", "reference"):
-        cmd += ["--metrics-out", str(metrics)]
+def _run(cmd: list[str], timeout_s: float) -> tuple[int, str, str]:
+    """Run ``cmd`` in its own session; on return (or timeout) kill whatever it left behind."""
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
     try:
@@ -50,14 +45,34 @@ def run_cli(args: list[str], tmp_path: Path, timeout_s: float = 240.0, metrics: 
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         out, err = proc.communicate()
-        raise AssertionError(f"elaswave {' '.join(args)} did not finish in {timeout_s}s\n{out}\n{err}")
+        raise AssertionError(f"{' '.join(cmd)} did not finish in {timeout_s}s\n{out}\n{err}")
     finally:
         try:
             os.killpg(proc.pid, signal.SIGKILL)  # any worker the launcher failed to reap
         except ProcessLookupError:
             pass
+    return proc.returncode, out, err
+
+
+def run_cli(args: list[str], tmp_path: Path, timeout_s: float = 240.0, metrics: Path | None = None) -> Result:
+    """Run ``elaswave ARGS`` with ``--metrics-out`` (a new file in ``tmp_path`` unless ``metrics``
+    names one); kill everything it started."""
+    metrics = metrics or tmp_path / f"metrics-{len(list(tmp_path.iterdir()))}.jsonl"
+    cmd = [sys.executable, "-m", "elaswave.cli", *args]
+    if args and args[0] in ("run", "reference"):
+        cmd += ["--metrics-out", str(metrics)]
+    code, out, err = _run(cmd, timeout_s)
     records = read_jsonl(str(metrics)) if metrics.exists() else []
-    return Result(proc.returncode, out, err, records)
+    return Result(code, out, err, records)
+
+
+def run_torchrun(torchrun_args: list[str], sets: list[str], metrics: Path, timeout_s: float = 300.0) -> Result:
+    """The worker under real torchrun (``python -m torch.distributed.run TORCHRUN_ARGS -m
+    elaswave.runtime.worker --set ...``); kill everything it started."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", *torchrun_args, "-m", "elaswave.runtime.worker",
+           "--metrics-out", str(metrics)] + [x for s in sets for x in ("--set", s)]
+    code, out, err = _run(cmd, timeout_s)
+    return Result(code, out, err, read_jsonl(str(metrics)) if metrics.exists() else [])
 
 
 def run_job(tmp_path: Path, dp: int, pp: int, steps: int, deterministic: bool, extra: list[str] = ()) -> Result:

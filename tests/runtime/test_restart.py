@@ -1,12 +1,6 @@
 """Whole-job restarts from disk checkpoints: torchrun's own restart (--max-restarts) and a second
 ``elaswave run`` in another layout both continue the same run from the last checkpoint."""
-import os
-import signal
-import subprocess
-import sys
-
-from elaswave.runtime.metrics import read_jsonl
-from tests.helpers.spawn import TINY, run_cli, run_reference
+from tests.helpers.spawn import TINY, run_cli, run_reference, run_torchrun
 
 STEPS, MBS = 10, 6
 
@@ -26,22 +20,11 @@ def _assert_continues_the_same_run(records, reference, resumed_at):
 
 
 def test_torchrun_restart_resumes_from_the_last_checkpoint(tmp_path):
-    metrics = tmp_path / "torchrun.jsonl"
     sets = _sets(tmp_path, 2, 2, ["elastic.inject=kill:rank=1,step=6,phase=backward"])
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4", "--max-restarts=1",
-           "-m", "elaswave.runtime.worker", "--metrics-out", str(metrics)] + [x for s in sets for x in ("--set", s)]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
-    try:
-        out, err = proc.communicate(timeout=300)
-    finally:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    assert proc.returncode == 0, f"{out}\n{err}"
+    res = run_torchrun(["--standalone", "--nproc-per-node=4", "--max-restarts=1"], sets, tmp_path / "torchrun.jsonl")
+    assert res.returncode == 0, f"{res.stdout}\n{res.stderr}"
     reference = run_reference(tmp_path, STEPS, deterministic=True, num_micro_batches=MBS)
-    _assert_continues_the_same_run(read_jsonl(str(metrics)), reference, resumed_at=4)
+    _assert_continues_the_same_run(res.records, reference, resumed_at=4)
 
 
 def test_a_new_run_resumes_the_checkpoint_in_another_layout(tmp_path):
