@@ -90,7 +90,7 @@ def train_step(st: RankState, cfg: JobConfig, step: int, pool: SnapshotPool | No
                             "passed their checksum")
     if pool is not None:
         pool.commit(step)
-        pool.wait_sends(st.world, delivered=True)
+        pool.wait_sends(st.world)
     lap("norm")
 
     # 4. ZeRO-1: each owner updates its chunks, then the holders re-gather whole layers.
@@ -104,7 +104,6 @@ def train_step(st: RankState, cfg: JobConfig, step: int, pool: SnapshotPool | No
 
     # 5. Snapshot: the new state of this rank's chunks goes to its holder while the next step computes.
     if pool is not None:
-        pool.wait_sends(st.world)
         pool.send(st.world, st.plan, st.optimizer.gen, st.optimizer.keys(), st.optimizer.payload, st.device)
         pool.expect(st.world, st.plan, st.device)
     fault(step, "snapshot")

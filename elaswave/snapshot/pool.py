@@ -72,15 +72,13 @@ class SnapshotPool:
         self._out[:hbytes].view(torch.int64).copy_(header)
         self._send = (group.isend(self._out, holder, TAG_SNAPSHOT), holder)
 
-    def wait_sends(self, group: Group, delivered: bool = False) -> None:
-        """``delivered``: the holder confirmed it (the step's exchange), so the wait is direct."""
+    def wait_sends(self, group: Group) -> None:
+        """Called once the step's exchange proved the holder verified the snapshot: the send is
+        done, so it is waited on directly."""
         if self._send is not None:
             work, holder = self._send
             self._send = None
-            if delivered:
-                group.wait_delivered(work, f"snapshot to rank {holder}")
-            else:
-                group.wait(work, f"snapshot to rank {holder}")
+            group.wait_delivered(work, f"snapshot to rank {holder}")
 
     # -- the holder's side --------------------------------------------------------------------
     def expect(self, group: Group, plan: Plan, device: torch.device) -> None:
@@ -93,7 +91,8 @@ class SnapshotPool:
         hbytes, pbytes = _sizes(k, self.chunk_numel)
         fits = [b for b in self._spare if b.numel() == hbytes + pbytes and b.device == device]
         buf = fits[0] if fits else torch.empty(hbytes + pbytes, dtype=torch.uint8, device=device)
-        self._spare = [b for b in self._spare if b is not buf]
+        # Buffers of another size (an owner of another epoch) are not kept for later.
+        self._spare = [b for b in self._spare if b is not buf and b.numel() == hbytes + pbytes]
         self._incoming = (group.irecv(buf, self.owner, TAG_SNAPSHOT), buf, k)
 
     def verify(self, group: Group, gen: int) -> bool:
