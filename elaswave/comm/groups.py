@@ -34,14 +34,11 @@ class Group:
     def wait(self, work: dist.Work, what: str) -> None:
         backend.wait(work, self.timeout_s, what, self.interrupt, self.epoch)
 
-    def wait_delivered(self, work: dist.Work, what: str) -> None:
-        """Wait, directly, for a send its receiver has already confirmed: it cannot block."""
-        backend.wait(work, self.timeout_s, what)
-
-    def wait_direct(self, work: dist.Work, what: str, timeout_s: float) -> None:
-        """Wait on this thread, at most ``timeout_s`` (an interrupt cannot cut it short)."""
+    def wait_direct(self, work: dist.Work, what: str, timeout_s: float | None = None) -> None:
+        """Wait on this thread, at most ``timeout_s`` (default: the group's), for work that is done
+        or nearly so; an interrupt cannot cut it short, so no helper thread is needed."""
         self.interrupt.check(self.epoch)
-        backend.wait(work, timeout_s, what)
+        backend.wait(work, self.timeout_s if timeout_s is None else timeout_s, what)
 
     def _call(self, fn, *args) -> dist.Work:
         try:

@@ -13,6 +13,7 @@ import signal
 import resource
 import sys
 import time
+from typing import NamedTuple
 
 import torch
 
@@ -118,7 +119,7 @@ def run(cfg: JobConfig, rank: int, world_size: int, metrics_out: str | None) -> 
     stage = Stage(cfg, plan.layers_of(rank), device)
     world = ctx.comm.group(plan.ranks, plan.epoch)
     resumed = _resume_point(cfg, plan, rank)
-    gen, chunks = (resumed[0].step, resumed[1]) if resumed else (0, None)
+    gen, chunks = (resumed.manifest.step, resumed.chunks) if resumed else (0, None)
     st = build_rank(cfg, plan, rank, stage, ctx.sampler_for(stage), world, ctx.comm, device, name, gen=gen,
                     chunks=chunks, before=ctx.before_action)
     if resumed:
@@ -133,7 +134,7 @@ def run(cfg: JobConfig, rank: int, world_size: int, metrics_out: str | None) -> 
                            append=resumed is not None)
     if resumed:
         writer.write({"event": "resume", "step": gen, "checkpoint": str(disk.step_dir(cfg.checkpoint.dir, gen)),
-                      "load_s": resumed[2], "wall_time": time.time()})
+                      "load_s": resumed.load_s, "wall_time": time.time()})
     began = time.perf_counter()
     step, result, pending = gen, None, None
     while True:
@@ -197,8 +198,15 @@ def run(cfg: JobConfig, rank: int, world_size: int, metrics_out: str | None) -> 
     return 0
 
 
-def _resume_point(cfg: JobConfig, plan, rank: int):
-    """(manifest, this rank's chunks, seconds to load) from the newest complete checkpoint, or None."""
+class ResumePoint(NamedTuple):
+    manifest: disk.Manifest
+    chunks: dict
+    """This rank's chunks in the new plan, read from the checkpoint."""
+    load_s: float
+
+
+def _resume_point(cfg: JobConfig, plan, rank: int) -> ResumePoint | None:
+    """Where to continue from: the newest complete checkpoint, or None."""
     c = cfg.checkpoint
     if not (c.dir and c.resume):
         return None
@@ -213,7 +221,7 @@ def _resume_point(cfg: JobConfig, plan, rank: int):
     chunks = disk.load_chunks(manifest, plan.chunks_of(rank))
     if rank == 0:
         print(f"elaswave: resuming at step {manifest.step} from {disk.step_dir(c.dir, manifest.step)}", flush=True)
-    return manifest, chunks, time.perf_counter() - began
+    return ResumePoint(manifest, chunks, time.perf_counter() - began)
 
 
 def _finish(ctx: Context, st, cfg: JobConfig) -> dict[int, dict]:

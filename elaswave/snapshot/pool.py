@@ -78,7 +78,7 @@ class SnapshotPool:
         if self._send is not None:
             work, holder = self._send
             self._send = None
-            group.wait_delivered(work, f"snapshot to rank {holder}")
+            group.wait_direct(work, f"snapshot to rank {holder}")
 
     # -- the holder's side --------------------------------------------------------------------
     def expect(self, group: Group, plan: Plan, device: torch.device) -> None:
