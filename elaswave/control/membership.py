@@ -77,6 +77,13 @@ class Membership:
     def current_epoch(self) -> int:
         return int(self.store.add(PREFIX + "epoch", 0))
 
+    def _advance_epoch(self, epoch: int) -> None:
+        # Every agreeing rank calls this at once: a read-then-add would count the epoch once per
+        # rank, so move the counter forward by compare-and-set, never past ``epoch``.
+        current = str(self.current_epoch()).encode()
+        while int(current) < epoch:
+            current = self.store.compare_set(PREFIX + "epoch", current.decode(), str(epoch))
+
     # -- agreement --------------------------------------------------------------------------
     def check_in(self, epoch: int) -> None:
         self.store.set(f"{PREFIX}ep/{epoch}/in/{self.rank}", "1")
@@ -112,8 +119,7 @@ class Membership:
             if members is not None:
                 stored = self.store.compare_set(key, "", json.dumps(list(members)))
                 won = json.loads(stored)
-                if list(won) == list(members):
-                    self.store.add(PREFIX + "epoch", epoch - self.current_epoch())
+                self._advance_epoch(epoch)
                 return tuple(won)
             if waited > timeout_s:
                 raise TimeoutError(f"no agreement on epoch {epoch} within {timeout_s}s")

@@ -70,3 +70,22 @@ def test_agreement_over_a_real_store(store):
     assert time.monotonic() - start < 2.0  # the death notice settles it; no waiting for the timeout
     assert json.loads(store.get("ew/ep/1/members")) == [0, 1, 3]
     assert clients[0].current_epoch() == 1
+
+
+def test_concurrent_agreement_moves_the_epoch_once(store):
+    # Every member that agrees advances the epoch at the same moment; it must count once.
+    clients = [Membership(dist.TCPStore("127.0.0.1", store.port, is_master=False,
+                                        timeout=timedelta(seconds=10)), r) for r in range(8)]
+    for epoch in range(1, 11):
+        barrier = threading.Barrier(len(clients))
+
+        def advance(m, epoch=epoch, barrier=barrier):
+            barrier.wait(5)
+            m._advance_epoch(epoch)
+
+        threads = [threading.Thread(target=advance, args=(m,)) for m in clients]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(10)
+        assert clients[0].current_epoch() == epoch
