@@ -16,6 +16,9 @@ def _job_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--deterministic", action="store_true",
                     help="bit-identical results across every dp x pp layout")
     ap.add_argument("--metrics-out", metavar="F.jsonl", help="write one JSON line per step and a summary")
+    ap.add_argument("--emulate", action="store_true",
+                    help="emulated compute: each layer also takes a modelled time (emulate.*), so many ranks "
+                         "fit on a few cores")
     ap.add_argument("--inject", action="append", default=[], metavar="FAULT",
                     help="kill:rank=R,step=S[,phase=forward|backward|reduce|optimizer|snapshot] or "
                          "stop:rank=R,step=S[,phase=...]: the rank SIGKILLs (SIGSTOPs) itself there (repeatable)")
@@ -23,6 +26,8 @@ def _job_args(ap: argparse.ArgumentParser) -> None:
 
 def _load(args: argparse.Namespace) -> config.JobConfig:
     overrides = list(args.overrides) + (["train.deterministic=true"] if args.deterministic else [])
+    if getattr(args, "emulate", False):
+        overrides.append("emulate.enabled=true")
     if args.inject:
         overrides.append("elastic.inject=" + ";".join(args.inject))
     return config.load(args.config, overrides)

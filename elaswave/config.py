@@ -136,6 +136,10 @@ class ParallelConfig:
     """ZeRO-1 chunk size in elements; chunk c of a layer is owned by holder c mod n."""
     timeout_s: float = 120.0
     """Bound on every collective and p2p wait."""
+    stage_memory_mb: float = 0.0
+    """Most memory one stage's layers may take, modelled as 16 bytes per parameter (weights,
+    gradients, Adam moments); partitions, first and after a loss, keep within it or say why
+    none can. 0: no limit."""
 
     def validate(self) -> None:
         for name in ("dp", "pp"):
@@ -147,9 +151,11 @@ class ParallelConfig:
             _fail("parallel.chunk_numel", self.chunk_numel, "must be >= 64")
         if self.timeout_s <= 0:
             _fail("parallel.timeout_s", self.timeout_s, "must be > 0")
+        if self.stage_memory_mb < 0:
+            _fail("parallel.stage_memory_mb", self.stage_memory_mb, "must be >= 0 (0: no limit)")
 
 
-POLICIES = ("elaswave", "drop_replica")
+POLICIES = ("elaswave", "drop_replica", "reroute")
 
 
 @dataclass
@@ -168,7 +174,10 @@ class ElasticConfig:
     """Pre-build the communicator for the loss of each member (gloo), so recovery does not wait for it."""
     policy: str = "elaswave"
     """elaswave: the dead rank's micro-batches move to survivors (global batch kept);
-    drop_replica: a baseline that skips them and averages over the live replicas, as TorchFT does."""
+    drop_replica: a baseline that skips them and averages over the live replicas, as TorchFT does (a
+    pipeline that lost a stage stands idle);
+    reroute: a baseline for pipelines, as ReCycle does: the layout stays, and the broken pipeline's
+    micro-batches pass through the same stage of the other pipelines in place of the lost one."""
     inject: tuple = ()
     """Faults to inject, e.g. "kill:rank=2,step=12,phase=reduce" or "stop:rank=1,step=5"."""
 
@@ -218,6 +227,51 @@ class CheckpointConfig:
 
 
 @dataclass
+class EmulateConfig:
+    """Emulated compute: each layer's forward and backward also take a modelled time (a sleep, scaled
+    by the rank's frequency level) while the tensors stay tiny; communication and control flow stay
+    real. Many ranks then fit on a few cores and step time reflects scheduling, not CPU contention."""
+
+    enabled: bool = False
+    block_forward_ms: float = 5.0
+    """Forward time of one transformer block per micro-batch at nominal frequency; the embedding and
+    head take their share by the model's cost profile (multiply-adds per token)."""
+    backward_factor: float = 2.0
+    """Backward time as a multiple of forward time."""
+
+    def validate(self) -> None:
+        if self.block_forward_ms <= 0:
+            _fail("emulate.block_forward_ms", self.block_forward_ms, "must be > 0")
+        if self.backward_factor <= 0:
+            _fail("emulate.backward_factor", self.backward_factor, "must be > 0")
+
+
+ACTUATORS = ("auto", "none", "emulated", "nvml")
+
+
+@dataclass
+class FrequencyConfig:
+    """Frequency (DVFS) planning after a re-plan: raise the bottleneck stage, lower stages that would
+    only wait, within a power cap (power model: static + dynamic * f**3 per device)."""
+
+    planning: bool = True
+    """Choose per-stage frequency levels with the micro-batch balance (elastic.policy=elaswave)."""
+    actuator: str = "auto"
+    """auto: emulated under emulate.enabled, else none; none: plans are logged, clocks untouched;
+    emulated: emulated compute runs at the planned level; nvml: GPU application clocks through NVML
+    (needs permission to set clocks; never chosen by auto)."""
+    power_cap_w: float = 0.0
+    """Total modelled power all devices may draw (1.0 = one device at nominal frequency); 0: what the
+    job's original world draws at nominal frequency, so power freed by a lost device may be spent."""
+
+    def validate(self) -> None:
+        if self.actuator not in ACTUATORS:
+            _fail("frequency.actuator", self.actuator, f"must be one of {', '.join(ACTUATORS)}")
+        if self.power_cap_w < 0:
+            _fail("frequency.power_cap_w", self.power_cap_w, "must be >= 0 (0: the original world's nominal power)")
+
+
+@dataclass
 class JobConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -225,6 +279,8 @@ class JobConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     elastic: ElasticConfig = field(default_factory=ElasticConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    emulate: EmulateConfig = field(default_factory=EmulateConfig)
+    frequency: FrequencyConfig = field(default_factory=FrequencyConfig)
 
     @property
     def world_size(self) -> int:
@@ -237,6 +293,11 @@ class JobConfig:
         self.parallel.validate()
         self.elastic.validate()
         self.checkpoint.validate()
+        self.emulate.validate()
+        self.frequency.validate()
+        if self.frequency.actuator == "emulated" and not self.emulate.enabled:
+            _fail("frequency.actuator", self.frequency.actuator, "needs emulate.enabled=true (or --emulate); "
+                                                                 "use none or nvml for real compute")
         for text in self.elastic.inject:
             fault = faults.parse(text)
             if fault.rank >= self.world_size:
@@ -261,6 +322,13 @@ class JobConfig:
     def model_identity(self) -> dict:
         """What a checkpoint must match to load into this job: the model's shape."""
         return {k: v for k, v in dataclasses.asdict(self.model).items() if k != "dropout"}
+
+    @property
+    def actuator(self) -> str:
+        """The frequency actuator in effect (``auto`` resolved)."""
+        if self.frequency.actuator != "auto":
+            return self.frequency.actuator
+        return "emulated" if self.emulate.enabled else "none"
 
 
 _SECTIONS = {f.name: f.type for f in fields(JobConfig)}

@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from datetime import timedelta
 
@@ -39,6 +40,25 @@ def _stop(procs: list[subprocess.Popen], grace_s: float = 5.0) -> None:
             p.wait()
 
 
+class _Terminated(Exception):
+    """The launcher was asked to stop (SIGTERM/SIGHUP): its workers are stopped with it."""
+
+
+def _on_terminate(signum, frame) -> None:
+    raise _Terminated(signum)
+
+
+def _die_with_parent() -> None:
+    """In the worker, before exec: SIGKILL it when the launcher dies, however the launcher dies
+    (Linux prctl PR_SET_PDEATHSIG; elsewhere the worker notices when the store goes away)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG = 1
+    except (OSError, AttributeError):
+        pass
+
+
 def _describe(code: int) -> str:
     if code < 0:
         try:
@@ -59,6 +79,9 @@ def launch(cfg: JobConfig, metrics_out: str | None = None, host: str = "127.0.0.
         json.dump(cfg.to_dict(), fh)
         cfg_path = fh.name
     procs: list[subprocess.Popen] = []
+    handlers = {}
+    if threading.current_thread() is threading.main_thread():
+        handlers = {sig: signal.signal(sig, _on_terminate) for sig in (signal.SIGTERM, signal.SIGHUP)}
     try:
         for rank in range(world_size):
             env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
@@ -69,13 +92,18 @@ def launch(cfg: JobConfig, metrics_out: str | None = None, host: str = "127.0.0.
             cmd = [sys.executable, "-m", "elaswave.runtime.worker", "--config", cfg_path]
             if metrics_out:  # any rank may become the writer when rank 0 is gone
                 cmd += ["--metrics-out", metrics_out]
-            procs.append(subprocess.Popen(cmd, env=env))
+            procs.append(subprocess.Popen(cmd, env=env, preexec_fn=_die_with_parent))
         return _watch(cfg, procs, store, membership, timeout_s, done_grace_s)
     except KeyboardInterrupt:
         _stop(procs)
         return 130
+    except _Terminated as exc:
+        _stop(procs)
+        return 128 + exc.args[0]
     finally:
         _stop(procs)
+        for sig, old in handlers.items():
+            signal.signal(sig, old)
         os.unlink(cfg_path)
 
 

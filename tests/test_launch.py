@@ -1,4 +1,5 @@
-"""With elasticity off, a rank that dies ends the job: promptly, non-zero, nothing left running."""
+"""With elasticity off, a rank that dies ends the job: promptly, non-zero, nothing left running;
+and however the launcher itself ends, its workers end with it."""
 import os
 import signal
 import subprocess
@@ -8,15 +9,20 @@ import time
 from tests.helpers.spawn import TINY, alive, children
 
 
-def test_without_elasticity_a_sigkill_ends_the_job_cleanly():
-    sets = [*TINY, "train.steps=100000", "parallel.timeout_s=20", "elastic.enabled=false"]
+def _start_long_job(extra=()):
+    sets = [*TINY, "train.steps=100000", "parallel.timeout_s=20", *extra]
     cmd = [sys.executable, "-m", "elaswave.cli", "run"] + [x for s in sets for x in ("--set", s)]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    deadline = time.monotonic() + 120
+    line = ""
+    while "step" not in line and time.monotonic() < deadline:  # training is under way
+        line = proc.stdout.readline()
+    return proc
+
+
+def test_without_elasticity_a_sigkill_ends_the_job_cleanly():
+    proc = _start_long_job(["elastic.enabled=false"])
     try:
-        deadline = time.monotonic() + 120
-        line = ""
-        while "step" not in line and time.monotonic() < deadline:  # training is under way
-            line = proc.stdout.readline()
         workers = children(proc.pid)
         assert len(workers) == 4, workers
         os.kill(workers[2], signal.SIGKILL)
@@ -30,3 +36,22 @@ def test_without_elasticity_a_sigkill_ends_the_job_cleanly():
             os.killpg(proc.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
+
+
+def test_workers_end_with_the_launcher_however_it_ends():
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        proc = _start_long_job()
+        try:
+            workers = children(proc.pid)
+            assert len(workers) == 4, workers
+            os.kill(proc.pid, sig)
+            proc.wait(timeout=30)
+            deadline = time.monotonic() + 10
+            while [w for w in workers if alive(w)] and time.monotonic() < deadline:
+                time.sleep(0.1)
+            assert not [w for w in workers if alive(w)], f"workers outlived a launcher ended by {sig.name}"
+        finally:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass

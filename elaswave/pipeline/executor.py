@@ -1,12 +1,14 @@
 """Runs one step's schedule on a stage through a dispatch table, one handler per action."""
 from __future__ import annotations
 
+import time
 from typing import Callable, Sequence
 
 import torch
 
 from elaswave.data.sampler import Sampler
 from elaswave.model.gpt import token_loss_sum
+from elaswave.pipeline.emulate import EmulatedCompute
 from elaswave.pipeline.p2p import P2P
 from elaswave.pipeline.schedule import Action, Op
 from elaswave.pipeline.stage import Stage
@@ -14,14 +16,20 @@ from elaswave.pipeline.stage import Stage
 
 class Executor:
     """``on_backward`` is called after each micro-batch's backward (the gradient accumulator);
-    ``before`` before every action (fault injection, and giving up early in a broken epoch)."""
+    ``before`` before every action (fault injection, and giving up early in a broken epoch);
+    ``emulated``: modelled compute time added to each forward and backward (``--emulate``)."""
 
     def __init__(self, stage: Stage, p2p: P2P, sampler: Sampler | None, global_tokens: int,
-                 on_backward: Callable[[], None], before: Callable[[int, Action], None] | None = None):
+                 on_backward: Callable[[], None], before: Callable[[int, Action], None] | None = None,
+                 emulated: EmulatedCompute | None = None):
         self.stage, self.p2p, self.sampler = stage, p2p, sampler
         self.global_tokens = global_tokens
         self.on_backward = on_backward
         self.before = before
+        self.emulated = emulated
+        self.busy_s = 0.0
+        """Time in forwards and backwards during the last run (not waiting for neighbours): the
+        rank's own speed, which the planner balances by."""
         self._table = {
             Op.RECV_ACT: self._recv_act, Op.FORWARD: self._forward, Op.SEND_ACT: self._send_act,
             Op.RECV_GRAD: self._recv_grad, Op.BACKWARD: self._backward, Op.SEND_GRAD: self._send_grad,
@@ -34,17 +42,20 @@ class Executor:
         self.outputs: dict[int, torch.Tensor] = {}
         self.grads: dict[int, torch.Tensor] = {}
         self.losses: dict[int, float] = {}
+        self.busy_s = 0.0
         for action in actions:
             if self.before is not None:
                 self.before(step, action)
-            self._table[action.op](action.micro_batch)
+            self._table[action.op](action)
         self.p2p.drain()
         return self.losses
 
-    def _recv_act(self, mb: int) -> None:
-        self.inputs[mb] = self.p2p.recv_act(mb).requires_grad_(True)
+    def _recv_act(self, a: Action) -> None:
+        self.inputs[a.micro_batch] = self.p2p.recv_act(a.micro_batch, a.peer).requires_grad_(True)
 
-    def _forward(self, mb: int) -> None:
+    def _forward(self, a: Action) -> None:
+        mb = a.micro_batch
+        began = time.perf_counter()
         batch = self.sampler.micro_batch(self.step, mb) if self.sampler is not None else None
         x = batch.inputs.to(self.stage.device) if self.stage.is_first else self.inputs[mb]
         out = self.stage.forward(x, self.step, mb)
@@ -55,20 +66,28 @@ class Executor:
             # whichever pipeline runs this micro-batch and however many pipelines are alive.
             out = loss_sum / self.global_tokens
         self.outputs[mb] = out
+        if self.emulated is not None:
+            self.emulated.forward(began)
+        self.busy_s += time.perf_counter() - began
 
-    def _send_act(self, mb: int) -> None:
-        self.p2p.send_act(self.outputs[mb], mb)
+    def _send_act(self, a: Action) -> None:
+        self.p2p.send_act(self.outputs[a.micro_batch], a.micro_batch, a.peer)
 
-    def _recv_grad(self, mb: int) -> None:
-        self.grads[mb] = self.p2p.recv_grad(mb)
+    def _recv_grad(self, a: Action) -> None:
+        self.grads[a.micro_batch] = self.p2p.recv_grad(a.micro_batch, a.peer)
 
-    def _backward(self, mb: int) -> None:
+    def _backward(self, a: Action) -> None:
+        mb = a.micro_batch
+        began = time.perf_counter()
         out = self.outputs.pop(mb)
         if self.stage.is_last:
             out.backward()
         else:
             torch.autograd.backward(out, self.grads.pop(mb))
         self.on_backward()
+        if self.emulated is not None:
+            self.emulated.backward(began)
+        self.busy_s += time.perf_counter() - began
 
-    def _send_grad(self, mb: int) -> None:
-        self.p2p.send_grad(self.inputs.pop(mb).grad, mb)
+    def _send_grad(self, a: Action) -> None:
+        self.p2p.send_grad(self.inputs.pop(a.micro_batch).grad, a.micro_batch, a.peer)

@@ -28,17 +28,18 @@ class P2P:
         self.group.wait(self.group.irecv(buf, src, tag), f"{what} from rank {src}")
         return buf
 
-    def send_act(self, t: torch.Tensor, mb: int) -> None:
-        self._send(t, self.next_rank, 2 * mb)
+    # ``peer``: a rank other than the pipeline neighbour, for a micro-batch on a detour.
+    def send_act(self, t: torch.Tensor, mb: int, peer: int | None = None) -> None:
+        self._send(t, self.next_rank if peer is None else peer, 2 * mb)
 
-    def send_grad(self, t: torch.Tensor, mb: int) -> None:
-        self._send(t, self.prev_rank, 2 * mb + 1)
+    def send_grad(self, t: torch.Tensor, mb: int, peer: int | None = None) -> None:
+        self._send(t, self.prev_rank if peer is None else peer, 2 * mb + 1)
 
-    def recv_act(self, mb: int) -> torch.Tensor:
-        return self._recv(self.prev_rank, 2 * mb, f"activation of micro-batch {mb}")
+    def recv_act(self, mb: int, peer: int | None = None) -> torch.Tensor:
+        return self._recv(self.prev_rank if peer is None else peer, 2 * mb, f"activation of micro-batch {mb}")
 
-    def recv_grad(self, mb: int) -> torch.Tensor:
-        return self._recv(self.next_rank, 2 * mb + 1, f"gradient of micro-batch {mb}")
+    def recv_grad(self, mb: int, peer: int | None = None) -> torch.Tensor:
+        return self._recv(self.next_rank if peer is None else peer, 2 * mb + 1, f"gradient of micro-batch {mb}")
 
     def drain(self) -> None:
         for work, _ in self.pending:

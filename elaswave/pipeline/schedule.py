@@ -24,9 +24,11 @@ class Op(Enum):
 class Action:
     op: Op
     micro_batch: int
+    peer: int | None = None
+    """The rank to send to or receive from; None: the neighbouring stage of this rank's pipeline."""
 
     def __str__(self) -> str:
-        return f"{self.op.value}({self.micro_batch})"
+        return f"{self.op.value}({self.micro_batch})" + ("" if self.peer is None else f"@{self.peer}")
 
 
 def _forward(stage: int, num_stages: int, mb: int) -> list[Action]:

@@ -10,6 +10,7 @@ from typing import Mapping, Sequence
 
 from elaswave.plan import microbatches
 from elaswave.plan.chunks import Owners, chunks_of, reassign_owners, round_robin_owners
+from elaswave.plan.frequency import PowerModel, plan_frequencies
 from elaswave.plan.partition import PartitionError, partition
 
 
@@ -31,6 +32,15 @@ class Plan:
     """chunk_owners[layer][c] = the rank owning ZeRO chunk c of the layer."""
     layer_costs: tuple[float, ...] = ()
     """Each layer's relative compute cost (forward + backward): what stages are balanced by."""
+    frequencies: tuple[tuple[float, ...], ...] = ()
+    """frequencies[d][s] = the frequency level of stage s of pipeline d (empty: nominal, 1.0)."""
+    layer_memory: tuple[float, ...] = ()
+    """Each layer's modelled memory on the stage that holds it, and the most one stage may hold
+    (0: no limit); a re-partition keeps within it or says why it cannot."""
+    stage_memory_limit: float = 0.0
+    routes: tuple[tuple[int, tuple[int, ...]], ...] = ()
+    """(micro-batch, ranks by stage) for micro-batches that do not run down their own pipeline:
+    the reroute baseline sends a broken pipeline's micro-batches through other pipelines' stages."""
 
     # Lookups are indexed once per plan (cached on the frozen instance): a plan for 10^5 ranks is
     # queried by every rank, so nothing here may scan all pipelines per call.
@@ -54,6 +64,20 @@ class Plan:
                 for layer in range(i, j):
                     out[layer].append(r)
         return tuple(tuple(sorted(h)) for h in out)
+
+    @cached_property
+    def route_of(self) -> dict[int, tuple[int, ...]]:
+        return dict(self.routes)
+
+    def frequency(self, rank: int) -> float:
+        if not self.frequencies:
+            return 1.0
+        d, s = self.position(rank)
+        return self.frequencies[d][s]
+
+    def is_complete(self, d: int) -> bool:
+        """Pipeline ``d`` holds every layer (baselines leave a broken pipeline's survivors in place)."""
+        return _covers(self.layer_ranges[d], self.num_layers)
 
     @property
     def num_micro_batches(self) -> int:
@@ -101,11 +125,15 @@ class Plan:
 
 
 def initial_plan(world_size: int, dp: int, pp: int, layer_costs: Sequence[float], num_micro_batches: int,
-                 layer_numels: Sequence[int] = (), chunk_numel: int = 1) -> Plan:
+                 layer_numels: Sequence[int] = (), chunk_numel: int = 1, layer_memory: Sequence[float] = (),
+                 stage_memory_limit: float = 0.0) -> Plan:
     """Rank ``d * pp + s`` is stage ``s`` of pipeline ``d``: a pipeline's stages are neighbours."""
     if dp * pp != world_size:
         raise ValueError(f"dp={dp} x pp={pp} = {dp * pp} must equal the world size {world_size}")
-    ranges = tuple(partition(layer_costs, pp))
+    try:
+        ranges = tuple(partition(layer_costs, pp, layer_memory or None, stage_memory_limit or None))
+    except PartitionError as exc:
+        raise PlanError(f"the initial layout does not fit: {exc}") from None
     pipelines = tuple(tuple(d * pp + s for s in range(pp)) for d in range(dp))
     plan = Plan(
         epoch=0,
@@ -114,6 +142,8 @@ def initial_plan(world_size: int, dp: int, pp: int, layer_costs: Sequence[float]
         layer_ranges=tuple(ranges for _ in range(dp)),
         micro_batches=tuple(microbatches.assign(num_micro_batches, [1.0] * dp)),
         layer_costs=tuple(float(c) for c in layer_costs),
+        layer_memory=tuple(float(m) for m in layer_memory),
+        stage_memory_limit=float(stage_memory_limit),
     )
     if layer_numels:
         plan = replace(plan, chunk_owners=round_robin_owners(plan.holder_groups(), layer_numels, chunk_numel))
@@ -121,16 +151,22 @@ def initial_plan(world_size: int, dp: int, pp: int, layer_costs: Sequence[float]
 
 
 def replan(prev: Plan, live: Sequence[int], epoch: int, num_micro_batches: int,
-           speeds: Mapping[int, float] | None = None, policy: str = "elaswave") -> Plan:
+           speeds: Mapping[int, float] | None = None, policy: str = "elaswave",
+           power: PowerModel | None = None, power_cap_w: float | None = None) -> Plan:
     """The plan after ranks were lost: ``live`` are the survivors.
 
     elaswave: a pipeline that lost stages goes on with its survivors (in stage order) as a shorter
     pipeline, its layers re-partitioned over them (minimax on the layer costs); the global batch
-    stays ``num_micro_batches``, spread over the pipelines by predicted speed.
-    drop_replica (a baseline, data-parallel only): each live pipeline keeps its micro-batches; the
-    dead one's are skipped.
+    stays ``num_micro_batches``, spread over the pipelines by predicted step time, and with a
+    ``power`` model each stage gets a frequency level (raise the bottleneck, slow what would wait)
+    within ``power_cap_w``.
+    The baselines leave a broken pipeline's survivors where they were:
+    drop_replica (TorchFT): its micro-batches are skipped and its survivors stand idle;
+    reroute (ReCycle): its micro-batches keep their ids, and pass through the same stage of the
+    complete pipelines (in turn) wherever their own stage is gone.
 
-    ``speeds``: micro-batches per second each rank measured on its current stage."""
+    ``speeds``: micro-batches per second each rank measured on its current stage, at its current
+    frequency level."""
     live = tuple(sorted(live))
     if not live:
         raise PlanError(f"epoch {epoch}: no rank is left")
@@ -138,10 +174,6 @@ def replan(prev: Plan, live: Sequence[int], epoch: int, num_micro_batches: int,
     missing = [r for r in live if r not in known]
     if missing:
         raise PlanError(f"epoch {epoch}: ranks {missing} were not in epoch {prev.epoch}; joins are not supported yet")
-    deep = any(len(p) > 1 for p in prev.pipelines)
-    if policy == "drop_replica" and deep:
-        raise PlanError(f"epoch {epoch}: elastic.policy=drop_replica is a data-parallel baseline; "
-                        "with parallel.pp > 1 use elastic.policy=elaswave")
     pipelines, ranges, kept = [], [], []
     for d, pipe in enumerate(prev.pipelines):
         survivors = tuple(r for r in pipe if r in alive)
@@ -149,25 +181,73 @@ def replan(prev: Plan, live: Sequence[int], epoch: int, num_micro_batches: int,
             continue
         pipelines.append(survivors)
         kept.append(d)
-        if len(survivors) == len(pipe):
-            ranges.append(prev.layer_ranges[d])
+        if len(survivors) == len(pipe) or policy != "elaswave":
+            ranges.append(tuple(rng for r, rng in zip(pipe, prev.layer_ranges[d]) if r in alive))
             continue
         try:
-            ranges.append(tuple(partition(_costs(prev), len(survivors))))
+            ranges.append(tuple(partition(_costs(prev), len(survivors), prev.layer_memory or None,
+                                          prev.stage_memory_limit or None)))
         except PartitionError as exc:
             raise PlanError(f"epoch {epoch}: pipeline {d} is left with ranks {list(survivors)}: {exc}") from None
+    complete = [_covers(rng, prev.num_layers) for rng in ranges]
+    if not any(complete):
+        raise PlanError(f"epoch {epoch}: elastic.policy={policy} needs a pipeline that still holds every layer, "
+                        f"and none does (survivors {list(live)}); elastic.policy=elaswave re-partitions instead")
     if num_micro_batches < len(pipelines):
         raise PlanError(f"epoch {epoch}: {num_micro_batches} micro-batches cannot feed {len(pipelines)} pipelines")
+    freqs: tuple = ()
+    routes: tuple = ()
     if policy == "drop_replica":
+        mbs = tuple(prev.micro_batches[d] if ok else () for d, ok in zip(kept, complete))
+    elif policy == "reroute":
         mbs = tuple(prev.micro_batches[d] for d in kept)
+        routes = _detours(prev, pipelines, ranges, complete, mbs, epoch)
     else:
         rate = _rank_rates(prev, speeds or {})
-        bottleneck = [max(_cost(prev, i, j) / rate[r] for r, (i, j) in zip(pipe, rng))
-                      for pipe, rng in zip(pipelines, ranges)]
-        mbs = tuple(microbatches.balance(num_micro_batches, bottleneck, [len(p) for p in pipelines]))
+        stage_s = [[_cost(prev, i, j) / rate[r] for r, (i, j) in zip(pipe, rng)]
+                   for pipe, rng in zip(pipelines, ranges)]
+        if power is not None:
+            fp = plan_frequencies(stage_s, num_micro_batches, power, power_cap_w)
+            mbs, freqs = fp.micro_batches, fp.levels
+        else:
+            mbs = tuple(microbatches.balance(num_micro_batches, [max(p) for p in stage_s],
+                                             [len(p) for p in pipelines]))
     plan = Plan(epoch=epoch, num_layers=prev.num_layers, pipelines=tuple(pipelines), layer_ranges=tuple(ranges),
-                micro_batches=mbs, layer_costs=prev.layer_costs)
+                micro_batches=mbs, layer_costs=prev.layer_costs, frequencies=freqs, routes=routes,
+                layer_memory=prev.layer_memory, stage_memory_limit=prev.stage_memory_limit)
     return replace(plan, chunk_owners=reassign_owners(prev.chunk_owners, plan.holder_groups()))
+
+
+def _covers(ranges: Sequence[tuple[int, int]], num_layers: int) -> bool:
+    at = 0
+    for i, j in ranges:
+        if i != at:
+            return False
+        at = j
+    return at == num_layers
+
+
+def _detours(prev: Plan, pipelines, ranges, complete, mbs, epoch: int) -> tuple[tuple[int, tuple[int, ...]], ...]:
+    """Routes for the micro-batches of broken pipelines: their own survivors where they have the
+    stage, else the rank holding that stage in the next complete pipeline (round robin)."""
+    layouts = {tuple(rng) for rng, ok in zip(ranges, complete) if ok}
+    if len(layouts) != 1:
+        raise PlanError(f"epoch {epoch}: elastic.policy=reroute needs the complete pipelines to share one layout, "
+                        f"they have {sorted(layouts)}")
+    layout = layouts.pop()
+    hosts = [pipe for pipe, ok in zip(pipelines, complete) if ok]
+    routes, turn = [], 0
+    for pipe, rng, ok, ids in zip(pipelines, ranges, complete, mbs):
+        if ok:
+            continue
+        own = dict(zip(rng, pipe))
+        if any(r not in layout for r in rng):
+            raise PlanError(f"epoch {epoch}: elastic.policy=reroute cannot route through stages {list(rng)}: "
+                            f"they differ from the layout {list(layout)}")
+        for mb in ids:
+            routes.append((mb, tuple(own.get(r, hosts[turn % len(hosts)][s]) for s, r in enumerate(layout))))
+            turn += 1
+    return tuple(routes)
 
 
 def _costs(plan: Plan) -> tuple[float, ...]:
@@ -179,11 +259,13 @@ def _cost(plan: Plan, start: int, end: int) -> float:
 
 
 def _rank_rates(prev: Plan, speeds: Mapping[int, float]) -> dict[int, float]:
-    """Layer cost per second each rank sustains: its measured micro-batch rate times the cost of
-    the layers it ran. Ranks that did not measure count as the average one (rate of 1 micro-batch
-    per unit of time)."""
+    """Layer cost per second each rank sustains at nominal frequency: its measured micro-batch rate
+    times the cost of the layers it ran, over the frequency level it ran at. Ranks that did not
+    measure count as the average one (rate of 1 micro-batch per unit of time)."""
     out = {}
     for r in prev.ranks:
         i, j = prev.layers_of(r)
-        out[r] = float(speeds.get(r, 1.0 / _cost(prev, i, j))) * _cost(prev, i, j)
+        speed = float(speeds.get(r, 0.0))
+        rate = speed * _cost(prev, i, j) / prev.frequency(r) if speed > 0 else 1.0
+        out[r] = rate
     return out

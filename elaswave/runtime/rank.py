@@ -13,12 +13,15 @@ from elaswave.comm.groups import Communicator, Group
 from elaswave.config import JobConfig
 from elaswave.data.sampler import Sampler
 from elaswave.model.gpt import build_layer
+from elaswave.pipeline.emulate import EmulatedCompute, layer_forward_s
 from elaswave.pipeline.executor import Executor
 from elaswave.pipeline.p2p import P2P
+from elaswave.pipeline.routed import plan_schedules
 from elaswave.pipeline.schedule import Action, one_f_one_b
 from elaswave.pipeline.stage import Stage
 from elaswave.plan.chunks import ChunkIndex, ChunkKey
 from elaswave.plan.plan import Plan
+from elaswave.runtime.actuator import Actuator
 from elaswave.zero.bucket import Bucket
 from elaswave.zero.optimizer import ShardedAdamW
 from elaswave.zero.reduce import GradAccumulator
@@ -59,8 +62,10 @@ def layer_numels(cfg: JobConfig) -> list[int]:
 def build_rank(cfg: JobConfig, plan: Plan, rank: int, stage: Stage, sampler: Sampler | None, world: Group,
                comm: Communicator, device: torch.device, backend_name: str, gen: int = 0,
                chunks: Mapping[ChunkKey, torch.Tensor] | None = None,
-               before: Callable[[int, Action], None] | None = None) -> RankState:
-    """``gen``/``chunks``: the optimizer generation and the chunk states to start from (a recovery)."""
+               before: Callable[[int, Action], None] | None = None,
+               actuator: Actuator | None = None) -> RankState:
+    """``gen``/``chunks``: the optimizer generation and the chunk states to start from (a recovery);
+    ``actuator``: where this rank's planned frequency level goes (emulated compute reads it)."""
     t, m, par = cfg.train, cfg.model, cfg.parallel
     d, s = plan.position(rank)
     pipeline = plan.pipelines[d]
@@ -78,10 +83,17 @@ def build_rank(cfg: JobConfig, plan: Plan, rank: int, stage: Stage, sampler: Sam
     p2p = P2P(world, pipeline[s - 1] if s > 0 else None, pipeline[s + 1] if s < len(pipeline) - 1 else None,
               (t.micro_batch_size, m.seq_len, m.d_model), device)
     step_tokens = plan.num_micro_batches * t.micro_batch_size * m.seq_len
+    # With detours (the reroute baseline) no per-pipeline 1F1B fits; all ranks derive one schedule.
+    schedule = (plan_schedules(plan, cfg.emulate.backward_factor).get(rank, []) if plan.routes
+                else one_f_one_b(s, len(pipeline), plan.micro_batches[d]))
+    emulated = None
+    if cfg.emulate.enabled:
+        emulated = EmulatedCompute(layer_forward_s(cfg), cfg.emulate.backward_factor, (stage.start, stage.end),
+                                   actuator or Actuator())
     return RankState(
         rank=rank, plan=plan, stage=stage,
-        schedule=one_f_one_b(s, len(pipeline), plan.micro_batches[d]),
-        executor=Executor(stage, p2p, sampler, step_tokens, accumulator.add_micro_batch, before),
+        schedule=schedule,
+        executor=Executor(stage, p2p, sampler, step_tokens, accumulator.add_micro_batch, before, emulated),
         accumulator=accumulator, buckets=buckets, groups=groups, world=world,
         optimizer=ShardedAdamW(buckets, stage.layers, t, gen, chunks),
         chunk_index=ChunkIndex.build(numels, par.chunk_numel), device=device, backend_name=backend_name,

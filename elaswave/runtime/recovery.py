@@ -20,7 +20,8 @@ from elaswave.interrupt import CommError, Disruption
 from elaswave.model.gpt import build_layer
 from elaswave.pipeline.stage import Stage
 from elaswave.plan.chunks import ChunkKey, chunk_range
-from elaswave.plan.plan import replan
+from elaswave.plan.frequency import PowerModel
+from elaswave.plan.plan import Plan, replan
 from elaswave.plan.recovery import Holding, Restore, plan_restore
 from elaswave.runtime.rank import RankState, build_rank
 from elaswave.runtime.step import gather_params
@@ -44,6 +45,7 @@ class Recovery:
     communicator: str = ""
     is_fallback: bool = False
     bytes_received: int = 0
+    plan: dict = field(default_factory=dict)
 
     def record(self, first_step_end_wall: float, first_step_s: float) -> dict:
         start = self.fault_wall if self.fault_wall is not None else self.noticed_wall
@@ -51,7 +53,7 @@ class Recovery:
         return {"event": "recovery", "epoch": self.epoch, "lost_ranks": self.lost_ranks,
                 "resume_step": self.resume_step, "mttr_s": first_step_end_wall - start,
                 "phases_s": phases, "communicator": self.communicator, "is_fallback": self.is_fallback,
-                "bytes_received": self.bytes_received}
+                "bytes_received": self.bytes_received, "plan": self.plan}
 
 
 def recover(ctx, st: RankState, cause: Disruption, noticed_wall: float) -> tuple[RankState, Recovery]:
@@ -89,8 +91,10 @@ def recover(ctx, st: RankState, cause: Disruption, noticed_wall: float) -> tuple
     world = ctx.comm.group(members, epoch, use_standby=all(doc["standby_ready"] for doc in reports.values()))
     lap("communicator")
 
+    power = _power_model(cfg)
     plan = replan(old, members, epoch, cfg.train.num_micro_batches,
-                  {r: doc["speed"] for r, doc in reports.items()}, cfg.elastic.policy)
+                  {r: doc["speed"] for r, doc in reports.items()}, cfg.elastic.policy, power,
+                  (cfg.frequency.power_cap_w or power.power(1.0) * cfg.world_size) if power else None)
     restore = plan_restore(old.chunk_owners, plan.chunk_owners,
                            [Holding.from_doc(r, doc["holding"]) for r, doc in reports.items()], disk_step)
     if restore.is_fallback and ctx.rank == members[0]:
@@ -108,7 +112,9 @@ def recover(ctx, st: RankState, cause: Disruption, noticed_wall: float) -> tuple
     # from the chunk owners, who hold the same layers in the other pipelines.
     stage = st.stage if (st.stage.start, st.stage.end) == layers else Stage(cfg, layers, st.device)
     new = build_rank(cfg, plan, ctx.rank, stage, ctx.sampler_for(stage), world, ctx.comm, st.device,
-                     st.backend_name, gen=restore.resume_step, chunks=chunks, before=ctx.before_action)
+                     st.backend_name, gen=restore.resume_step, chunks=chunks, before=ctx.before_action,
+                     actuator=ctx.actuator)
+    ctx.actuator.apply(plan.frequency(ctx.rank))
     gather_params(new)
     if ctx.pool is not None:
         ctx.pool.reset()
@@ -118,7 +124,23 @@ def recover(ctx, st: RankState, cause: Disruption, noticed_wall: float) -> tuple
     lap("state")
     fault_walls = [w for w in (ctx.membership.read_stamp(f"fault/{r}") for r in lost) if w is not None]
     return new, Recovery(epoch, lost, restore.resume_step, min(fault_walls) if fault_walls else None,
-                         noticed_wall, phases, ctx.comm.last_source, restore.is_fallback, received)
+                         noticed_wall, phases, ctx.comm.last_source, restore.is_fallback, received,
+                         _layout(plan))
+
+
+def _power_model(cfg: JobConfig) -> PowerModel | None:
+    """Frequency planning where a level can take effect: elaswave's policy, with an actuator."""
+    f = cfg.frequency
+    return PowerModel() if cfg.elastic.policy == "elaswave" and f.planning and cfg.actuator != "none" else None
+
+
+def _layout(plan: Plan) -> dict:
+    """The new plan as the metrics record it: who runs which layers, how many micro-batches, at what level."""
+    return {"pipelines": [list(p) for p in plan.pipelines],
+            "layer_ranges": [[list(r) for r in rs] for rs in plan.layer_ranges],
+            "micro_batches": [len(m) for m in plan.micro_batches],
+            "frequencies": [list(f) for f in plan.frequencies] if plan.frequencies else None,
+            "detours": len(plan.routes)}
 
 
 def _restore_chunks(ctx, st: RankState, world, new_owners, restore: Restore) -> tuple[dict[ChunkKey, torch.Tensor], int]:

@@ -31,8 +31,9 @@ from elaswave.interrupt import Disruption, Interrupt
 from elaswave.model.gpt import layer_flops
 from elaswave.pipeline.schedule import Action, Op
 from elaswave.pipeline.stage import Stage
-from elaswave.plan.plan import initial_plan
-from elaswave.runtime import recovery
+from elaswave.plan.frequency import PowerModel
+from elaswave.plan.plan import PlanError, initial_plan
+from elaswave.runtime import actuator, recovery
 from elaswave.runtime.metrics import MetricsWriter, StepJournal, print_error
 from elaswave.runtime.rank import build_rank, layer_numels
 from elaswave.runtime.step import gather_params, train_step
@@ -40,6 +41,8 @@ from elaswave.snapshot.pool import SnapshotPool
 from elaswave.zero.flat import params_sha256
 
 EXIT_EXCLUDED = 3
+BYTES_PER_PARAM = 16
+"""The memory model of a layer on its stage: fp32 weights, gradients and both Adam moments."""
 
 
 class Context:
@@ -60,8 +63,10 @@ class Context:
         c = cfg.checkpoint
         self.checkpointer = disk.Checkpointer(c.dir, rank, c.every_steps, c.keep, cfg.model_identity(),
                                               cfg.parallel.chunk_numel) if c.dir else None
+        self.actuator = actuator.make(cfg.actuator, device)
         self.speed = 1.0
-        """Micro-batches per second of compute, measured; the re-plan balances by it."""
+        """Micro-batches per second of this rank's own forward and backward time, measured at its
+        frequency level; the re-plan balances by it."""
         self.plan = None
         # The watcher has its own store connection: its blocking waits must never stall training.
         self.watcher = Watcher(store.clone(), rank, self._view, self.interrupt,
@@ -114,14 +119,16 @@ def run(cfg: JobConfig, rank: int, world_size: int, metrics_out: str | None) -> 
     numels = layer_numels(cfg)
     plan = initial_plan(world_size, cfg.parallel.dp, cfg.parallel.pp,
                         [layer_flops(m, i) for i in range(m.num_layers)], t.num_micro_batches,
-                        numels, cfg.parallel.chunk_numel)
+                        numels, cfg.parallel.chunk_numel, [BYTES_PER_PARAM * n / 2 ** 20 for n in numels],
+                        cfg.parallel.stage_memory_mb)
     ctx.plan = plan
     stage = Stage(cfg, plan.layers_of(rank), device)
     world = ctx.comm.group(plan.ranks, plan.epoch)
     resumed = _resume_point(cfg, plan, rank)
     gen, chunks = (resumed.manifest.step, resumed.chunks) if resumed else (0, None)
     st = build_rank(cfg, plan, rank, stage, ctx.sampler_for(stage), world, ctx.comm, device, name, gen=gen,
-                    chunks=chunks, before=ctx.before_action)
+                    chunks=chunks, before=ctx.before_action, actuator=ctx.actuator)
+    ctx.actuator.apply(plan.frequency(rank))
     if resumed:
         gather_params(st)
     ctx.comm.prepare_standbys(plan.ranks, plan.epoch)
@@ -143,14 +150,16 @@ def run(cfg: JobConfig, rank: int, world_size: int, metrics_out: str | None) -> 
                 started = time.perf_counter()
                 result = train_step(st, cfg, step, ctx.pool, ctx.injector.at)
                 took = time.perf_counter() - started
-                mine = st.plan.micro_batches[st.plan.position(rank)[0]]
-                ctx.speed = len(mine) / max(result.phases_s.get("compute", took), 1e-9)
+                forwards = sum(1 for a in st.schedule if a.op is Op.FORWARD)
+                if forwards and st.executor.busy_s > 0:  # an idle rank (drop_replica) keeps its last figure
+                    ctx.speed = forwards / st.executor.busy_s
                 journal.commit_before(step, writer)
                 samples = st.plan.num_micro_batches * t.micro_batch_size
                 journal.add({"event": "step", "step": step, "loss": result.loss, "grad_norm": result.grad_norm,
                              "lr": result.lr, "num_samples": samples, "world_size": len(st.plan.ranks),
                              "epoch": st.epoch, "step_time_s": took, "tokens_per_s": samples * m.seq_len / took,
-                             "wall_time": time.time(), "phases_s": result.phases_s})
+                             "wall_time": time.time(), "phases_s": result.phases_s,
+                             "modelled_power_w": _modelled_power(st.plan)})
                 if pending is not None:  # (a no-op writer on ranks that do not write)
                     writer.write(pending.record(time.time(), took))
                     pending = None
@@ -195,7 +204,15 @@ def run(cfg: JobConfig, rank: int, world_size: int, metrics_out: str | None) -> 
     writer.close()
     if ctx.watcher is not None:
         ctx.watcher.stop()
+    ctx.actuator.close()
     return 0
+
+
+def _modelled_power(plan) -> float:
+    """What the live devices draw at their planned levels under the power model (1.0 = one device
+    at nominal frequency); times the step time, the modelled energy of a step."""
+    model = PowerModel()
+    return sum(model.power(plan.frequency(r)) for r in plan.ranks)
 
 
 class ResumePoint(NamedTuple):
@@ -252,7 +269,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = config.load(args.config, args.overrides)
         code = run(cfg, rank, world_size, args.metrics_out)
-    except (ConfigError, disk.CheckpointError) as exc:
+    except (ConfigError, disk.CheckpointError, PlanError) as exc:
         print_error(str(exc))
         code = 2
     except Exception as exc:  # one line for the user; the traceback goes with ELASWAVE_DEBUG=1

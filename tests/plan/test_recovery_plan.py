@@ -68,10 +68,33 @@ def test_a_pipeline_that_lost_every_rank_is_gone():
     assert after.pipelines == ((2, 3),) and after.micro_batches == ((0, 1, 2, 3),)
 
 
+def test_drop_replica_idles_a_broken_pipeline():
+    plan = initial_plan(6, 3, 2, [1.0] * 4, 12, [9] * 4, 4)
+    after = replan(plan, [0, 2, 3, 4, 5], 1, 12, policy="drop_replica")  # rank 1 (pipeline 0) died
+    assert after.pipelines == ((0,), (2, 3), (4, 5))
+    assert after.layer_ranges[0] == ((0, 2),) and not after.is_complete(0)
+    assert after.micro_batches == ((),) + plan.micro_batches[1:]
+    assert after.num_micro_batches == 8 and after.routes == ()
+    # Rank 0 still holds (and may own chunks of) its layers; rank 1's layers are held by the others.
+    assert after.holders(0) == (0, 2, 4) and after.holders(3) == (3, 5)
+
+
+def test_reroute_sends_a_broken_pipelines_micro_batches_through_the_others():
+    plan = initial_plan(9, 3, 3, [1.0] * 6, 12, [9] * 6, 4)
+    after = replan(plan, [0, 2, 3, 4, 5, 6, 7, 8], 1, 12, policy="reroute")  # rank 1 died
+    assert after.micro_batches == plan.micro_batches  # every micro-batch keeps its pipeline
+    assert after.num_micro_batches == 12
+    routes = after.route_of
+    assert sorted(routes) == list(plan.micro_batches[0])
+    # Own survivors at stages 0 and 2; the middle stage alternates between ranks 4 and 7.
+    assert [routes[mb] for mb in sorted(routes)] == [(0, 4, 2), (0, 7, 2), (0, 4, 2), (0, 7, 2)]
+
+
 def test_pipeline_replans_give_clear_errors():
     plan = _plan(dp=2, pp=2, mbs=4)
-    with pytest.raises(PlanError, match="drop_replica is a data-parallel baseline"):
-        replan(plan, [0, 2, 3], 1, 4, policy="drop_replica")
+    for policy in ("drop_replica", "reroute"):
+        with pytest.raises(PlanError, match=f"policy={policy} needs a pipeline that still holds every layer"):
+            replan(plan, [0, 2], 1, 4, policy=policy)
     with pytest.raises(PlanError, match="2 micro-batches cannot feed 3 pipelines"):
         replan(initial_plan(6, 3, 2, [1.0] * 4, 3, [9] * 4, 4), [0, 2, 4], 1, 2)
 
@@ -159,3 +182,15 @@ def test_replan_scales_to_ten_thousand_ranks():
     after = replan(plan, [r for r in plan.ranks if r != 8], 1, 2500)
     assert time.perf_counter() - began < 5.0
     assert len(after.pipelines[0]) == 15 and len(after.ranks) == 9_999
+
+
+def test_partitions_keep_within_the_stage_memory_limit_or_say_why_not():
+    costs, memory = [1.0] * 6, [1.0, 1.0, 1.0, 1.0, 1.0, 3.0]
+    plan = initial_plan(6, 2, 3, costs, 8, [9] * 6, 4, memory, stage_memory_limit=4.0)
+    after = replan(plan, [0, 2, 3, 4, 5], 1, 8)  # rank 1 died: pipeline 0 has two stages left
+    # By cost alone it would be 3 + 3 layers, but the last three need 5 units: memory moves the cut.
+    assert after.layer_ranges[0] == ((0, 4), (4, 6))
+    with pytest.raises(PlanError, match="pipeline 0 is left with ranks \\[0\\].*memory_limit=4.0"):
+        replan(after, [0, 3, 4, 5], 2, 8)  # one rank cannot hold 8 units
+    with pytest.raises(PlanError, match="initial layout does not fit"):
+        initial_plan(2, 1, 2, costs, 2, [9] * 6, 4, memory, stage_memory_limit=2.0)

@@ -99,3 +99,42 @@ def test_a_broken_pipeline_is_re_partitioned_and_gives_the_same_run(tmp_path, pi
     (rec,) = _recoveries(res)
     assert rec["lost_ranks"] == [int(fault.split("rank=")[1].split(",")[0])]
     assert res.summary["world_size"] == dp * pp - 1
+
+
+def test_reroute_baseline_keeps_the_batch_and_gives_the_same_run(tmp_path, pipe_reference):
+    # ReCycle's way: rank 1 (stage 1 of pipeline 0) is gone; its micro-batches pass through rank 3.
+    res = run_job(tmp_path, 2, 2, PIPE_STEPS, True,
+                  extra=[f"train.num_micro_batches={PIPE_MBS}", "parallel.timeout_s=60", "elastic.policy=reroute",
+                         "elastic.inject=kill:rank=1,step=5,phase=forward"])
+    assert res.losses == pipe_reference.losses
+    assert res.summary["params_sha256"] == pipe_reference.summary["params_sha256"]
+    (rec,) = _recoveries(res)
+    assert rec["plan"]["detours"] == PIPE_MBS // 2 and rec["plan"]["layer_ranges"][0] == [[0, 3]]
+
+
+def test_drop_replica_baseline_idles_the_broken_pipeline(tmp_path):
+    res = run_job(tmp_path, 2, 2, PIPE_STEPS, True,
+                  extra=[f"train.num_micro_batches={PIPE_MBS}", "parallel.timeout_s=60", "elastic.policy=drop_replica",
+                         "elastic.inject=kill:rank=2,step=5,phase=backward"])
+    assert [r["step"] for r in res.steps] == list(range(PIPE_STEPS))
+    (rec,) = _recoveries(res)
+    assert rec["plan"]["micro_batches"] == [PIPE_MBS // 2, 0]  # rank 3 stays, idle
+    after = [r for r in res.steps if r["epoch"] == 1]
+    assert after and all(r["num_samples"] == res.steps[0]["num_samples"] // 2 for r in after)
+    assert res.summary["ranks"] == [0, 1, 3]
+
+
+def test_emulated_compute_with_frequency_planning_gives_the_same_run(tmp_path, pipe_reference):
+    # Emulated time and planned frequency levels change when things happen, never what is computed.
+    res = run_job(tmp_path, 2, 3, PIPE_STEPS, True,
+                  extra=[f"train.num_micro_batches={PIPE_MBS}", "parallel.timeout_s=60", "emulate.enabled=true",
+                         "emulate.block_forward_ms=2", "elastic.inject=kill:rank=4,step=5,phase=forward"])
+    assert res.losses == pipe_reference.losses
+    assert res.summary["params_sha256"] == pipe_reference.summary["params_sha256"]
+    (rec,) = _recoveries(res)
+    levels = rec["plan"]["frequencies"]
+    assert levels is not None and [len(x) for x in levels] == [3, 2]
+    # The two-stage pipeline's bottleneck runs no slower than nominal; the power stays within the cap.
+    assert max(levels[1]) >= 1.0
+    after = [r for r in res.steps if r["epoch"] == 1]
+    assert all(r["modelled_power_w"] <= 6.0 + 1e-9 for r in after)

@@ -1,0 +1,44 @@
+"""Emulated compute: a layer's forward or backward also takes a modelled time.
+
+The real (tiny) layers still run, so values, gradients and the bits of every result are those of
+real training; the sleep adds the time a full-size layer would take at the rank's frequency level.
+Sleeping leaves the cores free, so 16-32 ranks on a 2-core machine keep the timing of a schedule
+instead of the timing of CPU contention.
+"""
+from __future__ import annotations
+
+import time
+from typing import Sequence
+
+from elaswave.config import JobConfig
+from elaswave.model.gpt import layer_flops
+from elaswave.runtime.actuator import Actuator
+
+
+def layer_forward_s(cfg: JobConfig) -> list[float]:
+    """Each layer's modelled forward time per micro-batch at nominal frequency: the block's time,
+    shared out by the model's cost profile (the same one the planner balances stages by)."""
+    m = cfg.model
+    block = layer_flops(m, 1)
+    return [cfg.emulate.block_forward_ms / 1e3 * layer_flops(m, i) / block for i in range(m.num_layers)]
+
+
+class EmulatedCompute:
+    def __init__(self, forward_s: Sequence[float], backward_factor: float, layers: tuple[int, int],
+                 actuator: Actuator):
+        start, end = layers
+        self.forward_s = sum(forward_s[start:end])
+        self.backward_s = self.forward_s * backward_factor
+        self.actuator = actuator
+
+    def _take(self, seconds: float, began: float) -> None:
+        # The real compute already spent some of the modelled time; sleep only what is left.
+        left = seconds / self.actuator.level - (time.perf_counter() - began)
+        if left > 0:
+            time.sleep(left)
+
+    def forward(self, began: float) -> None:
+        self._take(self.forward_s, began)
+
+    def backward(self, began: float) -> None:
+        self._take(self.backward_s, began)
