@@ -170,6 +170,9 @@ class ElasticConfig:
     epoch (a dead process is usually known sooner: its launcher reports it)."""
     snapshots: bool = True
     """Copy every rank's ZeRO chunks into a peer's memory after each step (needed to recover them)."""
+    overlap_migration: bool = True
+    """On a recovery, chunk parameters move first (the next forward needs them) and Adam moments
+    travel while the next step computes; off: both before the step starts (the blocking baseline)."""
     standby_groups: bool = True
     """Pre-build the communicator for the loss of each member (gloo), so recovery does not wait for it."""
     policy: str = "elaswave"

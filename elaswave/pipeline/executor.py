@@ -27,6 +27,9 @@ class Executor:
         self.on_backward = on_backward
         self.before = before
         self.emulated = emulated
+        self.first_backward: Callable[[], None] | None = None
+        """Run once, before the next backward (or at the end of the run if there is none): a
+        recovery's last migration step, left to overlap the first forwards."""
         self.busy_s = 0.0
         """Time in forwards and backwards during the last run (not waiting for neighbours): the
         rank's own speed, which the planner balances by."""
@@ -47,6 +50,7 @@ class Executor:
             if self.before is not None:
                 self.before(step, action)
             self._table[action.op](action)
+        self._run_first_backward_hook()
         self.p2p.drain()
         return self.losses
 
@@ -76,7 +80,13 @@ class Executor:
     def _recv_grad(self, a: Action) -> None:
         self.grads[a.micro_batch] = self.p2p.recv_grad(a.micro_batch, a.peer)
 
+    def _run_first_backward_hook(self) -> None:
+        hook, self.first_backward = self.first_backward, None
+        if hook is not None:
+            hook()
+
     def _backward(self, a: Action) -> None:
+        self._run_first_backward_hook()
         mb = a.micro_batch
         began = time.perf_counter()
         out = self.outputs.pop(mb)

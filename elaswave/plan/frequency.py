@@ -13,6 +13,12 @@ pipelines wait for the slowest pipeline at the step's end. For a bottleneck leve
 
 and it takes the highest ``F`` whose total power stays within the cap (by default what every
 device draws at nominal frequency): the power the waiting stages give up pays for the bottleneck.
+
+One ``F`` for every pipeline is often too dear: after a loss, the re-partitioned pipeline is the
+slow one, and raising every pipeline's bottleneck costs the power of all of them. So the plan also
+raises the slowest pipelines alone, a level at a time (the pipelines with the largest bottleneck
+time first), while the power stays within the cap, and keeps the fastest plan found (the least
+energy on a tie).
 """
 from __future__ import annotations
 
@@ -58,22 +64,48 @@ def plan_frequencies(stage_s: Sequence[Sequence[float]], num_micro_batches: int,
     if not stage_s or any(not p for p in stage_s) or any(t <= 0 for p in stage_s for t in p):
         raise ValueError(f"need at least one pipeline, each with stages of time > 0, got {stage_s!r}")
     cap = model.power(1.0) * sum(len(p) for p in stage_s) if power_cap_w is None else power_cap_w
+
+    def fits(plan: FrequencyPlan) -> bool:
+        return plan.energy_j / plan.step_s <= cap * (1 + 1e-9)
+
+    best = None
     for top in sorted((f for f in model.levels if f >= 1.0), reverse=True):
-        plan = _plan_at(stage_s, num_micro_batches, model, top)
-        if plan.energy_j / plan.step_s <= cap * (1 + 1e-9) or top == 1.0:
-            return plan
-    raise AssertionError("unreachable: the nominal level is always a candidate")
+        best = _plan_at(stage_s, num_micro_batches, model, [top] * len(stage_s))
+        if fits(best) or top == 1.0:
+            break
+    raised = sorted(f for f in model.levels if f >= 1.0)
+    tops = [1.0] * len(stage_s)
+    while True:
+        slowest = max(max(p) / f for p, f in zip(stage_s, tops))
+        group = [d for d, (p, f) in enumerate(zip(stage_s, tops)) if max(p) / f >= slowest * (1 - 1e-9)]
+        if any(tops[d] == raised[-1] for d in group):
+            break
+        for d in group:
+            tops[d] = raised[raised.index(tops[d]) + 1]
+        plan = _plan_at(stage_s, num_micro_batches, model, tops)
+        if not fits(plan):
+            break
+        if _faster_or_leaner(plan, best):
+            best = plan
+    return best
+
+
+def _faster_or_leaner(a: FrequencyPlan, b: FrequencyPlan) -> bool:
+    if a.step_s < b.step_s * (1 - 1e-9):
+        return True
+    return a.step_s <= b.step_s * (1 + 1e-9) and a.energy_j < b.energy_j
 
 
 def _plan_at(stage_s: Sequence[Sequence[float]], num_micro_batches: int, model: PowerModel,
-             top: float) -> FrequencyPlan:
-    bottleneck = [max(p) / top for p in stage_s]
+             tops: Sequence[float]) -> FrequencyPlan:
+    """Pipeline ``d``'s bottleneck stage at level ``tops[d]``; the rest as low as the step allows."""
+    bottleneck = [max(p) / top for p, top in zip(stage_s, tops)]
     mbs = microbatches.balance(num_micro_batches, bottleneck, [len(p) for p in stage_s])
     slots = [len(m) + len(p) - 1 for m, p in zip(mbs, stage_s)]
     step = max(n * b for n, b in zip(slots, bottleneck))
-    usable = sorted(f for f in model.levels if f <= top)
     levels = []
-    for p, n in zip(stage_s, slots):
+    for p, n, top in zip(stage_s, slots, tops):
+        usable = sorted(f for f in model.levels if f <= top)
         allowed = step / n  # per-micro-batch time this pipeline may take without delaying the step
         levels.append(tuple(next(f for f in usable if t / f <= allowed * (1 + 1e-9)) for t in p))
     energy = step * sum(model.power(f) for row in levels for f in row)

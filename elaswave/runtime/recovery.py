@@ -106,7 +106,7 @@ def recover(ctx, st: RankState, cause: Disruption, noticed_wall: float) -> tuple
               file=sys.stderr, flush=True)
     lap("plan")
 
-    chunks, received = _restore_chunks(ctx, st, world, plan.chunk_owners, restore)
+    chunks, received, arriving = _restore_chunks(ctx, st, world, plan.chunk_owners, restore)
     layers = plan.layers_of(ctx.rank)
     # A re-partitioned stage starts from fresh layers; the gather below fills in their parameters
     # from the chunk owners, who hold the same layers in the other pipelines.
@@ -115,11 +115,21 @@ def recover(ctx, st: RankState, cause: Disruption, noticed_wall: float) -> tuple
                      st.backend_name, gen=restore.resume_step, chunks=chunks, before=ctx.before_action,
                      actuator=ctx.actuator)
     ctx.actuator.apply(plan.frequency(ctx.rank))
+    for wait, keys, moments in arriving:
+        new.optimizer.moments_arriving(wait, keys, moments)
     gather_params(new)
     if ctx.pool is not None:
         ctx.pool.reset()
-        ctx.pool.send(world, plan, new.optimizer.gen, new.optimizer.keys(), new.optimizer.payload, new.device)
-        ctx.pool.expect(world, plan, new.device)
+        pool = ctx.pool
+
+        def snapshot() -> None:  # the new ring's first snapshot: whole chunks, so moments included
+            pool.send(world, plan, new.optimizer.gen, new.optimizer.keys(), new.optimizer.payload, new.device)
+
+        if arriving:  # sent once the moments are in, early in the first step (see Executor.first_backward)
+            new.executor.first_backward = snapshot
+        else:
+            snapshot()
+        pool.expect(world, plan, new.device)
     ctx.comm.prepare_standbys(members, epoch)
     lap("state")
     fault_walls = [w for w in (ctx.membership.read_stamp(f"fault/{r}") for r in lost) if w is not None]
@@ -143,33 +153,51 @@ def _layout(plan: Plan) -> dict:
             "detours": len(plan.routes)}
 
 
-def _restore_chunks(ctx, st: RankState, world, new_owners, restore: Restore) -> tuple[dict[ChunkKey, torch.Tensor], int]:
+def _restore_chunks(ctx, st: RankState, world, new_owners, restore: Restore):
     """The state at the resume step of every chunk this rank owns next: kept, or received from its
-    source rank in one message per (source, destination) pair, or rebuilt from the seed."""
+    source rank, or rebuilt from the seed or read from disk. Returns the chunks, the bytes received
+    and the moments still arriving.
+
+    Each (source, destination) pair exchanges two messages: parameter rows, waited for here (the
+    all-gather that rebuilds whole layers needs them before the first forward), and Adam moments,
+    which only the update needs: with ``elastic.overlap_migration`` they are left arriving while
+    the next step computes; otherwise they are waited for here too."""
     gen, me = restore.resume_step, ctx.rank
+    n = ctx.cfg.parallel.chunk_numel
 
     def local(key: ChunkKey) -> torch.Tensor:
         _, kind = restore.sources[key]
         return st.optimizer.chunk(key, gen) if kind == "own" else ctx.pool.chunk(key, gen)
 
     transfers = restore.transfers(new_owners)
-    works, inbox = [], {}
+    works, params_in, moments_in = [], {}, []
     for (src, dst), keys in transfers.items():
         if src == me:
             payload = torch.stack([local(k) for k in keys]).to(st.device)
-            works.append((world.isend(payload, dst, TAG_RESTORE), payload, f"chunks to rank {dst}"))
+            for tag, part in ((TAG_RESTORE, payload[:, 0].contiguous()), (TAG_RESTORE + 1, payload[:, 1:].contiguous())):
+                works.append((world.isend(part, dst, tag), part, f"chunks to rank {dst}"))
         elif dst == me:
-            buf = torch.empty(len(keys), 3, ctx.cfg.parallel.chunk_numel, device=st.device)
-            works.append((world.irecv(buf, src, TAG_RESTORE), buf, f"chunks from rank {src}"))
-            inbox[src] = (keys, buf)
+            params = torch.empty(len(keys), n, device=st.device)
+            moments = torch.empty(len(keys), 2, n, device=st.device)
+            works.append((world.irecv(params, src, TAG_RESTORE), params, f"chunk parameters from rank {src}"))
+            moments_in.append((world.irecv(moments, src, TAG_RESTORE + 1), keys, moments, f"chunk moments from rank {src}"))
+            params_in[src] = (keys, params)
     for work, _, what in works:
         world.wait(work, f"restore: {what}")
     chunks: dict[ChunkKey, torch.Tensor] = {}
     received = 0
-    for keys, buf in inbox.values():
-        received += buf.numel() * buf.element_size()
-        for k, part in zip(keys, buf):
-            chunks[k] = part
+    for keys, params in params_in.values():
+        received += 3 * params.numel() * params.element_size()
+        for k, row in zip(keys, params):
+            chunks[k] = torch.cat([row.unsqueeze(0), torch.zeros(2, n, device=st.device)])
+    arriving = []
+    for work, keys, moments, what in moments_in:
+        if ctx.cfg.elastic.overlap_migration:
+            arriving.append((lambda work=work, what=what: world.wait(work, f"restore: {what}"), keys, moments))
+        else:
+            world.wait(work, f"restore: {what}")
+            for k, part in zip(keys, moments):
+                chunks[k][1:] = part
     fresh: dict[int, FlatLayer] = {}
     from_disk = []
     for key, (src, kind) in restore.sources.items():
@@ -184,7 +212,7 @@ def _restore_chunks(ctx, st: RankState, world, new_owners, restore: Restore) -> 
     if from_disk:
         manifest = disk.read_manifest(disk.step_dir(ctx.cfg.checkpoint.dir, gen))
         chunks.update({k: v.to(st.device) for k, v in disk.load_chunks(manifest, from_disk).items()})
-    return chunks, received
+    return chunks, received, arriving
 
 
 def _readable_checkpoint(ctx) -> int | None:

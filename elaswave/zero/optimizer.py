@@ -7,7 +7,7 @@ element-wise update gives the same bits in both.
 from __future__ import annotations
 
 import math
-from typing import Mapping, Sequence
+from typing import Callable, Mapping, Sequence
 
 import torch
 
@@ -59,6 +59,29 @@ class ShardedAdamW:
             self.decay.append(b.my_part(b.pack([by_index[i].decay_mask for i in b.layers], fill=False)).float())
         self.prev = [torch.empty_like(s) for s in self.state]
         self.prev_gen: int | None = None
+        self._arriving: list[tuple[Callable[[], None], list[ChunkKey], torch.Tensor]] = []
+
+    # -- moments still on their way (a recovery's non-blocking migration) ----------------------
+    def moments_arriving(self, wait: Callable[[], None], keys: list[ChunkKey], buf: torch.Tensor) -> None:
+        """``buf`` (``[len(keys), 2, chunk_numel]``) will hold these chunks' Adam moments once
+        ``wait()`` returns: nothing but the update needs them, so they travel during the forwards."""
+        self._arriving.append((wait, list(keys), buf))
+
+    def settle(self) -> None:
+        """Wait for moments still arriving and put them in place (before anything reads them)."""
+        arriving, self._arriving = self._arriving, []
+        for wait, keys, buf in arriving:
+            wait()
+            for key, part in zip(keys, buf):
+                b, oc = self._slot_of(key)
+                self.state[b][1:, oc.slot_offset:oc.slot_offset + self.buckets[b].chunk_numel] = part
+
+    def _slot_of(self, key: ChunkKey):
+        for i, b in enumerate(self.buckets):
+            for oc in b.owned:
+                if (oc.layer, oc.chunk) == key:
+                    return i, oc
+        raise KeyError(f"chunk {key} is not owned here")
 
     @property
     def params(self) -> list[torch.Tensor]:
@@ -89,6 +112,7 @@ class ShardedAdamW:
         return out
 
     def step(self, grads: Sequence[torch.Tensor], step: int, lr: float, coef: float) -> None:
+        self.settle()
         if step != self.gen:
             raise RuntimeError(f"optimizer state is at step {self.gen}, cannot apply step {step}")
         for prev, state in zip(self.prev, self.state):
@@ -112,11 +136,16 @@ class ShardedAdamW:
         return [(oc.layer, oc.chunk) for b in self.buckets for oc in b.owned]
 
     def holding(self) -> dict[int, list[ChunkKey]]:
+        """Generations of whole chunks here: not those whose moments are still arriving (their
+        sender may be the rank that just died; the chunk's other copies are the source then)."""
         gens = [self.gen] + ([self.prev_gen] if self.prev_gen is not None else [])
-        return {g: self.keys() for g in gens}
+        missing = {k for _, keys, _ in self._arriving for k in keys}
+        return {g: [k for k in self.keys() if k not in missing] for g in gens}
 
     def chunk(self, key: ChunkKey, gen: int) -> torch.Tensor:
         """A ``[3, chunk_numel]`` copy of one owned chunk's state at generation ``gen``."""
+        if any(key in keys for _, keys, _ in self._arriving):
+            self.settle()
         source = self.state if gen == self.gen else self.prev if gen == self.prev_gen else None
         if source is None:
             raise KeyError(f"generation {gen} of chunk {key} is not here (have {self.gen}, {self.prev_gen})")
@@ -129,6 +158,7 @@ class ShardedAdamW:
     def payload(self, out: torch.Tensor | None = None) -> torch.Tensor:
         """Every owned chunk's current state, ``[num_owned, 3, chunk_numel]`` in :meth:`keys` order
         (written into ``out`` when given)."""
+        self.settle()
         parts = [s[:, oc.slot_offset:oc.slot_offset + b.chunk_numel]
                  for b, s in zip(self.buckets, self.state) for oc in b.owned]
         if not parts:

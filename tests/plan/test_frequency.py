@@ -63,3 +63,17 @@ def test_a_tight_cap_keeps_nominal_and_bad_input_is_named():
         PowerModel(levels=(0.5, 0.8))
     with pytest.raises(ValueError, match="stages of time > 0"):
         plan_frequencies([[1.0], []], 4)
+
+
+def test_only_the_slow_pipeline_is_raised_when_raising_all_would_break_the_cap():
+    # The 16-rank case: 4-stage pipelines at nominal, one re-partitioned over 3 survivors. Raising
+    # every pipeline's bottleneck needs power that is not there; raising the broken one alone,
+    # paid for by the intact pipelines' light last stages, is.
+    intact, broken = [1.0, 1.0, 1.0, 0.8], [1.25, 1.25, 1.05]
+    stage_s = [intact, broken, intact, intact]
+    cap = MODEL.power(1.0) * 16  # the original world at nominal
+    plan = plan_frequencies(stage_s, 64, MODEL, cap)
+    base = nominal_plan(stage_s, 64, MODEL)
+    assert max(plan.levels[1]) > 1.0 and all(max(row) == 1.0 for d, row in enumerate(plan.levels) if d != 1)
+    assert plan.step_s < base.step_s * 0.99
+    assert plan.energy_j / plan.step_s <= cap * (1 + 1e-9)

@@ -85,14 +85,16 @@ def pipe_reference(tmp_path_factory):
     return run_reference(tmp_path_factory.mktemp("pref"), PIPE_STEPS, deterministic=True, num_micro_batches=PIPE_MBS)
 
 
-@pytest.mark.parametrize("dp,pp,fault", [
-    (2, 2, "kill:rank=1,step=5,phase=backward"),   # last stage
-    (2, 3, "kill:rank=4,step=5,phase=reduce"),     # middle stage
-    (3, 2, "kill:rank=2,step=5,phase=forward"),    # first stage
+@pytest.mark.parametrize("dp,pp,fault,overlap", [
+    (2, 2, "kill:rank=1,step=5,phase=backward", True),   # last stage
+    (2, 3, "kill:rank=4,step=5,phase=reduce", True),     # middle stage
+    (3, 2, "kill:rank=2,step=5,phase=forward", True),    # first stage
+    (2, 2, "kill:rank=1,step=5,phase=backward", False),  # moments migrated before the step (blocking)
 ])
-def test_a_broken_pipeline_is_re_partitioned_and_gives_the_same_run(tmp_path, pipe_reference, dp, pp, fault):
+def test_a_broken_pipeline_is_re_partitioned_and_gives_the_same_run(tmp_path, pipe_reference, dp, pp, fault, overlap):
     res = run_job(tmp_path, dp, pp, PIPE_STEPS, True,
-                  extra=[f"train.num_micro_batches={PIPE_MBS}", "parallel.timeout_s=60", f"elastic.inject={fault}"])
+                  extra=[f"train.num_micro_batches={PIPE_MBS}", "parallel.timeout_s=60", f"elastic.inject={fault}",
+                         f"elastic.overlap_migration={str(overlap).lower()}"])
     assert [r["step"] for r in res.steps] == list(range(PIPE_STEPS)), "a step was lost or counted twice"
     assert res.losses == pipe_reference.losses
     assert res.summary["params_sha256"] == pipe_reference.summary["params_sha256"]

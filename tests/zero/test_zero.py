@@ -77,3 +77,24 @@ def test_fixed_point_overflow_is_a_clear_error_not_a_wrap():
     layer.grad.fill_(float("nan"))
     with pytest.raises(GradientOverflowError):
         acc.add_micro_batch()
+
+
+def test_moments_still_arriving_are_in_place_before_the_update_and_not_offered_as_a_source():
+    cfg = TrainConfig(weight_decay=0.0, lr=1e-2)
+    layer = FlatLayer(torch.nn.Linear(4, 8), 0)
+    b = Bucket((0,), [0], [layer.numel], 8, 0)
+    keys = [(oc.layer, oc.chunk) for oc in b.owned]
+    state = {k: torch.stack([torch.full((8,), 0.5), torch.full((8,), 0.1), torch.full((8,), 0.2)]) for k in keys}
+    whole = ShardedAdamW([b], [layer], cfg, gen=3, chunks=state)
+    arriving = ShardedAdamW([b], [layer], cfg, gen=3, chunks={k: torch.cat([v[:1], torch.zeros(2, 8)])
+                                                              for k, v in state.items()})
+    waited = []
+    moments = torch.stack([v[1:] for v in state.values()])
+    arriving.moments_arriving(lambda: waited.append(True), keys[:], moments)
+    assert arriving.holding() == {3: []}  # nothing whole here until the moments are in
+    grads = [torch.ones(b.slot_numel)]
+    whole.step(grads, 3, 1e-2, 1.0)
+    arriving.step(grads, 3, 1e-2, 1.0)
+    assert waited == [True]
+    assert torch.equal(whole.state[0], arriving.state[0])
+    assert arriving.holding() == {4: keys, 3: keys}
