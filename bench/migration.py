@@ -67,8 +67,8 @@ def main() -> None:
           "| migration | state phase ms | first step ms | MTTR s |", "| --- | --- | --- | --- |"]
     md += [f"| {m} | {v['state_s'] * 1e3:.1f} | {v['first_step_s'] * 1e3:.1f} | {v['mttr_s']:.3f} |" for m, v in med.items()]
     md += ["", f"State phase blocking / non-blocking: {result['state_blocking_over_non_blocking']:.2f}x; MTTR: "
-               f"{result['mttr_blocking_over_non_blocking']:.2f}x; chunk bytes received by the survivors' "
-               f"receiving rank (sum over its transfers): {result['bytes_received_per_recovery']:,}."]
+               f"{result['mttr_blocking_over_non_blocking']:.2f}x; chunk bytes rank 0 received in the "
+               f"recovery: {result['bytes_received_per_recovery']:,}."]
     Path(args.out + ".md").write_text("\n".join(md) + "\n")
     print("\n".join(md))
 

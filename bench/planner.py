@@ -15,7 +15,7 @@ import json
 import time
 from pathlib import Path
 
-from elaswave.plan.frequency import plan_frequencies
+from elaswave.plan.frequency import PowerModel
 from elaswave.plan.plan import initial_plan, replan
 
 HERE = Path(__file__).resolve().parent
@@ -40,16 +40,15 @@ def one(devices: int, dp: int, pp: int) -> dict:
     lost = plan.pipelines[0][pp // 2]
     live = [r for r in plan.ranks if r != lost]
     t2 = time.perf_counter()
-    after = replan(plan, live, 1, m)
-    stage_s = [[sum(costs[i:j]) for i, j in ranges] for ranges in after.layer_ranges]
-    freq = plan_frequencies(stage_s, m)
+    model = PowerModel()
+    after = replan(plan, live, 1, m, power=model, power_cap_w=model.power(1.0) * devices)
     t3 = time.perf_counter()
     chunks = sum(len(row) for row in after.chunk_owners)
     moved = sum(1 for a, b in zip(plan.chunk_owners, after.chunk_owners) for x, y in zip(a, b) if x != y)
     return {"devices": devices, "dp": dp, "pp": pp, "layers": len(costs), "micro_batches": m, "chunks": chunks,
             "initial_plan_s": t1 - t0, "replan_s": t3 - t2, "chunks_moved": moved,
             "broken_pipeline_stages": len(after.pipelines[0]),
-            "predicted_step_over_bottleneck": freq.step_s}
+            "broken_pipeline_levels": list(after.frequencies[0])}
 
 
 def main() -> None:

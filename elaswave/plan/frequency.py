@@ -103,13 +103,20 @@ def _plan_at(stage_s: Sequence[Sequence[float]], num_micro_batches: int, model: 
     mbs = microbatches.balance(num_micro_batches, bottleneck, [len(p) for p in stage_s])
     slots = [len(m) + len(p) - 1 for m, p in zip(mbs, stage_s)]
     step = max(n * b for n, b in zip(slots, bottleneck))
-    levels = []
+    levels, power = [], 0.0
+    # At 10^5 devices most pipelines are alike: each distinct one is worked out once.
+    seen: dict[tuple, tuple[tuple[float, ...], float]] = {}
     for p, n, top in zip(stage_s, slots, tops):
-        usable = sorted(f for f in model.levels if f <= top)
-        allowed = step / n  # per-micro-batch time this pipeline may take without delaying the step
-        levels.append(tuple(next(f for f in usable if t / f <= allowed * (1 + 1e-9)) for t in p))
-    energy = step * sum(model.power(f) for row in levels for f in row)
-    return FrequencyPlan(tuple(levels), tuple(mbs), step, energy)
+        key = (tuple(p), n, top)
+        if key not in seen:
+            usable = sorted(f for f in model.levels if f <= top)
+            allowed = step / n  # per-micro-batch time this pipeline may take without delaying the step
+            row = tuple(next(f for f in usable if t / f <= allowed * (1 + 1e-9)) for t in p)
+            seen[key] = (row, sum(model.power(f) for f in row))
+        row, watts = seen[key]
+        levels.append(row)
+        power += watts
+    return FrequencyPlan(tuple(levels), tuple(mbs), step, step * power)
 
 
 def nominal_plan(stage_s: Sequence[Sequence[float]], num_micro_batches: int,

@@ -34,6 +34,7 @@ from elaswave.pipeline.stage import Stage
 from elaswave.plan.frequency import PowerModel
 from elaswave.plan.plan import PlanError, initial_plan
 from elaswave.runtime import actuator, recovery
+from elaswave.runtime.actuator import ActuatorError
 from elaswave.runtime.metrics import MetricsWriter, StepJournal, print_error
 from elaswave.runtime.rank import build_rank, layer_numels
 from elaswave.runtime.step import gather_params, train_step
@@ -269,7 +270,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = config.load(args.config, args.overrides)
         code = run(cfg, rank, world_size, args.metrics_out)
-    except (ConfigError, disk.CheckpointError, PlanError) as exc:
+    except (ConfigError, disk.CheckpointError, PlanError, ActuatorError) as exc:
         print_error(str(exc))
         code = 2
     except Exception as exc:  # one line for the user; the traceback goes with ELASWAVE_DEBUG=1
