@@ -1,4 +1,4 @@
-"""``elaswave run | reference``: the command line."""
+"""``elaswave run | reference | simulate``: the command line."""
 from __future__ import annotations
 
 import argparse
@@ -80,6 +80,11 @@ def main(argv: list[str] | None = None) -> int:
     ref = sub.add_parser("reference", help="train with the single-process reference oracle")
     _job_args(ref)
     ref.set_defaults(func=cmd_reference)
+    sim = sub.add_parser("simulate", help="replay failures on a modelled cluster with the same planner, per policy")
+    from elaswave.sim import run as sim_run
+
+    sim_run.add_arguments(sim)
+    sim.set_defaults(func=sim_run.run)
     args = ap.parse_args(argv)
     try:
         return args.func(args)

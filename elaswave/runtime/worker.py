@@ -140,6 +140,8 @@ def run(cfg: JobConfig, rank: int, world_size: int, metrics_out: str | None) -> 
     journal = StepJournal()
     writer = MetricsWriter(metrics_out if rank == 0 else None, show_progress=rank == 0, total_steps=t.steps,
                            append=resumed is not None)
+    # The job as configured, first: reports and the simulator's calibration read the run from it.
+    writer.write({"event": "job", "config": cfg.to_dict(), "world_size": world_size, "wall_time": time.time()})
     if resumed:
         writer.write({"event": "resume", "step": gen, "checkpoint": str(disk.step_dir(cfg.checkpoint.dir, gen)),
                       "load_s": resumed.load_s, "wall_time": time.time()})

@@ -1,0 +1,140 @@
+"""What a plan costs on a modelled cluster (pure): step time, power, recovery and migration times.
+
+The same :class:`~elaswave.plan.plan.Plan` the runtime trains with is priced here:
+
+- a stage's time per micro-batch is its layers' forward + backward time at its frequency level,
+  plus a fixed cost per micro-batch and stage (dispatch, and the activation's send and the
+  gradient's send back over the link to the neighbour: intra- or inter-node by placement);
+- a pipeline's compute under 1F1B is ``(m + S - 1)`` times its slowest stage's time; a rank that
+  hosts detoured micro-batches (the reroute baseline) runs its own and its guests';
+- the step ends when the slowest pipeline has finished and the slowest holder group has reduced
+  its gradients (ring all-reduce: ``2 (n-1)/n`` of the bytes over the group's slowest link), plus
+  a fixed per-step cost (norm, optimizer, all-gather).
+
+Devices are numbered node-major (``devices_per_node`` per node) as the launchers number ranks.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+from elaswave.plan.frequency import PowerModel
+from elaswave.plan.plan import Plan
+
+
+@dataclass(frozen=True)
+class ClusterModel:
+    layer_forward_s: tuple[float, ...]
+    """Forward time of each layer per micro-batch at nominal frequency."""
+    backward_factor: float = 2.0
+    per_microbatch_stage_s: float = 0.0
+    """Fixed cost per micro-batch and stage beyond the layers (dispatch, p2p latency)."""
+    step_overhead_s: float = 0.0
+    """Fixed cost per step beyond compute and gradient reduction (norm, optimizer, all-gather)."""
+    activation_bytes: float = 0.0
+    """Bytes of one micro-batch's activation between stages (the gradient back is the same size)."""
+    layer_param_bytes: tuple[float, ...] = ()
+    """Bytes of each layer's gradient (reduced per step) and, times 3, of its ZeRO state."""
+    devices_per_node: int = 8
+    intra_node_bytes_per_s: float = 200e9
+    inter_node_bytes_per_s: float = 25e9
+    intra_node_latency_s: float = 5e-6
+    inter_node_latency_s: float = 20e-6
+    power: PowerModel = field(default_factory=PowerModel)
+    # Recovery, in seconds (elaswave's measured phases; the baselines' own figures live with them).
+    detect_s: float = 0.05
+    agree_s: float = 0.01
+    communicator_s: float = 0.0
+    plan_s: float = 0.001
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layer_forward_s)
+
+    def same_node(self, a: int, b: int) -> bool:
+        return a // self.devices_per_node == b // self.devices_per_node
+
+    def transfer_s(self, nbytes: float, a: int, b: int) -> float:
+        if self.same_node(a, b):
+            return self.intra_node_latency_s + nbytes / self.intra_node_bytes_per_s
+        return self.inter_node_latency_s + nbytes / self.inter_node_bytes_per_s
+
+    def stage_s(self, plan: Plan, rank: int, nxt: int | None, prev: int | None) -> float:
+        """One micro-batch's forward + backward on ``rank``'s stage, with its sends."""
+        i, j = plan.layers_of(rank)
+        compute = sum(self.layer_forward_s[i:j]) * (1 + self.backward_factor) / plan.frequency(rank)
+        comm = sum(self.transfer_s(self.activation_bytes, rank, peer) for peer in (nxt, prev) if peer is not None)
+        return compute + self.per_microbatch_stage_s + comm
+
+
+@dataclass(frozen=True)
+class StepEstimate:
+    step_s: float
+    compute_s: float
+    reduce_s: float
+    samples: int
+    """Micro-batches in the step (the global batch, unless a baseline dropped some)."""
+    power_w: float
+
+    @property
+    def micro_batches_per_s(self) -> float:
+        return self.samples / self.step_s
+
+
+def step_time(plan: Plan, model: ClusterModel) -> StepEstimate:
+    if model.num_layers != plan.num_layers:
+        raise ValueError(f"the cluster model has {model.num_layers} layers, the plan {plan.num_layers}")
+    guests: dict[int, int] = {}
+    for _, route in plan.routes:
+        for r in route:
+            guests[r] = guests.get(r, 0) + 1
+    compute = 0.0
+    for d, pipe in enumerate(plan.pipelines):
+        m = len(plan.micro_batches[d])
+        if m == 0 or not plan.is_complete(d):
+            continue  # an idle pipeline (drop_replica), or one whose micro-batches take detours
+        times = [model.stage_s(plan, r, pipe[s + 1] if s + 1 < len(pipe) else None, pipe[s - 1] if s else None)
+                 for s, r in enumerate(pipe)]
+        # 1F1B: fill and drain once, then the slowest stage sets the pace -- for its own and its
+        # guests' micro-batches when it hosts detours.
+        busiest = max(t * (m + guests.get(r, 0)) for r, t in zip(pipe, times))
+        compute = max(compute, busiest + (len(pipe) - 1) * max(times))
+    reduce = max((_all_reduce_s(model, holders, sum(model.layer_param_bytes[i] for i in layers))
+                  for holders, layers in plan.holder_groups().items()), default=0.0) if model.layer_param_bytes else 0.0
+    power = sum(model.power.power(plan.frequency(r)) for r in plan.ranks)
+    return StepEstimate(compute + reduce + model.step_overhead_s, compute, reduce, plan.num_micro_batches, power)
+
+
+def _all_reduce_s(model: ClusterModel, holders: Sequence[int], nbytes: float) -> float:
+    n = len(holders)
+    if n < 2:
+        return 0.0
+    nodes = {h // model.devices_per_node for h in holders}
+    bw, lat = ((model.intra_node_bytes_per_s, model.intra_node_latency_s) if len(nodes) == 1
+               else (model.inter_node_bytes_per_s, model.inter_node_latency_s))
+    return 2 * (n - 1) / n * nbytes / bw + 2 * (n - 1) * lat
+
+
+def migration_s(before: Plan, after: Plan, model: ClusterModel) -> float:
+    """State that moves in a re-plan, as disjoint transfers in parallel: the slowest receiver's
+    bytes over its link. A rank receives the ZeRO state (3x the parameters) of chunks it newly owns
+    and the parameters of layers it newly holds."""
+    if not model.layer_param_bytes:
+        return 0.0
+    incoming: dict[int, float] = {}
+    for r in after.ranks:
+        new = after.layers_of(r)
+        try:
+            prev = before.layers_of(r)
+        except KeyError:
+            prev = (0, 0)
+        if new != prev:
+            incoming[r] = sum(model.layer_param_bytes[layer] for layer in range(*new)
+                              if not prev[0] <= layer < prev[1])
+    for layer, (old_row, new_row) in enumerate(zip(before.chunk_owners, after.chunk_owners)):
+        per_chunk = 3 * model.layer_param_bytes[layer] / max(1, len(new_row))
+        for o, n in zip(old_row, new_row):
+            if o != n:
+                incoming[n] = incoming.get(n, 0.0) + per_chunk
+    worst = max(incoming.values(), default=0.0)
+    return worst / model.inter_node_bytes_per_s if worst else 0.0

@@ -1,0 +1,175 @@
+"""How each system answers a change of membership, as the simulator prices it (pure).
+
+Every policy turns the live devices into a plan with the runtime's own planner
+(:func:`~elaswave.plan.plan.replan` from the job's initial plan, which gives the layout for any set
+of losses) and says what the change costs. Assumptions, per system:
+
+- **elaswave**: broken pipelines re-partitioned over their survivors, micro-batches rebalanced,
+  frequency levels planned within the original world's nominal power; recovery is detection +
+  agreement + standby communicator + plan + state migration (the slowest receiver's bytes), and the
+  interrupted step is redone. A returning device is admitted at a step boundary: its pipeline gets
+  its layout back and it receives its state (no work lost).
+- **restart** (TorchElastic): every change restarts the job from its last checkpoint: process
+  start + checkpoint load (``restart_s``) and the work since the checkpoint is redone (on average
+  half a checkpoint interval); the job runs with as many whole pipelines as the live devices fill,
+  the global batch kept.
+- **drop_replica** (TorchFT): the broken pipeline's survivors stand idle and its micro-batches are
+  skipped (the global batch shrinks); detection waits for the lighthouse heartbeat timeout
+  (``torchft_detect_s``); a returning device rejoins once its whole pipeline is up, after a state
+  transfer from a peer.
+- **reroute** (ReCycle): the layout stays; the broken pipeline's micro-batches pass through the
+  same stage of the other pipelines; recovery is detection + a communicator built for the new
+  routes (``partial_rebuild_s``); no state moves.
+- **templates** (Oobleck): pipelines re-instantiated from precomputed templates over the live
+  devices -- the broken pipeline becomes a template one stage shorter -- without frequency
+  planning; the re-instantiated pipeline's ranks copy all their layers' state from peers and every
+  communicator is rebuilt (``full_rebuild_s``).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+from elaswave.plan.plan import Plan, PlanError, initial_plan, replan
+from elaswave.sim.model import ClusterModel, migration_s
+
+POLICIES = ("elaswave", "reroute", "drop_replica", "restart", "templates")
+
+
+@dataclass(frozen=True)
+class BaselineCosts:
+    """Seconds the baselines' own machinery takes. Defaults: our measurements on a 2-core CPU box
+    (``../shared/FACTS.md``, ``bench/results``); set them for the cluster you model."""
+
+    restart_s: float = 7.3
+    """Restart to the first step on loaded state (torchrun, measured: 7.30 s of the 7.8 s MTTR)."""
+    checkpoint_every_s: float = 600.0
+    torchft_detect_s: float = 5.15
+    """TorchFT's lighthouse heartbeat timeout (default settings, measured)."""
+    torchft_rejoin_s: float = 3.37
+    partial_rebuild_s: float = 0.0045
+    full_rebuild_s: float = 0.028
+
+
+@dataclass(frozen=True)
+class Change:
+    plan: Plan | None
+    """None: the policy cannot train on these devices (it waits for a repair)."""
+    downtime_s: float
+    """No training from the change until this much later."""
+    lost_work_s: float
+    """Training time whose result is thrown away (redone)."""
+
+
+class Policy:
+    """``layout(every device)`` is the failure-free plan the policy starts from."""
+
+    name = ""
+
+    def __init__(self, initial: Plan, num_micro_batches: int, model: ClusterModel, costs: BaselineCosts):
+        self.initial, self.m, self.model, self.costs = initial, num_micro_batches, model, costs
+        self.devices = len(initial.ranks)
+
+    def layout(self, live: Sequence[int]) -> Plan:
+        if len(live) == self.devices:
+            return self.initial
+        return replan(self.initial, live, 1, self.m, policy=self.name)
+
+    def change(self, prev: Plan | None, live: Sequence[int], joined: bool, step_s: float) -> Change:
+        raise NotImplementedError
+
+    def _try(self, live: Sequence[int]) -> Plan | None:
+        try:
+            return self.layout(live)
+        except PlanError:
+            return None
+
+
+class Elaswave(Policy):
+    name = "elaswave"
+
+    def layout(self, live: Sequence[int]) -> Plan:
+        # With every device live too: frequency planning evens out an uneven first partition, so
+        # the steady state before a failure is elaswave's own, and a change is measured against it.
+        power = self.model.power
+        return replan(self.initial, live, 1, self.m, policy="elaswave", power=power,
+                      power_cap_w=power.power(1.0) * self.devices)
+
+    def change(self, prev, live, joined, step_s):
+        plan = self._try(live)
+        m = self.model
+        control = (m.agree_s + m.plan_s) if joined else (m.detect_s + m.agree_s + m.communicator_s + m.plan_s)
+        move = migration_s(prev, plan, m) if prev is not None and plan is not None else 0.0
+        return Change(plan, control + move, 0.0 if joined else step_s / 2)
+
+
+class Restart(Policy):
+    name = "restart"
+
+    def layout(self, live: Sequence[int]) -> Plan:
+        pp = len(self.initial.pipelines[0])
+        dp = len(live) // pp
+        if dp < 1:
+            raise PlanError(f"{len(live)} devices cannot hold one {pp}-stage pipeline")
+        ranks = sorted(live)[:dp * pp]
+        base = initial_plan(dp * pp, dp, pp, self.initial.layer_costs, self.m)
+        # The restarted job numbers its ranks afresh; place them on the live devices, in order.
+        rename = dict(enumerate(ranks))
+        return Plan(0, base.num_layers, tuple(tuple(rename[r] for r in p) for p in base.pipelines),
+                    base.layer_ranges, base.micro_batches, layer_costs=base.layer_costs)
+
+    def change(self, prev, live, joined, step_s):
+        c = self.costs
+        return Change(self._try(live), c.restart_s, c.checkpoint_every_s / 2)
+
+
+class DropReplica(Policy):
+    name = "drop_replica"
+
+    def change(self, prev, live, joined, step_s):
+        c = self.costs
+        return Change(self._try(live), c.torchft_rejoin_s if joined else c.torchft_detect_s,
+                      0.0 if joined else step_s / 2)
+
+
+class Reroute(Policy):
+    name = "reroute"
+
+    def change(self, prev, live, joined, step_s):
+        m, c = self.model, self.costs
+        control = m.detect_s + m.agree_s + c.partial_rebuild_s + m.plan_s
+        return Change(self._try(live), control, 0.0 if joined else step_s / 2)
+
+
+class Templates(Policy):
+    name = "templates"
+
+    def layout(self, live: Sequence[int]) -> Plan:
+        if len(live) == self.devices:
+            return self.initial
+        return replan(self.initial, live, 1, self.m, policy="elaswave")
+
+    def change(self, prev, live, joined, step_s):
+        m, c = self.model, self.costs
+        plan = self._try(live)
+        move = 0.0
+        if prev is not None and plan is not None:
+            # Re-instantiated pipelines start empty: every rank of a changed pipeline loads all its layers.
+            changed = {r for p_new in plan.pipelines for r in p_new
+                       if r not in prev.ranks or prev.layers_of(r) != plan.layers_of(r)}
+            move = _whole_layers_s(plan, changed, m)
+        return Change(plan, m.detect_s + m.agree_s + c.full_rebuild_s + m.plan_s + move,
+                      0.0 if joined else step_s / 2)
+
+
+def _whole_layers_s(plan: Plan, ranks, model: ClusterModel) -> float:
+    if not model.layer_param_bytes or not ranks:
+        return 0.0
+    worst = max(3 * sum(model.layer_param_bytes[i] for i in range(*plan.layers_of(r))) for r in ranks)
+    return worst / model.inter_node_bytes_per_s
+
+
+def make(name: str, initial: Plan, num_micro_batches: int, model: ClusterModel, costs: BaselineCosts) -> Policy:
+    kinds = {c.name: c for c in (Elaswave, Restart, DropReplica, Reroute, Templates)}
+    return kinds[name](initial, num_micro_batches, model, costs)
+

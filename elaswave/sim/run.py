@@ -1,0 +1,108 @@
+"""``elaswave simulate``: build the modelled job, the trace and the policies; print a table or JSON."""
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict
+
+from elaswave.config import ConfigError
+from elaswave.plan.plan import PlanError, initial_plan
+from elaswave.sim import policies, trace
+from elaswave.sim.engine import PolicyResult, simulate
+from elaswave.sim.workload import MODELS, choose_layout, gpt_cluster, layer_numel
+
+
+def add_arguments(ap) -> None:
+    ap.add_argument("--devices", type=int, required=True, help="devices in the job (each runs one stage)")
+    ap.add_argument("--dp", type=int, help="pipelines (default: chosen with --pp, or both chosen)")
+    ap.add_argument("--pp", type=int, help="stages per pipeline")
+    ap.add_argument("--model", default="gpt-13b", choices=sorted(MODELS), help="modelled GPT shape")
+    ap.add_argument("--micro-batches", type=int, help="global batch in micro-batches (default 2 x pp per pipeline)")
+    ap.add_argument("--trace", help="a trace file (.jsonl or .csv: t_s, kind fail|join, device) or 'llama3': "
+                                    "Poisson failures, one per 3 h across the job, repaired after 4 h")
+    ap.add_argument("--hours", type=float, default=None, help="simulated time (default: 1 for a single failure, 24 for a trace)")
+    ap.add_argument("--mtbf-h", type=float, help="synthetic trace: mean hours between failures of one device")
+    ap.add_argument("--repair-h", type=float, default=4.0, help="synthetic trace: hours until a failed device is back")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--policies", default=",".join(policies.POLICIES),
+                    help=f"comma-separated, from {', '.join(policies.POLICIES)}")
+    ap.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+
+
+def _layout(args) -> tuple[int, int]:
+    num_layers = MODELS[args.model].num_layers
+    if args.dp and args.pp:
+        dp, pp = args.dp, args.pp
+    elif args.pp:
+        dp, pp = args.devices // args.pp, args.pp
+    elif args.dp:
+        dp, pp = args.dp, args.devices // args.dp
+    else:
+        dp, pp = choose_layout(args.devices, num_layers)
+    if dp < 1 or pp < 1 or dp * pp != args.devices:
+        raise ConfigError(f"--dp={args.dp} --pp={args.pp} is invalid for --devices={args.devices}: dp x pp must "
+                          "equal the devices")
+    if pp > num_layers:
+        raise ConfigError(f"--pp={pp} is invalid: {args.model} has {num_layers} layers")
+    return dp, pp
+
+
+def _events(args, plan, duration_s: float) -> list[trace.Event]:
+    if args.trace == "llama3":
+        return trace.poisson(args.devices, 3.0 * args.devices, duration_s / 3600, args.repair_h, args.seed)
+    if args.trace:
+        return trace.load(args.trace, args.devices)
+    if args.mtbf_h:
+        return trace.poisson(args.devices, args.mtbf_h, duration_s / 3600, args.repair_h, args.seed)
+    # One failure: the middle stage of the first pipeline, a tenth into the run.
+    pipe = plan.pipelines[0]
+    return trace.single_failure(pipe[len(pipe) // 2], duration_s / 10)
+
+
+def run(args) -> int:
+    began = time.perf_counter()
+    if args.devices < 2:
+        raise ConfigError(f"--devices={args.devices} is invalid: need at least 2")
+    names = [p.strip() for p in args.policies.split(",") if p.strip()]
+    bad = [p for p in names if p not in policies.POLICIES]
+    if bad or not names:
+        raise ConfigError(f"--policies={args.policies} is invalid: choose from {', '.join(policies.POLICIES)}")
+    dp, pp = _layout(args)
+    m_cfg = MODELS[args.model]
+    m = args.micro_batches or 2 * pp * dp
+    if m < dp:
+        raise ConfigError(f"--micro-batches={m} is invalid: need at least one per pipeline ({dp})")
+    model = gpt_cluster(m_cfg)
+    plan = initial_plan(args.devices, dp, pp, [float(c) for c in model.layer_forward_s], m,
+                        [layer_numel(m_cfg, i) for i in range(m_cfg.num_layers)], chunk_numel=1 << 24)
+    single = not (args.trace or args.mtbf_h)
+    duration_s = 3600.0 * (args.hours if args.hours is not None else (1.0 if single else 24.0))
+    try:
+        events = _events(args, plan, duration_s)
+        trace.check(events, args.devices)
+    except trace.TraceError as exc:
+        raise ConfigError(str(exc)) from None
+    costs = policies.BaselineCosts()
+    results: dict[str, PolicyResult] = {}
+    for name in names:
+        try:
+            results[name] = simulate(events, policies.make(name, plan, m, model, costs), model, duration_s)
+        except PlanError as exc:
+            raise ConfigError(f"policy {name}: {exc}") from None
+    wall = time.perf_counter() - began
+    config = {"devices": args.devices, "dp": dp, "pp": pp, "model": args.model, "micro_batches": m,
+              "hours": duration_s / 3600, "failures": sum(e.kind == "fail" for e in events),
+              "joins": sum(e.kind == "join" for e in events), "trace": args.trace or ("poisson" if args.mtbf_h else "single"),
+              "costs": asdict(costs), "wall_s": wall}
+    if args.json:
+        print(json.dumps({"config": config, "policies": {n: r.to_doc() for n, r in results.items()}}))
+        return 0
+    print(f"elaswave simulate: {args.devices} devices (dp={dp} x pp={pp}), {args.model}, {m} micro-batches per step, "
+          f"{config['hours']:g} h, {config['failures']} failures, {config['joins']} joins; {wall:.1f} s")
+    print(f"{'policy':<14}{'after/before':>14}{'goodput':>10}{'MTTR s':>10}{'lost s/failure':>16}")
+    for n, r in results.items():
+        ratio = "-" if r.throughput_after_over_before is None else f"{r.throughput_after_over_before:.3f}"
+        mttr = "-" if r.mttr_s is None else f"{r.mttr_s:.1f}"
+        lost = "-" if r.time_lost_per_failure_s is None else f"{r.time_lost_per_failure_s:.1f}"
+        print(f"{n:<14}{ratio:>14}{r.goodput:>10.4f}{mttr:>10}{lost:>16}")
+    return 0
