@@ -47,7 +47,10 @@ def round_robin_owners(holder_groups: Mapping[tuple[int, ...], Sequence[int]],
 
 def reassign_owners(owners: Owners, holder_groups: Mapping[tuple[int, ...], Sequence[int]]) -> Owners:
     """Keep every chunk whose owner still holds its layer; deal the others to the least-loaded holder
-    of the group (ties to the lower rank), in chunk order."""
+    of the group (ties to the lower rank), in chunk order. A plan made without chunks (layouts
+    only, as the simulator's calibration makes them) has none to deal."""
+    if not owners:
+        return ()
     out = [list(o) for o in owners]
     for holders, layers in holder_groups.items():
         load = {h: 0 for h in holders}

@@ -18,6 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Sequence
 
+from elaswave.pipeline.routed import routed_schedules
 from elaswave.plan.frequency import PowerModel
 from elaswave.plan.plan import Plan
 
@@ -81,9 +82,29 @@ class StepEstimate:
         return self.samples / self.step_s
 
 
+ROUTED_EXACT_MAX_RANKS = 256
+"""Up to this many ranks a plan with detours is priced by the very schedule the runtime would run
+(:func:`routed_schedules`); above it by the analytic bound (the busiest host's work plus one fill)."""
+
+
 def step_time(plan: Plan, model: ClusterModel) -> StepEstimate:
     if model.num_layers != plan.num_layers:
         raise ValueError(f"the cluster model has {model.num_layers} layers, the plan {plan.num_layers}")
+    stage: dict[int, float] = {}
+    for pipe in plan.pipelines:
+        for s, r in enumerate(pipe):
+            stage[r] = model.stage_s(plan, r, pipe[s + 1] if s + 1 < len(pipe) else None, pipe[s - 1] if s else None)
+    if plan.routes and len(plan.ranks) <= ROUTED_EXACT_MAX_RANKS:
+        compute = _routed_compute(plan, stage, model.backward_factor)
+    else:
+        compute = _analytic_compute(plan, stage)
+    reduce = max((_all_reduce_s(model, holders, sum(model.layer_param_bytes[i] for i in layers))
+                  for holders, layers in plan.holder_groups().items()), default=0.0) if model.layer_param_bytes else 0.0
+    power = sum(model.power.power(plan.frequency(r)) for r in plan.ranks)
+    return StepEstimate(compute + reduce + model.step_overhead_s, compute, reduce, plan.num_micro_batches, power)
+
+
+def _analytic_compute(plan: Plan, stage: dict[int, float]) -> float:
     guests: dict[int, int] = {}
     for _, route in plan.routes:
         for r in route:
@@ -93,16 +114,22 @@ def step_time(plan: Plan, model: ClusterModel) -> StepEstimate:
         m = len(plan.micro_batches[d])
         if m == 0 or not plan.is_complete(d):
             continue  # an idle pipeline (drop_replica), or one whose micro-batches take detours
-        times = [model.stage_s(plan, r, pipe[s + 1] if s + 1 < len(pipe) else None, pipe[s - 1] if s else None)
-                 for s, r in enumerate(pipe)]
+        times = [stage[r] for r in pipe]
         # 1F1B: fill and drain once, then the slowest stage sets the pace -- for its own and its
         # guests' micro-batches when it hosts detours.
         busiest = max(t * (m + guests.get(r, 0)) for r, t in zip(pipe, times))
         compute = max(compute, busiest + (len(pipe) - 1) * max(times))
-    reduce = max((_all_reduce_s(model, holders, sum(model.layer_param_bytes[i] for i in layers))
-                  for holders, layers in plan.holder_groups().items()), default=0.0) if model.layer_param_bytes else 0.0
-    power = sum(model.power.power(plan.frequency(r)) for r in plan.ranks)
-    return StepEstimate(compute + reduce + model.step_overhead_s, compute, reduce, plan.num_micro_batches, power)
+    return compute
+
+
+def _routed_compute(plan: Plan, stage: dict[int, float], backward_factor: float) -> float:
+    routes, home = {}, {}
+    for d, pipe in enumerate(plan.pipelines):
+        for mb in plan.micro_batches[d]:
+            routes[mb], home[mb] = plan.route_of.get(mb, pipe), d
+    _, makespan = routed_schedules(routes, home, {r: t / (1 + backward_factor) for r, t in stage.items()},
+                                   backward_factor)
+    return makespan
 
 
 def _all_reduce_s(model: ClusterModel, holders: Sequence[int], nbytes: float) -> float:

@@ -1,0 +1,61 @@
+"""Policies replayed over traces, and the ``elaswave simulate`` command."""
+import json
+
+import pytest
+
+from elaswave import cli
+from elaswave.plan.plan import initial_plan
+from elaswave.sim import policies, trace
+from elaswave.sim.engine import simulate
+from elaswave.sim.model import ClusterModel
+
+MODEL = ClusterModel(layer_forward_s=(0.01,) * 8, layer_param_bytes=(4e6,) * 8, step_overhead_s=0.05)
+
+
+def _run(name, events, hours=1.0):
+    plan = initial_plan(16, 4, 4, [1.0] * 8, 64, [10**6] * 8, 1 << 16)
+    return simulate(events, policies.make(name, plan, 64, MODEL, policies.BaselineCosts()), MODEL, hours * 3600)
+
+
+def test_without_failures_every_policy_trains_at_its_full_rate():
+    for name in policies.POLICIES:
+        res = _run(name, [])
+        assert res.goodput == pytest.approx(1.0) and res.throughput_after_over_before is None
+
+
+def test_one_failure_orders_the_policies_as_their_mechanisms_say():
+    events = trace.single_failure(5, 600.0)
+    res = {name: _run(name, events) for name in policies.POLICIES}
+    drop = res["drop_replica"].throughput_after_over_before
+    assert drop == pytest.approx(0.75, rel=0.02)  # one of four pipelines idle
+    assert res["elaswave"].throughput_after_over_before > res["reroute"].throughput_after_over_before > drop
+    # Restarting loses the work since the checkpoint and the restart itself.
+    assert res["restart"].time_lost_per_failure_s > 100 * res["elaswave"].time_lost_per_failure_s
+    assert max(r.goodput for r in res.values()) == res["elaswave"].goodput
+
+
+def test_a_repair_brings_the_full_rate_back():
+    events = [trace.Event(600.0, "fail", 5), trace.Event(1800.0, "join", 5)]
+    res = _run("elaswave", events)
+    assert res.failures == 1 and res.joins == 1
+    assert res.timeline[-1][1] == pytest.approx(res.timeline[0][1])
+
+
+def test_simulate_json_has_every_policy(capsys):
+    assert cli.main(["simulate", "--devices", "96", "--dp", "3", "--pp", "32", "--model", "gpt-175b", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["config"]["dp"] == 3 and doc["config"]["failures"] == 1
+    assert set(doc["policies"]) == set(policies.POLICIES)
+    for p in doc["policies"].values():
+        assert {"throughput_after_over_before", "goodput", "mttr_s"} <= set(p)
+    assert doc["policies"]["elaswave"]["throughput_after_over_before"] > doc["policies"]["drop_replica"]["throughput_after_over_before"]
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["--devices", "96", "--dp", "5"], "dp x pp must equal the devices"),
+    (["--devices", "96", "--policies", "elaswave,magic"], "choose from"),
+    (["--devices", "1"], "need at least 2"),
+])
+def test_bad_simulate_input_is_one_line(argv, needle, capsys):
+    assert cli.main(["simulate", *argv]) == 2
+    assert needle in capsys.readouterr().err

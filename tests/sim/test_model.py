@@ -1,0 +1,59 @@
+"""The cluster model prices the runtime's own plans: 1F1B, detours, reductions, migration."""
+import pytest
+
+from elaswave.pipeline.routed import plan_schedules, routed_schedules
+from elaswave.plan.plan import initial_plan, replan
+from elaswave.sim import model as model_mod
+from elaswave.sim.model import ClusterModel, migration_s, step_time
+
+
+def _model(layers=8, **kw):
+    return ClusterModel(layer_forward_s=(0.01,) * layers, intra_node_latency_s=0.0, inter_node_latency_s=0.0, **kw)
+
+
+def test_a_pipeline_step_is_1f1b_slots_times_the_slowest_stage_plus_overheads():
+    plan = initial_plan(8, 2, 4, [1.0] * 8, 16, [9] * 8, 4)
+    model = _model(per_microbatch_stage_s=0.002, step_overhead_s=0.1)
+    est = step_time(plan, model)
+    stage = 2 * 0.01 * 3 + 0.002  # two layers, forward + 2x backward, plus the fixed cost
+    assert est.compute_s == pytest.approx((8 + 4 - 1) * stage)
+    assert est.step_s == pytest.approx(est.compute_s + 0.1)
+    assert est.samples == 16 and est.power_w == pytest.approx(8.0)
+
+
+@pytest.mark.parametrize("dead_stage", [0, 1, 3])
+def test_detours_are_priced_by_the_runtime_schedule_and_bounded_by_the_analytic_price(dead_stage, monkeypatch):
+    plan = initial_plan(16, 4, 4, [1.0] * 8, 64, [9] * 8, 4)
+    after = replan(plan, [r for r in plan.ranks if r != 4 + dead_stage], 1, 64, policy="reroute")
+    routes, home = {}, {}
+    for d, pipe in enumerate(after.pipelines):
+        for mb in after.micro_batches[d]:
+            routes[mb], home[mb] = after.route_of.get(mb, pipe), d
+    _, makespan = routed_schedules(routes, home, {r: 0.02 for r in after.ranks})  # 2 layers x 0.01 s
+    assert step_time(after, _model()).compute_s == pytest.approx(makespan)
+    # Above the exact limit the analytic price (busiest host + one fill) stays within a fifth of it.
+    monkeypatch.setattr(model_mod, "ROUTED_EXACT_MAX_RANKS", 0)
+    analytic = step_time(after, _model()).compute_s
+    assert analytic == pytest.approx(makespan, rel=0.2)
+    assert set(plan_schedules(after)) == set(after.ranks)
+
+
+def test_idle_pipelines_cost_nothing_and_their_micro_batches_are_not_counted():
+    plan = initial_plan(8, 2, 4, [1.0] * 8, 16, [9] * 8, 4)
+    after = replan(plan, [r for r in plan.ranks if r != 1], 1, 16, policy="drop_replica")
+    before, est = step_time(plan, _model()), step_time(after, _model())
+    assert est.samples == 8 and est.step_s == pytest.approx(before.step_s)
+
+
+def test_migration_is_the_slowest_receiver_and_nothing_when_nothing_changes():
+    plan = initial_plan(8, 2, 4, [1.0] * 8, 16, [1000] * 8, 100)
+    model = _model(layer_param_bytes=(4000.0,) * 8, inter_node_bytes_per_s=1e6)
+    assert migration_s(plan, plan, model) == 0.0
+    after = replan(plan, [r for r in plan.ranks if r != 1], 1, 16)
+    # Rank 0 now holds layers 0-2 (was 0-1): one new layer's parameters, plus re-owned chunks.
+    assert migration_s(plan, after, model) >= 4000.0 / 1e6
+
+
+def test_a_model_of_another_depth_is_refused():
+    with pytest.raises(ValueError, match="the cluster model has 4 layers, the plan 8"):
+        step_time(initial_plan(2, 1, 2, [1.0] * 8, 2), _model(layers=4))
