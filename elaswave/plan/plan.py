@@ -8,6 +8,7 @@ from dataclasses import dataclass, replace
 from functools import cached_property
 from typing import Mapping, Sequence
 
+from elaswave.pipeline.routed import routed_schedules
 from elaswave.plan import microbatches
 from elaswave.plan.chunks import Owners, chunks_of, reassign_owners, round_robin_owners
 from elaswave.plan.frequency import PowerModel, plan_frequencies
@@ -152,14 +153,16 @@ def initial_plan(world_size: int, dp: int, pp: int, layer_costs: Sequence[float]
 
 def replan(prev: Plan, live: Sequence[int], epoch: int, num_micro_batches: int,
            speeds: Mapping[int, float] | None = None, policy: str = "elaswave",
-           power: PowerModel | None = None, power_cap_w: float | None = None) -> Plan:
+           power: PowerModel | None = None, power_cap_w: float | None = None, detours: bool = True) -> Plan:
     """The plan after ranks were lost: ``live`` are the survivors.
 
     elaswave: a pipeline that lost stages goes on with its survivors (in stage order) as a shorter
     pipeline, its layers re-partitioned over them (minimax on the layer costs); the global batch
     stays ``num_micro_batches``, spread over the pipelines by predicted step time, and with a
     ``power`` model each stage gets a frequency level (raise the bottleneck, slow what would wait)
-    within ``power_cap_w``.
+    within ``power_cap_w``. When the survivors left in place with their micro-batches on detours
+    (below) are predicted to be faster, that plan is taken instead (see :func:`_elaswave`; not
+    with ``detours=False``).
     The baselines leave a broken pipeline's survivors where they were:
     drop_replica (TorchFT): its micro-batches are skipped and its survivors stand idle;
     reroute (ReCycle): its micro-batches keep their ids, and pass through the same stage of the
@@ -174,48 +177,103 @@ def replan(prev: Plan, live: Sequence[int], epoch: int, num_micro_batches: int,
     missing = [r for r in live if r not in known]
     if missing:
         raise PlanError(f"epoch {epoch}: ranks {missing} were not in epoch {prev.epoch}; joins are not supported yet")
-    pipelines, ranges, kept = [], [], []
+    pipelines, kept_ranges, kept = [], [], []
     for d, pipe in enumerate(prev.pipelines):
         survivors = tuple(r for r in pipe if r in alive)
-        if not survivors:
-            continue
-        pipelines.append(survivors)
-        kept.append(d)
-        if len(survivors) == len(pipe) or policy != "elaswave":
-            ranges.append(tuple(rng for r, rng in zip(pipe, prev.layer_ranges[d]) if r in alive))
+        if survivors:
+            pipelines.append(survivors)
+            kept_ranges.append(tuple(rng for r, rng in zip(pipe, prev.layer_ranges[d]) if r in alive))
+            kept.append(d)
+    if num_micro_batches < len(pipelines):
+        raise PlanError(f"epoch {epoch}: {num_micro_batches} micro-batches cannot feed {len(pipelines)} pipelines")
+    if policy == "elaswave":
+        return _elaswave(prev, epoch, pipelines, kept_ranges, kept, num_micro_batches, speeds or {}, power,
+                         power_cap_w, detours)
+    complete = [_covers(rng, prev.num_layers) for rng in kept_ranges]
+    if not any(complete):
+        raise PlanError(f"epoch {epoch}: elastic.policy={policy} needs a pipeline that still holds every layer, "
+                        f"and none does (survivors {list(live)}); elastic.policy=elaswave re-partitions instead")
+    if policy == "drop_replica":
+        return _build(prev, epoch, pipelines, kept_ranges,
+                      tuple(prev.micro_batches[d] if ok else () for d, ok in zip(kept, complete)))
+    mbs = tuple(prev.micro_batches[d] for d in kept)
+    return _build(prev, epoch, pipelines, kept_ranges, mbs,
+                  routes=_detours(prev, pipelines, kept_ranges, complete, mbs, epoch))
+
+
+def _build(prev: Plan, epoch: int, pipelines, ranges, mbs, freqs=(), routes=()) -> Plan:
+    plan = Plan(epoch=epoch, num_layers=prev.num_layers, pipelines=tuple(pipelines), layer_ranges=tuple(ranges),
+                micro_batches=tuple(mbs), layer_costs=prev.layer_costs, frequencies=tuple(freqs), routes=tuple(routes),
+                layer_memory=prev.layer_memory, stage_memory_limit=prev.stage_memory_limit)
+    return replace(plan, chunk_owners=reassign_owners(prev.chunk_owners, plan.holder_groups()))
+
+
+def _elaswave(prev: Plan, epoch: int, pipelines, kept_ranges, kept, num_micro_batches: int,
+              speeds: Mapping[int, float], power: PowerModel | None, power_cap_w: float | None,
+              detours: bool) -> Plan:
+    """Re-partition every pipeline that no longer holds every layer, balance (and plan
+    frequencies); or, when predicted faster, leave the survivors in place and send the broken
+    pipelines' micro-batches through the complete pipelines' same stage.
+
+    The second wins when many pipelines share the loss and the lost stage was not the bottleneck:
+    a re-partitioned pipeline's bottleneck is a whole layer heavier, so micro-batches must move to
+    other pipelines, each of which then takes a whole micro-batch more (+1/(m+S-1) of the step),
+    while a host absorbs one guest in its slack."""
+    rate = _rank_rates(prev, speeds)
+    ranges = []
+    for d, survivors, rng in zip(kept, pipelines, kept_ranges):
+        if _covers(rng, prev.num_layers):
+            ranges.append(rng)
             continue
         try:
             ranges.append(tuple(partition(_costs(prev), len(survivors), prev.layer_memory or None,
                                           prev.stage_memory_limit or None)))
         except PartitionError as exc:
             raise PlanError(f"epoch {epoch}: pipeline {d} is left with ranks {list(survivors)}: {exc}") from None
-    complete = [_covers(rng, prev.num_layers) for rng in ranges]
-    if not any(complete):
-        raise PlanError(f"epoch {epoch}: elastic.policy={policy} needs a pipeline that still holds every layer, "
-                        f"and none does (survivors {list(live)}); elastic.policy=elaswave re-partitions instead")
-    if num_micro_batches < len(pipelines):
-        raise PlanError(f"epoch {epoch}: {num_micro_batches} micro-batches cannot feed {len(pipelines)} pipelines")
-    freqs: tuple = ()
-    routes: tuple = ()
-    if policy == "drop_replica":
-        mbs = tuple(prev.micro_batches[d] if ok else () for d, ok in zip(kept, complete))
-    elif policy == "reroute":
-        mbs = tuple(prev.micro_batches[d] for d in kept)
-        routes = _detours(prev, pipelines, ranges, complete, mbs, epoch)
+    stage_s = [[_cost(prev, i, j) / rate[r] for r, (i, j) in zip(pipe, rng)] for pipe, rng in zip(pipelines, ranges)]
+    if power is not None:
+        fp = plan_frequencies(stage_s, num_micro_batches, power, power_cap_w)
+        mbs, freqs, predicted = fp.micro_batches, fp.levels, fp.step_s
     else:
-        rate = _rank_rates(prev, speeds or {})
-        stage_s = [[_cost(prev, i, j) / rate[r] for r, (i, j) in zip(pipe, rng)]
-                   for pipe, rng in zip(pipelines, ranges)]
-        if power is not None:
-            fp = plan_frequencies(stage_s, num_micro_batches, power, power_cap_w)
-            mbs, freqs = fp.micro_batches, fp.levels
-        else:
-            mbs = tuple(microbatches.balance(num_micro_batches, [max(p) for p in stage_s],
-                                             [len(p) for p in pipelines]))
-    plan = Plan(epoch=epoch, num_layers=prev.num_layers, pipelines=tuple(pipelines), layer_ranges=tuple(ranges),
-                micro_batches=mbs, layer_costs=prev.layer_costs, frequencies=freqs, routes=routes,
-                layer_memory=prev.layer_memory, stage_memory_limit=prev.stage_memory_limit)
-    return replace(plan, chunk_owners=reassign_owners(prev.chunk_owners, plan.holder_groups()))
+        mbs = tuple(microbatches.balance(num_micro_batches, [max(p) for p in stage_s], [len(p) for p in pipelines]))
+        freqs, predicted = (), max((len(m) + len(p) - 1) * max(p) for m, p in zip(mbs, stage_s))
+    complete = [_covers(rng, prev.num_layers) for rng in kept_ranges]
+    if detours and any(complete) and not all(complete):
+        kept_mbs = tuple(prev.micro_batches[d] for d in kept)
+        try:
+            routes = _detours(prev, pipelines, kept_ranges, complete, kept_mbs, epoch)
+        except PlanError:
+            routes = None
+        if routes is not None and sum(map(len, kept_mbs)) == num_micro_batches:
+            forward = {r: _cost(prev, i, j) / rate[r] for pipe, rng in zip(pipelines, kept_ranges)
+                       for r, (i, j) in zip(pipe, rng)}
+            if _detoured_step(pipelines, kept_mbs, routes, forward) < predicted * (1 - 1e-3):
+                return _build(prev, epoch, pipelines, kept_ranges, kept_mbs, routes=routes)
+    return _build(prev, epoch, pipelines, ranges, mbs, freqs)
+
+
+ROUTED_EXACT_MAX_RANKS = 256
+"""Up to this many ranks a plan with detours is timed by the schedule the ranks would run."""
+
+
+def _detoured_step(pipelines, mbs, routes, stage_s: Mapping[int, float]) -> float:
+    """Predicted compute of a plan with detours: its routed schedule's length (the schedule the
+    ranks would run; ``stage_s`` is forward + backward, split 1:2), or above
+    ``ROUTED_EXACT_MAX_RANKS`` the busiest rank's micro-batches (own and guests') plus one fill."""
+    route_of = dict(routes)
+    all_routes, home = {}, {}
+    for d, (pipe, ids) in enumerate(zip(pipelines, mbs)):
+        for mb in ids:
+            all_routes[mb], home[mb] = route_of.get(mb, pipe), d
+    if len(stage_s) <= ROUTED_EXACT_MAX_RANKS:
+        _, makespan = routed_schedules(all_routes, home, {r: t / 3.0 for r, t in stage_s.items()}, 2.0)
+        return makespan
+    count: dict[int, int] = {}
+    for route in all_routes.values():
+        for r in route:
+            count[r] = count.get(r, 0) + 1
+    depth = max(len(route) for route in all_routes.values())
+    return max(stage_s[r] * n for r, n in count.items()) + (depth - 1) * max(stage_s.values())
 
 
 def _covers(ranges: Sequence[tuple[int, int]], num_layers: int) -> bool:

@@ -84,7 +84,7 @@ class StepEstimate:
 
 ROUTED_EXACT_MAX_RANKS = 256
 """Up to this many ranks a plan with detours is priced by the very schedule the runtime would run
-(:func:`routed_schedules`); above it by the analytic bound (the busiest host's work plus one fill)."""
+(:func:`routed_schedules`); above it by the busiest host's work plus one fill (as the planner)."""
 
 
 def step_time(plan: Plan, model: ClusterModel) -> StepEstimate:

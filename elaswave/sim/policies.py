@@ -147,7 +147,7 @@ class Templates(Policy):
     def layout(self, live: Sequence[int]) -> Plan:
         if len(live) == self.devices:
             return self.initial
-        return replan(self.initial, live, 1, self.m, policy="elaswave")
+        return replan(self.initial, live, 1, self.m, policy="elaswave", detours=False)
 
     def change(self, prev, live, joined, step_s):
         m, c = self.model, self.costs

@@ -194,3 +194,22 @@ def test_partitions_keep_within_the_stage_memory_limit_or_say_why_not():
         replan(after, [0, 3, 4, 5], 2, 8)  # one rank cannot hold 8 units
     with pytest.raises(PlanError, match="initial layout does not fit"):
         initial_plan(2, 1, 2, costs, 2, [9] * 6, 4, memory, stage_memory_limit=2.0)
+
+
+@pytest.mark.parametrize("dp,expect_detours", [(16, True), (2, False)])
+def test_elaswave_takes_detours_only_when_they_are_predicted_faster(dp, expect_detours):
+    # Stages of cost 2, 2, 2 and 2.6 (the last is the bottleneck); stage 1 of pipeline 0 is lost.
+    costs = [1.0] * 7 + [1.6]
+    plan = initial_plan(4 * dp, dp, 4, costs, 8 * dp, [9] * 8, 4)
+    after = replan(plan, [r for r in plan.ranks if r != 1], 1, 8 * dp)
+    assert sorted(m for mbs in after.micro_batches for m in mbs) == list(range(8 * dp))
+    if expect_detours:
+        # 16 pipelines: re-partitioning makes pipeline 0's bottleneck 3 > 2.6, so one of its
+        # micro-batches must go to a pipeline that then takes 9 x 2.6; a stage-1 host has the
+        # slack for one guest (9 x 2 < 8 x 2.6). Layout kept, micro-batches on detours.
+        assert after.layer_ranges == tuple(((0, 2), (4, 6), (6, 8)) if d == 0 else plan.layer_ranges[d]
+                                           for d in range(dp))
+        assert sorted(after.route_of) == list(plan.micro_batches[0])
+    else:
+        # 2 pipelines: one host would take all 8 guests; re-partitioning is faster.
+        assert after.routes == () and len(after.pipelines[0]) == 3 and after.is_complete(0)
