@@ -28,6 +28,8 @@ class PolicyResult:
     """Mean over failures of the time nothing useful was trained: downtime plus redone work."""
     failures: int
     joins: int
+    stalls: int
+    """Failures after which the policy could not train at all until a repair (left out of the MTTR)."""
     useful_micro_batches: float
     timeline: list[tuple[float, float]] = field(default_factory=list)
     """(time s, micro-batches per s) at each change of rate."""
@@ -35,7 +37,7 @@ class PolicyResult:
     def to_doc(self) -> dict:
         return {"throughput_after_over_before": self.throughput_after_over_before, "goodput": self.goodput,
                 "mttr_s": self.mttr_s, "time_lost_per_failure_s": self.time_lost_per_failure_s,
-                "failures": self.failures, "joins": self.joins}
+                "failures": self.failures, "joins": self.joins, "stalls": self.stalls}
 
 
 def _rate(plan, model: ClusterModel) -> tuple[float, float]:
@@ -55,7 +57,7 @@ def simulate(events: Sequence[Event], policy: Policy, model: ClusterModel, durat
     timeline = [(0.0, rate)]
     first_ratio = None
     mttrs, lost = [], []
-    failures = joins = 0
+    failures = joins = stalls = 0
     for e in sorted(events):
         if e.t_s >= duration_s:
             break
@@ -77,11 +79,14 @@ def simulate(events: Sequence[Event], policy: Policy, model: ClusterModel, durat
         else:
             failures += 1
             lost.append(change.downtime_s + change.lost_work_s)
-            mttrs.append(change.downtime_s + change.lost_work_s + step_s)
+            if plan is None:
+                stalls += 1
+            else:
+                mttrs.append(change.downtime_s + change.lost_work_s + step_s)
     useful += rate * max(0.0, duration_s - max(t, resume_at))
     return PolicyResult(
         policy=policy.name, throughput_after_over_before=first_ratio,
         goodput=useful / (full_rate * duration_s) if full_rate > 0 else 0.0,
         mttr_s=sum(mttrs) / len(mttrs) if mttrs else None,
         time_lost_per_failure_s=sum(lost) / len(lost) if lost else None,
-        failures=failures, joins=joins, useful_micro_batches=useful, timeline=timeline)
+        failures=failures, joins=joins, stalls=stalls, useful_micro_batches=useful, timeline=timeline)

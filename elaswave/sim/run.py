@@ -27,6 +27,7 @@ def add_arguments(ap) -> None:
     ap.add_argument("--policies", default=",".join(policies.POLICIES),
                     help=f"comma-separated, from {', '.join(policies.POLICIES)}")
     ap.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    ap.add_argument("--plot", metavar="FILE.png", help="also draw throughput over time, goodput and time lost per failure")
 
 
 def _layout(args) -> tuple[int, int]:
@@ -94,15 +95,23 @@ def run(args) -> int:
               "hours": duration_s / 3600, "failures": sum(e.kind == "fail" for e in events),
               "joins": sum(e.kind == "join" for e in events), "trace": args.trace or ("poisson" if args.mtbf_h else "single"),
               "costs": asdict(costs), "wall_s": wall}
+    if args.plot:
+        from elaswave.sim.plots import plot
+
+        plot(results, f"{args.devices} devices (dp={dp} x pp={pp}), {args.model}, {config['failures']} failures, "
+                      f"{config['joins']} repairs over {config['hours']:g} h", duration_s, args.plot)
     if args.json:
         print(json.dumps({"config": config, "policies": {n: r.to_doc() for n, r in results.items()}}))
         return 0
     print(f"elaswave simulate: {args.devices} devices (dp={dp} x pp={pp}), {args.model}, {m} micro-batches per step, "
           f"{config['hours']:g} h, {config['failures']} failures, {config['joins']} joins; {wall:.1f} s")
-    print(f"{'policy':<14}{'after/before':>14}{'goodput':>10}{'MTTR s':>10}{'lost s/failure':>16}")
+    print(f"{'policy':<14}{'after/before':>14}{'goodput':>10}{'MTTR s':>10}{'lost s/failure':>16}{'stalls':>8}")
     for n, r in results.items():
         ratio = "-" if r.throughput_after_over_before is None else f"{r.throughput_after_over_before:.3f}"
         mttr = "-" if r.mttr_s is None else f"{r.mttr_s:.1f}"
         lost = "-" if r.time_lost_per_failure_s is None else f"{r.time_lost_per_failure_s:.1f}"
-        print(f"{n:<14}{ratio:>14}{r.goodput:>10.4f}{mttr:>10}{lost:>16}")
+        print(f"{n:<14}{ratio:>14}{r.goodput:>10.4f}{mttr:>10}{lost:>16}{r.stalls:>8}")
+    if any(r.stalls for r in results.values()):
+        print("stalls: failures after which the policy had no layout to train on until a repair "
+              "(e.g. no pipeline left whole for reroute and drop_replica)")
     return 0

@@ -59,3 +59,11 @@ def test_simulate_json_has_every_policy(capsys):
 def test_bad_simulate_input_is_one_line(argv, needle, capsys):
     assert cli.main(["simulate", *argv]) == 2
     assert needle in capsys.readouterr().err
+
+
+def test_simulate_draws_its_plot(tmp_path, capsys):
+    out = tmp_path / "sim.png"
+    assert cli.main(["simulate", "--devices", "16", "--dp", "4", "--pp", "4", "--model", "gpt-1.3b",
+                     "--mtbf-h", "20", "--hours", "12", "--plot", str(out)]) == 0
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 10_000
+    assert "elaswave" in capsys.readouterr().out
