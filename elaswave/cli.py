@@ -1,7 +1,8 @@
-"""``elaswave run | reference | simulate``: the command line."""
+"""``elaswave run | reference | simulate | report``: the command line."""
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from elaswave import config
@@ -52,7 +53,10 @@ def cmd_run(args: argparse.Namespace) -> int:
           f"{cfg.model.num_layers} layers, global batch {cfg.train.num_micro_batches} x "
           f"{cfg.train.micro_batch_size} sequences, {'deterministic' if cfg.train.deterministic else 'fast'} mode",
           flush=True)
-    return launch(cfg, args.metrics_out, timeout_s=args.timeout_s)
+    code = launch(cfg, args.metrics_out, timeout_s=args.timeout_s)
+    if args.metrics_out and os.path.exists(args.metrics_out):
+        print(f"elaswave: metrics in {args.metrics_out}; plots and a page: elaswave report {args.metrics_out}", flush=True)
+    return code
 
 
 def cmd_reference(args: argparse.Namespace) -> int:
@@ -69,6 +73,15 @@ def cmd_reference(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_report(args: argparse.Namespace) -> int:
+    from elaswave.report import render
+
+    out = args.out or os.path.splitext(args.run)[0] + ".report"
+    for path in render(args.run, args.against, out):
+        print(path)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="elaswave", description="Elastic hybrid-parallel training on PyTorch.")
     sub = ap.add_subparsers(dest="command", required=True)
@@ -80,6 +93,11 @@ def main(argv: list[str] | None = None) -> int:
     ref = sub.add_parser("reference", help="train with the single-process reference oracle")
     _job_args(ref)
     ref.set_defaults(func=cmd_reference)
+    rep = sub.add_parser("report", help="plots and a page for a run's metrics (RUN.jsonl), against a reference")
+    rep.add_argument("run", metavar="RUN.jsonl")
+    rep.add_argument("--against", metavar="REF.jsonl", help="a failure-free run or `elaswave reference` metrics")
+    rep.add_argument("--out", help="folder for the report (default: RUN.report/ next to RUN.jsonl)")
+    rep.set_defaults(func=cmd_report)
     sim = sub.add_parser("simulate", help="replay failures on a modelled cluster with the same planner, per policy")
     from elaswave.sim import run as sim_run
 

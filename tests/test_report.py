@@ -1,0 +1,32 @@
+"""``elaswave report``: a real run with a failure, against the reference, as pictures and a page."""
+import subprocess
+import sys
+
+from tests.helpers.spawn import run_job, run_reference
+
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+def test_report_of_a_run_with_a_failure_against_the_reference(tmp_path):
+    run = run_job(tmp_path, 2, 1, 8, True, extra=["elastic.inject=kill:rank=1,step=4,phase=backward"])
+    ref = run_reference(tmp_path, 8, deterministic=True)
+    run_file, ref_file = sorted(tmp_path.glob("metrics-*.jsonl"))
+    assert [r["event"] for r in run.records][0] == "job" and ref.records
+    out = tmp_path / "report"
+    proc = subprocess.run([sys.executable, "-m", "elaswave.cli", "report", str(run_file), "--against", str(ref_file),
+                           "--out", str(out)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    for name in ("loss.png", "throughput.png", "recoveries.png", "membership.png"):
+        assert (out / name).read_bytes()[:8] == PNG
+    page = (out / "report.md").read_text()
+    assert "**bit-identical** to the reference over 8 steps" in page
+    assert "| 1 | [1] |" in page  # the recovery: epoch 1 lost rank 1
+
+
+def test_report_of_a_missing_or_empty_file_is_one_line(tmp_path):
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    for path, needle in ((tmp_path / "none.jsonl", "no such metrics file"), (empty, "has no step records")):
+        proc = subprocess.run([sys.executable, "-m", "elaswave.cli", "report", str(path)], capture_output=True,
+                              text=True, timeout=60)
+        assert proc.returncode == 2 and needle in proc.stderr and "Traceback" not in proc.stderr
