@@ -1,4 +1,4 @@
-"""``elaswave run | reference | simulate | report``: the command line."""
+"""``elaswave run | reference | demo | report | simulate``: the command line."""
 from __future__ import annotations
 
 import argparse
@@ -62,15 +62,56 @@ def cmd_run(args: argparse.Namespace) -> int:
 def cmd_reference(args: argparse.Namespace) -> int:
     cfg = _load(args)
     _check_data(cfg)
+    _write_reference(cfg, args.metrics_out)
+    return 0
+
+
+def _write_reference(cfg: config.JobConfig, path: str, show_progress: bool = True) -> dict:
     from elaswave.reference import train_reference
 
-    writer = MetricsWriter(args.metrics_out, total_steps=cfg.train.steps)
+    writer = MetricsWriter(path, show_progress=show_progress, total_steps=cfg.train.steps)
     result = train_reference(cfg, on_step=writer.write)
     writer.write({"event": "summary", "steps": cfg.train.steps, "final_loss": result["losses"][-1],
                   "params_sha256": result["params_sha256"], "world_size": 1, "dp": 1, "pp": 1,
                   "deterministic": cfg.train.deterministic})
     writer.close()
-    return 0
+    return result
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    """Train with a rank SIGKILLed partway, train the failure-free reference, compare, draw."""
+    base = config.load(args.config, list(args.overrides))
+    rank = base.world_size - 1 if args.kill_rank is None else args.kill_rank
+    step = max(1, base.train.steps // 3) if args.kill_step is None else args.kill_step
+    cfg = config.load(args.config, list(args.overrides) + [
+        "train.deterministic=true", f"elastic.inject=kill:rank={rank},step={step},phase=backward"])
+    _check_data(cfg)
+    out = args.out
+    os.makedirs(out, exist_ok=True)
+    run_path, ref_path = os.path.join(out, "run.jsonl"), os.path.join(out, "reference.jsonl")
+    from elaswave.launch import launch
+    from elaswave.report import compare, render
+    from elaswave.runtime.metrics import read_jsonl
+
+    print(f"elaswave demo 1/3: training dp={cfg.parallel.dp} x pp={cfg.parallel.pp} ({cfg.world_size} ranks, "
+          f"deterministic); rank {rank} is SIGKILLed at step {step}", flush=True)
+    code = launch(cfg, run_path)
+    if code != 0:
+        return code
+    print("elaswave demo 2/3: training the same job failure-free, in one process (the reference)", flush=True)
+    _write_reference(cfg, ref_path, show_progress=False)
+    print("elaswave demo 3/3: comparing and drawing", flush=True)
+    render(run_path, ref_path, os.path.join(out, "report"))
+    c = compare(read_jsonl(run_path), read_jsonl(ref_path))
+    if c["bit_identical"]:
+        print(f"\nThe run that lost rank {rank} at step {step} is bit-identical to the failure-free run: all "
+              f"{c['steps_compared']} losses and the final parameters are equal.")
+    else:
+        print(f"\nThe run that lost rank {rank} is NOT bit-identical to the failure-free run "
+              f"(max |loss difference| {c['max_abs_dloss']:.3g}, final parameters "
+              f"{'equal' if c['same_params'] else 'differ'}).")
+    print(f"Plots and a page: {os.path.join(out, 'report', 'report.md')}", flush=True)
+    return 0 if c["bit_identical"] else 1
 
 
 def cmd_report(args: argparse.Namespace) -> int:
@@ -93,6 +134,13 @@ def main(argv: list[str] | None = None) -> int:
     ref = sub.add_parser("reference", help="train with the single-process reference oracle")
     _job_args(ref)
     ref.set_defaults(func=cmd_reference)
+    demo = sub.add_parser("demo", help="the first run: train with a rank killed, train the reference, compare, draw")
+    demo.add_argument("--config", help="TOML file (default: the embedded job)")
+    demo.add_argument("--set", action="append", default=[], dest="overrides", metavar="KEY=VALUE")
+    demo.add_argument("--kill-rank", type=int, help="the rank to SIGKILL (default: the last)")
+    demo.add_argument("--kill-step", type=int, help="the step to kill it at (default: a third of the way)")
+    demo.add_argument("--out", default="elaswave-demo", help="folder for the metrics and the report")
+    demo.set_defaults(func=cmd_demo)
     rep = sub.add_parser("report", help="plots and a page for a run's metrics (RUN.jsonl), against a reference")
     rep.add_argument("run", metavar="RUN.jsonl")
     rep.add_argument("--against", metavar="REF.jsonl", help="a failure-free run or `elaswave reference` metrics")

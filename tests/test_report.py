@@ -30,3 +30,14 @@ def test_report_of_a_missing_or_empty_file_is_one_line(tmp_path):
         proc = subprocess.run([sys.executable, "-m", "elaswave.cli", "report", str(path)], capture_output=True,
                               text=True, timeout=60)
         assert proc.returncode == 2 and needle in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_demo_says_plainly_that_the_run_with_a_kill_equals_the_reference(tmp_path):
+    from tests.helpers.spawn import TINY
+
+    sets = [x for s in [*TINY, "train.steps=9"] for x in ("--set", s)]
+    proc = subprocess.run([sys.executable, "-m", "elaswave.cli", "demo", "--out", str(tmp_path / "demo"), *sets],
+                          capture_output=True, text=True, timeout=240, start_new_session=True)
+    assert proc.returncode == 0, proc.stderr
+    assert "The run that lost rank 3 at step 3 is bit-identical to the failure-free run: all 9 losses" in proc.stdout
+    assert (tmp_path / "demo" / "report" / "loss.png").read_bytes()[:8] == PNG
