@@ -28,21 +28,15 @@ import sys
 import tempfile
 from pathlib import Path
 
+from jobs import run_job
+
 HERE = Path(__file__).resolve().parent
 JOB = ["parallel.dp=4", "parallel.pp=1", "train.num_micro_batches=12", "train.steps=30"]
 PHASES = ["forward", "backward", "reduce", "optimizer", "snapshot"]
 
 
 def run(sets: list[str], deterministic: bool = False) -> list[dict]:
-    with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "m.jsonl"
-        cmd = [sys.executable, "-m", "elaswave.cli", "run", "--metrics-out", str(out)]
-        cmd += [x for s in JOB + sets for x in ("--set", s)] + (["--deterministic"] if deterministic else [])
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600,
-                              env=dict(os.environ, OMP_NUM_THREADS="1"))
-        if proc.returncode != 0:
-            raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stderr[-2000:]}")
-        return [json.loads(line) for line in out.read_text().splitlines() if line.strip()]
+    return run_job(JOB + sets, deterministic=deterministic, timeout_s=600)
 
 
 def steps(records):

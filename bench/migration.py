@@ -15,12 +15,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
-import sys
-import tempfile
 from pathlib import Path
+
+from jobs import run_job
 
 HERE = Path(__file__).resolve().parent
 JOB = ["parallel.dp=2", "parallel.pp=2", "model.d_model=256", "model.num_heads=4", "model.seq_len=32",
@@ -29,16 +27,7 @@ JOB = ["parallel.dp=2", "parallel.pp=2", "model.d_model=256", "model.num_heads=4
 
 
 def run(sets: list[str]) -> dict:
-    with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "m.jsonl"
-        cmd = [sys.executable, "-m", "elaswave.cli", "run", "--metrics-out", str(out)]
-        cmd += [x for s in JOB + sets for x in ("--set", s)]
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900,
-                              env=dict(os.environ, OMP_NUM_THREADS="1"))
-        if proc.returncode != 0:
-            raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stderr[-3000:]}")
-        records = [json.loads(line) for line in out.read_text().splitlines() if line.strip()]
-        return next(r for r in records if r["event"] == "recovery")
+    return next(r for r in run_job(JOB + sets) if r["event"] == "recovery")
 
 
 def main() -> None:

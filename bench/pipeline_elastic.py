@@ -23,12 +23,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
-import sys
-import tempfile
 from pathlib import Path
+
+from jobs import run_job
 
 HERE = Path(__file__).resolve().parent
 KILL_RANK, KILL_STEP, STEPS = 5, 7, 16
@@ -47,15 +45,7 @@ POLICIES = {
 
 
 def run(sets: list[str]) -> list[dict]:
-    with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "m.jsonl"
-        cmd = [sys.executable, "-m", "elaswave.cli", "run", "--metrics-out", str(out)]
-        cmd += [x for s in JOB + sets for x in ("--set", s)]
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900,
-                              env=dict(os.environ, OMP_NUM_THREADS="1"))
-        if proc.returncode != 0:
-            raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stderr[-3000:]}")
-        return [json.loads(line) for line in out.read_text().splitlines() if line.strip()]
+    return run_job(JOB + sets)
 
 
 def measure(records: list[dict]) -> dict:

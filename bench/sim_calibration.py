@@ -14,16 +14,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
+from elaswave.runtime.metrics import read_jsonl
 from elaswave.sim.calibrate import fit, predict
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
+from jobs import run_job  # noqa: E402
 from pipeline_elastic import JOB  # noqa: E402  the same emulated job
 
 RUNS = {
@@ -34,17 +34,8 @@ RUNS = {
 }
 
 
-def run(sets: list[str], out: Path) -> list[dict]:
-    cmd = [sys.executable, "-m", "elaswave.cli", "run", "--metrics-out", str(out)]
-    cmd += [x for s in JOB + sets for x in ("--set", s)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=dict(os.environ, OMP_NUM_THREADS="1"))
-    if proc.returncode != 0:
-        raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stderr[-3000:]}")
-    return read(out)
-
-
 def read(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return read_jsonl(str(path))
 
 
 def _file(name: str) -> str:
@@ -63,7 +54,7 @@ def main() -> None:
         keep = Path(args.keep or tempfile.mkdtemp(prefix="elaswave-calibration-"))
         keep.mkdir(parents=True, exist_ok=True)
         for name, sets in RUNS.items():
-            records[name] = run(sets, keep / _file(name))
+            records[name] = run_job(JOB + sets, keep / _file(name))
             print(f"  ran {name} -> {keep / _file(name)}", flush=True)
     model = fit(records["elaswave (fit)"])
     result = {name: predict(recs, model) for name, recs in records.items()}

@@ -1,7 +1,7 @@
 """Real gloo ranks, real SIGKILL/SIGSTOP: a dp=4 job that loses ranks trains the same run."""
 import pytest
 
-from tests.helpers.spawn import run_cli, run_job, run_reference
+from tests.helpers.spawn import run_job, run_reference
 
 STEPS = 30
 DP = 4
