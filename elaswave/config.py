@@ -170,6 +170,9 @@ class ElasticConfig:
     epoch (a dead process is usually known sooner: its launcher reports it)."""
     snapshots: bool = True
     """Copy every rank's ZeRO chunks into a peer's memory after each step (needed to recover them)."""
+    detours: bool = True
+    """elaswave's planner may leave a broken pipeline's survivors in place and send its micro-batches
+    through the other pipelines' same stage, when it predicts that faster than re-partitioning."""
     overlap_migration: bool = True
     """On a recovery, chunk parameters move first (the next forward needs them) and Adam moments
     travel while the next step computes; off: both before the step starts (the blocking baseline)."""

@@ -94,7 +94,8 @@ def recover(ctx, st: RankState, cause: Disruption, noticed_wall: float) -> tuple
     power = _power_model(cfg)
     plan = replan(old, members, epoch, cfg.train.num_micro_batches,
                   {r: doc["speed"] for r, doc in reports.items()}, cfg.elastic.policy, power,
-                  (cfg.frequency.power_cap_w or power.power(1.0) * cfg.world_size) if power else None)
+                  (cfg.frequency.power_cap_w or power.power(1.0) * cfg.world_size) if power else None,
+                  detours=cfg.elastic.detours)
     restore = plan_restore(old.chunk_owners, plan.chunk_owners,
                            [Holding.from_doc(r, doc["holding"]) for r, doc in reports.items()], disk_step)
     if restore.is_fallback and ctx.rank == members[0]:
