@@ -20,6 +20,8 @@ class MetricsWriter:
             self.written_steps = {r["step"] for r in read_jsonl(path) if r.get("event") == "step"}
         self.fh: IO[str] | None = open(path, "a" if append else "w") if path else None
         self.show_progress = show_progress
+        self.last_event = ""
+        """The latest recovery or resume, shown on every progress line after it."""
         self.total_steps = total_steps
 
     def write(self, record: dict) -> None:
@@ -30,10 +32,15 @@ class MetricsWriter:
         if self.fh is not None:
             self.fh.write(json.dumps(record) + "\n")
             self.fh.flush()
+        if record.get("event") == "recovery":
+            self.last_event = f"recovered from losing {record['lost_ranks']} at step {record['resume_step']}"
+        elif record.get("event") == "resume":
+            self.last_event = f"resumed from the checkpoint of step {record['step']}"
         if self.show_progress and record.get("event") == "step":
+            last = f"  last: {self.last_event}" if self.last_event else ""
             print(f"step {record['step'] + 1:>4}/{self.total_steps}  loss {record['loss']:.4f}  "
                   f"tok/s {record.get('tokens_per_s', 0):>8.0f}  world {record['world_size']}  "
-                  f"epoch {record['epoch']}", flush=True)
+                  f"epoch {record['epoch']}{last}", flush=True)
         elif self.show_progress and record.get("event") == "recovery":
             print(f"recovered: epoch {record['epoch']}, lost ranks {record['lost_ranks']}, "
                   f"resumed at step {record['resume_step']}, mttr {record['mttr_s']:.3f}s", flush=True)
