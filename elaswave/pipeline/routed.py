@@ -18,6 +18,20 @@ from typing import Mapping, Sequence
 from elaswave.pipeline.schedule import Action, DeadlockError, Op
 
 SPARE_IN_FLIGHT = 2
+EXACT_MAX_RANKS = 256
+"""Up to this many ranks, a plan with detours is timed (by the planner and the simulator) by this
+module's schedule; above it the schedule gets too slow to build and they bound it analytically."""
+
+
+def routes_of(pipelines: Sequence[Sequence[int]], micro_batches: Sequence[Sequence[int]],
+              detours: Mapping[int, Sequence[int]]) -> tuple[dict[int, Sequence[int]], dict[int, int]]:
+    """Every micro-batch's route (its pipeline's ranks, unless it takes a detour) and its home
+    pipeline: the two inputs of :func:`routed_schedules`."""
+    routes, home = {}, {}
+    for d, (pipe, ids) in enumerate(zip(pipelines, micro_batches)):
+        for mb in ids:
+            routes[mb], home[mb] = detours.get(mb, pipe), d
+    return routes, home
 
 
 def routed_schedules(routes: Mapping[int, Sequence[int]], home: Mapping[int, int],
@@ -88,11 +102,7 @@ def _pick(ready, free, routes, home, spare, in_flight, limited: bool):
 def plan_schedules(plan, backward_factor: float = 2.0) -> dict[int, list[Action]]:
     """Every rank's actions for a plan with detours (``plan.routes``), timed by the plan's layer
     costs and frequency levels."""
-    routes, home = {}, {}
-    for d, pipe in enumerate(plan.pipelines):
-        for mb in plan.micro_batches[d]:
-            routes[mb] = plan.route_of.get(mb, pipe)
-            home[mb] = d
+    routes, home = routes_of(plan.pipelines, plan.micro_batches, plan.route_of)
     costs = plan.layer_costs or (1.0,) * plan.num_layers
     forward_s = {}
     for r in plan.ranks:

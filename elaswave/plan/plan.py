@@ -8,7 +8,7 @@ from dataclasses import dataclass, replace
 from functools import cached_property
 from typing import Mapping, Sequence
 
-from elaswave.pipeline.routed import routed_schedules
+from elaswave.pipeline import routed
 from elaswave.plan import microbatches
 from elaswave.plan.chunks import Owners, chunks_of, reassign_owners, round_robin_owners
 from elaswave.plan.frequency import PowerModel, plan_frequencies
@@ -252,21 +252,13 @@ def _elaswave(prev: Plan, epoch: int, pipelines, kept_ranges, kept, num_micro_ba
     return _build(prev, epoch, pipelines, ranges, mbs, freqs)
 
 
-ROUTED_EXACT_MAX_RANKS = 256
-"""Up to this many ranks a plan with detours is timed by the schedule the ranks would run."""
-
-
 def _detoured_step(pipelines, mbs, routes, stage_s: Mapping[int, float]) -> float:
     """Predicted compute of a plan with detours: its routed schedule's length (the schedule the
     ranks would run; ``stage_s`` is forward + backward, split 1:2), or above
-    ``ROUTED_EXACT_MAX_RANKS`` the busiest rank's micro-batches (own and guests') plus one fill."""
-    route_of = dict(routes)
-    all_routes, home = {}, {}
-    for d, (pipe, ids) in enumerate(zip(pipelines, mbs)):
-        for mb in ids:
-            all_routes[mb], home[mb] = route_of.get(mb, pipe), d
-    if len(stage_s) <= ROUTED_EXACT_MAX_RANKS:
-        _, makespan = routed_schedules(all_routes, home, {r: t / 3.0 for r, t in stage_s.items()}, 2.0)
+    ``routed.EXACT_MAX_RANKS`` the busiest rank's micro-batches (own and guests') plus one fill."""
+    all_routes, home = routed.routes_of(pipelines, mbs, dict(routes))
+    if len(stage_s) <= routed.EXACT_MAX_RANKS:
+        _, makespan = routed.routed_schedules(all_routes, home, {r: t / 3.0 for r, t in stage_s.items()}, 2.0)
         return makespan
     count: dict[int, int] = {}
     for route in all_routes.values():

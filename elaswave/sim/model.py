@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Sequence
 
-from elaswave.pipeline.routed import routed_schedules
+from elaswave.pipeline import routed
 from elaswave.plan.frequency import PowerModel
 from elaswave.plan.plan import Plan
 
@@ -82,11 +82,6 @@ class StepEstimate:
         return self.samples / self.step_s
 
 
-ROUTED_EXACT_MAX_RANKS = 256
-"""Up to this many ranks a plan with detours is priced by the very schedule the runtime would run
-(:func:`routed_schedules`); above it by the busiest host's work plus one fill (as the planner)."""
-
-
 def step_time(plan: Plan, model: ClusterModel) -> StepEstimate:
     if model.num_layers != plan.num_layers:
         raise ValueError(f"the cluster model has {model.num_layers} layers, the plan {plan.num_layers}")
@@ -94,7 +89,7 @@ def step_time(plan: Plan, model: ClusterModel) -> StepEstimate:
     for pipe in plan.pipelines:
         for s, r in enumerate(pipe):
             stage[r] = model.stage_s(plan, r, pipe[s + 1] if s + 1 < len(pipe) else None, pipe[s - 1] if s else None)
-    if plan.routes and len(plan.ranks) <= ROUTED_EXACT_MAX_RANKS:
+    if plan.routes and len(plan.ranks) <= routed.EXACT_MAX_RANKS:
         compute = _routed_compute(plan, stage, model.backward_factor)
     else:
         compute = _analytic_compute(plan, stage)
@@ -123,11 +118,8 @@ def _analytic_compute(plan: Plan, stage: dict[int, float]) -> float:
 
 
 def _routed_compute(plan: Plan, stage: dict[int, float], backward_factor: float) -> float:
-    routes, home = {}, {}
-    for d, pipe in enumerate(plan.pipelines):
-        for mb in plan.micro_batches[d]:
-            routes[mb], home[mb] = plan.route_of.get(mb, pipe), d
-    _, makespan = routed_schedules(routes, home, {r: t / (1 + backward_factor) for r, t in stage.items()},
+    routes, home = routed.routes_of(plan.pipelines, plan.micro_batches, plan.route_of)
+    _, makespan = routed.routed_schedules(routes, home, {r: t / (1 + backward_factor) for r, t in stage.items()},
                                    backward_factor)
     return makespan
 

@@ -3,7 +3,7 @@ import pytest
 
 from elaswave.pipeline.routed import plan_schedules, routed_schedules
 from elaswave.plan.plan import initial_plan, replan
-from elaswave.sim import model as model_mod
+from elaswave.pipeline import routed
 from elaswave.sim.model import ClusterModel, migration_s, step_time
 
 
@@ -32,7 +32,7 @@ def test_detours_are_priced_by_the_runtime_schedule_and_bounded_by_the_analytic_
     _, makespan = routed_schedules(routes, home, {r: 0.02 for r in after.ranks})  # 2 layers x 0.01 s
     assert step_time(after, _model()).compute_s == pytest.approx(makespan)
     # Above the exact limit the analytic price (busiest host + one fill) stays within a fifth of it.
-    monkeypatch.setattr(model_mod, "ROUTED_EXACT_MAX_RANKS", 0)
+    monkeypatch.setattr(routed, "EXACT_MAX_RANKS", 0)
     analytic = step_time(after, _model()).compute_s
     assert analytic == pytest.approx(makespan, rel=0.2)
     assert set(plan_schedules(after)) == set(after.ranks)
