@@ -22,7 +22,8 @@ def _job_args(ap: argparse.ArgumentParser) -> None:
                          "fit on a few cores")
     ap.add_argument("--inject", action="append", default=[], metavar="FAULT",
                     help="kill:rank=R,step=S[,phase=forward|backward|reduce|optimizer|snapshot] or "
-                         "stop:rank=R,step=S[,phase=...]: the rank SIGKILLs (SIGSTOPs) itself there (repeatable)")
+                         "stop:rank=R,step=S[,phase=...]: the rank SIGKILLs (SIGSTOPs) itself there; "
+                         "join:step=S[,count=N]: N new ranks join from step S (repeatable)")
 
 
 def _load(args: argparse.Namespace) -> config.JobConfig:
@@ -31,6 +32,8 @@ def _load(args: argparse.Namespace) -> config.JobConfig:
         overrides.append("emulate.enabled=true")
     if args.inject:
         overrides.append("elastic.inject=" + ";".join(args.inject))
+    if getattr(args, "respawn_after", None) is not None:
+        overrides.append(f"elastic.respawn_after_s={args.respawn_after}")
     return config.load(args.config, overrides)
 
 
@@ -57,6 +60,43 @@ def cmd_run(args: argparse.Namespace) -> int:
     if args.metrics_out and os.path.exists(args.metrics_out):
         print(f"elaswave: metrics in {args.metrics_out}; plots and a page: elaswave report {args.metrics_out}", flush=True)
     return code
+
+
+def cmd_join(args: argparse.Namespace) -> int:
+    """Add this machine's process to a running job as a new rank: it asks the job's leader for
+    admission with ELASWAVE_TOKEN and, once admitted, trains in the job's next epoch."""
+    import json
+    import subprocess
+    import tempfile
+
+    from elaswave.comm.backend import connect_store
+    from elaswave.control.admission import JOIN_ENV, STARTED_ENV, TOKEN_ENV
+    from elaswave.control.membership import PREFIX
+    from elaswave.launch import next_rank
+
+    if ":" not in args.store:
+        raise ConfigError(f"--store={args.store!r} is invalid: use HOST:PORT, as `elaswave run` prints it")
+    if not os.environ.get(TOKEN_ENV):
+        raise ConfigError(f"{TOKEN_ENV} is not set: a job admits only ranks that know its token")
+    try:
+        store = connect_store(args.store, args.timeout_s)
+        doc = json.loads(store.get(PREFIX + "config"))
+    except Exception as exc:  # noqa: BLE001 - one line for the user
+        raise ConfigError(f"--store={args.store!r}: no elaswave job answers there ({type(exc).__name__}: {exc})") from None
+    rank = next_rank(store)
+    with tempfile.NamedTemporaryFile("w", suffix=".json", prefix="elaswave-join-", delete=False) as fh:
+        json.dump(doc, fh)
+    env = dict(os.environ, RANK=str(rank), WORLD_SIZE="0", LOCAL_RANK="0", ELASWAVE_STORE=args.store,
+               OMP_NUM_THREADS="1", **{JOIN_ENV: "1", STARTED_ENV: repr(__import__("time").time())})
+    env.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+    print(f"elaswave: joining the job at {args.store} as rank {rank}", flush=True)
+    cmd = [sys.executable, "-m", "elaswave.runtime.worker", "--config", fh.name]
+    if args.metrics_out:
+        cmd += ["--metrics-out", args.metrics_out]
+    try:
+        return subprocess.call(cmd, env=env)
+    finally:
+        os.unlink(fh.name)
 
 
 def cmd_reference(args: argparse.Namespace) -> int:
@@ -130,7 +170,14 @@ def main(argv: list[str] | None = None) -> int:
     _job_args(run)
     run.add_argument("--nproc", type=int, help="number of ranks (must equal dp x pp)")
     run.add_argument("--timeout-s", type=float, default=None, help="stop the job after this many seconds")
+    run.add_argument("--respawn-after", type=float, default=None, metavar="S",
+                     help="start a replacement rank (it joins the job) S seconds after a rank dies")
     run.set_defaults(func=cmd_run)
+    join = sub.add_parser("join", help="add a rank to a running job (needs the job's ELASWAVE_TOKEN)")
+    join.add_argument("--store", required=True, metavar="HOST:PORT", help="the job's store, as `elaswave run` prints it")
+    join.add_argument("--metrics-out", metavar="F.jsonl", help="where to write metrics if this rank becomes the writer")
+    join.add_argument("--timeout-s", type=float, default=30.0, help="how long to wait for the store")
+    join.set_defaults(func=cmd_join)
     ref = sub.add_parser("reference", help="train with the single-process reference oracle")
     _job_args(ref)
     ref.set_defaults(func=cmd_reference)

@@ -140,6 +140,9 @@ class ParallelConfig:
     """Most memory one stage's layers may take, modelled as 16 bytes per parameter (weights,
     gradients, Adam moments); partitions, first and after a loss, keep within it or say why
     none can. 0: no limit."""
+    bind_address: str = ""
+    """The address gloo's transfers bind to. Empty: loopback under `elaswave run` (one host), the
+    host's own name under torchrun (GLOO_SOCKET_IFNAME picks an interface there)."""
 
     def validate(self) -> None:
         for name in ("dp", "pp"):
@@ -185,7 +188,14 @@ class ElasticConfig:
     reroute: a baseline for pipelines, as ReCycle does: the layout stays, and the broken pipeline's
     micro-batches pass through the same stage of the other pipelines in place of the lost one."""
     inject: tuple = ()
-    """Faults to inject, e.g. "kill:rank=2,step=12,phase=reduce" or "stop:rank=1,step=5"."""
+    """Faults to inject, e.g. "kill:rank=2,step=12,phase=reduce" or "stop:rank=1,step=5", and joins:
+    "join:step=20,count=2" (the launcher starts two new ranks when the job reaches step 20)."""
+    straggler_gain: float = 0.3
+    """Re-plan the same ranks by their measured speeds (a slow rank gets fewer layers and fewer
+    micro-batches) when that is predicted to save at least this fraction of a step; 0: never."""
+    respawn_after_s: float = -1.0
+    """The launcher starts a replacement (a new rank, which joins) this long after a rank dies;
+    negative: never."""
 
     def validate(self) -> None:
         for name in ("heartbeat_interval_s", "heartbeat_timeout_s", "agree_timeout_s"):
@@ -194,6 +204,8 @@ class ElasticConfig:
         if self.heartbeat_timeout_s < 2 * self.heartbeat_interval_s:
             _fail("elastic.heartbeat_timeout_s", self.heartbeat_timeout_s,
                   f"must be >= 2 x elastic.heartbeat_interval_s={self.heartbeat_interval_s}")
+        if not 0.0 <= self.straggler_gain < 1.0:
+            _fail("elastic.straggler_gain", self.straggler_gain, "must be in [0, 1) (0: never re-plan for stragglers)")
         if self.policy not in POLICIES:
             _fail("elastic.policy", self.policy, f"must be one of {', '.join(POLICIES)}")
         for text in self.inject:

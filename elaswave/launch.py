@@ -22,6 +22,7 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from elaswave.config import JobConfig
+from elaswave.control.admission import JOIN_ENV, STARTED_ENV, TOKEN_ENV, job_token, new_token
 from elaswave.control.membership import PREFIX, Membership
 
 
@@ -68,81 +69,150 @@ def _describe(code: int) -> str:
     return f"exited with code {code}"
 
 
+class _Workers:
+    """The worker processes: the founding ranks, and the joiners started later under new ranks."""
+
+    def __init__(self, cfg: JobConfig, cfg_path: str, store: dist.TCPStore, store_addr: str,
+                 metrics_out: str | None, token: str):
+        self.cfg, self.cfg_path, self.store_addr, self.metrics_out = cfg, cfg_path, store_addr, metrics_out
+        self.store, self.token = store, token
+        self.procs: dict[int, subprocess.Popen] = {}
+
+    def spawn(self, joining: bool = False) -> int:
+        world_size = self.cfg.world_size
+        rank = next_rank(self.store) if joining else len(self.procs)
+        env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+                   LOCAL_WORLD_SIZE=str(world_size), ELASWAVE_STORE=self.store_addr, OMP_NUM_THREADS="1")
+        env[TOKEN_ENV] = self.token
+        if joining:
+            env[JOIN_ENV], env[STARTED_ENV] = "1", repr(time.time())
+        # The watchers' store waits time out every heartbeat interval by design; keep c10d quiet.
+        env.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+        cmd = [sys.executable, "-m", "elaswave.runtime.worker", "--config", self.cfg_path]
+        if self.metrics_out:  # any rank may become the writer when rank 0 is gone
+            cmd += ["--metrics-out", self.metrics_out]
+        self.procs[rank] = subprocess.Popen(cmd, env=env, preexec_fn=_die_with_parent)
+        return rank
+
+    def all(self) -> list[subprocess.Popen]:
+        return list(self.procs.values())
+
+
 def launch(cfg: JobConfig, metrics_out: str | None = None, host: str = "127.0.0.1",
            timeout_s: float | None = None, done_grace_s: float = 10.0) -> int:
-    """Run the job to completion; returns the exit code (0 when the training finished)."""
-    world_size = cfg.world_size
+    """Run the job to completion; returns the exit code (0 when the training finished).
+
+    The store binds to ``host`` (loopback unless told otherwise). Joining ranks must prove the
+    job's token: ``ELASWAVE_TOKEN`` from the environment, or a new random one that only this
+    launcher's own replacements know."""
     store = dist.TCPStore(host, 0, world_size=None, is_master=True, wait_for_workers=False,
                           timeout=timedelta(seconds=cfg.parallel.timeout_s))
     membership = Membership(store, -1)
     with tempfile.NamedTemporaryFile("w", suffix=".json", prefix="elaswave-", delete=False) as fh:
         json.dump(cfg.to_dict(), fh)
         cfg_path = fh.name
-    procs: list[subprocess.Popen] = []
+    # What `elaswave join` needs to add a rank from elsewhere: the job's config and a rank number.
+    store.set(PREFIX + "config", json.dumps(cfg.to_dict()))
+    store.add(PREFIX + "next_rank", cfg.world_size)
+    workers = _Workers(cfg, cfg_path, store, f"{host}:{store.port}", metrics_out, job_token() or new_token())
+    if cfg.elastic.enabled:
+        how = ("with this job's ELASWAVE_TOKEN" if job_token() else
+               "(none can: set ELASWAVE_TOKEN before `elaswave run` to allow it)")
+        print(f"elaswave: store at {workers.store_addr}; more ranks join with `elaswave join --store "
+              f"{workers.store_addr}` {how}", flush=True)
     handlers = {}
     if threading.current_thread() is threading.main_thread():
         handlers = {sig: signal.signal(sig, _on_terminate) for sig in (signal.SIGTERM, signal.SIGHUP)}
     try:
-        for rank in range(world_size):
-            env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
-                       LOCAL_WORLD_SIZE=str(world_size), ELASWAVE_STORE=f"{host}:{store.port}",
-                       OMP_NUM_THREADS="1")
-            # The watchers' store waits time out every heartbeat interval by design; keep c10d quiet.
-            env.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
-            cmd = [sys.executable, "-m", "elaswave.runtime.worker", "--config", cfg_path]
-            if metrics_out:  # any rank may become the writer when rank 0 is gone
-                cmd += ["--metrics-out", metrics_out]
-            procs.append(subprocess.Popen(cmd, env=env, preexec_fn=_die_with_parent))
-        return _watch(cfg, procs, store, membership, timeout_s, done_grace_s)
+        for _ in range(cfg.world_size):
+            workers.spawn()
+        return _watch(cfg, workers, store, membership, timeout_s, done_grace_s)
     except KeyboardInterrupt:
-        _stop(procs)
+        _stop(workers.all())
         return 130
     except _Terminated as exc:
-        _stop(procs)
+        _stop(workers.all())
         return 128 + exc.args[0]
     finally:
-        _stop(procs)
+        _stop(workers.all())
         for sig, old in handlers.items():
             signal.signal(sig, old)
         os.unlink(cfg_path)
 
 
-def _watch(cfg: JobConfig, procs: list[subprocess.Popen], store: dist.TCPStore, membership: Membership,
+def _watch(cfg: JobConfig, workers: _Workers, store: dist.TCPStore, membership: Membership,
            timeout_s: float | None, done_grace_s: float) -> int:
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     reported: set[int] = set()
     done_at = None
+    joins = sorted((f for f in cfg.elastic.faults if f.kind == "join"), key=lambda f: f.step)
+    respawns: list[float] = []  # when to start the next replacements (monotonic clock)
     while True:
-        codes = [p.poll() for p in procs]
-        for rank, code in enumerate(codes):
+        codes = {rank: p.poll() for rank, p in workers.procs.items()}
+        for rank, code in codes.items():
             if code in (None, 0) or rank in reported:
                 continue
             reported.add(rank)
             print(f"elaswave: rank {rank} {_describe(code)}", file=sys.stderr, flush=True)
             if not cfg.elastic.enabled:
-                _stop(procs)  # not elastic: one dead rank ends the job
+                _stop(workers.all())  # not elastic: one dead rank ends the job
                 return code if code > 0 else 1
-            membership.report_dead(rank, _describe(code))
+            membership.report_dead(rank, _describe(code), alert=_is_member(cfg, store, membership, rank))
+            if cfg.elastic.respawn_after_s >= 0 and done_at is None:
+                respawns.append(time.monotonic() + cfg.elastic.respawn_after_s)
         if done_at is None and store.check([PREFIX + "done"]):
             done_at = time.monotonic()
-        if all(c is not None for c in codes):
-            if done_at is not None or all(c == 0 for c in codes):
+        if done_at is None:
+            _start_joiners(workers, joins, respawns, membership)
+        if all(c is not None for c in codes.values()):
+            if done_at is not None or all(c == 0 for c in codes.values()):
                 return 0
-            first = next(c for c in codes if c not in (None, 0))
+            first = next(c for c in codes.values() if c not in (None, 0))
             return first if first > 0 else 1
-        members = _final_members(store, membership, len(procs)) if done_at is not None else ()
-        members_exited = done_at is not None and all(codes[r] is not None for r in members)
+        members = _final_members(store, membership, cfg.world_size) if done_at is not None else ()
+        members_exited = done_at is not None and all(codes.get(r, 0) is not None for r in members)  # (a rank joined from elsewhere is not ours to wait for)
         if done_at is not None and (members_exited or time.monotonic() - done_at > done_grace_s):
-            hung = [r for r, c in enumerate(codes) if c is None]
-            print(f"elaswave: training finished; stopping ranks {hung}, which were left out of it",
-                  file=sys.stderr, flush=True)
-            _stop(procs, grace_s=1.0)
+            hung = [r for r, c in codes.items() if c is None]
+            if hung:
+                print(f"elaswave: training finished; stopping ranks {hung}, which were left out of it",
+                      file=sys.stderr, flush=True)
+            _stop(workers.all(), grace_s=1.0)
             return 0
         if deadline is not None and time.monotonic() > deadline:
             print(f"elaswave: job exceeded {timeout_s}s; stopping it", file=sys.stderr, flush=True)
-            _stop(procs)
+            _stop(workers.all())
             return 124
         time.sleep(0.005)
+
+
+def _start_joiners(workers: _Workers, joins: list, respawns: list[float], membership: Membership) -> None:
+    """Start the joins the job asked for (``join:step=S``, once it reaches step S) and the
+    replacements that are due."""
+    now = time.monotonic()
+    while respawns and respawns[0] <= now:
+        respawns.pop(0)
+        rank = workers.spawn(joining=True)
+        print(f"elaswave: starting rank {rank} to replace a lost one", file=sys.stderr, flush=True)
+    if joins:
+        reached = membership.read_stamp("step")
+        while joins and reached is not None and reached >= joins[0].step:
+            f = joins.pop(0)
+            ranks = [workers.spawn(joining=True) for _ in range(f.count)]
+            print(f"elaswave: starting ranks {ranks} to join at step {int(reached)}", file=sys.stderr, flush=True)
+
+
+def _is_member(cfg: JobConfig, store: dist.TCPStore, membership: Membership, rank: int) -> bool:
+    """Whether ``rank``'s death concerns the members: it is one, or was admitted into the next
+    epoch. A joiner that dies before that (or that was refused) is only recorded dead."""
+    epoch = membership.current_epoch()
+    members = (membership.members_of(epoch) if epoch else None) or tuple(range(cfg.world_size))
+    key = f"{PREFIX}ep/{epoch + 1}/joining"
+    return rank in members or (store.check([key]) and rank in json.loads(store.get(key)))
+
+
+def next_rank(store: dist.Store) -> int:
+    """A rank number no process of this job has had (joiners get one each)."""
+    return store.add(PREFIX + "next_rank", 1) - 1
 
 
 def _final_members(store: dist.TCPStore, membership: Membership, world_size: int) -> tuple[int, ...]:

@@ -1,6 +1,6 @@
 """``elaswave report RUN.jsonl [--against REF.jsonl]``: what happened in a run, as pictures and a page.
 
-Reads the metrics a run wrote (``job``, ``step``, ``recovery``, ``resume``, ``summary`` records) and,
+Reads the metrics a run wrote (``job``, ``step``, ``recovery``, ``join``, ``resume``, ``summary`` records) and,
 optionally, a failure-free reference (``elaswave reference`` or a run without faults), and writes:
 
 - ``loss.png``: loss per step, failures marked where training resumed, the reference overlaid;
@@ -83,7 +83,9 @@ def render(run_path: str, ref_path: str | None, out_dir: str) -> list[Path]:
         ax.annotate(f"lost {rec['lost_ranks']}", (rec["resume_step"], ax.get_ylim()[1]), fontsize=8,
                     color="tab:red", rotation=90, va="top", ha="right")
     for r in _events(run, "join"):
-        ax.axvline(r["step"], color="tab:green", linestyle="--", linewidth=1)
+        ax.axvline(r["resume_step"], color="tab:green", linestyle="--", linewidth=1)
+        ax.annotate(f"joined {r['joined_ranks']}", (r["resume_step"], ax.get_ylim()[1]), fontsize=8,
+                    color="tab:green", rotation=90, va="top", ha="right")
     ax.set(xlabel="step", ylabel="loss", title="Loss")
     ax.legend(fontsize=8)
     save(fig, "loss.png")
@@ -92,10 +94,10 @@ def render(run_path: str, ref_path: str | None, out_dir: str) -> list[Path]:
     t0 = steps[0]["wall_time"] if "wall_time" in steps[0] else 0.0
     ax.plot([r.get("wall_time", 0.0) - t0 for r in steps], [r.get("tokens_per_s", 0.0) for r in steps],
             marker=".", color="tab:blue")
-    for rec in recoveries:
+    for rec in recoveries + _events(run, "join"):
         at = next((r.get("wall_time", 0.0) - t0 for r in steps if r["step"] == rec["resume_step"]), None)
         if at is not None:
-            ax.axvline(at, color="tab:red", linestyle="--", linewidth=1)
+            ax.axvline(at, color="tab:red" if rec["event"] == "recovery" else "tab:green", linestyle="--", linewidth=1)
     ax.set(xlabel="wall time (s)", ylabel="tokens / s", title="Throughput")
     ax.set_ylim(bottom=0)
     save(fig, "throughput.png")
@@ -144,6 +146,14 @@ def _page(run: list[dict], ref: list[dict] | None, run_path: str, ref_path: str 
         for r in recoveries:
             lines.append(f"| {r['epoch']} | {r['lost_ranks']} | {r['resume_step']} | {r['mttr_s']:.3f} | "
                          + " | ".join(f"{r['phases_s'].get(p, 0.0):.3f}" for p in PHASES) + " |")
+        lines.append("")
+    joins = _events(run, "join")
+    if joins:
+        lines += ["| epoch | joined ranks | at step | from process start s | from request s | state s | first step s |",
+                  "| --- | --- | --- | --- | --- | --- | --- |"]
+        for r in joins:
+            lines.append(f"| {r['epoch']} | {r['joined_ranks']} | {r['resume_step']} | {r['time_to_first_step_s']:.3f} | "
+                         f"{r['since_request_s']:.3f} | {r['phases_s']['state']:.3f} | {r['phases_s']['first_step']:.3f} |")
         lines.append("")
     for r in _events(run, "resume"):
         lines.append(f"Resumed from the disk checkpoint {r['checkpoint']} at step {r['step']}.")

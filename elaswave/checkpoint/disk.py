@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import pickle
 import shutil
 import threading
 import warnings
@@ -119,10 +120,42 @@ def load_chunks(manifest: Manifest, keys: Sequence[ChunkKey]) -> dict[ChunkKey, 
     out: dict[ChunkKey, torch.Tensor] = {}
     for owner, mine in sorted(by_owner.items()):
         state = {_name(k): torch.empty(3, manifest.chunk_numel) for k in mine}
+        reader = _SafeReader(_rank_dir(manifest.root, manifest.step, owner))
+        reader.read_metadata()  # its refusal as our own error (inside dcp.load it is wrapped and retried)
         with _single_process():
-            dcp.load(state, checkpoint_id=str(_rank_dir(manifest.root, manifest.step, owner)), no_dist=True)
+            dcp.load(state, storage_reader=reader, no_dist=True)
         out.update({k: state[_name(k)] for k in mine})
     return out
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """DCP reads tensors with ``torch.load(weights_only=True)`` but its ``.metadata`` with plain
+    pickle, which can run any code a checkpoint folder carries. This one builds only what DCP's
+    metadata is made of, and refuses anything else."""
+
+    def find_class(self, module: str, name: str):
+        obj = getattr(torch, name, None) if module == "torch" else None
+        if (module.startswith("torch.distributed.checkpoint.") or (module, name) in _METADATA_NAMES
+                or isinstance(obj, (torch.dtype, torch.layout, torch.memory_format)) or obj is torch.Size):
+            return super().find_class(module, name)
+        raise CheckpointError(f"a checkpoint's metadata asks to load {module}.{name}, which a checkpoint "
+                              "does not contain; refusing to read it")
+
+
+_METADATA_NAMES = {("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"),
+                   ("pathlib", "WindowsPath"), ("pathlib", "PureWindowsPath"), ("collections", "OrderedDict")}
+
+
+class _SafeReader(dcp.FileSystemReader):
+    def read_metadata(self, *args, **kwargs):
+        with open(Path(self.path) / ".metadata", "rb") as fh:
+            metadata = _MetadataUnpickler(fh).load()
+        if hasattr(metadata, "storage_meta"):  # as the base class does (torch >= 2.4)
+            from torch.distributed.checkpoint.metadata import StorageMeta
+
+            metadata.storage_meta = metadata.storage_meta or StorageMeta()
+            metadata.storage_meta.load_id = getattr(self, "load_id", None)
+        return metadata
 
 
 class Checkpointer:

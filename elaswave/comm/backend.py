@@ -45,8 +45,9 @@ def rendezvous_store(timeout_s: float) -> tuple[dist.Store, int, int]:
 
 
 def make_process_group(store: dist.Store, prefix: str, group_rank: int, size: int, backend: str,
-                       timeout_s: float, device: torch.device) -> dist.ProcessGroup:
-    """A backend group over ``size`` ranks that meet under ``prefix`` in ``store``.
+                       timeout_s: float, device: torch.device, bind: str | None = None) -> dist.ProcessGroup:
+    """A backend group over ``size`` ranks that meet under ``prefix`` in ``store``; gloo binds to
+    ``bind`` (an address or host name) when given.
 
     Only the members take part, so it can be built while other ranks are dead or busy. gloo
     releases the GIL while it connects, so this also runs in a background thread."""
@@ -56,7 +57,21 @@ def make_process_group(store: dist.Store, prefix: str, group_rank: int, size: in
         opts = dist.ProcessGroupNCCL.Options()
         opts._timeout = timeout
         return dist.ProcessGroupNCCL(sub, group_rank, size, opts)
+    if bind:
+        opts = dist.ProcessGroupGloo._Options()
+        opts._timeout = timeout
+        opts._devices = [dist.ProcessGroupGloo.create_device(hostname=bind)]
+        return dist.ProcessGroupGloo(sub, group_rank, size, opts)
     return dist.ProcessGroupGloo(sub, group_rank, size, timeout)
+
+
+def bind_address(configured: str, store_addr: str | None) -> str | None:
+    """Where gloo binds: the configured address, else loopback when the store is on loopback (a
+    one-host job), else gloo's own choice (None)."""
+    if configured:
+        return configured
+    host = store_addr.rsplit(":", 1)[0] if store_addr else ""
+    return "127.0.0.1" if host in ("127.0.0.1", "localhost", "::1") else None
 
 
 class _Watched:

@@ -30,6 +30,10 @@ class Group:
         self.epoch, self.timeout_s, self.interrupt = epoch, timeout_s, interrupt
         self.size = len(self.members)
         self.group_rank = self.members.index(me)
+        self.inflight: list[dist.Work] = []
+        """Operations not known to be complete. They live as long as the group: destroying a gloo
+        operation that waits on a hung peer blocks until the group's timeout, so when an epoch
+        breaks its groups are parked with their operations, whatever else lets go of them."""
 
     def wait(self, work: dist.Work, what: str) -> None:
         backend.wait(work, self.timeout_s, what, self.interrupt, self.epoch)
@@ -42,9 +46,12 @@ class Group:
 
     def _call(self, fn, *args) -> dist.Work:
         try:
-            return fn(self.pg, *args)
+            work = fn(self.pg, *args)
         except RuntimeError as exc:  # a group that broke earlier raises at once
             raise CommError(f"{fn.__name__} on group {self.members} failed: {exc}") from exc
+        self.inflight = [w for w in self.inflight if not w.is_completed()]
+        self.inflight.append(work)
+        return work
 
     def all_reduce_async(self, t: torch.Tensor) -> dist.Work | None:
         return None if self.size == 1 else self._call(backend.all_reduce, t)
@@ -81,22 +88,54 @@ class Communicator:
     """Owns every group this rank has: the current ones, the standbys, and the parked broken ones."""
 
     def __init__(self, store: dist.Store, me: int, backend_name: str, device: torch.device,
-                 timeout_s: float, interrupt: Interrupt, use_standbys: bool):
+                 timeout_s: float, interrupt: Interrupt, use_standbys: bool, bind: str | None = None):
         self.store, self.me, self.backend_name, self.device = store, me, backend_name, device
+        self.bind = bind
         self.timeout_s, self.interrupt = timeout_s, interrupt
         self.use_standbys = use_standbys and backend_name == "gloo"  # NCCL comms hold GPU memory
         self._standby: dict[tuple[int, ...], tuple[threading.Thread, dict]] = {}
         self._standby_store: dist.Store | None = None
-        self.parked: list[dist.ProcessGroup] = []
+        self.parked: list = []
+        """Broken process groups and :class:`Group`\ s of finished epochs, kept from their destructors."""
+        self.groups: list[Group] = []
+        """Every group this rank uses in the current epoch (its world and holder groups)."""
         self.last_source = ""
         """How the last group came to be: 'standby' or 'built' (reported in recovery phases)."""
 
     def build(self, members: Sequence[int], epoch: int, kind: str = "ep") -> dist.ProcessGroup | None:
+        """Connect the group now. A member that dies meanwhile would leave the others waiting in
+        the backend until its timeout, so the connecting runs on a helper thread and the wait
+        gives up as soon as the control plane declares ``epoch`` broken."""
         members = tuple(members)
         if len(members) == 1:
             return None
-        return backend.make_process_group(self.store, _prefix(kind, epoch, members), members.index(self.me),
-                                          len(members), self.backend_name, self.timeout_s, self.device)
+        box: dict = {}
+        done = threading.Event()
+        # Its own store connection: a client serves one blocking request at a time, and a connect
+        # given up on (a member died) would hold the rank's main connection until it times out.
+        store = self.store.clone()
+
+        def connect() -> None:
+            try:
+                box["pg"] = backend.make_process_group(store, _prefix(kind, epoch, members),
+                                                       members.index(self.me), len(members), self.backend_name,
+                                                       self.timeout_s, self.device, self.bind)
+            except Exception as exc:  # noqa: BLE001 - reported below, on the caller's thread
+                box["error"] = exc
+            done.set()
+
+        self.interrupt.check(epoch)
+        threading.Thread(target=connect, name=f"connect-{kind}-{epoch}", daemon=True).start()
+        self.interrupt.register(done)
+        try:
+            done.wait(self.timeout_s + 5.0)
+            self.interrupt.check(epoch)
+        finally:
+            self.interrupt.unregister(done)
+        if "pg" not in box:
+            raise CommError(f"connecting the group of ranks {list(members)} failed: "
+                            f"{box.get('error', f'no answer within {self.timeout_s}s')}")
+        return box["pg"]
 
     def standby_ready(self, members: Sequence[int]) -> bool:
         """Whether this rank's standby group for ``members`` is connected (all members must say so
@@ -119,7 +158,19 @@ class Communicator:
         else:
             self.last_source = "none"
         self._park_standbys()
-        return Group(pg, members, self.me, epoch, self.timeout_s, self.interrupt)
+        return self.adopt(pg, members, epoch)
+
+    def adopt(self, pg: dist.ProcessGroup | None, members: Sequence[int], epoch: int) -> Group:
+        """A :class:`Group` of ``pg`` for ``epoch``, parked with its epoch when the epoch ends."""
+        group = Group(pg, members, self.me, epoch, self.timeout_s, self.interrupt)
+        self.groups.append(group)
+        return group
+
+    def park_before(self, epoch: int) -> None:
+        """Park every group of an epoch before ``epoch`` (an epoch is ending: broken, or replaced)."""
+        old = [g for g in self.groups if g.epoch < epoch]
+        self.parked.extend(old)
+        self.groups = [g for g in self.groups if g.epoch >= epoch]
 
     def prepare_standbys(self, members: Sequence[int], epoch: int) -> None:
         """Start building, in the background, the group of ``members`` minus each other member.
@@ -144,7 +195,7 @@ class Communicator:
             try:
                 box["pg"] = backend.make_process_group(
                     self._standby_store, _prefix("sb", epoch, members), members.index(self.me), len(members),
-                    self.backend_name, self.timeout_s, self.device)
+                    self.backend_name, self.timeout_s, self.device, self.bind)
             except Exception as exc:  # a member died while connecting: this standby is unusable
                 box["error"] = exc
             box["done"] = True
@@ -156,6 +207,3 @@ class Communicator:
                 self.parked.append(box["pg"])
         self._standby.clear()
 
-    def park(self, group: Group | None) -> None:
-        if group is not None and group.pg is not None:
-            self.parked.append(group.pg)

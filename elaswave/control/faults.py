@@ -1,7 +1,10 @@
 """Real fault injection: a rank delivers SIGKILL (or SIGSTOP, a hang) to itself at a chosen point.
 
 ``kill:rank=R,step=S[,phase=P]`` and ``stop:rank=R,step=S[,phase=P]``; phases are the points of a
-step at which the signal goes out. Before the signal the rank stamps the wall time of the fault
+step at which the signal goes out. ``corrupt:rank=R,step=S`` flips a byte of the snapshot the rank
+sends after step S, after its checksum was computed (what a bad link or bad memory would do);
+``slow:rank=R,step=S,factor=F`` makes the rank's compute F times as slow from step S on. ``join:step=S[,count=N]`` is the opposite event, carried out by
+the launcher: it starts N new ranks once the job reaches step S. Before the signal the rank stamps the wall time of the fault
 in the store, which is where every MTTR is measured from, and prints it (one line on stderr) for
 runs whose store does not outlive the fault: a job that torchrun restarts gets a new store.
 """
@@ -17,11 +20,14 @@ from typing import TYPE_CHECKING, Sequence
 if TYPE_CHECKING:  # keeps this module free of torch: config validation imports it
     from elaswave.control.membership import Membership
 
-KINDS = ("kill", "stop")
-PHASES = ("forward", "backward", "reduce", "optimizer", "snapshot")
+KINDS = ("kill", "stop", "corrupt", "slow", "join")
+PHASES = ("forward", "backward", "reduce", "optimizer", "snapshot", "recovery")
 """forward/backward: as the step's first forward/backward starts; reduce: as the gradient reduction
 starts; optimizer: after this rank's chunks were updated, before the parameters are gathered;
-snapshot: just after this rank posted the step's snapshot to its holder."""
+snapshot: just after this rank posted the step's snapshot to its holder; recovery: during a
+recovery that resumes at the step, as the chunks are about to move (a failure during a recovery)."""
+USAGE = ("use kill:rank=R,step=S[,phase=P], stop:rank=R,step=S[,phase=P], corrupt:rank=R,step=S, "
+         "slow:rank=R,step=S[,factor=F] or join:step=S[,count=N]")
 
 
 @dataclass(frozen=True)
@@ -30,32 +36,39 @@ class Fault:
     rank: int
     step: int
     phase: str = "forward"
+    count: int = 1
+    """join: how many new ranks the launcher starts once the job reaches ``step`` (rank is -1)."""
+    factor: float = 1.0
+    """slow: from ``step`` on, the rank's compute takes this many times as long (a straggler)."""
 
 
 def parse(text: str) -> Fault:
-    """``kill:rank=2,step=12,phase=reduce`` -> Fault; ValueError naming what is wrong."""
-    usage = "use kill:rank=R,step=S[,phase=P] or stop:rank=R,step=S[,phase=P]"
+    """``kill:rank=2,step=12,phase=reduce`` or ``join:step=20,count=2`` -> Fault; ValueError naming
+    what is wrong."""
     kind, sep, rest = text.strip().partition(":")
     if kind not in KINDS or not sep:
-        raise ValueError(f"{text!r}: the fault must start with one of {', '.join(KINDS)}; {usage}")
+        raise ValueError(f"{text!r}: the fault must start with one of {', '.join(KINDS)}; {USAGE}")
+    allowed = {"join": ("step", "count"), "slow": ("rank", "step", "factor")}.get(kind, ("rank", "step", "phase"))
     fields: dict[str, str] = {}
     for item in rest.split(","):
         key, eq, value = item.partition("=")
-        if not eq or key.strip() not in ("rank", "step", "phase"):
-            raise ValueError(f"{text!r}: {item!r} is not rank=, step= or phase=; {usage}")
+        if not eq or key.strip() not in allowed:
+            raise ValueError(f"{text!r}: {item!r} is not one of {', '.join(k + '=' for k in allowed)}; {USAGE}")
         fields[key.strip()] = value.strip()
-    if "rank" not in fields or "step" not in fields:
-        raise ValueError(f"{text!r}: rank= and step= are required; {usage}")
+    required = ("step",) if kind == "join" else ("rank", "step")
+    if any(k not in fields for k in required):
+        raise ValueError(f"{text!r}: {' and '.join(k + '=' for k in required)} {'are' if len(required) > 1 else 'is'} required; {USAGE}")
     try:
-        rank, step = int(fields["rank"]), int(fields["step"])
+        rank, step, count = int(fields.get("rank", -1)), int(fields["step"]), int(fields.get("count", 1))
+        factor = float(fields.get("factor", 3.0 if kind == "slow" else 1.0))
     except ValueError:
-        raise ValueError(f"{text!r}: rank and step must be integers") from None
-    if rank < 0 or step < 0:
-        raise ValueError(f"{text!r}: rank and step must be >= 0")
+        raise ValueError(f"{text!r}: rank, step and count must be integers, factor a number") from None
+    if step < 0 or (kind != "join" and rank < 0) or count < 1 or factor < 1:
+        raise ValueError(f"{text!r}: rank and step must be >= 0, count >= 1 and factor >= 1")
     phase = fields.get("phase", "forward")
     if phase not in PHASES:
         raise ValueError(f"{text!r}: phase={phase} is not one of {', '.join(PHASES)}")
-    return Fault(kind, rank, step, phase)
+    return Fault(kind, rank, step, phase, count, factor)
 
 
 class FaultInjector:
@@ -63,9 +76,21 @@ class FaultInjector:
         self.mine = [f for f in faults if f.rank == rank]
         self.membership = membership
 
+    def corrupts(self, step: int) -> bool:
+        """Whether this rank's snapshot sent after ``step`` is to be damaged in flight (``corrupt``)."""
+        hit = any(f.kind == "corrupt" and f.step == step for f in self.mine)
+        if hit:
+            print(f"elaswave: injecting a corrupted snapshot from rank {self.mine[0].rank} after step {step}",
+                  file=sys.stderr, flush=True)
+        return hit
+
+    def slowdown(self, step: int) -> float:
+        """How many times as long this rank's compute takes at ``step`` (``slow``)."""
+        return max([f.factor for f in self.mine if f.kind == "slow" and f.step <= step], default=1.0)
+
     def at(self, step: int, phase: str) -> None:
         for f in self.mine:
-            if f.step == step and f.phase == phase:
+            if f.kind in ("kill", "stop") and f.step == step and f.phase == phase:
                 if self.membership is not None:
                     self.membership.stamp(f"fault/{f.rank}")
                 print(f"elaswave: injecting {f.kind} into rank {f.rank} at step {step} ({phase}), "

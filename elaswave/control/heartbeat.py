@@ -67,10 +67,21 @@ class Watcher(threading.Thread):
         self.seen_alerts += 1
         alert = self.membership.read_alert(self.seen_alerts)
         if alert.epoch >= epoch:
+            broken = self._broken_by(alert)
             # Check in first: the others may be waiting for us to decide the next epoch.
-            self.membership.check_in(alert.epoch + 1)
+            self.membership.check_in(broken + 1)
             self.noticed_at.setdefault(alert.epoch, time.time())
-            self.interrupt.trip(alert.epoch)
+            self.interrupt.trip(broken)
+
+    def _broken_by(self, alert) -> int:
+        """The epoch an alert breaks: its own, or -- when it names a member of an epoch agreed since
+        (a death during a recovery) -- that newer one, which a recovery may be building right now."""
+        newest = self.membership.current_epoch()
+        if newest > alert.epoch and alert.ranks:
+            members = self.membership.members_of(newest) or ()
+            if set(alert.ranks) & set(members):
+                return newest
+        return alert.epoch
 
 
 def _next(members: tuple[int, ...], me: int) -> int | None:

@@ -21,6 +21,8 @@ from typing import Callable, Sequence
 
 import torch.distributed as dist
 
+from elaswave.interrupt import EpochBroken
+
 PREFIX = "ew/"
 
 
@@ -63,9 +65,11 @@ class Membership:
         self.store.set(f"{PREFIX}alert/{n}", json.dumps(
             {"epoch": epoch, "by": by, "reason": reason, "ranks": list(ranks)}))
 
-    def report_dead(self, rank: int, how: str) -> None:
+    def report_dead(self, rank: int, how: str, alert: bool = True) -> None:
+        """Record a death; ``alert``: tell the members too (not for a rank that never joined them)."""
         self.store.set(f"{PREFIX}dead/{rank}", how)
-        self.alert(self.current_epoch(), f"rank {rank} {how}", [rank])
+        if alert:
+            self.alert(self.current_epoch(), f"rank {rank} {how}", [rank])
 
     def alert_count(self) -> int:
         return self.store.add(PREFIX + "alert_seq", 0)
@@ -76,6 +80,11 @@ class Membership:
 
     def current_epoch(self) -> int:
         return int(self.store.add(PREFIX + "epoch", 0))
+
+    def members_of(self, epoch: int) -> tuple[int, ...] | None:
+        """The agreed members of ``epoch``, once decided."""
+        key = f"{PREFIX}ep/{epoch}/members"
+        return tuple(json.loads(self.store.get(key))) if self.store.check([key]) else None
 
     def _advance_epoch(self, epoch: int) -> None:
         # Every agreeing rank calls this at once: a read-then-add would count the epoch once per
@@ -131,9 +140,22 @@ class Membership:
     def post(self, epoch: int, what: str, doc: dict) -> None:
         self.store.set(f"{PREFIX}ep/{epoch}/{what}/{self.rank}", json.dumps(doc))
 
-    def gather(self, epoch: int, what: str, members: Sequence[int], timeout_s: float) -> dict[int, dict]:
+    def gather(self, epoch: int, what: str, members: Sequence[int], timeout_s: float,
+               broken: Callable[[], bool] | None = None) -> dict[int, dict]:
+        """Every member's document; gives up (EpochBroken) as soon as ``broken()`` says the epoch
+        is (a member died before posting), else after ``timeout_s``."""
         keys = [f"{PREFIX}ep/{epoch}/{what}/{r}" for r in members]
-        self.store.wait(keys, timedelta(seconds=timeout_s))
+        if broken is None:
+            self.store.wait(keys, timedelta(seconds=timeout_s))
+        else:
+            start, pause = self.clock(), 0.0005
+            while not self.store.check(keys):
+                if broken():
+                    raise EpochBroken(f"epoch {epoch} broke while its members posted their {what}")
+                if self.clock() - start > timeout_s:
+                    raise TimeoutError(f"not every member of epoch {epoch} posted its {what} within {timeout_s}s")
+                time.sleep(pause)
+                pause = min(2 * pause, 0.01)
         return {r: json.loads(v) for r, v in zip(members, self.store.multi_get(keys))}
 
     def stamp(self, key: str, value: float | None = None) -> None:

@@ -33,6 +33,8 @@ class Executor:
         self.busy_s = 0.0
         """Time in forwards and backwards during the last run (not waiting for neighbours): the
         rank's own speed, which the planner balances by."""
+        self.slowdown = 1.0
+        """Each forward and backward takes this many times as long (an injected straggler)."""
         self._table = {
             Op.RECV_ACT: self._recv_act, Op.FORWARD: self._forward, Op.SEND_ACT: self._send_act,
             Op.RECV_GRAD: self._recv_grad, Op.BACKWARD: self._backward, Op.SEND_GRAD: self._send_grad,
@@ -72,6 +74,7 @@ class Executor:
         self.outputs[mb] = out
         if self.emulated is not None:
             self.emulated.forward(began)
+        self._straggle(began)
         self.busy_s += time.perf_counter() - began
 
     def _send_act(self, a: Action) -> None:
@@ -97,7 +100,12 @@ class Executor:
         self.on_backward()
         if self.emulated is not None:
             self.emulated.backward(began)
+        self._straggle(began)
         self.busy_s += time.perf_counter() - began
+
+    def _straggle(self, began: float) -> None:
+        if self.slowdown > 1.0:
+            time.sleep((self.slowdown - 1.0) * (time.perf_counter() - began))
 
     def _send_grad(self, a: Action) -> None:
         self.p2p.send_grad(self.inputs.pop(a.micro_batch).grad, a.micro_batch, a.peer)

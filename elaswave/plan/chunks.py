@@ -67,6 +67,35 @@ def reassign_owners(owners: Owners, holder_groups: Mapping[tuple[int, ...], Sequ
     return tuple(tuple(o) for o in out)
 
 
+def rebalance_owners(owners: Owners, holder_groups: Mapping[tuple[int, ...], Sequence[int]],
+                     joined: set[int]) -> Owners:
+    """Even out ownership in every holder group that a joining rank is in: each holder ends with
+    ``total // n`` or one more chunks (the extra ones stay with the most loaded, so as little as
+    possible moves), and a chunk moves only from a holder above its share to the one furthest
+    below, in chunk order. Other groups keep their owners."""
+    if not owners:
+        return ()
+    out = [list(o) for o in owners]
+    for holders, layers in holder_groups.items():
+        if not joined & set(holders):
+            continue
+        keys = [(layer, c) for layer in layers for c in range(len(owners[layer]))]
+        load = {h: 0 for h in holders}
+        for layer, c in keys:
+            load[out[layer][c]] += 1
+        base, extra = divmod(len(keys), len(holders))
+        by_load = sorted(holders, key=lambda h: (-load[h], h))
+        share = {h: base + (1 if i < extra else 0) for i, h in enumerate(by_load)}
+        for layer, c in keys:
+            o = out[layer][c]
+            if load[o] > share[o]:
+                new = max(holders, key=lambda h: (share[h] - load[h], -h))
+                out[layer][c] = new
+                load[o] -= 1
+                load[new] += 1
+    return tuple(tuple(o) for o in out)
+
+
 def chunks_of(owners: Owners, rank: int) -> tuple[ChunkKey, ...]:
     return tuple((layer, c) for layer, row in enumerate(owners) for c, o in enumerate(row) if o == rank)
 

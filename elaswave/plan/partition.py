@@ -14,8 +14,10 @@ class PartitionError(ValueError):
 
 
 def partition(costs: Sequence[float], num_stages: int,
-              memory: Sequence[float] | None = None, memory_limit: float | None = None) -> list[tuple[int, int]]:
-    """Layer ranges ``[(start, end), ...]`` (end exclusive), one per stage, minimising max stage cost.
+              memory: Sequence[float] | None = None, memory_limit: float | None = None,
+              speeds: Sequence[float] | None = None) -> list[tuple[int, int]]:
+    """Layer ranges ``[(start, end), ...]`` (end exclusive), one per stage, minimising max stage cost
+    (divided by the stage's speed, when ``speeds`` gives one per stage: a straggler gets less).
 
     Ties are broken towards earlier stages holding fewer layers, so the answer is unique and every
     rank computes the same one.
@@ -30,6 +32,9 @@ def partition(costs: Sequence[float], num_stages: int,
     for m in memory or [0.0] * n:
         mem_prefix.append(mem_prefix[-1] + float(m))
     inf = float("inf")
+    rate = [float(x) for x in speeds] if speeds is not None else [1.0] * num_stages
+    if len(rate) != num_stages or any(x <= 0 for x in rate):
+        raise PartitionError(f"need one speed > 0 per stage ({num_stages}), got {list(rate)}")
 
     def fits(i: int, j: int) -> bool:
         return memory_limit is None or mem_prefix[j] - mem_prefix[i] <= memory_limit
@@ -43,7 +48,7 @@ def partition(costs: Sequence[float], num_stages: int,
             for i in range(s - 1, j):
                 if best[s - 1][i] == inf or not fits(i, j):
                     continue
-                value = max(best[s - 1][i], prefix[j] - prefix[i])
+                value = max(best[s - 1][i], (prefix[j] - prefix[i]) / rate[s - 1])
                 if value < best[s][j] - 1e-12 * max(1.0, abs(value)):
                     best[s][j], cut[s][j] = value, i
     if best[num_stages][n] == inf:

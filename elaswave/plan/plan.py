@@ -4,13 +4,14 @@ Every rank computes the same plan from the same inputs; nothing here touches a p
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+import statistics
+from dataclasses import dataclass, fields, replace
 from functools import cached_property
 from typing import Mapping, Sequence
 
 from elaswave.pipeline import routed
 from elaswave.plan import microbatches
-from elaswave.plan.chunks import Owners, chunks_of, reassign_owners, round_robin_owners
+from elaswave.plan.chunks import Owners, chunks_of, reassign_owners, rebalance_owners, round_robin_owners
 from elaswave.plan.frequency import PowerModel, plan_frequencies
 from elaswave.plan.partition import PartitionError, partition
 
@@ -42,6 +43,19 @@ class Plan:
     routes: tuple[tuple[int, tuple[int, ...]], ...] = ()
     """(micro-batch, ranks by stage) for micro-batches that do not run down their own pipeline:
     the reroute baseline sends a broken pipeline's micro-batches through other pipelines' stages."""
+    depth: int = 0
+    """Stages of a whole pipeline (the configured ``pp``): joining ranks fill broken pipelines up
+    to it, then form new pipelines of it (0: the deepest pipeline's)."""
+
+    def to_doc(self) -> dict:
+        """JSON-ready: a joining rank reads the plan it joins from the store."""
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    @staticmethod
+    def from_doc(doc: dict) -> "Plan":
+        def tuples(x):
+            return tuple(tuples(v) for v in x) if isinstance(x, list) else x
+        return Plan(**{k: tuples(v) for k, v in doc.items()})
 
     # Lookups are indexed once per plan (cached on the frozen instance): a plan for 10^5 ranks is
     # queried by every rank, so nothing here may scan all pipelines per call.
@@ -145,6 +159,7 @@ def initial_plan(world_size: int, dp: int, pp: int, layer_costs: Sequence[float]
         layer_costs=tuple(float(c) for c in layer_costs),
         layer_memory=tuple(float(m) for m in layer_memory),
         stage_memory_limit=float(stage_memory_limit),
+        depth=pp,
     )
     if layer_numels:
         plan = replace(plan, chunk_owners=round_robin_owners(plan.holder_groups(), layer_numels, chunk_numel))
@@ -153,8 +168,9 @@ def initial_plan(world_size: int, dp: int, pp: int, layer_costs: Sequence[float]
 
 def replan(prev: Plan, live: Sequence[int], epoch: int, num_micro_batches: int,
            speeds: Mapping[int, float] | None = None, policy: str = "elaswave",
-           power: PowerModel | None = None, power_cap_w: float | None = None, detours: bool = True) -> Plan:
-    """The plan after ranks were lost: ``live`` are the survivors.
+           power: PowerModel | None = None, power_cap_w: float | None = None, detours: bool = True,
+           rebalance: bool = False) -> Plan:
+    """The plan for the ranks ``live``: survivors of ``prev`` and ranks joining now.
 
     elaswave: a pipeline that lost stages goes on with its survivors (in stage order) as a shorter
     pipeline, its layers re-partitioned over them (minimax on the layer costs); the global batch
@@ -168,15 +184,26 @@ def replan(prev: Plan, live: Sequence[int], epoch: int, num_micro_batches: int,
     reroute (ReCycle): its micro-batches keep their ids, and pass through the same stage of the
     complete pipelines (in turn) wherever their own stage is gone.
 
+    Joining ranks (elaswave only) first fill pipelines that lost stages, back up to ``prev.depth``:
+    where the survivors kept their stages of the whole layout (detours) the joiners take the
+    missing ones, otherwise the pipeline is re-partitioned over survivors and joiners. The rest
+    form new pipelines of ``depth`` stages (the last one shorter); micro-batches are then balanced
+    over all pipelines as after a loss, and ZeRO chunks are evened out within each holder group a
+    joiner is in.
+
+    ``rebalance`` (elaswave): re-partition every pipeline by its ranks' measured speeds, so a slow
+    rank (a straggler) gets fewer layers and its pipeline fewer micro-batches; see :func:`rebalance_gain`.
+
     ``speeds``: micro-batches per second each rank measured on its current stage, at its current
-    frequency level."""
+    frequency level (a joiner has none: it counts as the median rank)."""
     live = tuple(sorted(live))
     if not live:
         raise PlanError(f"epoch {epoch}: no rank is left")
     alive, known = set(live), set(prev.ranks)
-    missing = [r for r in live if r not in known]
-    if missing:
-        raise PlanError(f"epoch {epoch}: ranks {missing} were not in epoch {prev.epoch}; joins are not supported yet")
+    joined = tuple(r for r in live if r not in known)
+    if joined and policy != "elaswave":
+        raise PlanError(f"epoch {epoch}: ranks {list(joined)} cannot join under elastic.policy={policy}, "
+                        "which keeps the layout it lost ranks from; elastic.policy=elaswave re-plans for joins")
     pipelines, kept_ranges, kept = [], [], []
     for d, pipe in enumerate(prev.pipelines):
         survivors = tuple(r for r in pipe if r in alive)
@@ -184,11 +211,13 @@ def replan(prev: Plan, live: Sequence[int], epoch: int, num_micro_batches: int,
             pipelines.append(survivors)
             kept_ranges.append(tuple(rng for r, rng in zip(pipe, prev.layer_ranges[d]) if r in alive))
             kept.append(d)
+    if joined:
+        _place_joiners(prev, epoch, joined, pipelines, kept_ranges, kept)
     if num_micro_batches < len(pipelines):
         raise PlanError(f"epoch {epoch}: {num_micro_batches} micro-batches cannot feed {len(pipelines)} pipelines")
     if policy == "elaswave":
         return _elaswave(prev, epoch, pipelines, kept_ranges, kept, num_micro_batches, speeds or {}, power,
-                         power_cap_w, detours)
+                         power_cap_w, detours and not rebalance, rebalance)
     complete = [_covers(rng, prev.num_layers) for rng in kept_ranges]
     if not any(complete):
         raise PlanError(f"epoch {epoch}: elastic.policy={policy} needs a pipeline that still holds every layer, "
@@ -201,16 +230,52 @@ def replan(prev: Plan, live: Sequence[int], epoch: int, num_micro_batches: int,
                   routes=_detours(prev, pipelines, kept_ranges, complete, mbs, epoch))
 
 
+def _place_joiners(prev: Plan, epoch: int, joined: Sequence[int], pipelines: list, ranges: list, kept: list) -> None:
+    """Put ``joined`` into the survivors' layout (in place): see :func:`replan`. New pipelines
+    are marked ``None`` in ``kept`` (they had no index in ``prev``)."""
+    depth = prev.depth or max(len(p) for p in prev.pipelines)
+    waiting = list(joined)
+
+    def split(count: int, who) -> tuple[tuple[int, int], ...]:
+        try:
+            return tuple(partition(_costs(prev), count, prev.layer_memory or None, prev.stage_memory_limit or None))
+        except PartitionError as exc:
+            raise PlanError(f"epoch {epoch}: no layout for ranks {list(who)} joining: {exc}") from None
+
+    whole = split(depth, joined)
+    for i, (pipe, rng) in enumerate(zip(pipelines, ranges)):
+        take, waiting = waiting[:max(0, depth - len(pipe))], waiting[max(0, depth - len(pipe)):]
+        if not take:
+            continue
+        if not _covers(rng, prev.num_layers) and all(r in whole for r in rng):
+            # The survivors kept their stages of the whole layout: the joiners take the missing ones.
+            missing = [r for r in whole if r not in rng]
+            slots = sorted(list(zip(rng, pipe)) + list(zip(missing, take)))
+            ranges[i], pipelines[i] = tuple(x for x, _ in slots), tuple(r for _, r in slots)
+        else:
+            pipelines[i] = tuple(pipe) + tuple(take)
+            ranges[i] = split(len(pipelines[i]), pipelines[i])
+    while waiting:
+        take, waiting = tuple(waiting[:depth]), waiting[depth:]
+        pipelines.append(take)
+        ranges.append(split(len(take), take))
+        kept.append(None)
+
+
 def _build(prev: Plan, epoch: int, pipelines, ranges, mbs, freqs=(), routes=()) -> Plan:
     plan = Plan(epoch=epoch, num_layers=prev.num_layers, pipelines=tuple(pipelines), layer_ranges=tuple(ranges),
                 micro_batches=tuple(mbs), layer_costs=prev.layer_costs, frequencies=tuple(freqs), routes=tuple(routes),
-                layer_memory=prev.layer_memory, stage_memory_limit=prev.stage_memory_limit)
-    return replace(plan, chunk_owners=reassign_owners(prev.chunk_owners, plan.holder_groups()))
+                layer_memory=prev.layer_memory, stage_memory_limit=prev.stage_memory_limit, depth=prev.depth)
+    owners = reassign_owners(prev.chunk_owners, plan.holder_groups())
+    joined = set(plan.ranks) - set(prev.ranks)
+    if joined:
+        owners = rebalance_owners(owners, plan.holder_groups(), joined)
+    return replace(plan, chunk_owners=owners)
 
 
 def _elaswave(prev: Plan, epoch: int, pipelines, kept_ranges, kept, num_micro_batches: int,
               speeds: Mapping[int, float], power: PowerModel | None, power_cap_w: float | None,
-              detours: bool) -> Plan:
+              detours: bool, rebalance: bool = False) -> Plan:
     """Re-partition every pipeline that no longer holds every layer, balance (and plan
     frequencies); or, when predicted faster, leave the survivors in place and send the broken
     pipelines' micro-batches through the complete pipelines' same stage.
@@ -219,27 +284,43 @@ def _elaswave(prev: Plan, epoch: int, pipelines, kept_ranges, kept, num_micro_ba
     a re-partitioned pipeline's bottleneck is a whole layer heavier, so micro-batches must move to
     other pipelines, each of which then takes a whole micro-batch more (+1/(m+S-1) of the step),
     while a host absorbs one guest in its slack."""
-    rate = _rank_rates(prev, speeds)
-    ranges = []
+    rate = _rank_rates(prev, speeds, [r for p in pipelines for r in p])
+    ranges, standby, why = [], [], []
     for d, survivors, rng in zip(kept, pipelines, kept_ranges):
-        if _covers(rng, prev.num_layers):
+        if _covers(rng, prev.num_layers) and not rebalance:
             ranges.append(rng)
             continue
         try:
             ranges.append(tuple(partition(_costs(prev), len(survivors), prev.layer_memory or None,
-                                          prev.stage_memory_limit or None)))
+                                          prev.stage_memory_limit or None,
+                                          [rate[r] for r in survivors] if rebalance else None)))
         except PartitionError as exc:
-            raise PlanError(f"epoch {epoch}: pipeline {d} is left with ranks {list(survivors)}: {exc}") from None
-    stage_s = [[_cost(prev, i, j) / rate[r] for r, (i, j) in zip(pipe, rng)] for pipe, rng in zip(pipelines, ranges)]
+            # Survivors that cannot hold the model stand by: they keep their layers and ZeRO chunks,
+            # get no micro-batches (the others take them: the batch is kept), and a join completes them.
+            ranges.append(rng)
+            if not _covers(rng, prev.num_layers):
+                standby.append(len(ranges) - 1)
+                which = f"pipeline {d} is left with" if d is not None else "a new pipeline has"
+                why.append(f"{which} ranks {list(survivors)}: {exc}")
+    run = [i for i in range(len(pipelines)) if i not in standby]
+    if not run:
+        raise PlanError(f"epoch {epoch}: no pipeline can hold the model: {'; '.join(why)}")
+    if len(run) > num_micro_batches:
+        raise PlanError(f"epoch {epoch}: {num_micro_batches} micro-batches cannot feed {len(run)} pipelines")
+    stage_s = [[_cost(prev, i, j) / rate[r] for r, (i, j) in zip(pipelines[k], ranges[k])] for k in run]
     if power is not None:
         fp = plan_frequencies(stage_s, num_micro_batches, power, power_cap_w)
         mbs, freqs, predicted = fp.micro_batches, fp.levels, fp.step_s
     else:
-        mbs = tuple(microbatches.balance(num_micro_batches, [max(p) for p in stage_s], [len(p) for p in pipelines]))
+        mbs = tuple(microbatches.balance(num_micro_batches, [max(p) for p in stage_s], [len(p) for p in stage_s]))
         freqs, predicted = (), max((len(m) + len(p) - 1) * max(p) for m, p in zip(mbs, stage_s))
+    if standby:
+        at = dict(zip(run, range(len(run))))
+        mbs = tuple(mbs[at[k]] if k in at else () for k in range(len(pipelines)))
+        freqs = tuple(freqs[at[k]] if k in at else (1.0,) * len(pipelines[k]) for k in range(len(pipelines))) if freqs else ()
     complete = [_covers(rng, prev.num_layers) for rng in kept_ranges]
     if detours and any(complete) and not all(complete):
-        kept_mbs = tuple(prev.micro_batches[d] for d in kept)
+        kept_mbs = tuple(prev.micro_batches[d] if d is not None else () for d in kept)
         try:
             routes = _detours(prev, pipelines, kept_ranges, complete, kept_mbs, epoch)
         except PlanError:
@@ -250,6 +331,22 @@ def _elaswave(prev: Plan, epoch: int, pipelines, kept_ranges, kept, num_micro_ba
             if _detoured_step(pipelines, kept_mbs, routes, forward) < predicted * (1 - 1e-3):
                 return _build(prev, epoch, pipelines, kept_ranges, kept_mbs, routes=routes)
     return _build(prev, epoch, pipelines, ranges, mbs, freqs)
+
+
+def rebalance_gain(prev: Plan, speeds: Mapping[int, float], num_micro_batches: int) -> tuple[float, Plan | None]:
+    """The fraction of a step that re-planning the same ranks by their measured ``speeds`` is
+    predicted to save (1F1B with each stage at its rank's rate), and that plan. A plan with
+    detours or idle pipelines (the baselines) is not rebalanced: (0, None)."""
+    if prev.routes or not all(prev.micro_batches) or not all(speeds.get(r, 0) > 0 for r in prev.ranks):
+        return 0.0, None
+    rate = _rank_rates(prev, speeds)
+    candidate = replan(prev, prev.ranks, prev.epoch + 1, num_micro_batches, speeds, rebalance=True)
+
+    def step_s(plan: Plan) -> float:
+        return max((len(m) + len(p) - 1) * max(_cost(plan, i, j) / rate[r] for r, (i, j) in zip(p, rng))
+                   for p, rng, m in zip(plan.pipelines, plan.layer_ranges, plan.micro_batches))
+
+    return 1.0 - step_s(candidate) / step_s(prev), candidate
 
 
 def _detoured_step(pipelines, mbs, routes, stage_s: Mapping[int, float]) -> float:
@@ -308,14 +405,15 @@ def _cost(plan: Plan, start: int, end: int) -> float:
     return sum(_costs(plan)[start:end])
 
 
-def _rank_rates(prev: Plan, speeds: Mapping[int, float]) -> dict[int, float]:
+def _rank_rates(prev: Plan, speeds: Mapping[int, float], ranks: Sequence[int] = ()) -> dict[int, float]:
     """Layer cost per second each rank sustains at nominal frequency: its measured micro-batch rate
     times the cost of the layers it ran, over the frequency level it ran at. Ranks that did not
-    measure count as the average one (rate of 1 micro-batch per unit of time)."""
-    out = {}
+    measure (joiners among ``ranks``, or every rank before any step) count as the median one."""
+    measured = {}
     for r in prev.ranks:
         i, j = prev.layers_of(r)
         speed = float(speeds.get(r, 0.0))
-        rate = speed * _cost(prev, i, j) / prev.frequency(r) if speed > 0 else 1.0
-        out[r] = rate
-    return out
+        if speed > 0:
+            measured[r] = speed * _cost(prev, i, j) / prev.frequency(r)
+    typical = statistics.median(measured.values()) if measured else 1.0
+    return {r: measured.get(r, typical) for r in (*prev.ranks, *ranks)}

@@ -36,6 +36,10 @@ class MetricsWriter:
             self.last_event = f"recovered from losing {record['lost_ranks']} at step {record['resume_step']}"
         elif record.get("event") == "resume":
             self.last_event = f"resumed from the checkpoint of step {record['step']}"
+        elif record.get("event") == "join":
+            self.last_event = f"ranks {record['joined_ranks']} joined at step {record['resume_step']}"
+        elif record.get("event") == "rebalance":
+            self.last_event = f"re-planned by measured speeds at step {record['resume_step']}"
         if self.show_progress and record.get("event") == "step":
             last = f"  last: {self.last_event}" if self.last_event else ""
             print(f"step {record['step'] + 1:>4}/{self.total_steps}  loss {record['loss']:.4f}  "
@@ -44,6 +48,8 @@ class MetricsWriter:
         elif self.show_progress and record.get("event") == "recovery":
             print(f"recovered: epoch {record['epoch']}, lost ranks {record['lost_ranks']}, "
                   f"resumed at step {record['resume_step']}, mttr {record['mttr_s']:.3f}s", flush=True)
+        elif self.show_progress and record.get("event") in ("join", "rebalance"):
+            print(f"{self.last_event}: epoch {record['epoch']}, pipelines {record['plan']['pipelines']}", flush=True)
         elif self.show_progress and record.get("event") == "summary":
             print(f"done: {record['steps']} steps, final loss {record['final_loss']:.4f}, "
                   f"params_sha256 {record['params_sha256'][:16]}...", flush=True)
@@ -55,25 +61,41 @@ class MetricsWriter:
 
 
 class StepJournal:
-    """Holds step records until they are committed; every rank keeps one so any can take over writing."""
+    """Holds step records until they are committed; every rank keeps one so any can take over writing.
+
+    Committed records stay a few steps more: a writer that dies (or hangs) after a step's exchange
+    but before writing the step it committed leaves that record only with the others, and whoever
+    writes next replays them (the writer skips steps its file already has)."""
+
+    KEEP = 8
 
     def __init__(self) -> None:
         self.pending: dict[int, dict] = {}
+        self.committed: dict[int, dict] = {}
 
     def add(self, record: dict) -> None:
         self.pending[record["step"]] = record
 
     def commit_before(self, step: int, writer: MetricsWriter | None) -> None:
-        """Steps below ``step`` are committed: write them (if we write) and forget them."""
+        """Steps below ``step`` are committed: write them (if we write) and keep the last few."""
         for s in sorted(k for k in self.pending if k < step):
             record = self.pending.pop(s)
             if writer is not None:
                 writer.write(record)
+            self.committed[s] = record
+        for s in sorted(self.committed)[:-self.KEEP]:
+            del self.committed[s]
+
+    def replay(self, writer: MetricsWriter) -> None:
+        """Write the recently committed records a previous writer may not have written."""
+        for s in sorted(self.committed):
+            writer.write(self.committed[s])
 
     def discard_from(self, step: int) -> None:
         """Steps from ``step`` on will be redone."""
-        for s in [k for k in self.pending if k >= step]:
-            del self.pending[s]
+        for part in (self.pending, self.committed):
+            for s in [k for k in part if k >= step]:
+                del part[s]
 
 
 def read_jsonl(path: str) -> list[dict]:

@@ -74,8 +74,8 @@ def build_rank(cfg: JobConfig, plan: Plan, rank: int, stage: Stage, sampler: Sam
     for holders, layers in plan.holder_groups().items():
         if rank not in holders:
             continue
-        group = world if holders == world.members else Group(
-            comm.build(holders, plan.epoch, kind="holders"), holders, rank, plan.epoch, par.timeout_s, world.interrupt)
+        group = world if holders == world.members else comm.adopt(
+            comm.build(holders, plan.epoch, kind="holders"), holders, plan.epoch)
         buckets.append(Bucket(holders, layers, [numels[i] for i in layers], par.chunk_numel, rank, device,
                               owners=[plan.chunk_owners[i] for i in layers]))
         groups.append(group)

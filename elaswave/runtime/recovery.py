@@ -21,7 +21,7 @@ from elaswave.model.gpt import build_layer
 from elaswave.pipeline.stage import Stage
 from elaswave.plan.chunks import ChunkKey, chunk_range
 from elaswave.plan.frequency import PowerModel
-from elaswave.plan.plan import Plan, replan
+from elaswave.plan.plan import Plan, PlanError, replan
 from elaswave.plan.recovery import Holding, Restore, plan_restore
 from elaswave.runtime.rank import RankState, build_rank
 from elaswave.runtime.step import gather_params
@@ -46,21 +46,55 @@ class Recovery:
     is_fallback: bool = False
     bytes_received: int = 0
     plan: dict = field(default_factory=dict)
+    joined_ranks: list[int] = field(default_factory=list)
+    join_walls: dict = field(default_factory=dict)
+    """A join's earlier moments (wall times): its processes' start, its requests, its admission."""
 
     def record(self, first_step_end_wall: float, first_step_s: float) -> dict:
+        if not self.lost_ranks and self.joined_ranks and self.join_walls:
+            return self._join_record(first_step_end_wall, first_step_s)
         start = self.fault_wall if self.fault_wall is not None else self.noticed_wall
         phases = {"detect": self.noticed_wall - start, **self.phases_s, "first_step": first_step_s}
-        return {"event": "recovery", "epoch": self.epoch, "lost_ranks": self.lost_ranks,
+        event = "recovery" if self.lost_ranks else ("join" if self.joined_ranks else "rebalance")
+        return {"event": event, "epoch": self.epoch, "lost_ranks": self.lost_ranks,
+                "joined_ranks": self.joined_ranks,
                 "resume_step": self.resume_step, "mttr_s": first_step_end_wall - start,
                 "phases_s": phases, "communicator": self.communicator, "is_fallback": self.is_fallback,
                 "bytes_received": self.bytes_received, "plan": self.plan}
 
+    def _join_record(self, first_step_end_wall: float, first_step_s: float) -> dict:
+        """A join without losses: from the joiners' start to the end of their first productive step.
+        start-up (process start to request: imports, data), admission (request to the step boundary
+        where the leader admitted it), then this recovery's own phases."""
+        w = self.join_walls
+        phases = {"start_up": w["requested"] - w["started"], "admission": w["admitted"] - w["requested"],
+                  "boundary": self.noticed_wall - w["admitted"], **self.phases_s, "first_step": first_step_s}
+        return {"event": "join", "epoch": self.epoch, "joined_ranks": self.joined_ranks,
+                "resume_step": self.resume_step, "time_to_first_step_s": first_step_end_wall - w["started"],
+                "since_request_s": first_step_end_wall - w["requested"], "phases_s": phases,
+                "communicator": self.communicator, "bytes_received": self.bytes_received, "plan": self.plan}
 
-def recover(ctx, st: RankState, cause: Disruption, noticed_wall: float) -> tuple[RankState, Recovery]:
-    """Run every phase on this rank; returns the new epoch's state and the recovery's account."""
+
+def recover(ctx, st: RankState | None, cause: Disruption | None, noticed_wall: float,
+            joining: tuple[int, ...] = (), prev: Plan | None = None, rebalance: bool = False) -> tuple[RankState, Recovery]:
+    """Run every phase on this rank; returns the new epoch's state and the recovery's account.
+
+    ``cause`` is None for a change at a step boundary: ranks admitted into the next epoch join
+    (``joining``, and whoever the store says), or with ``rebalance`` the same ranks are re-planned
+    by their measured speeds (a straggler).
+    ``st`` is None on a joining rank, which holds nothing yet and joins ``prev``. A failure during
+    a recovery lands here again with the same ``st``: the epoch that was being built is given up,
+    and the next one is agreed among its members, from the state of the last epoch that trained."""
     cfg: JobConfig = ctx.cfg
-    old = st.plan
-    epoch = old.epoch + 1
+    old = st.plan if st is not None else prev
+    # The epoch after the newest one this rank agreed on: a failure during a recovery gives up
+    # the epoch being built. (The store's counter cannot tell: others may be a phase ahead.)
+    epoch = max(old.epoch, ctx.agreed_epoch) + 1
+    # Who must check in: the members of the newest agreed epoch (the one that was being built, after
+    # a failure during a recovery), and whoever the leader admitted into this one.
+    expected = ctx.membership.members_of(epoch - 1) if epoch - 1 > old.epoch else old.ranks
+    joining = tuple(sorted(set(joining) | set(ctx.admission.joining(epoch))))
+    expected = tuple(sorted(set(expected) | set(joining)))
     t = time.perf_counter()
     phases: dict[str, float] = {}
 
@@ -70,34 +104,51 @@ def recover(ctx, st: RankState, cause: Disruption, noticed_wall: float) -> tuple
         phases[name] = now - t
         t = now
 
-    if isinstance(cause, CommError) and not ctx.interrupt.is_broken(old.epoch):
-        ctx.membership.alert(old.epoch, f"rank {ctx.rank}: {cause}")
-    noticed_wall = min([noticed_wall] + [w for e, w in ctx.watcher.noticed_at.items() if e >= old.epoch])
-    members = ctx.membership.agree(old.ranks, epoch, cfg.elastic.agree_timeout_s, cfg.parallel.timeout_s)
+    if isinstance(cause, CommError) and not ctx.interrupt.is_broken(epoch - 1):
+        ctx.membership.alert(epoch - 1, f"rank {ctx.rank}: {cause}")
+    if ctx.watcher is not None:
+        noticed_wall = min([noticed_wall] + [w for e, w in ctx.watcher.noticed_at.items() if e >= old.epoch])
+    ctx.membership.check_in(epoch)
+    # A join waits for members still finishing the step; their deaths are reported, not timed out.
+    agree_s = cfg.elastic.agree_timeout_s if cause is not None else cfg.parallel.timeout_s
+    members = ctx.membership.agree(expected, epoch, agree_s, cfg.parallel.timeout_s)
+    ctx.agreed_epoch = epoch
     if ctx.rank not in members:
         raise Excluded(f"rank {ctx.rank} was left out of epoch {epoch} (members {list(members)})")
     lost = sorted(set(old.ranks) - set(members))
-    holding = Holding(ctx.rank, st.optimizer.holding(), ctx.pool.holding() if ctx.pool else {})
+    joined = sorted(set(members) - set(old.ranks))
+    holding = (Holding(ctx.rank, st.optimizer.holding(), ctx.pool.holding() if ctx.pool else {})
+               if st is not None else Holding(ctx.rank, {}, {}))
     ctx.membership.post(epoch, "state", {"holding": holding.to_doc(), "speed": ctx.speed,
                                          "standby_ready": ctx.comm.standby_ready(members),
                                          "disk_step": _readable_checkpoint(ctx)})
-    reports = ctx.membership.gather(epoch, "state", members, cfg.parallel.timeout_s)
+    reports = ctx.membership.gather(epoch, "state", members, cfg.parallel.timeout_s,
+                                    broken=lambda: ctx.interrupt.is_broken(epoch))
     disk_steps = [doc["disk_step"] for doc in reports.values()]
     # The newest checkpoint every survivor saw complete (they may have looked at different moments).
     disk_step = None if None in disk_steps else min(disk_steps)
     lap("agree")
 
-    ctx.comm.park(st.world)
+    ctx.comm.park_before(epoch)  # the old epoch's groups, and any of an epoch given up during this change
     world = ctx.comm.group(members, epoch, use_standby=all(doc["standby_ready"] for doc in reports.values()))
     lap("communicator")
 
     power = _power_model(cfg)
-    plan = replan(old, members, epoch, cfg.train.num_micro_batches,
-                  {r: doc["speed"] for r, doc in reports.items()}, cfg.elastic.policy, power,
-                  (cfg.frequency.power_cap_w or power.power(1.0) * cfg.world_size) if power else None,
-                  detours=cfg.elastic.detours)
-    restore = plan_restore(old.chunk_owners, plan.chunk_owners,
-                           [Holding.from_doc(r, doc["holding"]) for r, doc in reports.items()], disk_step)
+    holdings = [Holding.from_doc(r, doc["holding"]) for r, doc in reports.items()]
+    try:
+        plan = replan(old, members, epoch, cfg.train.num_micro_batches,
+                      {r: doc["speed"] for r, doc in reports.items() if r in old.ranks}, cfg.elastic.policy, power,
+                      (cfg.frequency.power_cap_w or power.power(1.0) * cfg.world_size) if power else None,
+                      detours=cfg.elastic.detours, rebalance=rebalance and not (set(members) ^ set(old.ranks)))
+    except PlanError as exc:
+        _stop_with_state(ctx, st, old, members, holdings, disk_step, exc)
+    if ctx.rank == members[0]:
+        for d, (pipe, mbs) in enumerate(zip(plan.pipelines, plan.micro_batches)):
+            if not mbs and not plan.is_complete(d) and cfg.elastic.policy == "elaswave":
+                print(f"elaswave: ranks {list(pipe)} cannot hold the whole model within parallel.stage_memory_mb="
+                      f"{cfg.parallel.stage_memory_mb}: they stand by with their layers and chunks, and the other "
+                      "pipelines run the whole batch, until ranks join", file=sys.stderr, flush=True)
+    restore = plan_restore(old.chunk_owners, plan.chunk_owners, holdings, disk_step)
     if restore.is_fallback and ctx.rank == members[0]:
         source = (f"the disk checkpoint in {disk.step_dir(cfg.checkpoint.dir, disk_step)}"
                   if restore.resume_step == disk_step and disk_step else
@@ -107,13 +158,15 @@ def recover(ctx, st: RankState, cause: Disruption, noticed_wall: float) -> tuple
               file=sys.stderr, flush=True)
     lap("plan")
 
+    ctx.injector.at(restore.resume_step, "recovery")
     chunks, received, arriving = _restore_chunks(ctx, st, world, plan.chunk_owners, restore)
     layers = plan.layers_of(ctx.rank)
-    # A re-partitioned stage starts from fresh layers; the gather below fills in their parameters
-    # from the chunk owners, who hold the same layers in the other pipelines.
-    stage = st.stage if (st.stage.start, st.stage.end) == layers else Stage(cfg, layers, st.device)
-    new = build_rank(cfg, plan, ctx.rank, stage, ctx.sampler_for(stage), world, ctx.comm, st.device,
-                     st.backend_name, gen=restore.resume_step, chunks=chunks, before=ctx.before_action,
+    # A re-partitioned stage (or a joiner's) starts from fresh layers; the gather below fills in
+    # their parameters from the chunk owners, who hold the same layers in the other pipelines.
+    stage = (st.stage if st is not None and (st.stage.start, st.stage.end) == layers
+             else Stage(cfg, layers, ctx.device))
+    new = build_rank(cfg, plan, ctx.rank, stage, ctx.sampler_for(stage), world, ctx.comm, ctx.device,
+                     ctx.backend_name, gen=restore.resume_step, chunks=chunks, before=ctx.before_action,
                      actuator=ctx.actuator)
     ctx.actuator.apply(plan.frequency(ctx.rank))
     for wait, keys, moments in arriving:
@@ -136,7 +189,36 @@ def recover(ctx, st: RankState, cause: Disruption, noticed_wall: float) -> tuple
     fault_walls = [w for w in (ctx.membership.read_stamp(f"fault/{r}") for r in lost) if w is not None]
     return new, Recovery(epoch, lost, restore.resume_step, min(fault_walls) if fault_walls else None,
                          noticed_wall, phases, ctx.comm.last_source, restore.is_fallback, received,
-                         _layout(plan))
+                         _layout(plan), joined)
+
+
+def _stop_with_state(ctx, st: RankState | None, old: Plan, members, holdings, disk_step, exc: PlanError):
+    """No plan fits the ranks left: save the state they hold (their own chunks and the snapshots
+    of the dead) as a disk checkpoint, so that a restart with more ranks loses nothing, and stop
+    with the planner's reason."""
+    cfg = ctx.cfg
+    restore = plan_restore(old.chunk_owners, old.chunk_owners, holdings, disk_step)
+    if st is None or ctx.checkpointer is None or restore.is_fallback:
+        where = ("set checkpoint.dir to keep the state in such a case" if ctx.checkpointer is None else
+                 f"the newest checkpoint in {cfg.checkpoint.dir} is where a restart resumes")
+        raise PlanError(f"{exc}. The job stops; {where}") from None
+    gen = restore.resume_step
+    mine = sorted(k for k, (src, _) in restore.sources.items() if src == ctx.rank)
+    owners = tuple(tuple(restore.sources[(layer, c)][0] for c in range(len(row)))
+                   for layer, row in enumerate(old.chunk_owners))
+    payload = torch.stack([_local_chunk(ctx, st, restore, k) for k in mine]) if mine else torch.empty(0)
+    if mine:
+        ctx.checkpointer.save(gen, owners, mine, payload, is_writer=ctx.rank == min(r for row in owners for r in row))
+        ctx.checkpointer.wait()
+    raise PlanError(f"{exc}. The job stops; its state at step {gen} is saved in "
+                    f"{disk.step_dir(cfg.checkpoint.dir, gen)}: run it again with more ranks and it resumes there") from None
+
+
+def _local_chunk(ctx, st: RankState, restore: Restore, key: ChunkKey) -> torch.Tensor:
+    """A chunk's state at the resume step from this rank's memory: its own, or a snapshot it holds."""
+    _, kind = restore.sources[key]
+    gen = restore.resume_step
+    return st.optimizer.chunk(key, gen) if kind == "own" else ctx.pool.chunk(key, gen)
 
 
 def _power_model(cfg: JobConfig) -> PowerModel | None:
@@ -167,19 +249,18 @@ def _restore_chunks(ctx, st: RankState, world, new_owners, restore: Restore):
     n = ctx.cfg.parallel.chunk_numel
 
     def local(key: ChunkKey) -> torch.Tensor:
-        _, kind = restore.sources[key]
-        return st.optimizer.chunk(key, gen) if kind == "own" else ctx.pool.chunk(key, gen)
+        return _local_chunk(ctx, st, restore, key)
 
     transfers = restore.transfers(new_owners)
     works, params_in, moments_in = [], {}, []
     for (src, dst), keys in transfers.items():
         if src == me:
-            payload = torch.stack([local(k) for k in keys]).to(st.device)
+            payload = torch.stack([local(k) for k in keys]).to(ctx.device)
             for tag, part in ((TAG_RESTORE, payload[:, 0].contiguous()), (TAG_RESTORE + 1, payload[:, 1:].contiguous())):
                 works.append((world.isend(part, dst, tag), part, f"chunks to rank {dst}"))
         elif dst == me:
-            params = torch.empty(len(keys), n, device=st.device)
-            moments = torch.empty(len(keys), 2, n, device=st.device)
+            params = torch.empty(len(keys), n, device=ctx.device)
+            moments = torch.empty(len(keys), 2, n, device=ctx.device)
             works.append((world.irecv(params, src, TAG_RESTORE), params, f"chunk parameters from rank {src}"))
             moments_in.append((world.irecv(moments, src, TAG_RESTORE + 1), keys, moments, f"chunk moments from rank {src}"))
             params_in[src] = (keys, params)
@@ -190,7 +271,7 @@ def _restore_chunks(ctx, st: RankState, world, new_owners, restore: Restore):
     for keys, params in params_in.values():
         received += 3 * params.numel() * params.element_size()
         for k, row in zip(keys, params):
-            chunks[k] = torch.cat([row.unsqueeze(0), torch.zeros(2, n, device=st.device)])
+            chunks[k] = torch.cat([row.unsqueeze(0), torch.zeros(2, n, device=ctx.device)])
     arriving = []
     for work, keys, moments, what in moments_in:
         if ctx.cfg.elastic.overlap_migration:
@@ -205,14 +286,14 @@ def _restore_chunks(ctx, st: RankState, world, new_owners, restore: Restore):
         if new_owners[key[0]][key[1]] != me or key in chunks:
             continue
         if src == me:
-            chunks[key] = local(key).to(st.device)
+            chunks[key] = local(key).to(ctx.device)
         elif kind == "disk":
             from_disk.append(key)
         elif src is None:
-            chunks[key] = _initial_chunk(ctx.cfg, key, fresh, st.device)
+            chunks[key] = _initial_chunk(ctx.cfg, key, fresh, ctx.device)
     if from_disk:
         manifest = disk.read_manifest(disk.step_dir(ctx.cfg.checkpoint.dir, gen))
-        chunks.update({k: v.to(st.device) for k, v in disk.load_chunks(manifest, from_disk).items()})
+        chunks.update({k: v.to(ctx.device) for k, v in disk.load_chunks(manifest, from_disk).items()})
     return chunks, received, arriving
 
 

@@ -10,8 +10,9 @@ import torch
 
 from elaswave.comm import backend
 from elaswave.config import JobConfig
+from elaswave.pipeline.schedule import Op
 from elaswave.runtime.rank import RankState
-from elaswave.snapshot.pool import SnapshotError, SnapshotPool
+from elaswave.snapshot.pool import SnapshotPool
 from elaswave.zero import reduce
 from elaswave.zero.optimizer import clip_coef, lr_at
 
@@ -23,6 +24,11 @@ class StepResult:
     lr: float
     phases_s: dict[str, float] = field(default_factory=dict)
     """Wall time of each phase of the step on this rank (compute, reduce, norm, optimizer, gather, snapshot)."""
+    joining: int = 0
+    """Ranks the leader admitted during this step: every member grows the job at its end."""
+    speeds: dict[int, float] = field(default_factory=dict)
+    """Every rank's micro-batches per second of its own compute this step (0: it ran none), the
+    same on every rank: stragglers are found from it."""
 
 
 class _Laps:
@@ -47,7 +53,10 @@ def _exchange_exact(st: RankState, values: dict[int, float], size: int) -> list[
 
 
 def train_step(st: RankState, cfg: JobConfig, step: int, pool: SnapshotPool | None,
-               fault: Callable[[int, str], None]) -> StepResult:
+               fault: Callable[[int, str], None], admit: Callable[[RankState], int] | None = None,
+               corrupts: Callable[[int], bool] | None = None) -> StepResult:
+    """``admit``: on the epoch's leader, answers pending join requests and returns how many ranks
+    it admitted into the next epoch; the count travels in the loss exchange."""
     t = cfg.train
     lap = _Laps()
     # 1. Forward and backward of this pipeline's micro-batches (1F1B); each micro-batch's gradient
@@ -56,12 +65,17 @@ def train_step(st: RankState, cfg: JobConfig, step: int, pool: SnapshotPool | No
     losses = st.executor.run(st.schedule, step)
     # The losses travel with one flag per rank: "I hold a verified snapshot of my peer's state at
     # the start of this step". Nobody updates until every flag is in, so nobody drops the older
-    # generation while some chunk exists only there.
+    # generation while some chunk exists only there. With them, the leader's count of ranks it
+    # admitted (everyone learns of a join in the same step) and every rank's speed.
     is_verified = pool.verify(st.world, step) if pool is not None else True
-    exchange = torch.zeros(t.num_micro_batches + 1, dtype=torch.float64)
+    M = t.num_micro_batches
+    exchange = torch.zeros(M + 2 + st.world.size, dtype=torch.float64)
     for mb, loss_sum in losses.items():
-        exchange[mb] = loss_sum  # one last stage contributes each entry: the sum is exact
-    exchange[-1] = 1.0 if is_verified else 0.0
+        exchange[mb] = loss_sum  # one contributor per entry: the sum is exact
+    exchange[M] = admit(st) if admit is not None else 0
+    exchange[M + 1] = 1.0 if is_verified else 0.0
+    forwards = sum(1 for a in st.schedule if a.op is Op.FORWARD)
+    exchange[M + 2 + st.world.group_rank] = forwards / st.executor.busy_s if forwards and st.executor.busy_s > 0 else 0.0
     exchange = exchange.to(st.device)
     exchange_work = st.world.all_reduce_async(exchange)
     lap("compute")
@@ -85,11 +99,9 @@ def train_step(st: RankState, cfg: JobConfig, step: int, pool: SnapshotPool | No
     if exchange_work is not None:
         st.world.wait(exchange_work, "loss exchange")
     exchange = exchange.cpu()
-    if exchange[-1].item() != st.world.size:
-        raise SnapshotError(f"step {step}: only {int(exchange[-1].item())} of {st.world.size} snapshots "
-                            "passed their checksum")
     if pool is not None:
-        pool.commit(step)
+        if exchange[M + 1].item() == st.world.size:  # else a holder discarded a damaged one (it said so)
+            pool.commit(step)
         pool.wait_sends(st.world)
     lap("norm")
 
@@ -104,14 +116,17 @@ def train_step(st: RankState, cfg: JobConfig, step: int, pool: SnapshotPool | No
 
     # 5. Snapshot: the new state of this rank's chunks goes to its holder while the next step computes.
     if pool is not None:
-        pool.send(st.world, st.plan, st.optimizer.gen, st.optimizer.keys(), st.optimizer.payload, st.device)
+        pool.send(st.world, st.plan, st.optimizer.gen, st.optimizer.keys(), st.optimizer.payload, st.device,
+                  corrupt=corrupts is not None and corrupts(step))
         pool.expect(st.world, st.plan, st.device)
     fault(step, "snapshot")
     lap("snapshot")
 
     step_tokens = st.plan.num_micro_batches * t.micro_batch_size * cfg.model.seq_len
-    loss = math.fsum(exchange[:-1].tolist()) / step_tokens
-    return StepResult(loss=loss, grad_norm=norm, lr=lr, phases_s=lap.phases)
+    loss = math.fsum(exchange[:M].tolist()) / step_tokens
+    speeds = dict(zip(st.world.members, exchange[M + 2:].tolist()))
+    return StepResult(loss=loss, grad_norm=norm, lr=lr, phases_s=lap.phases, joining=int(exchange[M].item()),
+                      speeds=speeds)
 
 
 def gather_params(st: RankState) -> None:

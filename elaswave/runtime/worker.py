@@ -22,6 +22,7 @@ from elaswave.checkpoint import disk
 from elaswave.comm import backend
 from elaswave.comm.groups import Communicator
 from elaswave.config import ConfigError, JobConfig
+from elaswave.control.admission import JOIN_ENV, Admission, Refused, job_token
 from elaswave.control.faults import FaultInjector
 from elaswave.control.heartbeat import Watcher
 from elaswave.control.membership import Membership
@@ -33,11 +34,12 @@ from elaswave.pipeline.schedule import Action, Op
 from elaswave.pipeline.stage import Stage
 from elaswave.plan.frequency import PowerModel
 from elaswave.plan.plan import PlanError, initial_plan
-from elaswave.runtime import actuator, recovery
+from elaswave.runtime import actuator, join, recovery
 from elaswave.runtime.actuator import ActuatorError
 from elaswave.runtime.metrics import MetricsWriter, StepJournal, print_error
 from elaswave.runtime.rank import build_rank, layer_numels
 from elaswave.runtime.step import gather_params, train_step
+from elaswave.runtime.straggler import REBALANCE, SpeedWindow
 from elaswave.snapshot.pool import SnapshotPool
 from elaswave.zero.flat import params_sha256
 
@@ -51,11 +53,15 @@ class Context:
 
     def __init__(self, cfg: JobConfig, rank: int, store, backend_name: str, device: torch.device):
         e = cfg.elastic
-        self.cfg, self.rank, self.device = cfg, rank, device
+        self.cfg, self.rank, self.device, self.backend_name = cfg, rank, device, backend_name
         self.interrupt = Interrupt()
         self.membership = Membership(store, rank)
+        self.admission = Admission(store, rank)
+        self.token = job_token()
+        self.stamps_steps = any(f.kind == "join" for f in cfg.elastic.faults)
         self.comm = Communicator(store, rank, backend_name, device, cfg.parallel.timeout_s, self.interrupt,
-                                 e.enabled and e.standby_groups)
+                                 e.enabled and e.standby_groups,
+                                 backend.bind_address(cfg.parallel.bind_address, os.environ.get("ELASWAVE_STORE")))
         self.pool = (SnapshotPool(rank, cfg.parallel.chunk_numel, e.heartbeat_timeout_s)
                      if e.enabled and e.snapshots else None)
         # A fault is an event in the run's life: a job restarted by torchrun does not meet it again.
@@ -67,8 +73,12 @@ class Context:
         self.actuator = actuator.make(cfg.actuator, device)
         self.speed = 1.0
         """Micro-batches per second of this rank's own forward and backward time, measured at its
-        frequency level; the re-plan balances by it."""
+        frequency level (median of the epoch's last steps); the re-plan balances by it."""
+        self.speeds = SpeedWindow()
         self.plan = None
+        self.agreed_epoch = 0
+        """The newest epoch whose members this rank agreed on (it may not have trained yet)."""
+        self.step = 0
         # The watcher has its own store connection: its blocking waits must never stall training.
         self.watcher = Watcher(store.clone(), rank, self._view, self.interrupt,
                                e.heartbeat_interval_s, e.heartbeat_timeout_s) if e.enabled else None
@@ -82,6 +92,13 @@ class Context:
             tokens = load_corpus(self.cfg.data, m.vocab_size, m.seq_len + 1)
             self._sampler = Sampler(tokens, t.seed, t.micro_batch_size, m.seq_len)
         return self._sampler
+
+    def admit(self, st) -> int:
+        """On the epoch's leader: answer join requests (see :mod:`elaswave.runtime.join`); not in
+        the last step, after which there is nothing left to grow for."""
+        if not self.cfg.elastic.enabled or st.rank != st.plan.ranks[0] or self.step >= self.cfg.train.steps - 1:
+            return 0
+        return join.admit(self, st)
 
     def _view(self):
         plan = self.plan
@@ -111,30 +128,21 @@ def _connect(cfg: JobConfig, rank: int, world_size: int):
 def run(cfg: JobConfig, rank: int, world_size: int, metrics_out: str | None) -> int:
     t, m = cfg.train, cfg.model
     torch.set_num_threads(1)  # many ranks share a few cores; one thread each also fixes kernel order
-    if cfg.world_size != world_size:
+    joining = bool(os.environ.get(JOIN_ENV))
+    if cfg.world_size != world_size and not joining:
         raise ConfigError(f"parallel.dp={cfg.parallel.dp} x parallel.pp={cfg.parallel.pp} = {cfg.world_size} "
                           f"is invalid: the job has {world_size} ranks")
     name, device = backend.choose(cfg.parallel.backend)
     store, rank, world_size = _connect(cfg, rank, world_size)
     ctx = Context(cfg, rank, store, name, device)
-    numels = layer_numels(cfg)
-    plan = initial_plan(world_size, cfg.parallel.dp, cfg.parallel.pp,
-                        [layer_flops(m, i) for i in range(m.num_layers)], t.num_micro_batches,
-                        numels, cfg.parallel.chunk_numel, [BYTES_PER_PARAM * n / 2 ** 20 for n in numels],
-                        cfg.parallel.stage_memory_mb)
-    ctx.plan = plan
-    stage = Stage(cfg, plan.layers_of(rank), device)
-    world = ctx.comm.group(plan.ranks, plan.epoch)
-    resumed = _resume_point(cfg, plan, rank)
-    gen, chunks = (resumed.manifest.step, resumed.chunks) if resumed else (0, None)
-    st = build_rank(cfg, plan, rank, stage, ctx.sampler_for(stage), world, ctx.comm, device, name, gen=gen,
-                    chunks=chunks, before=ctx.before_action, actuator=ctx.actuator)
-    ctx.actuator.apply(plan.frequency(rank))
-    if resumed:
-        gather_params(st)
-    ctx.comm.prepare_standbys(plan.ranks, plan.epoch)
-    world.all_reduce(torch.zeros(1, device=device), "start-up barrier")
-    if ctx.watcher is not None:
+    if joining:
+        st, pending = join.join(ctx)
+        ctx.plan = st.plan
+        resumed, step = None, pending.resume_step
+    else:
+        st, resumed = _start(ctx, world_size)
+        step, pending = st.optimizer.gen, None
+    if ctx.watcher is not None and not ctx.watcher.is_alive():
         ctx.watcher.start()
 
     journal = StepJournal()
@@ -143,19 +151,22 @@ def run(cfg: JobConfig, rank: int, world_size: int, metrics_out: str | None) -> 
     # The job as configured, first: reports and the simulator's calibration read the run from it.
     writer.write({"event": "job", "config": cfg.to_dict(), "world_size": world_size, "wall_time": time.time()})
     if resumed:
-        writer.write({"event": "resume", "step": gen, "checkpoint": str(disk.step_dir(cfg.checkpoint.dir, gen)),
+        writer.write({"event": "resume", "step": step, "checkpoint": str(disk.step_dir(cfg.checkpoint.dir, step)),
                       "load_s": resumed.load_s, "wall_time": time.time()})
     began = time.perf_counter()
-    step, result, pending = gen, None, None
+    result = None
     while True:
+        cause = None
         try:
             while step < t.steps:
                 started = time.perf_counter()
-                result = train_step(st, cfg, step, ctx.pool, ctx.injector.at)
+                st.executor.slowdown = ctx.injector.slowdown(step)
+                ctx.step = step
+                result = train_step(st, cfg, step, ctx.pool, ctx.injector.at, ctx.admit, ctx.injector.corrupts)
                 took = time.perf_counter() - started
-                forwards = sum(1 for a in st.schedule if a.op is Op.FORWARD)
-                if forwards and st.executor.busy_s > 0:  # an idle rank (drop_replica) keeps its last figure
-                    ctx.speed = forwards / st.executor.busy_s
+                ctx.speeds.add(st.epoch, result.speeds)
+                # The median of the epoch's last steps; an idle rank (drop_replica) keeps its last figure.
+                ctx.speed = ctx.speeds.median(rank) or ctx.speed
                 journal.commit_before(step, writer)
                 samples = st.plan.num_micro_batches * t.micro_batch_size
                 journal.add({"event": "step", "step": step, "loss": result.loss, "grad_norm": result.grad_norm,
@@ -170,27 +181,42 @@ def run(cfg: JobConfig, rank: int, world_size: int, metrics_out: str | None) -> 
                 if ctx.checkpointer is not None and ctx.checkpointer.due(step):
                     ctx.checkpointer.save(step, st.plan.chunk_owners, st.optimizer.keys(), st.optimizer.payload(),
                                           is_writer=rank == st.plan.ranks[0])
-            if ctx.checkpointer is not None:
-                ctx.checkpointer.wait()
-            summary = _finish(ctx, st, cfg)
-            journal.commit_before(t.steps, writer)
-            break
+                if ctx.stamps_steps and rank == st.plan.ranks[0]:
+                    ctx.membership.stamp("step", step)  # the launcher starts the joins asked for at a step
+                if result.joining:  # admitted during this step: the job grows at its end
+                    cause = join.GROW
+                    break
+                gain = ctx.speeds.straggles(st.plan, t.num_micro_batches, cfg.elastic.straggler_gain)
+                if gain and cfg.elastic.enabled and step < t.steps:
+                    if rank == st.plan.ranks[0]:
+                        slowest = min(st.plan.ranks, key=ctx.speeds.median)
+                        print(f"elaswave: re-planning at step {step} by measured speeds (slowest: rank {slowest}); "
+                              f"predicted to save {100 * gain:.0f}% of a step", file=sys.stderr, flush=True)
+                    cause = REBALANCE
+                    break
+            if cause is None:
+                if ctx.checkpointer is not None:
+                    ctx.checkpointer.wait()
+                summary = _finish(ctx, st, cfg)
+                journal.commit_before(t.steps, writer)
+                break
         except Disruption as exc:
-            noticed = time.time()
             if not cfg.elastic.enabled:
                 raise
-            try:
-                st, pending = recovery.recover(ctx, st, exc, noticed)
-            except recovery.Excluded as out:
-                print_error(str(out))
-                writer.close()
-                return EXIT_EXCLUDED
-            ctx.plan = st.plan
-            step = pending.resume_step
-            journal.discard_from(step)
-            if rank == st.plan.ranks[0] and writer.fh is None and metrics_out:
-                writer = MetricsWriter(metrics_out, show_progress=True, total_steps=t.steps, append=True)
-            journal.commit_before(step, writer)
+            cause = exc
+        try:
+            st, pending = join.change(ctx, st, cause, time.time())
+        except recovery.Excluded as out:
+            print_error(str(out))
+            writer.close()
+            return EXIT_EXCLUDED
+        ctx.plan = st.plan
+        step = pending.resume_step
+        journal.discard_from(step)
+        if rank == st.plan.ranks[0] and writer.fh is None and metrics_out:
+            writer = MetricsWriter(metrics_out, show_progress=True, total_steps=t.steps, append=True)
+            journal.replay(writer)
+        journal.commit_before(step, writer)
     wall = time.perf_counter() - began
     if rank == st.plan.ranks[0]:
         digests = {i: h for part in summary.values() for i, h in part["digests"].items()}
@@ -209,6 +235,30 @@ def run(cfg: JobConfig, rank: int, world_size: int, metrics_out: str | None) -> 
         ctx.watcher.stop()
     ctx.actuator.close()
     return 0
+
+
+def _start(ctx: Context, world_size: int):
+    """The founding ranks' first epoch: the initial plan, from scratch or from a disk checkpoint."""
+    cfg, rank, device = ctx.cfg, ctx.rank, ctx.device
+    t, m = cfg.train, cfg.model
+    numels = layer_numels(cfg)
+    plan = initial_plan(world_size, cfg.parallel.dp, cfg.parallel.pp,
+                        [layer_flops(m, i) for i in range(m.num_layers)], t.num_micro_batches,
+                        numels, cfg.parallel.chunk_numel, [BYTES_PER_PARAM * n / 2 ** 20 for n in numels],
+                        cfg.parallel.stage_memory_mb)
+    ctx.plan = plan
+    stage = Stage(cfg, plan.layers_of(rank), device)
+    world = ctx.comm.group(plan.ranks, plan.epoch)
+    resumed = _resume_point(cfg, plan, rank)
+    gen, chunks = (resumed.manifest.step, resumed.chunks) if resumed else (0, None)
+    st = build_rank(cfg, plan, rank, stage, ctx.sampler_for(stage), world, ctx.comm, device, ctx.backend_name,
+                    gen=gen, chunks=chunks, before=ctx.before_action, actuator=ctx.actuator)
+    ctx.actuator.apply(plan.frequency(rank))
+    if resumed:
+        gather_params(st)
+    ctx.comm.prepare_standbys(plan.ranks, plan.epoch)
+    world.all_reduce(torch.zeros(1, device=device), "start-up barrier")
+    return st, resumed
 
 
 def _modelled_power(plan) -> float:
@@ -272,7 +322,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = config.load(args.config, args.overrides)
         code = run(cfg, rank, world_size, args.metrics_out)
-    except (ConfigError, disk.CheckpointError, PlanError, ActuatorError) as exc:
+    except (ConfigError, disk.CheckpointError, PlanError, ActuatorError, Refused) as exc:
         print_error(str(exc))
         code = 2
     except Exception as exc:  # one line for the user; the traceback goes with ELASWAVE_DEBUG=1

@@ -14,6 +14,7 @@ leave no generation common to all chunks.
 """
 from __future__ import annotations
 
+import sys
 import zlib
 from typing import Callable
 
@@ -24,10 +25,6 @@ from elaswave.plan.chunks import ChunkKey
 from elaswave.plan.plan import Plan
 
 TAG_SNAPSHOT = 1_000_001
-
-
-class SnapshotError(RuntimeError):
-    """A snapshot failed its checksum or arrived for the wrong step."""
 
 
 def crc32(t: torch.Tensor) -> int:
@@ -57,9 +54,10 @@ class SnapshotPool:
 
     # -- the owner's side ---------------------------------------------------------------------
     def send(self, group: Group, plan: Plan, gen: int, keys: list[ChunkKey], fill: Callable[[torch.Tensor], object],
-             device: torch.device) -> None:
+             device: torch.device, corrupt: bool = False) -> None:
         """Post this rank's snapshot of generation ``gen``; ``fill(out)`` writes the chunks' state
-        into ``out`` (``[len(keys), 3, chunk_numel]``, part of the message buffer: no extra copy)."""
+        into ``out`` (``[len(keys), 3, chunk_numel]``, part of the message buffer: no extra copy).
+        ``corrupt``: damage it after the checksum (fault injection)."""
         holder = plan.snapshot_holder(self.rank)
         if holder is None:
             return
@@ -70,6 +68,8 @@ class SnapshotPool:
         fill(payload)
         header = torch.tensor([gen, crc32(payload), len(keys)] + [x for k in keys for x in k], dtype=torch.int64)
         self._out[:hbytes].view(torch.int64).copy_(header)
+        if corrupt and pbytes:
+            self._out[hbytes] ^= 0x01
         self._send = (group.isend(self._out, holder, TAG_SNAPSHOT), holder)
 
     def wait_sends(self, group: Group) -> None:
@@ -111,6 +111,13 @@ class SnapshotPool:
         payload = buf[hbytes:].view(torch.float32).view(k, 3, self.chunk_numel)
         if h[0] != gen or h[2] != k or h[1] != crc32(payload):
             self._spare.append(buf)
+            # Not fatal: the owner is alive and holds this state itself. Until a snapshot of it
+            # verifies, its chunks are recoverable only from the generation held before.
+            older = sorted(g for (o, g) in self.held if o == self.owner)
+            print(f"elaswave: WARNING: rank {self.rank}: the snapshot of rank {self.owner} for step {gen} failed its "
+                  f"checksum (header step {h[0]}, {h[2]} chunks); it is discarded and nobody drops an older "
+                  f"generation this step (kept here: {older or 'none'}); the next step's snapshot replaces it",
+                  file=sys.stderr, flush=True)
             return False
         keys = tuple((h[3 + 2 * i], h[4 + 2 * i]) for i in range(k))
         self.held[(self.owner, gen)] = (keys, payload, buf)

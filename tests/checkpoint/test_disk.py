@@ -53,3 +53,22 @@ def test_a_checkpoint_from_another_model_is_refused_by_name(tmp_path):
 
 def test_no_checkpoint_dir_means_nothing_to_resume(tmp_path):
     assert latest(tmp_path / "missing") is None
+
+
+class _Payload:
+    """What a planted pickle would run on load; here only a marker that it did."""
+
+    def __reduce__(self):
+        return (print, ("a planted pickle ran",))
+
+
+def test_metadata_that_would_run_code_is_refused(tmp_path, capsys):
+    import pickle
+
+    _save(tmp_path, 5)
+    meta = step_dir(tmp_path, 5) / "rank_1" / ".metadata"
+    assert meta.exists()
+    meta.write_bytes(pickle.dumps(_Payload()))
+    with pytest.raises(CheckpointError, match="asks to load builtins.print"):
+        load_chunks(latest(tmp_path), [(1, 0)])
+    assert "a planted pickle ran" not in capsys.readouterr().out

@@ -25,17 +25,26 @@ def test_is_stale():
 @pytest.mark.parametrize("text,expect", [
     ("kill:rank=2,step=12", faults.Fault("kill", 2, 12, "forward")),
     ("stop:rank=0,step=3,phase=snapshot", faults.Fault("stop", 0, 3, "snapshot")),
+    ("join:step=20", faults.Fault("join", -1, 20)),
+    ("join:step=5,count=3", faults.Fault("join", -1, 5, count=3)),
+    ("slow:rank=1,step=4,factor=2.5", faults.Fault("slow", 1, 4, factor=2.5)),
+    ("slow:rank=1,step=4", faults.Fault("slow", 1, 4, factor=3.0)),
+    ("corrupt:rank=0,step=6", faults.Fault("corrupt", 0, 6)),
 ])
 def test_fault_parsing(text, expect):
     assert faults.parse(text) == expect
 
 
 @pytest.mark.parametrize("text,needle", [
-    ("kil:rank=1,step=1", "must start with one of kill, stop"),
+    ("kil:rank=1,step=1", "must start with one of kill, stop, corrupt, slow, join"),
+    ("slow:rank=1,step=2,factor=0.5", "factor >= 1"),
     ("kill:rank=1", "rank= and step= are required"),
     ("kill:rank=1,step=x", "must be integers"),
     ("kill:rank=1,step=2,phase=lunch", "phase=lunch is not one of"),
-    ("kill:rank=1,step=2,when=now", "'when=now' is not rank=, step= or phase="),
+    ("kill:rank=1,step=2,when=now", "'when=now' is not one of rank=, step=, phase="),
+    ("join:rank=1,step=2", "'rank=1' is not one of step=, count="),
+    ("join:count=2", "step= is required"),
+    ("join:step=2,count=0", "count >= 1"),
 ])
 def test_bad_faults_say_what_is_wrong(text, needle):
     with pytest.raises(ValueError, match=needle):

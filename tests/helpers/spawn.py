@@ -3,17 +3,22 @@ the whole process group killed afterwards so no worker can outlive its test."""
 from __future__ import annotations
 
 import os
+import queue
+import re
 import signal
 import subprocess
 import sys
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
 from elaswave.runtime.metrics import read_jsonl
 
-# A tiny job: quick on 2 cores, still deep enough for pp=4.
+# A tiny job: quick on 2 cores, still deep enough for pp=4. Straggler re-plans are off: ranks on
+# an oversubscribed 2-core box measure noisy speeds, and tests that count epochs must not see them
+# (tests/runtime/test_hard_cases.py turns them on for its straggler).
 TINY = ["model.d_model=32", "model.num_heads=2", "model.seq_len=32", "model.num_blocks=4",
-        "train.micro_batch_size=2", "data.max_corpus_bytes=200000"]
+        "train.micro_batch_size=2", "data.max_corpus_bytes=200000", "elastic.straggler_gain=0"]
 
 
 @dataclass
@@ -22,6 +27,8 @@ class Result:
     stdout: str
     stderr: str
     records: list[dict]
+    left_behind: int = 0
+    """Processes of the command's session still alive when it exited (the helper kills them)."""
 
     @property
     def steps(self) -> list[dict]:
@@ -36,34 +43,88 @@ class Result:
         return [r["loss"] for r in self.steps]
 
 
-def _run(cmd: list[str], timeout_s: float) -> tuple[int, str, str]:
+def _run(cmd: list[str], timeout_s: float, env: dict | None = None) -> tuple[int, str, str, int]:
     """Run ``cmd`` in its own session; on return (or timeout) kill whatever it left behind."""
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
+                            start_new_session=True, env=dict(os.environ, OMP_NUM_THREADS="1", **(env or {})))
     try:
         out, err = proc.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         out, err = proc.communicate()
         raise AssertionError(f"{' '.join(cmd)} did not finish in {timeout_s}s\n{out}\n{err}")
+    else:
+        left = len([p for p in session_members(proc.pid) if p != proc.pid])
     finally:
         try:
             os.killpg(proc.pid, signal.SIGKILL)  # any worker the launcher failed to reap
         except ProcessLookupError:
             pass
-    return proc.returncode, out, err
+    return proc.returncode, out, err, left
 
 
-def run_cli(args: list[str], tmp_path: Path, timeout_s: float = 240.0, metrics: Path | None = None) -> Result:
+def run_cli(args: list[str], tmp_path: Path, timeout_s: float = 240.0, metrics: Path | None = None,
+            env: dict | None = None) -> Result:
     """Run ``elaswave ARGS`` with ``--metrics-out`` (a new file in ``tmp_path`` unless ``metrics``
     names one); kill everything it started."""
     metrics = metrics or tmp_path / f"metrics-{len(list(tmp_path.iterdir()))}.jsonl"
     cmd = [sys.executable, "-m", "elaswave.cli", *args]
     if args and args[0] in ("run", "reference"):
         cmd += ["--metrics-out", str(metrics)]
-    code, out, err = _run(cmd, timeout_s)
+    code, out, err, left = _run(cmd, timeout_s, env)
     records = read_jsonl(str(metrics)) if metrics.exists() else []
-    return Result(code, out, err, records)
+    return Result(code, out, err, records, left)
+
+
+class Running:
+    """``elaswave ARGS`` started in the background in its own session, for tests that act on a job
+    while it trains; leaving the ``with`` block kills whatever it started."""
+
+    def __init__(self, args: list[str], metrics: Path, env: dict | None = None):
+        self.metrics = metrics
+        cmd = [sys.executable, "-m", "elaswave.cli", *args, "--metrics-out", str(metrics)]
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                     start_new_session=True,
+                                     env=dict(os.environ, OMP_NUM_THREADS="1", **(env or {})))
+        self.lines: queue.SimpleQueue = queue.SimpleQueue()
+        self.stdout: list[str] = []
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            self.lines.put(line)
+
+    def wait_for(self, pattern: str, timeout_s: float) -> re.Match:
+        """The first stdout line matching ``pattern`` (AssertionError after ``timeout_s``)."""
+        while True:
+            try:
+                line = self.lines.get(timeout=timeout_s)
+            except queue.Empty:
+                raise AssertionError(f"no line matching {pattern!r} within {timeout_s}s: {self.stdout}") from None
+            self.stdout.append(line)
+            found = re.search(pattern, line)
+            if found:
+                return found
+
+    def finish(self, timeout_s: float) -> Result:
+        try:
+            code = self.proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"the job did not finish in {timeout_s}s") from None
+        err = self.proc.stderr.read()
+        while not self.lines.empty():
+            self.stdout.append(self.lines.get())
+        return Result(code, "".join(self.stdout), err, read_jsonl(str(self.metrics)) if self.metrics.exists() else [])
+
+    def __enter__(self) -> "Running":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.proc.wait()
 
 
 def run_torchrun(torchrun_args: list[str], sets: list[str], metrics: Path, timeout_s: float = 300.0) -> Result:
@@ -71,15 +132,21 @@ def run_torchrun(torchrun_args: list[str], sets: list[str], metrics: Path, timeo
     elaswave.runtime.worker --set ...``); kill everything it started."""
     cmd = [sys.executable, "-m", "torch.distributed.run", *torchrun_args, "-m", "elaswave.runtime.worker",
            "--metrics-out", str(metrics)] + [x for s in sets for x in ("--set", s)]
-    code, out, err = _run(cmd, timeout_s)
-    return Result(code, out, err, read_jsonl(str(metrics)) if metrics.exists() else [])
+    code, out, err, left = _run(cmd, timeout_s)
+    return Result(code, out, err, read_jsonl(str(metrics)) if metrics.exists() else [], left)
 
 
-def run_job(tmp_path: Path, dp: int, pp: int, steps: int, deterministic: bool, extra: list[str] = ()) -> Result:
+def job_args(dp: int, pp: int, steps: int, deterministic: bool, extra: list[str] = ()) -> list[str]:
+    """``run`` and its options for a tiny job (``extra``: more --set items)."""
     sets = [*TINY, f"parallel.dp={dp}", f"parallel.pp={pp}", f"train.steps={steps}",
             f"train.num_micro_batches={max(4, dp)}", *extra]
-    args = ["run"] + [x for s in sets for x in ("--set", s)] + (["--deterministic"] if deterministic else [])
-    res = run_cli(args, tmp_path)
+    return ["run"] + [x for s in sets for x in ("--set", s)] + (["--deterministic"] if deterministic else [])
+
+
+def run_job(tmp_path: Path, dp: int, pp: int, steps: int, deterministic: bool, extra: list[str] = (),
+            cli: list[str] = (), env: dict | None = None) -> Result:
+    """``cli``: more command-line options (e.g. --respawn-after 1)."""
+    res = run_cli(job_args(dp, pp, steps, deterministic, extra) + list(cli), tmp_path, env=env)
     assert res.returncode == 0, f"dp={dp} pp={pp} failed:\n{res.stdout}\n{res.stderr}"
     return res
 
@@ -93,8 +160,8 @@ def run_reference(tmp_path: Path, steps: int, deterministic: bool, num_micro_bat
     return res
 
 
-def children(pid: int) -> list[int]:
-    """PIDs whose parent is ``pid`` (from /proc; Linux only)."""
+def _procs_where(field: int, value: int) -> list[int]:
+    """Live PIDs whose /proc stat field ``field`` (after the name) equals ``value`` (Linux only)."""
     out = []
     for entry in os.listdir("/proc"):
         if entry.isdigit():
@@ -103,9 +170,19 @@ def children(pid: int) -> list[int]:
                     fields = fh.read().rsplit(")", 1)[1].split()
             except OSError:
                 continue
-            if int(fields[1]) == pid:
+            if int(fields[field]) == value and fields[0] != "Z":
                 out.append(int(entry))
     return out
+
+
+def children(pid: int) -> list[int]:
+    """PIDs whose parent is ``pid``."""
+    return _procs_where(1, pid)
+
+
+def session_members(sid: int) -> list[int]:
+    """PIDs in session ``sid`` (a command started with ``start_new_session`` has sid = its pid)."""
+    return _procs_where(3, sid)
 
 
 def alive(pid: int) -> bool:

@@ -190,8 +190,11 @@ def test_partitions_keep_within_the_stage_memory_limit_or_say_why_not():
     after = replan(plan, [0, 2, 3, 4, 5], 1, 8)  # rank 1 died: pipeline 0 has two stages left
     # By cost alone it would be 3 + 3 layers, but the last three need 5 units: memory moves the cut.
     assert after.layer_ranges[0] == ((0, 4), (4, 6))
-    with pytest.raises(PlanError, match="pipeline 0 is left with ranks \\[0\\].*memory_limit=4.0"):
-        replan(after, [0, 3, 4, 5], 2, 8)  # one rank cannot hold 8 units
+    # One rank cannot hold 8 units: rank 0 stands by, the other pipeline runs the whole batch.
+    alone = replan(after, [0, 3, 4, 5], 2, 8)
+    assert alone.micro_batches[0] == () and len(alone.micro_batches[1]) == 8
+    with pytest.raises(PlanError, match="no pipeline can hold the model: pipeline 0 is left with ranks \\[0\\].*memory_limit=4.0"):
+        replan(after, [0], 2, 8)
     with pytest.raises(PlanError, match="initial layout does not fit"):
         initial_plan(2, 1, 2, costs, 2, [9] * 6, 4, memory, stage_memory_limit=2.0)
 

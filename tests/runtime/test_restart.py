@@ -38,3 +38,16 @@ def test_a_new_run_resumes_the_checkpoint_in_another_layout(tmp_path):
     assert "resuming at step 4" in second.stdout
     reference = run_reference(tmp_path, STEPS, deterministic=True, num_micro_batches=MBS)
     _assert_continues_the_same_run(second.records, reference, resumed_at=4)
+
+
+def test_a_checkpoint_of_another_model_is_refused_and_left_as_it_was(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    first = run_cli(["run"] + [x for s in _sets(tmp_path, 2, 1) for x in ("--set", s)], tmp_path)
+    assert first.returncode == 0, first.stderr
+    before = sorted(p.name for p in ckpt.iterdir())
+    wider = run_cli(["run"] + [x for s in _sets(tmp_path, 2, 1, ["model.d_model=48"]) for x in ("--set", s)], tmp_path)
+    assert wider.returncode == 2
+    errors = [line for line in wider.stderr.splitlines() if "error" in line]
+    assert errors and all("another model: model.d_model=32 there, 48 here" in e for e in errors)
+    assert "Traceback" not in wider.stderr
+    assert sorted(p.name for p in ckpt.iterdir()) == before  # nothing of the old run was touched

@@ -1,0 +1,161 @@
+"""Chaos: seeded random schedules of kills, hangs, double kills, kills during a recovery and joins.
+
+Each seed runs dp=3 x pp=2 (6 ranks), deterministic, for ``--steps`` steps under the schedule
+``elaswave.control.chaos.schedule(seed, ...)`` draws, with disk checkpoints every 10 steps (the
+fallback when a rank dies with its snapshot holder). A run *ends equal* when it exits 0, writes
+every step exactly once, and its losses and final ``params_sha256`` equal the failure-free
+reference's; the runner also counts processes of the job left alive after the launcher exits.
+
+    python bench/chaos.py --seeds 20
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from elaswave.control.chaos import schedule
+from elaswave.runtime.metrics import read_jsonl
+
+HERE = Path(__file__).resolve().parent
+DP, PP, MBS = 3, 2, 6
+JOB = ["model.d_model=32", "model.num_heads=2", "model.seq_len=32", "model.num_blocks=4", "train.micro_batch_size=2",
+       "data.max_corpus_bytes=200000", f"train.num_micro_batches={MBS}", "parallel.timeout_s=60",
+       "elastic.heartbeat_timeout_s=1.0", "elastic.heartbeat_interval_s=0.1"]
+
+
+def _session_members(sid: int) -> list[int]:
+    """Live processes in session ``sid`` (Linux /proc)."""
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as fh:
+                    fields = fh.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[3]) == sid and fields[0] != "Z":
+                out.append(int(entry))
+    return out
+
+
+def _cli(args: list[str], timeout_s: float) -> tuple[int, str, int, float]:
+    """(exit code, stderr, processes of its session left when it exited, wall seconds)."""
+    began = time.perf_counter()
+    proc = subprocess.Popen([sys.executable, "-m", "elaswave.cli", *args], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            env=dict(os.environ, OMP_NUM_THREADS="1"))
+    try:
+        _, err = proc.communicate(timeout=timeout_s)
+        code = proc.returncode
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        _, err = proc.communicate()
+        code = 124
+    wall = time.perf_counter() - began
+    left = [p for p in _session_members(proc.pid) if p != proc.pid]
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    return code, err, len(left), wall
+
+
+def sets(steps: int, faults: list[str], ckpt: str) -> list[str]:
+    return [*JOB, f"train.steps={steps}", f"parallel.dp={DP}", f"parallel.pp={PP}", f"checkpoint.dir={ckpt}",
+            "checkpoint.every_steps=10", "elastic.inject=" + ";".join(faults)]
+
+
+def run_seed(seed: int, steps: int, reference: list[dict], tmp: Path, timeout_s: float) -> dict:
+    faults = schedule(seed, DP * PP, steps)
+    metrics = tmp / f"seed{seed}.jsonl"
+    args = ["run", "--deterministic", "--metrics-out", str(metrics)]
+    args += [x for s in sets(steps, faults, str(tmp / f"ckpt{seed}")) for x in ("--set", s)]
+    code, err, left, wall = _cli(args, timeout_s)
+    records = read_jsonl(str(metrics)) if metrics.exists() else []
+    steps_seen = [r["step"] for r in records if r["event"] == "step"]
+    losses = [r["loss"] for r in records if r["event"] == "step"]
+    summary = next((r for r in records if r["event"] == "summary"), {})
+    ref_losses = [r["loss"] for r in reference if r["event"] == "step"]
+    ref_sha = next(r for r in reference if r["event"] == "summary")["params_sha256"]
+    changes = [r for r in records if r["event"] in ("recovery", "join", "rebalance")]
+    equal = (code == 0 and steps_seen == list(range(steps)) and losses == ref_losses
+             and summary.get("params_sha256") == ref_sha)
+    return {"seed": seed, "faults": faults, "equal": equal, "exit": code, "left_behind": left, "wall_s": wall,
+            "steps_ok": steps_seen == list(range(steps)),
+            "recoveries": sum(1 for r in changes if r["event"] == "recovery"),
+            "joins": sum(len(r.get("joined_ranks", [])) for r in changes),
+            "fallbacks": sum(1 for r in changes if r.get("is_fallback")),
+            "max_mttr_s": max((r["mttr_s"] for r in changes if r["event"] == "recovery"), default=None),
+            "final_ranks": summary.get("ranks"), "stderr_tail": "" if equal else err[-2000:]}
+
+
+def reference_run(steps: int, tmp: Path) -> list[dict]:
+    out = tmp / "reference.jsonl"
+    args = ["reference", "--deterministic", "--metrics-out", str(out)]
+    args += [x for s in [*JOB, f"train.steps={steps}"] for x in ("--set", s)]
+    code, err, _, _ = _cli(args, 600)
+    if code != 0:
+        raise RuntimeError(f"the reference failed:\n{err[-2000:]}")
+    return read_jsonl(str(out))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--seeds", type=int, default=20)
+    ap.add_argument("--first-seed", type=int, default=0)
+    ap.add_argument("--steps", type=int, default=120)
+    ap.add_argument("--timeout-s", type=float, default=300)
+    ap.add_argument("--out", default=str(HERE / "results" / "chaos"))
+    args = ap.parse_args()
+    with tempfile.TemporaryDirectory() as d:
+        tmp = Path(d)
+        reference = reference_run(args.steps, tmp)
+        runs = []
+        for seed in range(args.first_seed, args.first_seed + args.seeds):
+            r = run_seed(seed, args.steps, reference, tmp, args.timeout_s)
+            runs.append(r)
+            print(f"seed {seed:3d}: {'equal' if r['equal'] else 'DIFFERENT'}  exit {r['exit']}  "
+                  f"left {r['left_behind']}  wall {r['wall_s']:.1f}s  recoveries {r['recoveries']}  joins {r['joins']}  "
+                  f"fallbacks {r['fallbacks']}  max mttr {r['max_mttr_s']}  ranks {r['final_ranks']}  {r['faults']}",
+                  flush=True)
+    mttrs = [r["max_mttr_s"] for r in runs if r["max_mttr_s"] is not None]
+    walls = [r["wall_s"] for r in runs]
+    summary = {"seeds": len(runs), "equal": sum(r["equal"] for r in runs), "steps": args.steps,
+               "dp": DP, "pp": PP, "left_behind": sum(r["left_behind"] for r in runs),
+               "wall_s_median": statistics.median(walls), "wall_s_max": max(walls),
+               "max_mttr_s": max(mttrs) if mttrs else None,
+               "recoveries": sum(r["recoveries"] for r in runs), "joins": sum(r["joins"] for r in runs),
+               "fallbacks": sum(r["fallbacks"] for r in runs)}
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps({"summary": summary, "runs": runs}, indent=1))
+    lines = ["# Chaos runs", "", f"`python bench/chaos.py --seeds {args.seeds} --steps {args.steps}`: dp={DP} x pp={PP}, "
+             "deterministic, kills / hangs / double kills / kills during a recovery / joins drawn per seed.", "",
+             f"- runs that ended equal to the failure-free reference: **{summary['equal']} / {summary['seeds']}**",
+             f"- processes left behind: {summary['left_behind']}",
+             f"- wall time per run: median {summary['wall_s_median']:.1f} s, max {summary['wall_s_max']:.1f} s",
+             f"- max MTTR over all recoveries: {summary['max_mttr_s']:.3f} s" if mttrs else "- no recoveries",
+             f"- recoveries {summary['recoveries']}, ranks joined {summary['joins']}, "
+             f"disk fallbacks {summary['fallbacks']}", "",
+             "| seed | equal | wall s | recoveries | joins | max MTTR s | final ranks | schedule |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in runs:
+        lines.append(f"| {r['seed']} | {'yes' if r['equal'] else 'NO'} | {r['wall_s']:.1f} | {r['recoveries']} | "
+                     f"{r['joins']} | {r['max_mttr_s'] if r['max_mttr_s'] is None else round(r['max_mttr_s'], 3)} | "
+                     f"{r['final_ranks']} | {'; '.join(r['faults'])} |")
+    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    print(json.dumps(summary))
+    if summary["equal"] != summary["seeds"]:
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

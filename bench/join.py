@@ -1,0 +1,66 @@
+"""A join's time to its first productive step, with phases: a replacement after a SIGKILL, and an
+extra rank.
+
+dp=2 x pp=2, tiny model, gloo on this host. *replacement*: rank 3 is SIGKILLed at step 5 and the
+launcher starts a new rank at once (``elastic.respawn_after_s=0``); *extra*: one rank is started
+at step 5 with nobody lost. From the ``join`` record of each run: the time from the joiner's
+process start to the end of its first step, split into start-up (Python, torch, data: before the
+request), admission (request to the step boundary where the leader admitted it), the boundary
+(members finishing that step), agree, communicator, plan, state (chunks and layers moved) and the
+first step; and the time from the request alone. Medians over ``--runs``.
+
+    python bench/join.py --runs 5
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from pathlib import Path
+
+from jobs import run_job
+
+HERE = Path(__file__).resolve().parent
+JOB = ["parallel.dp=2", "parallel.pp=2", "model.d_model=32", "model.num_heads=2", "model.seq_len=32",
+       "model.num_blocks=4", "train.micro_batch_size=2", "train.num_micro_batches=6", "train.steps=300",
+       "data.max_corpus_bytes=200000", "parallel.timeout_s=60"]
+MODES = {"replacement": ["elastic.inject=kill:rank=3,step=5", "elastic.respawn_after_s=0"],
+         "extra": ["elastic.inject=join:step=5"]}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--runs", type=int, default=5)
+    ap.add_argument("--out", default=str(HERE / "results" / "join"))
+    args = ap.parse_args()
+    joins: dict[str, list[dict]] = {m: [] for m in MODES}
+    for i in range(args.runs):
+        for mode, sets in MODES.items():  # interleaved, so drift on the box hits both alike
+            records = run_job(JOB + sets)
+            (join,) = [r for r in records if r["event"] == "join"]
+            joins[mode].append(join)
+            print(f"run {i} {mode}: {join['time_to_first_step_s']:.2f} s from process start, "
+                  f"{join['since_request_s']:.2f} s from the request", flush=True)
+    result = {}
+    for mode, js in joins.items():
+        phases = {p: statistics.median(j["phases_s"][p] for j in js) for p in js[0]["phases_s"]}
+        result[mode] = {"runs": len(js), "time_to_first_step_s": statistics.median(j["time_to_first_step_s"] for j in js),
+                        "since_request_s": statistics.median(j["since_request_s"] for j in js),
+                        "phases_s": phases, "each_s": [j["time_to_first_step_s"] for j in js]}
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps(result, indent=1))
+    names = list(result["replacement"]["phases_s"])
+    lines = ["# Join: time to the first productive step", "",
+             f"`python bench/join.py --runs {args.runs}`; dp=2 x pp=2, tiny model, gloo, 2-core box. Medians.", "",
+             "| join | from process start | from its request | " + " | ".join(names) + " |",
+             "| --- | --- | --- | " + " | ".join("---" for _ in names) + " |"]
+    for mode, r in result.items():
+        lines.append(f"| {mode} | {r['time_to_first_step_s']:.3f} s | {r['since_request_s']:.3f} s | "
+                     + " | ".join(f"{1000 * r['phases_s'][p]:.1f} ms" for p in names) + " |")
+    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()

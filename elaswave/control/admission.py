@@ -1,0 +1,137 @@
+"""Admission of joining ranks, through the store: a request proving the job's token, and a verdict.
+
+A joining process (a replacement the launcher respawns, or extra capacity started with
+``elaswave join``) posts a *request* ``ew/join/<n>`` carrying an HMAC of its rank under the job's
+token (``ELASWAVE_TOKEN``; the token itself never enters the store). The epoch's leader (its
+lowest rank) reads new requests once per step, before the step's loss exchange, and either
+*refuses* one (wrong token, or no plan can take it: a clear verdict the joiner prints) or *admits*
+it into the next epoch: it writes the joining ranks and the plan they join, and counts them into
+the exchange, so every member learns of the join in the same step and grows at its end. A
+joiner that a failure kept out of that epoch is admitted again at a later step.
+"""
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import os
+import secrets
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch.distributed as dist
+
+from elaswave.control.membership import PREFIX
+
+TOKEN_ENV = "ELASWAVE_TOKEN"
+JOIN_ENV = "ELASWAVE_JOIN"
+"""Set (to 1) in a process that joins a running job instead of starting one."""
+STARTED_ENV = "ELASWAVE_STARTED"
+"""Wall time at which the launcher started a joining process (its start-up is part of a join's time)."""
+
+
+def job_token() -> str | None:
+    return os.environ.get(TOKEN_ENV) or None
+
+
+def new_token() -> str:
+    return secrets.token_hex(16)
+
+
+def proof(token: str, rank: int) -> str:
+    return hmac.new(token.encode(), f"elaswave-join/{rank}".encode(), hashlib.sha256).hexdigest()
+
+
+class Refused(RuntimeError):
+    """The job would not take this rank; the message says why."""
+
+
+@dataclass(frozen=True)
+class Request:
+    rank: int
+    proof: str
+    started_wall: float
+    requested_wall: float
+
+
+@dataclass(frozen=True)
+class Verdict:
+    epoch: int
+    joining: tuple[int, ...]
+    prev_plan: dict
+    admitted_wall: float
+
+
+class Admission:
+    """Both sides of the protocol for one process (the joiner's, or the leader's)."""
+
+    def __init__(self, store: dist.Store, rank: int):
+        self.store, self.rank = store, rank
+        self.seen = 0
+        self.requests: dict[int, Request] = {}
+        self.refused: set[int] = set()
+        self.admitted_at: dict[int, float] = {}
+
+    # -- the joiner's side -------------------------------------------------------------------
+    def request(self, token: str | None, started_wall: float) -> None:
+        doc = {"rank": self.rank, "proof": proof(token, self.rank) if token else "", "started_wall": started_wall,
+               "requested_wall": time.time()}
+        n = self.store.add(PREFIX + "join_seq", 1)
+        self.store.set(f"{PREFIX}join/{n}", json.dumps(doc))
+
+    def wait_verdict(self, attempt: int, timeout_s: float) -> Verdict:
+        """The leader's answer to this rank's request (``attempt`` 1, or later ones after a failure
+        kept it out); raises :class:`Refused` or TimeoutError."""
+        key = f"{PREFIX}join/{self.rank}/verdict/{attempt}"
+        try:
+            self.store.wait([key], timedelta(seconds=timeout_s))
+        except Exception:  # c10d raises its own error type on a timeout
+            raise TimeoutError(f"rank {self.rank}: no answer to the join request within {timeout_s}s "
+                               "(is the job still running?)") from None
+        doc = json.loads(self.store.get(key))
+        if not doc["admitted"]:
+            raise Refused(f"rank {self.rank} was refused by the job: {doc['why']}")
+        return Verdict(doc["epoch"], tuple(doc["joining"]), doc["prev_plan"], doc["admitted_wall"])
+
+    # -- the leader's side -------------------------------------------------------------------
+    def pending(self, members: tuple[int, ...]) -> list[Request]:
+        """Requests not yet answered for good: not refused, and not members already."""
+        count = self.store.add(PREFIX + "join_seq", 0)
+        while self.seen < count:
+            self.seen += 1
+            doc = json.loads(self.store.get(f"{PREFIX}join/{self.seen}"))
+            self.requests[doc["rank"]] = Request(doc["rank"], doc["proof"], doc["started_wall"], doc["requested_wall"])
+        return [r for k, r in sorted(self.requests.items()) if k not in members and k not in self.refused
+                and not self.store.check([f"{PREFIX}dead/{k}"])]
+
+    def is_genuine(self, req: Request, token: str | None) -> bool:
+        return bool(token) and hmac.compare_digest(req.proof, proof(token, req.rank))
+
+    def refuse(self, rank: int, why: str) -> None:
+        self.refused.add(rank)
+        self._answer(rank, {"admitted": False, "why": why})
+
+    def admit(self, ranks: list[int], epoch: int, prev_plan: dict) -> None:
+        self.store.set(f"{PREFIX}ep/{epoch}/joining", json.dumps(ranks))
+        for rank in ranks:
+            self.admitted_at[rank] = time.time()
+            self._answer(rank, {"admitted": True, "epoch": epoch, "joining": ranks, "prev_plan": prev_plan,
+                                "admitted_wall": self.admitted_at[rank]})
+
+    def walls(self, ranks) -> dict[str, float]:
+        """When the joiners started, first asked and were admitted, as this leader saw it; empty on
+        a rank that did not admit them."""
+        if not all(r in self.requests and r in self.admitted_at for r in ranks):
+            return {}
+        return {"started": min(self.requests[r].started_wall for r in ranks),
+                "requested": min(self.requests[r].requested_wall for r in ranks),
+                "admitted": max(self.admitted_at[r] for r in ranks)}
+
+    def joining(self, epoch: int) -> tuple[int, ...]:
+        key = f"{PREFIX}ep/{epoch}/joining"
+        return tuple(json.loads(self.store.get(key))) if self.store.check([key]) else ()
+
+    def _answer(self, rank: int, doc: dict) -> None:
+        attempt = self.store.add(f"{PREFIX}join/{rank}/attempts", 1)
+        self.store.set(f"{PREFIX}join/{rank}/verdict/{attempt}", json.dumps(doc))

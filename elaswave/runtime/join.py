@@ -1,0 +1,94 @@
+"""Growing the job: the leader's admission decision, a joining rank's way in, and the loop that
+carries every membership change (a loss, a join, or a failure in the middle of either) through.
+
+A join runs the same phases as a recovery (agree, communicator, plan, state), at a step
+boundary instead of mid-step: no step is redone, the survivors keep their chunks, and the
+joiners receive their layers' parameters by the holder groups' all-gather and their share of
+ZeRO chunks from the chunks' owners (one transfer per source and destination).
+"""
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+from elaswave.control.admission import STARTED_ENV
+from elaswave.interrupt import Disruption
+from elaswave.plan.plan import Plan, PlanError, replan
+from elaswave.runtime import recovery
+from elaswave.runtime.rank import RankState
+from elaswave.runtime.straggler import REBALANCE
+
+GROW = "grow"
+"""The cause of a membership change at a step boundary where the leader admitted ranks."""
+
+
+def admit(ctx, st: RankState) -> int:
+    """The leader's answer to new join requests, once per step: refuse a request without the job's
+    token, or one that no plan can take; admit the rest into the next epoch. Returns how many."""
+    epoch = st.plan.epoch + 1
+    pending = ctx.admission.pending(st.plan.ranks)
+    if not pending or ctx.admission.joining(epoch):
+        return 0
+    genuine = []
+    for req in pending:
+        if ctx.admission.is_genuine(req, ctx.token):
+            genuine.append(req.rank)
+            continue
+        why = ("its request did not prove the job's token (ELASWAVE_TOKEN)" if ctx.token else
+               "this job admits no joins: it was started without ELASWAVE_TOKEN")
+        _decide(ctx, f"refusing rank {req.rank}: {why}")
+        ctx.admission.refuse(req.rank, why)
+    if not genuine:
+        return 0
+    cfg = ctx.cfg
+    try:
+        replan(st.plan, st.plan.ranks + tuple(genuine), epoch, cfg.train.num_micro_batches, {}, cfg.elastic.policy)
+    except PlanError as exc:
+        for r in genuine:
+            _decide(ctx, f"refusing rank {r}: {exc}")
+            ctx.admission.refuse(r, str(exc))
+        return 0
+    _decide(ctx, f"admitting ranks {genuine} into epoch {epoch}; the job grows at the end of this step")
+    ctx.admission.admit(genuine, epoch, st.plan.to_doc())
+    return len(genuine)
+
+
+def join(ctx) -> tuple[RankState, recovery.Recovery]:
+    """A joining rank: request admission, wait for the verdict, then take part in the change that
+    lets it in. A failure that keeps it out of that epoch sends it back to wait for the next
+    admission; a refusal raises ``Refused`` (its message is the leader's reason)."""
+    started = float(os.environ.get(STARTED_ENV) or time.time())
+    ctx.admission.request(ctx.token, started)
+    attempt = 1
+    while True:
+        verdict = ctx.admission.wait_verdict(attempt, ctx.cfg.parallel.timeout_s)
+        prev = Plan.from_doc(verdict.prev_plan)
+        ctx.plan = prev  # the watcher beats and listens for alerts from now on
+        if ctx.watcher is not None and not ctx.watcher.is_alive():
+            ctx.watcher.start()
+        try:
+            return change(ctx, None, GROW, time.time(), prev)
+        except recovery.Excluded:
+            attempt += 1
+
+
+def change(ctx, st: RankState | None, cause, noticed_wall: float, prev: Plan | None = None):
+    """Carry one membership change through to a working epoch, whatever happens meanwhile: a
+    failure during it (a Disruption) starts the next epoch's agreement from the same state."""
+    while True:
+        try:
+            boundary = cause in (GROW, REBALANCE)
+            new, account = recovery.recover(ctx, st, None if boundary else cause, noticed_wall, prev=prev,
+                                            rebalance=cause is REBALANCE)
+            break
+        except Disruption as again:
+            cause, noticed_wall = again, time.time()
+    if account.joined_ranks and not account.lost_ranks:
+        account.join_walls = ctx.admission.walls(account.joined_ranks)
+    return new, account
+
+
+def _decide(ctx, what: str) -> None:
+    print(f"elaswave: {what}", file=sys.stderr, flush=True)
+

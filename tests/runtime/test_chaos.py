@@ -1,0 +1,31 @@
+"""Two seeds of the chaos schedule in CI (``bench/chaos.py`` runs twenty): kills, a kill during a
+recovery, a double kill, a hang and joins in one 100-step run of six ranks, which must end equal
+to the failure-free run, with every step written once and no process left behind."""
+import pytest
+
+from elaswave.control.chaos import schedule
+from tests.helpers.spawn import run_job, run_reference
+
+STEPS, DP, PP, MBS = 100, 3, 2, 6
+EXTRA = [f"train.num_micro_batches={MBS}", "parallel.timeout_s=60", "elastic.heartbeat_timeout_s=1.0",
+         "elastic.heartbeat_interval_s=0.1", "checkpoint.every_steps=10"]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    return run_reference(tmp_path_factory.mktemp("ref"), STEPS, deterministic=True, num_micro_batches=MBS)
+
+
+# Seed 0: two ranks join, a kill during a recovery, a double kill. Seed 5: a kill during a
+# recovery, a SIGSTOP hang, a join.
+@pytest.mark.parametrize("seed", [0, 5])
+def test_a_chaos_run_ends_equal_to_the_failure_free_run(tmp_path, reference, seed):
+    faults = schedule(seed, DP * PP, STEPS)
+    res = run_job(tmp_path, DP, PP, STEPS, True,
+                  extra=[*EXTRA, f"checkpoint.dir={tmp_path / 'ckpt'}", "elastic.inject=" + ";".join(faults)])
+    assert [r["step"] for r in res.steps] == list(range(STEPS)), "a step was lost or counted twice"
+    assert res.losses == reference.losses
+    assert res.summary["params_sha256"] == reference.summary["params_sha256"]
+    assert res.left_behind == 0
+    killed = {int(f.split("rank=")[1].split(",")[0]) for f in faults if not f.startswith("join")}
+    assert killed.isdisjoint(res.summary["ranks"])
