@@ -96,7 +96,7 @@ class Communicator:
         self._standby: dict[tuple[int, ...], tuple[threading.Thread, dict]] = {}
         self._standby_store: dist.Store | None = None
         self.parked: list = []
-        """Broken process groups and :class:`Group`\ s of finished epochs, kept from their destructors."""
+        """Broken process groups, and the groups of finished epochs, kept from their destructors."""
         self.groups: list[Group] = []
         """Every group this rank uses in the current epoch (its world and holder groups)."""
         self.last_source = ""

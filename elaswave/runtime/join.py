@@ -59,6 +59,9 @@ def join(ctx) -> tuple[RankState, recovery.Recovery]:
     lets it in. A failure that keeps it out of that epoch sends it back to wait for the next
     admission; a refusal raises ``Refused`` (its message is the leader's reason)."""
     started = float(os.environ.get(STARTED_ENV) or time.time())
+    # Whatever a joiner can do alone it does before it asks: once admitted, the members wait for it.
+    ctx.sampler_for(None)
+    _warm_up(ctx)
     ctx.admission.request(ctx.token, started)
     attempt = 1
     while True:
@@ -87,6 +90,19 @@ def change(ctx, st: RankState | None, cause, noticed_wall: float, prev: Plan | N
     if account.joined_ranks and not account.lost_ranks:
         account.join_walls = ctx.admission.walls(account.joined_ranks)
     return new, account
+
+
+def _warm_up(ctx) -> None:
+    """One forward and backward through a throwaway block: a fresh process pays for its first
+    autograd pass (lazy initialisation) here rather than in its first step with the others."""
+    import torch
+
+    from elaswave.model.gpt import build_layer
+
+    m = ctx.cfg.model
+    block = build_layer(m, 1, ctx.cfg.train.seed).to(ctx.device)
+    x = torch.zeros(1, m.seq_len, m.d_model, device=ctx.device, requires_grad=True)
+    block(x, None).sum().backward()
 
 
 def _decide(ctx, what: str) -> None:

@@ -84,10 +84,11 @@ class Context:
                                e.heartbeat_interval_s, e.heartbeat_timeout_s) if e.enabled else None
         self._sampler = None
 
-    def sampler_for(self, stage: Stage) -> Sampler | None:
+    def sampler_for(self, stage: Stage | None) -> Sampler | None:
         """The data, read the first time this rank runs a first or last stage (a data-parallel rank
-        always does; a middle stage may become one when its pipeline is re-partitioned)."""
-        if self._sampler is None and (stage.is_first or stage.is_last):
+        always does; a middle stage may become one when its pipeline is re-partitioned), or at once
+        with ``stage`` None (a joiner, before it asks in: off the path of the members it joins)."""
+        if self._sampler is None and (stage is None or stage.is_first or stage.is_last):
             m, t = self.cfg.model, self.cfg.train
             tokens = load_corpus(self.cfg.data, m.vocab_size, m.seq_len + 1)
             self._sampler = Sampler(tokens, t.seed, t.micro_batch_size, m.seq_len)
