@@ -12,60 +12,32 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from elaswave.control.chaos import schedule
-from elaswave.runtime.metrics import read_jsonl
-
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))  # the tests' helper that starts jobs and checks what they leave
+
+from elaswave.control.chaos import schedule  # noqa: E402
+from tests.helpers.spawn import run_cli  # noqa: E402
 DP, PP, MBS = 3, 2, 6
 JOB = ["model.d_model=32", "model.num_heads=2", "model.seq_len=32", "model.num_blocks=4", "train.micro_batch_size=2",
        "data.max_corpus_bytes=200000", f"train.num_micro_batches={MBS}", "parallel.timeout_s=60",
        "elastic.heartbeat_timeout_s=1.0", "elastic.heartbeat_interval_s=0.1"]
 
 
-def _session_members(sid: int) -> list[int]:
-    """Live processes in session ``sid`` (Linux /proc)."""
-    out = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as fh:
-                    fields = fh.read().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if int(fields[3]) == sid and fields[0] != "Z":
-                out.append(int(entry))
-    return out
-
-
-def _cli(args: list[str], timeout_s: float) -> tuple[int, str, int, float]:
-    """(exit code, stderr, processes of its session left when it exited, wall seconds)."""
+def _cli(args: list[str], tmp: Path, metrics: Path, timeout_s: float):
+    """(the run's Result, or None when it timed out; wall seconds): through the tests' one way of
+    starting ranks, which also counts the processes a run leaves behind."""
     began = time.perf_counter()
-    proc = subprocess.Popen([sys.executable, "-m", "elaswave.cli", *args], stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True,
-                            env=dict(os.environ, OMP_NUM_THREADS="1"))
     try:
-        _, err = proc.communicate(timeout=timeout_s)
-        code = proc.returncode
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        _, err = proc.communicate()
-        code = 124
-    wall = time.perf_counter() - began
-    left = [p for p in _session_members(proc.pid) if p != proc.pid]
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    return code, err, len(left), wall
+        res = run_cli(args, tmp, timeout_s=timeout_s, metrics=metrics)
+    except AssertionError:  # the helper's timeout
+        res = None
+    return res, time.perf_counter() - began
 
 
 def sets(steps: int, faults: list[str], ckpt: str) -> list[str]:
@@ -76,10 +48,10 @@ def sets(steps: int, faults: list[str], ckpt: str) -> list[str]:
 def run_seed(seed: int, steps: int, reference: list[dict], tmp: Path, timeout_s: float) -> dict:
     faults = schedule(seed, DP * PP, steps)
     metrics = tmp / f"seed{seed}.jsonl"
-    args = ["run", "--deterministic", "--metrics-out", str(metrics)]
-    args += [x for s in sets(steps, faults, str(tmp / f"ckpt{seed}")) for x in ("--set", s)]
-    code, err, left, wall = _cli(args, timeout_s)
-    records = read_jsonl(str(metrics)) if metrics.exists() else []
+    args = ["run", "--deterministic"] + [x for s in sets(steps, faults, str(tmp / f"ckpt{seed}")) for x in ("--set", s)]
+    res, wall = _cli(args, tmp, metrics, timeout_s)
+    code, err, left = (res.returncode, res.stderr, res.left_behind) if res else (124, "timed out", 0)
+    records = res.records if res else []
     steps_seen = [r["step"] for r in records if r["event"] == "step"]
     losses = [r["loss"] for r in records if r["event"] == "step"]
     summary = next((r for r in records if r["event"] == "summary"), {})
@@ -98,13 +70,11 @@ def run_seed(seed: int, steps: int, reference: list[dict], tmp: Path, timeout_s:
 
 
 def reference_run(steps: int, tmp: Path) -> list[dict]:
-    out = tmp / "reference.jsonl"
-    args = ["reference", "--deterministic", "--metrics-out", str(out)]
-    args += [x for s in [*JOB, f"train.steps={steps}"] for x in ("--set", s)]
-    code, err, _, _ = _cli(args, 600)
-    if code != 0:
-        raise RuntimeError(f"the reference failed:\n{err[-2000:]}")
-    return read_jsonl(str(out))
+    args = ["reference", "--deterministic"] + [x for s in [*JOB, f"train.steps={steps}"] for x in ("--set", s)]
+    res, _ = _cli(args, tmp, tmp / "reference.jsonl", 600)
+    if res is None or res.returncode != 0:
+        raise RuntimeError(f"the reference failed:\n{res.stderr[-2000:] if res else 'timed out'}")
+    return res.records
 
 
 def main() -> None:

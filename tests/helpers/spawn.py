@@ -175,6 +175,13 @@ def _procs_where(field: int, value: int) -> list[int]:
     return out
 
 
+def assert_same_run(res: Result, reference: Result, steps: int) -> None:
+    """Every step written once, and the losses and final parameters of the failure-free reference."""
+    assert [r["step"] for r in res.steps] == list(range(steps)), "a step was lost or counted twice"
+    assert res.losses == reference.losses
+    assert res.summary["params_sha256"] == reference.summary["params_sha256"]
+
+
 def children(pid: int) -> list[int]:
     """PIDs whose parent is ``pid``."""
     return _procs_where(1, pid)

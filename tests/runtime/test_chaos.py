@@ -4,7 +4,7 @@ to the failure-free run, with every step written once and no process left behind
 import pytest
 
 from elaswave.control.chaos import schedule
-from tests.helpers.spawn import run_job, run_reference
+from tests.helpers.spawn import assert_same_run, run_job, run_reference
 
 STEPS, DP, PP, MBS = 100, 3, 2, 6
 EXTRA = [f"train.num_micro_batches={MBS}", "parallel.timeout_s=60", "elastic.heartbeat_timeout_s=1.0",
@@ -23,9 +23,7 @@ def test_a_chaos_run_ends_equal_to_the_failure_free_run(tmp_path, reference, see
     faults = schedule(seed, DP * PP, STEPS)
     res = run_job(tmp_path, DP, PP, STEPS, True,
                   extra=[*EXTRA, f"checkpoint.dir={tmp_path / 'ckpt'}", "elastic.inject=" + ";".join(faults)])
-    assert [r["step"] for r in res.steps] == list(range(STEPS)), "a step was lost or counted twice"
-    assert res.losses == reference.losses
-    assert res.summary["params_sha256"] == reference.summary["params_sha256"]
+    assert_same_run(res, reference, STEPS)
     assert res.left_behind == 0
     killed = {int(f.split("rank=")[1].split(",")[0]) for f in faults if not f.startswith("join")}
     assert killed.isdisjoint(res.summary["ranks"])

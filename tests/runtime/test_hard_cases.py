@@ -2,7 +2,7 @@
 damaged snapshot. Each run must equal the failure-free reference bit for bit."""
 import pytest
 
-from tests.helpers.spawn import job_args, run_cli, run_job, run_reference
+from tests.helpers.spawn import assert_same_run, job_args, run_cli, run_job, run_reference
 
 STEPS = 30
 MBS = 12
@@ -19,9 +19,7 @@ def _run(tmp_path, faults, dp=4, pp=1):
 
 
 def _assert_same_run(res, reference):
-    assert [r["step"] for r in res.steps] == list(range(STEPS)), "a step was lost or counted twice"
-    assert res.losses == reference.losses
-    assert res.summary["params_sha256"] == reference.summary["params_sha256"]
+    assert_same_run(res, reference, STEPS)
 
 
 def _recoveries(res):

@@ -3,7 +3,7 @@ another shell with and without the job's token. Every run equals the failure-fre
 for bit (deterministic mode)."""
 import pytest
 
-from tests.helpers.spawn import Running, job_args, run_cli, run_job, run_reference
+from tests.helpers.spawn import Running, assert_same_run, job_args, run_cli, run_job, run_reference
 
 # Long enough for a joiner's start-up (a new Python process importing torch: seconds on 2 cores).
 STEPS = 200
@@ -17,9 +17,7 @@ def reference(tmp_path_factory):
 
 
 def _assert_same_run(res, reference):
-    assert [r["step"] for r in res.steps] == list(range(STEPS)), "a step was lost or counted twice"
-    assert res.losses == reference.losses
-    assert res.summary["params_sha256"] == reference.summary["params_sha256"]
+    assert_same_run(res, reference, STEPS)
 
 
 def _events(res, kind):
