@@ -6,8 +6,14 @@ From one run's JSONL (its ``job`` record, step records and recovery record) the 
   cost profile scaled so the predicted compute matches the measured one before the failure;
 - the fixed cost per micro-batch and stage: what the measured compute phase leaves after the
   layers' time, per 1F1B slot;
-- the fixed cost per step: step time minus the compute phase;
+- the fixed cost per step: step time minus the compute phase (and minus the holder groups'
+  collectives when the links are fitted);
 - the recovery's phases up to the first step (detect, agree, communicator, plan, state).
+
+:func:`fit_links` fits the link -- a latency per ring hop and a bandwidth -- from the collectives
+that runs of different sizes timed: each step record carries the metrics writer's gradient sum
+(``reduce``) and parameter all-gather (``gather``); the bytes each moved follow from the job's
+model and plan. The bandwidth is an effective one: it includes packing the bucket, as the step does.
 
 :func:`predict` then prices another run's plans -- the one before its failure and the one its
 recovery record describes -- and its MTTR, next to what that run measured.
@@ -21,6 +27,7 @@ from elaswave import config
 from elaswave.model.gpt import layer_flops
 from elaswave.pipeline.emulate import layer_forward_s
 from elaswave.plan.plan import Plan, initial_plan, replan
+from elaswave.runtime.rank import layer_numels
 from elaswave.sim.model import ClusterModel, step_time
 
 
@@ -49,7 +56,60 @@ def _initial(cfg) -> Plan:
                         [layer_flops(m, i) for i in range(m.num_layers)], cfg.train.num_micro_batches)
 
 
-def fit(records: list[dict]) -> ClusterModel:
+def _writers_group(cfg, plan: Plan) -> tuple[int, float]:
+    """(holders, parameter bytes) of the metrics writer's holder group (the writer is the plan's
+    first rank; its phases are the ones recorded)."""
+    numels = layer_numels(cfg)
+    for holders, layers in plan.holder_groups().items():
+        if plan.ranks[0] in holders:
+            return len(holders), 4.0 * sum(numels[i] for i in layers)
+    raise CalibrationError("the metrics writer holds no layers")
+
+
+def _link_terms(cfg, plan: Plan) -> list[tuple[str, float, float]]:
+    """Per timed phase: (phase, ring hops, bytes per hop summed over hops) -- the phase's time is
+    ``hops * latency + bytes / bandwidth``."""
+    n, param_bytes = _writers_group(cfg, plan)
+    if n < 2:
+        return []
+    grad = param_bytes * (2 if cfg.train.deterministic else 1)  # fixed point: 8 bytes a value
+    rings = 1 if cfg.parallel.backend == "nccl" else 2  # gloo sums with a whole all-reduce
+    return [("reduce", rings * (n - 1), rings * (n - 1) * grad / n), ("gather", n - 1, (n - 1) * param_bytes / n)]
+
+
+def fit_links(runs: list[list[dict]]) -> tuple[float, float]:
+    """(latency per hop in s, bytes per s) by least squares over the timed collectives of ``runs``
+    (per run, the median over the steady steps before its first change); both kept >= 0."""
+    rows = []
+    for records in runs:  # per run: gradient sum and parameter gather together (which one a wait lands in varies)
+        cfg, _, before, _ = _parts(records)
+        terms = _link_terms(cfg, _initial(cfg))
+        if terms:
+            rows.append((sum(h for _, h, _ in terms), sum(b for _, _, b in terms),
+                         statistics.median(r["phases_s"]["reduce"] + r["phases_s"]["gather"] for r in before)))
+    scale = max((b for _, b, _ in rows), default=0.0) or 1.0  # bytes in units of the largest: well conditioned
+    rows = [(h, b / scale, t) for h, b, t in rows]
+    saa = sum(h * h for h, _, _ in rows)
+    sab = sum(h * b for h, b, _ in rows)
+    sbb = sum(b * b for _, b, _ in rows)
+    sat = sum(h * t for h, _, t in rows)
+    sbt = sum(b * t for _, b, t in rows)
+    det = saa * sbb - sab * sab
+    if not rows or det <= 1e-9 * saa * sbb:
+        raise CalibrationError("fitting a link needs runs whose collectives' hops and bytes are not in "
+                               "one proportion: give runs of different model widths (dp >= 2)")
+    lat, inv_bw = (sbb * sat - sab * sbt) / det, (saa * sbt - sab * sat) / det / scale
+    if lat < 0:  # the data say "no latency": the best fit through the origin
+        lat, inv_bw = 0.0, sbt / sbb / scale
+    if inv_bw <= 0:
+        raise CalibrationError("the timed collectives do not grow with their bytes: give runs whose "
+                               "model widths differ more")
+    return lat, 1.0 / inv_bw
+
+
+def fit(records: list[dict], links: tuple[float, float] | None = None) -> ClusterModel:
+    """``links``: (latency, bandwidth) from :func:`fit_links`; then the holder groups' collectives
+    are priced from bytes, and the fixed cost per step is what they leave."""
     cfg, rec, before, _ = _parts(records)
     plan = _initial(cfg)
     beta = cfg.emulate.backward_factor
@@ -62,14 +122,26 @@ def fit(records: list[dict]) -> ClusterModel:
         costs = [layer_flops(cfg.model, i) for i in range(cfg.model.num_layers)]
         slowest = max(sum(costs[i:j]) for i, j in plan.layer_ranges[0])
         forward = [c * compute / slots / (1 + beta) / slowest for c in costs]
-    slowest_s = max(sum(forward[i:j]) for i, j in plan.layer_ranges[0]) * (1 + beta)
     phases = rec["phases_s"] if rec else {}
-    return ClusterModel(
+    wire = {}
+    if links is not None:
+        numels = layer_numels(cfg)
+        # No activation bytes: the runtime's sends overlap its compute, so they stay in the
+        # measured fixed cost per micro-batch and stage rather than priced over the link.
+        wire = dict(layer_param_bytes=tuple(4.0 * n for n in numels), devices_per_node=cfg.world_size,
+                    intra_node_latency_s=links[0], intra_node_bytes_per_s=links[1],
+                    gradient_bytes_factor=2.0 if cfg.train.deterministic else 1.0,
+                    reduce_is_all_reduce=cfg.parallel.backend != "nccl")
+    model = ClusterModel(
         layer_forward_s=tuple(forward), backward_factor=beta,
-        per_microbatch_stage_s=max(0.0, compute / slots - slowest_s),
-        step_overhead_s=max(0.0, step - compute),
         detect_s=phases.get("detect", 0.0), agree_s=phases.get("agree", 0.0),
-        communicator_s=phases.get("communicator", 0.0), plan_s=phases.get("plan", 0.0) + phases.get("state", 0.0))
+        communicator_s=phases.get("communicator", 0.0), plan_s=phases.get("plan", 0.0) + phases.get("state", 0.0),
+        **wire)
+    # What the layers leave of each 1F1B slot is a fixed cost per micro-batch and stage; what
+    # compute and collectives leave of the step, a fixed cost per step.
+    priced = step_time(plan, model)
+    return replace(model, per_microbatch_stage_s=max(0.0, (compute - priced.compute_s) / slots),
+                   step_overhead_s=max(0.0, step - compute - priced.collective_s))
 
 
 def after_plan(records: list[dict]) -> Plan:
@@ -100,6 +172,11 @@ def predict(records: list[dict], model: ClusterModel) -> dict:
     pred_before = step_time(_initial(cfg), model)
     meas_before = statistics.median(r["step_time_s"] for r in before)
     out["step_before_s"] = (pred_before.step_s, meas_before)
+    terms = _link_terms(cfg, _initial(cfg))
+    if model.layer_param_bytes and terms:  # the writer's collectives, over the fitted link, in this run's mode
+        out["collectives_s"] = (sum(h * model.intra_node_latency_s + b / model.intra_node_bytes_per_s
+                                    for _, h, b in terms),
+                                statistics.median(r["phases_s"]["reduce"] + r["phases_s"]["gather"] for r in before))
     if rec is not None and after:
         pred_after = step_time(after_plan(records), model)
         meas_after = statistics.median(r["step_time_s"] for r in after)

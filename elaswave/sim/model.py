@@ -7,9 +7,10 @@ The same :class:`~elaswave.plan.plan.Plan` the runtime trains with is priced her
   gradient's send back over the link to the neighbour: intra- or inter-node by placement);
 - a pipeline's compute under 1F1B is ``(m + S - 1)`` times its slowest stage's time; a rank that
   hosts detoured micro-batches (the reroute baseline) runs its own and its guests';
-- the step ends when the slowest pipeline has finished and the slowest holder group has reduced
-  its gradients (ring all-reduce: ``2 (n-1)/n`` of the bytes over the group's slowest link), plus
-  a fixed per-step cost (norm, optimizer, all-gather).
+- the step ends when the slowest pipeline has finished and the slowest holder group has summed
+  its gradients and re-gathered its parameters (ring algorithms over the group's slowest link: a
+  reduce-scatter and an all-gather each move ``(n-1)/n`` of the bytes in ``n-1`` hops; gloo sums
+  with a whole all-reduce, twice that), plus a fixed per-step cost (norm, optimizer, launch).
 
 Devices are numbered node-major (``devices_per_node`` per node) as the launchers number ranks.
 """
@@ -31,11 +32,16 @@ class ClusterModel:
     per_microbatch_stage_s: float = 0.0
     """Fixed cost per micro-batch and stage beyond the layers (dispatch, p2p latency)."""
     step_overhead_s: float = 0.0
-    """Fixed cost per step beyond compute and gradient reduction (norm, optimizer, all-gather)."""
+    """Fixed cost per step beyond compute and the holder groups' collectives (norm, optimizer)."""
     activation_bytes: float = 0.0
-    """Bytes of one micro-batch's activation between stages (the gradient back is the same size)."""
+    """Bytes of one micro-batch's activation between stages (the gradient back is the same size);
+    0: the sends are not priced (a calibrated model keeps them in ``per_microbatch_stage_s``)."""
     layer_param_bytes: tuple[float, ...] = ()
-    """Bytes of each layer's gradient (reduced per step) and, times 3, of its ZeRO state."""
+    """Bytes of each layer's parameters (re-gathered per step) and, times 3, of its ZeRO state."""
+    gradient_bytes_factor: float = 1.0
+    """Bytes summed per parameter byte: 2 when deterministic mode sums 8-byte fixed point."""
+    reduce_is_all_reduce: bool = False
+    """gloo: every holder gets the whole summed bucket (an all-reduce) instead of its slot."""
     devices_per_node: int = 8
     intra_node_bytes_per_s: float = 200e9
     inter_node_bytes_per_s: float = 25e9
@@ -64,7 +70,8 @@ class ClusterModel:
         """One micro-batch's forward + backward on ``rank``'s stage, with its sends."""
         i, j = plan.layers_of(rank)
         compute = sum(self.layer_forward_s[i:j]) * (1 + self.backward_factor) / plan.frequency(rank)
-        comm = sum(self.transfer_s(self.activation_bytes, rank, peer) for peer in (nxt, prev) if peer is not None)
+        comm = sum(self.transfer_s(self.activation_bytes, rank, peer) for peer in (nxt, prev)
+                   if peer is not None and self.activation_bytes)
         return compute + self.per_microbatch_stage_s + comm
 
 
@@ -72,7 +79,7 @@ class ClusterModel:
 class StepEstimate:
     step_s: float
     compute_s: float
-    reduce_s: float
+    collective_s: float
     samples: int
     """Micro-batches in the step (the global batch, unless a baseline dropped some)."""
     power_w: float
@@ -93,10 +100,11 @@ def step_time(plan: Plan, model: ClusterModel) -> StepEstimate:
         compute = _routed_compute(plan, stage, model.backward_factor)
     else:
         compute = _analytic_compute(plan, stage)
-    reduce = max((_all_reduce_s(model, holders, sum(model.layer_param_bytes[i] for i in layers))
-                  for holders, layers in plan.holder_groups().items()), default=0.0) if model.layer_param_bytes else 0.0
+    collective = max((holder_collectives_s(model, holders, sum(model.layer_param_bytes[i] for i in layers))
+                      for holders, layers in plan.holder_groups().items()), default=0.0) if model.layer_param_bytes else 0.0
     power = sum(model.power.power(plan.frequency(r)) for r in plan.ranks)
-    return StepEstimate(compute + reduce + model.step_overhead_s, compute, reduce, plan.num_micro_batches, power)
+    return StepEstimate(compute + collective + model.step_overhead_s, compute, collective, plan.num_micro_batches,
+                        power)
 
 
 def _analytic_compute(plan: Plan, stage: dict[int, float]) -> float:
@@ -124,14 +132,20 @@ def _routed_compute(plan: Plan, stage: dict[int, float], backward_factor: float)
     return makespan
 
 
-def _all_reduce_s(model: ClusterModel, holders: Sequence[int], nbytes: float) -> float:
+def ring_s(n: int, nbytes: float, latency_s: float, bytes_per_s: float) -> float:
+    """One ring reduce-scatter or all-gather of ``nbytes`` over ``n`` ranks: ``n-1`` hops, each a
+    latency and an ``n``-th of the bytes."""
+    return (n - 1) * (latency_s + nbytes / n / bytes_per_s) if n > 1 else 0.0
+
+
+def holder_collectives_s(model: ClusterModel, holders: Sequence[int], param_bytes: float) -> float:
+    """A holder group's gradient sum and parameter all-gather in one step, over its slowest link."""
     n = len(holders)
-    if n < 2:
-        return 0.0
     nodes = {h // model.devices_per_node for h in holders}
     bw, lat = ((model.intra_node_bytes_per_s, model.intra_node_latency_s) if len(nodes) == 1
                else (model.inter_node_bytes_per_s, model.inter_node_latency_s))
-    return 2 * (n - 1) / n * nbytes / bw + 2 * (n - 1) * lat
+    reduce = ring_s(n, param_bytes * model.gradient_bytes_factor, lat, bw) * (2 if model.reduce_is_all_reduce else 1)
+    return reduce + ring_s(n, param_bytes, lat, bw)
 
 
 def migration_s(before: Plan, after: Plan, model: ClusterModel) -> float:

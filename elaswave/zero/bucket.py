@@ -55,14 +55,15 @@ class Bucket:
                 group_chunk += 1
         self.slot_chunks = max(len(items) for items in per_owner)
         self.slot_numel = self.slot_chunks * chunk_numel
-        position = {item: k * self.slot_numel + i * chunk_numel
-                    for k, items in enumerate(per_owner) for i, item in enumerate(items)}
-        index = []
-        for layer, numel in zip(self.layers, self.layer_numels):
-            for c in range(num_chunks(numel, chunk_numel)):
-                start, end = chunk_range(numel, chunk_numel, c)
-                index.append(torch.arange(end - start) + position[(layer, c)])
-        self.pack_index = torch.cat(index).to(device)
+        # Moves are whole chunk rows: row ``self._rows[k]`` of the packed [slots x chunk_numel] view
+        # takes the group's chunk k; a layer is rows [start, start + count) of the staged view.
+        row_of = {item: k * self.slot_chunks + i for k, items in enumerate(per_owner) for i, item in enumerate(items)}
+        self._rows = torch.tensor([row_of[(layer, c)] for layer, numel in zip(self.layers, self.layer_numels)
+                                   for c in range(num_chunks(numel, chunk_numel))], dtype=torch.long, device=device)
+        self._layer_rows, start = [], 0
+        for numel in self.layer_numels:
+            self._layer_rows.append((start, numel))
+            start += num_chunks(numel, chunk_numel)
         numel_of = dict(zip(self.layers, self.layer_numels))
         self._owned_by = tuple(
             tuple(OwnedChunk(layer, c, i * chunk_numel, _valid(numel_of[layer], chunk_numel, c))
@@ -82,13 +83,20 @@ class Bucket:
     def pack(self, flats: Sequence[torch.Tensor], fill=0) -> torch.Tensor:
         """Per-layer flat vectors -> the whole bucket (all slots), owner-major and padded."""
         flats = list(flats)
-        out = torch.full((self.num_holders * self.slot_numel,), fill, dtype=flats[0].dtype, device=self.device)
-        out[self.pack_index] = torch.cat(flats)
-        return out
+        c = self.chunk_numel
+        # Filled, not empty: the fill touches fresh pages in order, which is cheaper than the
+        # row-scattered first touch of the copy (measured: 19 vs 40 ms for 29 MB).
+        staged = torch.full((len(self._rows), c), fill, dtype=flats[0].dtype, device=self.device)
+        for (start, numel), flat in zip(self._layer_rows, flats):
+            staged[start:].view(-1)[:numel].copy_(flat.reshape(-1))
+        out = torch.full((self.num_holders * self.slot_chunks, c), fill, dtype=flats[0].dtype, device=self.device)
+        out.index_copy_(0, self._rows, staged)
+        return out.view(-1)
 
     def unpack(self, packed: torch.Tensor) -> list[torch.Tensor]:
-        """The whole bucket -> per-layer flat vectors (inverse of :meth:`pack`)."""
-        return list(packed[self.pack_index].split(list(self.layer_numels)))
+        """The whole bucket -> per-layer flat vectors (inverse of :meth:`pack`; views of one new tensor)."""
+        staged = packed.view(-1, self.chunk_numel).index_select(0, self._rows).view(-1)
+        return [staged[start * self.chunk_numel:start * self.chunk_numel + numel] for start, numel in self._layer_rows]
 
     def my_part(self, packed: torch.Tensor) -> torch.Tensor:
         return packed[self.my_slot * self.slot_numel:(self.my_slot + 1) * self.slot_numel]
