@@ -51,7 +51,10 @@ def cmd_run(args: argparse.Namespace) -> int:
                           f"parallel.pp={cfg.parallel.pp} needs {cfg.world_size} ranks")
     _check_data(cfg)
     from elaswave.launch import launch
+    from elaswave.runtime.metrics import TENSORBOARD_ENV
 
+    if args.tensorboard:  # the workers' writer reads it (under torchrun, set it yourself)
+        os.environ[TENSORBOARD_ENV] = args.tensorboard
     print(f"elaswave: dp={cfg.parallel.dp} pp={cfg.parallel.pp} ({cfg.world_size} ranks), "
           f"{cfg.model.num_layers} layers, global batch {cfg.train.num_micro_batches} x "
           f"{cfg.train.micro_batch_size} sequences, {'deterministic' if cfg.train.deterministic else 'fast'} mode",
@@ -118,13 +121,38 @@ def _write_reference(cfg: config.JobConfig, path: str, show_progress: bool = Tru
     return result
 
 
+def _demo_kills(args: argparse.Namespace, base: config.JobConfig) -> list[tuple[int, int]]:
+    """(rank, step) of every kill: as asked, else the last rank a fifth of the way in and rank 1
+    three quarters of the way in (another stage, after the first replacement had time to join)."""
+    if args.kill:
+        kills = []
+        for text in args.kill:
+            rank, sep, step = text.partition("@")
+            if not sep or not rank.isdigit() or not step.isdigit():
+                raise ConfigError(f"--kill {text!r}: expected RANK@STEP, e.g. 3@8")
+            kills.append((int(rank), int(step)))
+        return kills
+    steps, last = base.train.steps, base.world_size - 1
+    kills = [(last, max(1, steps // 5))]
+    if base.world_size > 2:
+        kills.append((1, max(kills[0][1] + 1, 3 * steps // 4)))
+    return kills
+
+
+def _demo_story(kills: list[tuple[int, int]], joins: list[dict]) -> str:
+    lost = " and ".join(f"rank {r} (step {s})" for r, s in kills)
+    took = ", ".join(f"rank {j['joined_ranks'][0]} (step {j['resume_step']})" if len(j["joined_ranks"]) == 1
+                     else f"ranks {j['joined_ranks']} (step {j['resume_step']})" for j in joins)
+    return f"lost {lost}, and took in {took or 'no rank before the end'}"
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
-    """Train with a rank SIGKILLed partway, train the failure-free reference, compare, draw."""
+    """Train with ranks SIGKILLed partway and replaced, train the failure-free reference, compare, draw."""
     base = config.load(args.config, list(args.overrides))
-    rank = base.world_size - 1 if args.kill_rank is None else args.kill_rank
-    step = max(1, base.train.steps // 3) if args.kill_step is None else args.kill_step
+    kills = _demo_kills(args, base)
     cfg = config.load(args.config, list(args.overrides) + [
-        "train.deterministic=true", f"elastic.inject=kill:rank={rank},step={step},phase=backward"])
+        "train.deterministic=true", f"elastic.respawn_after_s={args.respawn_after}",
+        "elastic.inject=" + ";".join(f"kill:rank={r},step={s},phase=backward" for r, s in kills)])
     _check_data(cfg)
     out = args.out
     os.makedirs(out, exist_ok=True)
@@ -133,8 +161,11 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from elaswave.report import compare, render
     from elaswave.runtime.metrics import read_jsonl
 
+    replaced = (f"each replaced by a new process {args.respawn_after:g} s after it dies" if args.respawn_after >= 0
+                else "not replaced")
     print(f"elaswave demo 1/3: training dp={cfg.parallel.dp} x pp={cfg.parallel.pp} ({cfg.world_size} ranks, "
-          f"deterministic); rank {rank} is SIGKILLed at step {step}", flush=True)
+          f"deterministic); " + ", ".join(f"rank {r} is SIGKILLed at step {s}" for r, s in kills) + f", {replaced}",
+          flush=True)
     code = launch(cfg, run_path)
     if code != 0:
         return code
@@ -142,12 +173,14 @@ def cmd_demo(args: argparse.Namespace) -> int:
     _write_reference(cfg, ref_path, show_progress=False)
     print("elaswave demo 3/3: comparing and drawing", flush=True)
     render(run_path, ref_path, os.path.join(out, "report"))
-    c = compare(read_jsonl(run_path), read_jsonl(ref_path))
+    run = read_jsonl(run_path)
+    c = compare(run, read_jsonl(ref_path))
+    story = _demo_story(kills, [r for r in run if r.get("event") == "join"])
     if c["bit_identical"]:
-        print(f"\nThe run that lost rank {rank} at step {step} is bit-identical to the failure-free run: all "
+        print(f"\nThe run that {story} is bit-identical to the failure-free run: all "
               f"{c['steps_compared']} losses and the final parameters are equal.")
     else:
-        print(f"\nThe run that lost rank {rank} is NOT bit-identical to the failure-free run "
+        print(f"\nThe run that {story} is NOT bit-identical to the failure-free run "
               f"(max |loss difference| {c['max_abs_dloss']:.3g}, final parameters "
               f"{'equal' if c['same_params'] else 'differ'}).")
     print(f"Plots and a page: {os.path.join(out, 'report', 'report.md')}", flush=True)
@@ -170,6 +203,7 @@ def main(argv: list[str] | None = None) -> int:
     _job_args(run)
     run.add_argument("--nproc", type=int, help="number of ranks (must equal dp x pp)")
     run.add_argument("--timeout-s", type=float, default=None, help="stop the job after this many seconds")
+    run.add_argument("--tensorboard", metavar="DIR", help="also log TensorBoard scalars in DIR (needs tensorboard)")
     run.add_argument("--respawn-after", type=float, default=None, metavar="S",
                      help="start a replacement rank (it joins the job) S seconds after a rank dies")
     run.set_defaults(func=cmd_run)
@@ -181,11 +215,15 @@ def main(argv: list[str] | None = None) -> int:
     ref = sub.add_parser("reference", help="train with the single-process reference oracle")
     _job_args(ref)
     ref.set_defaults(func=cmd_reference)
-    demo = sub.add_parser("demo", help="the first run: train with a rank killed, train the reference, compare, draw")
+    demo = sub.add_parser("demo", help="the first run: train with ranks killed and replaced, train the reference, "
+                                       "compare, draw")
     demo.add_argument("--config", help="TOML file (default: the embedded job)")
     demo.add_argument("--set", action="append", default=[], dest="overrides", metavar="KEY=VALUE")
-    demo.add_argument("--kill-rank", type=int, help="the rank to SIGKILL (default: the last)")
-    demo.add_argument("--kill-step", type=int, help="the step to kill it at (default: a third of the way)")
+    demo.add_argument("--kill", action="append", default=[], metavar="RANK@STEP",
+                      help="SIGKILL RANK at STEP (repeatable; default: the last rank a fifth of the way in, "
+                           "rank 1 three quarters of the way in)")
+    demo.add_argument("--respawn-after", type=float, default=0.0, metavar="S",
+                      help="start a replacement S seconds after each death (default 0; negative: never)")
     demo.add_argument("--out", default="elaswave-demo", help="folder for the metrics and the report")
     demo.set_defaults(func=cmd_demo)
     rep = sub.add_parser("report", help="plots and a page for a run's metrics (RUN.jsonl), against a reference")

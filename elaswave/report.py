@@ -117,7 +117,7 @@ def render(run_path: str, ref_path: str | None, out_dir: str) -> list[Path]:
 
     fig, ax = plt.subplots(figsize=(8, 3))
     ax.step([r["step"] for r in steps], [r["world_size"] for r in steps], where="post", label="live ranks")
-    ax.step([r["step"] for r in steps], [r["epoch"] for r in steps], where="post", label="epoch")
+    ax.step([r["step"] for r in steps], [r["epoch"] for r in steps], where="post", label="epoch", linestyle="--")
     ax.set(xlabel="step", title="Membership")
     ax.set_ylim(bottom=0)
     ax.legend(fontsize=8)

@@ -1,4 +1,5 @@
 """``elaswave report``: a real run with a failure, against the reference, as pictures and a page."""
+import re
 import subprocess
 import sys
 
@@ -32,12 +33,15 @@ def test_report_of_a_missing_or_empty_file_is_one_line(tmp_path):
         assert proc.returncode == 2 and needle in proc.stderr and "Traceback" not in proc.stderr
 
 
-def test_demo_says_plainly_that_the_run_with_a_kill_equals_the_reference(tmp_path):
+def test_demo_says_plainly_that_the_run_with_kills_and_replacements_equals_the_reference(tmp_path):
     from tests.helpers.spawn import TINY
 
     sets = [x for s in [*TINY, "train.steps=9"] for x in ("--set", s)]
     proc = subprocess.run([sys.executable, "-m", "elaswave.cli", "demo", "--out", str(tmp_path / "demo"), *sets],
                           capture_output=True, text=True, timeout=240, start_new_session=True)
     assert proc.returncode == 0, proc.stderr
-    assert "The run that lost rank 3 at step 3 is bit-identical to the failure-free run: all 9 losses" in proc.stdout
+    # Whether a replacement makes it in before the ninth step depends on this box's start-up time.
+    assert re.search(r"The run that lost rank 3 \(step 1\) and rank 1 \(step 6\), and took in (rank \d+ \(step \d+\)"
+                     r"(, )?)*(no rank before the end)? is bit-identical to the failure-free run: all 9 losses",
+                     proc.stdout), proc.stdout
     assert (tmp_path / "demo" / "report" / "loss.png").read_bytes()[:8] == PNG

@@ -46,6 +46,10 @@ class Plan:
     depth: int = 0
     """Stages of a whole pipeline (the configured ``pp``): joining ranks fill broken pipelines up
     to it, then form new pipelines of it (0: the deepest pipeline's)."""
+    ranks_per_node: int = 0
+    """Ranks per host, numbered host-major as torchrun and the launcher number them (0: one host).
+    Snapshots then go to a rank on another host wherever there is one, so that losing a whole
+    host leaves every lost rank's snapshot alive."""
 
     def to_doc(self) -> dict:
         """JSON-ready: a joining rank reads the plan it joins from the store."""
@@ -68,8 +72,12 @@ class Plan:
         return {r: (d, s) for d, pipe in enumerate(self.pipelines) for s, r in enumerate(pipe)}
 
     @cached_property
-    def _order(self) -> dict[int, int]:
-        return {r: i for i, r in enumerate(self.ranks)}
+    def _ring(self) -> tuple[tuple[int, ...], dict[int, int]]:
+        """The snapshot ring and each rank's place on it: by local index, then host, so that
+        neighbours on the ring are on different hosts while any two hosts have ranks left."""
+        per = self.ranks_per_node
+        ring = tuple(sorted(self.ranks, key=lambda r: (r % per, r // per))) if per > 0 else self.ranks
+        return ring, {r: i for i, r in enumerate(ring)}
 
     @cached_property
     def _holders(self) -> tuple[tuple[int, ...], ...]:
@@ -125,18 +133,14 @@ class Plan:
         return chunks_of(self.chunk_owners, rank)
 
     def snapshot_holder(self, rank: int) -> int | None:
-        """Who keeps ``rank``'s snapshot: the next rank in order (a ring), None when alone."""
-        ranks = self.ranks
-        if len(ranks) < 2:
-            return None
-        return ranks[(self._order[rank] + 1) % len(ranks)]
+        """Who keeps ``rank``'s snapshot: the next rank on the ring, None when alone."""
+        ring, place = self._ring
+        return ring[(place[rank] + 1) % len(ring)] if len(ring) > 1 else None
 
     def snapshot_owner(self, rank: int) -> int | None:
-        """Whose snapshot ``rank`` keeps: the previous rank in order."""
-        ranks = self.ranks
-        if len(ranks) < 2:
-            return None
-        return ranks[(self._order[rank] - 1) % len(ranks)]
+        """Whose snapshot ``rank`` keeps: the previous rank on the ring."""
+        ring, place = self._ring
+        return ring[(place[rank] - 1) % len(ring)] if len(ring) > 1 else None
 
 
 def initial_plan(world_size: int, dp: int, pp: int, layer_costs: Sequence[float], num_micro_batches: int,

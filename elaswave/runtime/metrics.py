@@ -1,4 +1,4 @@
-"""Structured metrics (JSON lines), the live progress line, and the step journal.
+"""Structured metrics (JSON lines), the live progress line, TensorBoard scalars, and the step journal.
 
 A step's record is written only once the step is *committed* -- when the next step's exchange
 proved every snapshot of its result verified -- so a step redone after a failure is written once.
@@ -12,6 +12,47 @@ import os
 import sys
 from typing import IO
 
+TENSORBOARD_ENV = "ELASWAVE_TENSORBOARD"
+"""A folder: the writer also logs TensorBoard scalars there (``elaswave run --tensorboard DIR``)."""
+
+
+class _Scalars:
+    """The step and change records as TensorBoard scalars (needs the ``tensorboard`` package)."""
+
+    STEP_KEYS = ("loss", "tokens_per_s", "step_time_s", "world_size", "epoch", "grad_norm", "lr")
+
+    def __init__(self, logdir: str):
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.tb = SummaryWriter(logdir)
+
+    def add(self, record: dict) -> None:
+        event = record.get("event")
+        if event == "step":
+            for key in self.STEP_KEYS:
+                if key in record:
+                    self.tb.add_scalar(f"train/{key}", record[key], record["step"])
+        elif event in ("recovery", "join", "rebalance"):
+            took = record.get("mttr_s", record.get("time_to_first_step_s"))
+            if took is not None:
+                self.tb.add_scalar(f"elastic/{event}_s", took, record["resume_step"])
+        self.tb.flush()
+
+    def close(self) -> None:
+        self.tb.close()
+
+
+def _scalars(path: str | None) -> _Scalars | None:
+    logdir = os.environ.get(TENSORBOARD_ENV)
+    if not (path and logdir):
+        return None
+    try:
+        return _Scalars(logdir)
+    except ImportError:
+        print(f"elaswave: no TensorBoard scalars in {logdir}: the tensorboard package is not installed "
+              "(pip install tensorboard); the JSONL metrics are written as always", file=sys.stderr, flush=True)
+        return None
+
 
 class MetricsWriter:
     def __init__(self, path: str | None, show_progress: bool = True, total_steps: int = 0, append: bool = False):
@@ -23,6 +64,7 @@ class MetricsWriter:
         self.last_event = ""
         """The latest recovery or resume, shown on every progress line after it."""
         self.total_steps = total_steps
+        self.scalars = _scalars(path)
 
     def write(self, record: dict) -> None:
         if record.get("event") == "step":
@@ -32,6 +74,8 @@ class MetricsWriter:
         if self.fh is not None:
             self.fh.write(json.dumps(record) + "\n")
             self.fh.flush()
+        if self.scalars is not None:
+            self.scalars.add(record)
         if record.get("event") == "recovery":
             self.last_event = f"recovered from losing {record['lost_ranks']} at step {record['resume_step']}"
         elif record.get("event") == "resume":
@@ -58,6 +102,9 @@ class MetricsWriter:
         if self.fh is not None:
             self.fh.close()
             self.fh = None
+        if self.scalars is not None:
+            self.scalars.close()
+            self.scalars = None
 
 
 class StepJournal:

@@ -13,6 +13,7 @@ import signal
 import resource
 import sys
 import time
+from dataclasses import replace
 from typing import NamedTuple
 
 import torch
@@ -247,6 +248,10 @@ def _start(ctx: Context, world_size: int):
                         [layer_flops(m, i) for i in range(m.num_layers)], t.num_micro_batches,
                         numels, cfg.parallel.chunk_numel, [BYTES_PER_PARAM * n / 2 ** 20 for n in numels],
                         cfg.parallel.stage_memory_mb)
+    # Under torchrun, ranks are numbered host-major, LOCAL_WORLD_SIZE to a host; the launcher's
+    # job is one host (its joiners' numbers say nothing about hosts).
+    if not os.environ.get("ELASWAVE_STORE"):
+        plan = replace(plan, ranks_per_node=int(os.environ.get("LOCAL_WORLD_SIZE", "0")))
     ctx.plan = plan
     stage = Stage(cfg, plan.layers_of(rank), device)
     world = ctx.comm.group(plan.ranks, plan.epoch)

@@ -136,6 +136,40 @@ def run_torchrun(torchrun_args: list[str], sets: list[str], metrics: Path, timeo
     return Result(code, out, err, read_jsonl(str(metrics)) if metrics.exists() else [], left)
 
 
+class TorchrunNode:
+    """One host of a multi-host job: a real torchrun agent (c10d rendezvous on loopback) with its
+    workers. :meth:`kill` is the host's loss: the agent and its workers -- torchrun starts each in
+    a session of its own -- SIGKILLed together. Leaving the ``with`` block kills what is left."""
+
+    def __init__(self, nnodes: int, nproc: int, endpoint: str, is_host: bool, sets: list[str], metrics: Path,
+                 log: Path):
+        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nnodes}", f"--nproc-per-node={nproc}",
+               "--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}", "--rdzv-id=elaswave-test",
+               f"--rdzv-conf=is_host={str(is_host).lower()}", "--max-restarts=0",
+               "-m", "elaswave.runtime.worker", "--metrics-out", str(metrics)] + [x for s in sets for x in ("--set", s)]
+        self.log = log
+        with open(log, "w") as fh:
+            self.proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True,
+                                         env=dict(os.environ, OMP_NUM_THREADS="1", TORCH_CPP_LOG_LEVEL="ERROR"))
+
+    def workers(self) -> list[int]:
+        return children(self.proc.pid)
+
+    def kill(self) -> None:
+        for pid in [self.proc.pid, *self.workers()]:
+            try:
+                os.killpg(pid, signal.SIGKILL)  # each is its session's leader
+            except ProcessLookupError:
+                pass
+        self.proc.wait()
+
+    def __enter__(self) -> "TorchrunNode":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.kill()
+
+
 def job_args(dp: int, pp: int, steps: int, deterministic: bool, extra: list[str] = ()) -> list[str]:
     """``run`` and its options for a tiny job (``extra``: more --set items)."""
     sets = [*TINY, f"parallel.dp={dp}", f"parallel.pp={pp}", f"train.steps={steps}",

@@ -1,4 +1,6 @@
 """Pure planner pieces of a recovery: chunk re-ownership, re-plan, and where to resume."""
+from dataclasses import replace
+
 import pytest
 
 from elaswave.plan.chunks import chunks_of, reassign_owners, round_robin_owners
@@ -103,6 +105,19 @@ def test_snapshot_ring():
     plan = _plan()
     assert [plan.snapshot_holder(r) for r in range(4)] == [1, 2, 3, 0]
     assert [plan.snapshot_owner(r) for r in range(4)] == [3, 0, 1, 2]
+
+
+def test_snapshots_leave_their_host_so_a_lost_host_is_a_recovery_from_memory():
+    plan = replace(initial_plan(6, 3, 2, [1.0] * 4, 12, NUMELS, chunk_numel=4), ranks_per_node=2)  # 3 hosts
+    for r in plan.ranks:
+        assert plan.snapshot_holder(r) // 2 != r // 2 and plan.snapshot_owner(plan.snapshot_holder(r)) == r
+    lost = {2, 3}  # the second host, a whole pipeline
+    gens = {r: (5,) for r in plan.ranks}
+    new = replan(plan, [0, 1, 4, 5], 1, 12)
+    restore = plan_restore(plan.chunk_owners, new.chunk_owners, _holdings(plan, gens, gens, lost))
+    assert restore.resume_step == 5 and not restore.is_fallback
+    one_host = replace(plan, ranks_per_node=0)  # the ring in rank order: rank 2's holder is 3, lost with it
+    assert plan_restore(plan.chunk_owners, new.chunk_owners, _holdings(one_host, gens, gens, lost)).is_fallback
 
 
 def _holdings(plan, gens_own, gens_held, lost):
