@@ -60,13 +60,14 @@ def mttr(kills: int) -> dict:
             "median_phases_s": {n: statistics.median(r["phases_s"][n] for r in recs) for n in names}}
 
 
-def restart_run(phase: str, every: int) -> dict:
-    """One torchrun restart-from-checkpoint recovery; times from the fault's wall-clock stamp."""
+def restart_run(phase: str, every: int, job: list[str] = JOB, nproc: int = 4) -> dict:
+    """One torchrun restart-from-checkpoint recovery of ``job`` (``nproc`` ranks) after rank 2 dies
+    in step 12; times from the fault's wall-clock stamp."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "m.jsonl"
-        sets = JOB + ["elastic.enabled=false", f"checkpoint.dir={tmp}/ckpt", f"checkpoint.every_steps={every}",
+        sets = job + ["elastic.enabled=false", f"checkpoint.dir={tmp}/ckpt", f"checkpoint.every_steps={every}",
                       f"elastic.inject=kill:rank=2,step=12,phase={phase}"]
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4",
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
                "--max-restarts=1", "-m", "elaswave.runtime.worker", "--metrics-out", str(out)]
         cmd += [x for s in sets for x in ("--set", s)]
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, start_new_session=True,

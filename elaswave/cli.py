@@ -187,6 +187,22 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return 0 if c["bit_identical"] else 1
 
 
+BENCH_CLAIMS = ("mttr", "deviation", "overhead", "all")
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    """``bench/peers.py CLAIM`` of a source checkout: elaswave and its real peers side by side."""
+    script = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench", "peers.py")
+    if not os.path.exists(script):
+        raise ConfigError(f"elaswave bench runs bench/peers.py from a source checkout, and there is none at "
+                          f"{script}: clone the repository and `pip install -e '.[bench]'` there")
+    if args.runs < 1:
+        raise ConfigError(f"--runs {args.runs} is invalid: at least 1 (medians want 5)")
+    import subprocess
+
+    return subprocess.call([sys.executable, script, args.claim, "--runs", str(args.runs)])
+
+
 def cmd_report(args: argparse.Namespace) -> int:
     from elaswave.report import render
 
@@ -207,6 +223,11 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--respawn-after", type=float, default=None, metavar="S",
                      help="start a replacement rank (it joins the job) S seconds after a rank dies")
     run.set_defaults(func=cmd_run)
+    bench = sub.add_parser("bench", help="elaswave against torchrun restarts and TorchFT, side by side "
+                                         "(needs a source checkout and its [bench] extra)")
+    bench.add_argument("claim", choices=BENCH_CLAIMS, help="mttr | deviation | overhead | all")
+    bench.add_argument("--runs", type=int, default=5, help="runs per system (figures are medians)")
+    bench.set_defaults(func=cmd_bench)
     join = sub.add_parser("join", help="add a rank to a running job (needs the job's ELASWAVE_TOKEN)")
     join.add_argument("--store", required=True, metavar="HOST:PORT", help="the job's store, as `elaswave run` prints it")
     join.add_argument("--metrics-out", metavar="F.jsonl", help="where to write metrics if this rank becomes the writer")

@@ -39,5 +39,5 @@ class SpeedWindow:
         """The predicted gain of re-planning now, when it reaches ``min_gain`` (else 0)."""
         if min_gain <= 0 or len(self.steps) < WINDOW or self.epoch != plan.epoch:
             return 0.0
-        gain, _ = rebalance_gain(plan, {r: self.median(r) for r in plan.ranks}, num_micro_batches)
+        gain, _ = rebalance_gain(plan, {r: self.median(r) for r in plan.ranks}, num_micro_batches, min_gain)
         return gain if gain >= min_gain else 0.0

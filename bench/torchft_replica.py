@@ -1,0 +1,160 @@
+"""One TorchFT replica group (one process) training elaswave's model on elaswave's data: the real
+peer that ``bench/peers.py`` runs side by side with elaswave.
+
+torchft's ``Manager`` (quorum through a lighthouse that ``peers.py`` starts), its
+``DistributedDataParallel`` (gradients averaged over the replicas of each step's quorum) and its
+``OptimizerWrapper`` (the update is committed only when every replica of the quorum finished the
+step), over torchft's ``ProcessGroupGloo``. Replica ``r`` of ``n`` trains micro-batches
+``r*M/n .. (r+1)*M/n - 1`` of every step, with the learning-rate schedule, AdamW settings and
+clipping of the job; a lost replica's micro-batches are skipped (the global batch shrinks, as
+TorchFT does). ``--plain`` trains the same loop under ``torchrun`` with torch's own DDP: the
+no-fault-tolerance baseline of the overhead comparison.
+
+Every bind stays on loopback: torchft's manager server binds all interfaces (``[::]``) and its
+checkpoint server the IPv6 wildcard, so both are pointed at 127.0.0.1 here; gloo goes through
+``GLOO_SOCKET_IFNAME=lo`` (set by ``peers.py``).
+
+One JSON line per committed step to ``OUT.REPLICA.jsonl`` (``--out OUT``): step, the replica's token-loss sum and token count,
+participants, wall time, step time; a ``kill`` line (with its wall time) just before
+``--kill-at-step`` SIGKILLs this process during that step's backward.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import time
+from datetime import timedelta
+from http.server import ThreadingHTTPServer
+
+import torch
+from torch import nn
+
+from elaswave import config
+from elaswave.data.corpus import load_corpus
+from elaswave.data.sampler import Sampler
+from elaswave.model.gpt import build_layer, token_loss_sum
+from elaswave.zero.optimizer import lr_at
+
+
+class Model(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        self.layers = nn.ModuleList(build_layer(cfg.model, i, cfg.train.seed) for i in range(cfg.model.num_layers))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x, None)
+        return x
+
+
+class _LoopbackHTTPServer(ThreadingHTTPServer):
+    address_family = socket.AF_INET
+
+    def __init__(self, _address, handler):
+        super().__init__(("127.0.0.1", 0), handler)
+
+
+def _keep_torchft_on_loopback() -> None:
+    import torchft.checkpointing.http_transport as http_transport
+    import torchft.manager as manager_mod
+
+    server = manager_mod.ManagerServer
+    manager_mod.ManagerServer = lambda **kw: server(**{**kw, "bind": "127.0.0.1:0", "hostname": "127.0.0.1"})
+    http_transport._IPv6HTTPServer = _LoopbackHTTPServer
+    http_transport.socket.gethostname = lambda: "127.0.0.1"  # the address it hands to a healing peer
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--set", action="append", default=[], dest="overrides")
+    ap.add_argument("--replica", type=int, default=0)
+    ap.add_argument("--replicas", type=int, default=1)
+    ap.add_argument("--lighthouse", help="http://127.0.0.1:PORT (torchft mode)")
+    ap.add_argument("--ready", help="127.0.0.1:PORT of a store where replicas meet before they start")
+    ap.add_argument("--plain", action="store_true", help="torch's DDP under torchrun, no fault tolerance")
+    ap.add_argument("--kill-at-step", type=int, default=-1)
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+    cfg = config.load(None, args.overrides)
+    t, m = cfg.train, cfg.model
+    torch.set_num_threads(1)
+    torch.manual_seed(t.seed)
+    model = Model(cfg)
+    sampler = Sampler(load_corpus(cfg.data, m.vocab_size, m.seq_len + 1), t.seed, t.micro_batch_size, m.seq_len)
+
+    if args.plain:
+        import torch.distributed as dist
+        from torch.nn.parallel import DistributedDataParallel
+
+        dist.init_process_group("gloo")
+        replica, replicas = dist.get_rank(), dist.get_world_size()
+        ddp = DistributedDataParallel(model)
+        opt = torch.optim.AdamW(ddp.parameters(), lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps,
+                                weight_decay=t.weight_decay)
+        manager = None
+    else:
+        _keep_torchft_on_loopback()
+        from torchft import DistributedDataParallel, Manager, Optimizer, ProcessGroupGloo
+
+        replica, replicas = args.replica, args.replicas
+        store = torch.distributed.TCPStore("127.0.0.1", 0, 1, is_master=True, wait_for_workers=False)
+        if args.ready:  # start together, so the first quorum holds every replica
+            host, port = args.ready.rsplit(":", 1)
+            meet = torch.distributed.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=60))
+            meet.add("ready", 1)
+            meet.wait(["go"], timedelta(seconds=60))
+        manager = Manager(pg=ProcessGroupGloo(timeout=timedelta(seconds=30)), min_replica_size=1,
+                          load_state_dict=lambda sd: (model.load_state_dict(sd["model"]), opt.load_state_dict(sd["opt"])),
+                          state_dict=lambda: {"model": model.state_dict(), "opt": opt.state_dict()},
+                          replica_id=f"replica{replica}", store_addr="127.0.0.1", store_port=store.port, rank=0,
+                          world_size=1, lighthouse_addr=args.lighthouse, hostname="127.0.0.1",
+                          timeout=timedelta(seconds=30), quorum_timeout=timedelta(seconds=30))
+        ddp = DistributedDataParallel(manager, model)
+        opt = Optimizer(manager, torch.optim.AdamW(model.parameters(), lr=t.lr, betas=(t.beta1, t.beta2),
+                                                    eps=t.eps, weight_decay=t.weight_decay))
+
+    per = t.num_micro_batches // replicas
+    mbs = range(replica * per, (replica + 1) * per)
+    local_tokens = per * t.micro_batch_size * m.seq_len
+    out = open(f"{args.out}.{replica}.jsonl", "a")
+    step = 0
+    while step < t.steps:
+        started = time.perf_counter()
+        opt.zero_grad(set_to_none=True)  # torchft: starts this step's quorum
+        loss_sum = 0.0
+        for i, mb in enumerate(mbs):
+            b = sampler.micro_batch(step, mb)
+            with ddp.no_sync() if i < len(mbs) - 1 else torch.enable_grad():
+                loss = token_loss_sum(ddp(b.inputs), b.targets)
+                if step == args.kill_at_step and i == len(mbs) - 1:
+                    out.write(json.dumps({"event": "kill", "step": step, "wall_time": time.time()}) + "\n")
+                    out.flush()
+                    os.kill(os.getpid(), signal.SIGKILL)
+                (loss / local_tokens).backward()
+            loss_sum += loss.item()
+        params = [p for p in model.parameters() if p.grad is not None]
+        norm = torch.stack([p.grad.double().pow(2).sum() for p in params]).sum().sqrt().item()
+        coef = min(1.0, t.grad_clip / (norm + 1e-6))
+        for p in params:
+            p.grad.mul_(coef)
+        for group in opt.param_groups:
+            group["lr"] = lr_at(step, t)
+        opt.step()  # torchft: only if every replica of the quorum finished the step
+        committed = manager is None or manager.current_step() > step
+        if committed:
+            out.write(json.dumps({"event": "step", "step": step, "replica": replica, "loss_sum": loss_sum,
+                                  "tokens": local_tokens, "step_time_s": time.perf_counter() - started,
+                                  "wall_time": time.time(),
+                                  "participants": replicas if manager is None else manager.num_participants()}) + "\n")
+            out.flush()
+            step = step + 1 if manager is None else manager.current_step()
+    out.close()
+    if manager is not None:
+        manager.shutdown(wait=False)
+
+
+if __name__ == "__main__":
+    main()
