@@ -190,8 +190,8 @@ def claim_overhead(runs: int) -> dict:
 def _markdown(claim: str, res: dict, runs: int) -> list[str]:
     if claim == "mttr":
         m, x = res["median_s"], res["over_elaswave"]
-        return ["| system | median MTTR (s) | over elaswave |", "| --- | --- | --- |"] + [
-            f"| {k} | {m[k]:.3f} | {x[k]:.1f}x |" for k in m]
+        return ["| system | median MTTR (s) | over elaswave | every run (s) |", "| --- | --- | --- | --- |"] + [
+            f"| {NAMES[k]} | {m[k]:.3f} | {x[k]:.1f}x | {', '.join(f'{v:.2f}' for v in res['runs'][k])} |" for k in m]
     if claim == "deviation":
         d = res["median_max_abs_dloss"]
         return ["| system | median of max abs loss difference after the kill |", "| --- | --- |",
@@ -199,13 +199,20 @@ def _markdown(claim: str, res: dict, runs: int) -> list[str]:
                 "", f"TorchFT's own noise floor (two failure-free runs): {res['torchft_failure_free_noise']:.3g}; "
                     f"replicas per committed step in its last killed run: {res['torchft_participants_per_step']}."]
     r, s = res["median_ratio"], res["median_step_s"]
+    context = s["elaswave_on"] / s["plain_ddp"]
     return ["| system | median step with / without fault tolerance | with (s) | without (s) |", "| --- | --- | --- | --- |",
             f"| elaswave (elastic on / off) | {r['elaswave']:.3f}x | {s['elaswave_on']:.4f} | {s['elaswave_off']:.4f} |",
             f"| TorchFT / plain DDP | {r['torchft']:.3f}x | {s['torchft']:.4f} | {s['plain_ddp']:.4f} |",
-            "", "pairs: " + "; ".join(f"{k} " + ", ".join(f"{v:.3f}" for v in vs) for k, vs in res["pair_ratios"].items())]
+            "", "Ratios of back-to-back pairs (the box's speed drifts by more than the effect over minutes): "
+            + "; ".join(f"{k} " + ", ".join(f"{v:.3f}" for v in vs) for k, vs in res["pair_ratios"].items())
+            + f". For context, across systems: elaswave's median step over plain DDP's is {context:.3f}x "
+              "(a ZeRO-1 step: a gradient all-reduce plus a parameter all-gather, against DDP's one all-reduce)."]
 
 
 CLAIMS = {"mttr": claim_mttr, "deviation": claim_deviation, "overhead": claim_overhead}
+NAMES = {"elaswave": "elaswave", "torchrun_restart": "torchrun restart from a checkpoint (every 5 steps)",
+         "torchft_default": "TorchFT, default lighthouse heartbeat timeout",
+         "torchft_1s": f"TorchFT, heartbeat timeout {TUNED_HEARTBEAT_MS / 1000:g} s"}
 TITLES = {"mttr": "Time to recover from a SIGKILL (MTTR)",
           "deviation": "Loss after the failure, against the same system's failure-free run",
           "overhead": "Steady-state cost of fault tolerance when nothing fails"}
@@ -217,7 +224,10 @@ def write_benchmarks() -> Path:
            "Written by `python bench/peers.py CLAIM` (or `elaswave bench CLAIM`) from `bench/results/peers_*.json`; "
            "every claim measured in one invocation, elaswave and the peers on the same model, data and fault, "
            "each figure a median over the runs. How each system is run, and what is timed: the docstring of "
-           "`bench/peers.py`.", ""]
+           "`bench/peers.py`. TorchFT runs with a lighthouse of `min_replicas` 2, `join_timeout_ms` 60000 and "
+           "`quorum_tick_ms` 100, each replica's `Manager` with 30 s operation and quorum timeouts and torchft's "
+           "`ProcessGroupGloo` (30 s timeout); its manager and checkpoint servers are pointed at 127.0.0.1 and "
+           "gloo at `lo`.", ""]
     for claim in CLAIMS:
         path = HERE / "results" / f"peers_{claim}.json"
         if not path.exists():
@@ -226,8 +236,9 @@ def write_benchmarks() -> Path:
         out += [f"## {TITLES[claim]}", "",
                 f"`python bench/peers.py {claim} --runs {res['runs']}` on {res['date']}, {res['machine']}, "
                 f"torch {res.get('torch', '?')}, torchft-nightly {res.get('torchft', '?')}, gloo on loopback, "
-                f"{res['wall_s']:.0f} s. Job: {' '.join(res['job'])}; rank/replica {res['kill']['rank']} "
-                f"SIGKILLed in step {res['kill']['step']}.", ""]
+                f"{res['wall_s']:.0f} s. Job: {' '.join(res['job'])}; "
+                + ("nothing fails." if claim == "overhead" else
+                   f"rank/replica {res['kill']['rank']} SIGKILLed in step {res['kill']['step']}."), ""]
         out += _markdown(claim, res["result"], res["runs"]) + [""]
     target = HERE.parent / "BENCHMARKS.md"
     target.write_text("\n".join(out))
@@ -236,11 +247,14 @@ def write_benchmarks() -> Path:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("claim", choices=[*CLAIMS, "all"])
+    ap.add_argument("claim", choices=[*CLAIMS, "all", "page"], help="page: only rewrite BENCHMARKS.md from results")
     ap.add_argument("--runs", type=int, default=5)
     args = ap.parse_args(argv)
     if args.runs < 1:
         ap.error(f"--runs {args.runs} is invalid: at least 1 (medians want 5)")
+    if args.claim == "page":
+        print(f"written: {write_benchmarks()}")
+        return 0
     if importlib.util.find_spec("torchft") is None:
         print("bench/peers.py needs TorchFT in this environment: pip install -e '.[bench]' "
               "(torchft-nightly; not a dependency of elaswave itself)", file=sys.stderr)
