@@ -64,7 +64,9 @@ def _keep_torchft_on_loopback() -> None:
     server = manager_mod.ManagerServer
     manager_mod.ManagerServer = lambda **kw: server(**{**kw, "bind": "127.0.0.1:0", "hostname": "127.0.0.1"})
     http_transport._IPv6HTTPServer = _LoopbackHTTPServer
-    http_transport.socket.gethostname = lambda: "127.0.0.1"  # the address it hands to a healing peer
+    # The address it hands to a healing peer (torchft builds it from the host's name).
+    http_transport.HTTPTransport.address = (
+        lambda self: f"http://127.0.0.1:{self._server.socket.getsockname()[1]}/checkpoint/")
 
 
 def main() -> None:

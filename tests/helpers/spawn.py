@@ -12,6 +12,8 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
+import pytest
+
 from elaswave.runtime.metrics import read_jsonl
 
 # A tiny job: quick on 2 cores, still deep enough for pp=4. Straggler re-plans are off: ranks on
@@ -207,6 +209,16 @@ def _procs_where(field: int, value: int) -> list[int]:
             if int(fields[field]) == value and fields[0] != "Z":
                 out.append(int(entry))
     return out
+
+
+def reference_fixture(steps: int, num_micro_batches: int):
+    """A module-scoped ``reference`` fixture: the deterministic failure-free run of the module's job,
+    trained once for all its tests (``reference = reference_fixture(STEPS, MBS)``)."""
+    @pytest.fixture(scope="module")
+    def reference(tmp_path_factory):
+        return run_reference(tmp_path_factory.mktemp("ref"), steps, deterministic=True,
+                             num_micro_batches=num_micro_batches)
+    return reference
 
 
 def assert_same_run(res: Result, reference: Result, steps: int) -> None:

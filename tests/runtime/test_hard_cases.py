@@ -2,16 +2,14 @@
 damaged snapshot. Each run must equal the failure-free reference bit for bit."""
 import pytest
 
-from tests.helpers.spawn import assert_same_run, job_args, run_cli, run_job, run_reference
+from tests.helpers.spawn import assert_same_run, job_args, reference_fixture, run_cli, run_job
 
 STEPS = 30
 MBS = 12
 EXTRA = [f"train.num_micro_batches={MBS}", "parallel.timeout_s=60"]
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    return run_reference(tmp_path_factory.mktemp("ref"), STEPS, deterministic=True, num_micro_batches=MBS)
+reference = reference_fixture(STEPS, MBS)
 
 
 def _run(tmp_path, faults, dp=4, pp=1):

@@ -1,9 +1,7 @@
 """Real ranks joining a running job: a replacement after a SIGKILL, extra capacity, and ranks from
 another shell with and without the job's token. Every run equals the failure-free reference bit
 for bit (deterministic mode)."""
-import pytest
-
-from tests.helpers.spawn import Running, assert_same_run, job_args, run_cli, run_job, run_reference
+from tests.helpers.spawn import Running, assert_same_run, job_args, reference_fixture, run_cli, run_job
 
 # Long enough for a joiner's start-up (a new Python process importing torch: seconds on 2 cores).
 STEPS = 200
@@ -11,9 +9,7 @@ MBS = 6
 EXTRA = [f"train.num_micro_batches={MBS}", "parallel.timeout_s=60"]
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    return run_reference(tmp_path_factory.mktemp("ref"), STEPS, deterministic=True, num_micro_batches=MBS)
+reference = reference_fixture(STEPS, MBS)
 
 
 def _assert_same_run(res, reference):
