@@ -176,18 +176,18 @@ def claim_overhead(runs: int) -> dict:
         steps["elaswave_on"].append(med[True])
         steps["elaswave_off"].append(med[False])
         pairs["elaswave"].append(med[True] / med[False])
-        ft, plain = (torchft_run(kill=False)["step_s"], plain_ddp_step_s()) if i % 2 == 0 else \
-            tuple(reversed((plain_ddp_step_s(), torchft_run(kill=False)["step_s"])))
-        steps["torchft"].append(ft)
-        steps["plain_ddp"].append(plain)
-        pairs["torchft"].append(ft / plain)
+        peer = {}
+        for name in (("torchft", "plain_ddp") if i % 2 == 0 else ("plain_ddp", "torchft")):
+            peer[name] = torchft_run(kill=False)["step_s"] if name == "torchft" else plain_ddp_step_s()
+            steps[name].append(peer[name])
+        pairs["torchft"].append(peer["torchft"] / peer["plain_ddp"])
         print(f"  pair {i}: elaswave on/off {pairs['elaswave'][-1]:.3f}, torchft/DDP {pairs['torchft'][-1]:.3f}",
               flush=True)
     return {"pair_ratios": pairs, "median_ratio": {k: statistics.median(v) for k, v in pairs.items()},
             "median_step_s": {k: statistics.median(v) for k, v in steps.items()}}
 
 
-def _markdown(claim: str, res: dict, runs: int) -> list[str]:
+def _markdown(claim: str, res: dict) -> list[str]:
     if claim == "mttr":
         m, x = res["median_s"], res["over_elaswave"]
         return ["| system | median MTTR (s) | over elaswave | every run (s) |", "| --- | --- | --- | --- |"] + [
@@ -239,7 +239,7 @@ def write_benchmarks() -> Path:
                 f"{res['wall_s']:.0f} s. Job: {' '.join(res['job'])}; "
                 + ("nothing fails." if claim == "overhead" else
                    f"rank/replica {res['kill']['rank']} SIGKILLed in step {res['kill']['step']}."), ""]
-        out += _markdown(claim, res["result"], res["runs"]) + [""]
+        out += _markdown(claim, res["result"]) + [""]
     target = HERE.parent / "BENCHMARKS.md"
     target.write_text("\n".join(out))
     return target
@@ -268,7 +268,7 @@ def main(argv: list[str] | None = None) -> int:
         res["wall_s"] = time.time() - started
         res["torch"], res["torchft"] = _version("torch"), _version("torchft-nightly")
         (HERE / "results" / f"peers_{claim}.json").write_text(json.dumps(res, indent=1))
-        md = _markdown(claim, res["result"], args.runs)
+        md = _markdown(claim, res["result"])
         (HERE / "results" / f"peers_{claim}.md").write_text("\n".join(md) + "\n")
         print("\n".join(md), flush=True)
     print(f"written: {write_benchmarks()}", flush=True)
