@@ -1,0 +1,12 @@
+"""elaswave: elastic hybrid-parallel training on PyTorch. ``elaswave.train`` / ``elaswave.reference``
+run a job from Python (see :mod:`elaswave.api`); the command line is ``elaswave``."""
+
+__all__ = ["train", "reference", "job", "Run"]
+
+
+def __getattr__(name: str):
+    # Lazy: `import elaswave` stays cheap for the CLI and the worker processes.
+    if name in __all__:
+        from elaswave import api
+        return getattr(api, name)
+    raise AttributeError(f"module 'elaswave' has no attribute {name!r}")

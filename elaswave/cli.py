@@ -1,4 +1,4 @@
-"""``elaswave run | reference | demo | report | simulate``: the command line."""
+"""``elaswave run | reference | demo | export | report | simulate``: the command line."""
 from __future__ import annotations
 
 import argparse
@@ -38,10 +38,15 @@ def _load(args: argparse.Namespace) -> config.JobConfig:
 
 
 def _check_data(cfg: config.JobConfig) -> None:
-    """Load the corpus once up front so a bad data file is one line here, not N worker tracebacks."""
+    """Load the corpus and check the model once up front, so a bad data file, factory or checkpoint
+    is one line here, not N worker tracebacks."""
     from elaswave.data.corpus import load_corpus
+    from elaswave.model.contract import model_for
 
-    load_corpus(cfg.data, cfg.model.vocab_size, cfg.model.seq_len + 1)
+    model = model_for(cfg)
+    if cfg.model.init_from:
+        model.weights.check(model)
+    load_corpus(cfg.data, model.vocab_size, model.seq_len + 1)
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -114,7 +119,7 @@ def _write_reference(cfg: config.JobConfig, path: str, show_progress: bool = Tru
 
     writer = MetricsWriter(path, show_progress=show_progress, total_steps=cfg.train.steps)
     result = train_reference(cfg, on_step=writer.write)
-    writer.write({"event": "summary", "steps": cfg.train.steps, "final_loss": result["losses"][-1],
+    writer.write({"event": "summary", "steps": cfg.train.steps, "final_loss": result["losses"][-1] if result["losses"] else float("nan"),
                   "params_sha256": result["params_sha256"], "world_size": 1, "dp": 1, "pp": 1,
                   "deterministic": cfg.train.deterministic})
     writer.close()
@@ -212,6 +217,14 @@ def cmd_report(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_export(args: argparse.Namespace) -> int:
+    from elaswave.checkpoint.export import export_checkpoint
+
+    out = export_checkpoint(args.checkpoint, args.out, int(args.max_shard_gb * 2 ** 30))
+    print(f"elaswave: wrote {out} (config.json, safetensors shards and their index)")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="elaswave", description="Elastic hybrid-parallel training on PyTorch.")
     sub = ap.add_subparsers(dest="command", required=True)
@@ -247,6 +260,11 @@ def main(argv: list[str] | None = None) -> int:
                       help="start a replacement S seconds after each death (default 0; negative: never)")
     demo.add_argument("--out", default="elaswave-demo", help="folder for the metrics and the report")
     demo.set_defaults(func=cmd_demo)
+    exp = sub.add_parser("export", help="a disk checkpoint (any layout) as a Hugging Face directory")
+    exp.add_argument("checkpoint", metavar="CHECKPOINT_DIR", help="checkpoint.dir of a run, or one of its step_* folders")
+    exp.add_argument("out", metavar="OUT_DIR")
+    exp.add_argument("--max-shard-gb", type=float, default=5.0, help="largest safetensors file (whole layers)")
+    exp.set_defaults(func=cmd_export)
     rep = sub.add_parser("report", help="plots and a page for a run's metrics (RUN.jsonl), against a reference")
     rep.add_argument("run", metavar="RUN.jsonl")
     rep.add_argument("--against", metavar="REF.jsonl", help="a failure-free run or `elaswave reference` metrics")

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from elaswave.control import faults
+from elaswave.model.config import ModelConfig, resolve as resolve_model
 
 try:  # Python >= 3.11
     import tomllib
@@ -26,32 +27,6 @@ class ConfigError(ValueError):
 
 def _fail(key: str, value: Any, valid: str) -> None:
     raise ConfigError(f"{key}={value!r} is invalid: {valid}")
-
-
-@dataclass
-class ModelConfig:
-    """A small decoder-only transformer; layers = embedding + ``num_blocks`` blocks + head."""
-
-    vocab_size: int = 256
-    """Byte-level corpora need 256; a token file needs more than its largest token id."""
-    seq_len: int = 64
-    d_model: int = 64
-    num_heads: int = 4
-    num_blocks: int = 4
-    dropout: float = 0.1
-
-    @property
-    def num_layers(self) -> int:
-        return self.num_blocks + 2
-
-    def validate(self) -> None:
-        for name in ("vocab_size", "seq_len", "d_model", "num_heads", "num_blocks"):
-            if getattr(self, name) < 1:
-                _fail(f"model.{name}", getattr(self, name), "must be >= 1")
-        if self.d_model % self.num_heads:
-            _fail("model.d_model", self.d_model, f"must be divisible by model.num_heads={self.num_heads}")
-        if not 0.0 <= self.dropout < 1.0:
-            _fail("model.dropout", self.dropout, "must be in [0, 1)")
 
 
 DATA_SOURCES = ("stdlib", "text", "bin")
@@ -101,7 +76,9 @@ class TrainConfig:
     """Deterministic mode: gradients are summed as round(g * 2**bits) in int64."""
 
     def validate(self) -> None:
-        for name in ("steps", "micro_batch_size", "num_micro_batches"):
+        if self.steps < 0:
+            _fail("train.steps", self.steps, "must be >= 0 (0: load, and export with checkpoint.export_hf)")
+        for name in ("micro_batch_size", "num_micro_batches"):
             if getattr(self, name) < 1:
                 _fail(f"train.{name}", getattr(self, name), "must be >= 1")
         for name in ("warmup_steps", "seed"):
@@ -232,6 +209,9 @@ class CheckpointConfig:
     """Complete checkpoints kept; older ones are deleted."""
     resume: bool = True
     """At start, continue from the newest complete checkpoint in ``dir`` if there is one."""
+    export_hf: str = ""
+    """When the run ends, write the model here as a Hugging Face directory (config.json, safetensors
+    shards and their index); model.arch=llama only."""
 
     def validate(self) -> None:
         if self.every_steps < 0:
@@ -325,6 +305,10 @@ class JobConfig:
             _fail("parallel.pp", self.parallel.pp,
                   f"must be <= the model's {self.model.num_layers} layers "
                   f"(model.num_blocks={self.model.num_blocks} + embedding + head)")
+        if self.checkpoint.export_hf and (self.model.arch != "llama" or self.model.factory):
+            _fail("checkpoint.export_hf", self.checkpoint.export_hf,
+                  f"needs model.arch=llama (Hugging Face's Llama layout); this job's model is "
+                  f"{self.model.factory or self.model.arch}")
         if self.train.num_micro_batches < self.parallel.dp:
             _fail("train.num_micro_batches", self.train.num_micro_batches,
                   f"must be >= parallel.dp={self.parallel.dp} so every pipeline has work")
@@ -339,7 +323,8 @@ class JobConfig:
 
     def model_identity(self) -> dict:
         """What a checkpoint must match to load into this job: the model's shape."""
-        return {k: v for k, v in dataclasses.asdict(self.model).items() if k != "dropout"}
+        return {k: v for k, v in dataclasses.asdict(self.model).items()
+                if k not in ("dropout", "preset", "init_from")}
 
     @property
     def actuator(self) -> str:
@@ -395,6 +380,7 @@ def _apply(cfg: JobConfig, key: str, raw: Any) -> None:
 def load(path: str | None = None, overrides: list[str] | tuple[str, ...] = ()) -> JobConfig:
     """Defaults, then the file at ``path`` (.toml or .json), then ``key=value`` overrides."""
     cfg = JobConfig()
+    _file_keys: list[str] = []
     if path:
         if not os.path.isfile(path):
             _fail("--config", path, "no such file")
@@ -408,12 +394,21 @@ def load(path: str | None = None, overrides: list[str] | tuple[str, ...] = ()) -
                 _fail(section, body, "top-level entries must be sections like [train]")
             for name, raw in body.items():
                 _apply(cfg, f"{section}.{name}", raw)
+                _file_keys.append(f"{section}.{name}")
+    explicit = set(_file_keys)
     for item in overrides:
         key, sep, raw = item.partition("=")
         if not sep:
             _fail("--set", item, "must look like section.key=value")
         _apply(cfg, key.strip(), raw)
-    return cfg.validate()
+        explicit.add(key.strip())
+    return _resolved(cfg, explicit).validate()
+
+
+def _resolved(cfg: JobConfig, explicit: set[str]) -> JobConfig:
+    """The model section with its preset or checkpoint config applied (keys set explicitly win)."""
+    cfg.model = resolve_model(cfg.model, {k.split(".", 1)[1] for k in explicit if k.startswith("model.")})
+    return cfg
 
 
 def from_dict(doc: dict) -> JobConfig:
@@ -422,4 +417,4 @@ def from_dict(doc: dict) -> JobConfig:
     for section, body in doc.items():
         for name, raw in body.items():
             _apply(cfg, f"{section}.{name}", raw)
-    return cfg.validate()
+    return _resolved(cfg, {f"model.{k}" for k in doc.get("model", {})}).validate()

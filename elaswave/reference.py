@@ -15,7 +15,7 @@ import torch
 from elaswave.config import JobConfig
 from elaswave.data.corpus import load_corpus
 from elaswave.data.sampler import Sampler
-from elaswave.model.gpt import token_loss_sum
+from elaswave.model.contract import model_for
 from elaswave.pipeline.stage import Stage
 from elaswave.plan.chunks import ChunkIndex
 from elaswave.zero.bucket import Bucket
@@ -26,10 +26,10 @@ from elaswave.zero.reduce import GradAccumulator
 
 def train_reference(cfg: JobConfig, on_step: Callable[[dict], None] | None = None) -> dict:
     """Train ``cfg.train.steps`` steps; returns ``{"losses": [...], "params_sha256": ...}``."""
-    t, m = cfg.train, cfg.model
+    t, m = cfg.train, model_for(cfg)
     torch.set_num_threads(1)  # the same kernels, hence the same bits, as a one-thread worker rank
     sampler = Sampler(load_corpus(cfg.data, m.vocab_size, m.seq_len + 1), t.seed, t.micro_batch_size, m.seq_len)
-    stage = Stage(cfg, (0, m.num_layers), torch.device("cpu"))
+    stage = Stage(cfg, (0, m.num_layers), torch.device("cpu"), m)
     layers = stage.layers
     bucket = Bucket((0,), [l.index for l in layers], [l.numel for l in layers], cfg.parallel.chunk_numel, me=0)
     optimizer = ShardedAdamW([bucket], layers, t)
@@ -43,12 +43,13 @@ def train_reference(cfg: JobConfig, on_step: Callable[[dict], None] | None = Non
         loss_sums = []
         for mb in range(t.num_micro_batches):
             batch = sampler.micro_batch(step, mb)
-            loss_sum = token_loss_sum(stage.forward(batch.inputs, step, mb), batch.targets)
+            loss_sum = m.loss_sum(stage.forward(batch.inputs, step, mb), batch.targets)
             loss_sums.append(float(loss_sum.detach()))
             (loss_sum / global_tokens).backward()
             accumulator.add_micro_batch()
         grad = accumulator.to_float(bucket.pack([accumulator.sums[l.index] for l in layers]))
-        norm, coef = clip_coef(list(optimizer.chunk_sumsq([grad], index, owned_only=True).values()), t.grad_clip)
+        norm, coef = clip_coef(list(optimizer.chunk_sumsq([grad], index, owned_only=True,
+                                                          exact_layout=t.deterministic).values()), t.grad_clip)
         optimizer.step([grad], step, lr_at(step, t), coef)
         with torch.no_grad():
             for layer, flat in zip(layers, bucket.unpack(optimizer.params[0])):
@@ -59,4 +60,11 @@ def train_reference(cfg: JobConfig, on_step: Callable[[dict], None] | None = Non
             on_step({"event": "step", "step": step, "loss": loss, "grad_norm": norm,
                      "num_samples": t.num_micro_batches * t.micro_batch_size, "world_size": 1, "epoch": 0,
                      "step_time_s": time.perf_counter() - started})
+    if cfg.checkpoint.export_hf:
+        from elaswave.checkpoint import export
+        from elaswave.plan.plan import initial_plan
+        plan = initial_plan(1, 1, 1, [1.0] * m.num_layers, 1)
+        export.clear_staging(cfg.checkpoint.export_hf)
+        export.finish_run_export(cfg.checkpoint.export_hf, cfg.model,
+                                 [export.write_my_shard(cfg.checkpoint.export_hf, plan, 0, layers)])
     return {"losses": losses, "params_sha256": params_sha256([l.digest() for l in layers])}

@@ -35,3 +35,11 @@ def generator(*keys: int, device: torch.device | str = "cpu") -> torch.Generator
     gen = torch.Generator(device=device)
     gen.manual_seed(stream_seed(*keys))
     return gen
+
+
+def keyed_dropout(x: torch.Tensor, p: float, gen: torch.Generator | None) -> torch.Tensor:
+    """Dropout whose mask comes from ``gen`` (``None`` means evaluation: no dropout)."""
+    if gen is None or p == 0.0:
+        return x
+    keep = torch.rand(x.shape, generator=gen, device=x.device) >= p
+    return x * keep / (1.0 - p)

@@ -25,6 +25,9 @@ def choose(backend: str) -> tuple[str, torch.device]:
         if not torch.cuda.is_available():
             raise RuntimeError("parallel.backend=nccl needs CUDA, which this machine lacks; use gloo or auto")
         local = int(os.environ.get("LOCAL_RANK", "0"))
+        if local >= torch.cuda.device_count():  # NCCL cannot put two ranks on one GPU either
+            raise RuntimeError(f"rank with LOCAL_RANK={local} has no GPU of its own: this host has "
+                               f"{torch.cuda.device_count()}; run at most that many ranks per host")
         torch.cuda.set_device(local)
         return "nccl", torch.device("cuda", local)
     return "gloo", torch.device("cpu")

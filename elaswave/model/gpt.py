@@ -14,15 +14,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from elaswave import rng
-from elaswave.config import ModelConfig
-
-
-def keyed_dropout(x: torch.Tensor, p: float, gen: torch.Generator | None) -> torch.Tensor:
-    """Dropout whose mask comes from ``gen`` (``None`` means evaluation: no dropout)."""
-    if gen is None or p == 0.0:
-        return x
-    keep = torch.rand(x.shape, generator=gen, device=x.device) >= p
-    return x * keep / (1.0 - p)
+from elaswave.model.config import ModelConfig
+from elaswave.model.contract import LayerCost
 
 
 class Embedding(nn.Module):
@@ -34,7 +27,7 @@ class Embedding(nn.Module):
 
     def forward(self, idx: torch.Tensor, gen: torch.Generator | None) -> torch.Tensor:
         pos = torch.arange(idx.shape[1], device=idx.device)
-        return keyed_dropout(self.tok(idx) + self.pos(pos), self.p, gen)
+        return rng.keyed_dropout(self.tok(idx) + self.pos(pos), self.p, gen)
 
 
 class Block(nn.Module):
@@ -49,8 +42,8 @@ class Block(nn.Module):
         self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model)
         self.proj = nn.Linear(cfg.d_model, cfg.d_model)
         self.ln2 = nn.LayerNorm(cfg.d_model)
-        self.fc = nn.Linear(cfg.d_model, 4 * cfg.d_model)
-        self.out = nn.Linear(4 * cfg.d_model, cfg.d_model)
+        self.fc = nn.Linear(cfg.d_model, cfg.ffn_width)
+        self.out = nn.Linear(cfg.ffn_width, cfg.d_model)
         mask = torch.triu(torch.ones(cfg.seq_len, cfg.seq_len, dtype=torch.bool), diagonal=1)
         self.register_buffer("causal", mask, persistent=False)
 
@@ -61,10 +54,10 @@ class Block(nn.Module):
         q, k, v = (z.view(b, t, h, d // h).transpose(1, 2) for z in (q, k, v))
         att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(d // h))
         att = att.masked_fill(self.causal[:t, :t], float("-inf")).softmax(dim=-1)
-        att = keyed_dropout(att, self.p, gen)
+        att = rng.keyed_dropout(att, self.p, gen)
         y = (att @ v).transpose(1, 2).reshape(b, t, d)
-        x = x + keyed_dropout(self.proj(y), self.p, gen)
-        return x + keyed_dropout(self.out(F.gelu(self.fc(self.ln2(x)))), self.p, gen)
+        x = x + rng.keyed_dropout(self.proj(y), self.p, gen)
+        return x + rng.keyed_dropout(self.out(F.gelu(self.fc(self.ln2(x)))), self.p, gen)
 
 
 class Head(nn.Module):
@@ -113,9 +106,45 @@ def layer_flops(cfg: ModelConfig, index: int) -> float:
         return float(d)
     if index == cfg.num_layers - 1:
         return float(d * cfg.vocab_size)
-    return float(12 * d * d + 2 * t * d)
+    return float(4 * d * d + 2 * d * cfg.ffn_width + 2 * t * d)
 
 
 def token_loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Cross-entropy summed over the micro-batch's tokens (callers divide by the global count)."""
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="sum")
+
+
+class GPT:
+    """The built-in byte-level GPT on the model contract (no ties)."""
+
+    ties = ()
+
+    def __init__(self, cfg: ModelConfig):
+        self.cfg = cfg
+        self.num_layers = cfg.num_layers
+        self.seq_len = cfg.seq_len
+        self.hidden_size = cfg.d_model
+        self.vocab_size = cfg.vocab_size
+
+    def build_layer(self, index: int, seed: int, init: bool = True) -> nn.Module:
+        return build_layer(self.cfg, index, seed, init)
+
+    def layer_costs(self) -> list[LayerCost]:
+        return [LayerCost(layer_flops(self.cfg, i), _layer_numel(self.cfg, i)) for i in range(self.num_layers)]
+
+    def loss_sum(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return token_loss_sum(logits, targets)
+
+    def identity(self) -> dict:
+        m = self.cfg
+        return {"arch": "gpt", "vocab_size": m.vocab_size, "seq_len": m.seq_len, "d_model": m.d_model,
+                "num_heads": m.num_heads, "num_blocks": m.num_blocks}
+
+
+def _layer_numel(m: ModelConfig, index: int) -> int:
+    d = m.d_model
+    if index == 0:
+        return m.vocab_size * d + m.seq_len * d
+    if index == m.num_layers - 1:
+        return 2 * d + d * m.vocab_size
+    return 4 * d * d + 2 * d * m.ffn_width + m.ffn_width + 9 * d

@@ -11,16 +11,15 @@ import time
 from typing import Sequence
 
 from elaswave.config import JobConfig
-from elaswave.model.gpt import layer_flops
+from elaswave.model.contract import model_for
 from elaswave.runtime.actuator import Actuator
 
 
-def layer_forward_s(cfg: JobConfig) -> list[float]:
-    """Each layer's modelled forward time per micro-batch at nominal frequency: the block's time,
-    shared out by the model's cost profile (the same one the planner balances stages by)."""
-    m = cfg.model
-    block = layer_flops(m, 1)
-    return [cfg.emulate.block_forward_ms / 1e3 * layer_flops(m, i) / block for i in range(m.num_layers)]
+def layer_forward_s(cfg: JobConfig, model=None) -> list[float]:
+    """Each layer's modelled forward time per micro-batch at nominal frequency: the block's time
+    (layer 1's), shared out by the model's cost profile (the same one the planner balances stages by)."""
+    flops = [c.flops_per_token for c in (model or model_for(cfg)).layer_costs()]
+    return [cfg.emulate.block_forward_ms / 1e3 * f / flops[1] for f in flops]
 
 
 class EmulatedCompute:

@@ -7,7 +7,6 @@ from typing import Callable, Sequence
 import torch
 
 from elaswave.data.sampler import Sampler
-from elaswave.model.gpt import token_loss_sum
 from elaswave.pipeline.emulate import EmulatedCompute
 from elaswave.pipeline.p2p import P2P
 from elaswave.pipeline.schedule import Action, Op
@@ -66,7 +65,7 @@ class Executor:
         x = batch.inputs.to(self.stage.device) if self.stage.is_first else self.inputs[mb]
         out = self.stage.forward(x, self.step, mb)
         if self.stage.is_last:
-            loss_sum = token_loss_sum(out, batch.targets.to(self.stage.device))
+            loss_sum = self.stage.model.loss_sum(out, batch.targets.to(self.stage.device))
             self.losses[mb] = float(loss_sum.detach())
             # Scale by the *global* token count: the gradient is the mean over the whole batch,
             # whichever pipeline runs this micro-batch and however many pipelines are alive.

@@ -46,6 +46,9 @@ class Plan:
     depth: int = 0
     """Stages of a whole pipeline (the configured ``pp``): joining ranks fill broken pipelines up
     to it, then form new pipelines of it (0: the deepest pipeline's)."""
+    ties: tuple[tuple[int, int], ...] = ()
+    """(owner, user) layer pairs of tied parameters: a rank holding the user holds the owner's
+    tensor too, so the owner's holder group (one gradient sum, one optimizer state) includes it."""
     ranks_per_node: int = 0
     """Ranks per host, numbered host-major as torchrun and the launcher number them (0: one host).
     Snapshots then go to a rank on another host wherever there is one, so that losing a whole
@@ -86,7 +89,9 @@ class Plan:
             for r, (i, j) in zip(pipe, ranges):
                 for layer in range(i, j):
                     out[layer].append(r)
-        return tuple(tuple(sorted(h)) for h in out)
+        for owner, user in self.ties:
+            out[owner].extend(out[user])
+        return tuple(tuple(sorted(set(h))) for h in out)
 
     @cached_property
     def route_of(self) -> dict[int, tuple[int, ...]]:
@@ -145,7 +150,7 @@ class Plan:
 
 def initial_plan(world_size: int, dp: int, pp: int, layer_costs: Sequence[float], num_micro_batches: int,
                  layer_numels: Sequence[int] = (), chunk_numel: int = 1, layer_memory: Sequence[float] = (),
-                 stage_memory_limit: float = 0.0) -> Plan:
+                 stage_memory_limit: float = 0.0, ties: Sequence[tuple[int, int]] = ()) -> Plan:
     """Rank ``d * pp + s`` is stage ``s`` of pipeline ``d``: a pipeline's stages are neighbours."""
     if dp * pp != world_size:
         raise ValueError(f"dp={dp} x pp={pp} = {dp * pp} must equal the world size {world_size}")
@@ -164,6 +169,7 @@ def initial_plan(world_size: int, dp: int, pp: int, layer_costs: Sequence[float]
         layer_memory=tuple(float(m) for m in layer_memory),
         stage_memory_limit=float(stage_memory_limit),
         depth=pp,
+        ties=tuple(tuple(t) for t in ties),
     )
     if layer_numels:
         plan = replace(plan, chunk_owners=round_robin_owners(plan.holder_groups(), layer_numels, chunk_numel))
@@ -269,7 +275,8 @@ def _place_joiners(prev: Plan, epoch: int, joined: Sequence[int], pipelines: lis
 def _build(prev: Plan, epoch: int, pipelines, ranges, mbs, freqs=(), routes=()) -> Plan:
     plan = Plan(epoch=epoch, num_layers=prev.num_layers, pipelines=tuple(pipelines), layer_ranges=tuple(ranges),
                 micro_batches=tuple(mbs), layer_costs=prev.layer_costs, frequencies=tuple(freqs), routes=tuple(routes),
-                layer_memory=prev.layer_memory, stage_memory_limit=prev.stage_memory_limit, depth=prev.depth)
+                layer_memory=prev.layer_memory, stage_memory_limit=prev.stage_memory_limit, depth=prev.depth,
+                ties=prev.ties, ranks_per_node=prev.ranks_per_node)
     owners = reassign_owners(prev.chunk_owners, plan.holder_groups())
     joined = set(plan.ranks) - set(prev.ranks)
     if joined:

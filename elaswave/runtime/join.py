@@ -97,11 +97,9 @@ def _warm_up(ctx) -> None:
     autograd pass (lazy initialisation) here rather than in its first step with the others."""
     import torch
 
-    from elaswave.model.gpt import build_layer
-
-    m = ctx.cfg.model
-    block = build_layer(m, 1, ctx.cfg.train.seed).to(ctx.device)
-    x = torch.zeros(1, m.seq_len, m.d_model, device=ctx.device, requires_grad=True)
+    m = ctx.model
+    block = m.build_layer(1, ctx.cfg.train.seed, init=False).to(ctx.device)
+    x = torch.zeros(1, m.seq_len, m.hidden_size, device=ctx.device, requires_grad=True)
     block(x, None).sum().backward()
 
 

@@ -12,7 +12,7 @@ from elaswave.comm.backend import reduce_scatter_is_all_reduce
 from elaswave.comm.groups import Communicator, Group
 from elaswave.config import JobConfig
 from elaswave.data.sampler import Sampler
-from elaswave.model.gpt import build_layer
+from elaswave.model.contract import Model, counted_numels
 from elaswave.pipeline.emulate import EmulatedCompute, layer_forward_s
 from elaswave.pipeline.executor import Executor
 from elaswave.pipeline.p2p import P2P
@@ -52,11 +52,9 @@ class RankState:
         return self.plan.epoch
 
 
-def layer_numels(cfg: JobConfig) -> list[int]:
-    """Parameter count of every layer, from shapes alone (no weights are built)."""
-    with torch.device("meta"):
-        return [sum(p.numel() for p in build_layer(cfg.model, i, 0, init=False).parameters())
-                for i in range(cfg.model.num_layers)]
+def layer_numels(model: Model) -> list[int]:
+    """Parameter count of every layer's flat vector, from shapes alone (no weights are built)."""
+    return counted_numels(model)
 
 
 def build_rank(cfg: JobConfig, plan: Plan, rank: int, stage: Stage, sampler: Sampler | None, world: Group,
@@ -66,10 +64,11 @@ def build_rank(cfg: JobConfig, plan: Plan, rank: int, stage: Stage, sampler: Sam
                actuator: Actuator | None = None) -> RankState:
     """``gen``/``chunks``: the optimizer generation and the chunk states to start from (a recovery);
     ``actuator``: where this rank's planned frequency level goes (emulated compute reads it)."""
-    t, m, par = cfg.train, cfg.model, cfg.parallel
+    t, par = cfg.train, cfg.parallel
     d, s = plan.position(rank)
     pipeline = plan.pipelines[d]
-    numels = layer_numels(cfg)
+    model = stage.model
+    numels = layer_numels(model)
     buckets, groups = [], []
     for holders, layers in plan.holder_groups().items():
         if rank not in holders:
@@ -81,14 +80,14 @@ def build_rank(cfg: JobConfig, plan: Plan, rank: int, stage: Stage, sampler: Sam
         groups.append(group)
     accumulator = GradAccumulator(stage.layers, t.deterministic, t.grad_fixed_point_bits, t.num_micro_batches)
     p2p = P2P(world, pipeline[s - 1] if s > 0 else None, pipeline[s + 1] if s < len(pipeline) - 1 else None,
-              (t.micro_batch_size, m.seq_len, m.d_model), device)
-    step_tokens = plan.num_micro_batches * t.micro_batch_size * m.seq_len
+              (t.micro_batch_size, model.seq_len, model.hidden_size), device)
+    step_tokens = plan.num_micro_batches * t.micro_batch_size * model.seq_len
     # With detours (the reroute baseline) no per-pipeline 1F1B fits; all ranks derive one schedule.
     schedule = (plan_schedules(plan, cfg.emulate.backward_factor).get(rank, []) if plan.routes
                 else one_f_one_b(s, len(pipeline), plan.micro_batches[d]))
     emulated = None
     if cfg.emulate.enabled:
-        emulated = EmulatedCompute(layer_forward_s(cfg), cfg.emulate.backward_factor, (stage.start, stage.end),
+        emulated = EmulatedCompute(layer_forward_s(cfg, model), cfg.emulate.backward_factor, (stage.start, stage.end),
                                    actuator or Actuator())
     return RankState(
         rank=rank, plan=plan, stage=stage,

@@ -17,7 +17,7 @@ import torch
 from elaswave.checkpoint import disk
 from elaswave.config import JobConfig
 from elaswave.interrupt import CommError, Disruption
-from elaswave.model.gpt import build_layer
+from elaswave.model.contract import untie
 from elaswave.pipeline.stage import Stage
 from elaswave.plan.chunks import ChunkKey, chunk_range
 from elaswave.plan.frequency import PowerModel
@@ -164,7 +164,7 @@ def recover(ctx, st: RankState | None, cause: Disruption | None, noticed_wall: f
     # A re-partitioned stage (or a joiner's) starts from fresh layers; the gather below fills in
     # their parameters from the chunk owners, who hold the same layers in the other pipelines.
     stage = (st.stage if st is not None and (st.stage.start, st.stage.end) == layers
-             else Stage(cfg, layers, ctx.device))
+             else Stage(cfg, layers, ctx.device, ctx.model))
     new = build_rank(cfg, plan, ctx.rank, stage, ctx.sampler_for(stage), world, ctx.comm, ctx.device,
                      ctx.backend_name, gen=restore.resume_step, chunks=chunks, before=ctx.before_action,
                      actuator=ctx.actuator)
@@ -290,7 +290,7 @@ def _restore_chunks(ctx, st: RankState, world, new_owners, restore: Restore):
         elif kind == "disk":
             from_disk.append(key)
         elif src is None:
-            chunks[key] = _initial_chunk(ctx.cfg, key, fresh, ctx.device)
+            chunks[key] = _initial_chunk(ctx, key, fresh)
     if from_disk:
         manifest = disk.read_manifest(disk.step_dir(ctx.cfg.checkpoint.dir, gen))
         chunks.update({k: v.to(ctx.device) for k, v in disk.load_chunks(manifest, from_disk).items()})
@@ -309,11 +309,14 @@ def _readable_checkpoint(ctx) -> int | None:
     return newest.step if newest is not None else None
 
 
-def _initial_chunk(cfg: JobConfig, key: ChunkKey, cache: dict, device: torch.device) -> torch.Tensor:
-    """A chunk's state at step 0: the keyed initial weights and zero moments."""
+def _initial_chunk(ctx, key: ChunkKey, cache: dict) -> torch.Tensor:
+    """A chunk's state at step 0: the initial weights (keyed, or the checkpoint's) and zero moments."""
+    cfg, device = ctx.cfg, ctx.device
     layer, c = key
     if layer not in cache:
-        cache[layer] = FlatLayer(build_layer(cfg.model, layer, cfg.train.seed), layer)
+        module = ctx.model.build_layer(layer, cfg.train.seed)
+        untie(ctx.model, module, layer)  # a tied tensor's chunks are its owner layer's
+        cache[layer] = FlatLayer(module, layer)
     flat = cache[layer].flat
     start, end = chunk_range(flat.numel(), cfg.parallel.chunk_numel, c)
     out = torch.zeros(3, cfg.parallel.chunk_numel, device=device)

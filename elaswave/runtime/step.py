@@ -91,9 +91,9 @@ def train_step(st: RankState, cfg: JobConfig, step: int, pool: SnapshotPool | No
     # 3. Global norm for clipping, summed per chunk in chunk order. When every rank saw every chunk,
     #    each computes it alone; otherwise owners exchange their chunks' squares exactly.
     if not st.norm_needs_exchange:
-        sumsq = st.optimizer.chunk_sumsq(reduced, st.chunk_index, owned_only=False)
+        sumsq = st.optimizer.chunk_sumsq(reduced, st.chunk_index, owned_only=False, exact_layout=t.deterministic)
     else:
-        owned = st.optimizer.chunk_sumsq(reduced, st.chunk_index, owned_only=True)
+        owned = st.optimizer.chunk_sumsq(reduced, st.chunk_index, owned_only=True, exact_layout=t.deterministic)
         sumsq = dict(enumerate(_exchange_exact(st, owned, st.chunk_index.total)))
     norm, coef = clip_coef(list(sumsq.values()), t.grad_clip)
     if exchange_work is not None:
@@ -122,7 +122,7 @@ def train_step(st: RankState, cfg: JobConfig, step: int, pool: SnapshotPool | No
     fault(step, "snapshot")
     lap("snapshot")
 
-    step_tokens = st.plan.num_micro_batches * t.micro_batch_size * cfg.model.seq_len
+    step_tokens = st.plan.num_micro_batches * t.micro_batch_size * st.stage.model.seq_len
     loss = math.fsum(exchange[:M].tolist()) / step_tokens
     speeds = dict(zip(st.world.members, exchange[M + 2:].tolist()))
     return StepResult(loss=loss, grad_norm=norm, lr=lr, phases_s=lap.phases, joining=int(exchange[M].item()),

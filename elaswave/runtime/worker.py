@@ -19,7 +19,7 @@ from typing import NamedTuple
 import torch
 
 from elaswave import config
-from elaswave.checkpoint import disk
+from elaswave.checkpoint import disk, export
 from elaswave.comm import backend
 from elaswave.comm.groups import Communicator
 from elaswave.config import ConfigError, JobConfig
@@ -30,7 +30,7 @@ from elaswave.control.membership import Membership
 from elaswave.data.corpus import load_corpus
 from elaswave.data.sampler import Sampler
 from elaswave.interrupt import Disruption, Interrupt
-from elaswave.model.gpt import layer_flops
+from elaswave.model.contract import model_for, tie_pairs
 from elaswave.pipeline.schedule import Action, Op
 from elaswave.pipeline.stage import Stage
 from elaswave.plan.frequency import PowerModel
@@ -55,6 +55,8 @@ class Context:
     def __init__(self, cfg: JobConfig, rank: int, store, backend_name: str, device: torch.device):
         e = cfg.elastic
         self.cfg, self.rank, self.device, self.backend_name = cfg, rank, device, backend_name
+        self.model = model_for(cfg)
+        """The model contract every stage, plan and recovery of this rank goes through."""
         self.interrupt = Interrupt()
         self.membership = Membership(store, rank)
         self.admission = Admission(store, rank)
@@ -90,7 +92,7 @@ class Context:
         always does; a middle stage may become one when its pipeline is re-partitioned), or at once
         with ``stage`` None (a joiner, before it asks in: off the path of the members it joins)."""
         if self._sampler is None and (stage is None or stage.is_first or stage.is_last):
-            m, t = self.cfg.model, self.cfg.train
+            m, t = self.model, self.cfg.train
             tokens = load_corpus(self.cfg.data, m.vocab_size, m.seq_len + 1)
             self._sampler = Sampler(tokens, t.seed, t.micro_batch_size, m.seq_len)
         return self._sampler
@@ -128,7 +130,7 @@ def _connect(cfg: JobConfig, rank: int, world_size: int):
 
 
 def run(cfg: JobConfig, rank: int, world_size: int, metrics_out: str | None) -> int:
-    t, m = cfg.train, cfg.model
+    t = cfg.train
     torch.set_num_threads(1)  # many ranks share a few cores; one thread each also fixes kernel order
     joining = bool(os.environ.get(JOIN_ENV))
     if cfg.world_size != world_size and not joining:
@@ -173,7 +175,7 @@ def run(cfg: JobConfig, rank: int, world_size: int, metrics_out: str | None) -> 
                 samples = st.plan.num_micro_batches * t.micro_batch_size
                 journal.add({"event": "step", "step": step, "loss": result.loss, "grad_norm": result.grad_norm,
                              "lr": result.lr, "num_samples": samples, "world_size": len(st.plan.ranks),
-                             "epoch": st.epoch, "step_time_s": took, "tokens_per_s": samples * m.seq_len / took,
+                             "epoch": st.epoch, "step_time_s": took, "tokens_per_s": samples * ctx.model.seq_len / took,
                              "wall_time": time.time(), "phases_s": result.phases_s,
                              "modelled_power_w": _modelled_power(st.plan)})
                 if pending is not None:  # (a no-op writer on ranks that do not write)
@@ -223,7 +225,7 @@ def run(cfg: JobConfig, rank: int, world_size: int, metrics_out: str | None) -> 
     if rank == st.plan.ranks[0]:
         digests = {i: h for part in summary.values() for i, h in part["digests"].items()}
         writer.write({"event": "summary", "steps": t.steps, "final_loss": result.loss if result else float("nan"),
-                      "params_sha256": params_sha256([bytes.fromhex(digests[str(i)]) for i in range(m.num_layers)]),
+                      "params_sha256": params_sha256([bytes.fromhex(digests[str(i)]) for i in range(ctx.model.num_layers)]),
                       "wall_s": wall, "world_size": len(st.plan.ranks), "dp": cfg.parallel.dp, "pp": cfg.parallel.pp,
                       "epoch": st.epoch, "ranks": list(st.plan.ranks), "deterministic": t.deterministic,
                       "optimizer_state_bytes_per_rank": [summary[r]["state_bytes"] for r in st.plan.ranks],
@@ -242,18 +244,18 @@ def run(cfg: JobConfig, rank: int, world_size: int, metrics_out: str | None) -> 
 def _start(ctx: Context, world_size: int):
     """The founding ranks' first epoch: the initial plan, from scratch or from a disk checkpoint."""
     cfg, rank, device = ctx.cfg, ctx.rank, ctx.device
-    t, m = cfg.train, cfg.model
-    numels = layer_numels(cfg)
+    t, model = cfg.train, ctx.model
+    numels = layer_numels(model)
     plan = initial_plan(world_size, cfg.parallel.dp, cfg.parallel.pp,
-                        [layer_flops(m, i) for i in range(m.num_layers)], t.num_micro_batches,
-                        numels, cfg.parallel.chunk_numel, [BYTES_PER_PARAM * n / 2 ** 20 for n in numels],
-                        cfg.parallel.stage_memory_mb)
+                        [c.flops_per_token for c in model.layer_costs()], t.num_micro_batches,
+                        numels, cfg.parallel.chunk_numel, stage_memory_mb(model), cfg.parallel.stage_memory_mb,
+                        ties=tie_pairs(model))
     # Under torchrun, ranks are numbered host-major, LOCAL_WORLD_SIZE to a host; the launcher's
     # job is one host (its joiners' numbers say nothing about hosts).
     if not os.environ.get("ELASWAVE_STORE"):
         plan = replace(plan, ranks_per_node=int(os.environ.get("LOCAL_WORLD_SIZE", "0")))
     ctx.plan = plan
-    stage = Stage(cfg, plan.layers_of(rank), device)
+    stage = Stage(cfg, plan.layers_of(rank), device, model)
     world = ctx.comm.group(plan.ranks, plan.epoch)
     resumed = _resume_point(cfg, plan, rank)
     gen, chunks = (resumed.manifest.step, resumed.chunks) if resumed else (0, None)
@@ -263,8 +265,20 @@ def _start(ctx: Context, world_size: int):
     if resumed:
         gather_params(st)
     ctx.comm.prepare_standbys(plan.ranks, plan.epoch)
+    if cfg.checkpoint.export_hf and rank == plan.ranks[0]:
+        export.clear_staging(cfg.checkpoint.export_hf)  # before the barrier: no rank has written yet
     world.all_reduce(torch.zeros(1, device=device), "start-up barrier")
     return st, resumed
+
+
+def stage_memory_mb(model) -> list[float]:
+    """Each layer's modelled memory on a stage that runs it; a tie's user also holds the owner's
+    tensor (its owner layer's whole vector, as the stage keeps it)."""
+    numels = layer_numels(model)
+    memory = [BYTES_PER_PARAM * n / 2 ** 20 for n in numels]
+    for owner, user in tie_pairs(model):
+        memory[user] += BYTES_PER_PARAM * numels[owner] / 2 ** 20
+    return memory
 
 
 def _modelled_power(plan) -> float:
@@ -304,7 +318,10 @@ def _finish(ctx: Context, st, cfg: JobConfig) -> dict[int, dict]:
     """Every rank posts its layers' digests (each layer by its first holder) and its memory figures."""
     plan = st.plan
     usage = resource.getrusage(resource.RUSAGE_SELF)
+    exported = (export.write_my_shard(cfg.checkpoint.export_hf, plan, st.rank, st.stage.layers)
+                if cfg.checkpoint.export_hf else None)
     doc = {"digests": {str(l.index): l.digest().hex() for l in st.stage.layers if plan.holders(l.index)[0] == st.rank},
+           "export": exported,
            "state_bytes": st.optimizer.state_bytes(),
            "snapshot_bytes": ctx.pool.bytes_held() if ctx.pool else 0,
            "snapshot_buffer_bytes": ctx.pool.bytes_buffered() if ctx.pool else 0,
@@ -313,7 +330,11 @@ def _finish(ctx: Context, st, cfg: JobConfig) -> dict[int, dict]:
     st.world.all_reduce(torch.zeros(1, device=st.device), "final barrier")
     if st.rank != plan.ranks[0]:
         return {}
-    return ctx.membership.gather(plan.epoch, "final", plan.ranks, cfg.parallel.timeout_s)
+    parts = ctx.membership.gather(plan.epoch, "final", plan.ranks, cfg.parallel.timeout_s)
+    if cfg.checkpoint.export_hf:
+        out = export.finish_run_export(cfg.checkpoint.export_hf, cfg.model, [p["export"] for p in parts.values()])
+        print(f"elaswave: exported the model as a Hugging Face directory: {out}", flush=True)
+    return parts
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -24,7 +24,7 @@ import statistics
 from dataclasses import replace
 
 from elaswave import config
-from elaswave.model.gpt import layer_flops
+from elaswave.model.contract import model_for, tie_pairs
 from elaswave.pipeline.emulate import layer_forward_s
 from elaswave.plan.plan import Plan, initial_plan, replan
 from elaswave.runtime.rank import layer_numels
@@ -51,15 +51,19 @@ def _parts(records: list[dict]):
 
 
 def _initial(cfg) -> Plan:
-    m = cfg.model
-    return initial_plan(cfg.world_size, cfg.parallel.dp, cfg.parallel.pp,
-                        [layer_flops(m, i) for i in range(m.num_layers)], cfg.train.num_micro_batches)
+    model = model_for(cfg)
+    return initial_plan(cfg.world_size, cfg.parallel.dp, cfg.parallel.pp, _flops(cfg), cfg.train.num_micro_batches,
+                        ties=tie_pairs(model))
+
+
+def _flops(cfg) -> list[float]:
+    return [c.flops_per_token for c in model_for(cfg).layer_costs()]
 
 
 def _writers_group(cfg, plan: Plan) -> tuple[int, float]:
     """(holders, parameter bytes) of the metrics writer's holder group (the writer is the plan's
     first rank; its phases are the ones recorded)."""
-    numels = layer_numels(cfg)
+    numels = layer_numels(model_for(cfg))
     for holders, layers in plan.holder_groups().items():
         if plan.ranks[0] in holders:
             return len(holders), 4.0 * sum(numels[i] for i in layers)
@@ -119,13 +123,13 @@ def fit(records: list[dict], links: tuple[float, float] | None = None) -> Cluste
     if cfg.emulate.enabled:
         forward = layer_forward_s(cfg)
     else:  # scale the cost profile: the slowest stage takes the whole slot
-        costs = [layer_flops(cfg.model, i) for i in range(cfg.model.num_layers)]
+        costs = _flops(cfg)
         slowest = max(sum(costs[i:j]) for i, j in plan.layer_ranges[0])
         forward = [c * compute / slots / (1 + beta) / slowest for c in costs]
     phases = rec["phases_s"] if rec else {}
     wire = {}
     if links is not None:
-        numels = layer_numels(cfg)
+        numels = layer_numels(model_for(cfg))
         # No activation bytes: the runtime's sends overlap its compute, so they stay in the
         # measured fixed cost per micro-batch and stage rather than priced over the link.
         wire = dict(layer_param_bytes=tuple(4.0 * n for n in numels), devices_per_node=cfg.world_size,

@@ -9,14 +9,14 @@ from elaswave.config import ConfigError
 from elaswave.plan.plan import PlanError, initial_plan
 from elaswave.sim import policies, trace
 from elaswave.sim.engine import PolicyResult, simulate
-from elaswave.sim.workload import MODELS, choose_layout, gpt_cluster, layer_numel
+from elaswave.sim.workload import MODELS, choose_layout, cluster, layer_numels
 
 
 def add_arguments(ap) -> None:
     ap.add_argument("--devices", type=int, required=True, help="devices in the job (each runs one stage)")
     ap.add_argument("--dp", type=int, help="pipelines (default: chosen with --pp, or both chosen)")
     ap.add_argument("--pp", type=int, help="stages per pipeline")
-    ap.add_argument("--model", default="gpt-13b", choices=sorted(MODELS), help="modelled GPT shape")
+    ap.add_argument("--model", default="gpt-13b", choices=sorted(MODELS), help="a model preset (model.preset): its shape and costs")
     ap.add_argument("--micro-batches", type=int, help="global batch in micro-batches (default 2 x pp per pipeline)")
     ap.add_argument("--trace", help="a trace file (.jsonl or .csv: t_s, kind fail|join, device) or 'llama3': "
                                     "Poisson failures, one per 3 h across the job, repaired after 4 h")
@@ -73,9 +73,9 @@ def run(args) -> int:
     m = args.micro_batches or 2 * pp * dp
     if m < dp:
         raise ConfigError(f"--micro-batches={m} is invalid: need at least one per pipeline ({dp})")
-    model = gpt_cluster(m_cfg)
+    model = cluster(m_cfg)
     plan = initial_plan(args.devices, dp, pp, [float(c) for c in model.layer_forward_s], m,
-                        [layer_numel(m_cfg, i) for i in range(m_cfg.num_layers)], chunk_numel=1 << 24)
+                        layer_numels(m_cfg), chunk_numel=1 << 24)
     single = not (args.trace or args.mtbf_h)
     duration_s = 3600.0 * (args.hours if args.hours is not None else (1.0 if single else 24.0))
     try:

@@ -1,22 +1,18 @@
-"""The modelled job: a GPT of a given shape on devices of a given speed, as a ClusterModel (pure).
+"""The modelled job: a model of a given shape on devices of a given speed, as a ClusterModel (pure).
 
-Layer times come from the model's cost profile (the planner's, :func:`layer_flops`: multiply-adds
-per token) at an assumed sustained device throughput; communication from its activation and
-parameter sizes. The named shapes are the usual GPT-3 family sizes.
+Layer times come from the model contract's cost profile (the planner's: multiply-adds per token)
+at an assumed sustained device throughput; communication from its activation and parameter
+sizes. The named shapes are the model presets (``model.preset``): one source of truth.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from elaswave.config import ModelConfig
-from elaswave.model.gpt import layer_flops
+from elaswave.model.config import PRESETS, ModelConfig, preset
+from elaswave.model.contract import family
 from elaswave.sim.model import ClusterModel
 
-MODELS = {
-    "gpt-1.3b": ModelConfig(vocab_size=50257, seq_len=2048, d_model=2048, num_heads=16, num_blocks=24, dropout=0.0),
-    "gpt-13b": ModelConfig(vocab_size=50257, seq_len=2048, d_model=5120, num_heads=40, num_blocks=40, dropout=0.0),
-    "gpt-175b": ModelConfig(vocab_size=50257, seq_len=2048, d_model=12288, num_heads=96, num_blocks=96, dropout=0.0),
-}
+MODELS: dict[str, ModelConfig] = {name: preset(name) for name in PRESETS}
 
 
 @dataclass(frozen=True)
@@ -31,23 +27,19 @@ class Hardware:
     activation_bytes_per_value: int = 2
 
 
-def layer_numel(m: ModelConfig, index: int) -> int:
-    d = m.d_model
-    if index == 0:
-        return m.vocab_size * d + m.seq_len * d
-    if index == m.num_layers - 1:
-        return 2 * d + d * m.vocab_size + m.vocab_size
-    return 12 * d * d + 13 * d
+def layer_numels(m: ModelConfig) -> list[int]:
+    return [c.num_params for c in family(m).layer_costs()]
 
 
-def gpt_cluster(m: ModelConfig, micro_batch_size: int = 1, hw: Hardware = Hardware()) -> ClusterModel:
+def cluster(m: ModelConfig, micro_batch_size: int = 1, hw: Hardware = Hardware()) -> ClusterModel:
     tokens = micro_batch_size * m.seq_len
     flops_s = hw.device_tflops * 1e12 * hw.efficiency
-    forward = tuple(2.0 * layer_flops(m, i) * tokens / flops_s for i in range(m.num_layers))
+    costs = family(m).layer_costs()
+    forward = tuple(2.0 * c.flops_per_token * tokens / flops_s for c in costs)
     return ClusterModel(
         layer_forward_s=forward, backward_factor=2.0,
         activation_bytes=float(tokens * m.d_model * hw.activation_bytes_per_value),
-        layer_param_bytes=tuple(4.0 * layer_numel(m, i) for i in range(m.num_layers)),
+        layer_param_bytes=tuple(4.0 * c.num_params for c in costs),
         devices_per_node=hw.devices_per_node,
         intra_node_bytes_per_s=hw.intra_node_gb_s * 1e9, inter_node_bytes_per_s=hw.inter_node_gb_s * 1e9)
 

@@ -95,11 +95,26 @@ class ShardedAdamW:
     def exp_avg_sq(self) -> list[torch.Tensor]:
         return [s[2] for s in self.state]
 
-    def chunk_sumsq(self, grads: Sequence[torch.Tensor], index: ChunkIndex, owned_only: bool) -> dict[int, float]:
+    def chunk_sumsq(self, grads: Sequence[torch.Tensor], index: ChunkIndex, owned_only: bool,
+                    exact_layout: bool = True) -> dict[int, float]:
         """Sum of squares per chunk, keyed by global chunk number: of every chunk in ``grads`` (whole
-        buckets or slots), or only of the chunks this rank owns. Each is computed over the same
-        chunk-padded slice whoever computes it, so the bits agree."""
-        out = {}
+        buckets or slots), or only of the chunks this rank owns. With ``exact_layout`` (deterministic
+        mode) each is one dot over the same chunk-padded slice whoever computes it, so the bits
+        agree in every layout; without it (fast mode) each slot's chunks are summed as the rows of
+        one matrix: a kernel per slot instead of per chunk."""
+        keys, sums = [], []
+        if not exact_layout:
+            for b, g in zip(self.buckets, grads):
+                whole = g.numel() > b.slot_numel
+                for slot in (range(b.num_holders) if whole else [b.my_slot]):
+                    owned = b.owned_by(slot)
+                    if (owned_only and slot != b.my_slot) or not owned:
+                        continue
+                    base = slot * b.slot_numel if whole else 0
+                    rows = g[base:base + len(owned) * b.chunk_numel].view(len(owned), b.chunk_numel).double()
+                    keys.extend(index.offsets[oc.layer] + oc.chunk for oc in owned)
+                    sums.append(rows.pow(2).sum(dim=1))
+            return dict(zip(keys, torch.cat(sums).tolist())) if sums else {}
         for b, g in zip(self.buckets, grads):
             whole = g.numel() > b.slot_numel
             for slot in (range(b.num_holders) if whole else [b.my_slot]):
@@ -108,8 +123,11 @@ class ShardedAdamW:
                 base = slot * b.slot_numel if whole else 0
                 for oc in b.owned_by(slot):
                     piece = g[base + oc.slot_offset:base + oc.slot_offset + b.chunk_numel].double()
-                    out[index.offsets[oc.layer] + oc.chunk] = float(torch.dot(piece, piece))
-        return out
+                    keys.append(index.offsets[oc.layer] + oc.chunk)
+                    sums.append(torch.dot(piece, piece))
+        # One dot per chunk (the same kernel on the same shape in every layout), read back once: a
+        # read per chunk waited for the GPU thousands of times a step (bench/gpu.py).
+        return dict(zip(keys, torch.stack(sums).tolist())) if sums else {}
 
     def step(self, grads: Sequence[torch.Tensor], step: int, lr: float, coef: float) -> None:
         self.settle()

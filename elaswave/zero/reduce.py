@@ -27,8 +27,9 @@ class GradAccumulator:
         self.deterministic = deterministic
         self.bits = fixed_point_bits
         self.scale = float(2 ** fixed_point_bits)
-        # The sum of M values each below this bound stays inside int64.
-        self.max_abs = float(2 ** (62 - fixed_point_bits)) / num_micro_batches
+        # The sum of M values each below this bound stays inside int64, also with two uses of a
+        # tied tensor per micro-batch.
+        self.max_abs = float(2 ** (62 - fixed_point_bits)) / (2 * num_micro_batches)
         # Fast mode lets autograd add each micro-batch into the layer's flat gradient buffer.
         self.sums = {l.index: torch.zeros(l.numel, dtype=torch.int64, device=l.flat.device) if deterministic
                      else l.grad for l in self.layers}
@@ -37,21 +38,35 @@ class GradAccumulator:
         for layer in self.layers:
             layer.grad.zero_()
             self.sums[layer.index].zero_()
+            for alias, _ in layer.uses:
+                alias.grad.zero_()
 
     def add_micro_batch(self) -> None:
-        """Fold the gradient of the micro-batch just back-propagated into the sums."""
-        if not self.deterministic:
-            return
+        """Fold the gradient of the micro-batch just back-propagated into the sums.
+
+        A tied tensor's uses elsewhere (``layer.uses``) are folded in as gradients of their own:
+        each use is rounded alone, whether or not the other use ran on this rank, so the integer
+        sum is the same wherever the uses sit."""
         for layer in self.layers:
             g = layer.grad
-            peak = float(g.abs().max()) if g.numel() else 0.0
-            if not peak < self.max_abs:  # also catches NaN/inf
-                raise GradientOverflowError(
-                    f"layer {layer.index}: |gradient| = {peak:.3g} does not fit fixed point with "
-                    f"train.grad_fixed_point_bits={self.bits} "
-                    f"(limit {self.max_abs:.3g}); lower the bits or the learning rate")
-            self.sums[layer.index].add_(torch.round(g.double() * self.scale).to(torch.int64))
-            g.zero_()
+            if not self.deterministic:  # autograd already added this layer's own use in place
+                for alias, offset in layer.uses:
+                    g[offset:offset + alias.numel()].add_(alias.grad.view(-1))
+                    alias.grad.zero_()
+                continue
+            self._fold(layer.index, g, self.sums[layer.index])
+            for alias, offset in layer.uses:
+                self._fold(layer.index, alias.grad.view(-1), self.sums[layer.index][offset:offset + alias.numel()])
+
+    def _fold(self, index: int, g: torch.Tensor, into: torch.Tensor) -> None:
+        peak = float(g.abs().max()) if g.numel() else 0.0
+        if not peak < self.max_abs:  # also catches NaN/inf
+            raise GradientOverflowError(
+                f"layer {index}: |gradient| = {peak:.3g} does not fit fixed point with "
+                f"train.grad_fixed_point_bits={self.bits} "
+                f"(limit {self.max_abs:.3g}); lower the bits or the learning rate")
+        into.add_(torch.round(g.double() * self.scale).to(torch.int64))
+        g.zero_()
 
     def to_float(self, t: torch.Tensor) -> torch.Tensor:
         if not self.deterministic:

@@ -114,6 +114,7 @@ def test_snapshots_leave_their_host_so_a_lost_host_is_a_recovery_from_memory():
     lost = {2, 3}  # the second host, a whole pipeline
     gens = {r: (5,) for r in plan.ranks}
     new = replan(plan, [0, 1, 4, 5], 1, 12)
+    assert new.ranks_per_node == 2  # the next epoch's ring leaves its host too
     restore = plan_restore(plan.chunk_owners, new.chunk_owners, _holdings(plan, gens, gens, lost))
     assert restore.resume_step == 5 and not restore.is_fallback
     one_host = replace(plan, ranks_per_node=0)  # the ring in rank order: rank 2's holder is 3, lost with it

@@ -1,0 +1,261 @@
+"""The model section of a job's config, its presets, and how a Hugging Face ``config.json`` maps
+onto it (pure: no torch).
+
+One dataclass covers both families by flags (as litgpt does): ``arch = gpt`` is the small
+byte-level GPT (learned positions, LayerNorm, GELU MLP), ``arch = llama`` the Llama family
+(RMSNorm, rotary positions, SwiGLU MLP, grouped-query attention; Qwen2 is Llama with attention
+biases). Presets carry published shapes; keys set explicitly override a preset's. With
+``init_from`` the shapes come from the checkpoint's ``config.json``, and setting one of them to
+another value is an error (the weights fix it).
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, fields, replace
+from typing import Any, Iterable
+
+
+def _fail(key: str, value: Any, valid: str) -> None:
+    from elaswave.config import ConfigError  # the edge's error type; imported late to avoid a cycle
+    raise ConfigError(f"{key}={value!r} is invalid: {valid}")
+
+
+ARCHS = ("gpt", "llama")
+
+# Keys a checkpoint's config.json decides; seq_len and dropout stay the job's choice.
+SHAPE_KEYS = ("arch", "vocab_size", "d_model", "num_heads", "num_blocks", "num_kv_heads", "head_dim", "ffn_dim",
+              "rope_theta", "rope_scaling_factor", "rope_low_freq_factor", "rope_high_freq_factor",
+              "rope_original_max_positions", "norm_eps", "attention_bias", "qkv_bias_only", "mlp_bias", "tie_embeddings")
+
+
+@dataclass
+class ModelConfig:
+    """A decoder-only transformer as layers: embedding + ``num_blocks`` blocks + head."""
+
+    arch: str = "gpt"
+    """gpt: the small byte-level GPT; llama: the Llama family (also Qwen2 with attention_bias)."""
+    preset: str = ""
+    """A named shape (see elaswave.model.config.PRESETS); keys set explicitly override it."""
+    init_from: str = ""
+    """A local Hugging Face directory (config.json + *.safetensors): shapes and initial weights."""
+    factory: str = ""
+    """package.module:function returning a model that follows elaswave's model contract."""
+    vocab_size: int = 256
+    """Byte-level corpora need 256; a token file needs more than its largest token id."""
+    seq_len: int = 64
+    d_model: int = 64
+    num_heads: int = 4
+    num_blocks: int = 4
+    dropout: float = 0.1
+    """gpt: on embeddings, attention and residual branches; llama: on attention probabilities
+    (Hugging Face's attention_dropout). Masks come from keyed streams either way."""
+    num_kv_heads: int = 0
+    """llama: key/value heads (grouped-query attention); 0: num_heads."""
+    head_dim: int = 0
+    """llama: width of one head; 0: d_model // num_heads."""
+    ffn_dim: int = 0
+    """MLP hidden width; 0: 4 x d_model (gpt), or Llama's rounding of 8/3 x d_model (llama)."""
+    rope_theta: float = 10000.0
+    rope_scaling_factor: float = 0.0
+    """llama: Llama-3 rope scaling factor (0: none); with the three keys below."""
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_max_positions: int = 8192
+    norm_eps: float = 1e-5
+    attention_bias: bool = False
+    """llama: biases on the attention projections (q, k, v and o, as Llama's config means it)."""
+    qkv_bias_only: bool = False
+    """llama: with attention_bias, no bias on the output projection (Qwen2's layout)."""
+    mlp_bias: bool = False
+    tie_embeddings: bool = False
+    """llama: the output head uses the input embedding's matrix (one logical parameter)."""
+
+    @property
+    def num_layers(self) -> int:
+        return self.num_blocks + 2
+
+    @property
+    def kv_heads(self) -> int:
+        return self.num_kv_heads or self.num_heads
+
+    @property
+    def head_width(self) -> int:
+        return self.head_dim or self.d_model // self.num_heads
+
+    @property
+    def ffn_width(self) -> int:
+        if self.ffn_dim:
+            return self.ffn_dim
+        if self.arch == "gpt":
+            return 4 * self.d_model
+        hidden = int(2 * (4 * self.d_model) / 3)
+        return 256 * ((hidden + 255) // 256)  # Llama's multiple_of=256
+
+    def validate(self) -> None:
+        if self.arch not in ARCHS:
+            _fail("model.arch", self.arch, f"must be one of {', '.join(ARCHS)}")
+        for name in ("vocab_size", "seq_len", "d_model", "num_heads", "num_blocks"):
+            if getattr(self, name) < 1:
+                _fail(f"model.{name}", getattr(self, name), "must be >= 1")
+        for name in ("num_kv_heads", "head_dim", "ffn_dim", "rope_original_max_positions"):
+            if getattr(self, name) < 0:
+                _fail(f"model.{name}", getattr(self, name), "must be >= 0 (0: the default)")
+        if not 0.0 <= self.dropout < 1.0:
+            _fail("model.dropout", self.dropout, "must be in [0, 1)")
+        if self.arch == "gpt":
+            if self.d_model % self.num_heads:
+                _fail("model.d_model", self.d_model, f"must be divisible by model.num_heads={self.num_heads}")
+            for name in ("num_kv_heads", "head_dim", "rope_scaling_factor", "attention_bias", "qkv_bias_only",
+                         "mlp_bias", "tie_embeddings"):
+                if getattr(self, name) != getattr(_DEFAULT, name):
+                    _fail(f"model.{name}", getattr(self, name), "has no effect with model.arch=gpt; "
+                                                                "set model.arch=llama or leave it unset")
+        else:
+            if not self.head_dim and self.d_model % self.num_heads:
+                _fail("model.d_model", self.d_model, f"must be divisible by model.num_heads={self.num_heads} "
+                                                     "(or set model.head_dim)")
+            if self.num_heads % self.kv_heads:
+                _fail("model.num_kv_heads", self.num_kv_heads,
+                      f"must divide model.num_heads={self.num_heads} (grouped-query attention)")
+            if self.head_width % 2:
+                _fail("model.head_dim", self.head_width, "must be even (rotary embeddings rotate pairs)")
+            if self.rope_theta <= 0 or self.norm_eps <= 0:
+                _fail("model.rope_theta" if self.rope_theta <= 0 else "model.norm_eps",
+                      self.rope_theta if self.rope_theta <= 0 else self.norm_eps, "must be > 0")
+            if self.rope_scaling_factor < 0 or (self.rope_scaling_factor and not
+                                                self.rope_high_freq_factor > self.rope_low_freq_factor > 0):
+                _fail("model.rope_scaling_factor", self.rope_scaling_factor,
+                      "must be >= 0, with 0 < model.rope_low_freq_factor < model.rope_high_freq_factor")
+
+
+_DEFAULT = ModelConfig()
+
+_GPT = dict(arch="gpt", dropout=0.0)
+_LLAMA3 = dict(arch="llama", vocab_size=128256, rope_theta=500000.0, rope_scaling_factor=8.0,
+               rope_low_freq_factor=1.0, rope_high_freq_factor=4.0, rope_original_max_positions=8192,
+               num_kv_heads=8, norm_eps=1e-5, dropout=0.0, seq_len=8192)
+PRESETS: dict[str, dict] = {
+    # The small byte-level GPT of the default job, named.
+    "gpt-tiny": dict(arch="gpt", vocab_size=256, seq_len=64, d_model=64, num_heads=4, num_blocks=4, dropout=0.1),
+    "gpt2-124m": dict(_GPT, vocab_size=50257, seq_len=1024, d_model=768, num_heads=12, num_blocks=12),
+    "gpt-1.3b": dict(_GPT, vocab_size=50257, seq_len=2048, d_model=2048, num_heads=16, num_blocks=24),
+    "gpt-13b": dict(_GPT, vocab_size=50257, seq_len=2048, d_model=5120, num_heads=40, num_blocks=40),
+    "gpt-175b": dict(_GPT, vocab_size=50257, seq_len=2048, d_model=12288, num_heads=96, num_blocks=96),
+    # A Llama small enough for tests on two cores: GQA and tied embeddings, byte vocabulary.
+    "llama-tiny": dict(arch="llama", vocab_size=256, seq_len=64, d_model=64, num_heads=4, num_kv_heads=2,
+                       num_blocks=4, ffn_dim=128, rope_theta=10000.0, tie_embeddings=True, dropout=0.0),
+    "llama3-8b": dict(_LLAMA3, d_model=4096, num_heads=32, num_blocks=32, ffn_dim=14336),
+    "llama3-70b": dict(_LLAMA3, d_model=8192, num_heads=64, num_blocks=80, ffn_dim=28672),
+    "llama3-405b": dict(_LLAMA3, d_model=16384, num_heads=128, num_blocks=126, ffn_dim=53248),
+    "qwen2-7b": dict(arch="llama", vocab_size=152064, seq_len=32768, d_model=3584, num_heads=28, num_kv_heads=4,
+                     num_blocks=28, ffn_dim=18944, rope_theta=1000000.0, norm_eps=1e-6, attention_bias=True,
+                     qkv_bias_only=True, dropout=0.0),
+}
+
+
+def preset(name: str) -> ModelConfig:
+    """The named shape as a whole ModelConfig (the simulator prices these)."""
+    if name not in PRESETS:
+        _fail("model.preset", name, f"unknown preset; known: {', '.join(PRESETS)}")
+    return replace(ModelConfig(), preset=name, **PRESETS[name])
+
+
+# -- Hugging Face config.json ---------------------------------------------------------------------
+HF_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
+
+
+def from_hf_config(doc: dict, where: str) -> dict:
+    """The shape keys that a Hugging Face ``config.json`` (Llama family) sets."""
+    archs = doc.get("architectures") or [doc.get("model_type", "?")]
+    if not any(a in HF_ARCHITECTURES for a in archs):
+        _fail("model.init_from", where, f"its config.json declares architectures {archs}; supported: "
+                                        f"{', '.join(HF_ARCHITECTURES)}")
+    if doc.get("use_sliding_window") or (doc.get("model_type") == "mistral" and doc.get("sliding_window")):
+        _fail("model.init_from", where, "uses sliding-window attention, which elaswave does not implement")
+    d, heads = int(doc["hidden_size"]), int(doc["num_attention_heads"])
+    out = dict(arch="llama", vocab_size=int(doc["vocab_size"]), d_model=d, num_heads=heads,
+               num_blocks=int(doc["num_hidden_layers"]), num_kv_heads=int(doc.get("num_key_value_heads") or heads),
+               head_dim=int(doc.get("head_dim") or d // heads), ffn_dim=int(doc["intermediate_size"]),
+               rope_theta=float(doc.get("rope_theta", 10000.0)), norm_eps=float(doc.get("rms_norm_eps", 1e-6)),
+               attention_bias=archs[0] == "Qwen2ForCausalLM" or bool(doc.get("attention_bias", False)),
+               qkv_bias_only=archs[0] == "Qwen2ForCausalLM",
+               mlp_bias=bool(doc.get("mlp_bias", False)), tie_embeddings=bool(doc.get("tie_word_embeddings", False)),
+               rope_scaling_factor=0.0)
+    if out["head_dim"] == d // heads:
+        out["head_dim"] = 0  # the default, so a round trip writes what it read
+    scaling = doc.get("rope_scaling") or doc.get("rope_parameters")
+    kind = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
+    if scaling and kind == "llama3":
+        out.update(rope_scaling_factor=float(scaling["factor"]),
+                   rope_low_freq_factor=float(scaling["low_freq_factor"]),
+                   rope_high_freq_factor=float(scaling["high_freq_factor"]),
+                   rope_original_max_positions=int(scaling["original_max_position_embeddings"]))
+        out["rope_theta"] = float(scaling.get("rope_theta", out["rope_theta"]))
+    elif scaling and kind != "default":
+        _fail("model.init_from", where, f"rope_scaling type {kind!r} is not supported (supported: llama3, none)")
+    elif scaling:
+        out["rope_theta"] = float(scaling.get("rope_theta", out["rope_theta"]))
+    return out
+
+
+def to_hf_config(m: ModelConfig) -> dict:
+    """A Hugging Face ``config.json`` (LlamaForCausalLM) for a llama-architecture config."""
+    qwen2 = m.attention_bias and m.qkv_bias_only  # Llama's attention_bias would add an output bias
+    doc = {"architectures": ["Qwen2ForCausalLM" if qwen2 else "LlamaForCausalLM"],
+           "model_type": "qwen2" if qwen2 else "llama", "vocab_size": m.vocab_size,
+           "hidden_size": m.d_model, "intermediate_size": m.ffn_width, "num_hidden_layers": m.num_blocks,
+           "num_attention_heads": m.num_heads, "num_key_value_heads": m.kv_heads, "head_dim": m.head_width,
+           "hidden_act": "silu", "max_position_embeddings": max(m.seq_len, m.rope_original_max_positions
+                                                              if m.rope_scaling_factor else m.seq_len),
+           "rms_norm_eps": m.norm_eps, "rope_theta": m.rope_theta, "attention_bias": m.attention_bias and not qwen2,
+           "mlp_bias": m.mlp_bias, "tie_word_embeddings": m.tie_embeddings, "attention_dropout": m.dropout,
+           "initializer_range": 0.02, "torch_dtype": "float32", "bos_token_id": None, "eos_token_id": None,
+           "rope_scaling": None}
+    if m.rope_scaling_factor:
+        doc["rope_scaling"] = {"rope_type": "llama3", "factor": m.rope_scaling_factor,
+                               "low_freq_factor": m.rope_low_freq_factor, "high_freq_factor": m.rope_high_freq_factor,
+                               "original_max_position_embeddings": m.rope_original_max_positions}
+    return doc
+
+
+def read_hf_config(path: str) -> dict:
+    """``config.json`` of a Hugging Face directory, with one-line errors for what is missing."""
+    if not os.path.exists(path):
+        _fail("model.init_from", path, "no such directory")
+    if not os.path.isdir(path):
+        _fail("model.init_from", path, "is not a directory (give the folder holding config.json and *.safetensors)")
+    cfg_path = os.path.join(path, "config.json")
+    if not os.path.isfile(cfg_path):
+        _fail("model.init_from", path, "has no config.json")
+    if not any(f.endswith(".safetensors") for f in os.listdir(path)):
+        _fail("model.init_from", path, "has no *.safetensors weights")
+    try:
+        with open(cfg_path) as fh:
+            return json.load(fh)
+    except ValueError as exc:
+        _fail("model.init_from", path, f"config.json is not valid JSON ({exc})")
+    raise AssertionError  # unreachable
+
+
+def resolve(m: ModelConfig, explicit: Iterable[str]) -> ModelConfig:
+    """Apply the preset or the checkpoint's config.json to ``m``; ``explicit``: the model keys the
+    user set (they override a preset's; with init_from, a shape key set to another value is an error)."""
+    explicit = set(explicit)
+    if sum(bool(x) for x in (m.preset, m.init_from, m.factory)) > 1:
+        _fail("model.preset" if m.preset else "model.init_from", m.preset or m.init_from,
+              "pick one of model.preset, model.init_from and model.factory")
+    if m.preset:
+        base = preset(m.preset)
+        keep = {f.name: getattr(m, f.name) for f in fields(m) if f.name in explicit}
+        return replace(base, **keep)
+    if m.init_from:
+        hf = from_hf_config(read_hf_config(m.init_from), m.init_from)
+        if "dropout" not in explicit:
+            hf["dropout"] = 0.0
+        for key, value in hf.items():
+            if key in explicit and getattr(m, key) != value:
+                _fail(f"model.{key}", getattr(m, key), f"has no effect with model.init_from={m.init_from!r}, whose "
+                                                       f"config.json sets {value!r}; leave it unset")
+        return replace(m, **hf)
+    return m

@@ -1,0 +1,184 @@
+"""The model contract: everything outside ``elaswave/model/`` sees a model only through this.
+
+A model is an ordered list of layers. Layer ``i`` can be built alone (a stage builds only its own),
+and initialises itself from its own keyed stream ``(seed, INIT, i)`` -- or reads its own tensors
+from a checkpoint -- so any placement holds the same weights. Each layer's ``forward(x, gen)`` takes
+the previous layer's output (layer 0: token ids) and a dropout generator keyed by
+``(seed, DROPOUT, step, micro-batch, layer)`` (``None`` in evaluation). The last layer returns
+logits, and :meth:`Model.loss_sum` turns them into the micro-batch's summed token loss.
+
+Costs per layer (forward multiply-adds per token, parameter count) are what the planner balances
+stages by, what ``parallel.stage_memory_mb`` is checked against, and what the simulator prices.
+
+A *tie* declares that a parameter of one layer (the user) is the same logical tensor as a parameter
+of another (the owner), e.g. a tied input embedding and output head. The owner's flat vector holds
+it; it has one gradient sum (both uses), one optimizer state and one set of ZeRO chunks. A rank
+holding the user holds the owner's layer too (not run, only to keep the tensor), and the owner's
+holder group includes it, so the gradient of every use is reduced into the one sum.
+"""
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+from dataclasses import dataclass
+from typing import Protocol, Sequence, runtime_checkable
+
+import torch
+from torch import nn
+
+from elaswave.config import ConfigError
+
+
+@dataclass(frozen=True)
+class LayerCost:
+    flops_per_token: float
+    """Forward multiply-adds per token (a backward costs about twice)."""
+    num_params: int
+    """Parameters this layer's flat vector holds (a tied tensor counts with its owner only)."""
+
+
+@dataclass(frozen=True)
+class Tie:
+    owner: int
+    owner_param: str
+    """Parameter name inside the owner layer's module (``named_parameters`` order)."""
+    user: int
+    user_param: str
+    """Parameter name inside the user layer's module; the user's own copy is discarded."""
+
+
+@runtime_checkable
+class Model(Protocol):
+    num_layers: int
+    seq_len: int
+    hidden_size: int
+    """Width of the activation one stage sends the next: ``[batch, seq_len, hidden_size]``."""
+    vocab_size: int
+    ties: tuple[Tie, ...]
+
+    def build_layer(self, index: int, seed: int, init: bool = True) -> nn.Module:
+        """Layer ``index``, initialised (``init=False``: shapes only, e.g. on the meta device)."""
+
+    def layer_costs(self) -> Sequence[LayerCost]:
+        """One per layer, in layer order."""
+
+    def loss_sum(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """The micro-batch's token losses, summed (callers divide by the global token count)."""
+
+    def identity(self) -> dict:
+        """What a checkpoint must match to load into this model (JSON-ready)."""
+
+
+REQUIRED = ("num_layers", "seq_len", "hidden_size", "vocab_size", "ties", "build_layer", "layer_costs",
+            "loss_sum", "identity")
+
+
+class ModelContractError(ConfigError):
+    """A model (e.g. from ``model.factory``) does not follow the contract; the message says how."""
+
+
+def check(model: object, where: str) -> "Model":
+    """``model`` if it has every part of the contract, else one error naming what is missing."""
+    missing = [name for name in REQUIRED if not hasattr(model, name)]
+    if missing:
+        raise ModelContractError(f"{where} returned a {type(model).__name__} that lacks {', '.join(missing)} "
+                                 f"of the model contract (see docs/models.md)")
+    if model.num_layers < 2:
+        raise ModelContractError(f"{where}: num_layers={model.num_layers} must be >= 2 (first layer takes token ids, "
+                                 "last returns logits)")
+    costs = list(model.layer_costs())
+    if len(costs) != model.num_layers:
+        raise ModelContractError(f"{where}: layer_costs() gave {len(costs)} entries for {model.num_layers} layers")
+    for tie in model.ties:
+        if not (0 <= tie.owner < model.num_layers and 0 <= tie.user < model.num_layers) or tie.owner == tie.user:
+            raise ModelContractError(f"{where}: tie {tie} must join two different layers in 0..{model.num_layers - 1}")
+    counted = counted_numels(model)
+    declared = [c.num_params for c in costs]
+    if counted != declared:
+        raise ModelContractError(f"{where}: layer_costs() declares {declared} parameters per layer, the built layers "
+                                 f"hold {counted} (ties counted with their owner)")
+    return model
+
+
+def model_for(cfg) -> "Model":
+    """The job's model (``cfg`` is a JobConfig): the built-in families, or ``model.factory``'s."""
+    m = cfg.model
+    if m.factory:
+        where = f"model.factory={m.factory!r}"
+        try:
+            model = load_factory(m.factory)(cfg)
+        except ConfigError:
+            raise
+        except Exception as exc:  # the user's code: its failure in one line (ELASWAVE_DEBUG=1 re-raises)
+            if os.environ.get("ELASWAVE_DEBUG"):
+                raise
+            raise ModelContractError(f"{where} raised {type(exc).__name__}: {exc}") from None
+        return check(model, where)
+    return family(m, fused_attention=not cfg.train.deterministic)
+
+
+def family(m, fused_attention: bool = False) -> "Model":
+    """A built-in family's model for a ModelConfig ``m`` (``arch``)."""
+    if m.arch == "llama":
+        from elaswave.model.llama import Llama
+        return Llama(m, fused_attention=fused_attention)
+    from elaswave.model.gpt import GPT
+    return GPT(m)
+
+
+def load_factory(spec: str):
+    """``package.module:function`` -> the function, with one-line errors."""
+    module_name, sep, attr = spec.partition(":")
+    if not sep or not module_name or not attr:
+        raise ConfigError(f"model.factory={spec!r} is invalid: must look like package.module:function")
+    if os.getcwd() not in sys.path:  # a module next to the job, as `python -m` would find it
+        sys.path.insert(0, os.getcwd())
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as exc:  # an import error of any kind is the user's to see in one line
+        raise ConfigError(f"model.factory={spec!r} is invalid: cannot import {module_name} "
+                          f"({type(exc).__name__}: {exc})") from None
+    fn = getattr(module, attr, None)
+    if not callable(fn):
+        raise ConfigError(f"model.factory={spec!r} is invalid: {module_name} has no callable {attr}")
+    return fn
+
+
+def layer_numels(model: "Model") -> list[int]:
+    return [c.num_params for c in model.layer_costs()]
+
+
+def tie_pairs(model: "Model") -> tuple[tuple[int, int], ...]:
+    """(owner, user) layer pairs: what the planner needs to know of ties."""
+    return tuple(sorted({(t.owner, t.user) for t in model.ties}))
+
+
+def counted_numels(model: "Model", seed: int = 0) -> list[int]:
+    """Parameters of each layer counted from its built module (meta device), ties left with their owner."""
+    out = []
+    with torch.device("meta"):
+        for i in range(model.num_layers):
+            layer = model.build_layer(i, seed, init=False)
+            untie(model, layer, i)
+            out.append(sum(p.numel() for p in layer.parameters()))
+    return out
+
+
+def untie(model: "Model", layer: nn.Module, index: int) -> list[tuple[Tie, nn.Module, str, torch.Size]]:
+    """Remove from ``layer`` (layer ``index``) the parameters a tie says are another layer's, so
+    that only its own are left; returns (tie, parent module, name, shape) for each to re-attach."""
+    slots = []
+    for t in model.ties:
+        if t.user != index:
+            continue
+        path, _, name = t.user_param.rpartition(".")
+        try:
+            parent = layer.get_submodule(path)
+            shape = parent._parameters[name].shape
+        except (AttributeError, KeyError):
+            raise ModelContractError(f"tie {t}: layer {index} ({type(layer).__name__}) has no parameter "
+                                     f"{t.user_param!r}") from None
+        del parent._parameters[name]
+        slots.append((t, parent, name, shape))
+    return slots

@@ -1,0 +1,38 @@
+"""The examples run as written: a custom model through a SIGKILL and a join, and the TOML that
+fine-tunes a local Hugging Face Llama directory and exports it."""
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from tests.helpers.spawn import assert_same_run, run_cli, run_job, run_reference
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+STEPS = 150  # long enough for the replacement's start-up (a new process importing torch)
+CUSTOM = ["model.factory=examples.custom_model:build", "train.num_micro_batches=4", "parallel.timeout_s=60"]
+
+
+def test_custom_model_trains_through_a_kill_and_a_join(tmp_path):
+    reference = run_reference(tmp_path, STEPS, deterministic=True, extra=CUSTOM)
+    res = run_job(tmp_path, 2, 2, STEPS, True, extra=[*CUSTOM, "elastic.inject=kill:rank=3,step=5,phase=backward"],
+                  cli=["--respawn-after", "0"])
+    assert_same_run(res, reference, STEPS)
+    assert [r["event"] for r in res.records if r["event"] in ("recovery", "join")] == ["recovery", "join"]
+
+
+def test_finetune_toml_loads_a_hugging_face_directory_and_exports_it(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=512, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    transformers.LlamaForCausalLM(config).save_pretrained(tmp_path / "tiny-llama")
+    np.random.default_rng(0).integers(0, 512, 20_000).astype(np.uint16).tofile(tmp_path / "tokens.bin")
+    out = tmp_path / "finetuned"
+    res = run_cli(["run", "--config", str(EXAMPLES / "finetune_llama.toml"), "--set", "train.steps=3",
+                   "--set", f"model.init_from={tmp_path / 'tiny-llama'}", "--set", f"data.path={tmp_path / 'tokens.bin'}",
+                   "--set", f"checkpoint.export_hf={out}", "--set", "model.seq_len=32"], tmp_path)
+    assert res.returncode == 0, res.stderr
+    model, info = transformers.AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"]
+    assert model.config.num_key_value_heads == 2 and res.summary["steps"] == 3
