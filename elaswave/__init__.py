@@ -1,7 +1,8 @@
-"""elaswave: elastic hybrid-parallel training on PyTorch. ``elaswave.train`` / ``elaswave.reference``
-run a job from Python (see :mod:`elaswave.api`); the command line is ``elaswave``."""
+"""elaswave: elastic hybrid-parallel training on PyTorch. ``elaswave.train`` /
+``elaswave.train_reference`` run a job from Python (see :mod:`elaswave.api`); the command line is
+``elaswave``."""
 
-__all__ = ["train", "reference", "job", "Run"]
+__all__ = ["train", "train_reference", "job", "Run"]
 
 
 def __getattr__(name: str):

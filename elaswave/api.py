@@ -5,8 +5,8 @@
     run.losses, run.summary["params_sha256"], run.recoveries
 
 ``train`` runs the job exactly as ``elaswave run`` does -- worker processes, the launcher's store,
-failures injected or real -- and returns its metrics. ``reference`` trains the same job in this
-process, failure-free. A model is given as its factory (``fn(cfg) -> model``, importable by the
+failures injected or real -- and returns its metrics. ``train_reference`` trains the same job in
+this process, failure-free (not ``reference``: that name is the oracle's module). A model is given as its factory (``fn(cfg) -> model``, importable by the
 worker processes, so defined at a module's top level) or as ``"package.module:function"``.
 """
 from __future__ import annotations
@@ -77,14 +77,14 @@ def train(config_path: str | None = None, overrides: Sequence[str] = (), model: 
         return Run(code, read_jsonl(path) if os.path.exists(path) else [])
 
 
-def reference(config_path: str | None = None, overrides: Sequence[str] = (),
+def train_reference(config_path: str | None = None, overrides: Sequence[str] = (),
               model: Callable | str | None = None) -> Run:
     """The same job trained failure-free in this process (the oracle elastic runs are compared to)."""
-    from elaswave.reference import train_reference
+    from elaswave.reference import train_reference as oracle
 
     cfg = job(config_path, overrides, model)
     records: list[dict] = []
-    result = train_reference(cfg, on_step=records.append)
+    result = oracle(cfg, on_step=records.append)
     records.append({"event": "summary", "steps": cfg.train.steps, "params_sha256": result["params_sha256"],
                     "world_size": 1})
     return Run(0, records)

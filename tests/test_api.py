@@ -11,7 +11,7 @@ JOB = ["train.steps=6", "train.num_micro_batches=4", "parallel.dp=2", "parallel.
 
 def test_train_with_a_model_factory_equals_the_reference_through_a_kill():
     run = elaswave.train(overrides=[*JOB, "elastic.inject=kill:rank=0,step=3,phase=forward"], model=build)
-    ref = elaswave.reference(overrides=JOB, model="examples.custom_model:build")
+    ref = elaswave.train_reference(overrides=JOB, model="examples.custom_model:build")
     assert run.exit_code == 0 and len(run.recoveries) == 1
     assert run.losses == ref.losses
     assert run.summary["params_sha256"] == ref.summary["params_sha256"]
