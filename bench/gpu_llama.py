@@ -22,7 +22,8 @@ import torch.nn.functional as F
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from bench.gpu import WARMUP_STEPS, _elaswave  # noqa: E402
+from bench.gpu import WARMUP_STEPS  # noqa: E402
+from bench.gpu_training import _elaswave  # noqa: E402
 
 JOB = ["parallel.dp=1", "parallel.pp=1", "model.preset=llama-tiny", "model.d_model=512", "model.num_heads=8",
        "model.num_kv_heads=4", "model.num_blocks=8", "model.ffn_dim=1408", "model.seq_len=256",

@@ -62,9 +62,5 @@ def train_reference(cfg: JobConfig, on_step: Callable[[dict], None] | None = Non
                      "step_time_s": time.perf_counter() - started})
     if cfg.checkpoint.export_hf:
         from elaswave.checkpoint import export
-        from elaswave.plan.plan import initial_plan
-        plan = initial_plan(1, 1, 1, [1.0] * m.num_layers, 1)
-        export.clear_staging(cfg.checkpoint.export_hf)
-        export.finish_run_export(cfg.checkpoint.export_hf, cfg.model,
-                                 [export.write_my_shard(cfg.checkpoint.export_hf, plan, 0, layers)])
+        export.write_layers(cfg.checkpoint.export_hf, cfg.model, layers, m.num_layers)
     return {"losses": losses, "params_sha256": params_sha256([l.digest() for l in layers])}

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import shutil
 from pathlib import Path
+from typing import Iterable
 
 import torch
 
@@ -44,8 +45,7 @@ def write_my_shard(out: str, plan: Plan, rank: int, layers: list[FlatLayer]) -> 
             tensors.update(hf.layer_tensors(layer.module, layer.index, plan.num_layers))
     k = ws.index(rank)
     names = hf.write_shard(out, k, len(ws), tensors)
-    return {"names": names, "bytes": sum(t.numel() * t.element_size() for t in tensors.values()),
-            "file": hf.shard_name(k, len(ws))}
+    return {"names": names, "bytes": _nbytes(tensors), "file": hf.shard_name(k, len(ws))}
 
 
 def finish_run_export(out: str, m: ModelConfig, parts: list[dict]) -> Path:
@@ -70,30 +70,40 @@ def export_checkpoint(ckpt: str, out: str, max_shard_bytes: int = 5 * 2 ** 30) -
         raise ConfigError(f"CHECKPOINT_DIR={ckpt!r} is invalid: its model cannot be rebuilt ({exc})") from None
     hf.check_exportable(m)
     model = family(m)
-    clear_staging(out)
-    n = manifest.chunk_numel
-    shards: list[dict[str, torch.Tensor]] = [{}]
-    size = 0
-    for i in range(model.num_layers):
+
+    def rebuilt(i: int) -> FlatLayer:
         module = model.build_layer(i, 0, init=False)
         untie(model, module, i)
         layer = FlatLayer(module, i)
-        keys = [(i, c) for c in range(num_chunks(layer.numel, n))]
+        keys = [(i, c) for c in range(num_chunks(layer.numel, manifest.chunk_numel))]
         chunks = disk.load_chunks(manifest, keys)
         with torch.no_grad():
             for key in keys:
-                start, end = chunk_range(layer.numel, n, key[1])
+                start, end = chunk_range(layer.numel, manifest.chunk_numel, key[1])
                 layer.flat[start:end] = chunks[key][0, :end - start]
-        tensors = hf.layer_tensors(layer.module, i, model.num_layers)
-        nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
-        if shards[-1] and size + nbytes > max_shard_bytes:
+        return layer
+
+    return write_layers(out, m, (rebuilt(i) for i in range(model.num_layers)), model.num_layers, max_shard_bytes)
+
+
+def write_layers(out: str, m: ModelConfig, layers: Iterable[FlatLayer], num_layers: int,
+                 max_shard_bytes: int = 5 * 2 ** 30) -> Path:
+    """Whole layers, in order, into shards of at most ``max_shard_bytes`` (one process writes all:
+    the reference trainer, or ``elaswave export``), then the index and config.json."""
+    clear_staging(out)
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for layer in layers:
+        tensors = hf.layer_tensors(layer.module, layer.index, num_layers)
+        if shards[-1] and size + _nbytes(tensors) > max_shard_bytes:
             shards.append({})
             size = 0
         shards[-1].update(tensors)
-        size += nbytes
-    weight_map, total = {}, 0
-    for k, tensors in enumerate(shards):
-        for name in hf.write_shard(out, k, len(shards), tensors):
-            weight_map[name] = hf.shard_name(k, len(shards))
-        total += sum(t.numel() * t.element_size() for t in tensors.values())
-    return hf.finish(out, m, weight_map, total)
+        size += _nbytes(tensors)
+    weight_map = {name: hf.shard_name(k, len(shards))
+                  for k, tensors in enumerate(shards) for name in hf.write_shard(out, k, len(shards), tensors)}
+    return hf.finish(out, m, weight_map, sum(_nbytes(t) for t in shards))
+
+
+def _nbytes(tensors: dict[str, torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors.values())

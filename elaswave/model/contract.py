@@ -145,10 +145,6 @@ def load_factory(spec: str):
     return fn
 
 
-def layer_numels(model: "Model") -> list[int]:
-    return [c.num_params for c in model.layer_costs()]
-
-
 def tie_pairs(model: "Model") -> tuple[tuple[int, int], ...]:
     """(owner, user) layer pairs: what the planner needs to know of ties."""
     return tuple(sorted({(t.owner, t.user) for t in model.ties}))

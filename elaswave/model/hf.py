@@ -55,44 +55,38 @@ class HFWeights:
 
     def check(self, model) -> None:
         """Every tensor the model's layers need is there with its shape (read from headers only)."""
-        from safetensors import safe_open
         with torch.device("meta"):
             for i in range(model.num_layers):
-                layer = model.build_layer(i, 0, init=False)
                 skip = {t.user_param for t in model.ties if t.user == i}
-                for name, p in layer.named_parameters():
-                    if name in skip:
-                        continue
-                    key = hf_name(i, model.num_layers, name)
-                    if key not in self.files:
-                        raise HFError(f"model.init_from={str(self.path)!r}: tensor {key} (layer {i}) is missing")
-                    with safe_open(str(self.files[key]), framework="pt") as fh:
-                        shape = tuple(fh.get_slice(key).get_shape())
-                    if shape != tuple(p.shape):
-                        raise HFError(f"model.init_from={str(self.path)!r}: tensor {key} has shape {list(shape)}, "
-                                      f"the model expects {list(p.shape)}")
+                self._visit(model.build_layer(i, 0, init=False), i, model.num_layers, skip, load=False)
 
     def load_layer(self, layer: nn.Module, index: int, num_layers: int, skip: Iterable[str] = ()) -> None:
         """Copy this layer's tensors from disk into ``layer`` (its own tensors only)."""
+        with torch.no_grad():
+            self._visit(layer, index, num_layers, set(skip), load=True)
+
+    def _visit(self, layer: nn.Module, index: int, num_layers: int, skip: set[str], load: bool) -> None:
+        """Each of the layer's parameters (but ``skip``) found on disk with its shape, and copied in
+        with ``load``; one file opened once for all the tensors it holds."""
         from safetensors import safe_open
-        skip = set(skip)
-        wanted = [(name, p) for name, p in layer.named_parameters() if name not in skip]
-        by_file: dict[Path, list[tuple[str, str, torch.Tensor]]] = {}
-        for name, p in wanted:
+        where = f"model.init_from={str(self.path)!r}"
+        by_file: dict[Path, list[tuple[str, torch.Tensor]]] = {}
+        for name, p in layer.named_parameters():
+            if name in skip:
+                continue
             key = hf_name(index, num_layers, name)
             if key not in self.files:
-                raise HFError(f"model.init_from={str(self.path)!r}: tensor {key} (layer {index}) is missing")
-            by_file.setdefault(self.files[key], []).append((key, name, p))
-        with torch.no_grad():
-            for f, items in by_file.items():
-                if not f.is_file():
-                    raise HFError(f"model.init_from={str(self.path)!r}: {f.name}, named in {INDEX}, does not exist")
-                with safe_open(str(f), framework="pt") as fh:
-                    for key, name, p in items:
-                        shape = tuple(fh.get_slice(key).get_shape())
-                        if shape != tuple(p.shape):
-                            raise HFError(f"model.init_from={str(self.path)!r}: tensor {key} has shape {list(shape)}, "
-                                          f"the model expects {list(p.shape)}")
+                raise HFError(f"{where}: tensor {key} (layer {index}) is missing")
+            by_file.setdefault(self.files[key], []).append((key, p))
+        for f, items in by_file.items():
+            if not f.is_file():
+                raise HFError(f"{where}: {f.name}, named in {INDEX}, does not exist")
+            with safe_open(str(f), framework="pt") as fh:
+                for key, p in items:
+                    shape = tuple(fh.get_slice(key).get_shape())
+                    if shape != tuple(p.shape):
+                        raise HFError(f"{where}: tensor {key} has shape {list(shape)}, the model expects {list(p.shape)}")
+                    if load:
                         p.copy_(fh.get_tensor(key).to(p.dtype))
 
 

@@ -47,4 +47,3 @@ class Stage:
                                 device=self.device) if train else None
             x = layer.module(x, gen)
         return x
-

@@ -12,7 +12,7 @@ from elaswave.comm.backend import reduce_scatter_is_all_reduce
 from elaswave.comm.groups import Communicator, Group
 from elaswave.config import JobConfig
 from elaswave.data.sampler import Sampler
-from elaswave.model.contract import Model, counted_numels
+from elaswave.model.contract import counted_numels
 from elaswave.pipeline.emulate import EmulatedCompute, layer_forward_s
 from elaswave.pipeline.executor import Executor
 from elaswave.pipeline.p2p import P2P
@@ -52,11 +52,6 @@ class RankState:
         return self.plan.epoch
 
 
-def layer_numels(model: Model) -> list[int]:
-    """Parameter count of every layer's flat vector, from shapes alone (no weights are built)."""
-    return counted_numels(model)
-
-
 def build_rank(cfg: JobConfig, plan: Plan, rank: int, stage: Stage, sampler: Sampler | None, world: Group,
                comm: Communicator, device: torch.device, backend_name: str, gen: int = 0,
                chunks: Mapping[ChunkKey, torch.Tensor] | None = None,
@@ -68,7 +63,7 @@ def build_rank(cfg: JobConfig, plan: Plan, rank: int, stage: Stage, sampler: Sam
     d, s = plan.position(rank)
     pipeline = plan.pipelines[d]
     model = stage.model
-    numels = layer_numels(model)
+    numels = counted_numels(model)
     buckets, groups = [], []
     for holders, layers in plan.holder_groups().items():
         if rank not in holders:

@@ -30,7 +30,7 @@ from elaswave.control.membership import Membership
 from elaswave.data.corpus import load_corpus
 from elaswave.data.sampler import Sampler
 from elaswave.interrupt import Disruption, Interrupt
-from elaswave.model.contract import model_for, tie_pairs
+from elaswave.model.contract import counted_numels, model_for, tie_pairs
 from elaswave.pipeline.schedule import Action, Op
 from elaswave.pipeline.stage import Stage
 from elaswave.plan.frequency import PowerModel
@@ -38,7 +38,7 @@ from elaswave.plan.plan import PlanError, initial_plan
 from elaswave.runtime import actuator, join, recovery
 from elaswave.runtime.actuator import ActuatorError
 from elaswave.runtime.metrics import MetricsWriter, StepJournal, print_error
-from elaswave.runtime.rank import build_rank, layer_numels
+from elaswave.runtime.rank import build_rank
 from elaswave.runtime.step import gather_params, train_step
 from elaswave.runtime.straggler import REBALANCE, SpeedWindow
 from elaswave.snapshot.pool import SnapshotPool
@@ -245,7 +245,7 @@ def _start(ctx: Context, world_size: int):
     """The founding ranks' first epoch: the initial plan, from scratch or from a disk checkpoint."""
     cfg, rank, device = ctx.cfg, ctx.rank, ctx.device
     t, model = cfg.train, ctx.model
-    numels = layer_numels(model)
+    numels = counted_numels(model)
     plan = initial_plan(world_size, cfg.parallel.dp, cfg.parallel.pp,
                         [c.flops_per_token for c in model.layer_costs()], t.num_micro_batches,
                         numels, cfg.parallel.chunk_numel, stage_memory_mb(model), cfg.parallel.stage_memory_mb,
@@ -274,7 +274,7 @@ def _start(ctx: Context, world_size: int):
 def stage_memory_mb(model) -> list[float]:
     """Each layer's modelled memory on a stage that runs it; a tie's user also holds the owner's
     tensor (its owner layer's whole vector, as the stage keeps it)."""
-    numels = layer_numels(model)
+    numels = counted_numels(model)
     memory = [BYTES_PER_PARAM * n / 2 ** 20 for n in numels]
     for owner, user in tie_pairs(model):
         memory[user] += BYTES_PER_PARAM * numels[owner] / 2 ** 20

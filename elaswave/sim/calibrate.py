@@ -24,10 +24,9 @@ import statistics
 from dataclasses import replace
 
 from elaswave import config
-from elaswave.model.contract import model_for, tie_pairs
+from elaswave.model.contract import counted_numels, model_for, tie_pairs
 from elaswave.pipeline.emulate import layer_forward_s
 from elaswave.plan.plan import Plan, initial_plan, replan
-from elaswave.runtime.rank import layer_numels
 from elaswave.sim.model import ClusterModel, step_time
 
 
@@ -63,7 +62,7 @@ def _flops(cfg) -> list[float]:
 def _writers_group(cfg, plan: Plan) -> tuple[int, float]:
     """(holders, parameter bytes) of the metrics writer's holder group (the writer is the plan's
     first rank; its phases are the ones recorded)."""
-    numels = layer_numels(model_for(cfg))
+    numels = counted_numels(model_for(cfg))
     for holders, layers in plan.holder_groups().items():
         if plan.ranks[0] in holders:
             return len(holders), 4.0 * sum(numels[i] for i in layers)
@@ -129,7 +128,7 @@ def fit(records: list[dict], links: tuple[float, float] | None = None) -> Cluste
     phases = rec["phases_s"] if rec else {}
     wire = {}
     if links is not None:
-        numels = layer_numels(model_for(cfg))
+        numels = counted_numels(model_for(cfg))
         # No activation bytes: the runtime's sends overlap its compute, so they stay in the
         # measured fixed cost per micro-batch and stage rather than priced over the link.
         wire = dict(layer_param_bytes=tuple(4.0 * n for n in numels), devices_per_node=cfg.world_size,

@@ -3,8 +3,7 @@ says what is missing when the runs cannot determine it."""
 import pytest
 
 from elaswave import config
-from elaswave.model.contract import model_for
-from elaswave.runtime.rank import layer_numels
+from elaswave.model.contract import counted_numels, model_for
 from elaswave.sim.calibrate import CalibrationError, fit, fit_links, predict
 
 LATENCY_S, BYTES_PER_S = 300e-6, 1.5e9
@@ -14,7 +13,7 @@ def _run(d_model: int, dp: int = 4, deterministic: bool = False, steps: int = 6)
     """Metrics of a failure-free run whose collectives took what a known ring link takes."""
     cfg = config.load(None, [f"parallel.dp={dp}", "parallel.pp=1", f"model.d_model={d_model}",
                              "model.num_heads=2", f"train.deterministic={str(deterministic).lower()}"])
-    nbytes = 4.0 * sum(layer_numels(model_for(cfg)))
+    nbytes = 4.0 * sum(counted_numels(model_for(cfg)))
     grad = nbytes * (2 if deterministic else 1)
     reduce = 2 * (dp - 1) * (LATENCY_S + grad / dp / BYTES_PER_S)  # gloo: an all-reduce, two rings
     gather = (dp - 1) * (LATENCY_S + nbytes / dp / BYTES_PER_S)
