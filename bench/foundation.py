@@ -60,7 +60,7 @@ def main():
     with tempfile.TemporaryDirectory() as workdir:
         for layout in args.layouts.split(","):
             dp, pp = (int(x) for x in layout.split("x"))
-            sets = [f"parallel.dp={dp}", f"parallel.pp={pp}", f"train.steps={args.steps}", *args.overrides]
+            sets = ["model.arch=gpt", f"parallel.dp={dp}", f"parallel.pp={pp}", f"train.steps={args.steps}", *args.overrides]
             fast, det, base = [], [], []
             for _ in range(args.repeats):
                 fast.append(run_ours(sets, False, workdir))

@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.jobs import run_job  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
-STEP_JOB = ["model.preset=llama-tiny", "model.d_model=128", "model.num_heads=4", "model.num_kv_heads=2",
+STEP_JOB = ["model.preset=llama-tiny", "model.dropout=0", "model.d_model=128", "model.num_heads=4", "model.num_kv_heads=2",
             "model.ffn_dim=384", "model.seq_len=128", "train.micro_batch_size=4", "train.num_micro_batches=8",
             "train.steps=20", "data.max_corpus_bytes=400000", "elastic.straggler_gain=0"]
 WARMUP = 3

@@ -43,7 +43,7 @@ os.environ.setdefault("RUST_LOG", "warn")  # the lighthouse runs in this process
 from elastic import restart_run  # noqa: E402
 from jobs import run_job  # noqa: E402
 
-JOB = ["parallel.dp=3", "parallel.pp=1", "train.num_micro_batches=12", "train.steps=30", "model.dropout=0"]
+JOB = ["model.arch=gpt", "parallel.dp=3", "parallel.pp=1", "train.num_micro_batches=12", "train.steps=30", "model.dropout=0"]
 REPLICAS, KILL_RANK, KILL_STEP = 3, 2, 12
 KILL = f"elastic.inject=kill:rank={KILL_RANK},step={KILL_STEP},phase=backward"
 TUNED_HEARTBEAT_MS = 1000

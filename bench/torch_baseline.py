@@ -49,6 +49,8 @@ def main():
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     cfg = config.load(None, args.overrides)
+    if cfg.model.arch != "gpt":  # these baselines are plain modules of elaswave's GPT layers (no ties)
+        raise SystemExit(f"torch_baseline.py: model.arch={cfg.model.arch!r} is invalid here: set model.arch=gpt")
     t, m = cfg.train, cfg.model
     dp, pp = cfg.parallel.dp, cfg.parallel.pp
     torch.set_num_threads(1)

@@ -81,6 +81,8 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     cfg = config.load(None, args.overrides)
+    if cfg.model.arch != "gpt":  # these baselines are plain modules of elaswave's GPT layers (no ties)
+        raise SystemExit(f"torchft_replica.py: model.arch={cfg.model.arch!r} is invalid here: set model.arch=gpt")
     t, m = cfg.train, cfg.model
     torch.set_num_threads(1)
     torch.manual_seed(t.seed)

@@ -14,6 +14,7 @@ from typing import Any
 
 from elaswave.control import faults
 from elaswave.model.config import ModelConfig, resolve as resolve_model
+from elaswave.precision import PRECISIONS
 
 try:  # Python >= 3.11
     import tomllib
@@ -74,6 +75,19 @@ class TrainConfig:
     """Bit-identical results across every dp x pp layout (fixed-point gradient reduction)."""
     grad_fixed_point_bits: int = 32
     """Deterministic mode: gradients are summed as round(g * 2**bits) in int64."""
+    precision: str = "auto"
+    """fp32, or bf16 (bfloat16 layers, float32 master weights and Adam moments in the ZeRO shards);
+    auto: bf16 on a CUDA device that supports it, fp32 on CPU. See elaswave/precision.py."""
+    activation_checkpointing: str = "none"
+    """none, full (every block recomputes its forward in the backward), or every_N (every N-th
+    block): less activation memory for more compute; the same bits either way."""
+
+    def checkpointed(self, layer: int, num_layers: int) -> bool:
+        """Whether layer ``layer`` (of ``num_layers``; blocks are 1..num_layers-2) is recomputed."""
+        if self.activation_checkpointing == "none" or not 0 < layer < num_layers - 1:
+            return False
+        every = 1 if self.activation_checkpointing == "full" else int(self.activation_checkpointing[6:])
+        return layer % every == 0
 
     def validate(self) -> None:
         if self.steps < 0:
@@ -96,6 +110,11 @@ class TrainConfig:
                 _fail(f"train.{name}", getattr(self, name), "must be in [0, 1)")
         if not 8 <= self.grad_fixed_point_bits <= 48:
             _fail("train.grad_fixed_point_bits", self.grad_fixed_point_bits, "must be in [8, 48]")
+        if self.precision not in PRECISIONS:
+            _fail("train.precision", self.precision, f"must be one of {', '.join(PRECISIONS)}")
+        ac = self.activation_checkpointing
+        if ac not in ("none", "full") and not (ac.startswith("every_") and ac[6:].isdigit() and int(ac[6:]) >= 1):
+            _fail("train.activation_checkpointing", ac, "must be none, full or every_N with N >= 1 (e.g. every_2)")
 
 
 BACKENDS = ("auto", "gloo", "nccl")

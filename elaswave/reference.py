@@ -1,7 +1,7 @@
 """The reference oracle: a single-process, failure-free trainer that defines "correct".
 
 It runs the whole model on micro-batches 0..M-1 one after the other, with the same data, dropout
-streams, fixed-point accumulation (deterministic mode), clipping and AdamW as the distributed
+streams, precision, fixed-point accumulation (deterministic mode), clipping and AdamW as the distributed
 runtime, where one holder owns every chunk. Elastic runs are compared against what it produces.
 """
 from __future__ import annotations
@@ -17,6 +17,7 @@ from elaswave.data.corpus import load_corpus
 from elaswave.data.sampler import Sampler
 from elaswave.model.contract import model_for
 from elaswave.pipeline.stage import Stage
+from elaswave.precision import compute_dtype
 from elaswave.plan.chunks import ChunkIndex
 from elaswave.zero.bucket import Bucket
 from elaswave.zero.flat import params_sha256
@@ -32,7 +33,10 @@ def train_reference(cfg: JobConfig, on_step: Callable[[dict], None] | None = Non
     stage = Stage(cfg, (0, m.num_layers), torch.device("cpu"), m)
     layers = stage.layers
     bucket = Bucket((0,), [l.index for l in layers], [l.numel for l in layers], cfg.parallel.chunk_numel, me=0)
-    optimizer = ShardedAdamW([bucket], layers, t)
+    optimizer = ShardedAdamW([bucket], layers, t)  # the float32 masters, before the layers are rounded
+    dtype = compute_dtype(t.precision, stage.device)
+    for layer in layers:
+        layer.cast(dtype)
     accumulator = GradAccumulator(layers, t.deterministic, t.grad_fixed_point_bits, t.num_micro_batches)
     index = ChunkIndex.build([l.numel for l in layers], cfg.parallel.chunk_numel)
     global_tokens = t.num_micro_batches * t.micro_batch_size * m.seq_len
@@ -60,6 +64,9 @@ def train_reference(cfg: JobConfig, on_step: Callable[[dict], None] | None = Non
             on_step({"event": "step", "step": step, "loss": loss, "grad_norm": norm,
                      "num_samples": t.num_micro_batches * t.micro_batch_size, "world_size": 1, "epoch": 0,
                      "step_time_s": time.perf_counter() - started})
+    for layer, flat in zip(layers, bucket.unpack(optimizer.params[0])):  # the masters, for digest and export
+        layer.cast(torch.float32)
+        layer.flat.copy_(flat)
     if cfg.checkpoint.export_hf:
         from elaswave.checkpoint import export
         export.write_layers(cfg.checkpoint.export_hf, cfg.model, layers, m.num_layers)

@@ -36,7 +36,8 @@ class ModelConfig:
     arch: str = "gpt"
     """gpt: the small byte-level GPT; llama: the Llama family (also Qwen2 with attention_bias)."""
     preset: str = ""
-    """A named shape (see elaswave.model.config.PRESETS); keys set explicitly override it."""
+    """A named shape (see elaswave.model.config.PRESETS); keys set explicitly override it. Unset, with
+    none of arch, init_from and factory set either: DEFAULT_PRESET (the default job's model)."""
     init_from: str = ""
     """A local Hugging Face directory (config.json + *.safetensors): shapes and initial weights."""
     factory: str = ""
@@ -135,6 +136,7 @@ _GPT = dict(arch="gpt", dropout=0.0)
 _LLAMA3 = dict(arch="llama", vocab_size=128256, rope_theta=500000.0, rope_scaling_factor=8.0,
                rope_low_freq_factor=1.0, rope_high_freq_factor=4.0, rope_original_max_positions=8192,
                num_kv_heads=8, norm_eps=1e-5, dropout=0.0, seq_len=8192)
+DEFAULT_PRESET = "llama-tiny"
 PRESETS: dict[str, dict] = {
     # The small byte-level GPT of the default job, named.
     "gpt-tiny": dict(arch="gpt", vocab_size=256, seq_len=64, d_model=64, num_heads=4, num_blocks=4, dropout=0.1),
@@ -142,9 +144,10 @@ PRESETS: dict[str, dict] = {
     "gpt-1.3b": dict(_GPT, vocab_size=50257, seq_len=2048, d_model=2048, num_heads=16, num_blocks=24),
     "gpt-13b": dict(_GPT, vocab_size=50257, seq_len=2048, d_model=5120, num_heads=40, num_blocks=40),
     "gpt-175b": dict(_GPT, vocab_size=50257, seq_len=2048, d_model=12288, num_heads=96, num_blocks=96),
-    # A Llama small enough for tests on two cores: GQA and tied embeddings, byte vocabulary.
+    # The default job's model: a Llama small enough for tests on two cores, with GQA, tied embeddings,
+    # a byte vocabulary and attention dropout (so every run draws keyed random numbers).
     "llama-tiny": dict(arch="llama", vocab_size=256, seq_len=64, d_model=64, num_heads=4, num_kv_heads=2,
-                       num_blocks=4, ffn_dim=128, rope_theta=10000.0, tie_embeddings=True, dropout=0.0),
+                       num_blocks=4, ffn_dim=128, rope_theta=10000.0, tie_embeddings=True, dropout=0.1),
     "llama3-8b": dict(_LLAMA3, d_model=4096, num_heads=32, num_blocks=32, ffn_dim=14336),
     "llama3-70b": dict(_LLAMA3, d_model=8192, num_heads=64, num_blocks=80, ffn_dim=28672),
     "llama3-405b": dict(_LLAMA3, d_model=16384, num_heads=128, num_blocks=126, ffn_dim=53248),
@@ -242,6 +245,8 @@ def resolve(m: ModelConfig, explicit: Iterable[str]) -> ModelConfig:
     """Apply the preset or the checkpoint's config.json to ``m``; ``explicit``: the model keys the
     user set (they override a preset's; with init_from, a shape key set to another value is an error)."""
     explicit = set(explicit)
+    if not (m.preset or m.init_from or m.factory) and "arch" not in explicit:
+        m = replace(m, preset=DEFAULT_PRESET)
     if sum(bool(x) for x in (m.preset, m.init_from, m.factory)) > 1:
         _fail("model.preset" if m.preset else "model.init_from", m.preset or m.init_from,
               "pick one of model.preset, model.init_from and model.factory")

@@ -111,7 +111,7 @@ def layer_flops(cfg: ModelConfig, index: int) -> float:
 
 def token_loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Cross-entropy summed over the micro-batch's tokens (callers divide by the global count)."""
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="sum")
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1), reduction="sum")
 
 
 class GPT:

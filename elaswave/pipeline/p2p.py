@@ -13,10 +13,10 @@ from elaswave.comm.groups import Group
 
 class P2P:
     def __init__(self, group: Group, prev_rank: int | None, next_rank: int | None, shape: tuple[int, ...],
-                 device: torch.device):
+                 device: torch.device, dtype: torch.dtype = torch.float32):
         self.group = group
         self.prev_rank, self.next_rank = prev_rank, next_rank
-        self.shape, self.device = shape, device
+        self.shape, self.device, self.dtype = shape, device, dtype
         self.pending: list = []
 
     def _send(self, t: torch.Tensor, dst: int, tag: int) -> None:
@@ -24,7 +24,7 @@ class P2P:
         self.pending.append((self.group.isend(t, dst, tag), t))
 
     def _recv(self, src: int, tag: int, what: str) -> torch.Tensor:
-        buf = torch.empty(self.shape, dtype=torch.float32, device=self.device)
+        buf = torch.empty(self.shape, dtype=self.dtype, device=self.device)
         self.group.wait(self.group.irecv(buf, src, tag), f"{what} from rank {src}")
         return buf
 

@@ -7,6 +7,7 @@ folded into the owner's sum as a use of its own (see :class:`elaswave.zero.flat.
 from __future__ import annotations
 
 import torch
+from torch.utils.checkpoint import checkpoint
 
 from elaswave import rng
 from elaswave.config import JobConfig
@@ -38,12 +39,27 @@ class Stage:
                 raise ModelContractError(f"tie {t}: shapes {list(alias.shape)} and {list(shape)} differ")
             setattr(parent, name, alias)
         self.running = [by_index[i] for i in range(self.start, self.end)]
+        self.recomputed = {i for i in range(self.start, self.end) if cfg.train.checkpointed(i, self.model.num_layers)}
+        """Layers whose activations are not kept: their forward runs again in the backward."""
         self.device = device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """What the layers hold and compute in (train.precision; set by casting the layers)."""
+        return self.layers[0].flat.dtype
 
     def forward(self, x: torch.Tensor, step: int, micro_batch: int, train: bool = True) -> torch.Tensor:
         """Dropout in layer ``i`` draws from the stream (seed, DROPOUT, step, micro_batch, i)."""
         for layer in self.running:
-            gen = rng.generator(self.seed, rng.DROPOUT, step, micro_batch, layer.index,
-                                device=self.device) if train else None
-            x = layer.module(x, gen)
+            if train and layer.index in self.recomputed and torch.is_grad_enabled():
+                # The recomputation makes its generator anew from the same key: the same masks.
+                x = checkpoint(self._run, layer, x, step, micro_batch, train, use_reentrant=False,
+                               preserve_rng_state=False)
+            else:
+                x = self._run(layer, x, step, micro_batch, train)
         return x
+
+    def _run(self, layer: FlatLayer, x: torch.Tensor, step: int, micro_batch: int, train: bool) -> torch.Tensor:
+        gen = rng.generator(self.seed, rng.DROPOUT, step, micro_batch, layer.index,
+                            device=self.device) if train else None
+        return layer.module(x, gen)

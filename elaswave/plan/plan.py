@@ -17,7 +17,10 @@ from elaswave.plan.partition import PartitionError, partition
 
 
 class PlanError(ValueError):
-    """No plan fits the live ranks; the message says why."""
+    """No plan fits the live ranks; the message says why. ``saved_step``: the step whose state the
+    survivors saved to disk before stopping (every step before it happened), if they did."""
+
+    saved_step: int | None = None
 
 
 @dataclass(frozen=True)

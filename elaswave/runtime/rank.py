@@ -21,6 +21,7 @@ from elaswave.pipeline.schedule import Action, one_f_one_b
 from elaswave.pipeline.stage import Stage
 from elaswave.plan.chunks import ChunkIndex, ChunkKey
 from elaswave.plan.plan import Plan
+from elaswave.precision import compute_dtype
 from elaswave.runtime.actuator import Actuator
 from elaswave.zero.bucket import Bucket
 from elaswave.zero.optimizer import ShardedAdamW
@@ -73,9 +74,15 @@ def build_rank(cfg: JobConfig, plan: Plan, rank: int, stage: Stage, sampler: Sam
         buckets.append(Bucket(holders, layers, [numels[i] for i in layers], par.chunk_numel, rank, device,
                               owners=[plan.chunk_owners[i] for i in layers]))
         groups.append(group)
+    # The float32 masters come from the layers as built (or from ``chunks``), before the layers
+    # are rounded to the compute dtype.
+    optimizer = ShardedAdamW(buckets, stage.layers, t, gen, chunks)
+    dtype = compute_dtype(t.precision, device)
+    for layer in stage.layers:
+        layer.cast(dtype)
     accumulator = GradAccumulator(stage.layers, t.deterministic, t.grad_fixed_point_bits, t.num_micro_batches)
     p2p = P2P(world, pipeline[s - 1] if s > 0 else None, pipeline[s + 1] if s < len(pipeline) - 1 else None,
-              (t.micro_batch_size, model.seq_len, model.hidden_size), device)
+              (t.micro_batch_size, model.seq_len, model.hidden_size), device, dtype)
     step_tokens = plan.num_micro_batches * t.micro_batch_size * model.seq_len
     # With detours (the reroute baseline) no per-pipeline 1F1B fits; all ranks derive one schedule.
     schedule = (plan_schedules(plan, cfg.emulate.backward_factor).get(rank, []) if plan.routes
@@ -89,7 +96,7 @@ def build_rank(cfg: JobConfig, plan: Plan, rank: int, stage: Stage, sampler: Sam
         schedule=schedule,
         executor=Executor(stage, p2p, sampler, step_tokens, accumulator.add_micro_batch, before, emulated),
         accumulator=accumulator, buckets=buckets, groups=groups, world=world,
-        optimizer=ShardedAdamW(buckets, stage.layers, t, gen, chunks),
+        optimizer=optimizer,
         chunk_index=ChunkIndex.build(numels, par.chunk_numel), device=device, backend_name=backend_name,
         norm_needs_exchange=not (reduce_scatter_is_all_reduce(backend_name) and all(
             plan.layers_of(r) == (0, plan.num_layers) for r in plan.ranks)))

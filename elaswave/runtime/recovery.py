@@ -210,8 +210,10 @@ def _stop_with_state(ctx, st: RankState | None, old: Plan, members, holdings, di
     if mine:
         ctx.checkpointer.save(gen, owners, mine, payload, is_writer=ctx.rank == min(r for row in owners for r in row))
         ctx.checkpointer.wait()
-    raise PlanError(f"{exc}. The job stops; its state at step {gen} is saved in "
-                    f"{disk.step_dir(cfg.checkpoint.dir, gen)}: run it again with more ranks and it resumes there") from None
+    stop = PlanError(f"{exc}. The job stops; its state at step {gen} is saved in "
+                     f"{disk.step_dir(cfg.checkpoint.dir, gen)}: run it again with more ranks and it resumes there")
+    stop.saved_step = gen
+    raise stop from None
 
 
 def _local_chunk(ctx, st: RankState, restore: Restore, key: ChunkKey) -> torch.Tensor:

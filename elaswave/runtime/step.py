@@ -130,9 +130,17 @@ def train_step(st: RankState, cfg: JobConfig, step: int, pool: SnapshotPool | No
 
 
 def gather_params(st: RankState) -> None:
-    """Every holder's owned chunks -> whole layers on every holder."""
+    """Every holder's owned chunks -> whole layers on every holder, rounded to the layers' dtype
+    before they travel (a bfloat16 copy of a float32 master is the same wherever it is rounded)."""
     by_index = {l.index: l for l in st.stage.layers}
     with torch.no_grad():
         for b, g, shard in zip(st.buckets, st.groups, st.optimizer.params):
-            for i, flat in zip(b.layers, reduce.all_gather(b, shard, g)):
+            for i, flat in zip(b.layers, reduce.all_gather(b, shard.to(by_index[b.layers[0]].flat.dtype), g)):
                 by_index[i].flat.copy_(flat)
+
+
+def gather_masters(st: RankState) -> None:
+    """At the end of a run: the layers hold the float32 masters (what digests and exports read)."""
+    for layer in st.stage.layers:
+        layer.cast(torch.float32)
+    gather_params(st)

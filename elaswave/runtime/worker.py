@@ -35,11 +35,12 @@ from elaswave.pipeline.schedule import Action, Op
 from elaswave.pipeline.stage import Stage
 from elaswave.plan.frequency import PowerModel
 from elaswave.plan.plan import PlanError, initial_plan
+from elaswave.precision import compute_dtype, pin_kernels
 from elaswave.runtime import actuator, join, recovery
 from elaswave.runtime.actuator import ActuatorError
 from elaswave.runtime.metrics import MetricsWriter, StepJournal, print_error
 from elaswave.runtime.rank import build_rank
-from elaswave.runtime.step import gather_params, train_step
+from elaswave.runtime.step import gather_masters, gather_params, train_step
 from elaswave.runtime.straggler import REBALANCE, SpeedWindow
 from elaswave.snapshot.pool import SnapshotPool
 from elaswave.zero.flat import params_sha256
@@ -137,6 +138,8 @@ def run(cfg: JobConfig, rank: int, world_size: int, metrics_out: str | None) -> 
         raise ConfigError(f"parallel.dp={cfg.parallel.dp} x parallel.pp={cfg.parallel.pp} = {cfg.world_size} "
                           f"is invalid: the job has {world_size} ranks")
     name, device = backend.choose(cfg.parallel.backend)
+    compute_dtype(t.precision, device)  # bf16 on a device without it: say so before connecting
+    pin_kernels(t.deterministic, device)
     store, rank, world_size = _connect(cfg, rank, world_size)
     ctx = Context(cfg, rank, store, name, device)
     if joining:
@@ -210,6 +213,10 @@ def run(cfg: JobConfig, rank: int, world_size: int, metrics_out: str | None) -> 
             cause = exc
         try:
             st, pending = join.change(ctx, st, cause, time.time())
+        except PlanError as stop:
+            if stop.saved_step is not None:  # the steps the saved state has seen happened: record them
+                journal.commit_before(stop.saved_step, writer)
+            raise
         except recovery.Excluded as out:
             print_error(str(out))
             writer.close()
@@ -317,6 +324,8 @@ def _resume_point(cfg: JobConfig, plan, rank: int) -> ResumePoint | None:
 def _finish(ctx: Context, st, cfg: JobConfig) -> dict[int, dict]:
     """Every rank posts its layers' digests (each layer by its first holder) and its memory figures."""
     plan = st.plan
+    if st.stage.dtype != torch.float32:
+        gather_masters(st)
     usage = resource.getrusage(resource.RUSAGE_SELF)
     exported = (export.write_my_shard(cfg.checkpoint.export_hf, plan, st.rank, st.stage.layers)
                 if cfg.checkpoint.export_hf else None)

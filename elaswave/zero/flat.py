@@ -17,17 +17,11 @@ class FlatLayer:
         self.index = index
         named = list(module.named_parameters())
         self.params = [p for _, p in named]
-        self.flat = torch.cat([p.detach().reshape(-1) for p in self.params])
-        # Gradients live in one flat buffer too: autograd accumulates into the views in place.
-        self.grad = torch.zeros_like(self.flat)
         self.offsets: dict[str, int] = {}
         offset = 0
         for name, p in named:
-            n = p.numel()
-            p.data = self.flat[offset:offset + n].view_as(p)
-            p.grad = self.grad[offset:offset + n].view_as(p)
             self.offsets[name] = offset
-            offset += n
+            offset += p.numel()
         self.numel = offset
         self.uses: list[tuple[torch.Tensor, int]] = []
         """Tied uses of this layer's tensors in other layers: (alias, offset in ``flat``). An alias
@@ -35,7 +29,25 @@ class FlatLayer:
         the accumulator folds into this layer's sum as a gradient of its own."""
         # Weight decay only on matrices (embeddings, linear weights), as GPT training does.
         self.decay_mask = torch.cat([
-            torch.full((p.numel(),), p.dim() >= 2, dtype=torch.bool, device=self.flat.device) for p in self.params])
+            torch.full((p.numel(),), p.dim() >= 2, dtype=torch.bool, device=p.device) for p in self.params])
+        self._place(torch.cat([p.detach().reshape(-1) for p in self.params]))
+
+    def _place(self, flat: torch.Tensor) -> None:
+        """Make ``flat`` the storage of every parameter and tied use, with a zeroed flat gradient
+        of its dtype: autograd accumulates into the gradient views in place."""
+        self.flat = flat
+        self.grad = torch.zeros_like(flat)
+        for p, offset in zip(self.params, self.offsets.values()):
+            p.data = flat[offset:offset + p.numel()].view_as(p)
+            p.grad = self.grad[offset:offset + p.numel()].view_as(p)
+        for alias, offset in self.uses:
+            alias.data = flat[offset:offset + alias.numel()].view_as(alias)
+            alias.grad = torch.zeros_like(alias)
+
+    def cast(self, dtype: torch.dtype) -> None:
+        """Hold and compute in ``dtype`` (values rounded to it; gradients zeroed)."""
+        if self.flat.dtype != dtype:
+            self._place(self.flat.detach().to(dtype))
 
     def tie(self, name: str) -> torch.Tensor:
         """A new use of parameter ``name`` elsewhere: a leaf aliasing it, with its own gradient."""
@@ -46,7 +58,10 @@ class FlatLayer:
         return alias
 
     def digest(self) -> bytes:
-        return hashlib.sha256(self.flat.detach().cpu().contiguous().numpy().tobytes()).digest()
+        flat = self.flat.detach().cpu().contiguous()
+        if flat.dtype == torch.bfloat16:  # numpy has no bfloat16; the bytes are the same
+            flat = flat.view(torch.int16)
+        return hashlib.sha256(flat.numpy().tobytes()).digest()
 
 
 def params_sha256(layer_digests: list[bytes]) -> str:

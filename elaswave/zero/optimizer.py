@@ -35,8 +35,8 @@ def clip_coef(chunk_sumsq: Sequence[float], max_norm: float) -> tuple[float, flo
 
 
 class ShardedAdamW:
-    """Owns, per bucket, this rank's slot as one ``[3, slot_numel]`` tensor: parameter shard, exp_avg,
-    exp_avg_sq. It keeps two *generations* -- the state at the start of step ``gen`` and of the step
+    """Owns, per bucket, this rank's slot as one float32 ``[3, slot_numel]`` tensor: master parameter
+    shard, exp_avg, exp_avg_sq. It keeps two *generations* -- the state at the start of step ``gen`` and of the step
     before -- so a step that must be redone after a failure can always be redone from here."""
 
     def __init__(self, buckets: Sequence[Bucket], layers: Sequence[FlatLayer], cfg: TrainConfig,
@@ -50,7 +50,8 @@ class ShardedAdamW:
         self.state, self.decay = [], []
         for b in self.buckets:
             flats = [by_index[i].flat for i in b.layers]
-            state = torch.zeros(3, b.slot_numel, dtype=flats[0].dtype, device=flats[0].device)
+            # Float32 whatever the layers compute in: these are the master weights (train.precision).
+            state = torch.zeros(3, b.slot_numel, dtype=torch.float32, device=flats[0].device)
             state[0] = b.my_part(b.pack([f.detach() for f in flats]))
             for oc in b.owned:
                 if chunks is not None and (oc.layer, oc.chunk) in chunks:

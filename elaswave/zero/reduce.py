@@ -1,6 +1,6 @@
 """Gradient accumulation per micro-batch and its reduction to chunk owners.
 
-Deterministic mode turns each micro-batch's gradient into fixed point, ``round(g * 2**bits)`` in
+Gradients are summed in float32 (or fixed point) whatever the layers compute in. Deterministic mode turns each micro-batch's gradient into fixed point, ``round(g * 2**bits)`` in
 int64, before anything is added. Integer addition is associative, so the sum over the M
 micro-batches has the same bits whichever pipeline ran which micro-batch and in whatever order the
 reduce-scatter adds them. Fast mode adds float32 gradients as they come.
@@ -30,9 +30,11 @@ class GradAccumulator:
         # The sum of M values each below this bound stays inside int64, also with two uses of a
         # tied tensor per micro-batch.
         self.max_abs = float(2 ** (62 - fixed_point_bits)) / (2 * num_micro_batches)
-        # Fast mode lets autograd add each micro-batch into the layer's flat gradient buffer.
+        # Fast mode lets autograd add each micro-batch into a float32 layer's flat gradient buffer;
+        # a bfloat16 layer's gradient is added into a float32 sum after each micro-batch instead.
         self.sums = {l.index: torch.zeros(l.numel, dtype=torch.int64, device=l.flat.device) if deterministic
-                     else l.grad for l in self.layers}
+                     else l.grad if l.grad.dtype == torch.float32
+                     else torch.zeros(l.numel, dtype=torch.float32, device=l.flat.device) for l in self.layers}
 
     def zero(self) -> None:
         for layer in self.layers:
@@ -49,9 +51,13 @@ class GradAccumulator:
         sum is the same wherever the uses sit."""
         for layer in self.layers:
             g = layer.grad
-            if not self.deterministic:  # autograd already added this layer's own use in place
-                for alias, offset in layer.uses:
-                    g[offset:offset + alias.numel()].add_(alias.grad.view(-1))
+            if not self.deterministic:
+                into = self.sums[layer.index]
+                if into is not g:  # bfloat16: into the float32 sum
+                    into.add_(g)
+                    g.zero_()
+                for alias, offset in layer.uses:  # autograd already added this layer's own use
+                    into[offset:offset + alias.numel()].add_(alias.grad.view(-1))
                     alias.grad.zero_()
                 continue
             self._fold(layer.index, g, self.sums[layer.index])

@@ -30,17 +30,22 @@ def test_declared_costs_match_the_built_layers():
     assert tied.ties and tied.layer_costs()[-1].num_params == tied.cfg.d_model  # the head's matrix is the owner's
 
 
-def test_explicit_keys_override_a_preset_and_the_default_job_is_unchanged():
+def test_explicit_keys_override_a_preset_and_the_default_job_is_the_tiny_llama():
     cfg = config.load(None, ["model.preset=llama3-8b", "model.num_blocks=2", "model.seq_len=128"])
     assert (cfg.model.d_model, cfg.model.num_blocks, cfg.model.seq_len, cfg.model.kv_heads) == (4096, 2, 128, 8)
-    assert config.load(None, []).model.arch == "gpt"
+    default = config.load(None, ["model.d_model=32"]).model
+    assert (default.preset, default.arch, default.kv_heads, default.tie_embeddings, default.d_model) == (
+        "llama-tiny", "llama", 2, True, 32)
+    gpt = config.load(None, ["model.arch=gpt"]).model  # naming the architecture leaves the preset out
+    assert (gpt.preset, gpt.arch, gpt.tie_embeddings) == ("", "gpt", False)
+    assert config.from_dict(config.load(None, []).to_dict()).to_dict() == config.load(None, []).to_dict()
     assert set(PRESETS) >= {"gpt2-124m", "llama3-8b", "llama3-70b", "llama3-405b", "qwen2-7b", "llama-tiny"}
 
 
 @pytest.mark.parametrize("sets,message", [
     (["model.preset=llama9"], "model.preset='llama9' is invalid: unknown preset; known: gpt-tiny"),
     (["model.arch=llama", "model.num_kv_heads=3"], "model.num_kv_heads=3 is invalid: must divide model.num_heads=4"),
-    (["model.tie_embeddings=true"], "model.tie_embeddings=True is invalid: has no effect with model.arch=gpt"),
+    (["model.arch=gpt", "model.tie_embeddings=true"], "model.tie_embeddings=True is invalid: has no effect with model.arch=gpt"),
     (["model.factory=nocolon"], "must look like package.module:function"),
     (["model.factory=elaswave.rng:DATA"], "elaswave.rng has no callable DATA"),
     (["model.factory=elaswave.rng:generator"], "model.factory='elaswave.rng:generator' raised TypeError"),

@@ -22,12 +22,22 @@ def test_deterministic_layout_is_bit_identical_to_reference(tmp_path, reference,
     assert res.losses[-1] < res.losses[0] - 0.5, "the loss should visibly fall"
 
 
-@pytest.mark.parametrize("dp,pp", [(2, 2), (4, 1)])
-def test_fast_mode_matches_reference_closely(tmp_path, dp, pp):
-    ref = run_reference(tmp_path, STEPS, deterministic=False)
-    res = run_job(tmp_path, dp, pp, STEPS, deterministic=False)
+def test_recomputed_activations_give_the_same_bits(tmp_path, reference):
+    res = run_job(tmp_path, 1, 2, STEPS, deterministic=True, extra=["train.activation_checkpointing=every_2"])
+    assert res.records[0]["config"]["train"]["activation_checkpointing"] == "every_2"
+    assert res.losses == reference.losses
+    assert res.summary["params_sha256"] == reference.summary["params_sha256"]
+
+
+# bf16: a float32 sum added in another order can round a weight to the neighbouring bfloat16.
+@pytest.mark.parametrize("dp,pp,precision,tolerance", [(2, 2, "fp32", 1e-4), (4, 1, "fp32", 1e-4),
+                                                       (2, 2, "bf16", 1e-2)])
+def test_fast_mode_matches_reference_closely(tmp_path, dp, pp, precision, tolerance):
+    sets = [f"train.precision={precision}"]
+    ref = run_reference(tmp_path, STEPS, deterministic=False, num_micro_batches=max(4, dp), extra=sets)
+    res = run_job(tmp_path, dp, pp, STEPS, deterministic=False, extra=sets)
     for step, (a, b) in enumerate(zip(res.losses, ref.losses)):
-        assert abs(a - b) / abs(b) < 1e-4, f"step {step}: {a} vs reference {b}"
+        assert abs(a - b) / abs(b) < tolerance, f"step {step}: {a} vs reference {b}"
 
 
 def test_deterministic_and_fast_mode_differ_only_slightly(tmp_path, reference):

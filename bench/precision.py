@@ -1,0 +1,100 @@
+"""Precision on this CPU, measured: ``python bench/precision.py curve|step|all [--runs N]``.
+
+curve: the default job (the tiny Llama at dp=2 x pp=2, fast mode) for 200 steps in fp32 and in
+       bf16, as real runs; the relative loss difference at every step after warm-up (goal: within
+       2 %), and ``elaswave report`` of the bf16 run against the fp32 one (both curves in one plot).
+step:  one process (the reference trainer: the runtime's stage, accumulator and optimizer, one
+       thread), a wider Llama without dropout: fp32 and bf16, each with fused attention (SDPA) and
+       written out. Configurations alternate within each round; a configuration's time is the
+       median step after warm-up, and each ratio is over the fp32 written-out step of the same
+       round (median over rounds).
+Results: bench/results/precision_{curve,step}.json, the report in bench/results/precision_curve.report/.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+from bench.jobs import run_job  # noqa: E402
+
+RESULTS = ROOT / "bench" / "results"
+CURVE_STEPS, CURVE_WARMUP = 200, 20
+STEP_SHAPE = ["model.arch=llama", "model.vocab_size=256", "model.d_model=256", "model.num_heads=8",
+              "model.num_kv_heads=4", "model.num_blocks=4", "model.ffn_dim=704", "model.seq_len=128",
+              "model.tie_embeddings=true", "model.dropout=0", "train.micro_batch_size=4", "train.num_micro_batches=4",
+              "train.steps=12", "data.max_corpus_bytes=400000"]
+STEP_WARMUP = 3
+
+
+def written_out(cfg):
+    """The Llama family with its attention written out (``model.factory``): what deterministic mode runs."""
+    from elaswave.model.contract import family
+    return family(cfg.model, fused_attention=False)
+
+
+def curve() -> dict:
+    runs = {}
+    RESULTS.mkdir(exist_ok=True)
+    for precision in ("fp32", "bf16"):
+        metrics = RESULTS / f"precision_curve_{precision}.jsonl"
+        metrics.unlink(missing_ok=True)
+        records = run_job([f"train.precision={precision}", f"train.steps={CURVE_STEPS}"], metrics=metrics)
+        runs[precision] = [r["loss"] for r in records if r["event"] == "step"]
+    rel = [abs(b - f) / f for f, b in zip(runs["fp32"], runs["bf16"])]
+    after = rel[CURVE_WARMUP:]
+    subprocess.run([sys.executable, "-m", "elaswave.cli", "report", str(RESULTS / "precision_curve_bf16.jsonl"),
+                    "--against", str(RESULTS / "precision_curve_fp32.jsonl"),
+                    "--out", str(RESULTS / "precision_curve.report")], check=True, capture_output=True)
+    out = {"steps": CURVE_STEPS, "warmup": CURVE_WARMUP, "losses": runs,
+           "max_rel_diff_after_warmup": max(after), "median_rel_diff_after_warmup": statistics.median(after),
+           "worst_step": CURVE_WARMUP + after.index(max(after)), "within_2_percent": max(after) <= 0.02}
+    print(f"curve: bf16 vs fp32 loss, steps {CURVE_WARMUP}..{CURVE_STEPS - 1}: max {100 * max(after):.2f} %, "
+          f"median {100 * statistics.median(after):.2f} %; final fp32 {runs['fp32'][-1]:.4f} bf16 {runs['bf16'][-1]:.4f}")
+    return out
+
+
+def _median_step(sets: list[str]) -> float:
+    from elaswave import config
+    from elaswave.reference import train_reference
+    times: list[float] = []
+    train_reference(config.load(None, sets), on_step=lambda r: times.append(r["step_time_s"]))
+    return statistics.median(times[STEP_WARMUP:])
+
+
+def step(runs: int) -> dict:
+    variants = {"fp32_written": ["train.precision=fp32", "model.factory=bench.precision:written_out"],
+                "fp32_sdpa": ["train.precision=fp32"],
+                "bf16_written": ["train.precision=bf16", "model.factory=bench.precision:written_out"],
+                "bf16_sdpa": ["train.precision=bf16"]}
+    rounds = []
+    for k in range(runs):
+        order = list(variants) if k % 2 == 0 else list(reversed(variants))
+        times = {name: _median_step(STEP_SHAPE + variants[name]) for name in order}
+        rounds.append({"step_s": times, "over_fp32_written": {n: t / times["fp32_written"] for n, t in times.items()}})
+        print(f"step round {k}: " + ", ".join(f"{n} {t * 1000:.0f} ms" for n, t in times.items()), flush=True)
+    ratios = {n: statistics.median(r["over_fp32_written"][n] for r in rounds) for n in variants}
+    print("step: over fp32 written-out: " + ", ".join(f"{n} {r:.2f}x" for n, r in ratios.items()))
+    return {"job": STEP_SHAPE, "warmup": STEP_WARMUP, "rounds": rounds, "median_over_fp32_written": ratios}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("what", choices=["curve", "step", "all"])
+    ap.add_argument("--runs", type=int, default=3)
+    args = ap.parse_args()
+    RESULTS.mkdir(exist_ok=True)
+    if args.what in ("curve", "all"):
+        (RESULTS / "precision_curve.json").write_text(json.dumps(curve(), indent=2))
+    if args.what in ("step", "all"):
+        (RESULTS / "precision_step.json").write_text(json.dumps(step(args.runs), indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
