@@ -46,6 +46,9 @@ class DataConfig:
     def validate(self) -> None:
         if self.source not in DATA_SOURCES:
             _fail("data.source", self.source, f"must be one of {', '.join(DATA_SOURCES)}")
+        if self.source == "stdlib" and self.path:
+            _fail("data.path", self.path, "has no effect with data.source=stdlib (the default); set data.source=text "
+                                          "(a text file or folder) or data.source=bin (uint16 token ids)")
         if self.source != "stdlib":
             if not self.path:
                 _fail("data.path", self.path, f"data.source={self.source} needs a path")

@@ -23,6 +23,9 @@ def test_defaults_are_valid_and_overrides_apply(tmp_path):
     (["data.source=bin", "data.path=/nope.bin"], "data.path='/nope.bin' is invalid: no such file"),
     (["train.num_micro_batches=2", "parallel.dp=4"], "train.num_micro_batches=2 is invalid: must be >= parallel.dp=4"),
     (["dp=2"], "dp='2' is invalid: unknown key; sections are"),
+    (["data.path=corpus.bin"], "data.path='corpus.bin' is invalid: has no effect with data.source=stdlib"),
+    (["train.precision=fp16"], "train.precision='fp16' is invalid: must be one of auto, fp32, bf16"),
+    (["train.activation_checkpointing=some"], "train.activation_checkpointing='some' is invalid: must be none, full"),
 ])
 def test_bad_values_name_key_value_and_what_is_valid(overrides, message):
     with pytest.raises(ConfigError) as err:

@@ -236,6 +236,7 @@ def run(cfg: JobConfig, rank: int, world_size: int, metrics_out: str | None) -> 
                       "wall_s": wall, "world_size": len(st.plan.ranks), "dp": cfg.parallel.dp, "pp": cfg.parallel.pp,
                       "epoch": st.epoch, "ranks": list(st.plan.ranks), "deterministic": t.deterministic,
                       "optimizer_state_bytes_per_rank": [summary[r]["state_bytes"] for r in st.plan.ranks],
+                      "master_bytes_per_rank": [summary[r]["master_bytes"] for r in st.plan.ranks],
                       "snapshot_bytes_held_per_rank": [summary[r]["snapshot_bytes"] for r in st.plan.ranks],
                       "snapshot_buffer_bytes_per_rank": [summary[r]["snapshot_buffer_bytes"] for r in st.plan.ranks],
                       "peak_rss_bytes_per_rank": [summary[r]["peak_rss_bytes"] for r in st.plan.ranks],
@@ -331,7 +332,7 @@ def _finish(ctx: Context, st, cfg: JobConfig) -> dict[int, dict]:
                 if cfg.checkpoint.export_hf else None)
     doc = {"digests": {str(l.index): l.digest().hex() for l in st.stage.layers if plan.holders(l.index)[0] == st.rank},
            "export": exported,
-           "state_bytes": st.optimizer.state_bytes(),
+           "state_bytes": st.optimizer.state_bytes(), "master_bytes": st.optimizer.master_bytes(),
            "snapshot_bytes": ctx.pool.bytes_held() if ctx.pool else 0,
            "snapshot_buffer_bytes": ctx.pool.bytes_buffered() if ctx.pool else 0,
            "peak_rss_bytes": usage.ru_maxrss * 1024, "cpu_s": usage.ru_utime + usage.ru_stime}

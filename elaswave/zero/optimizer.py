@@ -188,3 +188,7 @@ class ShardedAdamW:
         """Optimizer-state bytes this rank holds (exp_avg + exp_avg_sq, padding included)."""
         return sum(m.numel() * m.element_size() + v.numel() * v.element_size()
                    for m, v in zip(self.exp_avg, self.exp_avg_sq))
+
+    def master_bytes(self) -> int:
+        """Bytes of this rank's float32 master parameter shard (padding included)."""
+        return sum(p.numel() * p.element_size() for p in self.params)

@@ -3,10 +3,13 @@ same run as the single-process bf16 reference through a kill of a stage and thro
 different run from float32 (so bf16 is really in effect)."""
 import pytest
 
-from tests.helpers.spawn import assert_same_run, run_job, run_reference
+from elaswave import config
+from elaswave.model.contract import counted_numels, model_for
+from tests.helpers.spawn import TINY, assert_same_run, run_job, run_reference
 
-STEPS, MBS = 8, 6
-BF16 = ["train.precision=bf16", f"train.num_micro_batches={MBS}", "parallel.timeout_s=60"]
+STEPS, MBS, CHUNK = 8, 6, 512
+BF16 = ["train.precision=bf16", f"train.num_micro_batches={MBS}", f"parallel.chunk_numel={CHUNK}",
+        "parallel.timeout_s=60"]
 
 
 @pytest.fixture(scope="module")
@@ -32,6 +35,14 @@ def test_bf16_survives_a_kill_bit_identical(tmp_path, reference, dp, pp, fault):
     assert res.records[0]["config"]["train"]["precision"] == "bf16"
     assert_same_run(res, reference, STEPS)
     assert [r["lost_ranks"] for r in res.records if r["event"] == "recovery"] == [[int(fault[10])]]
+    # After the recovery every parameter's float32 master and moments exist once in the job: 12
+    # bytes each, plus the padding of partial chunks and uneven slots.
+    numels = counted_numels(model_for(config.load(None, [*TINY, *BF16])))
+    held = sum(res.summary["optimizer_state_bytes_per_rank"]) + sum(res.summary["master_bytes_per_rank"])
+    ideal = 12 * sum(numels)
+    padding = 12 * CHUNK * (len(numels) + len(res.summary["ranks"]) * len(numels))
+    assert ideal <= held <= ideal + padding, (held, ideal)
+    print(f"\nbf16 ({dp},{pp}) after a kill: master + moments {held} B = {held / ideal:.3f} x 12 B x {sum(numels)} params")
 
 
 JOIN_STEPS = 150  # a replacement is a new process: seconds of start-up before it can join
