@@ -53,7 +53,7 @@ sys.path.insert(0, str(ROOT))
 WARMUP_STEPS = 5
 # Datasheet dense peaks, TFLOP/s (no sparsity).
 PEAKS = {"SXM": {"fp32": 67.0, "tf32": 494.0, "bf16": 989.0}, "PCIe": {"fp32": 51.0, "tf32": 378.0, "bf16": 756.0}}
-STEP_JOB = ["parallel.dp=1", "parallel.pp=1", "model.arch=gpt", "model.d_model=512", "model.num_heads=8", "model.num_blocks=8",
+STEP_JOB = ["parallel.dp=1", "parallel.pp=1", "model.arch=gpt", "train.precision=fp32", "model.d_model=512", "model.num_heads=8", "model.num_blocks=8",
             "model.seq_len=256", "train.micro_batch_size=8", "train.num_micro_batches=4"]
 
 

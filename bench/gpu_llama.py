@@ -25,7 +25,7 @@ sys.path.insert(0, str(ROOT))
 from bench.gpu import WARMUP_STEPS  # noqa: E402
 from bench.gpu_training import _elaswave  # noqa: E402
 
-JOB = ["parallel.dp=1", "parallel.pp=1", "model.preset=llama-tiny", "model.dropout=0", "model.d_model=512", "model.num_heads=8",
+JOB = ["parallel.dp=1", "parallel.pp=1", "model.preset=llama-tiny", "model.dropout=0", "train.precision=fp32", "model.d_model=512", "model.num_heads=8",
        "model.num_kv_heads=4", "model.num_blocks=8", "model.ffn_dim=1408", "model.seq_len=256",
        "train.micro_batch_size=8", "train.num_micro_batches=4", "train.steps=30"]
 

@@ -52,7 +52,7 @@ def _max_diff(a: dict, b: dict) -> float | None:
 
 # -- 4. determinism ----------------------------------------------------------------------------------
 def item_determinism(quick: bool) -> dict:
-    job = ["parallel.dp=1", "parallel.pp=1", "train.steps=20"]
+    job = ["parallel.dp=1", "parallel.pp=1", "train.precision=fp32", "train.steps=20"]
     gpu = [_elaswave("run", job + ["parallel.backend=nccl"], True) for _ in range(2)]
     cpu = _elaswave("reference", job, True)
     runs = {"gpu_run_1": gpu[0], "gpu_run_2": gpu[1], "cpu_reference": cpu}

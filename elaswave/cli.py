@@ -121,7 +121,7 @@ def _write_reference(cfg: config.JobConfig, path: str, show_progress: bool = Tru
     result = train_reference(cfg, on_step=writer.write)
     writer.write({"event": "summary", "steps": cfg.train.steps, "final_loss": result["losses"][-1] if result["losses"] else float("nan"),
                   "params_sha256": result["params_sha256"], "world_size": 1, "dp": 1, "pp": 1,
-                  "deterministic": cfg.train.deterministic})
+                  "deterministic": cfg.train.deterministic, "precision": result["precision"]})
     writer.close()
     return result
 

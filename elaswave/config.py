@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -116,7 +117,7 @@ class TrainConfig:
         if self.precision not in PRECISIONS:
             _fail("train.precision", self.precision, f"must be one of {', '.join(PRECISIONS)}")
         ac = self.activation_checkpointing
-        if ac not in ("none", "full") and not (ac.startswith("every_") and ac[6:].isdigit() and int(ac[6:]) >= 1):
+        if ac not in ("none", "full") and not re.fullmatch(r"every_[1-9][0-9]*", ac):
             _fail("train.activation_checkpointing", ac, "must be none, full or every_N with N >= 1 (e.g. every_2)")
 
 

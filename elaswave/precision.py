@@ -33,13 +33,32 @@ def compute_dtype(precision: str, device: torch.device) -> torch.dtype:
     if precision not in PRECISIONS:
         raise ConfigError(f"train.precision={precision!r} is invalid: must be one of {', '.join(PRECISIONS)}")
     if precision == "auto":
-        precision = "bf16" if device.type == "cuda" and torch.cuda.is_bf16_supported() else "fp32"
+        precision = "bf16" if device.type == "cuda" and _native_bf16(device) else "fp32"
     if precision == "fp32":
         return torch.float32
-    if device.type == "cuda" and not torch.cuda.is_bf16_supported():
+    if device.type == "cuda" and not _native_bf16(device):
         raise ConfigError(f"train.precision=bf16 is invalid on {torch.cuda.get_device_name(device)}: it has no "
                              "bfloat16 support (compute capability 8.0 or newer has); use train.precision=fp32")
     return torch.bfloat16
+
+
+def _native_bf16(device: torch.device) -> bool:
+    """bfloat16 in hardware (compute capability 8.0+), not emulated: torch's is_bf16_supported()
+    also says yes to emulation on older GPUs, which would train far slower than fp32."""
+    import torch
+    return torch.cuda.get_device_capability(device)[0] >= 8
+
+
+def job_dtype(precision: str, backend: str) -> torch.dtype:
+    """The dtype the job's ranks compute in, from the device they would run on (``parallel.backend``):
+    the single-process reference, which always runs on CPU, trains in the same precision."""
+    from elaswave.comm.backend import choose
+    return compute_dtype(precision, choose(backend)[1])
+
+
+def name(dtype: torch.dtype) -> str:
+    """``fp32`` or ``bf16``, as records and summaries say it."""
+    return "bf16" if str(dtype) == "torch.bfloat16" else "fp32"
 
 
 def pin_kernels(deterministic: bool, device: torch.device) -> None:

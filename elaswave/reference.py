@@ -17,7 +17,7 @@ from elaswave.data.corpus import load_corpus
 from elaswave.data.sampler import Sampler
 from elaswave.model.contract import model_for
 from elaswave.pipeline.stage import Stage
-from elaswave.precision import compute_dtype
+from elaswave.precision import job_dtype, name
 from elaswave.plan.chunks import ChunkIndex
 from elaswave.zero.bucket import Bucket
 from elaswave.zero.flat import params_sha256
@@ -34,7 +34,7 @@ def train_reference(cfg: JobConfig, on_step: Callable[[dict], None] | None = Non
     layers = stage.layers
     bucket = Bucket((0,), [l.index for l in layers], [l.numel for l in layers], cfg.parallel.chunk_numel, me=0)
     optimizer = ShardedAdamW([bucket], layers, t)  # the float32 masters, before the layers are rounded
-    dtype = compute_dtype(t.precision, stage.device)
+    dtype = job_dtype(t.precision, cfg.parallel.backend)  # auto: what the job's own ranks would run
     for layer in layers:
         layer.cast(dtype)
     accumulator = GradAccumulator(layers, t.deterministic, t.grad_fixed_point_bits, t.num_micro_batches)
@@ -70,4 +70,4 @@ def train_reference(cfg: JobConfig, on_step: Callable[[dict], None] | None = Non
     if cfg.checkpoint.export_hf:
         from elaswave.checkpoint import export
         export.write_layers(cfg.checkpoint.export_hf, cfg.model, layers, m.num_layers)
-    return {"losses": losses, "params_sha256": params_sha256([l.digest() for l in layers])}
+    return {"losses": losses, "params_sha256": params_sha256([l.digest() for l in layers]), "precision": name(dtype)}

@@ -36,8 +36,9 @@ class ModelConfig:
     arch: str = "gpt"
     """gpt: the small byte-level GPT; llama: the Llama family (also Qwen2 with attention_bias)."""
     preset: str = ""
-    """A named shape (see elaswave.model.config.PRESETS); keys set explicitly override it. Unset, with
-    none of arch, init_from and factory set either: DEFAULT_PRESET (the default job's model)."""
+    """A named shape (see elaswave.model.config.PRESETS); keys set explicitly override it. Unset:
+    DEFAULT_PRESET (the default job's model), unless init_from, factory, or another arch is set --
+    then the field defaults below (a factory reads what it needs from them)."""
     init_from: str = ""
     """A local Hugging Face directory (config.json + *.safetensors): shapes and initial weights."""
     factory: str = ""
@@ -245,7 +246,8 @@ def resolve(m: ModelConfig, explicit: Iterable[str]) -> ModelConfig:
     """Apply the preset or the checkpoint's config.json to ``m``; ``explicit``: the model keys the
     user set (they override a preset's; with init_from, a shape key set to another value is an error)."""
     explicit = set(explicit)
-    if not (m.preset or m.init_from or m.factory) and "arch" not in explicit:
+    if not (m.preset or m.init_from or m.factory) and ("arch" not in explicit
+                                                         or m.arch == PRESETS[DEFAULT_PRESET]["arch"]):
         m = replace(m, preset=DEFAULT_PRESET)
     if sum(bool(x) for x in (m.preset, m.init_from, m.factory)) > 1:
         _fail("model.preset" if m.preset else "model.init_from", m.preset or m.init_from,

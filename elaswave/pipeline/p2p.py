@@ -20,7 +20,9 @@ class P2P:
         self.pending: list = []
 
     def _send(self, t: torch.Tensor, dst: int, tag: int) -> None:
-        t = t.detach().contiguous()
+        # In the compute dtype whatever a layer returned (e.g. float32 from a user's float32 buffer):
+        # the receiver's buffer has that dtype, and gloo moves bytes.
+        t = t.detach().to(self.dtype).contiguous()
         self.pending.append((self.group.isend(t, dst, tag), t))
 
     def _recv(self, src: int, tag: int, what: str) -> torch.Tensor:

@@ -97,9 +97,11 @@ def _warm_up(ctx) -> None:
     autograd pass (lazy initialisation) here rather than in its first step with the others."""
     import torch
 
-    m = ctx.model
-    block = m.build_layer(1, ctx.cfg.train.seed, init=False).to(ctx.device)
-    x = torch.zeros(1, m.seq_len, m.hidden_size, device=ctx.device, requires_grad=True)
+    from elaswave.precision import compute_dtype
+
+    m, dtype = ctx.model, compute_dtype(ctx.cfg.train.precision, ctx.device)
+    block = m.build_layer(1, ctx.cfg.train.seed, init=False).to(ctx.device, dtype)
+    x = torch.zeros(1, m.seq_len, m.hidden_size, device=ctx.device, dtype=dtype, requires_grad=True)
     block(x, None).sum().backward()
 
 

@@ -35,7 +35,7 @@ from elaswave.pipeline.schedule import Action, Op
 from elaswave.pipeline.stage import Stage
 from elaswave.plan.frequency import PowerModel
 from elaswave.plan.plan import PlanError, initial_plan
-from elaswave.precision import compute_dtype, pin_kernels
+from elaswave.precision import compute_dtype, name as precision_name, pin_kernels
 from elaswave.runtime import actuator, join, recovery
 from elaswave.runtime.actuator import ActuatorError
 from elaswave.runtime.metrics import MetricsWriter, StepJournal, print_error
@@ -235,6 +235,7 @@ def run(cfg: JobConfig, rank: int, world_size: int, metrics_out: str | None) -> 
                       "params_sha256": params_sha256([bytes.fromhex(digests[str(i)]) for i in range(ctx.model.num_layers)]),
                       "wall_s": wall, "world_size": len(st.plan.ranks), "dp": cfg.parallel.dp, "pp": cfg.parallel.pp,
                       "epoch": st.epoch, "ranks": list(st.plan.ranks), "deterministic": t.deterministic,
+                      "precision": precision_name(compute_dtype(t.precision, device)),
                       "optimizer_state_bytes_per_rank": [summary[r]["state_bytes"] for r in st.plan.ranks],
                       "master_bytes_per_rank": [summary[r]["master_bytes"] for r in st.plan.ranks],
                       "snapshot_bytes_held_per_rank": [summary[r]["snapshot_bytes"] for r in st.plan.ranks],

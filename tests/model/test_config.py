@@ -36,8 +36,9 @@ def test_explicit_keys_override_a_preset_and_the_default_job_is_the_tiny_llama()
     default = config.load(None, ["model.d_model=32"]).model
     assert (default.preset, default.arch, default.kv_heads, default.tie_embeddings, default.d_model) == (
         "llama-tiny", "llama", 2, True, 32)
-    gpt = config.load(None, ["model.arch=gpt"]).model  # naming the architecture leaves the preset out
+    gpt = config.load(None, ["model.arch=gpt"]).model  # naming the other architecture leaves the preset out
     assert (gpt.preset, gpt.arch, gpt.tie_embeddings) == ("", "gpt", False)
+    assert config.load(None, ["model.arch=llama"]).model.preset == "llama-tiny"
     assert config.from_dict(config.load(None, []).to_dict()).to_dict() == config.load(None, []).to_dict()
     assert set(PRESETS) >= {"gpt2-124m", "llama3-8b", "llama3-70b", "llama3-405b", "qwen2-7b", "llama-tiny"}
 

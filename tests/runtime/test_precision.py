@@ -20,6 +20,7 @@ def reference(tmp_path_factory):
 def test_bf16_is_not_fp32(tmp_path, reference):
     fp32 = run_reference(tmp_path, STEPS, deterministic=True, num_micro_batches=MBS,
                          extra=["train.precision=fp32", f"train.num_micro_batches={MBS}"])
+    assert (reference.summary["precision"], fp32.summary["precision"]) == ("bf16", "fp32")
     assert fp32.losses != reference.losses
     assert fp32.summary["params_sha256"] != reference.summary["params_sha256"]
     # Rounding, not a different computation: the curves agree to bf16's precision.
@@ -32,7 +33,7 @@ def test_bf16_is_not_fp32(tmp_path, reference):
 ])
 def test_bf16_survives_a_kill_bit_identical(tmp_path, reference, dp, pp, fault):
     res = run_job(tmp_path, dp, pp, STEPS, True, extra=[*BF16, f"elastic.inject={fault}"])
-    assert res.records[0]["config"]["train"]["precision"] == "bf16"
+    assert res.summary["precision"] == "bf16"
     assert_same_run(res, reference, STEPS)
     assert [r["lost_ranks"] for r in res.records if r["event"] == "recovery"] == [[int(fault[10])]]
     # After the recovery every parameter's float32 master and moments exist once in the job: 12
