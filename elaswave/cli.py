@@ -37,6 +37,21 @@ def _load(args: argparse.Namespace) -> config.JobConfig:
     return config.load(args.config, overrides)
 
 
+def _check_memory(cfg) -> None:
+    """A memory limit no layout meets: said here once, before any rank starts."""
+    limit = cfg.parallel.stage_memory_mb
+    if not limit:
+        return
+    from elaswave.comm import backend
+    from elaswave.runtime.memory import least_stage_memory_mb
+
+    least = least_stage_memory_mb(cfg, cfg.parallel.pp, cfg.parallel.dp, backend.choose(cfg.parallel.backend)[1])
+    if least > limit:
+        raise ConfigError(f"parallel.stage_memory_mb={limit} is invalid: no partition of the model into "
+                          f"{cfg.parallel.pp} stages fits it at dp={cfg.parallel.dp}; the least any needs is "
+                          f"{least:.4g} (MiB per rank, as elaswave/plan/memory.py models it)")
+
+
 def _check_data(cfg: config.JobConfig) -> None:
     """Load the corpus and check the model once up front, so a bad data file, factory or checkpoint
     is one line here, not N worker tracebacks."""
@@ -55,6 +70,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         raise ConfigError(f"--nproc={args.nproc} is invalid: parallel.dp={cfg.parallel.dp} x "
                           f"parallel.pp={cfg.parallel.pp} needs {cfg.world_size} ranks")
     _check_data(cfg)
+    _check_memory(cfg)
     from elaswave.launch import launch
     from elaswave.runtime.metrics import TENSORBOARD_ENV
 

@@ -86,6 +86,11 @@ class TrainConfig:
     """none, full (every block recomputes its forward in the backward), or every_N (every N-th
     block): less activation memory for more compute; the same bits either way."""
 
+    measure_memory_step: int = -1
+    """Each rank measures its peak tensor memory in this step (elaswave/runtime/memory.py: the
+    allocator's figures, through torch.profiler on CPU) and the run's summary reports it beside
+    the memory model's prediction. -1: no step."""
+
     def checkpointed(self, layer: int, num_layers: int) -> bool:
         """Whether layer ``layer`` (of ``num_layers``; blocks are 1..num_layers-2) is recomputed."""
         if self.activation_checkpointing == "none" or not 0 < layer < num_layers - 1:
@@ -99,6 +104,8 @@ class TrainConfig:
         for name in ("micro_batch_size", "num_micro_batches"):
             if getattr(self, name) < 1:
                 _fail(f"train.{name}", getattr(self, name), "must be >= 1")
+        if self.measure_memory_step < -1:
+            _fail("train.measure_memory_step", self.measure_memory_step, "must be >= 0, or -1 for none")
         for name in ("warmup_steps", "seed"):
             if getattr(self, name) < 0:
                 _fail(f"train.{name}", getattr(self, name), "must be >= 0")
@@ -137,9 +144,10 @@ class ParallelConfig:
     timeout_s: float = 120.0
     """Bound on every collective and p2p wait."""
     stage_memory_mb: float = 0.0
-    """Most memory one stage's layers may take, modelled as 16 bytes per parameter (weights,
-    gradients, Adam moments); partitions, first and after a loss, keep within it or say why
-    none can. 0: no limit."""
+    """Most memory (MiB) one rank may hold at its peak in a step, as elaswave/plan/memory.py models
+    it (layers, gradients, optimizer share, snapshots, activations in flight under 1F1B); every
+    partition -- at the start, after a loss, at a join -- keeps within it or says why none can,
+    naming the least that would do. 0: no limit."""
     bind_address: str = ""
     """The address gloo's transfers bind to. Empty: loopback under `elaswave run` (one host), the
     host's own name under torchrun (GLOO_SOCKET_IFNAME picks an interface there)."""

@@ -26,6 +26,7 @@ def test_defaults_are_valid_and_overrides_apply(tmp_path):
     (["data.path=corpus.bin"], "data.path='corpus.bin' is invalid: has no effect with data.source=stdlib"),
     (["train.precision=fp16"], "train.precision='fp16' is invalid: must be one of auto, fp32, bf16"),
     (["train.activation_checkpointing=some"], "train.activation_checkpointing='some' is invalid: must be none, full"),
+    (["train.measure_memory_step=-2"], "train.measure_memory_step=-2 is invalid: must be >= 0, or -1 for none"),
 ])
 def test_bad_values_name_key_value_and_what_is_valid(overrides, message):
     with pytest.raises(ConfigError) as err:

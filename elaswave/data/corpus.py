@@ -42,6 +42,23 @@ def stdlib_root() -> str:
     return sysconfig.get_paths()["stdlib"]
 
 
+def corpus_bytes(cfg: DataConfig) -> int:
+    """Bytes of the tensor :func:`load_corpus` returns (int64 tokens), from file sizes alone: what
+    every rank can know without reading the corpus (the memory model of a stage that reads batches)."""
+    if cfg.source == "bin":
+        return 8 * (os.path.getsize(cfg.path) // 2)
+    root = stdlib_root() if cfg.source == "stdlib" else cfg.path
+    suffix = ".py" if cfg.source == "stdlib" else None
+    total = 0
+    for path in _text_files(root):
+        if (suffix and not path.endswith(suffix)) or not os.path.isfile(path) or not os.access(path, os.R_OK):
+            continue
+        total += os.path.getsize(path)
+        if total >= cfg.max_corpus_bytes:
+            return 8 * cfg.max_corpus_bytes
+    return 8 * total
+
+
 def load_corpus(cfg: DataConfig, vocab_size: int, min_tokens: int) -> torch.Tensor:
     """All tokens of the configured corpus; raises ConfigError if it is unusable."""
     if cfg.source == "bin":

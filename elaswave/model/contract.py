@@ -178,3 +178,64 @@ def untie(model: "Model", layer: nn.Module, index: int) -> list[tuple[Tie, nn.Mo
         del parent._parameters[name]
         slots.append((t, parent, name, shape))
     return slots
+
+
+class _FusedAttention(torch.autograd.Function):
+    """Shapes only: what a flash / memory-efficient attention kernel keeps for its backward (q, k,
+    v, the output and a float32 log-sum-exp per head and query), which no meta-device kernel has."""
+
+    @staticmethod
+    def forward(ctx, q, k, v):
+        out = torch.empty(*q.shape[:-1], v.shape[-1], dtype=q.dtype, device=q.device)
+        ctx.save_for_backward(q, k, v, out, torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device))
+        return out
+
+
+class _PricedAsFused(torch.overrides.TorchFunctionMode):
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is torch.nn.functional.scaled_dot_product_attention:
+            return _FusedAttention.apply(*args[:3])
+        return func(*args, **(kwargs or {}))
+
+
+def saved_activation_bytes(model: "Model", micro_batch_size: int, dtype: torch.dtype,
+                           fused_kernel: bool = False) -> list[int]:
+    """Bytes autograd keeps from one micro-batch's forward of each layer until its backward (the
+    last layer's loss included), parameters not counted: measured, not declared, by running each
+    layer once on the meta device under saved-tensor hooks -- any model that follows the contract
+    gets its figures this way, at no cost in memory or time (a 70B layer runs as shapes only).
+    ``fused_kernel``: price ``scaled_dot_product_attention`` as the fused GPU kernel keeps it
+    (otherwise as the meta device runs it: the math path, with the whole attention matrix)."""
+    import contextlib
+    out = []
+    for i in range(model.num_layers):
+        with torch.device("meta"):
+            layer = model.build_layer(i, 0, init=False)
+        for _, parent, name, shape in untie(model, layer, i):  # a tied tensor: the owner's, not an activation
+            setattr(parent, name, nn.Parameter(torch.empty(shape, device="meta")))
+        layer.to(dtype)
+        params = {id(p) for p in layer.parameters()}
+        seen: dict[int, int] = {}
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            base = t._base if t._base is not None else t
+            if id(t) not in params and id(base) not in params:
+                seen[id(base)] = base.untyped_storage().nbytes()
+            return t
+
+        b, T = micro_batch_size, model.seq_len
+        x = (torch.zeros(b, T, dtype=torch.long, device="meta") if i == 0 else
+             torch.zeros(b, T, model.hidden_size, dtype=dtype, device="meta", requires_grad=True))
+        gen = torch.Generator()  # dropout draws on the meta device cost nothing; the masks' shapes count
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), \
+                    (_PricedAsFused() if fused_kernel else contextlib.nullcontext()):
+                y = layer(x, gen)
+                if i == model.num_layers - 1:
+                    model.loss_sum(y, torch.zeros(b, T, dtype=torch.long, device="meta"))
+        except Exception as exc:  # the user's layer: its failure in one line
+            raise ModelContractError(f"layer {i} ({type(layer).__name__}) cannot run on the meta device, which "
+                                     f"measures its activation memory ({type(exc).__name__}: {exc}); "
+                                     "set parallel.stage_memory_mb=0 to plan without it") from None
+        out.append(sum(seen.values()))
+    return out

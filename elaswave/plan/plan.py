@@ -13,6 +13,7 @@ from elaswave.pipeline import routed
 from elaswave.plan import microbatches
 from elaswave.plan.chunks import Owners, chunks_of, reassign_owners, rebalance_owners, round_robin_owners
 from elaswave.plan.frequency import PowerModel, plan_frequencies
+from elaswave.plan.memory import MemoryModel
 from elaswave.plan.partition import PartitionError, partition
 
 
@@ -40,9 +41,12 @@ class Plan:
     frequencies: tuple[tuple[float, ...], ...] = ()
     """frequencies[d][s] = the frequency level of stage s of pipeline d (empty: nominal, 1.0)."""
     layer_memory: tuple[float, ...] = ()
-    """Each layer's modelled memory on the stage that holds it, and the most one stage may hold
-    (0: no limit); a re-partition keeps within it or says why it cannot."""
+    """Each layer's memory on the stage that holds it (summed over a stage's layers), unless
+    ``memory`` models it; and the most one stage may hold (0: no limit, MiB with ``memory``): a
+    partition keeps within it or says why it cannot."""
     stage_memory_limit: float = 0.0
+    memory: MemoryModel | None = None
+    """The job's memory model (elaswave.plan.memory): what stage_memory_limit is checked against."""
     routes: tuple[tuple[int, tuple[int, ...]], ...] = ()
     """(micro-batch, ranks by stage) for micro-batches that do not run down their own pipeline:
     the reroute baseline sends a broken pipeline's micro-batches through other pipelines' stages."""
@@ -59,13 +63,17 @@ class Plan:
 
     def to_doc(self) -> dict:
         """JSON-ready: a joining rank reads the plan it joins from the store."""
-        return {f.name: getattr(self, f.name) for f in fields(self)}
+        doc = {f.name: getattr(self, f.name) for f in fields(self)}
+        doc["memory"] = self.memory.to_doc() if self.memory is not None else None
+        return doc
 
     @staticmethod
     def from_doc(doc: dict) -> "Plan":
         def tuples(x):
             return tuple(tuples(v) for v in x) if isinstance(x, list) else x
-        return Plan(**{k: tuples(v) for k, v in doc.items()})
+        out = {k: tuples(v) for k, v in doc.items()}
+        out["memory"] = MemoryModel.from_doc(doc["memory"]) if doc.get("memory") else None
+        return Plan(**out)
 
     # Lookups are indexed once per plan (cached on the frozen instance): a plan for 10^5 ranks is
     # queried by every rank, so nothing here may scan all pipelines per call.
@@ -153,12 +161,14 @@ class Plan:
 
 def initial_plan(world_size: int, dp: int, pp: int, layer_costs: Sequence[float], num_micro_batches: int,
                  layer_numels: Sequence[int] = (), chunk_numel: int = 1, layer_memory: Sequence[float] = (),
-                 stage_memory_limit: float = 0.0, ties: Sequence[tuple[int, int]] = ()) -> Plan:
+                 stage_memory_limit: float = 0.0, ties: Sequence[tuple[int, int]] = (),
+                 memory: MemoryModel | None = None) -> Plan:
     """Rank ``d * pp + s`` is stage ``s`` of pipeline ``d``: a pipeline's stages are neighbours."""
     if dp * pp != world_size:
         raise ValueError(f"dp={dp} x pp={pp} = {dp * pp} must equal the world size {world_size}")
     try:
-        ranges = tuple(partition(layer_costs, pp, layer_memory or None, stage_memory_limit or None))
+        ranges = tuple(partition(layer_costs, pp, layer_memory or None, stage_memory_limit or None,
+                                 stage_memory=_stage_memory(memory, pp, dp, num_micro_batches)))
     except PartitionError as exc:
         raise PlanError(f"the initial layout does not fit: {exc}") from None
     pipelines = tuple(tuple(d * pp + s for s in range(pp)) for d in range(dp))
@@ -171,6 +181,7 @@ def initial_plan(world_size: int, dp: int, pp: int, layer_costs: Sequence[float]
         layer_costs=tuple(float(c) for c in layer_costs),
         layer_memory=tuple(float(m) for m in layer_memory),
         stage_memory_limit=float(stage_memory_limit),
+        memory=memory,
         depth=pp,
         ties=tuple(tuple(t) for t in ties),
     )
@@ -251,7 +262,7 @@ def _place_joiners(prev: Plan, epoch: int, joined: Sequence[int], pipelines: lis
 
     def split(count: int, who) -> tuple[tuple[int, int], ...]:
         try:
-            return tuple(partition(_costs(prev), count, prev.layer_memory or None, prev.stage_memory_limit or None))
+            return _split(prev, count, len(pipelines) + -(-len(waiting) // depth), prev.num_micro_batches)
         except PartitionError as exc:
             raise PlanError(f"epoch {epoch}: no layout for ranks {list(who)} joining: {exc}") from None
 
@@ -275,10 +286,25 @@ def _place_joiners(prev: Plan, epoch: int, joined: Sequence[int], pipelines: lis
         kept.append(None)
 
 
+def _stage_memory(memory: MemoryModel | None, num_stages: int, pipelines: int, num_micro_batches: int):
+    if memory is None:
+        return None
+    mine = -(-num_micro_batches // max(1, pipelines))
+    return memory.stage_memory(num_stages, pipelines, num_micro_batches, mine)
+
+
+def _split(prev: Plan, count: int, pipelines: int, num_micro_batches: int,
+           speeds: Sequence[float] | None = None) -> tuple[tuple[int, int], ...]:
+    """A pipeline of ``count`` stages, one of ``pipelines``, re-partitioned within the memory limit."""
+    return tuple(partition(_costs(prev), count, prev.layer_memory or None, prev.stage_memory_limit or None, speeds,
+                           _stage_memory(prev.memory, count, pipelines, num_micro_batches)))
+
+
 def _build(prev: Plan, epoch: int, pipelines, ranges, mbs, freqs=(), routes=()) -> Plan:
     plan = Plan(epoch=epoch, num_layers=prev.num_layers, pipelines=tuple(pipelines), layer_ranges=tuple(ranges),
                 micro_batches=tuple(mbs), layer_costs=prev.layer_costs, frequencies=tuple(freqs), routes=tuple(routes),
-                layer_memory=prev.layer_memory, stage_memory_limit=prev.stage_memory_limit, depth=prev.depth,
+                layer_memory=prev.layer_memory, stage_memory_limit=prev.stage_memory_limit, memory=prev.memory,
+                depth=prev.depth,
                 ties=prev.ties, ranks_per_node=prev.ranks_per_node)
     owners = reassign_owners(prev.chunk_owners, plan.holder_groups())
     joined = set(plan.ranks) - set(prev.ranks)
@@ -305,9 +331,8 @@ def _elaswave(prev: Plan, epoch: int, pipelines, kept_ranges, kept, num_micro_ba
             ranges.append(rng)
             continue
         try:
-            ranges.append(tuple(partition(_costs(prev), len(survivors), prev.layer_memory or None,
-                                          prev.stage_memory_limit or None,
-                                          [rate[r] for r in survivors] if rebalance else None)))
+            ranges.append(_split(prev, len(survivors), len(pipelines), num_micro_batches,
+                                 [rate[r] for r in survivors] if rebalance else None))
         except PartitionError as exc:
             # Survivors that cannot hold the model stand by: they keep their layers and ZeRO chunks,
             # get no micro-batches (the others take them: the batch is kept), and a join completes them.

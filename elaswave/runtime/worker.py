@@ -14,6 +14,7 @@ import resource
 import sys
 import time
 from dataclasses import replace
+from functools import cached_property
 from typing import NamedTuple
 
 import torch
@@ -34,10 +35,12 @@ from elaswave.model.contract import counted_numels, model_for, tie_pairs
 from elaswave.pipeline.schedule import Action, Op
 from elaswave.pipeline.stage import Stage
 from elaswave.plan.frequency import PowerModel
+from elaswave.plan.memory import MemoryModel, rank_bytes
 from elaswave.plan.plan import PlanError, initial_plan
 from elaswave.precision import compute_dtype, name as precision_name, pin_kernels
 from elaswave.runtime import actuator, join, recovery
 from elaswave.runtime.actuator import ActuatorError
+from elaswave.runtime.memory import job_memory_model, measure_peak
 from elaswave.runtime.metrics import MetricsWriter, StepJournal, print_error
 from elaswave.runtime.rank import build_rank
 from elaswave.runtime.step import gather_masters, gather_params, train_step
@@ -46,8 +49,6 @@ from elaswave.snapshot.pool import SnapshotPool
 from elaswave.zero.flat import params_sha256
 
 EXIT_EXCLUDED = 3
-BYTES_PER_PARAM = 16
-"""The memory model of a layer on its stage: fp32 weights, gradients and both Adam moments."""
 
 
 class Context:
@@ -75,6 +76,8 @@ class Context:
         self.checkpointer = disk.Checkpointer(c.dir, rank, c.every_steps, c.keep, cfg.model_identity(),
                                               cfg.parallel.chunk_numel) if c.dir else None
         self.actuator = actuator.make(cfg.actuator, device)
+        self.measured_memory: dict | None = None
+        """This rank's peak in train.measure_memory_step, beside what the memory model predicted for it."""
         self.speed = 1.0
         """Micro-batches per second of this rank's own forward and backward time, measured at its
         frequency level (median of the epoch's last steps); the re-plan balances by it."""
@@ -87,6 +90,10 @@ class Context:
         self.watcher = Watcher(store.clone(), rank, self._view, self.interrupt,
                                e.heartbeat_interval_s, e.heartbeat_timeout_s) if e.enabled else None
         self._sampler = None
+
+    @cached_property
+    def memory_model(self) -> MemoryModel:
+        return job_memory_model(self.cfg, self.model, compute_dtype(self.cfg.train.precision, self.device), self.device)
 
     def sampler_for(self, stage: Stage | None) -> Sampler | None:
         """The data, read the first time this rank runs a first or last stage (a data-parallel rank
@@ -142,6 +149,8 @@ def run(cfg: JobConfig, rank: int, world_size: int, metrics_out: str | None) -> 
     pin_kernels(t.deterministic, device)
     store, rank, world_size = _connect(cfg, rank, world_size)
     ctx = Context(cfg, rank, store, name, device)
+    if _models_memory(cfg):
+        ctx.memory_model  # a model the meta device cannot run: one line now, not at the step measured
     if joining:
         st, pending = join.join(ctx)
         ctx.plan = st.plan
@@ -169,7 +178,14 @@ def run(cfg: JobConfig, rank: int, world_size: int, metrics_out: str | None) -> 
                 started = time.perf_counter()
                 st.executor.slowdown = ctx.injector.slowdown(step)
                 ctx.step = step
-                result = train_step(st, cfg, step, ctx.pool, ctx.injector.at, ctx.admit, ctx.injector.corrupts)
+                def one_step():
+                    return train_step(st, cfg, step, ctx.pool, ctx.injector.at, ctx.admit, ctx.injector.corrupts)
+                if step == t.measure_memory_step:
+                    result, before, peak = measure_peak(one_step, device)
+                    ctx.measured_memory = {"step": step, "before_bytes": before, "peak_bytes": peak,
+                                           "predicted": rank_bytes(ctx.memory_model, st.plan, rank)}
+                else:
+                    result = one_step()
                 took = time.perf_counter() - started
                 ctx.speeds.add(st.epoch, result.speeds)
                 # The median of the epoch's last steps; an idle rank (drop_replica) keeps its last figure.
@@ -241,6 +257,8 @@ def run(cfg: JobConfig, rank: int, world_size: int, metrics_out: str | None) -> 
                       "snapshot_bytes_held_per_rank": [summary[r]["snapshot_bytes"] for r in st.plan.ranks],
                       "snapshot_buffer_bytes_per_rank": [summary[r]["snapshot_buffer_bytes"] for r in st.plan.ranks],
                       "peak_rss_bytes_per_rank": [summary[r]["peak_rss_bytes"] for r in st.plan.ranks],
+                      "memory_predicted_per_rank": [summary[r]["memory_predicted"] for r in st.plan.ranks],
+                      "memory_measured_per_rank": [summary[r]["memory_measured"] for r in st.plan.ranks],
                       "cpu_s_per_rank": [summary[r]["cpu_s"] for r in st.plan.ranks]})
         ctx.membership.stamp("done")
     writer.close()
@@ -255,10 +273,11 @@ def _start(ctx: Context, world_size: int):
     cfg, rank, device = ctx.cfg, ctx.rank, ctx.device
     t, model = cfg.train, ctx.model
     numels = counted_numels(model)
+    limit = cfg.parallel.stage_memory_mb
     plan = initial_plan(world_size, cfg.parallel.dp, cfg.parallel.pp,
                         [c.flops_per_token for c in model.layer_costs()], t.num_micro_batches,
-                        numels, cfg.parallel.chunk_numel, stage_memory_mb(model), cfg.parallel.stage_memory_mb,
-                        ties=tie_pairs(model))
+                        numels, cfg.parallel.chunk_numel, stage_memory_limit=limit, ties=tie_pairs(model),
+                        memory=ctx.memory_model if limit else None)
     # Under torchrun, ranks are numbered host-major, LOCAL_WORLD_SIZE to a host; the launcher's
     # job is one host (its joiners' numbers say nothing about hosts).
     if not os.environ.get("ELASWAVE_STORE"):
@@ -280,14 +299,9 @@ def _start(ctx: Context, world_size: int):
     return st, resumed
 
 
-def stage_memory_mb(model) -> list[float]:
-    """Each layer's modelled memory on a stage that runs it; a tie's user also holds the owner's
-    tensor (its owner layer's whole vector, as the stage keeps it)."""
-    numels = counted_numels(model)
-    memory = [BYTES_PER_PARAM * n / 2 ** 20 for n in numels]
-    for owner, user in tie_pairs(model):
-        memory[user] += BYTES_PER_PARAM * numels[owner] / 2 ** 20
-    return memory
+def _models_memory(cfg: JobConfig) -> bool:
+    """Whether the job uses its memory model (building it runs every layer once on the meta device)."""
+    return bool(cfg.parallel.stage_memory_mb) or cfg.train.measure_memory_step >= 0
 
 
 def _modelled_power(plan) -> float:
@@ -336,7 +350,9 @@ def _finish(ctx: Context, st, cfg: JobConfig) -> dict[int, dict]:
            "state_bytes": st.optimizer.state_bytes(), "master_bytes": st.optimizer.master_bytes(),
            "snapshot_bytes": ctx.pool.bytes_held() if ctx.pool else 0,
            "snapshot_buffer_bytes": ctx.pool.bytes_buffered() if ctx.pool else 0,
-           "peak_rss_bytes": usage.ru_maxrss * 1024, "cpu_s": usage.ru_utime + usage.ru_stime}
+           "peak_rss_bytes": usage.ru_maxrss * 1024, "cpu_s": usage.ru_utime + usage.ru_stime,
+           "memory_predicted": rank_bytes(ctx.memory_model, plan, st.rank) if _models_memory(cfg) else None,
+           "memory_measured": ctx.measured_memory}
     ctx.membership.post(plan.epoch, "final", doc)
     st.world.all_reduce(torch.zeros(1, device=st.device), "final barrier")
     if st.rank != plan.ranks[0]:

@@ -1,6 +1,7 @@
 """Real ranks joining a running job: a replacement after a SIGKILL, extra capacity, and ranks from
 another shell with and without the job's token. Every run equals the failure-free reference bit
 for bit (deterministic mode)."""
+from tests.helpers.memory import limit_between
 from tests.helpers.spawn import Running, assert_same_run, job_args, reference_fixture, run_cli, run_job
 
 # Long enough for a joiner's start-up (a new Python process importing torch: seconds on 2 cores).
@@ -67,14 +68,16 @@ def test_only_a_rank_with_the_jobs_token_is_admitted(tmp_path, reference):
 
 
 def test_survivors_that_cannot_hold_the_model_stand_by_until_a_replacement_joins(tmp_path, reference):
-    # One stage may hold 0.7 MB of the model's 1.04 MB: rank 0 cannot take pipeline 0 alone. (With
-    # detours on, the planner may send its micro-batches through rank 3 instead; that is tested elsewhere.)
-    res = run_job(tmp_path, 2, 2, STEPS, True, extra=[*EXTRA, "parallel.stage_memory_mb=0.7", "elastic.detours=false",
+    # A limit between what a stage of two needs and what the whole model on one rank needs: rank 0
+    # cannot take pipeline 0 alone. (With detours on, the planner may send its micro-batches through
+    # rank 3 instead; that is tested elsewhere.)
+    limit = limit_between(EXTRA, 2, deterministic=True)
+    res = run_job(tmp_path, 2, 2, STEPS, True, extra=[*EXTRA, f"parallel.stage_memory_mb={limit}", "elastic.detours=false",
                                                       "elastic.inject=kill:rank=1,step=5"],
                   cli=["--respawn-after", "0.2"])
     _assert_same_run(res, reference)
     (rec,) = _events(res, "recovery")
     assert rec["plan"]["micro_batches"] == [0, MBS] and rec["plan"]["layer_ranges"][0] == [[0, 3]]
-    assert "ranks [0] cannot hold the whole model within parallel.stage_memory_mb=0.7" in res.stderr
+    assert f"ranks [0] cannot hold the whole model within parallel.stage_memory_mb={limit}" in res.stderr
     (join,) = _events(res, "join")
     assert join["plan"]["pipelines"] == [[0, 4], [2, 3]] and all(join["plan"]["micro_batches"])

@@ -1,0 +1,190 @@
+"""The memory model: the bytes a rank holds at its peak in a step, by part (pure; no process groups).
+
+What a rank holds, and why each term has the size it has:
+
+- *layers*: every layer it holds (its stage's range and tie owners) as one flat vector in the
+  compute dtype, its flat gradient of the same dtype, a gradient sum (deterministic mode: int64
+  fixed point; a bfloat16 layer in fast mode: float32; a float32 layer in fast mode sums into its
+  gradient), a one-byte weight-decay mask, and a gradient for each tied use of another layer's tensor.
+- *optimizer*: its ZeRO share of each holder group it is in -- float32 master, exp_avg and
+  exp_avg_sq (12 bytes a value), twice (the generation before is kept to redo a step), and the
+  float32 weight-decay mask: 28 bytes per value of its slot, chunk padding included.
+- *snapshots*: its own outgoing message (its state, 12 bytes a value) and, of the rank whose
+  snapshot it keeps, the generation at rest, the next one arriving and a spare buffer (3 x 12; on
+  a GPU the ones kept go to host memory, and the device holds only the one arriving).
+- *data*: the token corpus, on the first and the last stage (they read the inputs and the targets).
+- *activations*: under 1F1B, stage ``s`` of ``S`` has ``min(S - s, M)`` micro-batches between their
+  forward and their backward; each keeps what autograd saved of every layer (measured by the model
+  contract), or only its input for a layer that is recomputed; the micro-batch in its backward holds
+  a recomputed layer's activations again while the layers after it are already freed. The activation a stage sent on, and the gradient it
+  sent back, stay alive until the step's sends are drained: ``M`` of each.
+
+The planner checks ``parallel.stage_memory_mb`` against it when it partitions layers (at the start,
+at every re-partition and join), and the simulator prices a cluster with the same functions.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Callable, Mapping, Sequence
+
+from elaswave.plan.chunks import num_chunks
+
+MIB = 2 ** 20
+STATE_BYTES = 12  # float32 master, exp_avg, exp_avg_sq
+OPTIMIZER_BYTES = 2 * STATE_BYTES + 4  # two generations and the float32 decay mask
+SNAPSHOT_COPIES = 3  # a peer's generation at rest, the next one arriving, a spare buffer
+
+
+@dataclass(frozen=True)
+class MemoryModel:
+    layer_numels: tuple[int, ...]
+    layer_activation_bytes: tuple[float, ...]
+    """Bytes autograd saves from one micro-batch's forward of each layer (contract.saved_activation_bytes)."""
+    boundary_bytes: float
+    """One micro-batch's activation between two layers: what a recomputed layer keeps, what a stage sends."""
+    param_bytes: int
+    """Bytes of one value in the compute dtype (2: bfloat16, 4: float32)."""
+    sum_bytes: int
+    """Bytes per value of the gradient sum beside the gradient (8, 4 or 0; see the module doc)."""
+    chunk_numel: int
+    ties: tuple[tuple[int, int], ...] = ()
+    tied_numels: tuple[int, ...] = ()
+    """Values of each tie's tensor (in ``ties`` order): the user's stage keeps a gradient for its use."""
+    recomputed: frozenset[int] = frozenset()
+    snapshots: bool = True
+    snapshots_to_host: bool = False
+    """On a GPU a kept snapshot moves to host memory: the device holds the outgoing message and the
+    one arriving only."""
+    data_bytes: float = 0.0
+    """The token corpus, in memory on a stage that reads batches (the first and the last)."""
+
+    def to_doc(self) -> dict:
+        doc = {f.name: getattr(self, f.name) for f in fields(self)}
+        doc["recomputed"] = sorted(self.recomputed)
+        return doc
+
+    @staticmethod
+    def from_doc(doc: dict) -> "MemoryModel":
+        out = {k: tuple(tuple(x) if isinstance(x, list) else x for x in v) if isinstance(v, list) else v
+               for k, v in doc.items()}
+        out["recomputed"] = frozenset(doc["recomputed"])
+        return MemoryModel(**out)
+
+    def _peer_copies(self) -> int:
+        return 1 if self.snapshots_to_host else SNAPSHOT_COPIES
+
+    def held_layers(self, start: int, end: int) -> list[int]:
+        return sorted(set(range(start, end)) | {o for o, u in self.ties if start <= u < end})
+
+    def layer_bytes(self, start: int, end: int) -> float:
+        per_value = 2 * self.param_bytes + self.sum_bytes + 1
+        uses = sum(n for (o, u), n in zip(self.ties, self.tied_numels) if start <= u < end)
+        return per_value * sum(self.layer_numels[i] for i in self.held_layers(start, end)) + self.param_bytes * uses
+
+    def activation_bytes(self, start: int, end: int, in_flight: int, micro_batches: int, first: bool,
+                         last: bool) -> float:
+        """Activations of a stage running layers [start, end) with ``in_flight`` micro-batches
+        alive at once and ``micro_batches`` in the step."""
+        kept = [self.boundary_bytes if i in self.recomputed else self.layer_activation_bytes[i]
+                for i in range(start, end)]
+        sent = micro_batches * self.boundary_bytes * ((not last) + (not first))
+        return (in_flight - 1) * sum(kept) + self._backward_peak(start, kept) + sent
+
+    def _backward_peak(self, start: int, kept: Sequence[float]) -> float:
+        """The most one micro-batch holds: all it kept, or -- while recomputed layer ``i`` runs its
+        backward, the layers after it already freed -- what the layers before ``i`` kept and all of
+        ``i``'s activations again."""
+        peak, before = sum(kept), 0.0
+        for k, value in enumerate(kept):
+            if start + k in self.recomputed:
+                peak = max(peak, before + self.layer_activation_bytes[start + k])
+            before += value
+        return peak
+
+    def state_share(self, layers: Sequence[int], holders: int) -> float:
+        """Values of one holder's slot in a bucket of ``layers`` shared by ``holders`` (round robin)."""
+        chunks = sum(num_chunks(self.layer_numels[i], self.chunk_numel) for i in layers)
+        return -(-chunks // holders) * self.chunk_numel
+
+    # -- what the partitioner checks -----------------------------------------------------
+    def stage_memory(self, num_stages: int, holders: int, num_micro_batches: int,
+                     micro_batches: int) -> "Callable[[int, int, int], float]":
+        """``(stage, start, end) -> MiB``: a stage's modelled peak when every layer it holds has
+        ``holders`` holders (whole pipelines; chunk padding aside), the job has
+        ``num_micro_batches`` and the stage's pipeline runs ``micro_batches`` of them."""
+        n = len(self.layer_numels)
+        per_value = 2 * self.param_bytes + self.sum_bytes + 1
+        share = (OPTIMIZER_BYTES + ((1 + self._peer_copies()) * STATE_BYTES if self.snapshots else 0)) / holders
+        kept = [self.boundary_bytes if i in self.recomputed else self.layer_activation_bytes[i] for i in range(n)]
+        values, acts = [0.0], [0.0]
+        for i in range(n):
+            values.append(values[-1] + self.layer_numels[i])
+            acts.append(acts[-1] + kept[i])
+        # The backward's peak of one micro-batch (see _backward_peak) is acts[end] - acts[start] or
+        # max over recomputed i in range of acts[i] + activations of i, less acts[start]: a range
+        # maximum, answered from a sparse table in O(1) (the partitioner asks O(L^2 S) times).
+        again = [acts[i] + self.layer_activation_bytes[i] if i in self.recomputed else float("-inf") for i in range(n)]
+        table, width = [again], 2
+        while width <= n:  # table[k][i]: the maximum of again[i:i + 2**k]
+            prev = table[-1]
+            table.append([max(prev[i], prev[i + width // 2]) for i in range(n - width + 1)])
+            width *= 2
+
+        def recompute_peak(start: int, end: int) -> float:
+            k = (end - start).bit_length() - 1
+            return max(table[k][start], table[k][end - (1 << k)])
+
+        def memory(stage: int, start: int, end: int) -> float:
+            own = values[end] - values[start]
+            borrowed = sum(self.layer_numels[o] for o in {o for o, u in self.ties if start <= u < end
+                                                           and not start <= o < end})
+            lent = sum(self.layer_numels[o] for o in {o for o, u in self.ties if start <= o < end
+                                                       and not start <= u < end})
+            held = own + borrowed
+            # A tied owner's chunks are shared by the holders of both its layers: half each.
+            shared = own + (borrowed - lent) / 2
+            uses = sum(t for (o, u), t in zip(self.ties, self.tied_numels) if start <= u < end)
+            sent = micro_batches * self.boundary_bytes * ((end < n) + (start > 0))
+            in_flight = min(num_stages - stage, num_micro_batches)
+            data = self.data_bytes if start == 0 or end == n else 0.0
+            return (held * per_value + shared * share + self.param_bytes * uses + data
+                    + (in_flight - 1) * (acts[end] - acts[start]) + sent
+                    + max(acts[end], recompute_peak(start, end)) - acts[start]) / MIB
+        return memory
+
+
+def rank_bytes(model: MemoryModel, plan, rank: int) -> dict[str, float]:
+    """The modelled peak of ``rank`` under ``plan`` (an elaswave Plan), by part, with chunk padding,
+    the holder groups and snapshot pairing the plan really has."""
+    d, s = plan.position(rank)
+    start, end = plan.layer_ranges[d][s]
+    depth = len(plan.pipelines[d])
+    mbs = len(plan.micro_batches[d])
+    out = {"layers": model.layer_bytes(start, end)}
+    out["optimizer"] = OPTIMIZER_BYTES * _slot_values(model, plan, rank)
+    if model.snapshots and len(plan.ranks) > 1:
+        owner = plan.snapshot_owner(rank)
+        out["snapshots"] = STATE_BYTES * model.chunk_numel * (
+            len(plan.chunks_of(rank)) + model._peer_copies() * len(plan.chunks_of(owner)))
+    else:
+        out["snapshots"] = 0.0
+    out["data"] = model.data_bytes if s in (0, depth - 1) else 0.0
+    out["activations"] = (model.activation_bytes(start, end, min(depth - s, mbs), mbs, s == 0, s == depth - 1)
+                          if mbs else 0.0)
+    out["total"] = sum(out.values())
+    return out
+
+
+def _slot_values(model: MemoryModel, plan, rank: int) -> int:
+    """Values of ``rank``'s optimizer slots: per holder group it is in, its most-loaded holder's
+    chunk count (every slot of a bucket has that size), times the chunk size."""
+    total = 0
+    for holders, layers in plan.holder_groups().items():
+        if rank not in holders:
+            continue
+        counts: Mapping[int, int] = {}
+        for layer in layers:
+            for owner in plan.chunk_owners[layer]:
+                counts[owner] = counts.get(owner, 0) + 1
+        total += max(counts.values()) * model.chunk_numel
+    return total

@@ -1,0 +1,101 @@
+"""The job's memory model (elaswave.plan.memory) built from its config and model, and the
+measurement it is checked against: the peak of one step's tensor bytes.
+
+The measurement is the allocator's, not the model's: every tensor alive when the step starts
+(found through the garbage collector, each storage counted once), plus the highest the CPU
+allocator's running total of the step's own allocations reaches (torch.profiler's memory events;
+on CUDA, ``max_memory_allocated``). Temporaries inside a kernel, gloo's buffers and the Python heap
+are not tensors and are not in it.
+"""
+from __future__ import annotations
+
+import gc
+import json
+import os
+import tempfile
+from typing import Callable
+
+import torch
+
+from elaswave.config import JobConfig
+from elaswave.data.corpus import corpus_bytes
+from elaswave.model.contract import Model, counted_numels, model_for, saved_activation_bytes, tie_pairs
+from elaswave.plan.memory import MemoryModel
+from elaswave.plan.partition import least_memory
+from elaswave.precision import compute_dtype
+
+
+def job_memory_model(cfg: JobConfig, model: Model, dtype: torch.dtype, device: torch.device) -> MemoryModel:
+    t = cfg.train
+    numels = counted_numels(model)
+    fused = not t.deterministic  # fast mode's scaled_dot_product_attention: a fused kernel on CPU and GPU
+    sums = 8 if t.deterministic else (0 if dtype == torch.float32 else 4)
+    itemsize = torch.empty(0, dtype=dtype).element_size()
+    ties = tie_pairs(model)
+    shapes = {}
+    with torch.device("meta"):
+        for tie in model.ties:
+            layer = model.build_layer(tie.owner, 0, init=False)
+            shapes[(tie.owner, tie.user)] = dict(layer.named_parameters())[tie.owner_param].numel()
+    return MemoryModel(
+        layer_numels=tuple(numels),
+        layer_activation_bytes=tuple(float(b) for b in saved_activation_bytes(model, t.micro_batch_size, dtype, fused)),
+        boundary_bytes=float(t.micro_batch_size * model.seq_len * model.hidden_size * itemsize),
+        param_bytes=itemsize, sum_bytes=sums, chunk_numel=cfg.parallel.chunk_numel,
+        ties=ties, tied_numels=tuple(shapes[p] for p in ties),
+        recomputed=frozenset(i for i in range(model.num_layers) if t.checkpointed(i, model.num_layers)),
+        snapshots=cfg.elastic.enabled and cfg.elastic.snapshots, snapshots_to_host=device.type == "cuda",
+        data_bytes=float(corpus_bytes(cfg.data)))
+
+
+def live_tensor_bytes() -> int:
+    """Bytes of every tensor storage Python reaches now, each storage once."""
+    seen: dict[tuple[str, int], int] = {}
+    for obj in gc.get_objects():
+        if isinstance(obj, torch.Tensor) and not obj.is_meta:
+            try:
+                s = obj.untyped_storage()
+            except RuntimeError:  # a tensor without storage (e.g. a sparse or functional wrapper)
+                continue
+            if s.data_ptr():
+                seen[(str(s.device), s.data_ptr())] = s.nbytes()
+    return sum(seen.values())
+
+
+def measure_peak(fn: Callable[[], object], device: torch.device) -> tuple[object, int, int]:
+    """``(fn(), bytes alive before it, peak bytes while it ran)``."""
+    gc.collect()
+    before = live_tensor_bytes()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        base = torch.cuda.memory_allocated(device)
+        result = fn()
+        torch.cuda.synchronize(device)
+        return result, before, before + torch.cuda.max_memory_allocated(device) - base
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        result = fn()
+    # The memory events' "Total Allocated" is the allocator's running total of what was allocated
+    # while profiling and is still alive: its highest value is the step's own peak.
+    fd, path = tempfile.mkstemp(suffix=".json")
+    os.close(fd)
+    try:
+        prof.export_chrome_trace(path)
+        with open(path) as fh:
+            events = json.load(fh)["traceEvents"]
+    finally:
+        os.unlink(path)
+    peak = max((e["args"]["Total Allocated"] for e in events
+                if e.get("name") == "[memory]" and e["args"].get("Device Type") == 0), default=0)
+    return result, before, before + peak
+
+
+def least_stage_memory_mb(cfg: JobConfig, num_stages: int, pipelines: int, device: torch.device | None = None) -> float:
+    """The least ``parallel.stage_memory_mb`` under which the job's model splits into pipelines of
+    ``num_stages`` stages, ``pipelines`` of them (what to ask for; what tests set limits around)."""
+    device = device or torch.device("cpu")
+    model = model_for(cfg)
+    memory = job_memory_model(cfg, model, compute_dtype(cfg.train.precision, device), device)
+    m = cfg.train.num_micro_batches
+    return least_memory(model.num_layers, num_stages, memory.stage_memory(num_stages, pipelines, m, -(-m // pipelines)))

@@ -1,0 +1,61 @@
+"""Which layouts of a model survive the loss of a stage within a device's memory: the runtime's
+memory model (elaswave.plan.memory, built by elaswave.runtime.memory) and its planner, for a job
+too large to run here.
+
+A layout *survives* the loss of stage ``s`` of a pipeline when the planner re-partitions that
+pipeline's survivors within the limit (they go on training); otherwise they *stand by* -- the
+other pipelines carry the whole batch until ranks join -- or, with no other pipeline, the job
+*stops* (after saving its state).
+"""
+from __future__ import annotations
+
+import torch
+
+from elaswave import config
+from elaswave.model.contract import counted_numels, model_for, tie_pairs
+from elaswave.plan.memory import MIB, rank_bytes
+from elaswave.plan.plan import PlanError, initial_plan, replan
+from elaswave.precision import compute_dtype
+from elaswave.runtime.memory import job_memory_model
+
+
+def survival(sets: list[str], layouts: list[tuple[int, int]], limit_mib: float, device: str = "cuda") -> list[dict]:
+    """For each ``(dp, pp)``: whether the job (config ``sets``) starts within ``limit_mib`` per
+    device, its largest modelled rank, and what the loss of each stage of pipeline 0 leads to."""
+    out = []
+    base = config.load(None, sets)
+    model = model_for(base)
+    dev = torch.device(device)
+    dtype = compute_dtype(base.train.precision, dev) if dev.type == "cpu" else _gpu_dtype(base.train.precision)
+    memory = job_memory_model(base, model, dtype, dev)  # the same for every layout
+    costs, numels = [c.flops_per_token for c in model.layer_costs()], counted_numels(model)
+    for dp, pp in layouts:
+        cfg = config.load(None, [*sets, f"parallel.dp={dp}", f"parallel.pp={pp}"])
+        row = {"dp": dp, "pp": pp, "activation_checkpointing": cfg.train.activation_checkpointing}
+        try:
+            plan = initial_plan(dp * pp, dp, pp, costs, cfg.train.num_micro_batches, numels, cfg.parallel.chunk_numel,
+                                stage_memory_limit=limit_mib, ties=tie_pairs(model), memory=memory)
+        except PlanError as exc:
+            out.append({**row, "starts": False, "why": str(exc)})
+            continue
+        row.update(starts=True, peak_gib=max(rank_bytes(memory, plan, r)["total"] for r in plan.ranks) / 2 ** 30)
+        outcomes = []
+        for lost in plan.pipelines[0]:
+            live = [r for r in plan.ranks if r != lost]
+            try:
+                after = replan(plan, live, 1, cfg.train.num_micro_batches, detours=False)
+            except PlanError:
+                outcomes.append("stops")
+                continue
+            outcomes.append("re-partitions" if after.micro_batches[0] else "stands by")
+            if after.micro_batches[0]:
+                worst = max(rank_bytes(memory, after, r)["total"] for r in after.pipelines[0]) / MIB
+                row["peak_after_gib"] = max(row.get("peak_after_gib", 0.0), worst / 1024)
+        row["after_loss"] = {o: outcomes.count(o) for o in sorted(set(outcomes))}
+        out.append(row)
+    return out
+
+
+def _gpu_dtype(precision: str) -> torch.dtype:
+    """The dtype the runtime computes in on a GPU with bfloat16 (what ``auto`` resolves to there)."""
+    return torch.float32 if precision == "fp32" else torch.bfloat16

@@ -1,0 +1,119 @@
+import itertools
+import random
+
+import pytest
+
+from elaswave.plan.memory import MIB, OPTIMIZER_BYTES, STATE_BYTES, MemoryModel, rank_bytes
+from elaswave.plan.partition import PartitionError, least_memory, partition
+from elaswave.plan.plan import Plan, PlanError, initial_plan, replan
+
+NUMELS = (64, 128, 128, 128, 128, 64)
+ACT = (10.0, 1000.0, 1000.0, 1000.0, 1000.0, 300.0)
+
+
+def _model(**kw) -> MemoryModel:
+    args = dict(layer_numels=NUMELS, layer_activation_bytes=ACT, boundary_bytes=40.0, param_bytes=4, sum_bytes=0,
+                chunk_numel=16, snapshots=False)
+    return MemoryModel(**{**args, **kw})
+
+
+def _plan(dp, pp, mbs, memory, limit=0.0):
+    return initial_plan(dp * pp, dp, pp, [1.0] * len(NUMELS), mbs, NUMELS, memory.chunk_numel,
+                        stage_memory_limit=limit, memory=memory)
+
+
+def test_stage_i_of_a_1f1b_pipeline_keeps_up_to_pp_minus_i_micro_batches():
+    m = _model()
+    plan = _plan(1, 3, 8, m)  # stages of two layers each: [0,2) [2,4) [4,6)
+    acts = [rank_bytes(m, plan, r)["activations"] for r in plan.ranks]
+    sent = [8 * 40.0, 2 * 8 * 40.0, 8 * 40.0]  # sends are kept until the step's drain
+    assert acts == [3 * (10 + 1000) + sent[0], 2 * 2000 + sent[1], 1 * 1300 + sent[2]]
+    few = _plan(1, 3, 1, m)  # one micro-batch: never more than one in flight
+    assert rank_bytes(m, few, 0)["activations"] == 1010 + 40.0
+
+
+def test_checkpointed_layers_keep_their_input_and_hold_one_layer_again_in_the_backward():
+    full = _model(recomputed=frozenset({1, 2, 3, 4}))
+    plan = _plan(1, 1, 4, full)
+    # One micro-batch in flight: the embedding's 10 and four inputs of 40, then the head's 300;
+    # in the backward of block 4 (head freed) 10 + 3 * 40 + its 1000 again.
+    assert rank_bytes(full, plan, 0)["activations"] == max(10 + 4 * 40 + 300, 10 + 3 * 40 + 1000)
+    assert rank_bytes(_model(), plan, 0)["activations"] == sum(ACT)
+
+
+def test_the_optimizer_share_is_per_holder_with_chunk_padding_and_two_generations():
+    m = _model()
+    plan = _plan(3, 1, 6, m)
+    assert sum(-(-n // 16) for n in NUMELS) == 40  # chunks over 3 holders: 14, 13, 13; every slot is 14
+    assert {rank_bytes(m, plan, r)["optimizer"] for r in plan.ranks} == {OPTIMIZER_BYTES * 14 * 16}
+    snap = _model(snapshots=True)
+    # Its own outgoing state (14 chunks) and three buffers of rank 2's (13), whose snapshot it keeps.
+    assert plan.snapshot_owner(0) == 2
+    assert rank_bytes(snap, plan, 0)["snapshots"] == STATE_BYTES * 16 * (14 + 3 * 13)
+
+
+def test_the_partitioner_sees_what_rank_bytes_predicts():
+    for kw in ({}, {"snapshots": True}, {"recomputed": frozenset({2, 3})}, {"sum_bytes": 8, "data_bytes": 500.0},
+               {"ties": ((0, 5),), "tied_numels": (64,)}):
+        m = _model(**kw)
+        for dp, pp in ((1, 3), (2, 2), (2, 3)):
+            plan = _plan(dp, pp, 6, m)
+            fn = m.stage_memory(pp, dp, 6, 6 // dp)
+            for r in plan.ranks:
+                d, s = plan.position(r)
+                i, j = plan.layer_ranges[d][s]
+                # Equal but for chunk padding (the partitioner divides values evenly).
+                assert fn(s, i, j) * MIB == pytest.approx(rank_bytes(m, plan, r)["total"], rel=0.12), (kw, dp, pp, r)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_least_memory_is_the_smallest_limit_a_partition_meets(seed):
+    r = random.Random(seed)
+    n, stages = r.randint(2, 7), 0
+    stages = r.randint(1, n)
+    m = _model(layer_numels=tuple(r.randint(1, 200) for _ in range(n)),
+               layer_activation_bytes=tuple(r.random() * 3000 for _ in range(n)))
+    fn = m.stage_memory(stages, 1, 8, 8)
+    brute = min(max(fn(s, a, b) for s, (a, b) in enumerate(zip((0, *cuts), (*cuts, n))))
+                for cuts in itertools.combinations(range(1, n), stages - 1))
+    least = least_memory(n, stages, fn)
+    assert least == pytest.approx(brute)
+    partition([1.0] * n, stages, memory_limit=least * (1 + 1e-9), stage_memory=fn)
+    with pytest.raises(PartitionError, match=f"the least any needs is {least:.4g}"):
+        partition([1.0] * n, stages, memory_limit=least * 0.999, stage_memory=fn)
+
+
+def test_a_loss_re_partitions_within_the_limit_or_the_survivors_stand_by():
+    m = _model(snapshots=True)
+    fn = m.stage_memory
+    two, one = least_memory(6, 2, fn(2, 2, 8, 4)), least_memory(6, 1, fn(1, 2, 8, 4))
+    assert two < one
+    roomy = _plan(2, 2, 8, m, limit=(one + 1e-6))
+    assert replan(roomy, [0, 2, 3], 1, 8).micro_batches[0]  # rank 0 takes pipeline 0 alone
+    tight = _plan(2, 2, 8, m, limit=(two + one) / 2)
+    after = replan(tight, [0, 2, 3], 1, 8, detours=False)
+    assert after.micro_batches[0] == () and sum(map(len, after.micro_batches)) == 8  # stands by
+    with pytest.raises(PlanError, match="the least any needs is"):
+        _plan(2, 2, 8, m, limit=two * 0.99)
+
+
+def test_a_plan_carries_its_memory_model_to_a_joiner():
+    m = _model(recomputed=frozenset({1}), ties=((0, 5),), tied_numels=(64,))
+    plan = _plan(2, 2, 8, m, limit=1.0)
+    again = Plan.from_doc(plan.to_doc())
+    assert again == plan and again.memory == m
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_the_partitioners_activations_are_the_stages_exactly(seed):
+    r = random.Random(seed)
+    n = r.randint(2, 12)
+    m = _model(layer_numels=(0,) * n, layer_activation_bytes=tuple(float(r.randint(1, 999)) for _ in range(n)),
+               recomputed=frozenset(i for i in range(n) if r.random() < 0.5))
+    for stages in range(1, n + 1):
+        fn = m.stage_memory(stages, 1, 5, 5)
+        for s in range(stages):
+            for i in range(n):
+                for j in range(i + 1, n + 1):
+                    want = m.activation_bytes(i, j, min(stages - s, 5), 5, i == 0, j == n)
+                    assert fn(s, i, j) * MIB == pytest.approx(want), (s, i, j)
