@@ -23,11 +23,7 @@ def survival(sets: list[str], layouts: list[tuple[int, int]], limit_mib: float, 
     """For each ``(dp, pp)``: whether the job (config ``sets``) starts within ``limit_mib`` per
     device, its largest modelled rank, and what the loss of each stage of pipeline 0 leads to."""
     out = []
-    base = config.load(None, sets)
-    model = model_for(base)
-    dev = torch.device(device)
-    dtype = compute_dtype(base.train.precision, dev) if dev.type == "cpu" else _gpu_dtype(base.train.precision)
-    memory = job_memory_model(base, model, dtype, dev)  # the same for every layout
+    model, memory = job_memory(sets, device)  # the same for every layout
     costs, numels = [c.flops_per_token for c in model.layer_costs()], counted_numels(model)
     for dp, pp in layouts:
         cfg = config.load(None, [*sets, f"parallel.dp={dp}", f"parallel.pp={pp}"])
@@ -54,6 +50,15 @@ def survival(sets: list[str], layouts: list[tuple[int, int]], limit_mib: float, 
         row["after_loss"] = {o: outcomes.count(o) for o in sorted(set(outcomes))}
         out.append(row)
     return out
+
+
+def job_memory(sets: list[str], device: str = "cuda"):
+    """(the model, its memory model) for the job configured by ``sets`` on a ``device`` of that type."""
+    base = config.load(None, sets)
+    model = model_for(base)
+    dev = torch.device(device)
+    dtype = compute_dtype(base.train.precision, dev) if dev.type == "cpu" else _gpu_dtype(base.train.precision)
+    return model, job_memory_model(base, model, dtype, dev)
 
 
 def _gpu_dtype(precision: str) -> torch.dtype:

@@ -6,6 +6,7 @@ import time
 from dataclasses import asdict
 
 from elaswave.config import ConfigError
+from elaswave.plan.memory import rank_bytes
 from elaswave.plan.plan import PlanError, initial_plan
 from elaswave.sim import policies, trace
 from elaswave.sim.engine import PolicyResult, simulate
@@ -26,6 +27,10 @@ def add_arguments(ap) -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--policies", default=",".join(policies.POLICIES),
                     help=f"comma-separated, from {', '.join(policies.POLICIES)}")
+    ap.add_argument("--device-gib", type=float, default=0.0,
+                    help="device memory: every plan, first and after each failure, keeps each device's modelled peak "
+                         "within it (elaswave/plan/memory.py, bf16, one sequence per micro-batch); 0: no limit")
+    ap.add_argument("--checkpointing", default="none", help="activation checkpointing with --device-gib: none, full or every_N")
     ap.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     ap.add_argument("--plot", metavar="FILE.png", help="also draw throughput over time, goodput and time lost per failure")
 
@@ -46,6 +51,16 @@ def _layout(args) -> tuple[int, int]:
     if pp > num_layers:
         raise ConfigError(f"--pp={pp} is invalid: {args.model} has {num_layers} layers")
     return dp, pp
+
+
+def _memory(args, micro_batches: int):
+    """The runtime's memory model of the job (bf16, one sequence per micro-batch)."""
+    from elaswave.sim.memory import job_memory
+    if args.device_gib < 0:
+        raise ConfigError(f"--device-gib={args.device_gib} is invalid: must be >= 0 (0: no limit)")
+    return job_memory([f"model.preset={args.model}", "train.precision=bf16", "train.micro_batch_size=1",
+                       f"train.num_micro_batches={micro_batches}", f"train.activation_checkpointing={args.checkpointing}",
+                       f"parallel.chunk_numel={1 << 24}"])[1]
 
 
 def _events(args, plan, duration_s: float) -> list[trace.Event]:
@@ -74,8 +89,13 @@ def run(args) -> int:
     if m < dp:
         raise ConfigError(f"--micro-batches={m} is invalid: need at least one per pipeline ({dp})")
     model = cluster(m_cfg)
-    plan = initial_plan(args.devices, dp, pp, [float(c) for c in model.layer_forward_s], m,
-                        layer_numels(m_cfg), chunk_numel=1 << 24)
+    memory = _memory(args, m) if args.device_gib else None
+    try:
+        plan = initial_plan(args.devices, dp, pp, [float(c) for c in model.layer_forward_s], m,
+                            layer_numels(m_cfg), chunk_numel=1 << 24, stage_memory_limit=1024 * args.device_gib,
+                            memory=memory)
+    except PlanError as exc:
+        raise ConfigError(f"--device-gib={args.device_gib:g}: {exc} (MiB)") from None
     single = not (args.trace or args.mtbf_h)
     duration_s = 3600.0 * (args.hours if args.hours is not None else (1.0 if single else 24.0))
     try:
@@ -92,6 +112,7 @@ def run(args) -> int:
             raise ConfigError(f"policy {name}: {exc}") from None
     wall = time.perf_counter() - began
     config = {"devices": args.devices, "dp": dp, "pp": pp, "model": args.model, "micro_batches": m,
+              "device_gib": args.device_gib, "checkpointing": args.checkpointing,
               "hours": duration_s / 3600, "failures": sum(e.kind == "fail" for e in events),
               "joins": sum(e.kind == "join" for e in events), "trace": args.trace or ("poisson" if args.mtbf_h else "single"),
               "costs": asdict(costs), "wall_s": wall}
@@ -105,6 +126,10 @@ def run(args) -> int:
         return 0
     print(f"elaswave simulate: {args.devices} devices (dp={dp} x pp={pp}), {args.model}, {m} micro-batches per step, "
           f"{config['hours']:g} h, {config['failures']} failures, {config['joins']} joins; {wall:.1f} s")
+    if memory is not None:
+        peak = max(rank_bytes(memory, plan, r)["total"] for r in plan.ranks) / 2 ** 30
+        print(f"memory: modelled peak {peak:.1f} GiB of {args.device_gib:g} per device "
+              f"(bf16, checkpointing {args.checkpointing}); every re-plan keeps within it or stands survivors by")
     print(f"{'policy':<14}{'after/before':>14}{'goodput':>10}{'MTTR s':>10}{'lost s/failure':>16}{'stalls':>8}")
     for n, r in results.items():
         ratio = "-" if r.throughput_after_over_before is None else f"{r.throughput_after_over_before:.3f}"

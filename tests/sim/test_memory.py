@@ -1,0 +1,26 @@
+"""The simulator's memory: the runtime's memory model and planner at a scale that cannot run here."""
+import pytest
+
+from elaswave import cli
+from elaswave.sim.memory import survival
+
+TINY = ["model.preset=llama-tiny", "train.precision=bf16", "train.num_micro_batches=8", "model.seq_len=64"]
+
+
+def test_a_layout_either_re_partitions_after_a_loss_or_its_survivors_stand_by():
+    (roomy,) = survival(TINY, [(2, 3)], 1e6)
+    assert roomy["starts"] and roomy["after_loss"] == {"re-partitions": 3}
+    # Just above the first layout's peak: a pipeline of two stages after a loss needs more.
+    (tight,) = survival(TINY, [(2, 3)], roomy["peak_gib"] * 1024 * 1.0001)
+    assert tight["starts"] and tight["after_loss"] == {"stands by": 3}
+    (small,) = survival(TINY, [(2, 3)], roomy["peak_gib"] * 1024 * 0.3)
+    assert not small["starts"] and "the least any needs is" in small["why"]
+
+
+def test_simulate_keeps_every_plan_within_the_device_memory(capsys):
+    argv = ["simulate", "--devices", "16", "--dp", "2", "--pp", "8", "--model", "llama3-8b", "--checkpointing", "full"]
+    assert cli.main(argv + ["--device-gib", "80"]) == 0
+    assert "memory: modelled peak" in capsys.readouterr().out
+    assert cli.main(argv + ["--device-gib", "8"]) == 2
+    err = capsys.readouterr().err
+    assert "--device-gib=8" in err and "the least any needs is" in err
