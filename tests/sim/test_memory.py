@@ -1,5 +1,4 @@
 """The simulator's memory: the runtime's memory model and planner at a scale that cannot run here."""
-import pytest
 
 from elaswave import cli
 from elaswave.sim.memory import survival
