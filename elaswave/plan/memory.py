@@ -27,7 +27,6 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Callable, Mapping, Sequence
 
-from elaswave.plan.chunks import num_chunks
 
 MIB = 2 ** 20
 STATE_BYTES = 12  # float32 master, exp_avg, exp_avg_sq
@@ -70,7 +69,8 @@ class MemoryModel:
         out["recomputed"] = frozenset(doc["recomputed"])
         return MemoryModel(**out)
 
-    def _peer_copies(self) -> int:
+    def peer_copies(self) -> int:
+        """Buffers of the peer's snapshot this rank's device holds."""
         return 1 if self.snapshots_to_host else SNAPSHOT_COPIES
 
     def held_layers(self, start: int, end: int) -> list[int]:
@@ -101,11 +101,6 @@ class MemoryModel:
             before += value
         return peak
 
-    def state_share(self, layers: Sequence[int], holders: int) -> float:
-        """Values of one holder's slot in a bucket of ``layers`` shared by ``holders`` (round robin)."""
-        chunks = sum(num_chunks(self.layer_numels[i], self.chunk_numel) for i in layers)
-        return -(-chunks // holders) * self.chunk_numel
-
     # -- what the partitioner checks -----------------------------------------------------
     def stage_memory(self, num_stages: int, holders: int, num_micro_batches: int,
                      micro_batches: int) -> "Callable[[int, int, int], float]":
@@ -114,7 +109,7 @@ class MemoryModel:
         ``num_micro_batches`` and the stage's pipeline runs ``micro_batches`` of them."""
         n = len(self.layer_numels)
         per_value = 2 * self.param_bytes + self.sum_bytes + 1
-        share = (OPTIMIZER_BYTES + ((1 + self._peer_copies()) * STATE_BYTES if self.snapshots else 0)) / holders
+        share = (OPTIMIZER_BYTES + ((1 + self.peer_copies()) * STATE_BYTES if self.snapshots else 0)) / holders
         kept = [self.boundary_bytes if i in self.recomputed else self.layer_activation_bytes[i] for i in range(n)]
         values, acts = [0.0], [0.0]
         for i in range(n):
@@ -165,7 +160,7 @@ def rank_bytes(model: MemoryModel, plan, rank: int) -> dict[str, float]:
     if model.snapshots and len(plan.ranks) > 1:
         owner = plan.snapshot_owner(rank)
         out["snapshots"] = STATE_BYTES * model.chunk_numel * (
-            len(plan.chunks_of(rank)) + model._peer_copies() * len(plan.chunks_of(owner)))
+            len(plan.chunks_of(rank)) + model.peer_copies() * len(plan.chunks_of(owner)))
     else:
         out["snapshots"] = 0.0
     out["data"] = model.data_bytes if s in (0, depth - 1) else 0.0
