@@ -18,6 +18,7 @@ holder group includes it, so the gradient of every use is reduced into the one s
 """
 from __future__ import annotations
 
+import contextlib
 import importlib
 import os
 import sys
@@ -206,7 +207,6 @@ def saved_activation_bytes(model: "Model", micro_batch_size: int, dtype: torch.d
     gets its figures this way, at no cost in memory or time (a 70B layer runs as shapes only).
     ``fused_kernel``: price ``scaled_dot_product_attention`` as the fused GPU kernel keeps it
     (otherwise as the meta device runs it: the math path, with the whole attention matrix)."""
-    import contextlib
     out = []
     for i in range(model.num_layers):
         with torch.device("meta"):

@@ -102,12 +102,12 @@ class MemoryModel:
         return peak
 
     # -- what the partitioner checks -----------------------------------------------------
-    def stage_memory(self, num_stages: int, holders: int, num_micro_batches: int,
-                     micro_batches: int) -> "Callable[[int, int, int], float]":
+    def stage_memory(self, num_stages: int, holders: int, num_micro_batches: int) -> "Callable[[int, int, int], float]":
         """``(stage, start, end) -> MiB``: a stage's modelled peak when every layer it holds has
-        ``holders`` holders (whole pipelines; chunk padding aside), the job has
-        ``num_micro_batches`` and the stage's pipeline runs ``micro_batches`` of them."""
+        ``holders`` holders (as many as there are pipelines; chunk padding aside) and the job has
+        ``num_micro_batches``, its pipeline an even share of them (rounded up)."""
         n = len(self.layer_numels)
+        micro_batches = -(-num_micro_batches // holders)
         per_value = 2 * self.param_bytes + self.sum_bytes + 1
         share = (OPTIMIZER_BYTES + ((1 + self.peer_copies()) * STATE_BYTES if self.snapshots else 0)) / holders
         kept = [self.boundary_bytes if i in self.recomputed else self.layer_activation_bytes[i] for i in range(n)]

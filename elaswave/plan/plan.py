@@ -287,10 +287,7 @@ def _place_joiners(prev: Plan, epoch: int, joined: Sequence[int], pipelines: lis
 
 
 def _stage_memory(memory: MemoryModel | None, num_stages: int, pipelines: int, num_micro_batches: int):
-    if memory is None:
-        return None
-    mine = -(-num_micro_batches // max(1, pipelines))
-    return memory.stage_memory(num_stages, pipelines, num_micro_batches, mine)
+    return memory.stage_memory(num_stages, max(1, pipelines), num_micro_batches) if memory is not None else None
 
 
 def _split(prev: Plan, count: int, pipelines: int, num_micro_batches: int,

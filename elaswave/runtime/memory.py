@@ -91,11 +91,16 @@ def measure_peak(fn: Callable[[], object], device: torch.device) -> tuple[object
     return result, before, before + peak
 
 
+def config_memory_model(cfg: JobConfig, device: torch.device, dtype: torch.dtype | None = None) -> tuple[Model, MemoryModel]:
+    """(the job's model, its memory model) from the config alone, on a ``device`` of that type
+    (``dtype``: the compute dtype, when the device is not here to ask: the simulator's GPUs)."""
+    model = model_for(cfg)
+    return model, job_memory_model(cfg, model, dtype or compute_dtype(cfg.train.precision, device), device)
+
+
 def least_stage_memory_mb(cfg: JobConfig, num_stages: int, pipelines: int, device: torch.device | None = None) -> float:
     """The least ``parallel.stage_memory_mb`` under which the job's model splits into pipelines of
     ``num_stages`` stages, ``pipelines`` of them (what to ask for; what tests set limits around)."""
-    device = device or torch.device("cpu")
-    model = model_for(cfg)
-    memory = job_memory_model(cfg, model, compute_dtype(cfg.train.precision, device), device)
-    m = cfg.train.num_micro_batches
-    return least_memory(model.num_layers, num_stages, memory.stage_memory(num_stages, pipelines, m, -(-m // pipelines)))
+    model, memory = config_memory_model(cfg, device or torch.device("cpu"))
+    return least_memory(model.num_layers, num_stages, memory.stage_memory(num_stages, pipelines,
+                                                                          cfg.train.num_micro_batches))

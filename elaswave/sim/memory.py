@@ -12,21 +12,19 @@ from __future__ import annotations
 import torch
 
 from elaswave import config
-from elaswave.model.contract import counted_numels, model_for, tie_pairs
+from elaswave.model.contract import counted_numels, tie_pairs
 from elaswave.plan.memory import MIB, rank_bytes
 from elaswave.plan.plan import PlanError, initial_plan, replan
-from elaswave.precision import compute_dtype
-from elaswave.runtime.memory import job_memory_model
+from elaswave.runtime.memory import config_memory_model
 
 
 def survival(sets: list[str], layouts: list[tuple[int, int]], limit_mib: float, device: str = "cuda") -> list[dict]:
     """For each ``(dp, pp)``: whether the job (config ``sets``) starts within ``limit_mib`` per
     device, its largest modelled rank, and what the loss of each stage of pipeline 0 leads to."""
     out = []
-    model, memory = job_memory(sets, device)  # the same for every layout
+    cfg, model, memory = job_memory(sets, device)  # the same for every layout
     costs, numels = [c.flops_per_token for c in model.layer_costs()], counted_numels(model)
     for dp, pp in layouts:
-        cfg = config.load(None, [*sets, f"parallel.dp={dp}", f"parallel.pp={pp}"])
         row = {"dp": dp, "pp": pp, "activation_checkpointing": cfg.train.activation_checkpointing}
         try:
             plan = initial_plan(dp * pp, dp, pp, costs, cfg.train.num_micro_batches, numels, cfg.parallel.chunk_numel,
@@ -53,12 +51,11 @@ def survival(sets: list[str], layouts: list[tuple[int, int]], limit_mib: float, 
 
 
 def job_memory(sets: list[str], device: str = "cuda"):
-    """(the model, its memory model) for the job configured by ``sets`` on a ``device`` of that type."""
-    base = config.load(None, sets)
-    model = model_for(base)
+    """(the config, the model, its memory model) of the job configured by ``sets`` on a ``device``
+    of that type."""
+    cfg = config.load(None, sets)
     dev = torch.device(device)
-    dtype = compute_dtype(base.train.precision, dev) if dev.type == "cpu" else _gpu_dtype(base.train.precision)
-    return model, job_memory_model(base, model, dtype, dev)
+    return (cfg, *config_memory_model(cfg, dev, None if dev.type == "cpu" else _gpu_dtype(cfg.train.precision)))
 
 
 def _gpu_dtype(precision: str) -> torch.dtype:

@@ -60,7 +60,7 @@ def _memory(args, micro_batches: int):
         raise ConfigError(f"--device-gib={args.device_gib} is invalid: must be >= 0 (0: no limit)")
     return job_memory([f"model.preset={args.model}", "train.precision=bf16", "train.micro_batch_size=1",
                        f"train.num_micro_batches={micro_batches}", f"train.activation_checkpointing={args.checkpointing}",
-                       f"parallel.chunk_numel={1 << 24}"])[1]
+                       f"parallel.chunk_numel={1 << 24}"])[2]
 
 
 def _events(args, plan, duration_s: float) -> list[trace.Event]:

@@ -58,7 +58,7 @@ def test_the_partitioner_sees_what_rank_bytes_predicts():
         m = _model(**kw)
         for dp, pp in ((1, 3), (2, 2), (2, 3)):
             plan = _plan(dp, pp, 6, m)
-            fn = m.stage_memory(pp, dp, 6, 6 // dp)
+            fn = m.stage_memory(pp, dp, 6)
             for r in plan.ranks:
                 d, s = plan.position(r)
                 i, j = plan.layer_ranges[d][s]
@@ -73,7 +73,7 @@ def test_least_memory_is_the_smallest_limit_a_partition_meets(seed):
     stages = r.randint(1, n)
     m = _model(layer_numels=tuple(r.randint(1, 200) for _ in range(n)),
                layer_activation_bytes=tuple(r.random() * 3000 for _ in range(n)))
-    fn = m.stage_memory(stages, 1, 8, 8)
+    fn = m.stage_memory(stages, 1, 8)
     brute = min(max(fn(s, a, b) for s, (a, b) in enumerate(zip((0, *cuts), (*cuts, n))))
                 for cuts in itertools.combinations(range(1, n), stages - 1))
     least = least_memory(n, stages, fn)
@@ -86,7 +86,7 @@ def test_least_memory_is_the_smallest_limit_a_partition_meets(seed):
 def test_a_loss_re_partitions_within_the_limit_or_the_survivors_stand_by():
     m = _model(snapshots=True)
     fn = m.stage_memory
-    two, one = least_memory(6, 2, fn(2, 2, 8, 4)), least_memory(6, 1, fn(1, 2, 8, 4))
+    two, one = least_memory(6, 2, fn(2, 2, 8)), least_memory(6, 1, fn(1, 2, 8))
     assert two < one
     roomy = _plan(2, 2, 8, m, limit=(one + 1e-6))
     assert replan(roomy, [0, 2, 3], 1, 8).micro_batches[0]  # rank 0 takes pipeline 0 alone
@@ -111,7 +111,7 @@ def test_the_partitioners_activations_are_the_stages_exactly(seed):
     m = _model(layer_numels=(0,) * n, layer_activation_bytes=tuple(float(r.randint(1, 999)) for _ in range(n)),
                recomputed=frozenset(i for i in range(n) if r.random() < 0.5))
     for stages in range(1, n + 1):
-        fn = m.stage_memory(stages, 1, 5, 5)
+        fn = m.stage_memory(stages, 1, 5)
         for s in range(stages):
             for i in range(n):
                 for j in range(i + 1, n + 1):
