@@ -68,8 +68,7 @@ def plain_step(sets: list[str]) -> dict:
     import transformers
 
     from elaswave import config
-    from elaswave.data.corpus import load_corpus
-    from elaswave.data.sampler import Sampler
+    from elaswave.data.sampler import open_sampler
     from elaswave.model.config import to_hf_config
     from elaswave.zero.optimizer import lr_at
 
@@ -82,7 +81,7 @@ def plain_step(sets: list[str]) -> dict:
     opt = torch.optim.AdamW([{"params": [p for p in params if p.dim() >= 2], "weight_decay": t.weight_decay},
                              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}],
                             lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps)
-    sampler = Sampler(load_corpus(cfg.data, m.vocab_size, m.seq_len + 1), t.seed, t.micro_batch_size, m.seq_len)
+    sampler = open_sampler(cfg, m)
     tokens = t.num_micro_batches * t.micro_batch_size * m.seq_len
     times, losses = [], []
     for step in range(t.steps):

@@ -87,8 +87,7 @@ def plain_loop(sets: list[str], steps: int, fast: bool = False, device: str = "c
     from torch import nn
 
     from elaswave import config
-    from elaswave.data.corpus import load_corpus
-    from elaswave.data.sampler import Sampler
+    from elaswave.data.sampler import open_sampler
     from elaswave.model.gpt import build_layer, token_loss_sum
     from elaswave.zero.optimizer import lr_at
 
@@ -101,7 +100,7 @@ def plain_loop(sets: list[str], steps: int, fast: bool = False, device: str = "c
     groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": t.weight_decay},
               {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
     opt = torch.optim.AdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps, fused=fast or None)
-    sampler = Sampler(load_corpus(cfg.data, m.vocab_size, m.seq_len + 1), t.seed, t.micro_batch_size, m.seq_len)
+    sampler = open_sampler(cfg, m)
     gen = torch.Generator(device=device)
     gen.manual_seed(t.seed)
     global_tokens = t.num_micro_batches * t.micro_batch_size * m.seq_len

@@ -13,8 +13,7 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from elaswave import config
-from elaswave.data.corpus import load_corpus
-from elaswave.data.sampler import Sampler
+from elaswave.data.sampler import open_sampler
 from elaswave.model.config import to_hf_config
 
 
@@ -33,7 +32,7 @@ def main():
     torch.manual_seed(t.seed)
     hf_cfg = transformers.LlamaConfig(**{k: v for k, v in to_hf_config(m).items() if k not in ("architectures",)})
     model = DDP(transformers.LlamaForCausalLM(hf_cfg).train())
-    sampler = Sampler(load_corpus(cfg.data, m.vocab_size, m.seq_len + 1), t.seed, t.micro_batch_size, m.seq_len)
+    sampler = open_sampler(cfg, m)
     per = t.num_micro_batches // dp
     mbs = list(range(rank * per, (rank + 1) * per))
     global_tokens = t.num_micro_batches * t.micro_batch_size * m.seq_len

@@ -17,8 +17,7 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from elaswave import config, rng
-from elaswave.data.corpus import load_corpus
-from elaswave.data.sampler import Sampler
+from elaswave.data.sampler import open_sampler
 from elaswave.model.gpt import build_layer, layer_flops, token_loss_sum
 from elaswave.plan.partition import partition
 
@@ -57,7 +56,7 @@ def main():
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     d, s = divmod(rank, pp)
-    sampler = Sampler(load_corpus(cfg.data, m.vocab_size, m.seq_len + 1), t.seed, t.micro_batch_size, m.seq_len)
+    sampler = open_sampler(cfg, m)
     per_pipe = t.num_micro_batches // dp
     mbs = list(range(d * per_pipe, (d + 1) * per_pipe))
     global_tokens = t.num_micro_batches * t.micro_batch_size * m.seq_len

@@ -33,8 +33,7 @@ import torch
 from torch import nn
 
 from elaswave import config
-from elaswave.data.corpus import load_corpus
-from elaswave.data.sampler import Sampler
+from elaswave.data.sampler import open_sampler
 from elaswave.model.gpt import build_layer, token_loss_sum
 from elaswave.zero.optimizer import lr_at
 
@@ -87,7 +86,7 @@ def main() -> None:
     torch.set_num_threads(1)
     torch.manual_seed(t.seed)
     model = Model(cfg)
-    sampler = Sampler(load_corpus(cfg.data, m.vocab_size, m.seq_len + 1), t.seed, t.micro_batch_size, m.seq_len)
+    sampler = open_sampler(cfg, m)
 
     if args.plain:
         import torch.distributed as dist

@@ -1,4 +1,4 @@
-"""``elaswave run | reference | demo | export | report | simulate``: the command line."""
+"""``elaswave run | reference | demo | export | report | simulate | prepare | data``: the command line."""
 from __future__ import annotations
 
 import argparse
@@ -55,13 +55,13 @@ def _check_memory(cfg) -> None:
 def _check_data(cfg: config.JobConfig) -> None:
     """Load the corpus and check the model once up front, so a bad data file, factory or checkpoint
     is one line here, not N worker tracebacks."""
-    from elaswave.data.corpus import load_corpus
+    from elaswave.data.sampler import open_sampler
     from elaswave.model.contract import model_for
 
     model = model_for(cfg)
     if cfg.model.init_from:
         model.weights.check(model)
-    load_corpus(cfg.data, model.vocab_size, model.seq_len + 1)
+    open_sampler(cfg, model)
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -241,6 +241,29 @@ def cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_prepare(args: argparse.Namespace) -> int:
+    from elaswave.data.prepare import prepare
+
+    m = prepare(args.inputs, args.out, args.tokenizer, args.text_field, args.workers, args.eval_fraction,
+                args.eod_token, args.shard_tokens, args.overwrite)
+    train, held = m["splits"]["train"], m["splits"]["eval"]
+    print(f"elaswave: wrote {args.out}: {train['tokens']:,} train tokens in {train['documents']:,} documents, "
+          f"{held['tokens']:,} eval tokens in {held['documents']:,}; vocabulary {m['vocab_size']:,} ({m['dtype']}); "
+          f"{m['text_bytes'] / 1e6 / max(m['prepare_s'], 1e-9):.2f} MB of text per second")
+    return 0
+
+
+def cmd_data_batches(args: argparse.Namespace) -> int:
+    import json
+
+    from elaswave.data.lookup import batches, parse_steps
+
+    cfg = _load(args)
+    for record in batches(cfg, parse_steps(args.steps), args.text):
+        print(json.dumps(record, ensure_ascii=False))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="elaswave", description="Elastic hybrid-parallel training on PyTorch.")
     sub = ap.add_subparsers(dest="command", required=True)
@@ -286,6 +309,26 @@ def main(argv: list[str] | None = None) -> int:
     rep.add_argument("--against", metavar="REF.jsonl", help="a failure-free run or `elaswave reference` metrics")
     rep.add_argument("--out", help="folder for the report (default: RUN.report/ next to RUN.jsonl)")
     rep.set_defaults(func=cmd_report)
+    prep = sub.add_parser("prepare", help="tokenize text once into memory-mapped shards (data.path for a job)")
+    prep.add_argument("inputs", nargs="+", metavar="INPUT", help="text files, folders of them, .jsonl files")
+    prep.add_argument("--out", required=True, metavar="DIR", help="a new folder for the prepared corpus")
+    prep.add_argument("--tokenizer", default="bytes", metavar="SPEC",
+                      help="bytes | PATH/tokenizer.json | MODEL_DIR | train-bpe:VOCAB (default bytes)")
+    prep.add_argument("--text-field", default="text", help="the field of each .jsonl line that holds the text")
+    prep.add_argument("--workers", type=int, default=max(1, (os.cpu_count() or 1)), help="tokenizing processes")
+    prep.add_argument("--eval-fraction", type=float, default=0.0, help="share of documents held out for eval")
+    prep.add_argument("--eod-token", help="the end-of-document token's text (default: the tokenizer's own)")
+    prep.add_argument("--shard-tokens", type=int, default=1 << 28, help="tokens per shard file")
+    prep.add_argument("--overwrite", action="store_true", help="replace an earlier prepared corpus at --out")
+    prep.set_defaults(func=cmd_prepare)
+    data = sub.add_parser("data", help="what the job's data is: `data batches --steps A:B`")
+    data_sub = data.add_subparsers(dest="data_command", required=True)
+    look = data_sub.add_parser("batches", help="each micro-batch's samples: epoch, window, shard, document, offset")
+    look.add_argument("--config")
+    look.add_argument("--set", action="append", default=[], dest="overrides", metavar="KEY=VALUE")
+    look.add_argument("--steps", required=True, metavar="A:B", help="steps A..B-1 (or one step A)")
+    look.add_argument("--text", action="store_true", help="also each window, decoded")
+    look.set_defaults(func=cmd_data_batches, deterministic=False, inject=[])
     sim = sub.add_parser("simulate", help="replay failures on a modelled cluster with the same planner, per policy")
     from elaswave.sim import run as sim_run
 

@@ -31,30 +31,47 @@ def _fail(key: str, value: Any, valid: str) -> None:
     raise ConfigError(f"{key}={value!r} is invalid: {valid}")
 
 
-DATA_SOURCES = ("stdlib", "text", "bin")
+DATA_SOURCES = ("auto", "stdlib", "text", "bin", "tokens")
 
 
 @dataclass
 class DataConfig:
-    source: str = "stdlib"
-    """stdlib: the Python standard library's own source as bytes (no download);
+    source: str = "auto"
+    """auto: what is at ``path`` says (nothing: stdlib; a folder with a manifest.json: tokens; a
+    ``.bin`` file: bin; any other file or folder: text);
+    stdlib: the Python standard library's own source as bytes (no download);
     text: ``path`` is a text file or a folder of them (bytes as tokens);
-    bin: ``path`` is a flat little-endian uint16 token file (nanoGPT-style .bin)."""
+    bin: ``path`` is a flat little-endian uint16 token file (nanoGPT-style .bin);
+    tokens: ``path`` is a corpus made by ``elaswave prepare`` (memory-mapped shards)."""
     path: str = ""
     max_corpus_bytes: int = 4_000_000
     """Upper bound on how much of a text corpus is read (keeps start-up short on every rank)."""
+
+    @property
+    def kind(self) -> str:
+        """The source in effect (``auto`` resolved by what is at the path)."""
+        if self.source != "auto":
+            return self.source
+        if not self.path:
+            return "stdlib"
+        if os.path.isfile(os.path.join(self.path, "manifest.json")):
+            return "tokens"
+        return "bin" if os.path.isfile(self.path) and self.path.endswith(".bin") else "text"
 
     def validate(self) -> None:
         if self.source not in DATA_SOURCES:
             _fail("data.source", self.source, f"must be one of {', '.join(DATA_SOURCES)}")
         if self.source == "stdlib" and self.path:
-            _fail("data.path", self.path, "has no effect with data.source=stdlib (the default); set data.source=text "
-                                          "(a text file or folder) or data.source=bin (uint16 token ids)")
-        if self.source != "stdlib":
+            _fail("data.path", self.path, "has no effect with data.source=stdlib; leave data.source=auto (the "
+                                          "default) to read what is at the path, or name text, bin or tokens")
+        if self.kind != "stdlib":
             if not self.path:
                 _fail("data.path", self.path, f"data.source={self.source} needs a path")
             if not os.path.exists(self.path):
                 _fail("data.path", self.path, "no such file or folder")
+        if self.kind == "tokens" and not os.path.isfile(os.path.join(self.path, "manifest.json")):
+            _fail("data.path", self.path, "data.source=tokens needs a folder made by `elaswave prepare` "
+                                          "(it has no manifest.json)")
         if self.max_corpus_bytes < 1024:
             _fail("data.max_corpus_bytes", self.max_corpus_bytes, "must be >= 1024")
 

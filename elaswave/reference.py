@@ -13,8 +13,7 @@ from typing import Callable
 import torch
 
 from elaswave.config import JobConfig
-from elaswave.data.corpus import load_corpus
-from elaswave.data.sampler import Sampler
+from elaswave.data.sampler import open_sampler
 from elaswave.model.contract import model_for
 from elaswave.pipeline.stage import Stage
 from elaswave.precision import job_dtype, name
@@ -29,7 +28,7 @@ def train_reference(cfg: JobConfig, on_step: Callable[[dict], None] | None = Non
     """Train ``cfg.train.steps`` steps; returns ``{"losses": [...], "params_sha256": ...}``."""
     t, m = cfg.train, model_for(cfg)
     torch.set_num_threads(1)  # the same kernels, hence the same bits, as a one-thread worker rank
-    sampler = Sampler(load_corpus(cfg.data, m.vocab_size, m.seq_len + 1), t.seed, t.micro_batch_size, m.seq_len)
+    sampler = open_sampler(cfg, m)
     stage = Stage(cfg, (0, m.num_layers), torch.device("cpu"), m)
     layers = stage.layers
     bucket = Bucket((0,), [l.index for l in layers], [l.numel for l in layers], cfg.parallel.chunk_numel, me=0)

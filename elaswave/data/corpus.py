@@ -1,13 +1,16 @@
-"""Token corpora: the standard library's own source (default, no download), text files, or a
-flat uint16 token file (nanoGPT-style ``.bin``). A corpus is one 1-D int64 tensor of token ids."""
+"""Token corpora: the standard library's own source (default, no download), text files, a flat
+uint16 token file (nanoGPT-style ``.bin``) -- each read whole into one 1-D int64 tensor -- or a
+corpus made by ``elaswave prepare``, memory-mapped (:mod:`elaswave.data.shards`)."""
 from __future__ import annotations
 
 import os
 import sysconfig
 
+import numpy as np
 import torch
 
 from elaswave.config import ConfigError, DataConfig
+from elaswave.data.shards import PreparedTokens
 
 
 def _text_files(root: str) -> list[str]:
@@ -44,11 +47,15 @@ def stdlib_root() -> str:
 
 def corpus_bytes(cfg: DataConfig) -> int:
     """Bytes of the tensor :func:`load_corpus` returns (int64 tokens), from file sizes alone: what
-    every rank can know without reading the corpus (the memory model of a stage that reads batches)."""
-    if cfg.source == "bin":
+    every rank can know without reading the corpus (the memory model of a stage that reads batches).
+    A prepared corpus is memory-mapped: its pages are the page cache's, not the rank's."""
+    kind = cfg.kind
+    if kind == "tokens":
+        return 0
+    if kind == "bin":
         return 8 * (os.path.getsize(cfg.path) // 2)
-    root = stdlib_root() if cfg.source == "stdlib" else cfg.path
-    suffix = ".py" if cfg.source == "stdlib" else None
+    root = stdlib_root() if kind == "stdlib" else cfg.path
+    suffix = ".py" if kind == "stdlib" else None
     total = 0
     for path in _text_files(root):
         if (suffix and not path.endswith(suffix)) or not os.path.isfile(path) or not os.access(path, os.R_OK):
@@ -60,8 +67,9 @@ def corpus_bytes(cfg: DataConfig) -> int:
 
 
 def load_corpus(cfg: DataConfig, vocab_size: int, min_tokens: int) -> torch.Tensor:
-    """All tokens of the configured corpus; raises ConfigError if it is unusable."""
-    if cfg.source == "bin":
+    """All tokens of an in-memory corpus (stdlib, text, bin); raises ConfigError if it is unusable."""
+    kind = cfg.kind
+    if kind == "bin":
         size = os.path.getsize(cfg.path)
         if size % 2:
             raise ConfigError(f"data.path={cfg.path!r} is invalid: a uint16 token file has an even size, got {size} bytes")
@@ -69,8 +77,8 @@ def load_corpus(cfg: DataConfig, vocab_size: int, min_tokens: int) -> torch.Tens
             raw = bytearray(fh.read())
         tokens = torch.frombuffer(raw, dtype=torch.int16).to(torch.int64) & 0xFFFF
     else:
-        root = stdlib_root() if cfg.source == "stdlib" else cfg.path
-        data = _read_bytes(_text_files(root), cfg.max_corpus_bytes, ".py" if cfg.source == "stdlib" else None)
+        root = stdlib_root() if kind == "stdlib" else cfg.path
+        data = _read_bytes(_text_files(root), cfg.max_corpus_bytes, ".py" if kind == "stdlib" else None)
         tokens = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(torch.int64) if data else torch.empty(0, dtype=torch.int64)
     where = cfg.path or stdlib_root()
     if tokens.numel() < min_tokens:
@@ -78,4 +86,36 @@ def load_corpus(cfg: DataConfig, vocab_size: int, min_tokens: int) -> torch.Tens
     top = int(tokens.max())
     if top >= vocab_size:
         raise ConfigError(f"model.vocab_size={vocab_size} is invalid: the corpus at {where!r} has token id {top}; use >= {top + 1}")
+    return tokens
+
+
+class InMemoryTokens:
+    """An in-memory corpus as a token stream, read as :class:`PreparedTokens` is."""
+
+    def __init__(self, tokens: torch.Tensor):
+        self.tokens = tokens
+        self.array = tokens.numpy()
+
+    def __len__(self) -> int:
+        return self.tokens.numel()
+
+    def read(self, start: int, length: int) -> np.ndarray:
+        return self.array[start:start + length]
+
+    def locate(self, position: int) -> tuple[str, int, int]:
+        return "corpus", 0, position
+
+
+def open_tokens(cfg: DataConfig, vocab_size: int, min_tokens: int, split: str = "train"):
+    """The configured corpus as a token stream (``len``, ``read(start, length)``, ``locate``)."""
+    if cfg.kind != "tokens":
+        return InMemoryTokens(load_corpus(cfg, vocab_size, min_tokens))
+    tokens = PreparedTokens(cfg.path, split)
+    if tokens.vocab_size > vocab_size:
+        raise ConfigError(f"model.vocab_size={vocab_size} is invalid: the prepared corpus at {cfg.path!r} has a "
+                          f"vocabulary of {tokens.vocab_size} (tokenizer {tokens.manifest['tokenizer']['name']}); "
+                          f"use >= {tokens.vocab_size}")
+    if len(tokens) < min_tokens:
+        raise ConfigError(f"data.path={cfg.path!r} is invalid: its {split} split has {len(tokens)} tokens, need at "
+                          f"least {min_tokens} (model.seq_len + 1)")
     return tokens

@@ -28,8 +28,8 @@ from elaswave.control.admission import JOIN_ENV, Admission, Refused, job_token
 from elaswave.control.faults import FaultInjector
 from elaswave.control.heartbeat import Watcher
 from elaswave.control.membership import Membership
-from elaswave.data.corpus import load_corpus
-from elaswave.data.sampler import Sampler
+from elaswave.data.sampler import Sampler, open_sampler
+from elaswave.data.trace import DATA_TRACE_ENV, DataTrace
 from elaswave.interrupt import Disruption, Interrupt
 from elaswave.model.contract import counted_numels, model_for, tie_pairs
 from elaswave.pipeline.schedule import Action, Op
@@ -100,9 +100,10 @@ class Context:
         always does; a middle stage may become one when its pipeline is re-partitioned), or at once
         with ``stage`` None (a joiner, before it asks in: off the path of the members it joins)."""
         if self._sampler is None and (stage is None or stage.is_first or stage.is_last):
-            m, t = self.model, self.cfg.train
-            tokens = load_corpus(self.cfg.data, m.vocab_size, m.seq_len + 1)
-            self._sampler = Sampler(tokens, t.seed, t.micro_batch_size, m.seq_len)
+            self._sampler = open_sampler(self.cfg, self.model)
+            trace = os.environ.get(DATA_TRACE_ENV)
+            if trace:
+                self._sampler.on_read = DataTrace(trace, self.rank, lambda: self.plan.epoch if self.plan else 0)
         return self._sampler
 
     def admit(self, st) -> int:

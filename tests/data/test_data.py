@@ -1,20 +1,63 @@
+import numpy as np
+import pytest
 import torch
 
 from elaswave import rng
-from elaswave.config import DataConfig
-from elaswave.data.corpus import load_corpus
+from elaswave.config import ConfigError, DataConfig
+from elaswave.data.corpus import InMemoryTokens, load_corpus
+from elaswave.data.permutation import Permutation
 from elaswave.data.sampler import Sampler
+
+
+def _sampler(tokens, seed=3, b=4, seq_len=16, mbs=3):
+    return Sampler(InMemoryTokens(tokens), seed=seed, micro_batch_size=b, seq_len=seq_len, num_micro_batches=mbs)
 
 
 def test_micro_batch_depends_only_on_its_id():
     tokens = torch.arange(1000) % 256
-    a = Sampler(tokens, seed=3, micro_batch_size=4, seq_len=16)
-    b = Sampler(tokens.clone(), seed=3, micro_batch_size=4, seq_len=16)
-    b.micro_batch(9, 9)  # other draws in between change nothing
+    a, b = _sampler(tokens), _sampler(tokens.clone())
+    b.micro_batch(9, 2)  # other reads in between change nothing
     x, y = a.micro_batch(5, 2), b.micro_batch(5, 2)
     assert torch.equal(x.inputs, y.inputs) and torch.equal(x.targets, y.targets)
     assert torch.equal(x.inputs[:, 1:], x.targets[:, :-1])
-    assert not torch.equal(a.micro_batch(5, 3).inputs, x.inputs)
+    assert not torch.equal(a.micro_batch(5, 1).inputs, x.inputs)
+
+
+def test_every_epoch_visits_every_window_once_in_its_own_order():
+    tokens = torch.arange(16 * 50 + 7) % 256  # 50 windows and a tail too short for another
+    s = _sampler(tokens, b=4, seq_len=16, mbs=3)
+    assert s.num_windows == 50
+    seen: dict[int, list[int]] = {}
+    for step in range(9):  # 9 x 3 x 4 = 108 samples: two whole epochs and 8 samples of a third
+        for m in range(3):
+            epochs, windows = s.windows(step, m)
+            for e, w in zip(epochs.tolist(), windows.tolist()):
+                seen.setdefault(e, []).append(w)
+            batch = s.micro_batch(step, m)  # the tokens are the windows' own
+            starts = torch.as_tensor(windows) * 16
+            assert torch.equal(batch.inputs, tokens[starts[:, None] + torch.arange(16)])
+    assert sorted(seen[0]) == sorted(seen[1]) == list(range(50))
+    assert seen[0] != seen[1] and len(set(seen[2])) == 8
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 7, 64, 65, 1000, 4099])
+def test_permutation_is_a_bijection_keyed_by_its_keys(n):
+    p = Permutation(n, 1234, rng.DATA, 0)
+    image = p(np.arange(n))
+    assert sorted(image.tolist()) == list(range(n))
+    assert p(n - 1) == image[-1]  # per index, the same as in a batch
+    if n >= 64:
+        assert not np.array_equal(image, Permutation(n, 1234, rng.DATA, 1)(np.arange(n)))
+        assert not np.array_equal(image, np.arange(n))
+    with pytest.raises(IndexError):
+        p(n)
+
+
+def test_permutation_of_ten_billion_needs_no_index():
+    p = Permutation(10 ** 10, 1, rng.DATA, 0)
+    probe = np.arange(0, 10 ** 10, 10 ** 10 // 100_000)
+    image = p(probe)
+    assert image.min() >= 0 and image.max() < 10 ** 10 and len(set(image.tolist())) == len(probe)
 
 
 def test_stream_seeds_are_keyed_and_ordered():
@@ -32,3 +75,18 @@ def test_corpora(tmp_path):
     (tmp_path / "t.bin").write_bytes(toks.numpy().astype("<u2").tobytes())
     binary = load_corpus(DataConfig(source="bin", path=str(tmp_path / "t.bin")), 65536, 65)
     assert binary[:4].tolist() == [1, 500, 65535, 7]
+
+
+def test_the_source_is_read_from_what_is_at_the_path(tmp_path):
+    (tmp_path / "t.bin").write_bytes(b"\0\1" * 100)
+    (tmp_path / "a.txt").write_text("text")
+    assert DataConfig().kind == "stdlib"
+    assert DataConfig(path=str(tmp_path / "t.bin")).kind == "bin"
+    assert DataConfig(path=str(tmp_path / "a.txt")).kind == "text"
+    assert DataConfig(path=str(tmp_path)).kind == "text"
+    (tmp_path / "manifest.json").write_text("{}")
+    assert DataConfig(path=str(tmp_path)).kind == "tokens"
+    with pytest.raises(ConfigError, match="data.path=.* has no effect with data.source=stdlib"):
+        DataConfig(source="stdlib", path=str(tmp_path)).validate()
+    with pytest.raises(ConfigError, match="no manifest.json"):
+        DataConfig(source="tokens", path=str(tmp_path / "a.txt")).validate()

@@ -6,6 +6,7 @@ each architecture option, with the layers split as the layouts 1x1, 2x2 and 1x3 
 optimizer step of the reference trainer must equal torch.optim.AdamW on the transformers model.
 """
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -145,10 +146,9 @@ def test_one_reference_step_equals_adamw_on_the_transformers_model(tmp_path, tie
     cfg.checkpoint.export_hf = str(export_dir)
     train_reference(cfg)
     # The same step by hand: the same micro-batches, loss over the global token count, clipping, AdamW.
-    from elaswave.data.corpus import load_corpus
-    from elaswave.data.sampler import Sampler
+    from elaswave.data.sampler import open_sampler
     t = cfg.train
-    sampler = Sampler(load_corpus(cfg.data, VOCAB, SEQ + 1), t.seed, t.micro_batch_size, SEQ)
+    sampler = open_sampler(cfg, SimpleNamespace(vocab_size=VOCAB, seq_len=SEQ))
     params = dict(ref.named_parameters())
     decay = [p for n, p in params.items() if p.dim() >= 2]
     no_decay = [p for n, p in params.items() if p.dim() < 2]

@@ -1,0 +1,48 @@
+"""``elaswave data batches``: which samples a micro-batch held -- what people look up after a loss
+spike. The answer comes from the job's config alone (the sampler is a pure function of the id), so
+it is the same whichever layout, failures or restarts the run went through."""
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from elaswave.config import ConfigError, JobConfig
+
+
+def parse_steps(text: str) -> range:
+    """``A:B`` (steps A..B-1) or ``A`` (that step alone)."""
+    try:
+        first, _, last = text.partition(":")
+        steps = range(int(first), int(last) if last else int(first) + 1)
+    except ValueError:
+        steps = range(0)
+    if not steps or steps.start < 0:
+        raise ConfigError(f"--steps={text!r} is invalid: give A:B with 0 <= A < B (steps A..B-1), or one step A")
+    return steps
+
+
+def batches(cfg: JobConfig, steps: range, with_text: bool = False) -> Iterator[dict]:
+    """One record per micro-batch of ``steps``: each sample's data epoch, window, and where its first
+    token is (shard, document, offset in it); with ``with_text``, the window decoded."""
+    from elaswave.data.prepare import tokenizer_of
+    from elaswave.data.sampler import open_sampler
+    from elaswave.data.tokenizer import Encoder
+    from elaswave.model.contract import model_for
+
+    sampler = open_sampler(cfg, model_for(cfg))
+    tokens = sampler.tokens
+    decode = None
+    if with_text:  # the in-memory corpora are bytes
+        decode = (tokenizer_of(cfg.data.path, tokens.manifest) if cfg.data.kind == "tokens" else Encoder(None)).decode
+    for step in steps:
+        for m in range(cfg.train.num_micro_batches):
+            epochs, windows = sampler.windows(step, m)
+            samples = []
+            for sample, e, w in zip(sampler.samples(step, m), epochs, windows):
+                start = int(w) * sampler.seq_len
+                shard, doc, offset = tokens.locate(start)
+                one = {"sample": int(sample), "epoch": int(e), "window": int(w), "token": start,
+                       "shard": shard, "document": doc, "offset": offset}
+                if decode is not None:
+                    one["text"] = decode(tokens.read(start, sampler.seq_len + 1))
+                samples.append(one)
+            yield {"step": step, "micro_batch": m, "samples": samples}

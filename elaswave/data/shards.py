@@ -1,0 +1,104 @@
+"""A prepared corpus on disk and its memory-mapped reader.
+
+``DIR/manifest.json`` names the tokenizer (its sha256, vocabulary size, end-of-document id), the id
+dtype and, per split (``train``, ``eval``), its shards: ``NAME.bin`` holds the packed token ids
+(flat little-endian, nanoGPT-style) and ``NAME.idx`` each document's start offset in it (int64,
+one more entry than documents). The manifest is written last, so a directory with one is whole.
+
+A split reads as one stream of tokens, the shards one after the other; nothing is read until a
+window is asked for, and then only its pages (``numpy.memmap``), so a rank's memory does not grow
+with the corpus.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+
+import numpy as np
+
+from elaswave.config import ConfigError
+
+MANIFEST = "manifest.json"
+FORMAT = "elaswave-tokens/1"
+DTYPES = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}
+
+
+def is_prepared(path: str) -> bool:
+    return os.path.isfile(os.path.join(path, MANIFEST))
+
+
+def read_manifest(path: str) -> dict:
+    where = os.path.join(path, MANIFEST)
+    try:
+        with open(where, encoding="utf-8") as fh:
+            manifest = json.load(fh)
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"data.path={path!r} is invalid: {where} cannot be read as a prepared corpus "
+                          f"manifest ({exc}); make one with `elaswave prepare`") from None
+    if manifest.get("format") != FORMAT:
+        raise ConfigError(f"data.path={path!r} is invalid: its manifest's format is {manifest.get('format')!r}, "
+                          f"this elaswave reads {FORMAT!r}")
+    return manifest
+
+
+@dataclass
+class Shard:
+    name: str
+    tokens: np.ndarray  # memmap of ids
+    starts: np.ndarray  # memmap of int64 document starts, documents + 1 entries
+
+
+class PreparedTokens:
+    """One split of a prepared corpus as a token stream: ``len()``, :meth:`read`, :meth:`locate`."""
+
+    def __init__(self, path: str, split: str = "train"):
+        self.path = path
+        self.manifest = read_manifest(path)
+        self.vocab_size = int(self.manifest["vocab_size"])
+        self.eod_id = int(self.manifest["tokenizer"]["eod_id"])
+        dtype = DTYPES[self.manifest["dtype"]]
+        if split not in self.manifest["splits"]:
+            raise ConfigError(f"data.path={path!r} has no {split!r} split; it has {sorted(self.manifest['splits'])}")
+        self.shards = [self._open(s, dtype) for s in self.manifest["splits"][split]["shards"]]
+        sizes = [len(s.tokens) for s in self.shards]
+        self.offsets = np.concatenate([[0], np.cumsum(sizes, dtype=np.int64)])
+        """Where each shard starts in the split's stream (one more entry than shards)."""
+
+    def _open(self, entry: dict, dtype: np.dtype) -> Shard:
+        """A shard whose files disagree with the manifest is one line now, not a crash mid-run."""
+        name, tokens, documents = entry["name"], int(entry["tokens"]), int(entry["documents"])
+        files = {os.path.join(self.path, name + ".bin"): tokens * dtype.itemsize,
+                 os.path.join(self.path, name + ".idx"): (documents + 1) * 8}
+        for file, size in files.items():
+            found = os.path.getsize(file) if os.path.isfile(file) else None
+            if found != size:
+                raise ConfigError(f"data.path={self.path!r} is invalid: {file} has "
+                                  f"{'no file' if found is None else f'{found} bytes'}, its manifest says {size} "
+                                  f"bytes; prepare the corpus again")
+        bin_file, idx_file = files
+        return Shard(name, np.memmap(bin_file, dtype=dtype, mode="r", shape=(tokens,)) if tokens else np.empty(0, dtype),
+                     np.memmap(idx_file, dtype="<i8", mode="r", shape=(documents + 1,)))
+
+    def __len__(self) -> int:
+        return int(self.offsets[-1])
+
+    def read(self, start: int, length: int) -> np.ndarray:
+        """Tokens ``start .. start+length-1`` of the stream as int64 (a window may span shards)."""
+        parts, end = [], start + length
+        i = int(np.searchsorted(self.offsets, start, side="right")) - 1
+        while start < end:
+            lo = start - int(self.offsets[i])
+            take = min(end - start, len(self.shards[i].tokens) - lo)
+            parts.append(np.asarray(self.shards[i].tokens[lo:lo + take], dtype=np.int64))
+            start += take
+            i += 1
+        return np.concatenate(parts) if len(parts) > 1 else parts[0]
+
+    def locate(self, position: int) -> tuple[str, int, int]:
+        """Where the token at ``position`` of the stream is: (shard name, document, offset in it)."""
+        i = int(np.searchsorted(self.offsets, position, side="right")) - 1
+        local = position - int(self.offsets[i])
+        starts = self.shards[i].starts
+        doc = int(np.searchsorted(starts, local, side="right")) - 1
+        return self.shards[i].name, doc, local - int(starts[doc])
