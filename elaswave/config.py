@@ -46,12 +46,32 @@ class DataConfig:
     path: str = ""
     max_corpus_bytes: int = 4_000_000
     """Upper bound on how much of a text corpus is read (keeps start-up short on every rank)."""
+    mix: tuple = ()
+    """Prepared corpora blended by weight, ``PATH=WEIGHT`` each (instead of ``path``); every source
+    keeps its own exactly-once epochs."""
+
+    @property
+    def mixture(self) -> list[tuple[str, float]]:
+        """``mix`` as (path, weight) pairs."""
+        pairs = []
+        for item in self.mix:
+            path, sep, weight = item.rpartition("=")
+            try:
+                value = float(weight) if sep and path else -1.0
+            except ValueError:
+                value = -1.0
+            if not value > 0:
+                _fail("data.mix", item, "each item is PATH=WEIGHT with a weight > 0, e.g. data.mix=web=0.7;code=0.3")
+            pairs.append((path, value))
+        return pairs
 
     @property
     def kind(self) -> str:
         """The source in effect (``auto`` resolved by what is at the path)."""
         if self.source != "auto":
             return self.source
+        if self.mix:
+            return "tokens"
         if not self.path:
             return "stdlib"
         if os.path.isfile(os.path.join(self.path, "manifest.json")):
@@ -61,6 +81,14 @@ class DataConfig:
     def validate(self) -> None:
         if self.source not in DATA_SOURCES:
             _fail("data.source", self.source, f"must be one of {', '.join(DATA_SOURCES)}")
+        if self.mix:
+            if self.path or self.source not in ("auto", "tokens"):
+                _fail("data.path" if self.path else "data.source", self.path or self.source,
+                      "has no effect with data.mix (a mixture of prepared corpora); leave it unset")
+            for path, _ in self.mixture:
+                if not os.path.isfile(os.path.join(path, "manifest.json")):
+                    _fail("data.mix", path, "each source must be a folder made by `elaswave prepare` (no manifest.json)")
+            return
         if self.source == "stdlib" and self.path:
             _fail("data.path", self.path, "has no effect with data.source=stdlib; leave data.source=auto (the "
                                           "default) to read what is at the path, or name text, bin or tokens")

@@ -2,10 +2,10 @@
 fine-tunes a local Hugging Face Llama directory and exports it."""
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 
+from elaswave.data.prepare import prepare
 from tests.helpers.spawn import assert_same_run, run_cli, run_job, run_reference
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
@@ -26,11 +26,20 @@ def test_finetune_toml_loads_a_hugging_face_directory_and_exports_it(tmp_path):
     torch.manual_seed(0)
     config = transformers.LlamaConfig(vocab_size=512, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
-    transformers.LlamaForCausalLM(config).save_pretrained(tmp_path / "tiny-llama")
-    np.random.default_rng(0).integers(0, 512, 20_000).astype(np.uint16).tofile(tmp_path / "tokens.bin")
+    model_dir = tmp_path / "tiny-llama"
+    transformers.LlamaForCausalLM(config).save_pretrained(model_dir)
+    # The model's tokenizer: a byte-level BPE of <= 512 trained here, saved beside its weights.
+    texts = tmp_path / "texts"
+    texts.mkdir()
+    for i in range(20):
+        (texts / f"{i}.txt").write_text(" ".join(f"word{(i * j) % 97}" for j in range(400)))
+    prepare([str(texts)], str(tmp_path / "bpe"), "train-bpe:512", progress=False)
+    (model_dir / "tokenizer.json").write_text((tmp_path / "bpe" / "tokenizer.json").read_text())
+    prep = run_cli(["prepare", str(texts), "--out", str(tmp_path / "corpus"), "--tokenizer", str(model_dir)], tmp_path)
+    assert prep.returncode == 0, prep.stderr
     out = tmp_path / "finetuned"
     res = run_cli(["run", "--config", str(EXAMPLES / "finetune_llama.toml"), "--set", "train.steps=3",
-                   "--set", f"model.init_from={tmp_path / 'tiny-llama'}", "--set", f"data.path={tmp_path / 'tokens.bin'}",
+                   "--set", f"model.init_from={model_dir}", "--set", f"data.path={tmp_path / 'corpus'}",
                    "--set", f"checkpoint.export_hf={out}", "--set", "model.seq_len=32"], tmp_path)
     assert res.returncode == 0, res.stderr
     model, info = transformers.AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)

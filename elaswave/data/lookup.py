@@ -22,27 +22,31 @@ def parse_steps(text: str) -> range:
 
 def batches(cfg: JobConfig, steps: range, with_text: bool = False) -> Iterator[dict]:
     """One record per micro-batch of ``steps``: each sample's data epoch, window, and where its first
-    token is (shard, document, offset in it); with ``with_text``, the window decoded."""
+    token is (source of a mixture, shard, document, offset in it); with ``with_text``, the window decoded."""
     from elaswave.data.prepare import tokenizer_of
     from elaswave.data.sampler import open_sampler
     from elaswave.data.tokenizer import Encoder
     from elaswave.model.contract import model_for
 
     sampler = open_sampler(cfg, model_for(cfg))
-    tokens = sampler.tokens
-    decode = None
+    paths = [p for p, _ in cfg.data.mixture] if cfg.data.mix else [cfg.data.path]
+    decoders = None
     if with_text:  # the in-memory corpora are bytes
-        decode = (tokenizer_of(cfg.data.path, tokens.manifest) if cfg.data.kind == "tokens" else Encoder(None)).decode
+        decoders = [(tokenizer_of(p, t.manifest) if hasattr(t, "manifest") else Encoder(None)).decode
+                    for p, t in zip(paths, sampler.sources)]
     for step in steps:
         for m in range(cfg.train.num_micro_batches):
-            epochs, windows = sampler.windows(step, m)
+            d = sampler.draw(step, m)
             samples = []
-            for sample, e, w in zip(sampler.samples(step, m), epochs, windows):
-                start = int(w) * sampler.seq_len
+            for sample, s, e, w in zip(sampler.samples(step, m).tolist(), d.sources.tolist(), d.epochs.tolist(),
+                                       d.windows.tolist()):
+                start, tokens = w * sampler.seq_len, sampler.sources[s]
                 shard, doc, offset = tokens.locate(start)
-                one = {"sample": int(sample), "epoch": int(e), "window": int(w), "token": start,
+                one = {"sample": sample, "epoch": e, "window": w, "token": start,
                        "shard": shard, "document": doc, "offset": offset}
-                if decode is not None:
-                    one["text"] = decode(tokens.read(start, sampler.seq_len + 1))
+                if cfg.data.mix:
+                    one["source"] = paths[s]
+                if decoders is not None:
+                    one["text"] = decoders[s](tokens.read(start, sampler.seq_len + 1))
                 samples.append(one)
             yield {"step": step, "micro_batch": m, "samples": samples}

@@ -9,16 +9,20 @@ Megatron). Samples are numbered in training order: micro-batch ``(step, m)`` hol
 a micro-batch holds is a pure function of its id: no layout, kill, join, re-partition or resume
 from disk can make a sample be seen twice or skipped. The global batch of a step is the
 micro-batches ``0..M-1``; which pipeline runs which is the plan's business, never the data's.
+
+With ``data.mix``, sample ``g`` first goes to a source (:mod:`elaswave.data.mixture`) as that
+source's ``k``-th sample, and ``k`` takes the place of ``g`` above: every source has its own epochs.
 """
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
 
 from elaswave import rng
+from elaswave.data.mixture import Mixture
 from elaswave.data.permutation import Permutation
 
 
@@ -30,48 +34,64 @@ class MicroBatch:
     targets: torch.Tensor  # (micro_batch_size, seq_len) int64
 
 
+@dataclass(frozen=True)
+class Draw:
+    """Where each sample of a micro-batch comes from: source, that source's epoch, window."""
+    sources: np.ndarray
+    epochs: np.ndarray
+    windows: np.ndarray
+
+
 class Sampler:
-    def __init__(self, tokens, seed: int, micro_batch_size: int, seq_len: int, num_micro_batches: int):
-        """``tokens``: a token stream (``len``, ``read(start, length)``; see :mod:`elaswave.data.corpus`)."""
-        self.tokens = tokens
+    def __init__(self, tokens, seed: int, micro_batch_size: int, seq_len: int, num_micro_batches: int,
+                 mixture: Mixture | None = None):
+        """``tokens``: a token stream (``len``, ``read(start, length)``; see :mod:`elaswave.data.corpus`),
+        or a list of them blended by ``mixture``."""
+        self.sources = list(tokens) if isinstance(tokens, (list, tuple)) else [tokens]
         self.seed = seed
         self.micro_batch_size = micro_batch_size
         self.seq_len = seq_len
         self.num_micro_batches = num_micro_batches
-        self.num_windows = (len(tokens) - 1) // seq_len
-        if self.num_windows < 1:
-            raise ValueError(f"{len(tokens)} tokens hold no window of seq_len + 1 = {seq_len + 1}")
-        self._orders: dict[int, Permutation] = {}
+        self.mixture = mixture
+        self.num_windows = [(len(t) - 1) // seq_len for t in self.sources]
+        if min(self.num_windows) < 1:
+            raise ValueError(f"a corpus of {min(map(len, self.sources))} tokens holds no window of seq_len + 1 = {seq_len + 1}")
+        self._orders: dict[tuple[int, int], Permutation] = {}
         self.on_read: Callable[[int, int, np.ndarray], None] | None = None
         """Called with (step, index, window ids) each time a micro-batch is read (a data trace)."""
 
-    def _order(self, epoch: int) -> Permutation:
-        if epoch not in self._orders:
-            if len(self._orders) > 4:  # a run moves forward through epochs; keep a few
-                self._orders.pop(min(self._orders))
-            self._orders[epoch] = Permutation(self.num_windows, self.seed, rng.DATA, epoch)
-        return self._orders[epoch]
+    def _order(self, source: int, epoch: int) -> Permutation:
+        if (source, epoch) not in self._orders:
+            if len(self._orders) > 4 * len(self.sources):  # a run moves forward through epochs; keep a few
+                self._orders.pop(min(self._orders, key=lambda k: k[1]))
+            self._orders[source, epoch] = Permutation(self.num_windows[source], self.seed, rng.DATA, source, epoch)
+        return self._orders[source, epoch]
 
     def samples(self, step: int, index: int) -> np.ndarray:
         """The global sample numbers micro-batch ``(step, index)`` holds."""
         first = (step * self.num_micro_batches + index) * self.micro_batch_size
         return np.arange(first, first + self.micro_batch_size, dtype=np.int64)
 
-    def windows(self, step: int, index: int) -> tuple[np.ndarray, np.ndarray]:
-        """(data epoch, window id) of each sample of micro-batch ``(step, index)``."""
+    def draw(self, step: int, index: int) -> Draw:
         samples = self.samples(step, index)
-        epochs, positions = samples // self.num_windows, samples % self.num_windows
+        if self.mixture is None:
+            sources, ordinals = np.zeros_like(samples), samples
+        else:
+            sources, ordinals = self.mixture.assign(samples)
+        counts = np.asarray(self.num_windows, dtype=np.int64)[sources]
+        epochs, positions = ordinals // counts, ordinals % counts
         windows = np.empty_like(samples)
-        for e in np.unique(epochs):
-            here = epochs == e
-            windows[here] = self._order(int(e))(positions[here])
-        return epochs, windows
+        for key in sorted(set(zip(sources.tolist(), epochs.tolist()))):
+            here = (sources == key[0]) & (epochs == key[1])
+            windows[here] = self._order(*key)(positions[here])
+        return Draw(sources, epochs, windows)
 
     def micro_batch(self, step: int, index: int) -> MicroBatch:
-        _, windows = self.windows(step, index)
+        d = self.draw(step, index)
         if self.on_read is not None:
-            self.on_read(step, index, windows)
-        rows = np.stack([self.tokens.read(int(w) * self.seq_len, self.seq_len + 1) for w in windows])
+            self.on_read(step, index, d.windows if self.mixture is None else np.stack([d.sources, d.windows], 1))
+        rows = np.stack([self.sources[s].read(int(w) * self.seq_len, self.seq_len + 1)
+                         for s, w in zip(d.sources.tolist(), d.windows.tolist())])
         rows = torch.from_numpy(rows.astype(np.int64, copy=False))
         return MicroBatch(step, index, rows[:, :-1].contiguous(), rows[:, 1:].contiguous())
 
@@ -81,5 +101,10 @@ def open_sampler(cfg, model) -> Sampler:
     from elaswave.data.corpus import open_tokens
 
     t = cfg.train
+    if cfg.data.mix:
+        paths, weights = zip(*cfg.data.mixture)
+        tokens = [open_tokens(replace(cfg.data, path=p, source="tokens", mix=()), model.vocab_size, model.seq_len + 1)
+                  for p in paths]
+        return Sampler(tokens, t.seed, t.micro_batch_size, model.seq_len, t.num_micro_batches, Mixture(list(weights), t.seed))
     tokens = open_tokens(cfg.data, model.vocab_size, model.seq_len + 1)
     return Sampler(tokens, t.seed, t.micro_batch_size, model.seq_len, t.num_micro_batches)

@@ -28,6 +28,7 @@ from elaswave.control.admission import JOIN_ENV, Admission, Refused, job_token
 from elaswave.control.faults import FaultInjector
 from elaswave.control.heartbeat import Watcher
 from elaswave.control.membership import Membership
+from elaswave.data.mixture import Mixture, tokens_per_source
 from elaswave.data.sampler import Sampler, open_sampler
 from elaswave.data.trace import DATA_TRACE_ENV, DataTrace
 from elaswave.interrupt import Disruption, Interrupt
@@ -105,6 +106,14 @@ class Context:
             if trace:
                 self._sampler.on_read = DataTrace(trace, self.rank, lambda: self.plan.epoch if self.plan else 0)
         return self._sampler
+
+    @cached_property
+    def _mixture(self) -> Mixture | None:
+        return Mixture([w for _, w in self.cfg.data.mixture], self.cfg.train.seed) if self.cfg.data.mix else None
+
+    def source_tokens(self, step: int) -> dict:
+        """For the step's metrics: each source's tokens in a ``data.mix`` job (nothing otherwise)."""
+        return {"tokens_per_source": tokens_per_source(self.cfg, self._mixture, step, self.model.seq_len)} if self._mixture else {}
 
     def admit(self, st) -> int:
         """On the epoch's leader: answer join requests (see :mod:`elaswave.runtime.join`); not in
@@ -197,7 +206,7 @@ def run(cfg: JobConfig, rank: int, world_size: int, metrics_out: str | None) -> 
                              "lr": result.lr, "num_samples": samples, "world_size": len(st.plan.ranks),
                              "epoch": st.epoch, "step_time_s": took, "tokens_per_s": samples * ctx.model.seq_len / took,
                              "wall_time": time.time(), "phases_s": result.phases_s,
-                             "modelled_power_w": _modelled_power(st.plan)})
+                             "modelled_power_w": _modelled_power(st.plan), **ctx.source_tokens(step)})
                 if pending is not None:  # (a no-op writer on ranks that do not write)
                     writer.write(pending.record(time.time(), took))
                     pending = None

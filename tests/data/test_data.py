@@ -26,12 +26,13 @@ def test_micro_batch_depends_only_on_its_id():
 def test_every_epoch_visits_every_window_once_in_its_own_order():
     tokens = torch.arange(16 * 50 + 7) % 256  # 50 windows and a tail too short for another
     s = _sampler(tokens, b=4, seq_len=16, mbs=3)
-    assert s.num_windows == 50
+    assert s.num_windows == [50]
     seen: dict[int, list[int]] = {}
     for step in range(9):  # 9 x 3 x 4 = 108 samples: two whole epochs and 8 samples of a third
         for m in range(3):
-            epochs, windows = s.windows(step, m)
-            for e, w in zip(epochs.tolist(), windows.tolist()):
+            d = s.draw(step, m)
+            windows = d.windows
+            for e, w in zip(d.epochs.tolist(), windows.tolist()):
                 seen.setdefault(e, []).append(w)
             batch = s.micro_batch(step, m)  # the tokens are the windows' own
             starts = torch.as_tensor(windows) * 16
@@ -90,3 +91,29 @@ def test_the_source_is_read_from_what_is_at_the_path(tmp_path):
         DataConfig(source="stdlib", path=str(tmp_path)).validate()
     with pytest.raises(ConfigError, match="no manifest.json"):
         DataConfig(source="tokens", path=str(tmp_path / "a.txt")).validate()
+
+
+def test_a_mixture_keeps_its_weights_and_each_sources_epochs():
+    from elaswave.data.mixture import Mixture, block_counts
+
+    assert block_counts([0.5, 0.3, 0.2]).tolist() == [500, 300, 200]
+    assert block_counts([1, 1, 1]).sum() == 1000
+    small, large = torch.arange(16 * 30 + 1) % 256, torch.arange(16 * 500 + 1) % 256
+    s = Sampler([InMemoryTokens(small), InMemoryTokens(large)], seed=5, micro_batch_size=10, seq_len=16,
+                num_micro_batches=10, mixture=Mixture([0.37, 0.63], seed=5))
+    draws = [s.draw(step, m) for step in range(100) for m in range(10)]  # 10,000 samples
+    sources = np.concatenate([d.sources for d in draws])
+    assert abs((sources == 0).mean() - 0.37) < 0.01 * 0.37 and abs((sources == 1).mean() - 0.63) < 0.01 * 0.63
+    # Source 0 has 30 windows: its 3,700 samples are 123 whole epochs, each visiting every window once.
+    mine = [(int(e), int(w)) for d in draws for src, e, w in zip(d.sources, d.epochs, d.windows) if src == 0]
+    by_epoch: dict[int, list[int]] = {}
+    for e, w in mine:
+        by_epoch.setdefault(e, []).append(w)
+    assert all(sorted(by_epoch[e]) == list(range(30)) for e in range(len(mine) // 30))
+    again = Sampler([InMemoryTokens(small), InMemoryTokens(large)], seed=5, micro_batch_size=10, seq_len=16,
+                    num_micro_batches=10, mixture=Mixture([0.37, 0.63], seed=5))
+    d = again.draw(57, 3)  # alone, the same as in order
+    assert np.array_equal(d.windows, draws[573].windows) and np.array_equal(d.sources, draws[573].sources)
+    batch = again.micro_batch(57, 3)
+    first = (small if d.sources[0] == 0 else large)[int(d.windows[0]) * 16:][:16]
+    assert torch.equal(batch.inputs[0], first)

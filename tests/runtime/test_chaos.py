@@ -18,7 +18,7 @@ def reference(tmp_path_factory):
 
 # Seed 0: two ranks join, a kill during a recovery, a double kill. Seed 5: a kill during a
 # recovery, a SIGSTOP hang, a join.
-@pytest.mark.parametrize("seed", [0, 5])
+@pytest.mark.parametrize("seed", [0, pytest.param(5, marks=pytest.mark.slow)])  # more: bench/chaos.py
 def test_a_chaos_run_ends_equal_to_the_failure_free_run(tmp_path, reference, seed):
     faults = schedule(seed, DP * PP, STEPS)
     res = run_job(tmp_path, DP, PP, STEPS, True,

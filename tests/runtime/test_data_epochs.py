@@ -74,3 +74,29 @@ def test_one_epoch_reads_every_window_once_through_a_kill_a_join_and_a_resume(tm
     reference = run_reference(tmp_path, STEPS, True, MBS, [f"data.path={corpus}"])
     assert resumed.summary["params_sha256"] == reference.summary["params_sha256"]
     assert [r["loss"] for r in resumed.records if r["event"] == "step"] == reference.losses
+
+
+def test_a_job_on_a_mixture_reports_each_sources_tokens(tmp_path):
+    corpora = []
+    for name, letter in (("prose", "a"), ("code", "b")):
+        text = tmp_path / f"{name}.txt"
+        text.write_text((letter * 7 + " ") * 2000)
+        prepare([str(text)], str(tmp_path / name), "bytes", progress=False)
+        corpora.append(str(tmp_path / name))
+    mix = f"data.mix={corpora[0]}=0.75;{corpora[1]}=0.25"
+    res = run_cli(job_args(1, 1, 3, False, [mix, "train.num_micro_batches=4"]), tmp_path)
+    assert res.returncode == 0, res.stderr
+    per_step = MBS * B * SEQ
+    for record in res.steps:  # 1000-sample blocks hold 750 and 250: 8 samples a step follow them closely
+        counts = record["tokens_per_source"]
+        assert sum(counts.values()) == per_step and set(counts) == set(corpora)
+    total = {c: sum(r["tokens_per_source"][c] for r in res.steps) for c in corpora}
+    assert total[corpora[0]] > total[corpora[1]]
+    batches = run_cli(["data", "batches", "--steps", "0:3", "--text", "--set", mix, "--set", "train.num_micro_batches=4",
+                       "--set", f"model.seq_len={SEQ}", "--set", f"train.micro_batch_size={B}"], tmp_path)
+    samples = [s for line in batches.stdout.splitlines() for s in json.loads(line)["samples"]]
+    for s in samples:  # the decoded window is the source's own text
+        assert set(s["text"].replace(" ", "").replace("\0", "")) == {"a" if s["source"] == corpora[0] else "b"}
+    assert sum(SEQ for s in samples if s["source"] == corpora[0]) == total[corpora[0]]
+    bad = run_cli(job_args(1, 1, 3, False, [mix, f"data.path={corpora[0]}"]), tmp_path)
+    assert bad.returncode == 2 and "has no effect with data.mix" in bad.stderr
