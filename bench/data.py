@@ -1,8 +1,9 @@
 """Real data at size: ``python bench/data.py prepare|rss|all [--work DIR]``.
 
-prepare: ``elaswave prepare`` throughput (MB of text per second) on the standard library's source
-         (~20 MB of .py files on this box): the byte tokenizer, and a byte-level BPE of 8,192
-         trained on it (training timed apart), with 1 and 2 worker processes.
+prepare: ``elaswave prepare`` throughput (MB of text per second) on the standard library's folder
+         (~240 MB of text files on this box): the byte tokenizer (in-process, no workers: read
+         twice, the first time from a cold page cache), and a byte-level BPE of 8,192 trained on
+         it (training timed apart), with 1 and 2 worker processes.
 rss:     per-rank peak RSS of the default job (40 steps, dp=2) reading a prepared corpus of ~200 MB
          and one of ~4.3 GB (both made by ``elaswave prepare`` from generated text), and the
          default in-memory corpus as context; goal: the two prepared corpora within 20 MB.
@@ -44,7 +45,7 @@ def _text(path: Path, megabytes: int) -> None:
 def bench_prepare(work: Path) -> dict:
     rows = []
     for tokenizer in ("bytes", "train-bpe:8192"):
-        for workers in (1, 2):
+        for workers in (1, 2):  # bytes take no workers: the second run is the same work from a warm cache
             out = work / f"prep-{tokenizer.replace(':', '-')}-{workers}"
             began = time.perf_counter()
             m = prepare([stdlib_root()], str(out), tokenizer, workers=workers, progress=False)

@@ -6,12 +6,17 @@ dtype and, per split (``train``, ``eval``), its shards: ``NAME.bin`` holds the p
 one more entry than documents). The manifest is written last, so a directory with one is whole.
 
 A split reads as one stream of tokens, the shards one after the other; nothing is read until a
-window is asked for, and then only its pages (``numpy.memmap``), so a rank's memory does not grow
-with the corpus.
+window is asked for, and then only its pages (``numpy.memmap``). Each read then unmaps the pages
+around the window (``MADV_DONTNEED``: for a read-only file mapping the data stays in the page
+cache, only this process's mapping goes): kernels that map file pages in large folios map up to
+2 MiB per fault, and a rank sampling windows at random would otherwise count most of a corpus in
+its RSS (measured: +750 MB after 320 micro-batches of an 800 MB corpus). With it a rank's memory
+does not grow with the corpus.
 """
 from __future__ import annotations
 
 import json
+import mmap
 import os
 from dataclasses import dataclass
 
@@ -22,6 +27,8 @@ from elaswave.config import ConfigError
 MANIFEST = "manifest.json"
 FORMAT = "elaswave-tokens/1"
 DTYPES = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}
+RELEASE_ALIGN = 2 << 20
+"""Unmap whole 2 MiB-aligned regions around a window: the largest folio a fault maps in."""
 
 
 def is_prepared(path: str) -> bool:
@@ -90,7 +97,9 @@ class PreparedTokens:
         while start < end:
             lo = start - int(self.offsets[i])
             take = min(end - start, len(self.shards[i].tokens) - lo)
-            parts.append(np.asarray(self.shards[i].tokens[lo:lo + take], dtype=np.int64))
+            tokens = self.shards[i].tokens
+            parts.append(np.array(tokens[lo:lo + take], dtype=np.int64))
+            _release(tokens, lo, take)
             start += take
             i += 1
         return np.concatenate(parts) if len(parts) > 1 else parts[0]
@@ -102,3 +111,15 @@ class PreparedTokens:
         starts = self.shards[i].starts
         doc = int(np.searchsorted(starts, local, side="right")) - 1
         return self.shards[i].name, doc, local - int(starts[doc])
+
+
+def _release(tokens: np.ndarray, first: int, count: int) -> None:
+    """Drop this process's mapping of the pages holding ``tokens[first:first+count]`` and their
+    neighbours in the same 2 MiB region (numpy.memmap keeps its mmap object as ``_mmap``)."""
+    mapped = getattr(tokens, "_mmap", None)
+    if mapped is None or not hasattr(mapped, "madvise"):
+        return
+    size = tokens.itemsize
+    lo = first * size // RELEASE_ALIGN * RELEASE_ALIGN
+    hi = min(-(-(first + count) * size // RELEASE_ALIGN) * RELEASE_ALIGN, len(mapped))
+    mapped.madvise(mmap.MADV_DONTNEED, lo, hi - lo)

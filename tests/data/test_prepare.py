@@ -153,3 +153,24 @@ def test_data_batches_names_each_samples_window_and_document(tmp_path, inputs):
     for s in samples:
         assert s["token"] == 8 * s["window"]
         assert s["text"].encode()[:4] == bytes(stream.read(s["token"], 4).tolist())[:4] or "\0" in s["text"]
+
+
+def _rss_mb() -> float:
+    with open("/proc/self/status") as fh:
+        return int(fh.read().split("VmRSS:")[1].split()[0]) / 1024
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="reads VmRSS from /proc")
+def test_reading_windows_at_random_does_not_map_the_corpus_into_the_rank(tmp_path):
+    text = tmp_path / "big.txt"
+    text.write_bytes(bytes(97 + i % 26 for i in range(1 << 20)) * 48)  # 48 MB: a 96 MB shard
+    prepare([str(text)], str(tmp_path / "out"), "bytes", progress=False)
+    text.unlink()
+    stream = PreparedTokens(str(tmp_path / "out"))
+    starts = np.random.default_rng(0).integers(0, len(stream) - 65, 500)
+    before = _rss_mb()
+    for s in starts:
+        window = stream.read(int(s), 65)
+    grown = _rss_mb() - before
+    assert window[0] == 97 + int(starts[-1]) % (1 << 20) % 26
+    assert grown < 8, f"500 windows of 65 tokens grew the process by {grown:.1f} MB"
