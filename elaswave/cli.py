@@ -10,10 +10,15 @@ from elaswave.config import ConfigError
 from elaswave.runtime.metrics import MetricsWriter, print_error
 
 
-def _job_args(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("--config", help="TOML file with [model] [data] [train] [parallel] sections")
+def _config_args(ap: argparse.ArgumentParser, config_help: str = "TOML file with [model] [data] [train] "
+                                                                  "[parallel] sections") -> None:
+    ap.add_argument("--config", help=config_help)
     ap.add_argument("--set", action="append", default=[], dest="overrides", metavar="KEY=VALUE",
                     help="override one key, e.g. --set parallel.dp=4 (repeatable)")
+
+
+def _job_args(ap: argparse.ArgumentParser) -> None:
+    _config_args(ap)
     ap.add_argument("--deterministic", action="store_true",
                     help="bit-identical results across every dp x pp layout")
     ap.add_argument("--metrics-out", metavar="F.jsonl", help="write one JSON line per step and a summary")
@@ -290,8 +295,7 @@ def main(argv: list[str] | None = None) -> int:
     ref.set_defaults(func=cmd_reference)
     demo = sub.add_parser("demo", help="the first run: train with ranks killed and replaced, train the reference, "
                                        "compare, draw")
-    demo.add_argument("--config", help="TOML file (default: the embedded job)")
-    demo.add_argument("--set", action="append", default=[], dest="overrides", metavar="KEY=VALUE")
+    _config_args(demo, "TOML file (default: the embedded job)")
     demo.add_argument("--kill", action="append", default=[], metavar="RANK@STEP",
                       help="SIGKILL RANK at STEP (repeatable; default: the last rank a fifth of the way in, "
                            "rank 1 three quarters of the way in)")
@@ -324,8 +328,7 @@ def main(argv: list[str] | None = None) -> int:
     data = sub.add_parser("data", help="what the job's data is: `data batches --steps A:B`")
     data_sub = data.add_subparsers(dest="data_command", required=True)
     look = data_sub.add_parser("batches", help="each micro-batch's samples: epoch, window, shard, document, offset")
-    look.add_argument("--config")
-    look.add_argument("--set", action="append", default=[], dest="overrides", metavar="KEY=VALUE")
+    _config_args(look)
     look.add_argument("--steps", required=True, metavar="A:B", help="steps A..B-1 (or one step A)")
     look.add_argument("--text", action="store_true", help="also each window, decoded")
     look.set_defaults(func=cmd_data_batches, deterministic=False, inject=[])

@@ -34,6 +34,12 @@ def _fail(key: str, value: Any, valid: str) -> None:
 DATA_SOURCES = ("auto", "stdlib", "text", "bin", "tokens")
 
 
+def _is_prepared(path: str) -> bool:
+    from elaswave.data.shards import is_prepared  # (shards reads ConfigError from here)
+
+    return is_prepared(path)
+
+
 @dataclass
 class DataConfig:
     source: str = "auto"
@@ -74,7 +80,7 @@ class DataConfig:
             return "tokens"
         if not self.path:
             return "stdlib"
-        if os.path.isfile(os.path.join(self.path, "manifest.json")):
+        if _is_prepared(self.path):
             return "tokens"
         return "bin" if os.path.isfile(self.path) and self.path.endswith(".bin") else "text"
 
@@ -86,7 +92,7 @@ class DataConfig:
                 _fail("data.path" if self.path else "data.source", self.path or self.source,
                       "has no effect with data.mix (a mixture of prepared corpora); leave it unset")
             for path, _ in self.mixture:
-                if not os.path.isfile(os.path.join(path, "manifest.json")):
+                if not _is_prepared(path):
                     _fail("data.mix", path, "each source must be a folder made by `elaswave prepare` (no manifest.json)")
             return
         if self.source == "stdlib" and self.path:
@@ -97,7 +103,7 @@ class DataConfig:
                 _fail("data.path", self.path, f"data.source={self.source} needs a path")
             if not os.path.exists(self.path):
                 _fail("data.path", self.path, "no such file or folder")
-        if self.kind == "tokens" and not os.path.isfile(os.path.join(self.path, "manifest.json")):
+        if self.kind == "tokens" and not _is_prepared(self.path):
             _fail("data.path", self.path, "data.source=tokens needs a folder made by `elaswave prepare` "
                                           "(it has no manifest.json)")
         if self.max_corpus_bytes < 1024:

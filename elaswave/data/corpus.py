@@ -11,6 +11,7 @@ import torch
 
 from elaswave.config import ConfigError, DataConfig
 from elaswave.data.shards import PreparedTokens
+from elaswave.data.tokenizer import Encoder
 
 
 def _text_files(root: str) -> list[str]:
@@ -45,6 +46,11 @@ def stdlib_root() -> str:
     return sysconfig.get_paths()["stdlib"]
 
 
+def _text_source(cfg: DataConfig) -> tuple[str, str | None]:
+    """Where a bytes corpus is read from, and the file suffix it keeps (the stdlib's .py files)."""
+    return (stdlib_root(), ".py") if cfg.kind == "stdlib" else (cfg.path, None)
+
+
 def corpus_bytes(cfg: DataConfig) -> int:
     """Bytes of the tensor :func:`load_corpus` returns (int64 tokens), from file sizes alone: what
     every rank can know without reading the corpus (the memory model of a stage that reads batches).
@@ -54,8 +60,7 @@ def corpus_bytes(cfg: DataConfig) -> int:
         return 0
     if kind == "bin":
         return 8 * (os.path.getsize(cfg.path) // 2)
-    root = stdlib_root() if kind == "stdlib" else cfg.path
-    suffix = ".py" if kind == "stdlib" else None
+    root, suffix = _text_source(cfg)
     total = 0
     for path in _text_files(root):
         if (suffix and not path.endswith(suffix)) or not os.path.isfile(path) or not os.access(path, os.R_OK):
@@ -68,8 +73,7 @@ def corpus_bytes(cfg: DataConfig) -> int:
 
 def load_corpus(cfg: DataConfig, vocab_size: int, min_tokens: int) -> torch.Tensor:
     """All tokens of an in-memory corpus (stdlib, text, bin); raises ConfigError if it is unusable."""
-    kind = cfg.kind
-    if kind == "bin":
+    if cfg.kind == "bin":
         size = os.path.getsize(cfg.path)
         if size % 2:
             raise ConfigError(f"data.path={cfg.path!r} is invalid: a uint16 token file has an even size, got {size} bytes")
@@ -77,8 +81,8 @@ def load_corpus(cfg: DataConfig, vocab_size: int, min_tokens: int) -> torch.Tens
             raw = bytearray(fh.read())
         tokens = torch.frombuffer(raw, dtype=torch.int16).to(torch.int64) & 0xFFFF
     else:
-        root = stdlib_root() if kind == "stdlib" else cfg.path
-        data = _read_bytes(_text_files(root), cfg.max_corpus_bytes, ".py" if kind == "stdlib" else None)
+        root, suffix = _text_source(cfg)
+        data = _read_bytes(_text_files(root), cfg.max_corpus_bytes, suffix)
         tokens = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(torch.int64) if data else torch.empty(0, dtype=torch.int64)
     where = cfg.path or stdlib_root()
     if tokens.numel() < min_tokens:
@@ -94,6 +98,7 @@ class InMemoryTokens:
 
     def __init__(self, tokens: torch.Tensor):
         self.tokens = tokens
+        """Kept alive: the memory model counts the corpus as a live tensor of the rank."""
         self.array = tokens.numpy()
 
     def __len__(self) -> int:
@@ -104,6 +109,9 @@ class InMemoryTokens:
 
     def locate(self, position: int) -> tuple[str, int, int]:
         return "corpus", 0, position
+
+    def encoder(self) -> Encoder:
+        return Encoder(None)  # the in-memory corpora are bytes
 
 
 def open_tokens(cfg: DataConfig, vocab_size: int, min_tokens: int, split: str = "train"):

@@ -23,17 +23,12 @@ def parse_steps(text: str) -> range:
 def batches(cfg: JobConfig, steps: range, with_text: bool = False) -> Iterator[dict]:
     """One record per micro-batch of ``steps``: each sample's data epoch, window, and where its first
     token is (source of a mixture, shard, document, offset in it); with ``with_text``, the window decoded."""
-    from elaswave.data.prepare import tokenizer_of
     from elaswave.data.sampler import open_sampler
-    from elaswave.data.tokenizer import Encoder
     from elaswave.model.contract import model_for
 
     sampler = open_sampler(cfg, model_for(cfg))
     paths = [p for p, _ in cfg.data.mixture] if cfg.data.mix else [cfg.data.path]
-    decoders = None
-    if with_text:  # the in-memory corpora are bytes
-        decoders = [(tokenizer_of(p, t.manifest) if hasattr(t, "manifest") else Encoder(None)).decode
-                    for p, t in zip(paths, sampler.sources)]
+    decoders = [t.encoder().decode for t in sampler.sources] if with_text else None
     for step in steps:
         for m in range(cfg.train.num_micro_batches):
             d = sampler.draw(step, m)

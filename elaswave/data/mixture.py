@@ -60,6 +60,11 @@ class Mixture:
         return sources, ordinals
 
 
+def mixture_of(cfg) -> Mixture | None:
+    """The job's mixture (``data.mix``), or None for a single source."""
+    return Mixture([w for _, w in cfg.data.mixture], cfg.train.seed) if cfg.data.mix else None
+
+
 def tokens_per_source(cfg, mixture: Mixture, step: int, seq_len: int) -> dict[str, int]:
     """Tokens each source of ``data.mix`` gives step ``step`` (a pure function of the config)."""
     t = cfg.train

@@ -237,10 +237,3 @@ def prepare(inputs: list[str], out: str, tokenizer: str, text_field: str = "text
     os.rename(partial, out)
     return manifest
 
-
-def tokenizer_of(path: str, manifest: dict) -> tok.Encoder:
-    """The encoder a prepared corpus was made with (to decode its windows)."""
-    if manifest["tokenizer"]["file"] is None:
-        return tok.Encoder(None)
-    with open(os.path.join(path, manifest["tokenizer"]["file"]), encoding="utf-8") as fh:
-        return tok.Encoder(fh.read())

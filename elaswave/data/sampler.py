@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from elaswave import rng
-from elaswave.data.mixture import Mixture
+from elaswave.data.mixture import Mixture, mixture_of
 from elaswave.data.permutation import Permutation
 
 
@@ -101,10 +101,6 @@ def open_sampler(cfg, model) -> Sampler:
     from elaswave.data.corpus import open_tokens
 
     t = cfg.train
-    if cfg.data.mix:
-        paths, weights = zip(*cfg.data.mixture)
-        tokens = [open_tokens(replace(cfg.data, path=p, source="tokens", mix=()), model.vocab_size, model.seq_len + 1)
-                  for p in paths]
-        return Sampler(tokens, t.seed, t.micro_batch_size, model.seq_len, t.num_micro_batches, Mixture(list(weights), t.seed))
-    tokens = open_tokens(cfg.data, model.vocab_size, model.seq_len + 1)
-    return Sampler(tokens, t.seed, t.micro_batch_size, model.seq_len, t.num_micro_batches)
+    corpora = [replace(cfg.data, path=p, source="tokens", mix=()) for p, _ in cfg.data.mixture] or [cfg.data]
+    tokens = [open_tokens(c, model.vocab_size, model.seq_len + 1) for c in corpora]
+    return Sampler(tokens, t.seed, t.micro_batch_size, model.seq_len, t.num_micro_batches, mixture_of(cfg))

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from elaswave.config import ConfigError
+from elaswave.data.tokenizer import Encoder
 
 MANIFEST = "manifest.json"
 FORMAT = "elaswave-tokens/1"
@@ -103,6 +104,14 @@ class PreparedTokens:
             start += take
             i += 1
         return np.concatenate(parts) if len(parts) > 1 else parts[0]
+
+    def encoder(self) -> Encoder:
+        """The tokenizer the corpus was made with (to decode its windows)."""
+        file = self.manifest["tokenizer"]["file"]
+        if file is None:
+            return Encoder(None)
+        with open(os.path.join(self.path, file), encoding="utf-8") as fh:
+            return Encoder(fh.read())
 
     def locate(self, position: int) -> tuple[str, int, int]:
         """Where the token at ``position`` of the stream is: (shard name, document, offset in it)."""

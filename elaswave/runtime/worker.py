@@ -28,7 +28,7 @@ from elaswave.control.admission import JOIN_ENV, Admission, Refused, job_token
 from elaswave.control.faults import FaultInjector
 from elaswave.control.heartbeat import Watcher
 from elaswave.control.membership import Membership
-from elaswave.data.mixture import Mixture, tokens_per_source
+from elaswave.data.mixture import Mixture, mixture_of, tokens_per_source
 from elaswave.data.sampler import Sampler, open_sampler
 from elaswave.data.trace import DATA_TRACE_ENV, DataTrace
 from elaswave.interrupt import Disruption, Interrupt
@@ -109,7 +109,7 @@ class Context:
 
     @cached_property
     def _mixture(self) -> Mixture | None:
-        return Mixture([w for _, w in self.cfg.data.mixture], self.cfg.train.seed) if self.cfg.data.mix else None
+        return mixture_of(self.cfg)
 
     def source_tokens(self, step: int) -> dict:
         """For the step's metrics: each source's tokens in a ``data.mix`` job (nothing otherwise)."""
