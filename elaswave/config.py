@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import re
 from dataclasses import dataclass, field, fields
@@ -137,6 +138,19 @@ class TrainConfig:
     """none, full (every block recomputes its forward in the backward), or every_N (every N-th
     block): less activation memory for more compute; the same bits either way."""
 
+    tokens: int = 0
+    """A budget instead of ``steps``: train until this many tokens were seen (rounded up to whole
+    steps of num_micro_batches x micro_batch_size x model.seq_len); 0: train.steps says."""
+    epochs: float = 0.0
+    """A budget instead of ``steps``: this many passes over the corpus's windows of seq_len + 1
+    tokens (rounded up to whole steps; a single source, not data.mix); 0: train.steps says."""
+    eval_every: int = 0
+    """Evaluate on the held-out split (a prepared corpus's eval split) after every this many steps
+    and after the last; 0: never. An evaluation is a forward-only pass on the job's own layout."""
+    eval_batches: int = 4
+    """Batches of num_micro_batches x micro_batch_size held-out windows per evaluation (the same
+    windows every time)."""
+
     measure_memory_step: int = -1
     """Each rank measures its peak tensor memory in this step (elaswave/runtime/memory.py: the
     allocator's figures, through torch.profiler on CPU) and the run's summary reports it beside
@@ -149,12 +163,26 @@ class TrainConfig:
         every = 1 if self.activation_checkpointing == "full" else int(self.activation_checkpointing[6:])
         return layer % every == 0
 
+    def eval_due(self, step: int) -> bool:
+        """Whether the state after ``step`` steps is evaluated (every eval_every steps, and the last)."""
+        every = self.eval_every
+        return every > 0 and step > 0 and (step % every == 0 or step == self.steps)
+
     def validate(self) -> None:
         if self.steps < 0:
             _fail("train.steps", self.steps, "must be >= 0 (0: load, and export with checkpoint.export_hf)")
         for name in ("micro_batch_size", "num_micro_batches"):
             if getattr(self, name) < 1:
                 _fail(f"train.{name}", getattr(self, name), "must be >= 1")
+        if self.tokens and self.epochs:
+            _fail("train.epochs", self.epochs, f"set one of train.tokens={self.tokens} and train.epochs")
+        if self.tokens < 0 or self.epochs < 0:
+            _fail("train.tokens" if self.tokens < 0 else "train.epochs", min(self.tokens, self.epochs),
+                  "must be >= 0 (0: train.steps says)")
+        if self.eval_every < 0:
+            _fail("train.eval_every", self.eval_every, "must be >= 0 (0: never evaluate)")
+        if self.eval_batches < 1:
+            _fail("train.eval_batches", self.eval_batches, "must be >= 1")
         if self.measure_memory_step < -1:
             _fail("train.measure_memory_step", self.measure_memory_step, "must be >= 0, or -1 for none")
         for name in ("warmup_steps", "seed"):
@@ -394,6 +422,10 @@ class JobConfig:
         if self.train.num_micro_batches < self.parallel.dp:
             _fail("train.num_micro_batches", self.train.num_micro_batches,
                   f"must be >= parallel.dp={self.parallel.dp} so every pipeline has work")
+        if self.train.eval_every and self.data.kind != "tokens":
+            _fail("train.eval_every", self.train.eval_every,
+                  f"evaluation reads a held-out split, and data.source={self.data.kind} has none; give data.path a "
+                  f"corpus made by `elaswave prepare --eval-fraction F`, or leave train.eval_every=0")
         if self.data.source == "stdlib" or self.data.source == "text":
             if self.model.vocab_size < 256:
                 _fail("model.vocab_size", self.model.vocab_size,
@@ -484,7 +516,32 @@ def load(path: str | None = None, overrides: list[str] | tuple[str, ...] = ()) -
             _fail("--set", item, "must look like section.key=value")
         _apply(cfg, key.strip(), raw)
         explicit.add(key.strip())
-    return _resolved(cfg, explicit).validate()
+    steps = cfg.train.steps
+    cfg = _budgeted(_resolved(cfg, explicit).validate())
+    if "train.steps" in explicit and cfg.train.steps != steps:  # (a config written out holds both: they agree)
+        budget = "train.tokens" if cfg.train.tokens else "train.epochs"
+        _fail("train.steps", steps, f"set one of train.steps and {budget}: {budget}="
+                                    f"{getattr(cfg.train, budget.split('.')[1])} means {cfg.train.steps} steps")
+    return cfg
+
+
+def _budgeted(cfg: JobConfig) -> JobConfig:
+    """train.steps from a token or epoch budget (the same on every rank: from file sizes or the manifest)."""
+    t = cfg.train
+    if not (t.tokens or t.epochs):
+        return cfg
+    per_step = t.num_micro_batches * t.micro_batch_size
+    if t.tokens:
+        t.steps = -(-t.tokens // (per_step * cfg.model.seq_len))
+        return cfg
+    if cfg.data.mix:
+        _fail("train.epochs", t.epochs, "is ambiguous with data.mix (every source has its own epochs); "
+                                        "use train.tokens or train.steps")
+    from elaswave.data.corpus import corpus_tokens  # (corpus reads ConfigError from here)
+
+    windows = (corpus_tokens(cfg.data) - 1) // cfg.model.seq_len
+    t.steps = max(1, math.ceil(t.epochs * windows / per_step))
+    return cfg
 
 
 def _resolved(cfg: JobConfig, explicit: set[str]) -> JobConfig:
@@ -499,4 +556,4 @@ def from_dict(doc: dict) -> JobConfig:
     for section, body in doc.items():
         for name, raw in body.items():
             _apply(cfg, f"{section}.{name}", raw)
-    return _resolved(cfg, {f"model.{k}" for k in doc.get("model", {})}).validate()
+    return _budgeted(_resolved(cfg, {f"model.{k}" for k in doc.get("model", {})}).validate())

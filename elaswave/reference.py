@@ -13,7 +13,7 @@ from typing import Callable
 import torch
 
 from elaswave.config import JobConfig
-from elaswave.data.sampler import open_sampler
+from elaswave.data.sampler import Sampler, open_eval_sampler, open_sampler
 from elaswave.model.contract import model_for
 from elaswave.pipeline.stage import Stage
 from elaswave.precision import job_dtype, name
@@ -25,7 +25,8 @@ from elaswave.zero.reduce import GradAccumulator
 
 
 def train_reference(cfg: JobConfig, on_step: Callable[[dict], None] | None = None) -> dict:
-    """Train ``cfg.train.steps`` steps; returns ``{"losses": [...], "params_sha256": ...}``."""
+    """Train ``cfg.train.steps`` steps; returns ``{"losses": [...], "eval_losses": {step: loss},
+    "params_sha256": ...}``."""
     t, m = cfg.train, model_for(cfg)
     torch.set_num_threads(1)  # the same kernels, hence the same bits, as a one-thread worker rank
     sampler = open_sampler(cfg, m)
@@ -39,8 +40,18 @@ def train_reference(cfg: JobConfig, on_step: Callable[[dict], None] | None = Non
     accumulator = GradAccumulator(layers, t.deterministic, t.grad_fixed_point_bits, t.num_micro_batches)
     index = ChunkIndex.build([l.numel for l in layers], cfg.parallel.chunk_numel)
     global_tokens = t.num_micro_batches * t.micro_batch_size * m.seq_len
-    losses = []
-    for step in range(t.steps):
+    losses, eval_losses = [], {}
+    eval_sampler = open_eval_sampler(cfg, m) if t.eval_every else None
+    for step in range(t.steps + 1):
+        if t.eval_due(step):
+            began = time.perf_counter()
+            eval_losses[step] = _evaluate(cfg, stage, eval_sampler)
+            if on_step is not None:
+                on_step({"event": "eval", "step": step, "eval_loss": eval_losses[step], "world_size": 1, "epoch": 0,
+                         "eval_tokens": t.eval_batches * t.num_micro_batches * t.micro_batch_size * m.seq_len,
+                         "eval_s": time.perf_counter() - began})
+        if step == t.steps:
+            break
         started = time.perf_counter()
         accumulator.zero()
         loss_sums = []
@@ -69,4 +80,16 @@ def train_reference(cfg: JobConfig, on_step: Callable[[dict], None] | None = Non
     if cfg.checkpoint.export_hf:
         from elaswave.checkpoint import export
         export.write_layers(cfg.checkpoint.export_hf, cfg.model, layers, m.num_layers)
-    return {"losses": losses, "params_sha256": params_sha256([l.digest() for l in layers]), "precision": name(dtype)}
+    return {"losses": losses, "eval_losses": eval_losses, "params_sha256": params_sha256([l.digest() for l in layers]), "precision": name(dtype)}
+
+
+def _evaluate(cfg: JobConfig, stage: Stage, sampler: Sampler) -> float:
+    """The held-out loss of the whole model, micro-batch after micro-batch (see runtime/evaluation.py)."""
+    t, m = cfg.train, stage.model
+    sums = []
+    with torch.no_grad():
+        for j in range(t.eval_batches):
+            for mb in range(t.num_micro_batches):
+                batch = sampler.micro_batch(j, mb)
+                sums.append(float(m.loss_sum(stage.forward(batch.inputs, j, mb, train=False), batch.targets)))
+    return math.fsum(sums) / (t.eval_batches * t.num_micro_batches * t.micro_batch_size * m.seq_len)

@@ -1,9 +1,10 @@
 """``elaswave report RUN.jsonl [--against REF.jsonl]``: what happened in a run, as pictures and a page.
 
-Reads the metrics a run wrote (``job``, ``step``, ``recovery``, ``join``, ``resume``, ``summary`` records) and,
+Reads the metrics a run wrote (``job``, ``step``, ``eval``, ``recovery``, ``join``, ``resume``, ``summary`` records) and,
 optionally, a failure-free reference (``elaswave reference`` or a run without faults), and writes:
 
-- ``loss.png``: loss per step, failures marked where training resumed, the reference overlaid;
+- ``loss.png``: loss per step and the held-out (eval) loss, failures marked where training resumed,
+  the reference overlaid;
 - ``throughput.png``: tokens per second over wall time;
 - ``recoveries.png``: each recovery's time, split into its phases;
 - ``membership.png``: live ranks and epoch per step;
@@ -39,16 +40,18 @@ def _events(records: list[dict], kind: str) -> list[dict]:
 
 def compare(run: list[dict], ref: list[dict]) -> dict:
     """Step by step against the reference: the largest |loss difference| over the steps both have,
-    and whether every loss and the final parameters' hash are equal."""
+    and whether every loss, every eval loss and the final parameters' hash are equal."""
     mine = {r["step"]: r["loss"] for r in _events(run, "step")}
     theirs = {r["step"]: r["loss"] for r in _events(ref, "step")}
     common = sorted(set(mine) & set(theirs))
     diffs = [abs(mine[s] - theirs[s]) for s in common]
+    evals = [{r["step"]: r["eval_loss"] for r in _events(x, "eval")} for x in (run, ref)]
     sha = [(_events(x, "summary") or [{}])[-1].get("params_sha256") for x in (run, ref)]
     same_losses = bool(common) and all(mine[s] == theirs[s] for s in common) and set(mine) == set(theirs)
     return {"steps_compared": len(common), "max_abs_dloss": max(diffs) if diffs else math.nan,
+            "evals_compared": len(set(evals[0]) & set(evals[1])), "same_evals": evals[0] == evals[1],
             "same_params": sha[0] is not None and sha[0] == sha[1],
-            "bit_identical": same_losses and sha[0] is not None and sha[0] == sha[1]}
+            "bit_identical": same_losses and evals[0] == evals[1] and sha[0] is not None and sha[0] == sha[1]}
 
 
 def render(run_path: str, ref_path: str | None, out_dir: str) -> list[Path]:
@@ -78,6 +81,10 @@ def render(run_path: str, ref_path: str | None, out_dir: str) -> list[Path]:
         ax.plot([r["step"] for r in _events(ref, "step")], [r["loss"] for r in _events(ref, "step")],
                 color="0.6", linewidth=3, label="failure-free reference")
     ax.plot([r["step"] for r in steps], [r["loss"] for r in steps], color="tab:blue", linewidth=1.3, label="this run")
+    if ref is not None and _events(ref, "eval"):
+        ax.plot(*_eval_curve(ref), color="0.6", linewidth=3, marker="s", label="reference, held-out")
+    if _events(run, "eval"):  # the state after `step` steps, drawn where step `step` begins
+        ax.plot(*_eval_curve(run), color="tab:orange", linewidth=1.3, marker="o", label="this run, held-out (eval)")
     for rec in recoveries:
         ax.axvline(rec["resume_step"], color="tab:red", linestyle="--", linewidth=1)
         ax.annotate(f"lost {rec['lost_ranks']}", (rec["resume_step"], ax.get_ylim()[1]), fontsize=8,
@@ -128,6 +135,11 @@ def render(run_path: str, ref_path: str | None, out_dir: str) -> list[Path]:
     return written
 
 
+def _eval_curve(records: list[dict]) -> tuple[list[int], list[float]]:
+    evals = sorted(_events(records, "eval"), key=lambda r: r["step"])
+    return [r["step"] for r in evals], [r["eval_loss"] for r in evals]
+
+
 def _page(run: list[dict], ref: list[dict] | None, run_path: str, ref_path: str | None) -> str:
     job = (_events(run, "job") or [{}])[0].get("config", {})
     par, train = job.get("parallel", {}), job.get("train", {})
@@ -155,14 +167,26 @@ def _page(run: list[dict], ref: list[dict] | None, run_path: str, ref_path: str 
             lines.append(f"| {r['epoch']} | {r['joined_ranks']} | {r['resume_step']} | {r['time_to_first_step_s']:.3f} | "
                          f"{r['since_request_s']:.3f} | {r['phases_s']['state']:.3f} | {r['phases_s']['first_step']:.3f} |")
         lines.append("")
+    evals = sorted(_events(run, "eval"), key=lambda r: r["step"])
+    if evals:
+        ref_evals = {r["step"]: r["eval_loss"] for r in _events(ref or [], "eval")}
+        lines += ["| after steps | held-out loss | tokens | ranks | seconds |" + (" reference |" if ref_evals else ""),
+                  "| --- | --- | --- | --- | --- |" + (" --- |" if ref_evals else "")]
+        for r in evals:
+            lines.append(f"| {r['step']} | {r['eval_loss']:.4f} | {r.get('eval_tokens', '')} | {r['world_size']} | "
+                         f"{r.get('eval_s', 0.0):.3f} |"
+                         + (f" {ref_evals[r['step']]:.4f} |" if r["step"] in ref_evals else (" - |" if ref_evals else "")))
+        lines.append("")
     for r in _events(run, "resume"):
         lines.append(f"Resumed from the disk checkpoint {r['checkpoint']} at step {r['step']}.")
     if ref is not None:
         c = compare(run, ref)
         verdict = "**bit-identical** to" if c["bit_identical"] else "**not** bit-identical to"
         lines += ["", f"Against {ref_path}: {verdict} the reference over {c['steps_compared']} steps "
-                      f"(max |loss difference| {c['max_abs_dloss']:.3g}; final parameters "
-                      f"{'equal' if c['same_params'] else 'differ'})."]
+                      f"(max |loss difference| {c['max_abs_dloss']:.3g}; "
+                      + (f"held-out losses {'equal' if c['same_evals'] else 'differ'} at {c['evals_compared']} "
+                         f"evaluations; " if c["evals_compared"] else "")
+                      + f"final parameters {'equal' if c['same_params'] else 'differ'})."]
     lines += ["", "![loss](loss.png)", "![throughput](throughput.png)", "![recoveries](recoveries.png)",
               "![membership](membership.png)", ""]
     return "\n".join(lines)

@@ -10,6 +10,8 @@ import torch
 DATA = 1
 DROPOUT = 2
 INIT = 3
+EVAL = 5
+"""The held-out windows' order (4 is the mixture's block order, elaswave.data.mixture.MIX)."""
 
 _MASK64 = (1 << 64) - 1
 

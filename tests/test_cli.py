@@ -1,7 +1,7 @@
 """Bad input: one clear line on stderr, a non-zero exit, no traceback, no hang, nothing left running."""
 import pytest
 
-from tests.helpers.spawn import run_cli
+from tests.helpers.spawn import TINY, run_cli
 
 
 @pytest.mark.parametrize("args,expected", [
@@ -33,3 +33,10 @@ def test_bad_toml(tmp_path):
     cfg.write_text("[train\nsteps=")
     res = run_cli(["run", "--config", str(cfg)], tmp_path, timeout_s=60)
     assert res.returncode == 2 and "not valid TOML" in res.stderr and "Traceback" not in res.stderr
+
+
+def test_a_job_with_a_token_budget_trains_the_steps_it_means(tmp_path):
+    sets = [*TINY, "parallel.dp=1", "parallel.pp=1", "train.num_micro_batches=2", "train.tokens=300"]
+    res = run_cli(["run", *[x for s in sets for x in ("--set", s)]], tmp_path)  # 128 tokens a step: 3 steps
+    assert res.returncode == 0, res.stderr
+    assert [r["step"] for r in res.steps] == [0, 1, 2] and res.summary["steps"] == 3

@@ -28,8 +28,25 @@ def test_defaults_are_valid_and_overrides_apply(tmp_path):
     (["train.precision=fp16"], "train.precision='fp16' is invalid: must be one of auto, fp32, bf16"),
     (["train.activation_checkpointing=some"], "train.activation_checkpointing='some' is invalid: must be none, full"),
     (["train.measure_memory_step=-2"], "train.measure_memory_step=-2 is invalid: must be >= 0, or -1 for none"),
+    (["train.steps=9", "train.tokens=8192"], "train.steps=9 is invalid: set one of train.steps and train.tokens: "
+                                              "train.tokens=8192 means 4 steps"),
+    (["train.tokens=9", "train.epochs=1"], "train.epochs=1.0 is invalid: set one of train.tokens=9 and train.epochs"),
+    (["train.tokens=-9"], "train.tokens=-9 is invalid: must be >= 0"),
 ])
 def test_bad_values_name_key_value_and_what_is_valid(overrides, message):
     with pytest.raises(ConfigError) as err:
         config.load(None, overrides)
     assert message in str(err.value)
+
+
+def test_a_token_or_epoch_budget_sets_the_steps(tmp_path):
+    corpus = tmp_path / "c.bin"
+    corpus.write_bytes(bytes(2 * (64 * 100 + 1)))  # 6,401 uint16 tokens: 100 windows of 64 + 1
+    sets = [f"data.path={corpus}", "model.seq_len=64", "train.num_micro_batches=4", "train.micro_batch_size=2"]
+    for budget, steps in (("train.epochs=1", 13), ("train.epochs=2", 25), ("train.epochs=0.08", 1),
+                          ("train.tokens=1024", 2), ("train.tokens=1025", 3)):  # 8 windows, 512 tokens a step
+        cfg = config.load(None, [*sets, budget])
+        assert cfg.train.steps == steps, budget
+        assert config.from_dict(cfg.to_dict()).train.steps == steps  # what the launcher hands its ranks
+    with pytest.raises(ConfigError, match="train.epochs=1.0 is invalid: is ambiguous with data.mix"):
+        config._budgeted(config.JobConfig(data=config.DataConfig(mix=("a=1",)), train=config.TrainConfig(epochs=1.0)))

@@ -35,7 +35,8 @@ def test_finetune_toml_loads_a_hugging_face_directory_and_exports_it(tmp_path):
         (texts / f"{i}.txt").write_text(" ".join(f"word{(i * j) % 97}" for j in range(400)))
     prepare([str(texts)], str(tmp_path / "bpe"), "train-bpe:512", progress=False)
     (model_dir / "tokenizer.json").write_text((tmp_path / "bpe" / "tokenizer.json").read_text())
-    prep = run_cli(["prepare", str(texts), "--out", str(tmp_path / "corpus"), "--tokenizer", str(model_dir)], tmp_path)
+    prep = run_cli(["prepare", str(texts), "--out", str(tmp_path / "corpus"), "--tokenizer", str(model_dir),
+                    "--eval-fraction", "0.2"], tmp_path)
     assert prep.returncode == 0, prep.stderr
     out = tmp_path / "finetuned"
     res = run_cli(["run", "--config", str(EXAMPLES / "finetune_llama.toml"), "--set", "train.steps=3",
@@ -45,3 +46,4 @@ def test_finetune_toml_loads_a_hugging_face_directory_and_exports_it(tmp_path):
     model, info = transformers.AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"]
     assert model.config.num_key_value_heads == 2 and res.summary["steps"] == 3
+    assert [r["step"] for r in res.records if r["event"] == "eval"] == [3]  # the example evaluates after the last

@@ -21,11 +21,12 @@ if TYPE_CHECKING:  # keeps this module free of torch: config validation imports 
     from elaswave.control.membership import Membership
 
 KINDS = ("kill", "stop", "corrupt", "slow", "join")
-PHASES = ("forward", "backward", "reduce", "optimizer", "snapshot", "recovery")
+PHASES = ("forward", "backward", "reduce", "optimizer", "snapshot", "recovery", "eval")
 """forward/backward: as the step's first forward/backward starts; reduce: as the gradient reduction
 starts; optimizer: after this rank's chunks were updated, before the parameters are gathered;
 snapshot: just after this rank posted the step's snapshot to its holder; recovery: during a
-recovery that resumes at the step, as the chunks are about to move (a failure during a recovery)."""
+recovery that resumes at the step, as the chunks are about to move (a failure during a recovery);
+eval: in the evaluation due before the step (train.eval_every), as its last batch starts."""
 USAGE = ("use kill:rank=R,step=S[,phase=P], stop:rank=R,step=S[,phase=P], corrupt:rank=R,step=S, "
          "slow:rank=R,step=S[,factor=F] or join:step=S[,count=N]")
 

@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from elaswave.config import ConfigError, DataConfig
-from elaswave.data.shards import PreparedTokens
+from elaswave.data.shards import PreparedTokens, read_manifest
 from elaswave.data.tokenizer import Encoder
 
 
@@ -71,6 +71,13 @@ def corpus_bytes(cfg: DataConfig) -> int:
     return 8 * total
 
 
+def corpus_tokens(cfg: DataConfig) -> int:
+    """Tokens of the corpus's training stream, from the manifest or file sizes alone (no reading)."""
+    if cfg.kind == "tokens":
+        return int(read_manifest(cfg.path)["splits"]["train"]["tokens"])
+    return corpus_bytes(cfg) // 8
+
+
 def load_corpus(cfg: DataConfig, vocab_size: int, min_tokens: int) -> torch.Tensor:
     """All tokens of an in-memory corpus (stdlib, text, bin); raises ConfigError if it is unusable."""
     if cfg.kind == "bin":
@@ -124,6 +131,7 @@ def open_tokens(cfg: DataConfig, vocab_size: int, min_tokens: int, split: str = 
                           f"vocabulary of {tokens.vocab_size} (tokenizer {tokens.manifest['tokenizer']['name']}); "
                           f"use >= {tokens.vocab_size}")
     if len(tokens) < min_tokens:
+        hint = "; prepare it with --eval-fraction > 0 to hold documents out" if split == "eval" else ""
         raise ConfigError(f"data.path={cfg.path!r} is invalid: its {split} split has {len(tokens)} tokens, need at "
-                          f"least {min_tokens} (model.seq_len + 1)")
+                          f"least {min_tokens} (model.seq_len + 1){hint}")
     return tokens

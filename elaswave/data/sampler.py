@@ -44,9 +44,11 @@ class Draw:
 
 class Sampler:
     def __init__(self, tokens, seed: int, micro_batch_size: int, seq_len: int, num_micro_batches: int,
-                 mixture: Mixture | None = None):
+                 mixture: Mixture | None = None, purpose: int = rng.DATA):
         """``tokens``: a token stream (``len``, ``read(start, length)``; see :mod:`elaswave.data.corpus`),
-        or a list of them blended by ``mixture``."""
+        or a list of them blended by ``mixture``; ``purpose``: the rng key of the window orders
+        (rng.EVAL for the held-out windows)."""
+        self.purpose = purpose
         self.sources = list(tokens) if isinstance(tokens, (list, tuple)) else [tokens]
         self.seed = seed
         self.micro_batch_size = micro_batch_size
@@ -64,7 +66,7 @@ class Sampler:
         if (source, epoch) not in self._orders:
             if len(self._orders) > 4 * len(self.sources):  # a run moves forward through epochs; keep a few
                 self._orders.pop(min(self._orders, key=lambda k: k[1]))
-            self._orders[source, epoch] = Permutation(self.num_windows[source], self.seed, rng.DATA, source, epoch)
+            self._orders[source, epoch] = Permutation(self.num_windows[source], self.seed, self.purpose, source, epoch)
         return self._orders[source, epoch]
 
     def samples(self, step: int, index: int) -> np.ndarray:
@@ -96,11 +98,43 @@ class Sampler:
         return MicroBatch(step, index, rows[:, :-1].contiguous(), rows[:, 1:].contiguous())
 
 
+def _corpora(cfg) -> list:
+    """One data config per source: each of ``data.mix``, or ``cfg.data`` itself."""
+    return [replace(cfg.data, path=p, source="tokens", mix=()) for p, _ in cfg.data.mixture] or [cfg.data]
+
+
 def open_sampler(cfg, model) -> Sampler:
     """The job's sampler: its corpus (``cfg.data``) read for ``model`` (a contract or ModelConfig)."""
     from elaswave.data.corpus import open_tokens
 
     t = cfg.train
-    corpora = [replace(cfg.data, path=p, source="tokens", mix=()) for p, _ in cfg.data.mixture] or [cfg.data]
-    tokens = [open_tokens(c, model.vocab_size, model.seq_len + 1) for c in corpora]
+    tokens = [open_tokens(c, model.vocab_size, model.seq_len + 1) for c in _corpora(cfg)]
     return Sampler(tokens, t.seed, t.micro_batch_size, model.seq_len, t.num_micro_batches, mixture_of(cfg))
+
+
+def open_eval_sampler(cfg, model) -> Sampler:
+    """The held-out windows every evaluation reads: micro-batch (j, m) of eval batch j, drawn from
+    each source's eval split (``elaswave prepare --eval-fraction``) as training draws from its
+    train split, blended by the same weights, in a keyed order of its own. An evaluation reads
+    batches 0..train.eval_batches-1, the same windows each time, none twice (they must fit in one
+    eval epoch)."""
+    from elaswave.config import ConfigError
+    from elaswave.data.corpus import open_tokens
+
+    t = cfg.train
+    corpora = _corpora(cfg)
+    tokens = [open_tokens(c, model.vocab_size, model.seq_len + 1, split="eval") for c in corpora]
+    sampler = Sampler(tokens, t.seed, t.micro_batch_size, model.seq_len, t.num_micro_batches, mixture_of(cfg),
+                      purpose=rng.EVAL)
+    draws = [sampler.draw(j, m) for j in range(t.eval_batches) for m in range(t.num_micro_batches)]
+    over = sorted({int(s) for d in draws for s in d.sources[d.epochs > 0]})
+    if over:
+        s = over[0]
+        per_eval = t.eval_batches * t.num_micro_batches * t.micro_batch_size
+        most = sampler.num_windows[s] // (t.num_micro_batches * t.micro_batch_size)
+        raise ConfigError(f"train.eval_batches={t.eval_batches} is invalid: an evaluation reads {per_eval} windows "
+                          f"of model.seq_len + 1 = {model.seq_len + 1} tokens"
+                          + (" (blended by data.mix)" if cfg.data.mix else "")
+                          + f", and the eval split of {corpora[s].path!r} holds {sampler.num_windows[s]}; use "
+                          + (f"at most {most}" if most and not cfg.data.mix else "fewer") + " (or prepare with a larger --eval-fraction)")
+    return sampler

@@ -55,6 +55,37 @@ class Executor:
         self.p2p.drain()
         return self.losses
 
+    def evaluate(self, actions: Sequence[Action], sampler: Sampler | None, batch: int,
+                 before: Callable[[Action], None] | None = None) -> dict[int, float]:
+        """The forwards of ``actions`` (a step's schedule) on held-out batch ``batch`` read from
+        ``sampler``: no dropout, no graph, no gradients. Returns each micro-batch's summed token loss
+        (last stage only). Dropping the backwards leaves a schedule that cannot deadlock: it only
+        loses waits."""
+        received: dict[int, torch.Tensor] = {}
+        outputs: dict[int, torch.Tensor] = {}
+        losses: dict[int, float] = {}
+        with torch.no_grad():
+            for a in actions:
+                if a.op not in (Op.RECV_ACT, Op.FORWARD, Op.SEND_ACT):
+                    continue
+                if before is not None:
+                    before(a)
+                mb = a.micro_batch
+                if a.op is Op.RECV_ACT:
+                    received[mb] = self.p2p.recv_act(mb, a.peer)
+                elif a.op is Op.SEND_ACT:
+                    self.p2p.send_act(outputs.pop(mb), mb, a.peer)
+                else:
+                    data = sampler.micro_batch(batch, mb) if sampler is not None else None
+                    x = data.inputs.to(self.stage.device) if self.stage.is_first else received.pop(mb)
+                    out = self.stage.forward(x, batch, mb, train=False)
+                    if self.stage.is_last:
+                        losses[mb] = float(self.stage.model.loss_sum(out, data.targets.to(self.stage.device)))
+                    else:
+                        outputs[mb] = out
+        self.p2p.drain()
+        return losses
+
     def _recv_act(self, a: Action) -> None:
         self.inputs[a.micro_batch] = self.p2p.recv_act(a.micro_batch, a.peer).requires_grad_(True)
 

@@ -1,7 +1,8 @@
 """Structured metrics (JSON lines), the live progress line, TensorBoard scalars, and the step journal.
 
 A step's record is written only once the step is *committed* -- when the next step's exchange
-proved every snapshot of its result verified -- so a step redone after a failure is written once.
+proved every snapshot of its result verified -- so a step redone after a failure is written once;
+an evaluation's record (``eval``, of the state after ``step`` steps) is committed with step ``step``.
 The writer is the lowest rank of the epoch; a new writer appends to the same file and skips
 steps already there.
 """
@@ -32,6 +33,8 @@ class _Scalars:
             for key in self.STEP_KEYS:
                 if key in record:
                     self.tb.add_scalar(f"train/{key}", record[key], record["step"])
+        elif event == "eval":
+            self.tb.add_scalar("eval/loss", record["eval_loss"], record["step"])
         elif event in ("recovery", "join", "rebalance"):
             took = record.get("mttr_s", record.get("time_to_first_step_s"))
             if took is not None:
@@ -56,9 +59,10 @@ def _scalars(path: str | None) -> _Scalars | None:
 
 class MetricsWriter:
     def __init__(self, path: str | None, show_progress: bool = True, total_steps: int = 0, append: bool = False):
-        self.written_steps: set[int] = set()
+        self.written: set[tuple[int, str]] = set()
+        """(step, event) of the step and eval records in the file: a new writer appends to it."""
         if path and append and os.path.exists(path):
-            self.written_steps = {r["step"] for r in read_jsonl(path) if r.get("event") == "step"}
+            self.written = {(r["step"], r["event"]) for r in read_jsonl(path) if r.get("event") in _JOURNALED}
         self.fh: IO[str] | None = open(path, "a" if append else "w") if path else None
         self.show_progress = show_progress
         self.last_event = ""
@@ -67,10 +71,10 @@ class MetricsWriter:
         self.scalars = _scalars(path)
 
     def write(self, record: dict) -> None:
-        if record.get("event") == "step":
-            if record["step"] in self.written_steps:
+        if record.get("event") in _JOURNALED:
+            if (record["step"], record["event"]) in self.written:
                 return
-            self.written_steps.add(record["step"])
+            self.written.add((record["step"], record["event"]))
         if self.fh is not None:
             self.fh.write(json.dumps(record) + "\n")
             self.fh.flush()
@@ -89,6 +93,9 @@ class MetricsWriter:
             print(f"step {record['step'] + 1:>4}/{self.total_steps}  loss {record['loss']:.4f}  "
                   f"tok/s {record.get('tokens_per_s', 0):>8.0f}  world {record['world_size']}  "
                   f"epoch {record['epoch']}{last}", flush=True)
+        elif self.show_progress and record.get("event") == "eval":
+            print(f"eval after {record['step']} steps: loss {record['eval_loss']:.4f}  "
+                  f"({record['eval_tokens']} held-out tokens, {record['eval_s']:.2f}s)", flush=True)
         elif self.show_progress and record.get("event") == "recovery":
             print(f"recovered: epoch {record['epoch']}, lost ranks {record['lost_ranks']}, "
                   f"resumed at step {record['resume_step']}, mttr {record['mttr_s']:.3f}s", flush=True)
@@ -107,8 +114,18 @@ class MetricsWriter:
             self.scalars = None
 
 
+_JOURNALED = ("eval", "step")
+
+
+def _key(record: dict) -> tuple[int, int]:
+    """Records in the order they happened: the evaluation before step s (of the state after s
+    steps), then step s."""
+    return record["step"], 0 if record["event"] == "eval" else 1
+
+
 class StepJournal:
-    """Holds step records until they are committed; every rank keeps one so any can take over writing.
+    """Holds step and eval records until they are committed; every rank keeps one so any can take
+    over writing.
 
     Committed records stay a few steps more: a writer that dies (or hangs) after a step's exchange
     but before writing the step it committed leaves that record only with the others, and whoever
@@ -117,32 +134,32 @@ class StepJournal:
     KEEP = 8
 
     def __init__(self) -> None:
-        self.pending: dict[int, dict] = {}
-        self.committed: dict[int, dict] = {}
+        self.pending: dict[tuple[int, int], dict] = {}
+        self.committed: dict[tuple[int, int], dict] = {}
 
     def add(self, record: dict) -> None:
-        self.pending[record["step"]] = record
+        self.pending[_key(record)] = record
 
     def commit_before(self, step: int, writer: MetricsWriter | None) -> None:
         """Steps below ``step`` are committed: write them (if we write) and keep the last few."""
-        for s in sorted(k for k in self.pending if k < step):
-            record = self.pending.pop(s)
+        for k in sorted(k for k in self.pending if k[0] < step):
+            record = self.pending.pop(k)
             if writer is not None:
                 writer.write(record)
-            self.committed[s] = record
-        for s in sorted(self.committed)[:-self.KEEP]:
-            del self.committed[s]
+            self.committed[k] = record
+        for k in sorted(self.committed)[:-self.KEEP]:
+            del self.committed[k]
 
     def replay(self, writer: MetricsWriter) -> None:
         """Write the recently committed records a previous writer may not have written."""
-        for s in sorted(self.committed):
-            writer.write(self.committed[s])
+        for k in sorted(self.committed):
+            writer.write(self.committed[k])
 
     def discard_from(self, step: int) -> None:
         """Steps from ``step`` on will be redone."""
         for part in (self.pending, self.committed):
-            for s in [k for k in part if k >= step]:
-                del part[s]
+            for k in [k for k in part if k[0] >= step]:
+                del part[k]
 
 
 def read_jsonl(path: str) -> list[dict]:

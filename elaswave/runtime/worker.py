@@ -41,6 +41,7 @@ from elaswave.plan.plan import PlanError, initial_plan
 from elaswave.precision import compute_dtype, name as precision_name, pin_kernels
 from elaswave.runtime import actuator, join, recovery
 from elaswave.runtime.actuator import ActuatorError
+from elaswave.runtime.evaluation import Evaluation
 from elaswave.runtime.memory import job_memory_model, measure_peak
 from elaswave.runtime.metrics import MetricsWriter, StepJournal, print_error
 from elaswave.runtime.rank import build_rank
@@ -91,6 +92,7 @@ class Context:
         self.watcher = Watcher(store.clone(), rank, self._view, self.interrupt,
                                e.heartbeat_interval_s, e.heartbeat_timeout_s) if e.enabled else None
         self._sampler = None
+        self.evaluation = Evaluation(cfg, self.model)
 
     @cached_property
     def memory_model(self) -> MemoryModel:
@@ -133,6 +135,12 @@ class Context:
             self.injector.at(step, "backward")
         if self.plan is not None:
             self.interrupt.check(self.plan.epoch)
+
+    def before_eval(self, step: int, batch: int, action: Action) -> None:
+        if (batch == self.cfg.train.eval_batches - 1 and action.op == Op.FORWARD
+                and action.micro_batch == self._first_mb):
+            self.injector.at(step, "eval")
+        self.interrupt.check(self.plan.epoch)
 
     @property
     def _first_mb(self) -> int:
@@ -184,7 +192,11 @@ def run(cfg: JobConfig, rank: int, world_size: int, metrics_out: str | None) -> 
     while True:
         cause = None
         try:
-            while step < t.steps:
+            while True:
+                if t.eval_due(step):  # the state after `step` steps, on the layout that runs the next
+                    journal.add(ctx.evaluation.run(st, step, lambda j, a, s=step: ctx.before_eval(s, j, a)))
+                if step >= t.steps:
+                    break
                 started = time.perf_counter()
                 st.executor.slowdown = ctx.injector.slowdown(step)
                 ctx.step = step
@@ -231,7 +243,7 @@ def run(cfg: JobConfig, rank: int, world_size: int, metrics_out: str | None) -> 
                 if ctx.checkpointer is not None:
                     ctx.checkpointer.wait()
                 summary = _finish(ctx, st, cfg)
-                journal.commit_before(t.steps, writer)
+                journal.commit_before(t.steps + 1, writer)  # the last evaluation's record too
                 break
         except Disruption as exc:
             if not cfg.elastic.enabled:
