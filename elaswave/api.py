@@ -36,6 +36,11 @@ class Run:
         return [r["loss"] for r in self.steps]
 
     @property
+    def eval_losses(self) -> dict[int, float]:
+        """The held-out loss after each evaluated step count (``train.eval_every``)."""
+        return {r["step"]: r["eval_loss"] for r in self.records if r["event"] == "eval"}
+
+    @property
     def recoveries(self) -> list[dict]:
         return [r for r in self.records if r["event"] == "recovery"]
 
