@@ -1,31 +1,63 @@
-"""Frequency (DVFS) planning (pure): even out stage times after a re-plan, spending power only
-where it buys step time.
+"""Frequency (DVFS) planning (pure): the fastest step the power cap allows, and the least energy
+at that step time.
 
 A stage's compute time scales as ``1 / f`` with its device's relative frequency ``f`` (compute
-bound), and its power as ``static + dynamic * f**3``. After a re-partition the pipelines no longer
-have equal stages, so under 1F1B every stage waits for its pipeline's slowest one, and the
-pipelines wait for the slowest pipeline at the step's end. For a bottleneck level ``F`` the plan
+bound), and its power as ``static + dynamic * f**3``. Under 1F1B pipeline ``d`` with ``m_d``
+micro-batches and ``S_d`` stages takes ``(m_d + S_d - 1) x max_s t[d][s] / f[d][s]``, and the step
+is the slowest pipeline. A plan is a level for every stage and a micro-batch split (every pipeline
+at least one, as :mod:`microbatches` requires); it must keep the power of all devices within the cap.
 
-1. runs each pipeline's bottleneck stage at ``F`` (that is what sets the step time),
-2. balances the micro-batches with those bottleneck times (:func:`microbatches.balance`),
-3. lets every other stage run at the lowest level that keeps it within the time its pipeline may
-   take per micro-batch without delaying the step -- stages that would only wait slow down;
+Why search the step time, not the levels. Raising levels from a start (the planner before this
+one raised one common top level, then the slowest pipelines alone) misses uneven plans: two
+identical pipelines that cannot both be raised stay at nominal, although raising one, lowering
+the other and shifting micro-batches to the raised one is faster within the same cap. Fixing the
+step time ``T`` instead makes everything else local:
 
-and it takes the highest ``F`` whose total power stays within the cap (by default what every
-device draws at nominal frequency): the power the waiting stages give up pays for the bottleneck.
+- pipeline ``d`` given ``m`` micro-batches needs every stage at the lowest level with
+  ``t / f <= T / (m + S_d - 1)``; any other plan of it meeting ``T`` draws at least that power.
+  So its least power ``cost_d(m)`` is a step function, non-decreasing in ``m`` (infinite once even
+  the top level is too slow), and it is constant between its breakpoints: a *tier* is the largest
+  ``m`` at one power, the most micro-batches the pipeline can take for that power;
+- the least total power at ``T`` is the cheapest choice of one tier per pipeline whose
+  micro-batches cover the batch: a covering knapsack, solved exactly by a DP over pipelines x
+  micro-batches covered (pipelines with the same stage times share their tiers);
+- that least power only falls as ``T`` grows, and the optimal step time is one of the finite
+  candidates ``(m + S_d - 1) t[d][s] / f``, so a binary search over the candidates finds the
+  smallest ``T`` whose least power fits the cap: the fastest plan, exactly, and the least power
+  (so the least energy, ``T x power``) among the plans that fast.
 
-One ``F`` for every pipeline is often too dear: after a loss, the re-partitioned pipeline is the
-slow one, and raising every pipeline's bottleneck costs the power of all of them. So the plan also
-raises the slowest pipelines alone, a level at a time (the pipelines with the largest bottleneck
-time first), while the power stays within the cap, and keeps the fastest plan found (the least
-energy on a tie).
+Given the tiers, the micro-batches are filled as :func:`microbatches.balance` does (each next one
+where it finishes soonest, up to each pipeline's tier), and every stage then gets the lowest level
+that meets the resulting step, which can only lower the power.
+
+Bounded at scale. The DP costs pipelines x micro-batches x tiers per candidate: fine for hundreds
+of devices, too slow at 10^5 (6,250 pipelines x 25,000 micro-batches). Above ``EXACT_MAX_WORK``
+the tiers are chosen instead by the LP relaxation's greedy: every pipeline starts at its cheapest
+tier, and upgrades along each pipeline kind's lower convex hull of (micro-batches, power) are
+taken cheapest watt per micro-batch first, identical pipelines as one batch, the last batch only
+as far as needed. The LP is a lower bound on the least power at ``T``; the greedy exceeds it by at
+most one pipeline's upgrade (at most one batch is cut short), so its power is within
+``S x (p(f_max) - p(f_min))`` of the optimum -- at 10^5 devices 0.02 % (16 stages) to 0.05 % (50
+stages) of the cap -- and the step time it finds is at most the exact one for a cap smaller by that
+much. ``T`` is then bisected on the reals. Measured: 0.2-0.45 s at 10^5 devices (2,000 x 50 with
+4,096 micro-batches; 6,250 x 16 with 25,000, up to 20 re-partitioned kinds).
+
+A cap that even every device at its lowest level breaks cannot be met: the plan is then the
+nominal one (no level above 1.0, waiting stages lowered), as the callers have always received.
 """
 from __future__ import annotations
 
+import heapq
+import math
+from bisect import bisect_left
 from dataclasses import dataclass
 from typing import Sequence
 
 from elaswave.plan import microbatches
+
+EXACT_MAX_WORK = 60_000
+"""Above this many pipelines x micro-batches x tiers the DP gives way to the greedy (see above)."""
+_TOL = 1e-9
 
 
 @dataclass(frozen=True)
@@ -60,63 +92,212 @@ class FrequencyPlan:
 def plan_frequencies(stage_s: Sequence[Sequence[float]], num_micro_batches: int,
                      model: PowerModel = PowerModel(), power_cap_w: float | None = None) -> FrequencyPlan:
     """``stage_s[d][s]``: the compute time of one micro-batch on stage s of pipeline d at nominal
-    frequency (forward + backward). ``power_cap_w``: the most all devices together may draw."""
+    frequency (forward + backward). ``power_cap_w``: the most all devices together may draw
+    (default: every device at nominal)."""
     if not stage_s or any(not p for p in stage_s) or any(t <= 0 for p in stage_s for t in p):
         raise ValueError(f"need at least one pipeline, each with stages of time > 0, got {stage_s!r}")
+    if num_micro_batches < len(stage_s):
+        raise ValueError(
+            f"{num_micro_batches} micro-batches cannot give each of {len(stage_s)} pipelines at least one")
     cap = model.power(1.0) * sum(len(p) for p in stage_s) if power_cap_w is None else power_cap_w
+    levels = tuple(sorted(model.levels))
+    watts = tuple(model.power(f) for f in levels)
+    kinds = _kinds(stage_s)
+    # A pipeline never takes more than what the others leave it, one each.
+    most = num_micro_batches - len(stage_s) + 1
+    work = sum(len(k.members) * len(k.times) * len(levels) for k in kinds) * (num_micro_batches + 1)
+    choose = _exact if work <= EXACT_MAX_WORK else _greedy
+    found: dict[float, tuple[float, dict[int, int]] | None] = {}
 
-    def fits(plan: FrequencyPlan) -> bool:
-        return plan.energy_j / plan.step_s <= cap * (1 + 1e-9)
+    def least(step_s: float) -> tuple[float, dict[int, int]] | None:
+        if step_s not in found:
+            tiers = [_tiers(k, step_s, levels, watts, most) for k in kinds]
+            found[step_s] = None if not all(tiers) else choose(kinds, tiers, num_micro_batches)
+        return found[step_s]
 
-    best = None
-    for top in sorted((f for f in model.levels if f >= 1.0), reverse=True):
-        best = _plan_at(stage_s, num_micro_batches, model, [top] * len(stage_s))
-        if fits(best) or top == 1.0:
+    def fits(step_s: float) -> bool:
+        got = least(step_s)
+        return got is not None and got[0] <= cap * (1 + _TOL)
+
+    fast = _balanced_step(stage_s, num_micro_batches, levels[-1])
+    slow = _balanced_step(stage_s, num_micro_batches, levels[0])
+    if not fits(slow):
+        # Not even every device at its lowest level fits: the nominal plan, as before.
+        nominal = PowerModel(tuple(f for f in levels if f <= 1.0), model.static_w, model.dynamic_w)
+        return plan_frequencies(stage_s, num_micro_batches, nominal, math.inf)
+    if fits(fast):
+        best = fast
+    elif choose is _exact:
+        candidates = _candidates(kinds, levels, most, fast, slow)
+        lo, hi = 0, len(candidates) - 1  # the last is >= slow: it fits
+        while lo < hi:
+            mid = (lo + hi) // 2
+            lo, hi = (lo, mid) if fits(candidates[mid]) else (mid + 1, hi)
+        best = candidates[hi]
+    else:
+        lo, hi = fast, slow
+        while hi > lo * (1 + 1e-12):
+            mid = (lo + hi) / 2
+            lo, hi = (lo, mid) if fits(mid) else (mid, hi)
+        best = hi
+    return _build(stage_s, num_micro_batches, least(best)[1], best, levels, model)
+
+
+@dataclass(frozen=True)
+class _Kind:
+    """Pipelines with the same stage times (in any order): they share their tiers."""
+    num_stages: int
+    times: tuple[float, ...]
+    counts: tuple[int, ...]
+    members: tuple[int, ...]
+
+
+def _kinds(stage_s: Sequence[Sequence[float]]) -> list[_Kind]:
+    groups: dict[tuple, list[int]] = {}
+    for d, p in enumerate(stage_s):
+        times: dict[float, int] = {}
+        for t in p:
+            times[t] = times.get(t, 0) + 1
+        groups.setdefault((len(p), tuple(sorted(times.items()))), []).append(d)
+    return [_Kind(s, tuple(t for t, _ in items), tuple(c for _, c in items), tuple(members))
+            for (s, items), members in groups.items()]
+
+
+def _tiers(kind: _Kind, step_s: float, levels: Sequence[float], watts: Sequence[float],
+           most: int) -> list[tuple[int, float]]:
+    """(micro-batches, power) pairs, both increasing: the most micro-batches a pipeline of this kind
+    takes within ``step_s`` for each power it can draw; empty if not even one fits."""
+    s = kind.num_stages
+    # takes[j][i]: the most micro-batches stage time j allows at level i (non-decreasing in i).
+    takes = [[math.floor(step_s * f / t * (1 + _TOL)) - s + 1 for f in levels] for t in kind.times]
+    top = min(min(row[-1] for row in takes), most)
+    if top < 1:
+        return []
+    tiers: list[tuple[int, float]] = []
+    for m in sorted({m for row in takes for m in row if 1 <= m < top} | {top}):
+        w = sum(n * watts[bisect_left(row, m)] for row, n in zip(takes, kind.counts))
+        while tiers and tiers[-1][1] >= w:  # as dear and fewer micro-batches: never worth it
+            tiers.pop()
+        tiers.append((m, w))
+    return tiers
+
+
+def _exact(kinds: Sequence[_Kind], tiers: Sequence[list[tuple[int, float]]],
+           num_micro_batches: int) -> tuple[float, dict[int, int]] | None:
+    """The least power of one tier per pipeline that covers the batch: a DP over pipelines, the
+    state being the micro-batches covered so far (capped at the batch)."""
+    least = {0: 0.0}
+    trail = []
+    for kind, rows in zip(kinds, tiers):
+        for d in kind.members:
+            nxt: dict[int, float] = {}
+            back: dict[int, tuple[int, int]] = {}
+            for covered, w in least.items():
+                for m, v in rows:
+                    at = min(covered + m, num_micro_batches)
+                    if w + v < nxt.get(at, math.inf):
+                        nxt[at], back[at] = w + v, (covered, m)
+            least = nxt
+            trail.append((d, back))
+    if num_micro_batches not in least:
+        return None
+    caps, at = {}, num_micro_batches
+    for d, back in reversed(trail):
+        at, caps[d] = back[at]
+    return least[num_micro_batches], caps
+
+
+def _greedy(kinds: Sequence[_Kind], tiers: Sequence[list[tuple[int, float]]],
+            num_micro_batches: int) -> tuple[float, dict[int, int]] | None:
+    """The LP relaxation's greedy (module docstring): cheapest tier first, then hull upgrades by
+    watts per micro-batch, a kind's pipelines as one batch, the last batch cut to what is needed."""
+    need, power, hulls, events = num_micro_batches, 0.0, [], []
+    for k, (kind, rows) in enumerate(zip(kinds, tiers)):
+        need -= len(kind.members) * rows[0][0]
+        power += len(kind.members) * rows[0][1]
+        hull = _lower_hull(rows)
+        hulls.append(hull)
+        events += [((v1 - v0) / (m1 - m0), k, j) for j, ((m0, v0), (m1, v1)) in enumerate(zip(hull, hull[1:]))]
+    at = [[len(kind.members)] + [0] * (len(h) - 1) for kind, h in zip(kinds, hulls)]
+    for _, k, j in sorted(events):
+        if need <= 0:
             break
-    raised = sorted(f for f in model.levels if f >= 1.0)
-    tops = [1.0] * len(stage_s)
-    while True:
-        slowest = max(max(p) / f for p, f in zip(stage_s, tops))
-        group = [d for d, (p, f) in enumerate(zip(stage_s, tops)) if max(p) / f >= slowest * (1 - 1e-9)]
-        if any(tops[d] == raised[-1] for d in group):
-            break
-        for d in group:
-            tops[d] = raised[raised.index(tops[d]) + 1]
-        plan = _plan_at(stage_s, num_micro_batches, model, tops)
-        if not fits(plan):
-            break
-        if _faster_or_leaner(plan, best):
-            best = plan
-    return best
+        (m0, v0), (m1, v1) = hulls[k][j], hulls[k][j + 1]
+        moved = min(at[k][j], -(-need // (m1 - m0)))
+        at[k][j] -= moved
+        at[k][j + 1] += moved
+        need -= moved * (m1 - m0)
+        power += moved * (v1 - v0)
+    if need > 0:
+        return None
+    caps = {}
+    for kind, hull, counts in zip(kinds, hulls, at):
+        members = iter(kind.members)
+        for (m, _), n in zip(hull, counts):
+            for _ in range(n):
+                caps[next(members)] = m
+    return power, caps
 
 
-def _faster_or_leaner(a: FrequencyPlan, b: FrequencyPlan) -> bool:
-    if a.step_s < b.step_s * (1 - 1e-9):
-        return True
-    return a.step_s <= b.step_s * (1 + 1e-9) and a.energy_j < b.energy_j
+def _lower_hull(points: Sequence[tuple[int, float]]) -> list[tuple[int, float]]:
+    hull: list[tuple[int, float]] = []
+    for p in points:
+        while len(hull) >= 2 and ((hull[-1][0] - hull[-2][0]) * (p[1] - hull[-2][1])
+                                  - (hull[-1][1] - hull[-2][1]) * (p[0] - hull[-2][0])) <= 0:
+            hull.pop()
+        hull.append(p)
+    return hull
 
 
-def _plan_at(stage_s: Sequence[Sequence[float]], num_micro_batches: int, model: PowerModel,
-             tops: Sequence[float]) -> FrequencyPlan:
-    """Pipeline ``d``'s bottleneck stage at level ``tops[d]``; the rest as low as the step allows."""
-    bottleneck = [max(p) / top for p, top in zip(stage_s, tops)]
+def _candidates(kinds: Sequence[_Kind], levels: Sequence[float], most: int, fast: float,
+                slow: float) -> list[float]:
+    """Every step time a plan can have between the bounds: (m + S - 1) t / f."""
+    out = {fast, slow}
+    for kind in kinds:
+        for t in kind.times:
+            for f in levels:
+                first = max(kind.num_stages, math.ceil(fast * (1 - _TOL) * f / t))
+                last = min(kind.num_stages + most - 1, math.floor(slow * (1 + _TOL) * f / t))
+                out.update(q * t / f for q in range(first, last + 1))
+    return sorted(x for x in out if fast <= x <= slow)
+
+
+def _balanced_step(stage_s: Sequence[Sequence[float]], num_micro_batches: int, f: float) -> float:
+    bottleneck = [max(p) / f for p in stage_s]
     mbs = microbatches.balance(num_micro_batches, bottleneck, [len(p) for p in stage_s])
-    slots = [len(m) + len(p) - 1 for m, p in zip(mbs, stage_s)]
-    step = max(n * b for n, b in zip(slots, bottleneck))
-    levels, power = [], 0.0
-    # At 10^5 devices most pipelines are alike: each distinct one is worked out once.
-    seen: dict[tuple, tuple[tuple[float, ...], float]] = {}
-    for p, n, top in zip(stage_s, slots, tops):
-        key = (tuple(p), n, top)
-        if key not in seen:
-            usable = sorted(f for f in model.levels if f <= top)
-            allowed = step / n  # per-micro-batch time this pipeline may take without delaying the step
-            row = tuple(next(f for f in usable if t / f <= allowed * (1 + 1e-9)) for t in p)
-            seen[key] = (row, sum(model.power(f) for f in row))
-        row, watts = seen[key]
-        levels.append(row)
-        power += watts
-    return FrequencyPlan(tuple(levels), tuple(mbs), step, step * power)
+    return max((len(m) + len(p) - 1) * b for m, p, b in zip(mbs, stage_s, bottleneck))
+
+
+def _build(stage_s: Sequence[Sequence[float]], num_micro_batches: int, caps: dict[int, int], step_s: float,
+           levels: Sequence[float], model: PowerModel) -> FrequencyPlan:
+    """Fill the micro-batches up to each pipeline's tier (each next one where it finishes soonest,
+    ties to the lower index), then give every stage the lowest level the resulting step allows."""
+    rows: dict[tuple, tuple[float, ...]] = {}  # at 10^5 devices most pipelines are alike
+
+    def row(p: Sequence[float], m: int, within_s: float) -> tuple[float, ...]:
+        key = (tuple(p), m, within_s)
+        if key not in rows:
+            rows[key] = tuple(next(f for f in levels if (m + len(p) - 1) * t / f <= within_s * (1 + _TOL)) for t in p)
+        return rows[key]
+
+    bottleneck = [max(t / f for t, f in zip(p, row(p, caps[d], step_s))) for d, p in enumerate(stage_s)]
+    counts = [1] * len(stage_s)
+    heap = [((1 + len(p)) * b, d) for d, (p, b) in enumerate(zip(stage_s, bottleneck)) if caps[d] > 1]
+    heapq.heapify(heap)
+    for _ in range(num_micro_batches - len(counts)):
+        _, d = heapq.heappop(heap)
+        counts[d] += 1
+        if counts[d] < caps[d]:
+            heapq.heappush(heap, ((counts[d] + len(stage_s[d])) * bottleneck[d], d))
+    within = max((m + len(p) - 1) * b for m, p, b in zip(counts, stage_s, bottleneck))
+    freqs = tuple(row(p, m, within) for p, m in zip(stage_s, counts))
+    step = max((m + len(p) - 1) * max(t / f for t, f in zip(p, fs)) for m, p, fs in zip(counts, stage_s, freqs))
+    mbs, start = [], 0
+    for c in counts:
+        mbs.append(tuple(range(start, start + c)))
+        start += c
+    power = sum(model.power(f) for fs in freqs for f in fs)
+    return FrequencyPlan(freqs, tuple(mbs), step, step * power)
 
 
 def nominal_plan(stage_s: Sequence[Sequence[float]], num_micro_batches: int,
