@@ -20,6 +20,10 @@ class PolicyResult:
     policy: str
     throughput_after_over_before: float | None
     """Steady rate after the first change / before it (None: the trace has no change)."""
+    throughput_before: float
+    """Micro-batches per second on every device, before any change."""
+    throughput_after: float | None
+    """Micro-batches per second after the first change (None: the trace has no change)."""
     goodput: float
     mttr_s: float | None
     """Mean over failures of the time from the failure to the end of the step that redoes the
@@ -35,7 +39,9 @@ class PolicyResult:
     """(time s, micro-batches per s) at each change of rate."""
 
     def to_doc(self) -> dict:
-        return {"throughput_after_over_before": self.throughput_after_over_before, "goodput": self.goodput,
+        return {"throughput_after_over_before": self.throughput_after_over_before,
+                "throughput_before": self.throughput_before, "throughput_after": self.throughput_after,
+                "goodput": self.goodput,
                 "mttr_s": self.mttr_s, "time_lost_per_failure_s": self.time_lost_per_failure_s,
                 "failures": self.failures, "joins": self.joins, "stalls": self.stalls}
 
@@ -55,7 +61,7 @@ def simulate(events: Sequence[Event], policy: Policy, model: ClusterModel, durat
     full_rate = rate
     t, resume_at, useful = 0.0, 0.0, 0.0
     timeline = [(0.0, rate)]
-    first_ratio = None
+    first_ratio = first_after = None
     mttrs, lost = [], []
     failures = joins = stalls = 0
     for e in sorted(events):
@@ -73,7 +79,7 @@ def simulate(events: Sequence[Event], policy: Policy, model: ClusterModel, durat
         resume_at = max(resume_at, t + change.downtime_s)
         timeline += [(t, 0.0), (resume_at, rate)]
         if first_ratio is None and before > 0:
-            first_ratio = rate / before
+            first_ratio, first_after = rate / before, rate
         if joined:
             joins += 1
         else:
@@ -85,7 +91,8 @@ def simulate(events: Sequence[Event], policy: Policy, model: ClusterModel, durat
                 mttrs.append(change.downtime_s + change.lost_work_s + step_s)
     useful += rate * max(0.0, duration_s - max(t, resume_at))
     return PolicyResult(
-        policy=policy.name, throughput_after_over_before=first_ratio,
+        policy=policy.name, throughput_after_over_before=first_ratio, throughput_before=full_rate,
+        throughput_after=first_after,
         goodput=useful / (full_rate * duration_s) if full_rate > 0 else 0.0,
         mttr_s=sum(mttrs) / len(mttrs) if mttrs else None,
         time_lost_per_failure_s=sum(lost) / len(lost) if lost else None,

@@ -9,6 +9,10 @@ of losses) and says what the change costs. Assumptions, per system:
   agreement + standby communicator + plan + state migration (the slowest receiver's bytes), and the
   interrupted step is redone. A returning device is admitted at a step boundary: its pipeline gets
   its layout back and it receives its state (no work lost).
+- **elaswave_no_dvfs**: elaswave with every device at nominal frequency (the re-partition and
+  micro-batch balance alone): how much of elaswave's figures comes from clocks. With no level above
+  nominal (a device already at its sustained clock under its power limit) the planner can only
+  lower waiting stages, which saves energy but no time: its throughput is this row's.
 - **restart** (TorchElastic): every change restarts the job from its last checkpoint: process
   start + checkpoint load (``restart_s``) and the work since the checkpoint is redone (on average
   half a checkpoint interval); the job runs with as many whole pipelines as the live devices fill,
@@ -30,10 +34,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
+from elaswave.plan.frequency import PowerModel
 from elaswave.plan.plan import Plan, PlanError, initial_plan, replan
 from elaswave.sim.model import ClusterModel, migration_s
 
-POLICIES = ("elaswave", "reroute", "drop_replica", "restart", "templates")
+POLICIES = ("elaswave", "elaswave_no_dvfs", "reroute", "drop_replica", "restart", "templates")
 
 
 @dataclass(frozen=True)
@@ -91,9 +96,14 @@ class Elaswave(Policy):
     def layout(self, live: Sequence[int]) -> Plan:
         # With every device live too: frequency planning evens out an uneven first partition, so
         # the steady state before a failure is elaswave's own, and a change is measured against it.
-        power = self.model.power
+        power = self.power
         return replan(self.initial, live, 1, self.m, policy="elaswave", power=power,
-                      power_cap_w=power.power(1.0) * self.devices)
+                      power_cap_w=power.power(1.0) * self.devices if power else None)
+
+    @property
+    def power(self) -> PowerModel | None:
+        """The frequency levels and power curve it plans with (None: no frequency planning)."""
+        return self.model.power
 
     def change(self, prev, live, joined, step_s):
         plan = self._try(live)
@@ -101,6 +111,14 @@ class Elaswave(Policy):
         control = (m.agree_s + m.plan_s) if joined else (m.detect_s + m.agree_s + m.communicator_s + m.plan_s)
         move = migration_s(prev, plan, m) if prev is not None and plan is not None else 0.0
         return Change(plan, control + move, 0.0 if joined else step_s / 2)
+
+
+class ElaswaveNoDvfs(Elaswave):
+    name = "elaswave_no_dvfs"
+
+    @property
+    def power(self) -> PowerModel | None:
+        return None
 
 
 class Restart(Policy):
@@ -170,6 +188,6 @@ def _whole_layers_s(plan: Plan, ranks, model: ClusterModel) -> float:
 
 
 def make(name: str, initial: Plan, num_micro_batches: int, model: ClusterModel, costs: BaselineCosts) -> Policy:
-    kinds = {c.name: c for c in (Elaswave, Restart, DropReplica, Reroute, Templates)}
+    kinds = {c.name: c for c in (Elaswave, ElaswaveNoDvfs, Restart, DropReplica, Reroute, Templates)}
     return kinds[name](initial, num_micro_batches, model, costs)
 

@@ -27,6 +27,8 @@ def add_arguments(ap) -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--policies", default=",".join(policies.POLICIES),
                     help=f"comma-separated, from {', '.join(policies.POLICIES)}")
+    ap.add_argument("--no-dvfs", action="store_true",
+                    help="no frequency planning: every device at nominal clocks (elaswave's rows are elaswave_no_dvfs)")
     ap.add_argument("--device-gib", type=float, default=0.0,
                     help="device memory: every plan, first and after each failure, keeps each device's modelled peak "
                          "within it (elaswave/plan/memory.py, bf16, one sequence per micro-batch); 0: no limit")
@@ -83,6 +85,11 @@ def run(args) -> int:
     bad = [p for p in names if p not in policies.POLICIES]
     if bad or not names:
         raise ConfigError(f"--policies={args.policies} is invalid: choose from {', '.join(policies.POLICIES)}")
+    if args.no_dvfs:
+        if args.policies != ",".join(policies.POLICIES) and "elaswave" in names:
+            raise ConfigError(f"--policies={args.policies} is invalid with --no-dvfs: policy elaswave plans frequencies; "
+                              "name elaswave_no_dvfs, or drop --no-dvfs")
+        names = list(dict.fromkeys(n for n in names if n != "elaswave"))
     dp, pp = _layout(args)
     m_cfg = MODELS[args.model]
     m = args.micro_batches or 2 * pp * dp
@@ -112,7 +119,7 @@ def run(args) -> int:
             raise ConfigError(f"policy {name}: {exc}") from None
     wall = time.perf_counter() - began
     config = {"devices": args.devices, "dp": dp, "pp": pp, "model": args.model, "micro_batches": m,
-              "device_gib": args.device_gib, "checkpointing": args.checkpointing,
+              "device_gib": args.device_gib, "checkpointing": args.checkpointing, "dvfs": not args.no_dvfs,
               "hours": duration_s / 3600, "failures": sum(e.kind == "fail" for e in events),
               "joins": sum(e.kind == "join" for e in events), "trace": args.trace or ("poisson" if args.mtbf_h else "single"),
               "costs": asdict(costs), "wall_s": wall}
@@ -122,7 +129,11 @@ def run(args) -> int:
         plot(results, f"{args.devices} devices (dp={dp} x pp={pp}), {args.model}, {config['failures']} failures, "
                       f"{config['joins']} repairs over {config['hours']:g} h", duration_s, args.plot)
     if args.json:
-        print(json.dumps({"config": config, "policies": {n: r.to_doc() for n, r in results.items()}}))
+        best = _best_baseline_after(results)
+        docs = {n: {**r.to_doc(), "after_over_best_baseline_after":
+                    r.throughput_after / best if best and r.throughput_after is not None else None}
+                for n, r in results.items()}
+        print(json.dumps({"config": config, "policies": docs}))
         return 0
     print(f"elaswave simulate: {args.devices} devices (dp={dp} x pp={pp}), {args.model}, {m} micro-batches per step, "
           f"{config['hours']:g} h, {config['failures']} failures, {config['joins']} joins; {wall:.1f} s")
@@ -130,13 +141,23 @@ def run(args) -> int:
         peak = max(rank_bytes(memory, plan, r)["total"] for r in plan.ranks) / 2 ** 30
         print(f"memory: modelled peak {peak:.1f} GiB of {args.device_gib:g} per device "
               f"(bf16, checkpointing {args.checkpointing}); every re-plan keeps within it or stands survivors by")
-    print(f"{'policy':<14}{'after/before':>14}{'goodput':>10}{'MTTR s':>10}{'lost s/failure':>16}{'stalls':>8}")
+    best = _best_baseline_after(results)
+    print(f"{'policy':<18}{'after/before':>14}{'after/best baseline':>21}{'goodput':>10}{'MTTR s':>10}"
+          f"{'lost s/failure':>16}{'stalls':>8}")
     for n, r in results.items():
         ratio = "-" if r.throughput_after_over_before is None else f"{r.throughput_after_over_before:.3f}"
+        vs = "-" if not best or r.throughput_after is None else f"{r.throughput_after / best:.3f}"
         mttr = "-" if r.mttr_s is None else f"{r.mttr_s:.1f}"
         lost = "-" if r.time_lost_per_failure_s is None else f"{r.time_lost_per_failure_s:.1f}"
-        print(f"{n:<14}{ratio:>14}{r.goodput:>10.4f}{mttr:>10}{lost:>16}{r.stalls:>8}")
+        print(f"{n:<18}{ratio:>14}{vs:>21}{r.goodput:>10.4f}{mttr:>10}{lost:>16}{r.stalls:>8}")
     if any(r.stalls for r in results.values()):
         print("stalls: failures after which the policy had no layout to train on until a repair "
               "(e.g. no pipeline left whole for reroute and drop_replica)")
     return 0
+
+
+def _best_baseline_after(results: dict[str, PolicyResult]) -> float | None:
+    """The highest throughput after the first change among the baselines run (not elaswave's rows)."""
+    afters = [r.throughput_after for n, r in results.items()
+              if not n.startswith("elaswave") and r.throughput_after is not None]
+    return max(afters) if afters else None

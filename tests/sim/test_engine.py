@@ -7,6 +7,7 @@ from elaswave import cli
 from elaswave.plan.plan import initial_plan
 from elaswave.sim import policies, trace
 from elaswave.sim.engine import simulate
+from elaswave.plan.frequency import PowerModel
 from elaswave.sim.model import ClusterModel
 
 MODEL = ClusterModel(layer_forward_s=(0.01,) * 8, layer_param_bytes=(4e6,) * 8, step_overhead_s=0.05)
@@ -55,6 +56,7 @@ def test_simulate_json_has_every_policy(capsys):
     (["--devices", "96", "--dp", "5"], "dp x pp must equal the devices"),
     (["--devices", "96", "--policies", "elaswave,magic"], "choose from"),
     (["--devices", "1"], "need at least 2"),
+    (["--devices", "96", "--no-dvfs", "--policies", "elaswave,reroute"], "is invalid with --no-dvfs"),
 ])
 def test_bad_simulate_input_is_one_line(argv, needle, capsys):
     assert cli.main(["simulate", *argv]) == 2
@@ -67,3 +69,29 @@ def test_simulate_draws_its_plot(tmp_path, capsys):
                      "--mtbf-h", "20", "--hours", "12", "--plot", str(out)]) == 0
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 10_000
     assert "elaswave" in capsys.readouterr().out
+
+
+def test_dvfs_shows_apart_and_a_model_without_boost_buys_no_time(capsys):
+    """elaswave with and without frequency planning, side by side; with no level above nominal the
+    planner can only lower waiting stages: the throughput of no DVFS at all, before and after."""
+    argv = ["simulate", "--devices", "96", "--dp", "2", "--pp", "48", "--model", "gpt-175b", "--json"]
+    assert cli.main(argv) == 0
+    doc = json.loads(capsys.readouterr().out)["policies"]
+    assert doc["elaswave"]["throughput_before"] > doc["elaswave_no_dvfs"]["throughput_before"]
+    baselines = [p["throughput_after"] for n, p in doc.items() if not n.startswith("elaswave")]
+    for p in doc.values():
+        assert p["after_over_best_baseline_after"] == pytest.approx(p["throughput_after"] / max(baselines))
+    assert cli.main([*argv, "--no-dvfs"]) == 0
+    plain = json.loads(capsys.readouterr().out)
+    assert "elaswave" not in plain["policies"] and plain["config"]["dvfs"] is False
+    events = trace.single_failure(5, 600.0)
+    costs_s = (0.01,) * 7 + (0.017,)  # a heavier head: frequency planning has stages to lower
+    plan = initial_plan(16, 4, 4, list(costs_s), 64, [10**6] * 8, 1 << 16)
+    no_boost = ClusterModel(layer_forward_s=costs_s, layer_param_bytes=MODEL.layer_param_bytes,
+                            step_overhead_s=MODEL.step_overhead_s,
+                            power=PowerModel(levels=tuple(f for f in PowerModel().levels if f <= 1.0)))
+    costs = policies.BaselineCosts()
+    capped = simulate(events, policies.make("elaswave", plan, 64, no_boost, costs), no_boost, 3600)
+    plain = simulate(events, policies.make("elaswave_no_dvfs", plan, 64, no_boost, costs), no_boost, 3600)
+    assert (capped.throughput_before, capped.throughput_after) == pytest.approx(
+        (plain.throughput_before, plain.throughput_after), rel=1e-9)
