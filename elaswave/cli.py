@@ -60,13 +60,15 @@ def _check_memory(cfg) -> None:
 def _check_data(cfg: config.JobConfig) -> None:
     """Load the corpus and check the model once up front, so a bad data file, factory or checkpoint
     is one line here, not N worker tracebacks."""
-    from elaswave.data.sampler import open_sampler
+    from elaswave.data.sampler import open_eval_sampler, open_sampler
     from elaswave.model.contract import model_for
 
     model = model_for(cfg)
     if cfg.model.init_from:
         model.weights.check(model)
     open_sampler(cfg, model)
+    if cfg.train.eval_every:
+        open_eval_sampler(cfg, model)
 
 
 def cmd_run(args: argparse.Namespace) -> int:

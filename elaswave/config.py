@@ -176,6 +176,8 @@ class TrainConfig:
                 _fail(f"train.{name}", getattr(self, name), "must be >= 1")
         if self.tokens and self.epochs:
             _fail("train.epochs", self.epochs, f"set one of train.tokens={self.tokens} and train.epochs")
+        if not math.isfinite(self.epochs):
+            _fail("train.epochs", self.epochs, "must be a finite number >= 0 (0: train.steps says)")
         if self.tokens < 0 or self.epochs < 0:
             _fail("train.tokens" if self.tokens < 0 else "train.epochs", min(self.tokens, self.epochs),
                   "must be >= 0 (0: train.steps says)")
@@ -516,23 +518,29 @@ def load(path: str | None = None, overrides: list[str] | tuple[str, ...] = ()) -
             _fail("--set", item, "must look like section.key=value")
         _apply(cfg, key.strip(), raw)
         explicit.add(key.strip())
-    steps = cfg.train.steps
+    t = cfg.train
+    steps, budget = t.steps, ("train.tokens", t.tokens) if t.tokens else ("train.epochs", t.epochs)
     cfg = _budgeted(_resolved(cfg, explicit).validate())
-    if "train.steps" in explicit and cfg.train.steps != steps:  # (a config written out holds both: they agree)
-        budget = "train.tokens" if cfg.train.tokens else "train.epochs"
-        _fail("train.steps", steps, f"set one of train.steps and {budget}: {budget}="
-                                    f"{getattr(cfg.train, budget.split('.')[1])} means {cfg.train.steps} steps")
+    if "train.steps" in explicit and budget[1] and cfg.train.steps != steps:
+        _fail("train.steps", steps, f"set one of train.steps and {budget[0]}: {budget[0]}={budget[1]} "
+                                    f"means {cfg.train.steps} steps")
+    for text in cfg.elastic.inject:  # (after the budget: it sets train.steps, which says when evaluations are)
+        fault = faults.parse(text)
+        if fault.phase == "eval" and not cfg.train.eval_due(fault.step):
+            _fail("elastic.inject", text, f"no evaluation runs before step {fault.step} "
+                                          f"(train.eval_every={cfg.train.eval_every}, train.steps={cfg.train.steps})")
     return cfg
 
 
 def _budgeted(cfg: JobConfig) -> JobConfig:
-    """train.steps from a token or epoch budget (the same on every rank: from file sizes or the manifest)."""
+    """train.steps from a token or epoch budget, which it replaces: the launcher resolves it once,
+    and the config it hands its ranks (and a joiner) says steps, whatever their view of the corpus."""
     t = cfg.train
     if not (t.tokens or t.epochs):
         return cfg
     per_step = t.num_micro_batches * t.micro_batch_size
     if t.tokens:
-        t.steps = -(-t.tokens // (per_step * cfg.model.seq_len))
+        t.steps, t.tokens = -(-t.tokens // (per_step * cfg.model.seq_len)), 0
         return cfg
     if cfg.data.mix:
         _fail("train.epochs", t.epochs, "is ambiguous with data.mix (every source has its own epochs); "
@@ -540,7 +548,7 @@ def _budgeted(cfg: JobConfig) -> JobConfig:
     from elaswave.data.corpus import corpus_tokens  # (corpus reads ConfigError from here)
 
     windows = (corpus_tokens(cfg.data) - 1) // cfg.model.seq_len
-    t.steps = max(1, math.ceil(t.epochs * windows / per_step))
+    t.steps, t.epochs = max(1, math.ceil(t.epochs * windows / per_step)), 0.0
     return cfg
 
 

@@ -45,13 +45,16 @@ def compare(run: list[dict], ref: list[dict]) -> dict:
     theirs = {r["step"]: r["loss"] for r in _events(ref, "step")}
     common = sorted(set(mine) & set(theirs))
     diffs = [abs(mine[s] - theirs[s]) for s in common]
+    # Held-out losses where both evaluated (a run with eval_every against one without is still compared).
     evals = [{r["step"]: r["eval_loss"] for r in _events(x, "eval")} for x in (run, ref)]
+    both = set(evals[0]) & set(evals[1])
+    same_evals = all(evals[0][s] == evals[1][s] for s in both)
     sha = [(_events(x, "summary") or [{}])[-1].get("params_sha256") for x in (run, ref)]
     same_losses = bool(common) and all(mine[s] == theirs[s] for s in common) and set(mine) == set(theirs)
     return {"steps_compared": len(common), "max_abs_dloss": max(diffs) if diffs else math.nan,
-            "evals_compared": len(set(evals[0]) & set(evals[1])), "same_evals": evals[0] == evals[1],
+            "evals_compared": len(both), "same_evals": same_evals,
             "same_params": sha[0] is not None and sha[0] == sha[1],
-            "bit_identical": same_losses and evals[0] == evals[1] and sha[0] is not None and sha[0] == sha[1]}
+            "bit_identical": same_losses and same_evals and sha[0] is not None and sha[0] == sha[1]}
 
 
 def render(run_path: str, ref_path: str | None, out_dir: str) -> list[Path]:

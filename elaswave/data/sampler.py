@@ -135,6 +135,8 @@ def open_eval_sampler(cfg, model) -> Sampler:
         raise ConfigError(f"train.eval_batches={t.eval_batches} is invalid: an evaluation reads {per_eval} windows "
                           f"of model.seq_len + 1 = {model.seq_len + 1} tokens"
                           + (" (blended by data.mix)" if cfg.data.mix else "")
-                          + f", and the eval split of {corpora[s].path!r} holds {sampler.num_windows[s]}; use "
-                          + (f"at most {most}" if most and not cfg.data.mix else "fewer") + " (or prepare with a larger --eval-fraction)")
+                          + f", and the eval split of {corpora[s].path!r} holds {sampler.num_windows[s]}; "
+                          + (f"use at most {most} (or " if most and not cfg.data.mix else
+                             "fewer than one batch of num_micro_batches x micro_batch_size: use smaller batches (or ")
+                          + "prepare with a larger --eval-fraction)")
     return sampler

@@ -140,7 +140,12 @@ def plan_frequencies(stage_s: Sequence[Sequence[float]], num_micro_batches: int,
             mid = (lo + hi) / 2
             lo, hi = (lo, mid) if fits(mid) else (mid, hi)
         best = hi
-    return _build(stage_s, num_micro_batches, least(best)[1], best, levels, model)
+    plan = _build(stage_s, num_micro_batches, least(best)[1], best, levels, model)
+    if choose is _greedy:  # its power can overshoot the least by one upgrade: never worse than nominal
+        plain = nominal_plan(stage_s, num_micro_batches, model)
+        if plain.step_s < plan.step_s * (1 - _TOL) and plain.energy_j / plain.step_s <= cap * (1 + _TOL):
+            return plain
+    return plan
 
 
 @dataclass(frozen=True)

@@ -19,20 +19,15 @@ import torch
 
 from elaswave.data.sampler import Sampler, open_eval_sampler
 from elaswave.pipeline.schedule import Action
-from elaswave.pipeline.stage import Stage
 from elaswave.runtime.rank import RankState
 
 
 class Evaluation:
     def __init__(self, cfg, model):
         self.cfg, self.model = cfg, model
-        self._sampler: Sampler | None = None
-
-    def sampler_for(self, stage: Stage) -> Sampler | None:
-        """The held-out windows, opened the first time this rank runs a first or last stage."""
-        if self._sampler is None and (stage.is_first or stage.is_last):
-            self._sampler = open_eval_sampler(self.cfg, self.model)
-        return self._sampler
+        # Opened on every rank at start (memory maps: cheap): a missing or short eval split is one
+        # line before training, not an error of the first and last stages at the first evaluation.
+        self.sampler: Sampler | None = open_eval_sampler(cfg, model) if cfg.train.eval_every else None
 
     def run(self, st: RankState, step: int, before: Callable[[int, Action], None] | None = None) -> dict:
         """Evaluate the state after ``step`` steps; every rank of the epoch takes part and gets the
@@ -40,7 +35,7 @@ class Evaluation:
         t = self.cfg.train
         began = time.perf_counter()
         M = t.num_micro_batches
-        sampler = self.sampler_for(st.stage)
+        sampler = self.sampler if st.stage.is_first or st.stage.is_last else None
         sums = torch.zeros(t.eval_batches * M, dtype=torch.float64)
         for j in range(t.eval_batches):
             hook = (lambda a, j=j: before(j, a)) if before is not None else None

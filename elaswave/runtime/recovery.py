@@ -50,9 +50,12 @@ class Recovery:
     join_walls: dict = field(default_factory=dict)
     """A join's earlier moments (wall times): its processes' start, its requests, its admission."""
 
-    def record(self, first_step_end_wall: float, first_step_s: float) -> dict:
+    def record(self, first_step_end_wall: float, first_step_s: float, evaluation_s: float = 0.0) -> dict:
+        """``evaluation_s``: time an evaluation due at the resume step took before the first step:
+        not recovery work, so it is left out of the MTTR (and reported beside it)."""
+        first_step_end_wall -= evaluation_s
         if not self.lost_ranks and self.joined_ranks and self.join_walls:
-            return self._join_record(first_step_end_wall, first_step_s)
+            return {**self._join_record(first_step_end_wall, first_step_s), "evaluation_s": evaluation_s}
         start = self.fault_wall if self.fault_wall is not None else self.noticed_wall
         phases = {"detect": self.noticed_wall - start, **self.phases_s, "first_step": first_step_s}
         event = "recovery" if self.lost_ranks else ("join" if self.joined_ranks else "rebalance")
@@ -60,7 +63,7 @@ class Recovery:
                 "joined_ranks": self.joined_ranks,
                 "resume_step": self.resume_step, "mttr_s": first_step_end_wall - start,
                 "phases_s": phases, "communicator": self.communicator, "is_fallback": self.is_fallback,
-                "bytes_received": self.bytes_received, "plan": self.plan}
+                "bytes_received": self.bytes_received, "plan": self.plan, "evaluation_s": evaluation_s}
 
     def _join_record(self, first_step_end_wall: float, first_step_s: float) -> dict:
         """A join without losses: from the joiners' start to the end of their first productive step.

@@ -189,12 +189,17 @@ def run(cfg: JobConfig, rank: int, world_size: int, metrics_out: str | None) -> 
                       "load_s": resumed.load_s, "wall_time": time.time()})
     began = time.perf_counter()
     result = None
+    evaluation_s = 0.0
+    """Evaluations run since the last change, before its first step (not part of its MTTR)."""
     while True:
         cause = None
         try:
             while True:
                 if t.eval_due(step):  # the state after `step` steps, on the layout that runs the next
-                    journal.add(ctx.evaluation.run(st, step, lambda j, a, s=step: ctx.before_eval(s, j, a)))
+                    evaluated = ctx.evaluation.run(st, step, lambda j, a, s=step: ctx.before_eval(s, j, a))
+                    journal.add(evaluated)
+                    if pending is not None:
+                        evaluation_s += evaluated["eval_s"]
                 if step >= t.steps:
                     break
                 started = time.perf_counter()
@@ -220,7 +225,7 @@ def run(cfg: JobConfig, rank: int, world_size: int, metrics_out: str | None) -> 
                              "wall_time": time.time(), "phases_s": result.phases_s,
                              "modelled_power_w": _modelled_power(st.plan), **ctx.source_tokens(step)})
                 if pending is not None:  # (a no-op writer on ranks that do not write)
-                    writer.write(pending.record(time.time(), took))
+                    writer.write(pending.record(time.time(), took, evaluation_s))
                     pending = None
                 step += 1
                 if ctx.checkpointer is not None and ctx.checkpointer.due(step):
@@ -260,7 +265,7 @@ def run(cfg: JobConfig, rank: int, world_size: int, metrics_out: str | None) -> 
             writer.close()
             return EXIT_EXCLUDED
         ctx.plan = st.plan
-        step = pending.resume_step
+        step, evaluation_s = pending.resume_step, 0.0
         journal.discard_from(step)
         if rank == st.plan.ranks[0] and writer.fh is None and metrics_out:
             writer = MetricsWriter(metrics_out, show_progress=True, total_steps=t.steps, append=True)

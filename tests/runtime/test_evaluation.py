@@ -12,7 +12,8 @@ from elaswave.data.prepare import prepare
 from elaswave.data.sampler import open_eval_sampler
 from elaswave.model.config import ModelConfig
 from elaswave.runtime.metrics import MetricsWriter, StepJournal, read_jsonl
-from tests.helpers.spawn import TINY, run_job, run_reference
+from elaswave.runtime.recovery import Recovery
+from tests.helpers.spawn import TINY, job_args, run_cli, run_job, run_reference
 
 EVAL = ["train.eval_every=3", "train.eval_batches=2"]
 
@@ -49,6 +50,13 @@ def test_eval_records_are_committed_with_their_step_and_redone_after_a_rollback(
         ("step", 2, None), ("eval", 3, 1.5), ("step", 3, None)]
 
 
+def test_an_evaluation_before_a_recoverys_first_step_is_not_counted_in_its_mttr():
+    r = Recovery(1, [3], 6, fault_wall=100.0, noticed_wall=100.1, phases_s={"state": 0.2})
+    record = r.record(first_step_end_wall=101.5, first_step_s=0.4, evaluation_s=0.8)
+    assert record["mttr_s"] == pytest.approx(0.7) and record["evaluation_s"] == 0.8
+    assert sum(record["phases_s"].values()) == pytest.approx(record["mttr_s"])
+
+
 def test_the_held_out_windows_and_what_bad_eval_settings_say(tmp_path):
     corpus = _prepared(tmp_path)
     model = ModelConfig(vocab_size=256, seq_len=32)
@@ -66,6 +74,10 @@ def test_the_held_out_windows_and_what_bad_eval_settings_say(tmp_path):
         open_eval_sampler(load(None, [*TINY, f"data.path={no_eval}", *EVAL]), model)
     with pytest.raises(ConfigError, match="train.eval_every=3 is invalid: .*data.source=stdlib has none"):
         load(None, EVAL)
+    with pytest.raises(ConfigError, match=r"phase=eval' is invalid: no evaluation runs before step 5 "
+                                          r"\(train.eval_every=3, train.steps=8\)"):
+        load(None, [f"data.path={corpus}", *EVAL, "train.steps=8", "elastic.inject=kill:rank=0,step=5,phase=eval"])
+    load(None, [f"data.path={corpus}", *EVAL, "train.steps=8", "elastic.inject=kill:rank=0,step=8,phase=eval"])
     for bad, needle in (("train.eval_every=-1", "must be >= 0"), ("train.eval_batches=0", "must be >= 1")):
         with pytest.raises(ConfigError, match=needle):
             load(None, [f"data.path={corpus}", bad])
@@ -100,3 +112,10 @@ def test_a_kill_during_an_evaluation_is_recovered_and_every_held_out_loss_equals
     assert "**bit-identical** to the reference over 8 steps" in page and "held-out losses equal at 3 evaluations" in page
     assert f"| 6 | {evals[1]['eval_loss']:.4f} | 512 | 3 |" in page
     assert (out / "loss.png").stat().st_size > 0
+
+
+def test_a_corpus_without_an_eval_split_is_one_line_before_any_training(tmp_path):
+    no_eval = _prepared(tmp_path, eval_fraction=0.0)
+    res = run_cli(job_args(1, 2, 8, False, [f"data.path={no_eval}", *EVAL]), tmp_path, timeout_s=60)
+    assert res.returncode == 2 and "eval split has 0 tokens" in res.stderr and "--eval-fraction" in res.stderr
+    assert not res.steps and res.stderr.count("error") == 1, res.stderr

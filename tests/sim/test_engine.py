@@ -4,10 +4,10 @@ import json
 import pytest
 
 from elaswave import cli
+from elaswave.plan.frequency import PowerModel
 from elaswave.plan.plan import initial_plan
 from elaswave.sim import policies, trace
 from elaswave.sim.engine import simulate
-from elaswave.plan.frequency import PowerModel
 from elaswave.sim.model import ClusterModel
 
 MODEL = ClusterModel(layer_forward_s=(0.01,) * 8, layer_param_bytes=(4e6,) * 8, step_overhead_s=0.05)
