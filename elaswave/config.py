@@ -15,6 +15,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from elaswave.control import faults
+from elaswave.data.config import DataConfig
 from elaswave.model.config import ModelConfig, resolve as resolve_model
 from elaswave.precision import PRECISIONS
 
@@ -30,85 +31,6 @@ class ConfigError(ValueError):
 
 def _fail(key: str, value: Any, valid: str) -> None:
     raise ConfigError(f"{key}={value!r} is invalid: {valid}")
-
-
-DATA_SOURCES = ("auto", "stdlib", "text", "bin", "tokens")
-
-
-def _is_prepared(path: str) -> bool:
-    from elaswave.data.shards import is_prepared  # (shards reads ConfigError from here)
-
-    return is_prepared(path)
-
-
-@dataclass
-class DataConfig:
-    source: str = "auto"
-    """auto: what is at ``path`` says (nothing: stdlib; a folder with a manifest.json: tokens; a
-    ``.bin`` file: bin; any other file or folder: text);
-    stdlib: the Python standard library's own source as bytes (no download);
-    text: ``path`` is a text file or a folder of them (bytes as tokens);
-    bin: ``path`` is a flat little-endian uint16 token file (nanoGPT-style .bin);
-    tokens: ``path`` is a corpus made by ``elaswave prepare`` (memory-mapped shards)."""
-    path: str = ""
-    max_corpus_bytes: int = 4_000_000
-    """Upper bound on how much of a text corpus is read (keeps start-up short on every rank)."""
-    mix: tuple = ()
-    """Prepared corpora blended by weight, ``PATH=WEIGHT`` each (instead of ``path``); every source
-    keeps its own exactly-once epochs."""
-
-    @property
-    def mixture(self) -> list[tuple[str, float]]:
-        """``mix`` as (path, weight) pairs."""
-        pairs = []
-        for item in self.mix:
-            path, sep, weight = item.rpartition("=")
-            try:
-                value = float(weight) if sep and path else -1.0
-            except ValueError:
-                value = -1.0
-            if not value > 0:
-                _fail("data.mix", item, "each item is PATH=WEIGHT with a weight > 0, e.g. data.mix=web=0.7;code=0.3")
-            pairs.append((path, value))
-        return pairs
-
-    @property
-    def kind(self) -> str:
-        """The source in effect (``auto`` resolved by what is at the path)."""
-        if self.source != "auto":
-            return self.source
-        if self.mix:
-            return "tokens"
-        if not self.path:
-            return "stdlib"
-        if _is_prepared(self.path):
-            return "tokens"
-        return "bin" if os.path.isfile(self.path) and self.path.endswith(".bin") else "text"
-
-    def validate(self) -> None:
-        if self.source not in DATA_SOURCES:
-            _fail("data.source", self.source, f"must be one of {', '.join(DATA_SOURCES)}")
-        if self.mix:
-            if self.path or self.source not in ("auto", "tokens"):
-                _fail("data.path" if self.path else "data.source", self.path or self.source,
-                      "has no effect with data.mix (a mixture of prepared corpora); leave it unset")
-            for path, _ in self.mixture:
-                if not _is_prepared(path):
-                    _fail("data.mix", path, "each source must be a folder made by `elaswave prepare` (no manifest.json)")
-            return
-        if self.source == "stdlib" and self.path:
-            _fail("data.path", self.path, "has no effect with data.source=stdlib; leave data.source=auto (the "
-                                          "default) to read what is at the path, or name text, bin or tokens")
-        if self.kind != "stdlib":
-            if not self.path:
-                _fail("data.path", self.path, f"data.source={self.source} needs a path")
-            if not os.path.exists(self.path):
-                _fail("data.path", self.path, "no such file or folder")
-        if self.kind == "tokens" and not _is_prepared(self.path):
-            _fail("data.path", self.path, "data.source=tokens needs a folder made by `elaswave prepare` "
-                                          "(it has no manifest.json)")
-        if self.max_corpus_bytes < 1024:
-            _fail("data.max_corpus_bytes", self.max_corpus_bytes, "must be >= 1024")
 
 
 @dataclass

@@ -189,8 +189,7 @@ def run(cfg: JobConfig, rank: int, world_size: int, metrics_out: str | None) -> 
                       "load_s": resumed.load_s, "wall_time": time.time()})
     began = time.perf_counter()
     result = None
-    evaluation_s = 0.0
-    """Evaluations run since the last change, before its first step (not part of its MTTR)."""
+    evaluation_s = 0.0  # evaluations since the last change, before its first step: not in its MTTR
     while True:
         cause = None
         try:

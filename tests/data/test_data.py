@@ -3,7 +3,8 @@ import pytest
 import torch
 
 from elaswave import rng
-from elaswave.config import ConfigError, DataConfig
+from elaswave.config import ConfigError
+from elaswave.data.config import DataConfig
 from elaswave.data.corpus import InMemoryTokens, load_corpus
 from elaswave.data.permutation import Permutation
 from elaswave.data.sampler import Sampler
