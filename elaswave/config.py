@@ -17,6 +17,7 @@ from typing import Any
 from elaswave.control import faults
 from elaswave.data.config import DataConfig
 from elaswave.model.config import ModelConfig, resolve as resolve_model
+from elaswave.plan.frequency import PowerModel
 from elaswave.precision import PRECISIONS
 
 try:  # Python >= 3.11
@@ -293,14 +294,15 @@ class FrequencyConfig:
     emulated: emulated compute runs at the planned level; nvml: GPU application clocks through NVML
     (needs permission to set clocks; never chosen by auto)."""
     power_cap_w: float = 0.0
-    """Total modelled power all devices may draw (1.0 = one device at nominal frequency); 0: what the
-    job's original world draws at nominal frequency, so power freed by a lost device may be spent."""
+    """Total modelled power all devices may draw (1.0 = one device at nominal frequency), a fixed
+    budget that a lost device's share stays in; 0: what the live ranks draw at nominal frequency, so
+    a failure never buys the survivors clocks they could not have had before it."""
 
     def validate(self) -> None:
         if self.actuator not in ACTUATORS:
             _fail("frequency.actuator", self.actuator, f"must be one of {', '.join(ACTUATORS)}")
         if self.power_cap_w < 0:
-            _fail("frequency.power_cap_w", self.power_cap_w, "must be >= 0 (0: the original world's nominal power)")
+            _fail("frequency.power_cap_w", self.power_cap_w, "must be >= 0 (0: the live ranks' nominal power)")
 
 
 @dataclass
@@ -327,6 +329,10 @@ class JobConfig:
         self.checkpoint.validate()
         self.emulate.validate()
         self.frequency.validate()
+        lowest = PowerModel().power(min(PowerModel().levels)) * self.world_size
+        if 0 < self.frequency.power_cap_w < lowest:
+            _fail("frequency.power_cap_w", self.frequency.power_cap_w, f"below what the {self.world_size} ranks draw "
+                  f"at the lowest frequency level ({lowest:.3f}); raise it, or 0: the live ranks' nominal power")
         if self.frequency.actuator == "emulated" and not self.emulate.enabled:
             _fail("frequency.actuator", self.frequency.actuator, "needs emulate.enabled=true (or --emulate); "
                                                                  "use none or nvml for real compute")

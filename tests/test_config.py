@@ -33,6 +33,8 @@ def test_defaults_are_valid_and_overrides_apply(tmp_path):
     (["train.tokens=9", "train.epochs=1"], "train.epochs=1.0 is invalid: set one of train.tokens=9 and train.epochs"),
     (["train.tokens=-9"], "train.tokens=-9 is invalid: must be >= 0"),
     (["train.epochs=nan"], "train.epochs=nan is invalid: must be a finite number"),
+    (["frequency.power_cap_w=1.5"], "frequency.power_cap_w=1.5 is invalid: below what the 4 ranks draw at the lowest "
+                                    "frequency level (1.805)"),
 ])
 def test_bad_values_name_key_value_and_what_is_valid(overrides, message):
     with pytest.raises(ConfigError) as err:

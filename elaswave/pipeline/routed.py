@@ -6,8 +6,10 @@ otherwise wait: a greedy list schedule over a timing model (forward ``f``, backw
 stage), earliest start first, backwards before forwards on a tie, and at most ``stages - s``
 micro-batches of each home pipeline in flight on a stage (1F1B's memory bound), 2 more once any
 micro-batch takes a detour (with exactly 1F1B's bound a broken pipeline's first stage starves
-waiting for its busy hosts; 2 was the best of 0-3 on 4x4, 8x4 and 4x8 layouts). Without detours the
-schedule is exactly 1F1B. Every rank computes
+waiting for its busy hosts; 2 was the best of 0-3 on 4x4, 8x4 and 4x8 layouts). A plan without
+detours runs plain 1F1B (:func:`schedule.one_f_one_b`); this greedy schedule does not reproduce it
+(with the spare, on uneven stages, it can beat it: 1F1B keeps fewer micro-batches in flight).
+Every rank computes
 the same schedule from the same inputs. Run with blocking receives and non-blocking sends, each
 rank's order is that of a complete simulated execution, so it cannot deadlock.
 """

@@ -2,61 +2,75 @@
 at that step time.
 
 A stage's compute time scales as ``1 / f`` with its device's relative frequency ``f`` (compute
-bound), and its power as ``static + dynamic * f**3``. Under 1F1B pipeline ``d`` with ``m_d``
-micro-batches and ``S_d`` stages takes ``(m_d + S_d - 1) x max_s t[d][s] / f[d][s]``, and the step
-is the slowest pipeline. A plan is a level for every stage and a micro-batch split (every pipeline
-at least one, as :mod:`microbatches` requires); it must keep the power of all devices within the cap.
+bound), and its power as ``static + dynamic * f**3``. A plan is a level for every stage and a
+micro-batch split (every pipeline at least one, as :mod:`microbatches` requires); it must keep the
+power of all devices within the cap, and the step is the slowest pipeline.
 
-Why search the step time, not the levels. Raising levels from a start (the planner before this
-one raised one common top level, then the slowest pipelines alone) misses uneven plans: two
-identical pipelines that cannot both be raised stay at nominal, although raising one, lowering
-the other and shifting micro-batches to the raised one is faster within the same cap. Fixing the
-step time ``T`` instead makes everything else local:
+Pricing. Pipeline ``d`` with ``m`` micro-batches and stage times ``u_s = t_s / f_s`` (forward +
+backward at the stage's level) is priced ``sum_s u_s + (m - 1) max_s u_s`` (:func:`pipeline_s`):
+fill and drain from the real stage times, then the slowest stage sets the pace. That is the time
+of the runtime's 1F1B order (:func:`~elaswave.pipeline.schedule.one_f_one_b_makespan`) when the
+stages take as long as each other, and an upper bound on it otherwise (tests check it on random
+pipelines). The price this replaced, ``(m + S - 1) max_s u_s``, made a lowered waiting stage look
+free although it lengthens fill and drain, and a raised one useless although it shortens them.
 
-- pipeline ``d`` given ``m`` micro-batches needs every stage at the lowest level with
-  ``t / f <= T / (m + S_d - 1)``; any other plan of it meeting ``T`` draws at least that power.
-  So its least power ``cost_d(m)`` is a step function, non-decreasing in ``m`` (infinite once even
-  the top level is too slow), and it is constant between its breakpoints: a *tier* is the largest
-  ``m`` at one power, the most micro-batches the pipeline can take for that power;
+Why search the step time. Fixing the step time ``T`` makes everything else local:
+
+- a pipeline's *options* are level assignments of its stages, each with its power ``P``, its sum
+  ``U`` and its slowest stage ``X``; given ``T`` an option takes up to ``(T - U) / X + 1``
+  micro-batches. The least power for each micro-batch count is then a step function of the
+  count; a *tier* is the most micro-batches at one power (pipelines with the same stage times in
+  any order share their options and tiers);
 - the least total power at ``T`` is the cheapest choice of one tier per pipeline whose
   micro-batches cover the batch: a covering knapsack, solved exactly by a DP over pipelines x
-  micro-batches covered (pipelines with the same stage times share their tiers);
-- that least power only falls as ``T`` grows, and the optimal step time is one of the finite
-  candidates ``(m + S_d - 1) t[d][s] / f``, so a binary search over the candidates finds the
-  smallest ``T`` whose least power fits the cap: the fastest plan, exactly, and the least power
-  (so the least energy, ``T x power``) among the plans that fast.
+  micro-batches covered;
+- that least power only falls as ``T`` grows, so bisecting ``T`` finds the smallest step whose
+  least power fits the cap (to a relative 1e-10; the plan built from it is no slower), and the
+  least power -- so the least energy, ``T x power`` -- among the plans that fast.
 
-Given the tiers, the micro-batches are filled as :func:`microbatches.balance` does (each next one
-where it finishes soonest, up to each pipeline's tier), and every stage then gets the lowest level
-that meets the resulting step, which can only lower the power.
+Options. A pipeline's stages with equal times are interchangeable, so an option is a count of
+stages per level for each distinct time. Up to ``ENUMERATE_MAX`` such options they are all tried:
+the plan is then exact (brute force over every level of every stage agrees, in tests). Above it
+(a 48-stage pipeline has millions), for every slowest-stage bound ``B`` (a stage time over a level)
+every stage starts at the lowest level that meets ``B``, and stages are raised one level at a time,
+the cheapest watts per second of fill saved first: the LP relaxation's chain, so each option on it
+is the least power for its sum up to one stage's raise. Above ``CHAIN_MAX`` options in all (10^5
+devices), a chain keeps only its uniform floors (every stage at least at level ``phi``).
 
-Bounded at scale. The DP costs pipelines x micro-batches x tiers per candidate: fine for hundreds
+Bounded at scale. The DP costs pipelines x micro-batches x tiers per step time: fine for hundreds
 of devices, too slow at 10^5 (6,250 pipelines x 25,000 micro-batches). Above ``EXACT_MAX_WORK``
 the tiers are chosen instead by the LP relaxation's greedy: every pipeline starts at its cheapest
 tier, and upgrades along each pipeline kind's lower convex hull of (micro-batches, power) are
 taken cheapest watt per micro-batch first, identical pipelines as one batch, the last batch only
-as far as needed. The LP is a lower bound on the least power at ``T``; the greedy exceeds it by at
-most one pipeline's upgrade (at most one batch is cut short), so its power is within
-``S x (p(f_max) - p(f_min))`` of the optimum -- at 10^5 devices 0.02 % (16 stages) to 0.05 % (50
-stages) of the cap -- and the step time it finds is at most the exact one for a cap smaller by that
-much. ``T`` is then bisected on the reals. Measured: 0.2-0.45 s at 10^5 devices (2,000 x 50 with
-4,096 micro-batches; 6,250 x 16 with 25,000, up to 20 re-partitioned kinds).
+as far as needed. The greedy exceeds the least power by at most one pipeline's upgrade, so the
+step it finds is at most the exact one for a cap smaller by that much; a plan slower than every
+device at nominal is never returned (it falls back to that one).
+
+Given the tiers, the micro-batches are filled as :func:`microbatches.balance` does (each next one
+where it finishes soonest, up to each pipeline's tier), and every pipeline then takes its least
+power option that meets the resulting step, which can only lower the power.
 
 A cap that even every device at its lowest level breaks cannot be met: the plan is then the
-nominal one (no level above 1.0, waiting stages lowered), as the callers have always received.
+nominal one (every device at 1.0), as the callers have always received.
 """
 from __future__ import annotations
 
 import heapq
+import itertools
 import math
-from bisect import bisect_left
 from dataclasses import dataclass
 from typing import Sequence
 
+import numpy as np
+
 from elaswave.plan import microbatches
 
-EXACT_MAX_WORK = 60_000
+EXACT_MAX_WORK = 2_000_000
 """Above this many pipelines x micro-batches x tiers the DP gives way to the greedy (see above)."""
+ENUMERATE_MAX = 4_096
+"""A pipeline kind with up to this many level assignments (up to stage order) tries them all."""
+CHAIN_MAX = 40_000
+"""Above this many chained options over all kinds, chains keep only their uniform floors."""
 _TOL = 1e-9
 
 
@@ -78,15 +92,29 @@ class PowerModel:
         return self.static_w + self.dynamic_w * f ** 3
 
 
+CLOCKS = {"boost": PowerModel(), "sustained": PowerModel(levels=(0.6, 0.7, 0.8, 0.9, 1.0))}
+"""The simulator's frequency models (sources: docs/frequency_model.md). ``boost``: up to 1.2x
+nominal when lowered stages pay for it within the cap (devices power-capped below their top
+clock); ``sustained``: nominal is the top clock devices already hold under load, so a plan can
+only lower waiting stages: energy, never speed."""
+
+
+
 @dataclass(frozen=True)
 class FrequencyPlan:
     levels: tuple[tuple[float, ...], ...]
     """levels[d][s]: the frequency of stage s of pipeline d."""
     micro_batches: tuple[tuple[int, ...], ...]
     step_s: float
-    """Predicted step time: max over pipelines of (micro-batches + stages - 1) x bottleneck."""
+    """Predicted step time: the slowest pipeline's :func:`pipeline_s` at its levels."""
     energy_j: float
     """Predicted energy of one step: every device at its power for the whole step."""
+
+
+def pipeline_s(stage_s: Sequence[float], num_micro_batches: int) -> float:
+    """The planner's price of one pipeline's 1F1B step (module docstring): the stages' times once
+    (fill and drain) plus the slowest stage's for every further micro-batch."""
+    return sum(stage_s) + (num_micro_batches - 1) * max(stage_s)
 
 
 def plan_frequencies(stage_s: Sequence[Sequence[float]], num_micro_batches: int,
@@ -103,15 +131,16 @@ def plan_frequencies(stage_s: Sequence[Sequence[float]], num_micro_batches: int,
     levels = tuple(sorted(model.levels))
     watts = tuple(model.power(f) for f in levels)
     kinds = _kinds(stage_s)
+    options = _all_options(kinds, levels, watts)
     # A pipeline never takes more than what the others leave it, one each.
     most = num_micro_batches - len(stage_s) + 1
-    work = sum(len(k.members) * len(k.times) * len(levels) for k in kinds) * (num_micro_batches + 1)
+    work = sum(len(k.members) * min(most, len(o.power)) for k, o in zip(kinds, options)) * (num_micro_batches + 1)
     choose = _exact if work <= EXACT_MAX_WORK else _greedy
     found: dict[float, tuple[float, dict[int, int]] | None] = {}
 
     def least(step_s: float) -> tuple[float, dict[int, int]] | None:
         if step_s not in found:
-            tiers = [_tiers(k, step_s, levels, watts, most) for k in kinds]
+            tiers = [o.tiers(step_s, most) for o in options]
             found[step_s] = None if not all(tiers) else choose(kinds, tiers, num_micro_batches)
         return found[step_s]
 
@@ -123,24 +152,14 @@ def plan_frequencies(stage_s: Sequence[Sequence[float]], num_micro_batches: int,
     slow = _balanced_step(stage_s, num_micro_batches, levels[0])
     if not fits(slow):
         # Not even every device at its lowest level fits: the nominal plan, as before.
-        nominal = PowerModel(tuple(f for f in levels if f <= 1.0), model.static_w, model.dynamic_w)
-        return plan_frequencies(stage_s, num_micro_batches, nominal, math.inf)
+        return nominal_plan(stage_s, num_micro_batches, model)
+    lo, hi = fast, slow
     if fits(fast):
-        best = fast
-    elif choose is _exact:
-        candidates = _candidates(kinds, levels, most, fast, slow)
-        lo, hi = 0, len(candidates) - 1  # the last is >= slow: it fits
-        while lo < hi:
-            mid = (lo + hi) // 2
-            lo, hi = (lo, mid) if fits(candidates[mid]) else (mid + 1, hi)
-        best = candidates[hi]
-    else:
-        lo, hi = fast, slow
-        while hi > lo * (1 + 1e-12):
-            mid = (lo + hi) / 2
-            lo, hi = (lo, mid) if fits(mid) else (mid, hi)
-        best = hi
-    plan = _build(stage_s, num_micro_batches, least(best)[1], best, levels, model)
+        hi = fast
+    while hi > lo * (1 + 1e-10):
+        mid = (lo + hi) / 2
+        lo, hi = (lo, mid) if fits(mid) else (mid, hi)
+    plan = _build(stage_s, kinds, options, num_micro_batches, least(hi)[1], hi, levels, model)
     if choose is _greedy:  # its power can overshoot the least by one upgrade: never worse than nominal
         plain = nominal_plan(stage_s, num_micro_batches, model)
         if plain.step_s < plan.step_s * (1 - _TOL) and plain.energy_j / plain.step_s <= cap * (1 + _TOL):
@@ -150,7 +169,7 @@ def plan_frequencies(stage_s: Sequence[Sequence[float]], num_micro_batches: int,
 
 @dataclass(frozen=True)
 class _Kind:
-    """Pipelines with the same stage times (in any order): they share their tiers."""
+    """Pipelines with the same stage times (in any order): they share their options."""
     num_stages: int
     times: tuple[float, ...]
     counts: tuple[int, ...]
@@ -168,48 +187,145 @@ def _kinds(stage_s: Sequence[Sequence[float]]) -> list[_Kind]:
             for (s, items), members in groups.items()]
 
 
-def _tiers(kind: _Kind, step_s: float, levels: Sequence[float], watts: Sequence[float],
-           most: int) -> list[tuple[int, float]]:
-    """(micro-batches, power) pairs, both increasing: the most micro-batches a pipeline of this kind
-    takes within ``step_s`` for each power it can draw; empty if not even one fits."""
-    s = kind.num_stages
-    # takes[j][i]: the most micro-batches stage time j allows at level i (non-decreasing in i).
-    takes = [[math.floor(step_s * f / t * (1 + _TOL)) - s + 1 for f in levels] for t in kind.times]
-    top = min(min(row[-1] for row in takes), most)
-    if top < 1:
-        return []
-    tiers: list[tuple[int, float]] = []
-    for m in sorted({m for row in takes for m in row if 1 <= m < top} | {top}):
-        w = sum(n * watts[bisect_left(row, m)] for row, n in zip(takes, kind.counts))
-        while tiers and tiers[-1][1] >= w:  # as dear and fewer micro-batches: never worth it
-            tiers.pop()
-        tiers.append((m, w))
-    return tiers
+class _Options:
+    """One kind's level assignments, cheapest first: ``shares[k][j][i]`` stages of time
+    ``times[j]`` at level ``i``; their power, sum of stage times and slowest stage as arrays."""
+
+    def __init__(self, kind: _Kind, levels: Sequence[float], watts: Sequence[float], shares: np.ndarray):
+        # shares: (options, distinct times, levels) stage counts; each recovery plans on every
+        # rank at once, so this is arrays, not a loop per option (repeats are harmless: equal
+        # options make equal tiers).
+        per_stage = np.asarray(kind.times)[:, None] / np.asarray(levels)[None, :]
+        power = (shares * np.asarray(watts)).sum(axis=(1, 2))
+        total = (shares * per_stage).sum(axis=(1, 2))
+        peak = np.where(shares > 0, per_stage, 0.0).max(axis=(1, 2))
+        order = np.lexsort((peak, total, power))
+        self.power, self.total, self.peak, self.shares = power[order], total[order], peak[order], shares[order]
+        self.kind, self.levels = kind, tuple(levels)
+
+    def tiers(self, step_s: float, most: int) -> list[tuple[int, float]]:
+        """(micro-batches, power) pairs, both increasing: the most micro-batches one pipeline of
+        this kind takes within ``step_s`` for each power it can draw; empty if not even one fits."""
+        takes = np.floor((step_s * (1 + _TOL) - self.total) / self.peak) + 1
+        takes = np.minimum(takes, most)
+        before = np.maximum.accumulate(np.concatenate(([0.0], takes[:-1])))
+        out: list[tuple[int, float]] = []
+        for i in np.flatnonzero(takes > np.maximum(before, 0.0)):
+            m, w = int(takes[i]), float(self.power[i])
+            while out and out[-1][1] >= w:  # as dear and fewer micro-batches: never worth it
+                out.pop()
+            out.append((m, w))
+        return out
+
+    def cheapest(self, num_micro_batches: int, within_s: float) -> int:
+        """The least power option that runs ``num_micro_batches`` within ``within_s``."""
+        ok = self.total + (num_micro_batches - 1) * self.peak <= within_s * (1 + _TOL)
+        return int(np.argmax(ok))
+
+    def stage_levels(self, k: int, stage_s: Sequence[float]) -> tuple[float, ...]:
+        """Option ``k`` laid on a pipeline's stages in order (of equal stages, the first ones get
+        the higher levels)."""
+        queue = {t: [i for i in reversed(range(len(self.levels))) for _ in range(int(counts[i]))]
+                 for t, counts in zip(self.kind.times, self.shares[k])}
+        return tuple(self.levels[queue[t].pop(0)] for t in stage_s)
+
+
+def _all_options(kinds: Sequence[_Kind], levels: Sequence[float], watts: Sequence[float]) -> list[_Options]:
+    full = {i for i, k in enumerate(kinds) if _assignments(k, len(levels)) <= ENUMERATE_MAX}
+    chained = sum(len(k.times) * len(levels) * k.num_stages * (len(levels) - 1)
+                  for i, k in enumerate(kinds) if i not in full)
+    out = []
+    for i, k in enumerate(kinds):
+        if i in full:
+            groups = [np.array(_multisets(c, len(levels))) for c in k.counts]
+            pick = np.indices([len(g) for g in groups]).reshape(len(groups), -1)
+            shares = np.stack([g[at] for g, at in zip(groups, pick)], axis=1)
+        else:
+            shares = np.array(_chains(k, levels, watts, floors_only=chained > CHAIN_MAX))
+        out.append(_Options(k, levels, watts, shares))
+    return out
+
+
+def _assignments(kind: _Kind, num_levels: int) -> int:
+    return math.prod(math.comb(c + num_levels - 1, num_levels - 1) for c in kind.counts)
+
+
+def _multisets(count: int, num_levels: int) -> list[tuple[int, ...]]:
+    out = []
+    for combo in itertools.combinations_with_replacement(range(num_levels), count):
+        counts = [0] * num_levels
+        for i in combo:
+            counts[i] += 1
+        out.append(tuple(counts))
+    return out
+
+
+def _chains(kind: _Kind, levels: Sequence[float], watts: Sequence[float], floors_only: bool) -> list[tuple]:
+    """Per slowest-stage bound: the lowest levels meeting it, then raises one stage one level at a
+    time, cheapest watts per second saved first (or, ``floors_only``, every stage at least at each
+    level in turn)."""
+    top = len(levels) - 1
+    out = []
+    for bound in sorted({t / f for t in kind.times for f in levels}):
+        base = [next((i for i, f in enumerate(levels) if t / f <= bound * (1 + _TOL)), None) for t in kind.times]
+        if None in base:
+            continue
+        if floors_only:
+            for floor in range(len(levels)):
+                out.append(tuple(_at(c, max(b, floor), len(levels)) for c, b in zip(kind.counts, base)))
+            continue
+        counts = [list(_at(c, b, len(levels))) for c, b in zip(kind.counts, base)]
+        out.append(tuple(tuple(c) for c in counts))
+        while True:
+            best = None
+            for j, (t, row) in enumerate(zip(kind.times, counts)):
+                i = next(i for i, n in enumerate(row) if n)
+                if i < top:
+                    rate = (watts[i + 1] - watts[i]) / (t / levels[i] - t / levels[i + 1])
+                    if best is None or rate < best[0]:
+                        best = (rate, j, i)
+            if best is None:
+                break
+            _, j, i = best
+            counts[j][i] -= 1
+            counts[j][i + 1] += 1
+            out.append(tuple(tuple(c) for c in counts))
+    return out
+
+
+def _at(count: int, level: int, num_levels: int) -> tuple[int, ...]:
+    return tuple(count if i == level else 0 for i in range(num_levels))
 
 
 def _exact(kinds: Sequence[_Kind], tiers: Sequence[list[tuple[int, float]]],
            num_micro_batches: int) -> tuple[float, dict[int, int]] | None:
     """The least power of one tier per pipeline that covers the batch: a DP over pipelines, the
     state being the micro-batches covered so far (capped at the batch)."""
-    least = {0: 0.0}
+    size = num_micro_batches + 1
+    least = np.full(size, np.inf)
+    least[0] = 0.0
     trail = []
     for kind, rows in zip(kinds, tiers):
         for d in kind.members:
-            nxt: dict[int, float] = {}
-            back: dict[int, tuple[int, int]] = {}
-            for covered, w in least.items():
-                for m, v in rows:
-                    at = min(covered + m, num_micro_batches)
-                    if w + v < nxt.get(at, math.inf):
-                        nxt[at], back[at] = w + v, (covered, m)
+            nxt, took, came = np.full(size, np.inf), np.zeros(size, dtype=np.int64), np.zeros(size, dtype=np.int64)
+            for m, v in rows:
+                # Covered c -> c + m, those past the batch all to the batch.
+                reach = least[:size - m] + v
+                better = reach < nxt[m:]
+                nxt[m:][better], took[m:][better] = reach[better], m
+                came[m:][better] = np.flatnonzero(better)
+                over = least[size - m:] + v
+                j = int(np.argmin(over))
+                if over[j] < nxt[-1]:
+                    nxt[-1], took[-1], came[-1] = over[j], m, size - m + j
             least = nxt
-            trail.append((d, back))
-    if num_micro_batches not in least:
+            trail.append((d, took, came))
+    if not math.isfinite(least[-1]):
         return None
     caps, at = {}, num_micro_batches
-    for d, back in reversed(trail):
-        at, caps[d] = back[at]
-    return least[num_micro_batches], caps
+    for d, took, came in reversed(trail):
+        caps[d], at = int(took[at]), int(came[at])
+    return float(least[-1]), caps
 
 
 def _greedy(kinds: Sequence[_Kind], tiers: Sequence[list[tuple[int, float]]],
@@ -254,49 +370,42 @@ def _lower_hull(points: Sequence[tuple[int, float]]) -> list[tuple[int, float]]:
     return hull
 
 
-def _candidates(kinds: Sequence[_Kind], levels: Sequence[float], most: int, fast: float,
-                slow: float) -> list[float]:
-    """Every step time a plan can have between the bounds: (m + S - 1) t / f."""
-    out = {fast, slow}
-    for kind in kinds:
-        for t in kind.times:
-            for f in levels:
-                first = max(kind.num_stages, math.ceil(fast * (1 - _TOL) * f / t))
-                last = min(kind.num_stages + most - 1, math.floor(slow * (1 + _TOL) * f / t))
-                out.update(q * t / f for q in range(first, last + 1))
-    return sorted(x for x in out if fast <= x <= slow)
-
-
 def _balanced_step(stage_s: Sequence[Sequence[float]], num_micro_batches: int, f: float) -> float:
-    bottleneck = [max(p) / f for p in stage_s]
-    mbs = microbatches.balance(num_micro_batches, bottleneck, [len(p) for p in stage_s])
-    return max((len(m) + len(p) - 1) * b for m, p, b in zip(mbs, stage_s, bottleneck))
+    """Every stage at level ``f``, the micro-batches balanced: the step."""
+    times = [[t / f for t in p] for p in stage_s]
+    mbs = microbatches.balance(num_micro_batches, [max(p) for p in times], [len(p) for p in times],
+                               [sum(p) - max(p) for p in times])
+    return max(pipeline_s(p, len(m)) for p, m in zip(times, mbs))
 
 
-def _build(stage_s: Sequence[Sequence[float]], num_micro_batches: int, caps: dict[int, int], step_s: float,
-           levels: Sequence[float], model: PowerModel) -> FrequencyPlan:
+def _build(stage_s: Sequence[Sequence[float]], kinds: Sequence[_Kind], options: Sequence[_Options],
+           num_micro_batches: int, caps: dict[int, int], step_s: float, levels: Sequence[float],
+           model: PowerModel) -> FrequencyPlan:
     """Fill the micro-batches up to each pipeline's tier (each next one where it finishes soonest,
-    ties to the lower index), then give every stage the lowest level the resulting step allows."""
-    rows: dict[tuple, tuple[float, ...]] = {}  # at 10^5 devices most pipelines are alike
+    ties to the lower index), then give every pipeline its cheapest option for the resulting step."""
+    of = {d: o for k, o in zip(kinds, options) for d in k.members}
+    picked: dict[tuple, int] = {}  # at 10^5 devices most pipelines are alike
 
-    def row(p: Sequence[float], m: int, within_s: float) -> tuple[float, ...]:
-        key = (tuple(p), m, within_s)
-        if key not in rows:
-            rows[key] = tuple(next(f for f in levels if (m + len(p) - 1) * t / f <= within_s * (1 + _TOL)) for t in p)
-        return rows[key]
+    def pick(d: int, m: int, within_s: float) -> int:
+        key = (id(of[d]), m, within_s)
+        if key not in picked:
+            picked[key] = of[d].cheapest(m, within_s)
+        return picked[key]
 
-    bottleneck = [max(t / f for t, f in zip(p, row(p, caps[d], step_s))) for d, p in enumerate(stage_s)]
+    tier = [pick(d, caps[d], step_s) for d in range(len(stage_s))]
+    total = [float(of[d].total[k]) for d, k in enumerate(tier)]
+    peak = [float(of[d].peak[k]) for d, k in enumerate(tier)]
     counts = [1] * len(stage_s)
-    heap = [((1 + len(p)) * b, d) for d, (p, b) in enumerate(zip(stage_s, bottleneck)) if caps[d] > 1]
+    heap = [(total[d] + peak[d], d) for d in range(len(stage_s)) if caps[d] > 1]
     heapq.heapify(heap)
     for _ in range(num_micro_batches - len(counts)):
         _, d = heapq.heappop(heap)
         counts[d] += 1
         if counts[d] < caps[d]:
-            heapq.heappush(heap, ((counts[d] + len(stage_s[d])) * bottleneck[d], d))
-    within = max((m + len(p) - 1) * b for m, p, b in zip(counts, stage_s, bottleneck))
-    freqs = tuple(row(p, m, within) for p, m in zip(stage_s, counts))
-    step = max((m + len(p) - 1) * max(t / f for t, f in zip(p, fs)) for m, p, fs in zip(counts, stage_s, freqs))
+            heapq.heappush(heap, (total[d] + counts[d] * peak[d], d))
+    within = max(t + (m - 1) * x for t, x, m in zip(total, peak, counts))
+    freqs = tuple(of[d].stage_levels(pick(d, m, within), p) for d, (p, m) in enumerate(zip(stage_s, counts)))
+    step = max(pipeline_s([t / f for t, f in zip(p, fs)], m) for p, fs, m in zip(stage_s, freqs, counts))
     mbs, start = [], 0
     for c in counts:
         mbs.append(tuple(range(start, start + c)))
@@ -309,8 +418,8 @@ def nominal_plan(stage_s: Sequence[Sequence[float]], num_micro_batches: int,
                  model: PowerModel = PowerModel()) -> FrequencyPlan:
     """The same micro-batch balance with every device left at nominal frequency (1.0): the
     baseline a frequency plan is compared with."""
-    bottleneck = [max(p) for p in stage_s]
-    mbs = microbatches.balance(num_micro_batches, bottleneck, [len(p) for p in stage_s])
-    step = max((len(m) + len(p) - 1) * b for m, p, b in zip(mbs, stage_s, bottleneck))
+    mbs = microbatches.balance(num_micro_batches, [max(p) for p in stage_s], [len(p) for p in stage_s],
+                               [sum(p) - max(p) for p in stage_s])
+    step = max(pipeline_s(p, len(m)) for m, p in zip(mbs, stage_s))
     levels = tuple(tuple(1.0 for _ in p) for p in stage_s)
     return FrequencyPlan(levels, tuple(mbs), step, step * model.power(1.0) * sum(len(p) for p in stage_s))

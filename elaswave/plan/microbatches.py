@@ -33,9 +33,12 @@ def assign(num_micro_batches: int, speeds: Sequence[float]) -> list[tuple[int, .
     return out
 
 
-def balance(num_micro_batches: int, bottleneck_s: Sequence[float], num_stages: Sequence[int]) -> list[tuple[int, ...]]:
+def balance(num_micro_batches: int, bottleneck_s: Sequence[float], num_stages: Sequence[int],
+            fill_s: Sequence[float] | None = None) -> list[tuple[int, ...]]:
     """Counts that make the pipelines finish a step together: pipeline ``d`` with ``m`` micro-batches
-    takes ``(m + num_stages[d] - 1) * bottleneck_s[d]`` under 1F1B (fill and drain included).
+    takes ``fill_s[d] + m * bottleneck_s[d]`` under 1F1B -- the slowest stage sets the pace, and
+    fill and drain add the other stages' times once (default ``(num_stages[d] - 1) * bottleneck_s[d]``,
+    as if every stage were as slow as the slowest).
 
     Minimax by greedy filling -- each next micro-batch goes to the pipeline that would finish it
     soonest (ties to the lower index) -- which is optimal because each pipeline's time only grows
@@ -49,13 +52,15 @@ def balance(num_micro_batches: int, bottleneck_s: Sequence[float], num_stages: S
     if num_micro_batches < len(bottleneck_s):
         raise ValueError(
             f"{num_micro_batches} micro-batches cannot give each of {len(bottleneck_s)} pipelines at least one")
+    if fill_s is None:
+        fill_s = [(s - 1) * t for t, s in zip(bottleneck_s, num_stages)]
     counts = [1] * len(bottleneck_s)
-    heap = [((1 + 1 + s - 1) * t, d) for d, (t, s) in enumerate(zip(bottleneck_s, num_stages))]
+    heap = [(f + 2 * t, d) for d, (t, f) in enumerate(zip(bottleneck_s, fill_s))]
     heapq.heapify(heap)
     for _ in range(num_micro_batches - len(counts)):
         _, d = heapq.heappop(heap)
         counts[d] += 1
-        heapq.heappush(heap, ((counts[d] + 1 + num_stages[d] - 1) * bottleneck_s[d], d))
+        heapq.heappush(heap, (fill_s[d] + (counts[d] + 1) * bottleneck_s[d], d))
     out, start = [], 0
     for c in counts:
         out.append(tuple(range(start, start + c)))

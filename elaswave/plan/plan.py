@@ -12,7 +12,8 @@ from typing import Mapping, Sequence
 from elaswave.pipeline import routed
 from elaswave.plan import microbatches
 from elaswave.plan.chunks import Owners, chunks_of, reassign_owners, rebalance_owners, round_robin_owners
-from elaswave.plan.frequency import PowerModel, plan_frequencies
+from elaswave.pipeline.schedule import one_f_one_b_makespan
+from elaswave.plan.frequency import PowerModel, pipeline_s, plan_frequencies
 from elaswave.plan.memory import MemoryModel
 from elaswave.plan.partition import PartitionError, partition
 
@@ -346,10 +347,13 @@ def _elaswave(prev: Plan, epoch: int, pipelines, kept_ranges, kept, num_micro_ba
     stage_s = [[_cost(prev, i, j) / rate[r] for r, (i, j) in zip(pipelines[k], ranges[k])] for k in run]
     if power is not None:
         fp = plan_frequencies(stage_s, num_micro_batches, power, power_cap_w)
-        mbs, freqs, predicted = fp.micro_batches, fp.levels, fp.step_s
+        mbs, freqs = fp.micro_batches, fp.levels
     else:
-        mbs = tuple(microbatches.balance(num_micro_batches, [max(p) for p in stage_s], [len(p) for p in stage_s]))
-        freqs, predicted = (), max((len(m) + len(p) - 1) * max(p) for m, p in zip(mbs, stage_s))
+        mbs = tuple(microbatches.balance(num_micro_batches, [max(p) for p in stage_s], [len(p) for p in stage_s],
+                                         [sum(p) - max(p) for p in stage_s]))
+        freqs = ()
+    at_levels = [[t / f for t, f in zip(p, fs)] for p, fs in zip(stage_s, freqs)] if freqs else stage_s
+    run_mbs = mbs
     if standby:
         at = dict(zip(run, range(len(run))))
         mbs = tuple(mbs[at[k]] if k in at else () for k in range(len(pipelines)))
@@ -364,7 +368,7 @@ def _elaswave(prev: Plan, epoch: int, pipelines, kept_ranges, kept, num_micro_ba
         if routes is not None and sum(map(len, kept_mbs)) == num_micro_batches:
             forward = {r: _cost(prev, i, j) / rate[r] for pipe, rng in zip(pipelines, kept_ranges)
                        for r, (i, j) in zip(pipe, rng)}
-            if _detoured_step(pipelines, kept_mbs, routes, forward) < predicted * (1 - 1e-3):
+            if _detoured_step(pipelines, kept_mbs, routes, forward) < _step_s(at_levels, run_mbs) * (1 - 1e-3):
                 return _build(prev, epoch, pipelines, kept_ranges, kept_mbs, routes=routes)
     return _build(prev, epoch, pipelines, ranges, mbs, freqs)
 
@@ -396,6 +400,14 @@ def rebalance_gain(prev: Plan, speeds: Mapping[int, float], num_micro_batches: i
         return bound, None
     candidate = replan(prev, prev.ranks, prev.epoch + 1, num_micro_batches, speeds, rebalance=True)
     return 1.0 - step_s(candidate) / now, candidate
+
+
+def _step_s(stage_s: Sequence[Sequence[float]], mbs) -> float:
+    """The pipelines' step as the detoured one is timed: the runtime's 1F1B order up to the
+    routed schedule's size limit, the frequency planner's price (its upper bound) above it."""
+    exact = sum(map(len, stage_s)) <= routed.EXACT_MAX_RANKS
+    return max((one_f_one_b_makespan(p, len(m)) if exact else pipeline_s(p, len(m)))
+               for p, m in zip(stage_s, mbs) if m)
 
 
 def _detoured_step(pipelines, mbs, routes, stage_s: Mapping[int, float]) -> float:

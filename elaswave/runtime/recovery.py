@@ -141,7 +141,7 @@ def recover(ctx, st: RankState | None, cause: Disruption | None, noticed_wall: f
     try:
         plan = replan(old, members, epoch, cfg.train.num_micro_batches,
                       {r: doc["speed"] for r, doc in reports.items() if r in old.ranks}, cfg.elastic.policy, power,
-                      (cfg.frequency.power_cap_w or power.power(1.0) * cfg.world_size) if power else None,
+                      (cfg.frequency.power_cap_w or power.power(1.0) * len(members)) if power else None,
                       detours=cfg.elastic.detours, rebalance=rebalance and not (set(members) ^ set(old.ranks)))
     except PlanError as exc:
         _stop_with_state(ctx, st, old, members, holdings, disk_step, exc)

@@ -5,8 +5,11 @@ The same :class:`~elaswave.plan.plan.Plan` the runtime trains with is priced her
 - a stage's time per micro-batch is its layers' forward + backward time at its frequency level,
   plus a fixed cost per micro-batch and stage (dispatch, and the activation's send and the
   gradient's send back over the link to the neighbour: intra- or inter-node by placement);
-- a pipeline's compute under 1F1B is ``(m + S - 1)`` times its slowest stage's time; a rank that
-  hosts detoured micro-batches (the reroute baseline) runs its own and its guests';
+- a pipeline's compute is the time of the runtime's own 1F1B order on its stages
+  (:func:`~elaswave.pipeline.schedule.one_f_one_b_makespan`: fill and drain from the real stage
+  times, not ``(S - 1)`` times the slowest); a plan with detours (the reroute baseline) is timed by
+  the routed scheduler the runtime runs, and above its size limit a rank that hosts detoured
+  micro-batches is bounded by its own and its guests' work plus one fill at the slowest stage;
 - the step ends when the slowest pipeline has finished and the slowest holder group has summed
   its gradients and re-gathered its parameters (ring algorithms over the group's slowest link: a
   reduce-scatter and an all-gather each move ``(n-1)/n`` of the bytes in ``n-1`` hops; gloo sums
@@ -17,9 +20,11 @@ Devices are numbered node-major (``devices_per_node`` per node) as the launchers
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import lru_cache
 from typing import Sequence
 
 from elaswave.pipeline import routed
+from elaswave.pipeline.schedule import one_f_one_b_makespan
 from elaswave.plan.frequency import PowerModel
 from elaswave.plan.plan import Plan
 
@@ -99,7 +104,7 @@ def step_time(plan: Plan, model: ClusterModel) -> StepEstimate:
     if plan.routes and len(plan.ranks) <= routed.EXACT_MAX_RANKS:
         compute = _routed_compute(plan, stage, model.backward_factor)
     else:
-        compute = _analytic_compute(plan, stage)
+        compute = _analytic_compute(plan, stage, model.backward_factor)
     collective = max((holder_collectives_s(model, holders, sum(model.layer_param_bytes[i] for i in layers))
                       for holders, layers in plan.holder_groups().items()), default=0.0) if model.layer_param_bytes else 0.0
     power = sum(model.power.power(plan.frequency(r)) for r in plan.ranks)
@@ -107,7 +112,7 @@ def step_time(plan: Plan, model: ClusterModel) -> StepEstimate:
                         power)
 
 
-def _analytic_compute(plan: Plan, stage: dict[int, float]) -> float:
+def _analytic_compute(plan: Plan, stage: dict[int, float], backward_factor: float) -> float:
     guests: dict[int, int] = {}
     for _, route in plan.routes:
         for r in route:
@@ -117,12 +122,21 @@ def _analytic_compute(plan: Plan, stage: dict[int, float]) -> float:
         m = len(plan.micro_batches[d])
         if m == 0 or not plan.is_complete(d):
             continue  # an idle pipeline (drop_replica), or one whose micro-batches take detours
-        times = [stage[r] for r in pipe]
-        # 1F1B: fill and drain once, then the slowest stage sets the pace -- for its own and its
-        # guests' micro-batches when it hosts detours.
+        times = tuple(stage[r] for r in pipe)
+        if not any(guests.get(r) for r in pipe):
+            compute = max(compute, _one_f_one_b(times, m, backward_factor))
+            continue
+        # A host of detours: fill and drain once, then the slowest stage sets the pace for its
+        # own and its guests' micro-batches (a bound: the routed schedule prices it exactly).
         busiest = max(t * (m + guests.get(r, 0)) for r, t in zip(pipe, times))
         compute = max(compute, busiest + (len(pipe) - 1) * max(times))
     return compute
+
+
+@lru_cache(maxsize=4096)
+def _one_f_one_b(times: tuple[float, ...], m: int, backward_factor: float) -> float:
+    # At 10^4+ devices most pipelines have the same stage times: each kind is timed once.
+    return one_f_one_b_makespan(times, m, backward_factor)
 
 
 def _routed_compute(plan: Plan, stage: dict[int, float], backward_factor: float) -> float:

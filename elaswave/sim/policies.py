@@ -5,7 +5,7 @@ Every policy turns the live devices into a plan with the runtime's own planner
 of losses) and says what the change costs. Assumptions, per system:
 
 - **elaswave**: broken pipelines re-partitioned over their survivors, micro-batches rebalanced,
-  frequency levels planned within the original world's nominal power; recovery is detection +
+  frequency levels planned within the live devices' nominal power; recovery is detection +
   agreement + standby communicator + plan + state migration (the slowest receiver's bytes), and the
   interrupted step is redone. A returning device is admitted at a step boundary: its pipeline gets
   its layout back and it receives its state (no work lost).
@@ -96,9 +96,11 @@ class Elaswave(Policy):
     def layout(self, live: Sequence[int]) -> Plan:
         # With every device live too: frequency planning evens out an uneven first partition, so
         # the steady state before a failure is elaswave's own, and a change is measured against it.
+        # The cap is the live devices' nominal power (the runtime's default): a lost device's share
+        # does not boost the survivors, so no failure can buy speed the job could not have had.
         power = self.power
         return replan(self.initial, live, 1, self.m, policy="elaswave", power=power,
-                      power_cap_w=power.power(1.0) * self.devices if power else None)
+                      power_cap_w=power.power(1.0) * len(live) if power else None)
 
     @property
     def power(self) -> PowerModel | None:

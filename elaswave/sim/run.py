@@ -3,9 +3,10 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 
 from elaswave.config import ConfigError
+from elaswave.plan.frequency import CLOCKS
 from elaswave.plan.memory import rank_bytes
 from elaswave.plan.plan import PlanError, initial_plan
 from elaswave.sim import policies, trace
@@ -29,6 +30,9 @@ def add_arguments(ap) -> None:
                     help=f"comma-separated, from {', '.join(policies.POLICIES)}")
     ap.add_argument("--no-dvfs", action="store_true",
                     help="no frequency planning: every device at nominal clocks (elaswave's rows are elaswave_no_dvfs)")
+    ap.add_argument("--clocks", choices=sorted(CLOCKS), default=None,
+                    help="frequency model (docs/frequency_model.md): boost (default; levels 0.6-1.2 of nominal within "
+                         "the live devices' nominal power) or sustained (0.6-1.0: nominal is the top clock under load)")
     ap.add_argument("--device-gib", type=float, default=0.0,
                     help="device memory: every plan, first and after each failure, keeps each device's modelled peak "
                          "within it (elaswave/plan/memory.py, bf16, one sequence per micro-batch); 0: no limit")
@@ -85,6 +89,9 @@ def run(args) -> int:
     bad = [p for p in names if p not in policies.POLICIES]
     if bad or not names:
         raise ConfigError(f"--policies={args.policies} is invalid: choose from {', '.join(policies.POLICIES)}")
+    if args.no_dvfs and args.clocks:
+        raise ConfigError(f"--clocks={args.clocks} is invalid with --no-dvfs: without frequency planning every "
+                          "device stays at nominal; drop one of them")
     if args.no_dvfs:
         if args.policies != ",".join(policies.POLICIES) and "elaswave" in names:
             raise ConfigError(f"--policies={args.policies} is invalid with --no-dvfs: policy elaswave plans frequencies; "
@@ -95,7 +102,7 @@ def run(args) -> int:
     m = args.micro_batches or 2 * pp * dp
     if m < dp:
         raise ConfigError(f"--micro-batches={m} is invalid: need at least one per pipeline ({dp})")
-    model = cluster(m_cfg)
+    model = replace(cluster(m_cfg), power=CLOCKS[args.clocks or "boost"])
     memory = _memory(args, m) if args.device_gib else None
     try:
         plan = initial_plan(args.devices, dp, pp, [float(c) for c in model.layer_forward_s], m,
@@ -120,6 +127,7 @@ def run(args) -> int:
     wall = time.perf_counter() - began
     config = {"devices": args.devices, "dp": dp, "pp": pp, "model": args.model, "micro_batches": m,
               "device_gib": args.device_gib, "checkpointing": args.checkpointing, "dvfs": not args.no_dvfs,
+              "clocks": None if args.no_dvfs else args.clocks or "boost",
               "hours": duration_s / 3600, "failures": sum(e.kind == "fail" for e in events),
               "joins": sum(e.kind == "join" for e in events), "trace": args.trace or ("poisson" if args.mtbf_h else "single"),
               "costs": asdict(costs), "wall_s": wall}

@@ -136,7 +136,8 @@ def test_emulated_compute_with_frequency_planning_gives_the_same_run(tmp_path, p
     (rec,) = _recoveries(res)
     levels = rec["plan"]["frequencies"]
     assert levels is not None and [len(x) for x in levels] == [3, 2]
-    # The two-stage pipeline's bottleneck runs no slower than nominal; the power stays within the cap.
-    assert max(levels[1]) >= 1.0
+    # Levels were planned (not all nominal), and the power stays within the cap: the five
+    # survivors' nominal power (the lost rank's share is not spent).
+    assert any(f != 1.0 for row in levels for f in row)
     after = [r for r in res.steps if r["epoch"] == 1]
-    assert all(r["modelled_power_w"] <= 6.0 + 1e-9 for r in after)
+    assert all(r["modelled_power_w"] <= 5.0 + 1e-9 for r in after)

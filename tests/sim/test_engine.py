@@ -57,6 +57,7 @@ def test_simulate_json_has_every_policy(capsys):
     (["--devices", "96", "--policies", "elaswave,magic"], "choose from"),
     (["--devices", "1"], "need at least 2"),
     (["--devices", "96", "--no-dvfs", "--policies", "elaswave,reroute"], "is invalid with --no-dvfs"),
+    (["--devices", "96", "--no-dvfs", "--clocks", "boost"], "--clocks=boost is invalid with --no-dvfs"),
 ])
 def test_bad_simulate_input_is_one_line(argv, needle, capsys):
     assert cli.main(["simulate", *argv]) == 2
@@ -95,3 +96,47 @@ def test_dvfs_shows_apart_and_a_model_without_boost_buys_no_time(capsys):
     plain = simulate(events, policies.make("elaswave_no_dvfs", plan, 64, no_boost, costs), no_boost, 3600)
     assert (capped.throughput_before, capped.throughput_after) == pytest.approx(
         (plain.throughput_before, plain.throughput_after), rel=1e-9)
+
+
+def _first_ratios(devices, dp, pp, preset, model_power=None):
+    """After / before of every policy over single failures (first, middle, last stage) and a
+    Poisson trace, on the modelled cluster of ``preset``."""
+    from dataclasses import replace
+
+    from elaswave.sim.workload import MODELS, cluster, layer_numels
+    model = cluster(MODELS[preset])
+    if model_power is not None:
+        model = replace(model, power=model_power)
+    m = 2 * pp * dp
+    plan = initial_plan(devices, dp, pp, list(model.layer_forward_s), m, layer_numels(MODELS[preset]), 1 << 24)
+    traces = [trace.single_failure(plan.pipelines[0][s], 360.0) for s in sorted({0, pp // 2, pp - 1})]
+    traces.append(trace.poisson(devices, 3.0 * devices, 24, 4.0, 1))
+    costs = policies.BaselineCosts()
+    for events in traces:
+        for name in policies.POLICIES:
+            res = simulate(events, policies.make(name, plan, m, model, costs), model, 24 * 3600)
+            yield name, events, res.throughput_after_over_before
+
+
+@pytest.mark.parametrize("devices,dp,pp,preset", [
+    (16, 4, 4, "gpt-1.3b"), (16, 2, 8, "gpt-13b"), (24, 3, 8, "gpt-13b"), (32, 2, 16, "gpt-13b"),
+    (32, 4, 8, "gpt-13b"), (32, 4, 8, "gpt-175b")])
+def test_no_policy_trains_faster_after_losing_a_device(devices, dp, pp, preset):
+    """Each policy's before is the best its system runs on every device (elaswave: its frequency
+    plan within the live devices' nominal power), so a loss can only cost: after / before <= 1 for
+    every policy, layout, model and trace."""
+    for name, events, ratio in _first_ratios(devices, dp, pp, preset):
+        assert ratio is None or ratio <= 1 + 1e-9, (name, events[:1], ratio)
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "open (issue 19): the routed schedule keeps 2 more micro-batches in flight than 1F1B, which on "
+    "gpt-13b's uneven 32-stage partition overlaps better than the 1F1B the whole job ran before "
+    "(after / before 1.0022 for reroute, and for elaswave without DVFS, which takes the same detours)"))
+def test_a_rerouted_step_never_beats_the_whole_jobs_1f1b():
+    from elaswave.sim.workload import MODELS, cluster, layer_numels
+    model = cluster(MODELS["gpt-13b"])
+    plan = initial_plan(96, 3, 32, list(model.layer_forward_s), 192, layer_numels(MODELS["gpt-13b"]), 1 << 24)
+    events = trace.single_failure(plan.pipelines[0][16], 360.0)
+    res = simulate(events, policies.make("reroute", plan, 192, model, policies.BaselineCosts()), model, 3600)
+    assert res.throughput_after_over_before <= 1 + 1e-9
