@@ -37,11 +37,12 @@ def routes_of(pipelines: Sequence[Sequence[int]], micro_batches: Sequence[Sequen
 
 
 def routed_schedules(routes: Mapping[int, Sequence[int]], home: Mapping[int, int],
-                     forward_s: Mapping[int, float], backward_factor: float = 2.0
-                     ) -> tuple[dict[int, list[Action]], float]:
+                     forward_s: Mapping[int, float], backward_factor: float = 2.0,
+                     spare: int | None = None) -> tuple[dict[int, list[Action]], float]:
     """``routes[mb]``: the rank of each stage for micro-batch ``mb``; ``home[mb]``: its pipeline;
-    ``forward_s[rank]``: a forward's modelled time there. Returns each rank's actions and the
-    predicted time of the step's compute."""
+    ``forward_s[rank]``: a forward's modelled time there; ``spare``: micro-batches in flight beyond
+    1F1B's bound (None: :data:`SPARE_IN_FLIGHT` once any micro-batch takes a detour, else 0).
+    Returns each rank's actions and the predicted time of the step's compute."""
     free = {r: 0.0 for route in routes.values() for r in route}
     schedules: dict[int, list[Action]] = {r: [] for r in free}
     in_flight: dict[tuple[int, int], int] = {}
@@ -53,7 +54,8 @@ def routed_schedules(routes: Mapping[int, Sequence[int]], home: Mapping[int, int
     seen: dict[int, set] = {}
     for mb, route in routes.items():
         seen.setdefault(home[mb], set()).add(tuple(route))
-    spare = SPARE_IN_FLIGHT if any(len(rs) > 1 for rs in seen.values()) else 0
+    if spare is None:
+        spare = SPARE_IN_FLIGHT if any(len(rs) > 1 for rs in seen.values()) else 0
     while left:
         best = _pick(ready, free, routes, home, spare, in_flight, limited=True) or \
             _pick(ready, free, routes, home, spare, in_flight, limited=False)

@@ -46,18 +46,22 @@ class PolicyResult:
                 "failures": self.failures, "joins": self.joins, "stalls": self.stalls}
 
 
-def _rate(plan, model: ClusterModel) -> tuple[float, float]:
-    """(micro-batches per second, step seconds); no plan: nothing trains."""
+def _rate(plan, model: ClusterModel, policy: Policy) -> tuple[float, float]:
+    """(micro-batches per second, step seconds); no plan: nothing trains. On every device, a policy
+    whose system runs the routed list schedule after a failure is priced with the better of it and
+    1F1B: a schedule a system has is one it could have run before the failure (issue 19: else the
+    list schedule's spare micro-batches in flight let a job on an uneven partition look faster
+    after losing a device than before)."""
     if plan is None:
         return 0.0, float("inf")
-    est = step_time(plan, model)
+    est = step_time(plan, model, list_schedule=policy.has_list_schedule and len(plan.ranks) == policy.devices)
     return est.micro_batches_per_s, est.step_s
 
 
 def simulate(events: Sequence[Event], policy: Policy, model: ClusterModel, duration_s: float) -> PolicyResult:
     live = set(policy.initial.ranks)
     plan = policy.layout(sorted(live))
-    rate, step_s = _rate(plan, model)
+    rate, step_s = _rate(plan, model, policy)
     full_rate = rate
     t, resume_at, useful = 0.0, 0.0, 0.0
     timeline = [(0.0, rate)]
@@ -75,7 +79,7 @@ def simulate(events: Sequence[Event], policy: Policy, model: ClusterModel, durat
         change = policy.change(plan, sorted(live), joined, step_s)
         plan = change.plan
         useful = max(0.0, useful - before * change.lost_work_s)
-        rate, step_s = _rate(plan, model)
+        rate, step_s = _rate(plan, model, policy)
         resume_at = max(resume_at, t + change.downtime_s)
         timeline += [(t, 0.0), (resume_at, rate)]
         if first_ratio is None and before > 0:

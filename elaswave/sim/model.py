@@ -94,7 +94,9 @@ class StepEstimate:
         return self.samples / self.step_s
 
 
-def step_time(plan: Plan, model: ClusterModel) -> StepEstimate:
+def step_time(plan: Plan, model: ClusterModel, list_schedule: bool = False) -> StepEstimate:
+    """``list_schedule``: a plan without detours may also run the routed list schedule with its
+    spare micro-batches in flight (see :func:`best_before`); the shorter of it and 1F1B is taken."""
     if model.num_layers != plan.num_layers:
         raise ValueError(f"the cluster model has {model.num_layers} layers, the plan {plan.num_layers}")
     stage: dict[int, float] = {}
@@ -105,6 +107,8 @@ def step_time(plan: Plan, model: ClusterModel) -> StepEstimate:
         compute = _routed_compute(plan, stage, model.backward_factor)
     else:
         compute = _analytic_compute(plan, stage, model.backward_factor)
+        if list_schedule and len(plan.ranks) <= routed.EXACT_MAX_RANKS:
+            compute = min(compute, _routed_compute(plan, stage, model.backward_factor, routed.SPARE_IN_FLIGHT))
     collective = max((holder_collectives_s(model, holders, sum(model.layer_param_bytes[i] for i in layers))
                       for holders, layers in plan.holder_groups().items()), default=0.0) if model.layer_param_bytes else 0.0
     power = sum(model.power.power(plan.frequency(r)) for r in plan.ranks)
@@ -139,10 +143,10 @@ def _one_f_one_b(times: tuple[float, ...], m: int, backward_factor: float) -> fl
     return one_f_one_b_makespan(times, m, backward_factor)
 
 
-def _routed_compute(plan: Plan, stage: dict[int, float], backward_factor: float) -> float:
+def _routed_compute(plan: Plan, stage: dict[int, float], backward_factor: float, spare: int | None = None) -> float:
     routes, home = routed.routes_of(plan.pipelines, plan.micro_batches, plan.route_of)
     _, makespan = routed.routed_schedules(routes, home, {r: t / (1 + backward_factor) for r, t in stage.items()},
-                                   backward_factor)
+                                   backward_factor, spare)
     return makespan
 
 

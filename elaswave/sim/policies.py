@@ -70,6 +70,9 @@ class Policy:
     """``layout(every device)`` is the failure-free plan the policy starts from."""
 
     name = ""
+    has_list_schedule = False
+    """Whether the system runs the routed list schedule (detours) after a failure, and so could have
+    run it on every device too (the engine then prices its failure-free plan with the better one)."""
 
     def __init__(self, initial: Plan, num_micro_batches: int, model: ClusterModel, costs: BaselineCosts):
         self.initial, self.m, self.model, self.costs = initial, num_micro_batches, model, costs
@@ -92,6 +95,7 @@ class Policy:
 
 class Elaswave(Policy):
     name = "elaswave"
+    has_list_schedule = True
 
     def layout(self, live: Sequence[int]) -> Plan:
         # With every device live too: frequency planning evens out an uneven first partition, so
@@ -154,6 +158,7 @@ class DropReplica(Policy):
 
 class Reroute(Policy):
     name = "reroute"
+    has_list_schedule = True
 
     def change(self, prev, live, joined, step_s):
         m, c = self.model, self.costs

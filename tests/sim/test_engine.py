@@ -129,14 +129,15 @@ def test_no_policy_trains_faster_after_losing_a_device(devices, dp, pp, preset):
         assert ratio is None or ratio <= 1 + 1e-9, (name, events[:1], ratio)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "open (issue 19): the routed schedule keeps 2 more micro-batches in flight than 1F1B, which on "
-    "gpt-13b's uneven 32-stage partition overlaps better than the 1F1B the whole job ran before "
-    "(after / before 1.0022 for reroute, and for elaswave without DVFS, which takes the same detours)"))
 def test_a_rerouted_step_never_beats_the_whole_jobs_1f1b():
+    """gpt-13b's 42 layers over 32 stages are uneven: when every pipeline's micro-batches got the
+    routed schedule's 2 spare in flight, the hosts overlapped better than the 1F1B they ran before
+    the failure (after / before 1.0022 for reroute and for elaswave without DVFS, which took the
+    same detours). Only the detoured pipeline gets the spare now."""
     from elaswave.sim.workload import MODELS, cluster, layer_numels
     model = cluster(MODELS["gpt-13b"])
     plan = initial_plan(96, 3, 32, list(model.layer_forward_s), 192, layer_numels(MODELS["gpt-13b"]), 1 << 24)
     events = trace.single_failure(plan.pipelines[0][16], 360.0)
-    res = simulate(events, policies.make("reroute", plan, 192, model, policies.BaselineCosts()), model, 3600)
-    assert res.throughput_after_over_before <= 1 + 1e-9
+    for name in ("reroute", "elaswave_no_dvfs"):
+        res = simulate(events, policies.make(name, plan, 192, model, policies.BaselineCosts()), model, 3600)
+        assert res.throughput_after_over_before <= 1 + 1e-9, name
