@@ -91,5 +91,6 @@ def train_reference(config_path: str | None = None, overrides: Sequence[str] = (
     records: list[dict] = []
     result = oracle(cfg, on_step=records.append)
     records.append({"event": "summary", "steps": cfg.train.steps, "params_sha256": result["params_sha256"],
+                    "state_sha256": result["state_sha256"],
                     "world_size": 1})
     return Run(0, records)

@@ -143,7 +143,8 @@ def _write_reference(cfg: config.JobConfig, path: str, show_progress: bool = Tru
     writer = MetricsWriter(path, show_progress=show_progress, total_steps=cfg.train.steps)
     result = train_reference(cfg, on_step=writer.write)
     writer.write({"event": "summary", "steps": cfg.train.steps, "final_loss": result["losses"][-1] if result["losses"] else float("nan"),
-                  "params_sha256": result["params_sha256"], "world_size": 1, "dp": 1, "pp": 1,
+                  "params_sha256": result["params_sha256"], "state_sha256": result["state_sha256"],
+                  "world_size": 1, "dp": 1, "pp": 1,
                   "deterministic": cfg.train.deterministic, "precision": result["precision"]})
     writer.close()
     return result

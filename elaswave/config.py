@@ -182,7 +182,11 @@ class ElasticConfig:
     """A rank whose heartbeat has not moved for this long is declared gone (a hang, e.g. SIGSTOP)."""
     agree_timeout_s: float = 1.0
     """After an alert, a member that has not checked in within this long is left out of the next
-    epoch (a dead process is usually known sooner: its launcher reports it)."""
+    epoch. Only a member with no evidence either way waits for it: a dead process is shown dead
+    sooner (its launcher reports it, or its liveness port refuses a probe), a hung one by its heartbeat."""
+    launcher_reports_deaths: bool = True
+    """The launcher tells the control plane the moment it reaps a dead worker; off: deaths are
+    found as on a host nobody reports for (collective errors, probes, heartbeats) -- to measure that path."""
     snapshots: bool = True
     """Copy every rank's ZeRO chunks into a peer's memory after each step (needed to recover them)."""
     detours: bool = True

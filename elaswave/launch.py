@@ -157,7 +157,8 @@ def _watch(cfg: JobConfig, workers: _Workers, store: dist.TCPStore, membership: 
             if not cfg.elastic.enabled:
                 _stop(workers.all())  # not elastic: one dead rank ends the job
                 return code if code > 0 else 1
-            membership.report_dead(rank, _describe(code), alert=_is_member(cfg, store, membership, rank))
+            if cfg.elastic.launcher_reports_deaths:
+                membership.report_dead(rank, _describe(code), alert=_is_member(cfg, store, membership, rank))
             if cfg.elastic.respawn_after_s >= 0 and done_at is None:
                 respawns.append(time.monotonic() + cfg.elastic.respawn_after_s)
         if done_at is None and store.check([PREFIX + "done"]):

@@ -19,6 +19,7 @@ from elaswave.pipeline.stage import Stage
 from elaswave.precision import job_dtype, name
 from elaswave.plan.chunks import ChunkIndex
 from elaswave.zero.bucket import Bucket
+from elaswave.zero.digest import owned_state_sum, state_sha256
 from elaswave.zero.flat import params_sha256
 from elaswave.zero.optimizer import ShardedAdamW, clip_coef, lr_at
 from elaswave.zero.reduce import GradAccumulator
@@ -26,7 +27,7 @@ from elaswave.zero.reduce import GradAccumulator
 
 def train_reference(cfg: JobConfig, on_step: Callable[[dict], None] | None = None) -> dict:
     """Train ``cfg.train.steps`` steps; returns ``{"losses": [...], "eval_losses": {step: loss},
-    "params_sha256": ...}``."""
+    "params_sha256": ..., "state_sha256": ...}``."""
     t, m = cfg.train, model_for(cfg)
     torch.set_num_threads(1)  # the same kernels, hence the same bits, as a one-thread worker rank
     sampler = open_sampler(cfg, m)
@@ -80,7 +81,8 @@ def train_reference(cfg: JobConfig, on_step: Callable[[dict], None] | None = Non
     if cfg.checkpoint.export_hf:
         from elaswave.checkpoint import export
         export.write_layers(cfg.checkpoint.export_hf, cfg.model, layers, m.num_layers)
-    return {"losses": losses, "eval_losses": eval_losses, "params_sha256": params_sha256([l.digest() for l in layers]), "precision": name(dtype)}
+    return {"losses": losses, "eval_losses": eval_losses, "params_sha256": params_sha256([l.digest() for l in layers]),
+            "state_sha256": state_sha256(optimizer.gen, [owned_state_sum(optimizer)]), "precision": name(dtype)}
 
 
 def _evaluate(cfg: JobConfig, stage: Stage, sampler: Sampler) -> float:

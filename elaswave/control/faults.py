@@ -3,7 +3,10 @@
 ``kill:rank=R,step=S[,phase=P]`` and ``stop:rank=R,step=S[,phase=P]``; phases are the points of a
 step at which the signal goes out. ``corrupt:rank=R,step=S`` flips a byte of the snapshot the rank
 sends after step S, after its checksum was computed (what a bad link or bad memory would do);
-``slow:rank=R,step=S,factor=F`` makes the rank's compute F times as slow from step S on. ``join:step=S[,count=N]`` is the opposite event, carried out by
+``slow:rank=R,step=S,factor=F`` makes the rank's compute F times as slow from step S on.
+``flip:rank=R,step=S,what=moment|param`` flips the lowest bit of one value after step S: of the
+first Adam moment the rank owns, or of its first parameter (silent data corruption, which only the
+end-of-run state check can see). ``join:step=S[,count=N]`` is the opposite event, carried out by
 the launcher: it starts N new ranks once the job reaches step S. Before the signal the rank stamps the wall time of the fault
 in the store, which is where every MTTR is measured from, and prints it (one line on stderr) for
 runs whose store does not outlive the fault: a job that torchrun restarts gets a new store.
@@ -20,7 +23,8 @@ from typing import TYPE_CHECKING, Sequence
 if TYPE_CHECKING:  # keeps this module free of torch: config validation imports it
     from elaswave.control.membership import Membership
 
-KINDS = ("kill", "stop", "corrupt", "slow", "join")
+KINDS = ("kill", "stop", "corrupt", "slow", "flip", "join")
+FLIPPED = ("moment", "param")
 PHASES = ("forward", "backward", "reduce", "optimizer", "snapshot", "recovery", "eval")
 """forward/backward: as the step's first forward/backward starts; reduce: as the gradient reduction
 starts; optimizer: after this rank's chunks were updated, before the parameters are gathered;
@@ -28,7 +32,7 @@ snapshot: just after this rank posted the step's snapshot to its holder; recover
 recovery that resumes at the step, as the chunks are about to move (a failure during a recovery);
 eval: in the evaluation due before the step (train.eval_every), as its last batch starts."""
 USAGE = ("use kill:rank=R,step=S[,phase=P], stop:rank=R,step=S[,phase=P], corrupt:rank=R,step=S, "
-         "slow:rank=R,step=S[,factor=F] or join:step=S[,count=N]")
+         "slow:rank=R,step=S[,factor=F], flip:rank=R,step=S,what=moment|param or join:step=S[,count=N]")
 
 
 @dataclass(frozen=True)
@@ -41,6 +45,8 @@ class Fault:
     """join: how many new ranks the launcher starts once the job reaches ``step`` (rank is -1)."""
     factor: float = 1.0
     """slow: from ``step`` on, the rank's compute takes this many times as long (a straggler)."""
+    what: str = ""
+    """flip: which value gets a bit flipped (``moment`` or ``param``)."""
 
 
 def parse(text: str) -> Fault:
@@ -49,14 +55,15 @@ def parse(text: str) -> Fault:
     kind, sep, rest = text.strip().partition(":")
     if kind not in KINDS or not sep:
         raise ValueError(f"{text!r}: the fault must start with one of {', '.join(KINDS)}; {USAGE}")
-    allowed = {"join": ("step", "count"), "slow": ("rank", "step", "factor")}.get(kind, ("rank", "step", "phase"))
+    allowed = {"join": ("step", "count"), "slow": ("rank", "step", "factor"),
+               "flip": ("rank", "step", "what")}.get(kind, ("rank", "step", "phase"))
     fields: dict[str, str] = {}
     for item in rest.split(","):
         key, eq, value = item.partition("=")
         if not eq or key.strip() not in allowed:
             raise ValueError(f"{text!r}: {item!r} is not one of {', '.join(k + '=' for k in allowed)}; {USAGE}")
         fields[key.strip()] = value.strip()
-    required = ("step",) if kind == "join" else ("rank", "step")
+    required = ("step",) if kind == "join" else ("rank", "step", "what") if kind == "flip" else ("rank", "step")
     if any(k not in fields for k in required):
         raise ValueError(f"{text!r}: {' and '.join(k + '=' for k in required)} {'are' if len(required) > 1 else 'is'} required; {USAGE}")
     try:
@@ -69,7 +76,10 @@ def parse(text: str) -> Fault:
     phase = fields.get("phase", "forward")
     if phase not in PHASES:
         raise ValueError(f"{text!r}: phase={phase} is not one of {', '.join(PHASES)}")
-    return Fault(kind, rank, step, phase, count, factor)
+    what = fields.get("what", "")
+    if kind == "flip" and what not in FLIPPED:
+        raise ValueError(f"{text!r}: what={what} is not one of {', '.join(FLIPPED)}")
+    return Fault(kind, rank, step, phase, count, factor, what)
 
 
 class FaultInjector:
@@ -82,6 +92,14 @@ class FaultInjector:
         hit = any(f.kind == "corrupt" and f.step == step for f in self.mine)
         if hit:
             print(f"elaswave: injecting a corrupted snapshot from rank {self.mine[0].rank} after step {step}",
+                  file=sys.stderr, flush=True)
+        return hit
+
+    def flips(self, step: int) -> list[str]:
+        """What gets a bit flipped on this rank after ``step`` (``flip``)."""
+        hit = [f.what for f in self.mine if f.kind == "flip" and f.step == step]
+        for what in hit:
+            print(f"elaswave: injecting a flipped bit into rank {self.mine[0].rank}'s first {what} after step {step}",
                   file=sys.stderr, flush=True)
         return hit
 

@@ -20,9 +20,11 @@ from elaswave.interrupt import Interrupt
 
 class Watcher(threading.Thread):
     def __init__(self, store: dist.Store, rank: int, view: Callable[[], tuple[int, tuple[int, ...]]],
-                 interrupt: Interrupt, interval_s: float, timeout_s: float):
+                 interrupt: Interrupt, interval_s: float, timeout_s: float, prober=None):
         super().__init__(name=f"elaswave-watcher-{rank}", daemon=True)
         self.membership = Membership(store, rank)
+        self.prober = prober
+        """The rank's :class:`~elaswave.control.liveness.Prober`: learns the next members' ports."""
         self.store, self.rank, self.view = store, rank, view
         self.interrupt, self.interval_s, self.timeout_s = interrupt, interval_s, timeout_s
         self._halt = threading.Event()
@@ -43,6 +45,8 @@ class Watcher(threading.Thread):
                 neighbour = _next(members, self.rank)
                 if neighbour != watched:
                     watched, count, changed_at = neighbour, None, time.monotonic()
+                if self.prober is not None:  # so that their refusal proves their death later (once reached, no more probes)
+                    self.prober.learn(_following(members, self.rank, 2), self.store)
                 if neighbour is not None:
                     now_count = self.store.add(f"{PREFIX}hb/{neighbour}", 0)
                     now = time.monotonic()
@@ -82,6 +86,14 @@ class Watcher(threading.Thread):
             if set(alert.ranks) & set(members):
                 return newest
         return alert.epoch
+
+
+def _following(members: tuple[int, ...], me: int, k: int) -> list[int]:
+    """Up to ``k`` members after ``me`` in ring order."""
+    if me not in members:
+        return []
+    i = members.index(me)
+    return [members[(i + j) % len(members)] for j in range(1, min(k, len(members) - 1) + 1)]
 
 
 def _next(members: tuple[int, ...], me: int) -> int | None:

@@ -10,6 +10,11 @@ The protocol, all through the store (hosted by the launcher, or torchrun's rende
 3. :func:`decide` -- a pure function of what the store holds and the time waited -- turns the
    check-ins into the next live set; the first rank to compute it publishes it with
    ``compare_set``, so every rank adopts the same decision.
+
+A member that has not checked in is left out on evidence, not after a fixed wait: its death
+reported (``ew/dead/<rank>``: by its launcher, or by a rank whose probe of its liveness port was
+refused -- :mod:`elaswave.control.liveness`), or its heartbeat stale (an alert naming it). Only a
+member with no evidence either way waits for ``agree_timeout_s``.
 """
 from __future__ import annotations
 
@@ -55,8 +60,11 @@ class Alert:
 class Membership:
     """Store operations of the protocol for one rank (or for the launcher, with ``rank=-1``)."""
 
-    def __init__(self, store: dist.Store, rank: int, clock: Callable[[], float] = time.monotonic):
+    def __init__(self, store: dist.Store, rank: int, clock: Callable[[], float] = time.monotonic,
+                 prober=None):
         self.store, self.rank, self.clock = store, rank, clock
+        self.prober = prober
+        """Tells whether a silent member is gone (:class:`~elaswave.control.liveness.Prober`); None: no probes."""
 
     # -- alerts -----------------------------------------------------------------------------
     def alert(self, epoch: int, reason: str, ranks: Sequence[int] = ()) -> None:
@@ -108,13 +116,37 @@ class Membership:
                 dead.update(r for r in self.read_alert(n).ranks if r in prev)
         return dead
 
+    def _probe_silent(self, prev: Sequence[int], checked: set[int], dead: set[int]) -> set[int]:
+        """Members neither checked in nor known dead whose liveness port refuses us; each is
+        recorded dead, with the evidence, for the other ranks and for the recovery record."""
+        shown = set()
+        for r in prev:
+            if r not in checked and r not in dead and self.prober.is_gone(r, self.store):
+                self.store.compare_set(f"{PREFIX}dead/{r}", "", f"refused connections (probed by rank {self.rank})")
+                shown.add(r)
+        return shown
+
+    def death_evidence(self, ranks: Sequence[int]) -> dict[int, str]:
+        """What showed each of ``ranks`` dead: its recorded death (the launcher's report, a refused
+        probe), else the alert that named it (a stale heartbeat), else nothing but its silence."""
+        out = {r: self.store.get(f"{PREFIX}dead/{r}").decode() for r in ranks
+               if self.store.check([f"{PREFIX}dead/{r}"])}
+        for n in range(self.alert_count(), 0, -1):
+            if len(out) == len(ranks):
+                break
+            if self.store.check([f"{PREFIX}alert/{n}"]):
+                alert = self.read_alert(n)
+                out.update({r: f"{alert.reason} ({alert.by})" for r in alert.ranks if r in ranks and r not in out})
+        return {r: out.get(r, "did not check in within elastic.agree_timeout_s") for r in ranks}
+
     def agree(self, prev_members: Sequence[int], epoch: int, agree_timeout_s: float,
-              timeout_s: float, poll_s: float = 0.002) -> tuple[int, ...]:
+              timeout_s: float, poll_s: float = 0.002, probe_every_s: float = 0.02) -> tuple[int, ...]:
         """Block until epoch ``epoch``'s members are decided; returns them (maybe without us)."""
         key = f"{PREFIX}ep/{epoch}/members"
         start = self.clock()
         seen_in, dead = -1, set()
         checked: set[int] = set()
+        probed_at = None
         while True:
             if self.store.check([key]):
                 return tuple(json.loads(self.store.get(key)))
@@ -124,6 +156,9 @@ class Membership:
                 seen_in = num_in
                 checked = self._checked_in(epoch, prev_members)
                 dead = self._known_dead(prev_members)
+            if self.prober is not None and (probed_at is None or self.clock() - probed_at >= probe_every_s):
+                probed_at = self.clock()
+                dead |= self._probe_silent(prev_members, checked, dead)
             members = decide(prev_members, checked, dead, waited, agree_timeout_s)
             if members is not None:
                 stored = self.store.compare_set(key, "", json.dumps(list(members)))

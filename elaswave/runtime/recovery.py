@@ -49,6 +49,27 @@ class Recovery:
     joined_ranks: list[int] = field(default_factory=list)
     join_walls: dict = field(default_factory=dict)
     """A join's earlier moments (wall times): its processes' start, its requests, its admission."""
+    evidence: dict = field(default_factory=dict)
+    """Lost rank -> what showed it dead (the launcher's report, a refused probe, a stale heartbeat)."""
+    earlier_start_wall: float | None = None
+    """When an earlier change began whose first step never completed (this one interrupted it)."""
+    num_changes: int = 1
+    """Changes this record covers: more than one when a failure hit before a change's first step ended."""
+
+    def absorb(self, earlier: "Recovery") -> "Recovery":
+        """This change cut ``earlier`` short before its first step completed (no record was written
+        for it): one record for both, timed from the first fault, naming every rank either lost."""
+        self.lost_ranks = sorted(set(earlier.lost_ranks) | set(self.lost_ranks))
+        self.joined_ranks = sorted((set(earlier.joined_ranks) | set(self.joined_ranks)) - set(self.lost_ranks))
+        self.evidence = {**earlier.evidence, **self.evidence}
+        begun = [w for w in (earlier.earlier_start_wall, earlier._start_wall) if w is not None]
+        self.earlier_start_wall = min(begun)
+        self.num_changes += earlier.num_changes
+        return self
+
+    @property
+    def _start_wall(self) -> float:
+        return self.fault_wall if self.fault_wall is not None else self.noticed_wall
 
     def record(self, first_step_end_wall: float, first_step_s: float, evaluation_s: float = 0.0) -> dict:
         """``evaluation_s``: time an evaluation due at the resume step took before the first step:
@@ -56,11 +77,15 @@ class Recovery:
         first_step_end_wall -= evaluation_s
         if not self.lost_ranks and self.joined_ranks and self.join_walls:
             return {**self._join_record(first_step_end_wall, first_step_s), "evaluation_s": evaluation_s}
-        start = self.fault_wall if self.fault_wall is not None else self.noticed_wall
-        phases = {"detect": self.noticed_wall - start, **self.phases_s, "first_step": first_step_s}
+        own = self._start_wall
+        start = own if self.earlier_start_wall is None else min(own, self.earlier_start_wall)
+        # "interrupted": the earlier changes' time until this one's fault, so the phases sum to the MTTR.
+        phases = {**({"interrupted": own - start} if self.num_changes > 1 else {}),
+                  "detect": self.noticed_wall - own, **self.phases_s, "first_step": first_step_s}
         event = "recovery" if self.lost_ranks else ("join" if self.joined_ranks else "rebalance")
         return {"event": event, "epoch": self.epoch, "lost_ranks": self.lost_ranks,
-                "joined_ranks": self.joined_ranks,
+                "evidence": {str(r): how for r, how in self.evidence.items()}, "joined_ranks": self.joined_ranks,
+                "num_changes": self.num_changes,
                 "resume_step": self.resume_step, "mttr_s": first_step_end_wall - start,
                 "phases_s": phases, "communicator": self.communicator, "is_fallback": self.is_fallback,
                 "bytes_received": self.bytes_received, "plan": self.plan, "evaluation_s": evaluation_s}
@@ -192,7 +217,7 @@ def recover(ctx, st: RankState | None, cause: Disruption | None, noticed_wall: f
     fault_walls = [w for w in (ctx.membership.read_stamp(f"fault/{r}") for r in lost) if w is not None]
     return new, Recovery(epoch, lost, restore.resume_step, min(fault_walls) if fault_walls else None,
                          noticed_wall, phases, ctx.comm.last_source, restore.is_fallback, received,
-                         _layout(plan), joined)
+                         _layout(plan), joined, evidence=ctx.membership.death_evidence(lost))
 
 
 def _stop_with_state(ctx, st: RankState | None, old: Plan, members, holdings, disk_step, exc: PlanError):

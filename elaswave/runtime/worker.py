@@ -27,6 +27,7 @@ from elaswave.config import ConfigError, JobConfig
 from elaswave.control.admission import JOIN_ENV, Admission, Refused, job_token
 from elaswave.control.faults import FaultInjector
 from elaswave.control.heartbeat import Watcher
+from elaswave.control.liveness import LivenessPort, Prober
 from elaswave.control.membership import Membership
 from elaswave.data.mixture import Mixture, mixture_of, tokens_per_source
 from elaswave.data.sampler import Sampler, open_sampler
@@ -48,6 +49,7 @@ from elaswave.runtime.rank import build_rank
 from elaswave.runtime.step import gather_masters, gather_params, train_step
 from elaswave.runtime.straggler import REBALANCE, SpeedWindow
 from elaswave.snapshot.pool import SnapshotPool
+from elaswave.zero import digest
 from elaswave.zero.flat import params_sha256
 
 EXIT_EXCLUDED = 3
@@ -62,13 +64,18 @@ class Context:
         self.model = model_for(cfg)
         """The model contract every stage, plan and recovery of this rank goes through."""
         self.interrupt = Interrupt()
-        self.membership = Membership(store, rank)
+        bind = backend.bind_address(cfg.parallel.bind_address, os.environ.get("ELASWAVE_STORE"))
+        # Registered before anything else: from now on a peer can prove this process dead.
+        self.liveness = LivenessPort(bind) if e.enabled else None
+        if self.liveness is not None:
+            self.liveness.register(store, rank)
+        self.prober = Prober() if e.enabled else None
+        self.membership = Membership(store, rank, prober=self.prober)
         self.admission = Admission(store, rank)
         self.token = job_token()
         self.stamps_steps = any(f.kind == "join" for f in cfg.elastic.faults)
         self.comm = Communicator(store, rank, backend_name, device, cfg.parallel.timeout_s, self.interrupt,
-                                 e.enabled and e.standby_groups,
-                                 backend.bind_address(cfg.parallel.bind_address, os.environ.get("ELASWAVE_STORE")))
+                                 e.enabled and e.standby_groups, bind)
         self.pool = (SnapshotPool(rank, cfg.parallel.chunk_numel, e.heartbeat_timeout_s)
                      if e.enabled and e.snapshots else None)
         # A fault is an event in the run's life: a job restarted by torchrun does not meet it again.
@@ -90,7 +97,7 @@ class Context:
         self.step = 0
         # The watcher has its own store connection: its blocking waits must never stall training.
         self.watcher = Watcher(store.clone(), rank, self._view, self.interrupt,
-                               e.heartbeat_interval_s, e.heartbeat_timeout_s) if e.enabled else None
+                               e.heartbeat_interval_s, e.heartbeat_timeout_s, self.prober) if e.enabled else None
         self._sampler = None
         self.evaluation = Evaluation(cfg, self.model)
 
@@ -212,6 +219,8 @@ def run(cfg: JobConfig, rank: int, world_size: int, metrics_out: str | None) -> 
                                            "predicted": rank_bytes(ctx.memory_model, st.plan, rank)}
                 else:
                     result = one_step()
+                for what in ctx.injector.flips(step):
+                    _flip_low_bit(st, what)
                 took = time.perf_counter() - started
                 ctx.speeds.add(st.epoch, result.speeds)
                 # The median of the epoch's last steps; an idle rank (drop_replica) keeps its last figure.
@@ -253,6 +262,7 @@ def run(cfg: JobConfig, rank: int, world_size: int, metrics_out: str | None) -> 
             if not cfg.elastic.enabled:
                 raise
             cause = exc
+        unfinished = pending  # a change whose first step never ended: its record goes into this one's
         try:
             st, pending = join.change(ctx, st, cause, time.time())
         except PlanError as stop:
@@ -263,6 +273,8 @@ def run(cfg: JobConfig, rank: int, world_size: int, metrics_out: str | None) -> 
             print_error(str(out))
             writer.close()
             return EXIT_EXCLUDED
+        if unfinished is not None:
+            pending = pending.absorb(unfinished)
         ctx.plan = st.plan
         step, evaluation_s = pending.resume_step, 0.0
         journal.discard_from(step)
@@ -275,6 +287,8 @@ def run(cfg: JobConfig, rank: int, world_size: int, metrics_out: str | None) -> 
         digests = {i: h for part in summary.values() for i, h in part["digests"].items()}
         writer.write({"event": "summary", "steps": t.steps, "final_loss": result.loss if result else float("nan"),
                       "params_sha256": params_sha256([bytes.fromhex(digests[str(i)]) for i in range(ctx.model.num_layers)]),
+                      "state_sha256": digest.state_sha256(summary[rank]["step_counter"],
+                                                          [int(summary[r]["state_sum"], 16) for r in st.plan.ranks]),
                       "wall_s": wall, "world_size": len(st.plan.ranks), "dp": cfg.parallel.dp, "pp": cfg.parallel.pp,
                       "epoch": st.epoch, "ranks": list(st.plan.ranks), "deterministic": t.deterministic,
                       "precision": precision_name(compute_dtype(t.precision, device)),
@@ -325,6 +339,18 @@ def _start(ctx: Context, world_size: int):
     return st, resumed
 
 
+def _flip_low_bit(st, what: str) -> None:
+    """Silent data corruption, injected (``flip``): the lowest bit of the first Adam moment this rank
+    owns, or of its first parameter."""
+    if what == "moment":
+        b = next(i for i, b in enumerate(st.optimizer.buckets) if b.owned)
+        value = st.optimizer.state[b][1, st.optimizer.buckets[b].owned[0].slot_offset:][:1]
+    else:
+        value = st.stage.layers[0].flat[:1]
+    bits = value.view(torch.int16 if value.dtype == torch.bfloat16 else torch.int32)
+    bits ^= 1
+
+
 def _models_memory(cfg: JobConfig) -> bool:
     """Whether the job uses its memory model (building it runs every layer once on the meta device)."""
     return bool(cfg.parallel.stage_memory_mb) or cfg.train.measure_memory_step >= 0
@@ -372,6 +398,9 @@ def _finish(ctx: Context, st, cfg: JobConfig) -> dict[int, dict]:
     exported = (export.write_my_shard(cfg.checkpoint.export_hf, plan, st.rank, st.stage.layers)
                 if cfg.checkpoint.export_hf else None)
     doc = {"digests": {str(l.index): l.digest().hex() for l in st.stage.layers if plan.holders(l.index)[0] == st.rank},
+           "layer_copies": digest.layer_digests(st.stage.layers),
+           "state_sum": f"{digest.owned_state_sum(st.optimizer):x}", "step_counter": st.optimizer.gen,
+           "master_problems": digest.masters_mismatches(st.optimizer, st.stage.layers, st.rank),
            "export": exported,
            "state_bytes": st.optimizer.state_bytes(), "master_bytes": st.optimizer.master_bytes(),
            "snapshot_bytes": ctx.pool.bytes_held() if ctx.pool else 0,
@@ -384,10 +413,24 @@ def _finish(ctx: Context, st, cfg: JobConfig) -> dict[int, dict]:
     if st.rank != plan.ranks[0]:
         return {}
     parts = ctx.membership.gather(plan.epoch, "final", plan.ranks, cfg.parallel.timeout_s)
+    _check_replicas(parts)
     if cfg.checkpoint.export_hf:
         out = export.finish_run_export(cfg.checkpoint.export_hf, cfg.model, [p["export"] for p in parts.values()])
         print(f"elaswave: exported the model as a Hugging Face directory: {out}", flush=True)
     return parts
+
+
+def _check_replicas(parts: dict[int, dict]) -> None:
+    """Every copy of the state equals its owner's, and every owner is at the same step: else the
+    run fails here, naming each difference (see :mod:`elaswave.zero.digest`)."""
+    problems = [p for doc in parts.values() for p in doc["master_problems"]]
+    problems += digest.replica_mismatches({r: doc["layer_copies"] for r, doc in parts.items()})
+    counters = {r: doc["step_counter"] for r, doc in parts.items()}
+    if len(set(counters.values())) > 1:
+        problems.append(f"the ranks' optimizer step counters differ: {counters}")
+    if problems:
+        raise digest.StateMismatch("the replicas of the training state differ at the end of the run: "
+                                   + " | ".join(problems))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -402,7 +445,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = config.load(args.config, args.overrides)
         code = run(cfg, rank, world_size, args.metrics_out)
-    except (ConfigError, disk.CheckpointError, PlanError, ActuatorError, Refused) as exc:
+    except (ConfigError, disk.CheckpointError, PlanError, ActuatorError, Refused, digest.StateMismatch) as exc:
         print_error(str(exc))
         code = 2
     except Exception as exc:  # one line for the user; the traceback goes with ELASWAVE_DEBUG=1

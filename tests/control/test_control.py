@@ -30,13 +30,14 @@ def test_is_stale():
     ("slow:rank=1,step=4,factor=2.5", faults.Fault("slow", 1, 4, factor=2.5)),
     ("slow:rank=1,step=4", faults.Fault("slow", 1, 4, factor=3.0)),
     ("corrupt:rank=0,step=6", faults.Fault("corrupt", 0, 6)),
+    ("flip:rank=1,step=3,what=moment", faults.Fault("flip", 1, 3, what="moment")),
 ])
 def test_fault_parsing(text, expect):
     assert faults.parse(text) == expect
 
 
 @pytest.mark.parametrize("text,needle", [
-    ("kil:rank=1,step=1", "must start with one of kill, stop, corrupt, slow, join"),
+    ("kil:rank=1,step=1", "must start with one of kill, stop, corrupt, slow, flip, join"),
     ("slow:rank=1,step=2,factor=0.5", "factor >= 1"),
     ("kill:rank=1", "rank= and step= are required"),
     ("kill:rank=1,step=x", "must be integers"),
@@ -45,6 +46,8 @@ def test_fault_parsing(text, expect):
     ("join:rank=1,step=2", "'rank=1' is not one of step=, count="),
     ("join:count=2", "step= is required"),
     ("join:step=2,count=0", "count >= 1"),
+    ("flip:rank=1,step=3", "rank= and step= and what= are required"),
+    ("flip:rank=1,step=3,what=gradient", "what=gradient is not one of moment, param"),
 ])
 def test_bad_faults_say_what_is_wrong(text, needle):
     with pytest.raises(ValueError, match=needle):

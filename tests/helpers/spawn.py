@@ -222,10 +222,12 @@ def reference_fixture(steps: int, num_micro_batches: int):
 
 
 def assert_same_run(res: Result, reference: Result, steps: int) -> None:
-    """Every step written once, and the losses and final parameters of the failure-free reference."""
+    """Every step written once, and the losses, final parameters and optimizer state (masters, both
+    Adam moments, the step counter) of the failure-free reference."""
     assert [r["step"] for r in res.steps] == list(range(steps)), "a step was lost or counted twice"
     assert res.losses == reference.losses
     assert res.summary["params_sha256"] == reference.summary["params_sha256"]
+    assert res.summary["state_sha256"] == reference.summary["state_sha256"], "the optimizer state differs"
 
 
 def children(pid: int) -> list[int]:

@@ -27,6 +27,7 @@ def _assert_same_run(res, reference):
     assert [r["step"] for r in res.steps] == list(range(STEPS)), "a step was lost or counted twice"
     assert res.losses == reference.losses  # exact float equality, every step
     assert res.summary["params_sha256"] == reference.summary["params_sha256"]
+    assert res.summary["state_sha256"] == reference.summary["state_sha256"]
 
 
 @pytest.mark.parametrize("phase", ["forward", "backward", "reduce", "optimizer", "snapshot"])
@@ -38,9 +39,24 @@ def test_sigkill_in_each_phase_gives_the_same_run(tmp_path, reference, phase):
     assert rec["resume_step"] in (11, 12, 13)  # 11 when the holder had not yet verified step 12's snapshot
     assert set(rec["phases_s"]) == {"detect", "agree", "communicator", "plan", "state", "first_step"}
     assert 0 < rec["mttr_s"] < 10
+    # The launcher's report, or a survivor's probe if that came first.
+    assert "killed by SIGKILL" in rec["evidence"]["2"] or "refused connections" in rec["evidence"]["2"]
     assert res.summary["ranks"] == [0, 1, 3]
     after = [r for r in res.steps if r["step"] > 13]
     assert all(r["world_size"] == 3 and r["num_samples"] == res.steps[0]["num_samples"] for r in after)
+
+
+def test_a_death_nobody_reports_is_shown_by_its_refused_port_not_by_a_timeout(tmp_path, reference):
+    # As on a host lost whole (its agent with it): no launcher reports the death. A survivor's
+    # probe of the dead rank's liveness port is refused, and agreement settles on that evidence;
+    # with a 30 s agreement timeout, waiting it out would show.
+    res = _elastic(tmp_path, ["kill:rank=2,step=12,phase=backward"],
+                   extra=["elastic.launcher_reports_deaths=false", "elastic.agree_timeout_s=30"])
+    _assert_same_run(res, reference)
+    (rec,) = _recoveries(res)
+    assert rec["lost_ranks"] == [2]
+    assert rec["evidence"]["2"].startswith("refused connections (probed by rank")
+    assert rec["phases_s"]["agree"] < 2.0 and rec["mttr_s"] < 5.0, rec
 
 
 def test_two_failures_at_different_steps_give_the_same_run(tmp_path, reference):
