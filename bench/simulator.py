@@ -148,7 +148,8 @@ def report(rows, gains, worst, big, wall) -> list[str]:
     md = ["Simulator (`elaswave simulate`, analytic per step, the runtime's planner), this machine, one process.", "",
           "**96 devices, one failure of a middle stage.** After / before per policy (each policy's own before: "
           "elaswave's with frequency planning within the live devices' nominal power, the others at nominal "
-          "clocks), then elaswave's throughput after the failure against the baselines' (reroute, drop_replica, "
+          "clocks; systems that run the routed list schedule after a failure -- reroute, and elaswave when it "
+          "takes detours -- priced on every device with the better of it and 1F1B), then elaswave's throughput after the failure against the baselines' (reroute, drop_replica, "
           "the best of reroute, drop_replica, restart and templates) with the boost frequency model, the "
           "sustained one (no level above nominal) and without frequency planning:", "",
           "| model | dp x pp | elaswave | no DVFS | reroute | drop_replica | templates | restart "
