@@ -6,7 +6,7 @@ torchft's ``Manager`` (quorum through a lighthouse that ``peers.py`` starts), it
 ``OptimizerWrapper`` (the update is committed only when every replica of the quorum finished the
 step), over torchft's ``ProcessGroupGloo``. Replica ``r`` of ``n`` trains micro-batches
 ``r*M/n .. (r+1)*M/n - 1`` of every step, with the learning-rate schedule, AdamW settings and
-clipping of the job; a lost replica's micro-batches are skipped (the global batch shrinks, as
+clipping of the job (weight decay on matrices only, as elaswave's optimizer); a lost replica's micro-batches are skipped (the global batch shrinks, as
 TorchFT does). ``--plain`` trains the same loop under ``torchrun`` with torch's own DDP: the
 no-fault-tolerance baseline of the overhead comparison.
 
@@ -16,7 +16,11 @@ checkpoint server the IPv6 wildcard, so both are pointed at 127.0.0.1 here; gloo
 
 One JSON line per committed step to ``OUT.REPLICA.jsonl`` (``--out OUT``): step, the replica's token-loss sum and token count,
 participants, wall time, step time; a ``kill`` line (with its wall time) just before
-``--kill-at-step`` SIGKILLs this process during that step's backward.
+``--kill-at-step`` SIGKILLs this process during that step's backward. With ``--heldout``, replica 0
+adds ``heldout_loss``: its parameters after the committed step (every replica of the quorum holds
+the same) scored on the job's held-out windows as elaswave's evaluation scores them
+(``bench/heldout.py``; ``train.eval_batches`` batches of the prepared corpus's eval split), after
+the step's timing is taken.
 """
 from __future__ import annotations
 
@@ -36,6 +40,7 @@ from elaswave import config
 from elaswave.data.sampler import open_sampler
 from elaswave.model.gpt import build_layer, token_loss_sum
 from elaswave.zero.optimizer import lr_at
+from heldout import Scorer  # bench/heldout.py, beside this script
 
 
 class Model(nn.Module):
@@ -47,6 +52,13 @@ class Model(nn.Module):
         for layer in self.layers:
             x = layer(x, None)
         return x
+
+
+def _param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+    """Weight decay on matrices (embeddings, linear weights) only, as elaswave's optimizer does."""
+    params = list(model.parameters())
+    return [{"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
+            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
 
 
 class _LoopbackHTTPServer(ThreadingHTTPServer):
@@ -77,6 +89,8 @@ def main() -> None:
     ap.add_argument("--ready", help="127.0.0.1:PORT of a store where replicas meet before they start")
     ap.add_argument("--plain", action="store_true", help="torch's DDP under torchrun, no fault tolerance")
     ap.add_argument("--kill-at-step", type=int, default=-1)
+    ap.add_argument("--heldout", action="store_true",
+                    help="replica 0 scores its parameters on the held-out windows after every committed step")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     cfg = config.load(None, args.overrides)
@@ -95,8 +109,7 @@ def main() -> None:
         dist.init_process_group("gloo")
         replica, replicas = dist.get_rank(), dist.get_world_size()
         ddp = DistributedDataParallel(model)
-        opt = torch.optim.AdamW(ddp.parameters(), lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps,
-                                weight_decay=t.weight_decay)
+        opt = torch.optim.AdamW(_param_groups(model, t.weight_decay), lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps)
         manager = None
     else:
         _keep_torchft_on_loopback()
@@ -114,11 +127,16 @@ def main() -> None:
                           state_dict=lambda: {"model": model.state_dict(), "opt": opt.state_dict()},
                           replica_id=f"replica{replica}", store_addr="127.0.0.1", store_port=store.port, rank=0,
                           world_size=1, lighthouse_addr=args.lighthouse, hostname="127.0.0.1",
-                          timeout=timedelta(seconds=30), quorum_timeout=timedelta(seconds=30))
+                          timeout=timedelta(seconds=30), quorum_timeout=timedelta(seconds=30),
+                          # Every replica builds the same initial model from the job's seed, so no
+                          # step-0 sync (torchft's advice): with it, replicas 1.. heal at step 0 and
+                          # end that step with parameters of their own, never equal to replica 0's again.
+                          init_sync=False)
         ddp = DistributedDataParallel(manager, model)
-        opt = Optimizer(manager, torch.optim.AdamW(model.parameters(), lr=t.lr, betas=(t.beta1, t.beta2),
-                                                    eps=t.eps, weight_decay=t.weight_decay))
+        opt = Optimizer(manager, torch.optim.AdamW(_param_groups(model, t.weight_decay), lr=t.lr,
+                                                    betas=(t.beta1, t.beta2), eps=t.eps))
 
+    scorer = Scorer(cfg) if args.heldout and replica == 0 else None
     per = t.num_micro_batches // replicas
     mbs = range(replica * per, (replica + 1) * per)
     local_tokens = per * t.micro_batch_size * m.seq_len
@@ -148,10 +166,12 @@ def main() -> None:
         opt.step()  # torchft: only if every replica of the quorum finished the step
         committed = manager is None or manager.current_step() > step
         if committed:
-            out.write(json.dumps({"event": "step", "step": step, "replica": replica, "loss_sum": loss_sum,
-                                  "tokens": local_tokens, "step_time_s": time.perf_counter() - started,
-                                  "wall_time": time.time(),
-                                  "participants": replicas if manager is None else manager.num_participants()}) + "\n")
+            rec = {"event": "step", "step": step, "replica": replica, "loss_sum": loss_sum,
+                   "tokens": local_tokens, "step_time_s": time.perf_counter() - started, "wall_time": time.time(),
+                   "participants": replicas if manager is None else manager.num_participants()}
+            if scorer is not None:
+                rec["heldout_loss"] = scorer(model.layers)
+            out.write(json.dumps(rec) + "\n")
             out.flush()
             step = step + 1 if manager is None else manager.current_step()
     out.close()
