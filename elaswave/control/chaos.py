@@ -5,10 +5,15 @@ and drawn from: a SIGKILL in a random phase, a SIGSTOP hang, two ranks killed in
 a kill and then a second one during the recovery from it, and new ranks joining. Only founding
 ranks are killed (a joiner's arrival step depends on its start-up time), and at least
 ``min_founders`` of them are left alive. The same seed always gives the same schedule.
+
+Those faults fire at clean points of a rank's own code. :func:`strikes` draws the other kind: a
+signal sent from outside at a moment nobody chose -- mid-collective, mid-snapshot send, mid-chunk
+restore, mid-migration, mid-join (``tests/helpers/striker.py`` sends them).
 """
 from __future__ import annotations
 
 import random
+from dataclasses import dataclass
 
 from elaswave.control.faults import PHASES
 
@@ -48,4 +53,47 @@ def schedule(seed: int, world_size: int, steps: int, events: int = 4, min_founde
         else:
             phase = rng.choice(STEP_PHASES)  # a double kill: the same step and phase
             out.extend(f"kill:rank={r},step={step},phase={phase}" for r in victims)
+    return out
+
+
+# -- any instant: signals sent from outside the job, at times drawn from a seed ---------------------
+
+SIGNALS = ("SIGKILL", "SIGSTOP")
+
+
+@dataclass(frozen=True)
+class Strike:
+    """One signal sent to one worker by a process outside the job."""
+
+    after_step: int | None
+    """Fire once the job has written this step's record; None: right after the previous strike."""
+    delay_s: float
+    """Then wait this long: anywhere inside a step (forwards, a collective, a snapshot send), or,
+    right after a strike, inside the recovery it starts (agreement, chunk restore, migration)."""
+    signal: str
+    pick: float
+    """Which live worker, as a fraction of their number in rank order (the victim is drawn when the
+    strike fires, among the processes alive then: joiners included)."""
+
+
+def strikes(seed: int, steps: int, events: int = 3) -> list[Strike]:
+    """``events`` strikes: the first after a step in the first half of the run; each next one either
+    0-0.5 s after the previous (so inside its recovery, or the join of its replacement) or after a
+    later step; a quarter of them SIGSTOP (a hang) instead of SIGKILL."""
+    if steps < 12 or events < 1:
+        raise ValueError(f"steps={steps} and events={events}: an any-instant chaos run needs steps >= 12 "
+                         "and events >= 1")
+    rng = random.Random(seed)
+    out: list[Strike] = []
+    step = rng.randrange(2, steps // 2)
+    for i in range(events):
+        signal = "SIGSTOP" if rng.random() < 0.25 else "SIGKILL"
+        if i and rng.random() < 0.5:
+            out.append(Strike(None, rng.uniform(0.0, 0.5), signal, rng.random()))
+            continue
+        if i:
+            step += rng.randrange(3, 10)
+        if step >= steps - 3:
+            break
+        out.append(Strike(step, rng.uniform(0.0, 1.0), signal, rng.random()))
     return out

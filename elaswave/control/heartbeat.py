@@ -79,13 +79,17 @@ class Watcher(threading.Thread):
 
     def _broken_by(self, alert) -> int:
         """The epoch an alert breaks: its own, or -- when it names a member of an epoch agreed since
-        (a death during a recovery) -- that newer one, which a recovery may be building right now."""
-        newest = self.membership.current_epoch()
-        if newest > alert.epoch and alert.ranks:
-            members = self.membership.members_of(newest) or ()
+        (a death during a recovery) -- the newest such, which a recovery may be building right now.
+        Agreed means its members are published: the epoch counter may not have moved yet."""
+        broken, e = alert.epoch, alert.epoch + 1
+        while alert.ranks:
+            members = self.membership.members_of(e)
+            if members is None:
+                break
             if set(alert.ranks) & set(members):
-                return newest
-        return alert.epoch
+                broken = e
+            e += 1
+        return broken
 
 
 def _following(members: tuple[int, ...], me: int, k: int) -> list[int]:

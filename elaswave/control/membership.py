@@ -32,12 +32,14 @@ PREFIX = "ew/"
 
 
 def decide(prev_members: Sequence[int], checked_in: set[int], known_dead: set[int], waited_s: float,
-           agree_timeout_s: float) -> tuple[int, ...] | None:
+           agree_timeout_s: float, proven_dead: set[int] = frozenset()) -> tuple[int, ...] | None:
     """The next epoch's members, or None while it is still too early to tell.
 
     Every previous member must have checked in or be known dead, unless ``agree_timeout_s`` has
-    passed: then whoever has not checked in is presumed gone (a hung rank never checks in)."""
-    live = tuple(sorted(r for r in prev_members if r in checked_in))
+    passed: then whoever has not checked in is presumed gone (a hung rank never checks in). A rank
+    *proven* dead (reaped by its launcher, or its port refusing) is left out even if it checked in
+    before it died: it would never post its state, and the epoch would wait for it."""
+    live = tuple(sorted(r for r in prev_members if r in checked_in and r not in proven_dead))
     settled = all(r in checked_in or r in known_dead for r in prev_members)
     if settled or waited_s >= agree_timeout_s:
         return live
@@ -109,8 +111,11 @@ class Membership:
     def _checked_in(self, epoch: int, prev: Sequence[int]) -> set[int]:
         return {r for r in prev if self.store.check([f"{PREFIX}ep/{epoch}/in/{r}"])}
 
+    def _proven_dead(self, ranks: Sequence[int]) -> set[int]:
+        return {r for r in ranks if self.store.check([f"{PREFIX}dead/{r}"])}
+
     def _known_dead(self, prev: Sequence[int]) -> set[int]:
-        dead = {r for r in prev if self.store.check([f"{PREFIX}dead/{r}"])}
+        dead = self._proven_dead(prev)
         for n in range(1, self.alert_count() + 1):
             if self.store.check([f"{PREFIX}alert/{n}"]):
                 dead.update(r for r in self.read_alert(n).ranks if r in prev)
@@ -159,7 +164,7 @@ class Membership:
             if self.prober is not None and (probed_at is None or self.clock() - probed_at >= probe_every_s):
                 probed_at = self.clock()
                 dead |= self._probe_silent(prev_members, checked, dead)
-            members = decide(prev_members, checked, dead, waited, agree_timeout_s)
+            members = decide(prev_members, checked, dead, waited, agree_timeout_s, self._proven_dead(checked))
             if members is not None:
                 stored = self.store.compare_set(key, "", json.dumps(list(members)))
                 won = json.loads(stored)
@@ -183,12 +188,20 @@ class Membership:
         if broken is None:
             self.store.wait(keys, timedelta(seconds=timeout_s))
         else:
-            start, pause = self.clock(), 0.0005
+            start, pause, probed_at = self.clock(), 0.0005, self.clock()
             while not self.store.check(keys):
                 if broken():
                     raise EpochBroken(f"epoch {epoch} broke while its members posted their {what}")
                 if self.clock() - start > timeout_s:
                     raise TimeoutError(f"not every member of epoch {epoch} posted its {what} within {timeout_s}s")
+                if self.prober is not None and self.clock() - probed_at > 0.05:
+                    # A member that died after it checked in never posts: prove it, and break the epoch.
+                    probed_at = self.clock()
+                    silent = [r for r, k in zip(members, keys) if not self.store.check([k])]
+                    gone = self._probe_silent(silent, set(), set())
+                    if gone:
+                        self.alert(epoch, f"ranks {sorted(gone)} died before posting their {what}", sorted(gone))
+                        raise EpochBroken(f"epoch {epoch}: ranks {sorted(gone)} died before posting their {what}")
                 time.sleep(pause)
                 pause = min(2 * pause, 0.01)
         return {r: json.loads(v) for r, v in zip(members, self.store.multi_get(keys))}

@@ -15,6 +15,9 @@ def test_decide_waits_for_every_member_or_the_timeout():
     assert decide([0, 1, 2, 3], {0, 1}, set(), 0.1, 1.0) is None
     assert decide([0, 1, 2, 3], {0, 1, 3}, {2}, 0.1, 1.0) == (0, 1, 3)
     assert decide([0, 1, 2, 3], {0, 1, 3}, set(), 1.5, 1.0) == (0, 1, 3)  # a hung rank never checks in
+    # Checked in, then killed before the decision (found by the any-instant chaos runs): a proven
+    # death leaves it out, or the epoch would wait for its state forever.
+    assert decide([0, 1, 2, 3], {0, 1, 2, 3}, {2}, 0.1, 1.0, proven_dead={2}) == (0, 1, 3)
 
 
 def test_is_stale():

@@ -90,7 +90,11 @@ class Running:
                                      env=dict(os.environ, OMP_NUM_THREADS="1", **(env or {})))
         self.lines: queue.SimpleQueue = queue.SimpleQueue()
         self.stdout: list[str] = []
+        self._stderr: list[str] = []
         threading.Thread(target=self._read, daemon=True).start()
+        # Drained as it comes: a long run's stderr would fill the pipe and block the job.
+        self._stderr_done = threading.Thread(target=lambda: self._stderr.extend(self.proc.stderr), daemon=True)
+        self._stderr_done.start()
 
     def _read(self) -> None:
         for line in self.proc.stdout:
@@ -113,7 +117,8 @@ class Running:
             code = self.proc.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
             raise AssertionError(f"the job did not finish in {timeout_s}s") from None
-        err = self.proc.stderr.read()
+        self._stderr_done.join(timeout=10)
+        err = "".join(self._stderr)
         while not self.lines.empty():
             self.stdout.append(self.lines.get())
         return Result(code, "".join(self.stdout), err, read_jsonl(str(self.metrics)) if self.metrics.exists() else [])

@@ -27,3 +27,26 @@ def test_a_chaos_run_ends_equal_to_the_failure_free_run(tmp_path, reference, see
     assert res.left_behind == 0
     killed = {int(f.split("rank=")[1].split(",")[0]) for f in faults if not f.startswith("join")}
     assert killed.isdisjoint(res.summary["ranks"])
+
+
+ANY_STEPS = 40
+
+
+@pytest.fixture(scope="module")
+def any_reference(tmp_path_factory):
+    return run_reference(tmp_path_factory.mktemp("ref"), ANY_STEPS, deterministic=True, num_micro_batches=MBS)
+
+
+@pytest.mark.parametrize("seed", [1, 3])  # bench/chaos.py --any-instant runs fifty and more
+def test_signals_at_any_instant_end_equal_or_fall_back_loudly(tmp_path, any_reference, seed):
+    """A thread outside the job SIGKILLs or SIGSTOPs workers at seeded instants (mid-collective,
+    mid-snapshot, mid-recovery, mid-join: wherever they are); replacements join. The run must
+    end bit-identical to the reference, directly or after a loud return to a disk checkpoint."""
+    from tests.helpers.spawn import job_args
+    from tests.helpers.striker import strike_run
+
+    args = job_args(DP, PP, ANY_STEPS, True, [*EXTRA, f"checkpoint.dir={tmp_path / 'ckpt'}"]) + ["--respawn-after", "0"]
+    out = strike_run(seed, args, tmp_path / "run.jsonl", any_reference, ANY_STEPS)
+    assert out.verdict in ("equal", "fallback_equal"), out
+    assert out.fired, out  # the strikes happened
+    assert out.left_behind == 0
