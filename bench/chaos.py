@@ -7,11 +7,21 @@ every step exactly once, and its losses and final ``params_sha256`` equal the fa
 reference's; the runner also counts processes of the job left alive after the launcher exits.
 
     python bench/chaos.py --seeds 20
+    python bench/chaos.py --any-instant --seeds 60
+
+``--any-instant``: instead of faults the ranks inject into themselves at clean points, a thread
+outside the job sends SIGKILL (three in four) or SIGSTOP to live workers at instants drawn from the
+seed (``elaswave.control.chaos.strikes``: inside a step, or 0-0.5 s after the previous strike, so
+inside its recovery or its replacement's join), with a replacement started for every dead rank
+(``--respawn-after 0``); layouts cycle over dp x pp = 3 x 2, 2 x 2 and 4 x 1, 80 steps each. Every
+run is counted as equal, equal after a loud return to a disk checkpoint, a loud failure, a silent
+divergence, or a hang (``tests/helpers/striker.py``).
 """
 from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import statistics
 import sys
 import tempfile
@@ -77,14 +87,109 @@ def reference_run(steps: int, tmp: Path) -> list[dict]:
     return res.records
 
 
+ANY_LAYOUTS = ((3, 2), (2, 2), (4, 1))
+
+
+def _any_job(mbs: int) -> list[str]:
+    return [s if not s.startswith("train.num_micro_batches=") else f"train.num_micro_batches={mbs}" for s in JOB]
+
+
+def _strikes_text(fired: list[dict]) -> str:
+    return ", ".join(f"{f['rank']} {f['signal'][3:]} @{f['steps_written']}" for f in fired)
+
+
+def any_instant(args) -> None:
+    """Strikes from outside at seeded instants; see the module docstring."""
+    from tests.helpers.spawn import Result
+    from tests.helpers.striker import strike_run
+
+    steps = args.steps
+    verdicts = ("equal", "fallback_equal", "failed", "diverged", "hang")
+    runs = []
+    with tempfile.TemporaryDirectory() as d:
+        tmp = Path(d)
+        references: dict[int, Result] = {}
+        for seed in range(args.first_seed, args.first_seed + args.seeds):
+            dp, pp = args.layouts[seed % len(args.layouts)]
+            mbs = 6 if dp * pp == 6 else 4  # micro-batches: a multiple of every dp
+            if mbs not in references:
+                ref_args = ["reference", "--deterministic"] + [x for s in [*_any_job(mbs), f"train.steps={steps}"]
+                                                               for x in ("--set", s)]
+                ref, _ = _cli(ref_args, tmp, tmp / f"reference{mbs}.jsonl", 600)
+                if ref is None or ref.returncode != 0:
+                    raise RuntimeError(f"the reference failed:\n{ref.stderr[-2000:] if ref else 'timed out'}")
+                references[mbs] = ref
+            sets_ = [*_any_job(mbs), f"train.steps={steps}", f"parallel.dp={dp}", f"parallel.pp={pp}",
+                     f"checkpoint.dir={tmp / f'ckpt{seed}'}", "checkpoint.every_steps=10"]
+            cli = ["run", "--deterministic", "--respawn-after", "0"] + [x for s in sets_ for x in ("--set", s)]
+            out = strike_run(seed, cli, tmp / f"seed{seed}.jsonl", references[mbs], steps,
+                             min_alive=max(2, dp * pp // 2), timeout_s=args.timeout_s)
+            if out.verdict not in ("equal", "fallback_equal") and (tmp / f"seed{seed}.jsonl").exists():
+                kept = Path(args.out + "_any_instant_failures")  # the evidence, for whoever debugs it
+                kept.mkdir(parents=True, exist_ok=True)
+                shutil.copy(tmp / f"seed{seed}.jsonl", kept / f"seed{seed}.jsonl")
+            runs.append({"seed": seed, "dp": dp, "pp": pp, "verdict": out.verdict, "wall_s": out.wall_s,
+                         "recoveries": out.recoveries, "joins": out.joins, "left_behind": out.left_behind,
+                         "fired": out.fired, "skipped": out.skipped, "detail": out.detail})
+            print(f"seed {seed:3d} {dp}x{pp}: {out.verdict:14s} wall {out.wall_s:5.1f}s recoveries {out.recoveries} "
+                  f"joins {out.joins} left {out.left_behind} strikes {_strikes_text(out.fired)}", flush=True)
+    counts = {v: sum(r["verdict"] == v for r in runs) for v in verdicts}
+    summary = {"seeds": len(runs), "steps": steps, "layouts": [f"{dp}x{pp}" for dp, pp in args.layouts], **counts,
+               "struck_runs": sum(bool(r["fired"]) for r in runs), "strikes": sum(len(r["fired"]) for r in runs),
+               "sigstops": sum(f["signal"] == "SIGSTOP" for r in runs for f in r["fired"]),
+               "left_behind": sum(r["left_behind"] for r in runs),
+               "recoveries": sum(r["recoveries"] for r in runs), "joins": sum(r["joins"] for r in runs),
+               "wall_s_median": statistics.median(r["wall_s"] for r in runs)}
+    out_path = Path(args.out + "_any_instant" + (f"_{steps}" if steps != 80 else ""))
+    out_path.with_suffix(".json").write_text(json.dumps({"summary": summary, "runs": runs}, indent=1))
+    lines = ["# Chaos at any instant", "",
+             f"`python bench/chaos.py --any-instant --seeds {args.seeds} --first-seed {args.first_seed} --steps {steps}"
+             f" --layouts {','.join(summary['layouts'])}`: layouts "
+             f"{', '.join(summary['layouts'])} in turn, deterministic, a replacement for every dead rank; SIGKILL / "
+             "SIGSTOP sent from outside the job at seeded instants.", "",
+             f"- bit-identical to the reference: **{counts['equal']}**; bit-identical after a loud return to a disk "
+             f"checkpoint: **{counts['fallback_equal']}**",
+             f"- loud failures (non-zero exit): {counts['failed']}; silent divergence: {counts['diverged']}; "
+             f"hangs: {counts['hang']}",
+             f"- runs struck at least once: {summary['struck_runs']} of {summary['seeds']}; "
+             f"strikes sent: {summary['strikes']} ({summary['sigstops']} SIGSTOP); recoveries {summary['recoveries']}, "
+             f"ranks joined {summary['joins']}; processes left behind: {summary['left_behind']}; wall per run: median "
+             f"{summary['wall_s_median']:.1f} s", "",
+             "| seed | layout | verdict | recoveries | joins | strikes (rank, signal, steps written) |",
+             "| --- | --- | --- | --- | --- | --- |"]
+    lines += [f"| {r['seed']} | {r['dp']}x{r['pp']} | {r['verdict']} | {r['recoveries']} | {r['joins']} | "
+              f"{_strikes_text(r['fired'])} |" for r in runs]
+    out_path.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    print(json.dumps(summary))
+    if counts["diverged"] or counts["hang"] or counts["failed"]:
+        sys.exit(1)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seeds", type=int, default=20)
     ap.add_argument("--first-seed", type=int, default=0)
-    ap.add_argument("--steps", type=int, default=120)
+    ap.add_argument("--steps", type=int, default=None, help="120 (80 with --any-instant)")
     ap.add_argument("--timeout-s", type=float, default=300)
+    ap.add_argument("--any-instant", action="store_true")
+    ap.add_argument("--layouts", default=",".join(f"{dp}x{pp}" for dp, pp in ANY_LAYOUTS),
+                    help="dp x pp layouts the any-instant seeds cycle over")
     ap.add_argument("--out", default=str(HERE / "results" / "chaos"))
     args = ap.parse_args()
+    if args.steps is None:
+        args.steps = 80 if args.any_instant else 120
+    if args.seeds < 1:
+        ap.error(f"--seeds={args.seeds} must be >= 1")
+    if args.steps < 12:
+        ap.error(f"--steps={args.steps} is too short for a chaos run: it must be >= 12")
+    try:
+        args.layouts = [tuple(int(x) for x in item.split("x")) for item in args.layouts.split(",")]
+        assert all(len(t) == 2 and min(t) >= 1 for t in args.layouts)
+    except (ValueError, AssertionError):
+        ap.error(f"--layouts={args.layouts!r}: expected DPxPP items separated by commas, e.g. 3x2,2x2")
+    if args.any_instant:
+        any_instant(args)
+        return
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
         reference = reference_run(args.steps, tmp)

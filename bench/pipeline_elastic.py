@@ -6,7 +6,7 @@ this 2-core machine and step time reflects scheduling. One rank (a middle stage 
 SIGKILLed; each policy of our own runtime recovers its way, in the same invocation:
 
 - elaswave: the broken pipeline's survivors re-partitioned, micro-batches rebalanced, frequency
-  levels planned (power cap: the original 16 devices at nominal);
+  levels planned (power cap: frequency.power_cap_w=0, what the live ranks draw at nominal);
 - elaswave without frequency planning (for the frequency on/off ratio);
 - drop_replica (TorchFT): the broken pipeline stands idle, its micro-batches are skipped;
 - reroute (ReCycle): the layout stays, the broken pipeline's micro-batches pass through the same
@@ -14,10 +14,20 @@ SIGKILLed; each policy of our own runtime recovers its way, in the same invocati
 
 Throughput is samples per second: ``num_samples / step_time_s``, median over steps before the kill
 (from step 2) and over steps after the recovery (from two steps after the interrupted one), each
-run against its own before-window. The ideal after/before is 15/16. Modelled energy per step is
-the plan's modelled power (static + dynamic f^3 per device) times the measured step time.
+run against its own before-window. Every policy runs ``--rounds`` times (default 5, interleaved);
+the table is the median over rounds. Modelled energy per step is the plan's modelled power
+(static + dynamic f^3 per device) times the measured step time.
 
-    python bench/pipeline_elastic.py --rounds 2
+The ideal after/before, 15/16, assumes nominal clocks: the 15 survivors do what they did before
+the kill, at the same level. elaswave's frequency planning may raise the bottleneck stages (DVFS
+boost, level > 1) and lower stages that would only wait, within the power cap; emulated compute
+sleeps its modelled time divided by the level, so a boosted stage's compute is shorter than at
+nominal and elaswave's after/before can exceed 15/16 ("of ideal" > 1) -- that is the boost the
+model grants, not a schedule better than ideal. The fair comparison with the nominal-clock ideal is
+elaswave_no_frequency; on real hardware a boost is only what the clocks (and their thermal and
+power limits) actually give.
+
+    python bench/pipeline_elastic.py [--rounds 5]
 """
 from __future__ import annotations
 
@@ -72,7 +82,7 @@ def measure(records: list[dict]) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--rounds", type=int, default=2, help="runs of every policy, interleaved")
+    ap.add_argument("--rounds", type=int, default=5, help="runs of every policy, interleaved (medians of these)")
     ap.add_argument("--out", default=str(HERE / "results" / "pipeline_elastic"))
     args = ap.parse_args()
     runs: dict[str, list[dict]] = {p: [] for p in POLICIES}
@@ -99,7 +109,7 @@ def main() -> None:
     md = [f"Pipeline elasticity, emulated compute, dp=4 x pp=4 (16 ranks on a 2-core CPU box, gloo), rank "
           f"{KILL_RANK} (pipeline 1, stage 1) SIGKILLed at step {KILL_STEP}; medians of {args.rounds} interleaved "
           "rounds; each ratio within one run.", "",
-          "| policy | samples/s after / before | of ideal 15/16 | step s before -> after | MTTR s |",
+          "| policy | samples/s after / before | of ideal 15/16 (nominal clocks) | step s before -> after | MTTR s |",
           "| --- | --- | --- | --- | --- |"]
     for p, m in med.items():
         md.append(f"| {p} | {m['after_over_before']:.3f} | {m['after_over_before'] / ideal:.3f} | "
@@ -109,7 +119,12 @@ def main() -> None:
                f"elaswave of ideal: {result['elaswave_over_ideal']:.3f}", "",
            f"Frequency planning on / off after the change: step time {result['frequency_on_over_off_step_s']:.3f}x, "
            f"modelled energy per step {result['frequency_on_over_off_energy']:.3f}x.", "",
-           f"elaswave's plan after the kill: {json.dumps(runs['elaswave'][0]['plan'])}"]
+           f"elaswave's plan after the kill: {json.dumps(runs['elaswave'][0]['plan'])}", "",
+           "The ideal 15/16 assumes nominal clocks (the survivors at the level they ran before). elaswave plans "
+           "frequency levels within the power cap -- a boost above 1.0 for the bottleneck, lower levels where a "
+           "stage would wait -- and emulated compute takes its modelled time divided by the level, so under boost "
+           "elaswave's after/before can exceed the ideal (of ideal > 1): the modelled boost, not a better schedule. "
+           "Against the nominal-clock ideal compare elaswave_no_frequency."]
     Path(args.out + ".md").write_text("\n".join(md) + "\n")
     print("\n".join(md))
 

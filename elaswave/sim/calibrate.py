@@ -2,10 +2,13 @@
 
 From one run's JSONL (its ``job`` record, step records and recovery record) the fit takes:
 
-- each layer's forward time: the emulated time when the run was emulated (``emulate.*``), else the
-  cost profile scaled so the predicted compute matches the measured one before the failure;
+- each layer's forward time: the emulated time when the run was emulated (``emulate.*``), else
+  (real compute) the model's cost profile (multiply-adds per token) scaled so that the runtime's
+  1F1B order on the initial plan takes the measured compute phase before the failure -- exactly:
+  the 1F1B makespan is proportional to the stage times;
 - the fixed cost per micro-batch and stage: what the measured compute phase leaves after the
-  layers' time, per 1F1B slot;
+  layers' time, per 1F1B slot (emulated compute; in real compute the layers take it all: one run
+  cannot tell a fixed cost from the layers' time, so it is 0);
 - the fixed cost per step: step time minus the compute phase (and minus the holder groups'
   collectives when the links are fitted);
 - the recovery's phases up to the first step (detect, agree, communicator, plan, state).
@@ -16,7 +19,15 @@ that runs of different sizes timed: each step record carries the metrics writer'
 model and plan. The bandwidth is an effective one: it includes packing the bucket, as the step does.
 
 :func:`predict` then prices another run's plans -- the one before its failure and the one its
-recovery record describes -- and its MTTR, next to what that run measured.
+recovery record describes -- and its MTTR, next to what that run measured. A run of another model
+shape (width, depth, sequence length, micro-batch size) is priced by the fitted model carried to it
+with :func:`for_run`: its layers' emulated times, or in real compute the fitted seconds per
+multiply-add times its own layers' multiply-adds; its parameter bytes for the link.
+
+What a real-compute fit cannot know: the backward's share of a layer (``emulate.backward_factor``
+is taken, 2 by default: it shapes 1F1B's fill and drain only), how well another width uses the
+processor (time per multiply-add is taken to be the same), and contention -- ranks that share
+cores compute slower the more of them are busy, which per-rank compute times do not model.
 """
 from __future__ import annotations
 
@@ -34,11 +45,15 @@ class CalibrationError(ValueError):
     """The metrics cannot calibrate or be predicted (what is missing is named)."""
 
 
-def _parts(records: list[dict]):
+def _config(records: list[dict]):
     job = next((r for r in records if r.get("event") == "job"), None)
     if job is None:
         raise CalibrationError("the metrics have no job record (written by elaswave run since this version)")
-    cfg = config.from_dict(job["config"])
+    return config.from_dict(job["config"])
+
+
+def _parts(records: list[dict]):
+    cfg = _config(records)
     rec = next((r for r in records if r.get("event") == "recovery"), None)
     steps = [r for r in records if r.get("event") == "step"]
     first_change = rec["resume_step"] if rec else len(steps)
@@ -121,10 +136,10 @@ def fit(records: list[dict], links: tuple[float, float] | None = None) -> Cluste
     slots = len(plan.micro_batches[0]) + len(plan.pipelines[0]) - 1
     if cfg.emulate.enabled:
         forward = layer_forward_s(cfg)
-    else:  # scale the cost profile: the slowest stage takes the whole slot
+    else:  # real compute: the cost profile, scaled so the plan's 1F1B takes the measured compute
         costs = _flops(cfg)
-        slowest = max(sum(costs[i:j]) for i, j in plan.layer_ranges[0])
-        forward = [c * compute / slots / (1 + beta) / slowest for c in costs]
+        unit = step_time(plan, ClusterModel(layer_forward_s=tuple(costs), backward_factor=beta)).compute_s
+        forward = [c * compute / unit for c in costs]
     phases = rec["phases_s"] if rec else {}
     wire = {}
     if links is not None:
@@ -154,7 +169,9 @@ def after_plan(records: list[dict]) -> Plan:
         raise CalibrationError("the run has no recovery record")
     initial = _initial(cfg)
     doc = rec["plan"]
-    if cfg.elastic.policy == "reroute":  # the routes do not depend on measured speeds: re-derive them
+    if cfg.elastic.policy == "reroute" or doc.get("detours"):
+        # The routes do not depend on measured speeds: re-derive them. elaswave's detours are
+        # reroute's plan (survivors in place, the same routes), taken when predicted faster.
         return replan(initial, [r for p in doc["pipelines"] for r in p], rec["epoch"], cfg.train.num_micro_batches,
                       policy="reroute")
     ids, start = [], 0
@@ -165,6 +182,31 @@ def after_plan(records: list[dict]) -> Plan:
                    layer_ranges=tuple(tuple(tuple(r) for r in rs) for rs in doc["layer_ranges"]),
                    micro_batches=tuple(ids), chunk_owners=(),
                    frequencies=tuple(tuple(f) for f in doc["frequencies"]) if doc["frequencies"] else ())
+
+
+def for_run(model: ClusterModel, fitted: list[dict], records: list[dict]) -> ClusterModel:
+    """``model``, fitted on the run ``fitted``, carried to the run ``records`` (another model shape
+    or mode of gradient sums; the same model where both runs are alike): each layer's forward time is
+    the run's emulated time, or in real compute the fitted seconds per multiply-add (per token)
+    times the run's multiply-adds per micro-batch (per token times ``micro_batch_size x seq_len``);
+    with a fitted link, the collectives are priced on the run's parameter bytes. The fixed costs
+    (per micro-batch and stage, per step) and the recovery stay as fitted."""
+    src, dst = _config(fitted), _config(records)
+    if dst.emulate.enabled:
+        forward = layer_forward_s(dst)
+    elif src.emulate.enabled:
+        raise CalibrationError("a model fitted on emulated compute knows the sleeps it was given, not this "
+                               "run's compute: fit it on a real-compute run")
+    else:
+        per_madd = sum(model.layer_forward_s) / sum(_flops(src)) / (src.train.micro_batch_size * src.model.seq_len)
+        forward = [c * per_madd * dst.train.micro_batch_size * dst.model.seq_len for c in _flops(dst)]
+    out = replace(model, layer_forward_s=tuple(forward),
+                  backward_factor=dst.emulate.backward_factor if dst.emulate.enabled else model.backward_factor)
+    if model.layer_param_bytes:
+        out = replace(out, layer_param_bytes=tuple(4.0 * n for n in counted_numels(model_for(dst))),
+                      devices_per_node=dst.world_size, gradient_bytes_factor=2.0 if dst.train.deterministic else 1.0,
+                      reduce_is_all_reduce=dst.parallel.backend != "nccl")
+    return out
 
 
 def predict(records: list[dict], model: ClusterModel) -> dict:

@@ -63,7 +63,7 @@ class Striker(threading.Thread):
                 return
             live = sorted((r, p) for p in children(self.pid) if (r := _rank_of(p)) is not None)
             if len(live) <= self.min_alive:
-                self.skipped.append(f"{strike}: only {len(live)} workers running")
+                self.skipped.append(f"{strike}: " + (f"only {len(live)} workers running" if live else "the job was over"))
                 continue
             rank, victim = live[int(strike.pick * len(live))]
             try:
@@ -90,6 +90,22 @@ class Outcome:
     detail: str = ""
 
 
+def _differences(res: Result, summary: dict, reference: Result, steps: int) -> list[str]:
+    """What makes a run not the reference's: each check that fails, with the first step it shows."""
+    out = []
+    written = [r["step"] for r in res.steps]
+    if written != list(range(steps)):
+        out.append(f"steps written {written}")
+    bad = [(r["step"], r["loss"], reference.losses[r["step"]]) for r in res.steps
+           if r["step"] < len(reference.losses) and r["loss"] != reference.losses[r["step"]]]
+    if bad:
+        out.append(f"{len(bad)} losses differ, first at step {bad[0][0]}: {bad[0][1]!r} != {bad[0][2]!r}")
+    for key in ("params_sha256", "state_sha256"):
+        if summary.get(key) != reference.summary[key]:
+            out.append(f"{key} differs")
+    return out
+
+
 def strike_run(seed: int, args: list[str], metrics: Path, reference: Result, steps: int, events: int = 3,
                min_alive: int = 3, timeout_s: float = 300.0) -> Outcome:
     """``elaswave ARGS`` (a ``run`` with ``--metrics-out`` left to this helper) under the strikes of
@@ -114,12 +130,10 @@ def strike_run(seed: int, args: list[str], metrics: Path, reference: Result, ste
         out.verdict, out.detail = "failed", res.stderr[-2000:]
         return out
     summary = next((r for r in res.records if r["event"] == "summary"), {})
-    same = ([r["step"] for r in res.steps] == list(range(steps)) and res.losses == reference.losses
-            and summary.get("params_sha256") == reference.summary["params_sha256"]
-            and summary.get("state_sha256") == reference.summary["state_sha256"])
+    differ = _differences(res, summary, reference, steps)
     fell_back = any(r.get("is_fallback") for r in changes) or any(r["event"] == "resume" for r in res.records)
-    if not same:
-        out.verdict, out.detail = "diverged", res.stderr[-2000:]
+    if differ:
+        out.verdict, out.detail = "diverged", "; ".join(differ) + "\n" + res.stderr[-2000:]
     else:
         out.verdict = "fallback_equal" if fell_back else "equal"
     if fell_back and "WARNING" not in res.stderr:
