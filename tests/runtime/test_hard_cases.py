@@ -48,18 +48,21 @@ def test_a_rank_dying_during_the_recovery_from_another(tmp_path, reference):
     assert res.summary["ranks"] == [1, 3]
 
 
-def test_a_rank_dying_in_the_first_step_after_a_recovery_is_in_the_same_record(tmp_path, reference):
-    # Rank 1 dies in step 12's backward; the survivors redo step 12, and rank 3 dies in it, after
-    # its update. The first change never completed a step, so it has no record of its own: the
-    # record of the second names both lost ranks, timed from the first fault (issue 20: the world
-    # went from 6 to 4 while the only record named one rank).
+def test_every_rank_lost_is_in_a_record_when_a_death_follows_a_recovery(tmp_path, reference):
+    # Rank 1 dies in step 12's backward; rank 3 dies after its update in step 12 -- in the redo of
+    # step 12 when the recovery resumed there (the first change then never completed a step and
+    # has no record of its own: the second record names both, timed from the first fault), or in
+    # a later change when the recovery resumed at 11. Either way every lost rank is in a record
+    # (issue 20: the world went from 6 to 4 while the only record named one rank).
     res = _run(tmp_path, ["kill:rank=1,step=12,phase=backward", "kill:rank=3,step=12,phase=optimizer"])
     _assert_same_run(res, reference)
-    (rec,) = _recoveries(res)
-    assert rec["lost_ranks"] == [1, 3] and rec["num_changes"] == 2
-    assert set(rec["evidence"]) == {"1", "3"}
-    assert rec["phases_s"]["interrupted"] > 0
-    assert sum(rec["phases_s"].values()) == pytest.approx(rec["mttr_s"], abs=0.25)
+    recs = _recoveries(res)
+    assert sorted(r for rec in recs for r in rec["lost_ranks"]) == [1, 3]
+    assert all(set(rec["evidence"]) == {str(r) for r in rec["lost_ranks"]} for rec in recs)
+    if len(recs) == 1:
+        (rec,) = recs
+        assert rec["num_changes"] == 2 and rec["phases_s"]["interrupted"] > 0
+        assert sum(rec["phases_s"].values()) == pytest.approx(rec["mttr_s"], abs=0.25)
     assert res.summary["ranks"] == [0, 2]
 
 
