@@ -70,17 +70,19 @@ class Watcher(threading.Thread):
             return
         self.seen_alerts += 1
         alert = self.membership.read_alert(self.seen_alerts)
-        if alert.epoch >= epoch:
-            broken = self._broken_by(alert)
+        broken = self._broken_by(alert) if alert.epoch >= epoch else None
+        if broken is not None:
             # Check in first: the others may be waiting for us to decide the next epoch.
             self.membership.check_in(broken + 1)
             self.noticed_at.setdefault(alert.epoch, time.time())
             self.interrupt.trip(broken)
 
-    def _broken_by(self, alert) -> int:
+    def _broken_by(self, alert) -> int | None:
         """The epoch an alert breaks: its own, or -- when it names a member of an epoch agreed since
         (a death during a recovery) -- the newest such, which a recovery may be building right now.
-        Agreed means its members are published: the epoch counter may not have moved yet."""
+        Agreed means its members are published: the epoch counter may not have moved yet. None: it
+        names only ranks its own epoch had already left out (a launcher's report that came after
+        the survivors proved the death and agreed without the rank) -- nothing breaks."""
         broken, e = alert.epoch, alert.epoch + 1
         while alert.ranks:
             members = self.membership.members_of(e)
@@ -89,6 +91,10 @@ class Watcher(threading.Thread):
             if set(alert.ranks) & set(members):
                 broken = e
             e += 1
+        if alert.ranks and broken == alert.epoch:
+            own = self.membership.members_of(alert.epoch) if alert.epoch else None
+            if own is not None and not set(alert.ranks) & set(own):
+                return None
         return broken
 
 

@@ -114,12 +114,14 @@ class Membership:
     def _proven_dead(self, ranks: Sequence[int]) -> set[int]:
         return {r for r in ranks if self.store.check([f"{PREFIX}dead/{r}"])}
 
-    def _known_dead(self, prev: Sequence[int]) -> set[int]:
-        dead = self._proven_dead(prev)
+    def _known_dead(self, prev: Sequence[int]) -> tuple[set[int], set[int]]:
+        """(proven dead, known dead): recorded deaths, and those plus the ranks alerts named."""
+        proven = self._proven_dead(prev)
+        dead = set(proven)
         for n in range(1, self.alert_count() + 1):
             if self.store.check([f"{PREFIX}alert/{n}"]):
                 dead.update(r for r in self.read_alert(n).ranks if r in prev)
-        return dead
+        return proven, dead
 
     def _probe_silent(self, prev: Sequence[int], checked: set[int], dead: set[int]) -> set[int]:
         """Members neither checked in nor known dead whose liveness port refuses us; each is
@@ -149,7 +151,7 @@ class Membership:
         """Block until epoch ``epoch``'s members are decided; returns them (maybe without us)."""
         key = f"{PREFIX}ep/{epoch}/members"
         start = self.clock()
-        seen_in, dead = -1, set()
+        seen_in, dead, proven = -1, set(), set()
         checked: set[int] = set()
         probed_at = None
         while True:
@@ -160,11 +162,12 @@ class Membership:
             if num_in != seen_in:  # only rescan when something changed
                 seen_in = num_in
                 checked = self._checked_in(epoch, prev_members)
-                dead = self._known_dead(prev_members)
+                proven, dead = self._known_dead(prev_members)
             if self.prober is not None and (probed_at is None or self.clock() - probed_at >= probe_every_s):
                 probed_at = self.clock()
-                dead |= self._probe_silent(prev_members, checked, dead)
-            members = decide(prev_members, checked, dead, waited, agree_timeout_s, self._proven_dead(checked))
+                shown = self._probe_silent(prev_members, checked, dead)
+                proven, dead = proven | shown, dead | shown
+            members = decide(prev_members, checked, dead, waited, agree_timeout_s, proven)
             if members is not None:
                 stored = self.store.compare_set(key, "", json.dumps(list(members)))
                 won = json.loads(stored)
@@ -173,7 +176,7 @@ class Membership:
             if waited > timeout_s:
                 raise TimeoutError(f"no agreement on epoch {epoch} within {timeout_s}s")
             if waited > 0.05:  # past the usual case, re-check deaths now and then
-                dead = self._known_dead(prev_members)
+                proven, dead = self._known_dead(prev_members)
             time.sleep(poll_s)
 
     # -- state reports (one JSON document per member and epoch) -----------------------------
