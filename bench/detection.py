@@ -32,7 +32,6 @@ import os
 import platform
 import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -41,10 +40,12 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent))  # the tests' torchrun host, as bench/chaos.py uses their helpers
 from jobs import run_job  # noqa: E402
 from peers import JOB, KILL_RANK, KILL_STEP, torchft_run  # noqa: E402
 
 from elaswave.runtime.metrics import read_jsonl  # noqa: E402
+from tests.helpers.spawn import TorchrunNode  # noqa: E402
 
 STEPS = 16
 ELASWAVE_JOB = [s for s in JOB if not s.startswith("train.steps=")] + [f"train.steps={STEPS}"]
@@ -68,20 +69,6 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _children(pid: int) -> list[int]:
-    out = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as fh:
-                    fields = fh.read().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if int(fields[1]) == pid:
-                out.append(int(entry))
-    return out
-
-
 def torchrun_host_mttr(timeout_s: float = 240) -> dict:
     """Two torchrun agents; the second host killed whole after step 8. MTTR from the kill."""
     sets = ["model.arch=gpt", "model.dropout=0", "parallel.dp=2", "parallel.pp=2", "train.steps=20",
@@ -89,47 +76,25 @@ def torchrun_host_mttr(timeout_s: float = 240) -> dict:
     endpoint = f"127.0.0.1:{_free_port()}"
     with tempfile.TemporaryDirectory() as tmp:
         metrics = Path(tmp) / "run.jsonl"
-        agents = []
-        for is_host in (True, False):
-            cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=2",
-                   "--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}", "--rdzv-id=elaswave-bench",
-                   f"--rdzv-conf=is_host={str(is_host).lower()}", "--max-restarts=0",
-                   "-m", "elaswave.runtime.worker", "--metrics-out", str(metrics)] + [x for s in sets for x in ("--set", s)]
-            agents.append(subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=open(Path(tmp) / f"h{is_host}", "w"),
-                                           start_new_session=True, env=dict(os.environ, OMP_NUM_THREADS="1",
-                                                                            TORCH_CPP_LOG_LEVEL="ERROR")))
-        try:
+
+        def records():
+            return read_jsonl(str(metrics)) if metrics.exists() else []
+
+        with TorchrunNode(2, 2, endpoint, True, sets, metrics, Path(tmp) / "host0.log"), \
+                TorchrunNode(2, 2, endpoint, False, sets, metrics, Path(tmp) / "host1.log") as lost:
             deadline = time.monotonic() + timeout_s
-
-            def records():
-                return read_jsonl(str(metrics)) if metrics.exists() else []
-
             while sum(r["event"] == "step" for r in records()) <= 8:
                 if time.monotonic() > deadline:
                     raise RuntimeError("the torchrun job did not reach step 8")
                 time.sleep(0.05)
-            lost = agents[1]
-            victims = [lost.pid, *_children(lost.pid)]
             killed_at = time.time()
-            for pid in victims:
-                try:
-                    os.killpg(pid, 9)
-                except ProcessLookupError:
-                    pass
+            lost.kill()
             while not any(r["event"] == "recovery" for r in records()) or not any(
                     r["event"] == "step" and r["epoch"] > 0 for r in records()):
                 if time.monotonic() > deadline:
                     raise RuntimeError("the surviving host did not recover")
                 time.sleep(0.05)
             done = records()
-        finally:
-            for a in agents:
-                for pid in [a.pid, *_children(a.pid)]:
-                    try:
-                        os.killpg(pid, 9)
-                    except ProcessLookupError:
-                        pass
-                a.wait()
     rec = next(r for r in done if r["event"] == "recovery")
     first = min((r for r in done if r["event"] == "step" and r["epoch"] == rec["epoch"]), key=lambda r: r["step"])
     return {"mttr_s": first["wall_time"] - killed_at, "phases_s": rec["phases_s"], "evidence": rec["evidence"]}

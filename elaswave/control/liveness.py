@@ -13,7 +13,6 @@ all (a host powered off drops packets instead of refusing) proves nothing and sa
 """
 from __future__ import annotations
 
-import errno
 import socket
 import threading
 
@@ -69,8 +68,8 @@ def probe(address: str, timeout_s: float = PROBE_TIMEOUT_S) -> bool | None:
             return True
     except ConnectionRefusedError:
         return False
-    except OSError as exc:
-        return False if exc.errno == errno.ECONNREFUSED else None
+    except OSError:  # timed out, no route, host down
+        return None
 
 
 class Prober:

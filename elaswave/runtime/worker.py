@@ -284,7 +284,8 @@ def run(cfg: JobConfig, rank: int, world_size: int, metrics_out: str | None) -> 
         journal.commit_before(step, writer)
     wall = time.perf_counter() - began
     if rank == st.plan.ranks[0]:
-        digests = {i: h for part in summary.values() for i, h in part["digests"].items()}
+        # Every holder's copy of a layer is the same (checked in _finish): take any.
+        digests = {i: h for part in summary.values() for i, h in part["layer_copies"].items()}
         writer.write({"event": "summary", "steps": t.steps, "final_loss": result.loss if result else float("nan"),
                       "params_sha256": params_sha256([bytes.fromhex(digests[str(i)]) for i in range(ctx.model.num_layers)]),
                       "state_sha256": digest.state_sha256(summary[rank]["step_counter"],
@@ -390,15 +391,15 @@ def _resume_point(cfg: JobConfig, plan, rank: int) -> ResumePoint | None:
 
 
 def _finish(ctx: Context, st, cfg: JobConfig) -> dict[int, dict]:
-    """Every rank posts its layers' digests (each layer by its first holder) and its memory figures."""
+    """Every rank posts the digest of its copy of each layer it holds, its optimizer state's sum
+    and its memory figures; the first member checks that the copies agree."""
     plan = st.plan
     if st.stage.dtype != torch.float32:
         gather_masters(st)
     usage = resource.getrusage(resource.RUSAGE_SELF)
     exported = (export.write_my_shard(cfg.checkpoint.export_hf, plan, st.rank, st.stage.layers)
                 if cfg.checkpoint.export_hf else None)
-    doc = {"digests": {str(l.index): l.digest().hex() for l in st.stage.layers if plan.holders(l.index)[0] == st.rank},
-           "layer_copies": digest.layer_digests(st.stage.layers),
+    doc = {"layer_copies": digest.layer_digests(st.stage.layers),
            "state_sum": f"{digest.owned_state_sum(st.optimizer):x}", "step_counter": st.optimizer.gen,
            "master_problems": digest.masters_mismatches(st.optimizer, st.stage.layers, st.rank),
            "export": exported,

@@ -28,21 +28,15 @@ class StateMismatch(RuntimeError):
     """Two copies of the same state differ at the end of a run."""
 
 
-def _bytes(t: torch.Tensor) -> bytes:
-    t = t.detach().cpu().contiguous()
-    if t.dtype == torch.bfloat16:  # numpy has no bfloat16; the bytes are the same
-        t = t.view(torch.int16)
-    return t.numpy().tobytes()
-
-
 def owned_state_sum(optimizer) -> int:
-    """Sum mod 2**256 of sha256(layer, chunk, [master, exp_avg, exp_avg_sq]) over the chunks owned here."""
+    """Sum mod 2**256 of sha256(layer, chunk, [master, exp_avg, exp_avg_sq]) over the chunks owned
+    here (the state is float32 whatever the layers compute in)."""
     optimizer.settle()
     total = 0
     for b, s in zip(optimizer.buckets, optimizer.state):
         for oc in b.owned:
             h = hashlib.sha256(f"{oc.layer}/{oc.chunk}:".encode())
-            h.update(_bytes(s[:, oc.slot_offset:oc.slot_offset + oc.numel]))
+            h.update(s[:, oc.slot_offset:oc.slot_offset + oc.numel].detach().cpu().contiguous().numpy().tobytes())
             total = (total + int.from_bytes(h.digest(), "big")) % MODULUS
     return total
 
@@ -71,8 +65,8 @@ def masters_mismatches(optimizer, layers: Iterable, rank: int) -> list[str]:
 
 
 def layer_digests(layers: Iterable) -> dict[str, str]:
-    """This copy of each layer held here: layer index -> sha256 of its parameters."""
-    return {str(l.index): hashlib.sha256(_bytes(l.flat)).hexdigest() for l in layers}
+    """This copy of each layer held here: layer index -> sha256 of its parameters (hex)."""
+    return {str(l.index): l.digest().hex() for l in layers}
 
 
 def replica_mismatches(held: Mapping[int, Mapping[str, str]]) -> list[str]:
