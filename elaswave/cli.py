@@ -78,16 +78,23 @@ def cmd_run(args: argparse.Namespace) -> int:
                           f"parallel.pp={cfg.parallel.pp} needs {cfg.world_size} ranks")
     _check_data(cfg)
     _check_memory(cfg)
+    from elaswave.control.admission import job_token
+    from elaswave.control.agents import Node
     from elaswave.launch import launch
     from elaswave.runtime.metrics import TENSORBOARD_ENV
 
+    node = Node(args.nnodes, args.node_rank, args.nproc_per_node, args.rdzv_endpoint, args.rdzv_id)
+    node.validate(cfg.world_size, job_token())
+
     if args.tensorboard:  # the workers' writer reads it (under torchrun, set it yourself)
         os.environ[TENSORBOARD_ENV] = args.tensorboard
-    print(f"elaswave: dp={cfg.parallel.dp} pp={cfg.parallel.pp} ({cfg.world_size} ranks), "
+    where = (f", this host node {node.node_rank} of {node.nnodes} (ranks {node.founding_ranks(cfg.world_size).start}-"
+             f"{node.founding_ranks(cfg.world_size).stop - 1})" if node.is_multi_host else "")
+    print(f"elaswave: dp={cfg.parallel.dp} pp={cfg.parallel.pp} ({cfg.world_size} ranks{where}), "
           f"{cfg.model.num_layers} layers, global batch {cfg.train.num_micro_batches} x "
           f"{cfg.train.micro_batch_size} sequences, {'deterministic' if cfg.train.deterministic else 'fast'} mode",
           flush=True)
-    code = launch(cfg, args.metrics_out, timeout_s=args.timeout_s)
+    code = launch(cfg, args.metrics_out, timeout_s=args.timeout_s, node=node)
     if args.metrics_out and os.path.exists(args.metrics_out):
         print(f"elaswave: metrics in {args.metrics_out}; plots and a page: elaswave report {args.metrics_out}", flush=True)
     return code
@@ -278,6 +285,12 @@ def main(argv: list[str] | None = None) -> int:
     run = sub.add_parser("run", help="train with dp x pp worker processes on this host")
     _job_args(run)
     run.add_argument("--nproc", type=int, help="number of ranks (must equal dp x pp)")
+    hosts = run.add_argument_group("several hosts: one `elaswave run` (an agent) per host, torchrun's flag names")
+    hosts.add_argument("--nnodes", type=int, default=1, help="hosts in the job")
+    hosts.add_argument("--node-rank", type=int, default=0, help="this host's number, 0..nnodes-1 (0 hosts the store)")
+    hosts.add_argument("--nproc-per-node", type=int, default=None, help="workers on each host (default: dp x pp / nnodes)")
+    hosts.add_argument("--rdzv-endpoint", default=None, metavar="HOST:PORT", help="node 0's address and a free port for the job's store")
+    hosts.add_argument("--rdzv-id", default="elaswave", help="the job's id; every agent must give the same")
     run.add_argument("--timeout-s", type=float, default=None, help="stop the job after this many seconds")
     run.add_argument("--tensorboard", metavar="DIR", help="also log TensorBoard scalars in DIR (needs tensorboard)")
     run.add_argument("--respawn-after", type=float, default=None, metavar="S",

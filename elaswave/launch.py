@@ -4,8 +4,11 @@ Elastic jobs: a worker that dies is reported to the control plane at once (``ew/
 an alert), which is how the survivors learn of a SIGKILL in milliseconds instead of waiting for a
 collective to time out; the survivors go on. The job is over when every worker has exited, or
 when the job has stamped ``done`` and the rest are hung or left out (they are then killed).
-Non-elastic jobs stop every worker when one fails. For several hosts, run the same worker entry
-point under ``torchrun`` instead (see README).
+Non-elastic jobs stop every worker when one fails.
+
+Several hosts: one launcher per host, as an *agent* (:mod:`elaswave.control.agents`): node 0's
+hosts the store, each starts and watches its own host's workers, and a worker's death costs that
+rank alone. The same worker entry point also runs under ``torchrun`` (see README).
 """
 from __future__ import annotations
 
@@ -22,8 +25,14 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from elaswave.config import JobConfig
+from elaswave.comm.backend import connect_store
+from elaswave.control import agents
 from elaswave.control.admission import JOIN_ENV, STARTED_ENV, TOKEN_ENV, job_token, new_token
+from elaswave.control.agents import AgentRefused, Node
 from elaswave.control.membership import PREFIX, Membership
+
+NODE_ENV = "ELASWAVE_NODE"
+"""The node rank of the agent that started a worker: which host it is on."""
 
 
 def _stop(procs: list[subprocess.Popen], grace_s: float = 5.0) -> None:
@@ -70,20 +79,22 @@ def _describe(code: int) -> str:
 
 
 class _Workers:
-    """The worker processes: the founding ranks, and the joiners started later under new ranks."""
+    """This host's worker processes: its founding ranks, and the joiners started later under new ranks."""
 
     def __init__(self, cfg: JobConfig, cfg_path: str, store: dist.TCPStore, store_addr: str,
-                 metrics_out: str | None, token: str):
+                 metrics_out: str | None, token: str, node: Node):
         self.cfg, self.cfg_path, self.store_addr, self.metrics_out = cfg, cfg_path, store_addr, metrics_out
-        self.store, self.token = store, token
+        self.store, self.token, self.node = store, token, node
         self.procs: dict[int, subprocess.Popen] = {}
 
     def spawn(self, joining: bool = False) -> int:
         world_size = self.cfg.world_size
-        rank = next_rank(self.store) if joining else len(self.procs)
-        env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
-                   LOCAL_WORLD_SIZE=str(world_size), ELASWAVE_STORE=self.store_addr, OMP_NUM_THREADS="1")
-        env[TOKEN_ENV] = self.token
+        founding = self.node.founding_ranks(world_size)
+        rank = next_rank(self.store) if joining else founding[len(self.procs)]
+        local = len(self.procs)
+        env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(local),
+                   LOCAL_WORLD_SIZE=str(len(founding)), ELASWAVE_STORE=self.store_addr, OMP_NUM_THREADS="1")
+        env[TOKEN_ENV], env[NODE_ENV] = self.token, str(self.node.node_rank)
         if joining:
             env[JOIN_ENV], env[STARTED_ENV] = "1", repr(time.time())
         # The watchers' store waits time out every heartbeat interval by design; keep c10d quiet.
@@ -98,24 +109,59 @@ class _Workers:
         return list(self.procs.values())
 
 
-def launch(cfg: JobConfig, metrics_out: str | None = None, host: str = "127.0.0.1",
-           timeout_s: float | None = None, done_grace_s: float = 10.0) -> int:
-    """Run the job to completion; returns the exit code (0 when the training finished).
+def _open_store(cfg: JobConfig, node: Node, host: str) -> tuple[dist.TCPStore, str]:
+    """The job's store: hosted here (one host, or node 0 of several) or reached at the endpoint.
+    Returns it and the address the workers connect to."""
+    timeout = timedelta(seconds=cfg.parallel.timeout_s)
+    if node.rdzv_endpoint is None:
+        store = dist.TCPStore(host, 0, world_size=None, is_master=True, wait_for_workers=False, timeout=timeout)
+        return store, f"{host}:{store.port}"
+    ep_host, port = node.endpoint()
+    if node.node_rank == 0:
+        try:
+            store = dist.TCPStore(ep_host, port, world_size=None, is_master=True, wait_for_workers=False,
+                                  timeout=timeout)
+        except (RuntimeError, OSError) as exc:
+            raise AgentRefused(f"--rdzv-endpoint={node.rdzv_endpoint}: node 0 cannot host the job's store there "
+                               f"({type(exc).__name__}: {str(exc).splitlines()[0]})") from None
+        return store, node.rdzv_endpoint
+    try:
+        return connect_store(node.rdzv_endpoint, cfg.parallel.timeout_s), node.rdzv_endpoint
+    except (RuntimeError, OSError) as exc:  # torch raises DistStoreError (a RuntimeError) on a timeout
+        raise AgentRefused(f"--rdzv-endpoint={node.rdzv_endpoint}: no job's store answered within "
+                           f"parallel.timeout_s={cfg.parallel.timeout_s:g} s ({type(exc).__name__}); is node 0's "
+                           f"agent running there?") from None
 
-    The store binds to ``host`` (loopback unless told otherwise). Joining ranks must prove the
-    job's token: ``ELASWAVE_TOKEN`` from the environment, or a new random one that only this
-    launcher's own replacements know."""
-    store = dist.TCPStore(host, 0, world_size=None, is_master=True, wait_for_workers=False,
-                          timeout=timedelta(seconds=cfg.parallel.timeout_s))
+
+def launch(cfg: JobConfig, metrics_out: str | None = None, host: str = "127.0.0.1",
+           timeout_s: float | None = None, done_grace_s: float = 10.0, node: Node = Node()) -> int:
+    """Run the job (or, with ``node``, this host's share of it) to completion; returns the exit
+    code (0 when the training finished).
+
+    On one host the store binds to ``host`` (loopback unless told otherwise). Joining ranks must
+    prove the job's token: ``ELASWAVE_TOKEN`` from the environment, or (one host only) a new random
+    one that only this launcher's own replacements know."""
+    node.validate(cfg.world_size, job_token())
+    store, store_addr = _open_store(cfg, node, host)
+    token = job_token() or new_token()
+    if node.node_rank == 0:
+        # What `elaswave join` needs to add a rank from elsewhere: the job's config and a rank number.
+        store.add(PREFIX + "next_rank", cfg.world_size)
+        store.set(PREFIX + "config", json.dumps(cfg.to_dict()))
+        if node.is_multi_host:
+            agents.publish(store, node, cfg.world_size, cfg.to_dict(), token)
+    else:
+        try:
+            agents.check_in(store, node, cfg.world_size, cfg.to_dict(), token)
+        except (RuntimeError, OSError):
+            raise AgentRefused(f"--rdzv-endpoint={node.rdzv_endpoint}: node 0's agent did not publish the job's "
+                               f"settings within parallel.timeout_s={cfg.parallel.timeout_s:g} s") from None
     membership = Membership(store, -1)
     with tempfile.NamedTemporaryFile("w", suffix=".json", prefix="elaswave-", delete=False) as fh:
         json.dump(cfg.to_dict(), fh)
         cfg_path = fh.name
-    # What `elaswave join` needs to add a rank from elsewhere: the job's config and a rank number.
-    store.set(PREFIX + "config", json.dumps(cfg.to_dict()))
-    store.add(PREFIX + "next_rank", cfg.world_size)
-    workers = _Workers(cfg, cfg_path, store, f"{host}:{store.port}", metrics_out, job_token() or new_token())
-    if cfg.elastic.enabled:
+    workers = _Workers(cfg, cfg_path, store, store_addr, metrics_out, token, node)
+    if cfg.elastic.enabled and node.node_rank == 0:
         how = ("with this job's ELASWAVE_TOKEN" if job_token() else
                "(none can: set ELASWAVE_TOKEN before `elaswave run` to allow it)")
         print(f"elaswave: store at {workers.store_addr}; more ranks join with `elaswave join --store "
@@ -124,9 +170,12 @@ def launch(cfg: JobConfig, metrics_out: str | None = None, host: str = "127.0.0.
     if threading.current_thread() is threading.main_thread():
         handlers = {sig: signal.signal(sig, _on_terminate) for sig in (signal.SIGTERM, signal.SIGHUP)}
     try:
-        for _ in range(cfg.world_size):
+        for _ in node.founding_ranks(cfg.world_size):
             workers.spawn()
-        return _watch(cfg, workers, store, membership, timeout_s, done_grace_s)
+        code = _watch(cfg, workers, store, membership, timeout_s, done_grace_s)
+        if node.is_multi_host:
+            _finish(store, node, code, done_grace_s)
+        return code
     except KeyboardInterrupt:
         _stop(workers.all())
         return 130
@@ -145,7 +194,10 @@ def _watch(cfg: JobConfig, workers: _Workers, store: dist.TCPStore, membership: 
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     reported: set[int] = set()
     done_at = None
-    joins = sorted((f for f in cfg.elastic.faults if f.kind == "join"), key=lambda f: f.step)
+    # Scheduled joins are the job's, so one agent (node 0's) starts them; replacements are each host's own.
+    joins = sorted((f for f in cfg.elastic.faults if f.kind == "join"), key=lambda f: f.step) \
+        if workers.node.node_rank == 0 else []
+    others = _OtherHosts(store, workers) if workers.node.is_multi_host and workers.node.node_rank == 0 else None
     respawns: list[float] = []  # when to start the next replacements (monotonic clock)
     while True:
         codes = {rank: p.poll() for rank, p in workers.procs.items()}
@@ -165,7 +217,7 @@ def _watch(cfg: JobConfig, workers: _Workers, store: dist.TCPStore, membership: 
             done_at = time.monotonic()
         if done_at is None:
             _start_joiners(workers, joins, respawns, membership)
-        if all(c is not None for c in codes.values()):
+        if all(c is not None for c in codes.values()) and not (done_at is None and others and others.training()):
             if done_at is not None or all(c == 0 for c in codes.values()):
                 return 0
             first = next(c for c in codes.values() if c not in (None, 0))
@@ -184,6 +236,38 @@ def _watch(cfg: JobConfig, workers: _Workers, store: dist.TCPStore, membership: 
             _stop(workers.all())
             return 124
         time.sleep(0.005)
+
+
+class _OtherHosts:
+    """Node 0's view of the ranks on other hosts: while one lives, the job may go on there and
+    needs the store this agent hosts, even when every worker of this host is gone."""
+
+    def __init__(self, store: dist.TCPStore, workers: _Workers, every_s: float = 0.5):
+        from elaswave.control.liveness import Prober
+
+        self.store, self.workers, self.every_s = store, workers, every_s
+        self.prober, self._checked, self._answer = Prober(), 0.0, True
+
+    def training(self) -> bool:
+        if time.monotonic() - self._checked >= self.every_s:
+            self._checked = time.monotonic()
+            ranks = [r for r in range(self.store.add(PREFIX + "next_rank", 0)) if r not in self.workers.procs]
+            self._answer = any(self.prober.is_alive(r, self.store) for r in ranks)
+        return self._answer
+
+
+def _finish(store: dist.TCPStore, node: Node, code: int, grace_s: float) -> None:
+    """Node 0 keeps the store up until the other agents are done with it; they say when."""
+    try:
+        if node.node_rank == 0:
+            missing = agents.wait_for_others(store, node, grace_s)
+            if missing:
+                print(f"elaswave: {missing} other host agent(s) did not report finishing within {grace_s:g} s; "
+                      f"closing the job's store", file=sys.stderr, flush=True)
+        else:
+            agents.finished(store)
+    except (RuntimeError, OSError):  # node 0's store is gone: nobody is left to tell
+        pass
 
 
 def _start_joiners(workers: _Workers, joins: list, respawns: list[float], membership: Membership) -> None:

@@ -2,11 +2,12 @@
 and however the launcher itself ends, its workers end with it."""
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
 
-from tests.helpers.spawn import TINY, alive, children
+from tests.helpers.spawn import TINY, Running, alive, assert_same_run, children, run_cli, run_reference
 
 
 def _start_long_job(extra=()):
@@ -55,3 +56,73 @@ def test_workers_end_with_the_launcher_however_it_ends():
                 os.killpg(proc.pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_of(pid: int) -> int | None:
+    try:
+        env = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
+    except OSError:
+        return None
+    return next((int(v[5:]) for v in env if v.startswith(b"RANK=")), None)
+
+
+def _agent(sets: list[str], node_rank: int, endpoint: str, metrics, extra=()) -> Running:
+    args = ["run", *[x for s in sets for x in ("--set", s)], "--nnodes", "2", "--node-rank", str(node_rank),
+            "--rdzv-endpoint", endpoint, *extra]
+    return Running(args, metrics, env={"ELASWAVE_TOKEN": "agents-test", "TORCH_CPP_LOG_LEVEL": "ERROR"})
+
+
+def test_two_host_agents_lose_one_worker_not_its_host(tmp_path):
+    """Two agents on loopback, two workers each (dp=2 x pp=2, a pipeline per host). One worker of
+    host 1 is SIGKILLed: its agent reports it and leaves the host's other worker running, so the
+    world goes 4 -> 3 (torchrun's agent would tear the host down: 4 -> 2), and the replacement it
+    starts brings it back to 4. Every loss and the final state equal the reference."""
+    steps = 150  # long enough for the replacement's start-up (importing torch: seconds on 2 cores)
+    sets = [*TINY, "parallel.dp=2", "parallel.pp=2", f"train.steps={steps}", "train.num_micro_batches=4",
+            "train.deterministic=true", "elastic.respawn_after_s=0", "parallel.timeout_s=60"]
+    endpoint, metrics = f"127.0.0.1:{_free_port()}", tmp_path / "run.jsonl"
+    with _agent(sets, 0, endpoint, metrics) as host0, _agent(sets, 1, endpoint, metrics) as host1:
+        host0.wait_for(r"step\s+6/", 180)
+        workers = {_rank_of(p): p for p in children(host1.proc.pid)}
+        assert sorted(workers) == [2, 3], workers
+        os.kill(workers[3], signal.SIGKILL)
+        res0, res1 = host0.finish(240), host1.finish(240)
+    assert res0.returncode == 0 and res1.returncode == 0, f"{res0.stderr}\n{res1.stderr}"
+    assert "rank 3 was killed by SIGKILL" in res1.stderr and "replace a lost one" in res1.stderr, res1.stderr
+    records = res0.records
+    recovery = next(r for r in records if r["event"] == "recovery")
+    assert recovery["lost_ranks"] == [3] and not recovery["is_fallback"], recovery
+    worlds = [r["world_size"] for r in res0.steps]
+    assert 3 in worlds and 2 not in worlds and worlds[-1] == 4, worlds
+    assert_same_run(res0, run_reference(tmp_path, steps, deterministic=True), steps)
+
+
+def test_agents_with_disagreeing_settings_are_refused(tmp_path):
+    sets = [*TINY, "parallel.dp=2", "parallel.pp=2", "train.steps=400", "parallel.timeout_s=20"]
+    endpoint = f"127.0.0.1:{_free_port()}"
+    with _agent(sets, 0, endpoint, tmp_path / "a.jsonl") as host0:
+        host0.wait_for("store at", 60)
+        other = run_cli(["run", *[x for s in [*sets[:-2], "train.steps=500", sets[-1]] for x in ("--set", s)], "--nnodes", "2",
+                         "--node-rank", "1", "--rdzv-endpoint", endpoint], tmp_path, timeout_s=60,
+                        env={"ELASWAVE_TOKEN": "agents-test"})
+        assert other.returncode == 2, other.stderr
+        assert "train.steps is 500 here and 400 on node 0" in other.stderr, other.stderr
+        wrong_token = run_cli(["run", *[x for s in sets for x in ("--set", s)], "--nnodes", "2", "--node-rank", "1",
+                               "--rdzv-endpoint", endpoint], tmp_path, timeout_s=60, env={"ELASWAVE_TOKEN": "other"})
+        assert wrong_token.returncode == 2 and "ELASWAVE_TOKEN differs" in wrong_token.stderr, wrong_token.stderr
+        assert other.left_behind == 0 and wrong_token.left_behind == 0
+
+
+def test_an_unreachable_rendezvous_endpoint_is_a_clear_error_within_the_timeout(tmp_path):
+    began = time.monotonic()
+    res = run_cli(["run", *[x for s in [*TINY, "parallel.timeout_s=3"] for x in ("--set", s)], "--nnodes", "2",
+                   "--node-rank", "1", "--rdzv-endpoint", f"127.0.0.1:{_free_port()}"], tmp_path, timeout_s=60,
+                  env={"ELASWAVE_TOKEN": "agents-test"})
+    assert res.returncode == 2 and "no job's store answered within parallel.timeout_s=3 s" in res.stderr, res.stderr
+    assert time.monotonic() - began < 30

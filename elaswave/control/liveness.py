@@ -99,6 +99,12 @@ class Prober:
                 if address is not None and probe(address) is True:
                     self._reached.add(rank)
 
+    def is_alive(self, rank: int, store) -> bool:
+        """Whether ``rank`` may still be running: its port answers, or its host does not answer at
+        all (nothing proven). False for a rank that never registered a port."""
+        address = self._address(rank, store)
+        return address is not None and probe(address) is not False
+
     def is_gone(self, rank: int, store) -> bool:
         """Whether ``rank`` is shown dead: its port, reached before, now refuses us."""
         address = self._address(rank, store)

@@ -1,0 +1,135 @@
+"""Per-host agents of one job: where each host's ranks sit, and the settings every agent must share.
+
+With ``elaswave run --nnodes N --node-rank K --rdzv-endpoint HOST:PORT`` (torchrun's flag names)
+one agent runs per host. The agent of node 0 hosts the job's TCPStore at the endpoint; the others
+connect to it. Each starts its host's workers under ranks ``K * nproc_per_node + i`` and watches
+only those: a worker's death is reported and costs one rank, never the host's other workers (the
+thing torchrun's agent cannot do: it tears the whole host down).
+
+Before any worker starts, an agent that does not host the store checks in: it claims its node
+rank (two agents with one rank would start two processes per rank) and compares its settings
+with node 0's -- job id, node count, workers per host, token, the whole job config. The token is
+compared as an HMAC, never stored. A difference refuses the agent naming the value.
+"""
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+
+from elaswave.config import ConfigError
+from elaswave.control.admission import proof
+from elaswave.control.membership import PREFIX
+
+SETTINGS = PREFIX + "agents/settings"
+FINISHED = PREFIX + "agents/finished"
+
+
+class AgentRefused(ConfigError):
+    """This agent's settings disagree with the job's, or its node rank is taken; says which."""
+
+
+@dataclass(frozen=True)
+class Node:
+    """This host's place in the job, in torchrun's terms. The default is the whole job on one host."""
+
+    nnodes: int = 1
+    node_rank: int = 0
+    nproc_per_node: int | None = None
+    """Workers on each host; None: the job's ranks divided evenly over the hosts."""
+    rdzv_endpoint: str | None = None
+    """HOST:PORT of the job's store, which node 0's agent hosts; None on one host (any free port)."""
+    rdzv_id: str = "elaswave"
+
+    @property
+    def is_multi_host(self) -> bool:
+        return self.nnodes > 1 or self.rdzv_endpoint is not None
+
+    def workers(self, world_size: int) -> int:
+        return self.nproc_per_node if self.nproc_per_node is not None else world_size // self.nnodes
+
+    def founding_ranks(self, world_size: int) -> range:
+        n = self.workers(world_size)
+        return range(self.node_rank * n, (self.node_rank + 1) * n)
+
+    def endpoint(self) -> tuple[str, int]:
+        host, port = self.rdzv_endpoint.rsplit(":", 1)
+        return host.strip("[]"), int(port)
+
+    def validate(self, world_size: int, token: str | None) -> None:
+        """One-line errors for a node that cannot take part; run before anything starts."""
+        if self.nnodes < 1:
+            raise ConfigError(f"--nnodes={self.nnodes} is invalid: a job needs at least 1 host")
+        if not 0 <= self.node_rank < self.nnodes:
+            raise ConfigError(f"--node-rank={self.node_rank} is invalid: with --nnodes={self.nnodes} it is "
+                              f"0..{self.nnodes - 1}")
+        if self.nnodes > 1 and not self.rdzv_endpoint:
+            raise ConfigError(f"--nnodes={self.nnodes} needs --rdzv-endpoint=HOST:PORT: where node 0's agent "
+                              f"hosts the job's store")
+        if self.rdzv_endpoint is not None:
+            host, _, port = self.rdzv_endpoint.rpartition(":")
+            if not host or not port.isdigit() or not 0 < int(port) < 65536:
+                raise ConfigError(f"--rdzv-endpoint={self.rdzv_endpoint!r} is invalid: use HOST:PORT with a port "
+                                  f"in 1..65535")
+        if self.nproc_per_node is None and world_size % self.nnodes:
+            raise ConfigError(f"--nnodes={self.nnodes} is invalid: the job's {world_size} ranks do not divide "
+                              f"evenly over it; give --nproc-per-node")
+        if self.nproc_per_node is not None and (self.nproc_per_node < 1 or
+                                                self.nproc_per_node * self.nnodes != world_size):
+            raise ConfigError(f"--nnodes={self.nnodes} x --nproc-per-node={self.nproc_per_node} = "
+                              f"{self.nnodes * (self.nproc_per_node or 0)} ranks is invalid: parallel.dp x "
+                              f"parallel.pp needs {world_size}")
+        if self.nnodes > 1 and not token:
+            raise ConfigError("ELASWAVE_TOKEN is not set: with --nnodes > 1 every host's agent needs the same "
+                              "secret, so that only this job's replacements join it")
+
+
+def _settings(node: Node, world_size: int, config: dict, token: str) -> dict:
+    return {"job id (--rdzv-id)": node.rdzv_id, "--nnodes": node.nnodes,
+            "--nproc-per-node": node.workers(world_size), "ELASWAVE_TOKEN": proof(token, -1), "config": config}
+
+
+def _flat(doc: dict, prefix: str = "") -> dict:
+    out = {}
+    for key, value in doc.items():
+        if isinstance(value, dict):
+            out.update(_flat(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def publish(store, node: Node, world_size: int, config: dict, token: str) -> None:
+    """Node 0: the settings every other agent must match."""
+    store.set(SETTINGS, json.dumps(_settings(node, world_size, config, token)))
+
+
+def check_in(store, node: Node, world_size: int, config: dict, token: str) -> None:
+    """Any other node: claim the node rank and match node 0's settings (``store`` waits for them
+    within its own timeout)."""
+    theirs = _flat(json.loads(store.get(SETTINGS)))
+    ours = _flat(json.loads(json.dumps(_settings(node, world_size, config, token))))  # tuples read back as lists
+    for key in sorted(ours.keys() | theirs.keys()):
+        if ours.get(key) != theirs.get(key):
+            shown = ("differs" if key == "ELASWAVE_TOKEN" else
+                     f"is {ours.get(key, '(unset)')!r} here and {theirs.get(key, '(unset)')!r} on node 0")
+            raise AgentRefused(f"{key.removeprefix('config.')} {shown}: every agent of a job must be started "
+                               f"with the same settings")
+    if store.add(f"{PREFIX}agents/node/{node.node_rank}", 1) != 1:
+        raise AgentRefused(f"--node-rank={node.node_rank} is taken: another agent of this job has it")
+
+
+def finished(store) -> None:
+    """An agent whose workers are done says so: node 0 keeps the store up until every agent has."""
+    store.add(FINISHED, 1)
+
+
+def wait_for_others(store, node: Node, grace_s: float) -> int:
+    """Node 0, at the end: wait up to ``grace_s`` for the other agents; returns how many did not
+    say they finished (a host lost whole never will)."""
+    deadline = time.monotonic() + grace_s
+    while True:
+        missing = node.nnodes - 1 - store.add(FINISHED, 0)
+        if missing <= 0 or time.monotonic() > deadline:
+            return max(0, missing)
+        time.sleep(0.05)

@@ -1,0 +1,28 @@
+"""A host's place in a job of several, and the one-line errors for a node that cannot take part."""
+import pytest
+
+from elaswave.config import ConfigError
+from elaswave.control.agents import Node
+
+
+def test_each_host_starts_its_own_share_of_the_founding_ranks():
+    assert list(Node(2, 0, 2, "h:1").founding_ranks(4)) == [0, 1]
+    assert list(Node(2, 1, None, "h:1").founding_ranks(4)) == [2, 3]
+    assert list(Node().founding_ranks(6)) == list(range(6))
+    assert Node(3, 2, 2, "[::1]:29500").endpoint() == ("::1", 29500)
+
+
+@pytest.mark.parametrize("node, world, token, says", [
+    (Node(0), 4, "t", "--nnodes=0 is invalid"),
+    (Node(2, 2, None, "h:1"), 4, "t", "--node-rank=2 is invalid: with --nnodes=2 it is 0..1"),
+    (Node(2, 1), 4, "t", "--nnodes=2 needs --rdzv-endpoint"),
+    (Node(2, 1, None, "h"), 4, "t", "--rdzv-endpoint='h' is invalid"),
+    (Node(2, 1, None, "h:70000"), 4, "t", "port in 1..65535"),
+    (Node(3, 1, None, "h:1"), 4, "t", "the job's 4 ranks do not divide evenly"),
+    (Node(2, 1, 3, "h:1"), 4, "t", "--nnodes=2 x --nproc-per-node=3 = 6 ranks is invalid: parallel.dp x parallel.pp needs 4"),
+    (Node(2, 1, None, "h:1"), 4, None, "ELASWAVE_TOKEN is not set"),
+])
+def test_a_node_that_cannot_take_part_is_one_line(node, world, token, says):
+    with pytest.raises(ConfigError, match=None) as err:
+        node.validate(world, token)
+    assert says in str(err.value) and "\n" not in str(err.value)
