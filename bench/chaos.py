@@ -120,7 +120,8 @@ def any_instant(args) -> None:
                     raise RuntimeError(f"the reference failed:\n{ref.stderr[-2000:] if ref else 'timed out'}")
                 references[mbs] = ref
             sets_ = [*_any_job(mbs), f"train.steps={steps}", f"parallel.dp={dp}", f"parallel.pp={pp}",
-                     f"checkpoint.dir={tmp / f'ckpt{seed}'}", "checkpoint.every_steps=10"]
+                     f"checkpoint.dir={tmp / f'ckpt{seed}'}", "checkpoint.every_steps=10",
+                     f"elastic.snapshot_copies={args.snapshot_copies}"]
             cli = ["run", "--deterministic", "--respawn-after", "0"] + [x for s in sets_ for x in ("--set", s)]
             out = strike_run(seed, cli, tmp / f"seed{seed}.jsonl", references[mbs], steps,
                              min_alive=max(2, dp * pp // 2), timeout_s=args.timeout_s)
@@ -140,13 +141,16 @@ def any_instant(args) -> None:
                "left_behind": sum(r["left_behind"] for r in runs),
                "recoveries": sum(r["recoveries"] for r in runs), "joins": sum(r["joins"] for r in runs),
                "wall_s_median": statistics.median(r["wall_s"] for r in runs)}
-    out_path = Path(args.out + "_any_instant" + (f"_{steps}" if steps != 80 else ""))
+    summary["snapshot_copies"] = args.snapshot_copies
+    out_path = Path(args.out + "_any_instant" + (f"_{steps}" if steps != 80 else "")
+                    + (f"_k{args.snapshot_copies}" if args.snapshot_copies != 1 else ""))
     out_path.with_suffix(".json").write_text(json.dumps({"summary": summary, "runs": runs}, indent=1))
     lines = ["# Chaos at any instant", "",
              f"`python bench/chaos.py --any-instant --seeds {args.seeds} --first-seed {args.first_seed} --steps {steps}"
-             f" --layouts {','.join(summary['layouts'])}`: layouts "
+             f" --layouts {','.join(summary['layouts'])} --snapshot-copies {args.snapshot_copies}`: layouts "
              f"{', '.join(summary['layouts'])} in turn, deterministic, a replacement for every dead rank; SIGKILL / "
-             "SIGSTOP sent from outside the job at seeded instants.", "",
+             f"SIGSTOP sent from outside the job at seeded instants; each rank's snapshot kept by "
+             f"{args.snapshot_copies} peer(s).", "",
              f"- bit-identical to the reference: **{counts['equal']}**; bit-identical after a loud return to a disk "
              f"checkpoint: **{counts['fallback_equal']}**",
              f"- loud failures (non-zero exit): {counts['failed']}; silent divergence: {counts['diverged']}; "
@@ -174,12 +178,16 @@ def main() -> None:
     ap.add_argument("--any-instant", action="store_true")
     ap.add_argument("--layouts", default=",".join(f"{dp}x{pp}" for dp, pp in ANY_LAYOUTS),
                     help="dp x pp layouts the any-instant seeds cycle over")
+    ap.add_argument("--snapshot-copies", type=int, default=1,
+                    help="elastic.snapshot_copies of the any-instant runs (peers keeping each rank's snapshot)")
     ap.add_argument("--out", default=str(HERE / "results" / "chaos"))
     args = ap.parse_args()
     if args.steps is None:
         args.steps = 80 if args.any_instant else 120
     if args.seeds < 1:
         ap.error(f"--seeds={args.seeds} must be >= 1")
+    if args.snapshot_copies < 1:
+        ap.error(f"--snapshot-copies={args.snapshot_copies} must be >= 1")
     if args.steps < 12:
         ap.error(f"--steps={args.steps} is too short for a chaos run: it must be >= 12")
     try:

@@ -189,6 +189,10 @@ class ElasticConfig:
     found as on a host nobody reports for (collective errors, probes, heartbeats) -- to measure that path."""
     snapshots: bool = True
     """Copy every rank's ZeRO chunks into a peer's memory after each step (needed to recover them)."""
+    snapshot_copies: int = 1
+    """Peers that keep each rank's snapshot (on other hosts first): a rank lost together with up to
+    this many minus one of its holders is still recovered from memory, not from a disk checkpoint.
+    Each copy costs one more send per step and the memory of one more peer's snapshot per rank."""
     detours: bool = True
     """elaswave's planner may leave a broken pipeline's survivors in place and send its micro-batches
     through the other pipelines' same stage, when it predicts that faster than re-partitioning."""
@@ -212,6 +216,10 @@ class ElasticConfig:
     respawn_after_s: float = -1.0
     """The launcher starts a replacement (a new rank, which joins) this long after a rank dies;
     negative: never."""
+    spares: int = 0
+    """Warm spares per host: processes started up front that have imported torch, built what does
+    not depend on their place, opened the data and connected, and stand by. A death on the host is
+    filled by one at the next step boundary, and a new spare starts in the background."""
 
     def validate(self) -> None:
         for name in ("heartbeat_interval_s", "heartbeat_timeout_s", "agree_timeout_s"):
@@ -220,6 +228,11 @@ class ElasticConfig:
         if self.heartbeat_timeout_s < 2 * self.heartbeat_interval_s:
             _fail("elastic.heartbeat_timeout_s", self.heartbeat_timeout_s,
                   f"must be >= 2 x elastic.heartbeat_interval_s={self.heartbeat_interval_s}")
+        if self.spares < 0:
+            _fail("elastic.spares", self.spares, "must be >= 0 (warm spare processes per host)")
+        if self.snapshot_copies < 1:
+            _fail("elastic.snapshot_copies", self.snapshot_copies, "must be >= 1 (elastic.snapshots=false turns "
+                  "snapshots off)")
         if not 0.0 <= self.straggler_gain < 1.0:
             _fail("elastic.straggler_gain", self.straggler_gain, "must be in [0, 1) (0: never re-plan for stragglers)")
         if self.policy not in POLICIES:
@@ -345,6 +358,10 @@ class JobConfig:
             if fault.rank >= self.world_size:
                 _fail("elastic.inject", text, f"rank {fault.rank} does not exist: the job has ranks "
                                               f"0..{self.world_size - 1}")
+        if self.elastic.snapshot_copies > max(1, self.world_size - 1):
+            _fail("elastic.snapshot_copies", self.elastic.snapshot_copies,
+                  f"must be <= {max(1, self.world_size - 1)}: each of the job's {self.world_size} ranks has "
+                  f"{self.world_size - 1} peers to keep its snapshot")
         if self.parallel.pp > self.model.num_layers:
             _fail("parallel.pp", self.parallel.pp,
                   f"must be <= the model's {self.model.num_layers} layers "

@@ -24,15 +24,13 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from elaswave.config import JobConfig
+from elaswave.config import ConfigError, JobConfig
 from elaswave.comm.backend import connect_store
 from elaswave.control import agents
-from elaswave.control.admission import JOIN_ENV, STARTED_ENV, TOKEN_ENV, job_token, new_token
-from elaswave.control.agents import AgentRefused, Node
+from elaswave.control.admission import JOIN_ENV, SPARE_ENV, STARTED_ENV, TOKEN_ENV, job_token, new_token, promote
+from elaswave.control.agents import NODE_ENV, NODES_ENV, AgentRefused, Node
 from elaswave.control.membership import PREFIX, Membership
 
-NODE_ENV = "ELASWAVE_NODE"
-"""The node rank of the agent that started a worker: which host it is on."""
 
 
 def _stop(procs: list[subprocess.Popen], grace_s: float = 5.0) -> None:
@@ -86,17 +84,52 @@ class _Workers:
         self.cfg, self.cfg_path, self.store_addr, self.metrics_out = cfg, cfg_path, store_addr, metrics_out
         self.store, self.token, self.node = store, token, node
         self.procs: dict[int, subprocess.Popen] = {}
+        self.slots: dict[int, int] = {}
+        """rank -> its LOCAL_RANK on this host."""
+        self.standing: list[int] = []
+        """Warm spares of this host standing by, oldest first."""
+        self.membership = Membership(store, -1)
 
-    def spawn(self, joining: bool = False) -> int:
+    def spawn_spare(self) -> int:
+        rank = self.spawn(joining=True, spare=True)
+        self.standing.append(rank)
+        self.membership.spares_standing(+1)
+        return rank
+
+    def promote(self) -> int | None:
+        """The oldest standing spare asks in now; a new spare starts in its place. None: no spare."""
+        while self.standing:
+            rank = self.standing.pop(0)
+            self.membership.spares_standing(-1)
+            if self.procs[rank].poll() is None:
+                promote(self.store, rank)
+                self.spawn_spare()
+                return rank
+        return None
+
+    def lost_spare(self, rank: int) -> bool:
+        """Whether ``rank`` was a standing spare (its death costs the job nothing; it is replaced)."""
+        if rank not in self.standing:
+            return False
+        self.standing.remove(rank)
+        self.membership.spares_standing(-1)
+        return True
+
+    def spawn(self, joining: bool = False, spare: bool = False) -> int:
         world_size = self.cfg.world_size
         founding = self.node.founding_ranks(world_size)
         rank = next_rank(self.store) if joining else founding[len(self.procs)]
-        local = len(self.procs)
+        # The lowest local slot (a GPU under NCCL) no live worker of this host has: a replacement
+        # takes the dead one's device.
+        taken = {self.slots[r] for r, p in self.procs.items() if p.poll() is None}
+        local = self.slots[rank] = min(set(range(len(self.procs) + 1)) - taken)
         env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(local),
                    LOCAL_WORLD_SIZE=str(len(founding)), ELASWAVE_STORE=self.store_addr, OMP_NUM_THREADS="1")
-        env[TOKEN_ENV], env[NODE_ENV] = self.token, str(self.node.node_rank)
+        env[TOKEN_ENV], env[NODE_ENV], env[NODES_ENV] = self.token, str(self.node.node_rank), str(self.node.nnodes)
         if joining:
             env[JOIN_ENV], env[STARTED_ENV] = "1", repr(time.time())
+        if spare:
+            env[SPARE_ENV] = "1"
         # The watchers' store waits time out every heartbeat interval by design; keep c10d quiet.
         env.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
         cmd = [sys.executable, "-m", "elaswave.runtime.worker", "--config", self.cfg_path]
@@ -133,6 +166,18 @@ def _open_store(cfg: JobConfig, node: Node, host: str) -> tuple[dist.TCPStore, s
                            f"agent running there?") from None
 
 
+def _check_devices(cfg: JobConfig, node: Node) -> None:
+    """Each worker and each warm spare of a host needs a GPU of its own under NCCL."""
+    import torch
+
+    if cfg.parallel.backend == "gloo" or not torch.cuda.is_available():
+        return
+    have, workers = torch.cuda.device_count(), node.workers(cfg.world_size)
+    if workers + cfg.elastic.spares > have:
+        raise ConfigError(f"elastic.spares={cfg.elastic.spares} is invalid: this host has {have} GPUs for its "
+                          f"{workers} workers; at most {max(0, have - workers)} spares fit")
+
+
 def launch(cfg: JobConfig, metrics_out: str | None = None, host: str = "127.0.0.1",
            timeout_s: float | None = None, done_grace_s: float = 10.0, node: Node = Node()) -> int:
     """Run the job (or, with ``node``, this host's share of it) to completion; returns the exit
@@ -142,6 +187,7 @@ def launch(cfg: JobConfig, metrics_out: str | None = None, host: str = "127.0.0.
     prove the job's token: ``ELASWAVE_TOKEN`` from the environment, or (one host only) a new random
     one that only this launcher's own replacements know."""
     node.validate(cfg.world_size, job_token())
+    _check_devices(cfg, node)
     store, store_addr = _open_store(cfg, node, host)
     token = job_token() or new_token()
     if node.node_rank == 0:
@@ -172,6 +218,8 @@ def launch(cfg: JobConfig, metrics_out: str | None = None, host: str = "127.0.0.
     try:
         for _ in node.founding_ranks(cfg.world_size):
             workers.spawn()
+        for _ in range(cfg.elastic.spares if cfg.elastic.enabled else 0):
+            workers.spawn_spare()
         code = _watch(cfg, workers, store, membership, timeout_s, done_grace_s)
         if node.is_multi_host:
             _finish(store, node, code, done_grace_s)
@@ -205,13 +253,21 @@ def _watch(cfg: JobConfig, workers: _Workers, store: dist.TCPStore, membership: 
             if code in (None, 0) or rank in reported:
                 continue
             reported.add(rank)
+            if workers.lost_spare(rank):
+                print(f"elaswave: spare rank {rank} {_describe(code)}; starting another", file=sys.stderr, flush=True)
+                if done_at is None:
+                    workers.spawn_spare()
+                continue
             print(f"elaswave: rank {rank} {_describe(code)}", file=sys.stderr, flush=True)
             if not cfg.elastic.enabled:
                 _stop(workers.all())  # not elastic: one dead rank ends the job
                 return code if code > 0 else 1
             if cfg.elastic.launcher_reports_deaths:
                 membership.report_dead(rank, _describe(code), alert=_is_member(cfg, store, membership, rank))
-            if cfg.elastic.respawn_after_s >= 0 and done_at is None:
+            spare = workers.promote() if done_at is None else None
+            if spare is not None:
+                print(f"elaswave: spare rank {spare} replaces rank {rank}", file=sys.stderr, flush=True)
+            elif cfg.elastic.respawn_after_s >= 0 and done_at is None:
                 respawns.append(time.monotonic() + cfg.elastic.respawn_after_s)
         if done_at is None and store.check([PREFIX + "done"]):
             done_at = time.monotonic()
@@ -225,7 +281,7 @@ def _watch(cfg: JobConfig, workers: _Workers, store: dist.TCPStore, membership: 
         members = _final_members(store, membership, cfg.world_size) if done_at is not None else ()
         members_exited = done_at is not None and all(codes.get(r, 0) is not None for r in members)  # (a rank joined from elsewhere is not ours to wait for)
         if done_at is not None and (members_exited or time.monotonic() - done_at > done_grace_s):
-            hung = [r for r, c in codes.items() if c is None]
+            hung = [r for r, c in codes.items() if c is None and r not in workers.standing]
             if hung:
                 print(f"elaswave: training finished; stopping ranks {hung}, which were left out of it",
                       file=sys.stderr, flush=True)

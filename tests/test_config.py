@@ -16,6 +16,9 @@ def test_defaults_are_valid_and_overrides_apply(tmp_path):
 
 @pytest.mark.parametrize("overrides,message", [
     (["parallel.pp=9"], "parallel.pp=9 is invalid: must be <= the model's 6 layers"),
+    (["elastic.spares=-1"], "elastic.spares=-1 is invalid: must be >= 0"),
+    (["elastic.snapshot_copies=0"], "elastic.snapshot_copies=0 is invalid: must be >= 1"),
+    (["elastic.snapshot_copies=2", "parallel.dp=2", "parallel.pp=1"], "elastic.snapshot_copies=2 is invalid: must be <= 1"),
     (["train.steps=-1"], "train.steps=-1 is invalid: must be >= 0"),
     (["train.stepz=3"], "train.stepz='3' is invalid: unknown key; train has steps"),
     (["model.d_model=30"], "model.d_model=30 is invalid: must be divisible by model.num_heads=4"),

@@ -29,6 +29,13 @@ JOIN_ENV = "ELASWAVE_JOIN"
 """Set (to 1) in a process that joins a running job instead of starting one."""
 STARTED_ENV = "ELASWAVE_STARTED"
 """Wall time at which the launcher started a joining process (its start-up is part of a join's time)."""
+SPARE_ENV = "ELASWAVE_SPARE"
+"""Set (to 1) in a warm spare: a joiner that stands by, started up, until its agent promotes it."""
+
+
+def promote(store: dist.Store, rank: int) -> None:
+    """The agent's side of a warm spare: tell the standing-by ``rank`` to ask in now."""
+    store.set(f"{PREFIX}spare/{rank}", repr(time.time()))
 
 
 def job_token() -> str | None:
@@ -74,6 +81,19 @@ class Admission:
         self.admitted_at: dict[int, float] = {}
 
     # -- the joiner's side -------------------------------------------------------------------
+    def stand_by(self, poll_s: float = 0.5) -> float | None:
+        """A warm spare waits here, everything that does not depend on its future place already
+        built, until promoted (returns the wall time of the promotion) or the job is done (None).
+        Every wait is bounded by ``poll_s``, so the end of the job is seen within it."""
+        key = f"{PREFIX}spare/{self.rank}"
+        while True:
+            try:
+                self.store.wait([key], timedelta(seconds=poll_s))
+                return float(self.store.get(key))
+            except Exception:  # c10d's timeout error: not promoted yet
+                if self.store.check([PREFIX + "done"]):
+                    return None
+
     def request(self, token: str | None, started_wall: float) -> None:
         doc = {"rank": self.rank, "proof": proof(token, self.rank) if token else "", "started_wall": started_wall,
                "requested_wall": time.time()}

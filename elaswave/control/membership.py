@@ -209,6 +209,10 @@ class Membership:
                 pause = min(2 * pause, 0.01)
         return {r: json.loads(v) for r, v in zip(members, self.store.multi_get(keys))}
 
+    def spares_standing(self, change: int = 0) -> int:
+        """Warm spares standing by in the whole job (agents count theirs in and out)."""
+        return self.store.add(PREFIX + "spares_standing", change)
+
     def stamp(self, key: str, value: float | None = None) -> None:
         self.store.set(PREFIX + key, repr(time.time() if value is None else value))
 

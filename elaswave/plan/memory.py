@@ -9,7 +9,7 @@ What a rank holds, and why each term has the size it has:
 - *optimizer*: its ZeRO share of each holder group it is in -- float32 master, exp_avg and
   exp_avg_sq (12 bytes a value), twice (the generation before is kept to redo a step), and the
   float32 weight-decay mask: 28 bytes per value of its slot, chunk padding included.
-- *snapshots*: its own outgoing message (its state, 12 bytes a value) and, of the rank whose
+- *snapshots*: its own outgoing message (its state, 12 bytes a value) and, of each rank whose
   snapshot it keeps, the generation at rest, the next one arriving and a spare buffer (3 x 12; on
   a GPU the ones kept go to host memory, and the device holds only the one arriving).
 - *data*: the token corpus, on the first and the last stage (they read the inputs and the targets).
@@ -51,6 +51,8 @@ class MemoryModel:
     """Values of each tie's tensor (in ``ties`` order): the user's stage keeps a gradient for its use."""
     recomputed: frozenset[int] = frozenset()
     snapshots: bool = True
+    snapshot_copies: int = 1
+    """Peers keeping each rank's snapshot, so snapshots of as many owners kept on each rank."""
     snapshots_to_host: bool = False
     """On a GPU a kept snapshot moves to host memory: the device holds the outgoing message and the
     one arriving only."""
@@ -109,7 +111,8 @@ class MemoryModel:
         n = len(self.layer_numels)
         micro_batches = -(-num_micro_batches // holders)
         per_value = 2 * self.param_bytes + self.sum_bytes + 1
-        share = (OPTIMIZER_BYTES + ((1 + self.peer_copies()) * STATE_BYTES if self.snapshots else 0)) / holders
+        kept = 1 + self.snapshot_copies * self.peer_copies()
+        share = (OPTIMIZER_BYTES + (kept * STATE_BYTES if self.snapshots else 0)) / holders
         kept = [self.boundary_bytes if i in self.recomputed else self.layer_activation_bytes[i] for i in range(n)]
         values, acts = [0.0], [0.0]
         for i in range(n):
@@ -158,9 +161,8 @@ def rank_bytes(model: MemoryModel, plan, rank: int) -> dict[str, float]:
     out = {"layers": model.layer_bytes(start, end)}
     out["optimizer"] = OPTIMIZER_BYTES * _slot_values(model, plan, rank)
     if model.snapshots and len(plan.ranks) > 1:
-        owner = plan.snapshot_owner(rank)
-        out["snapshots"] = STATE_BYTES * model.chunk_numel * (
-            len(plan.chunks_of(rank)) + model.peer_copies() * len(plan.chunks_of(owner)))
+        peers = sum(len(plan.chunks_of(owner)) for owner in plan.snapshot_owners(rank))
+        out["snapshots"] = STATE_BYTES * model.chunk_numel * (len(plan.chunks_of(rank)) + model.peer_copies() * peers)
     else:
         out["snapshots"] = 0.0
     out["data"] = model.data_bytes if s in (0, depth - 1) else 0.0

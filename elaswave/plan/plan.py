@@ -61,6 +61,9 @@ class Plan:
     """Ranks per host, numbered host-major as torchrun and the launcher number them (0: one host).
     Snapshots then go to a rank on another host wherever there is one, so that losing a whole
     host leaves every lost rank's snapshot alive."""
+    snapshot_copies: int = 1
+    """Peers that keep each rank's per-step snapshot (``elastic.snapshot_copies``): the next ones on
+    the ring, fewer while the epoch has fewer other ranks."""
 
     def to_doc(self) -> dict:
         """JSON-ready: a joining rank reads the plan it joins from the store."""
@@ -149,15 +152,25 @@ class Plan:
     def chunks_of(self, rank: int):
         return chunks_of(self.chunk_owners, rank)
 
-    def snapshot_holder(self, rank: int) -> int | None:
-        """Who keeps ``rank``'s snapshot: the next rank on the ring, None when alone."""
+    def snapshot_holders(self, rank: int) -> tuple[int, ...]:
+        """Who keeps ``rank``'s snapshot: the next ``snapshot_copies`` ranks on the ring (none when alone)."""
         ring, place = self._ring
-        return ring[(place[rank] + 1) % len(ring)] if len(ring) > 1 else None
+        k = min(self.snapshot_copies, len(ring) - 1)
+        return tuple(ring[(place[rank] + i) % len(ring)] for i in range(1, k + 1))
+
+    def snapshot_owners(self, rank: int) -> tuple[int, ...]:
+        """Whose snapshots ``rank`` keeps: the previous ``snapshot_copies`` ranks on the ring."""
+        ring, place = self._ring
+        k = min(self.snapshot_copies, len(ring) - 1)
+        return tuple(ring[(place[rank] - i) % len(ring)] for i in range(1, k + 1))
+
+    def snapshot_holder(self, rank: int) -> int | None:
+        """The first of ``rank``'s snapshot holders (the next rank on the ring), None when alone."""
+        return next(iter(self.snapshot_holders(rank)), None)
 
     def snapshot_owner(self, rank: int) -> int | None:
-        """Whose snapshot ``rank`` keeps: the previous rank on the ring."""
-        ring, place = self._ring
-        return ring[(place[rank] - 1) % len(ring)] if len(ring) > 1 else None
+        """The first of the ranks whose snapshots ``rank`` keeps (the previous one on the ring)."""
+        return next(iter(self.snapshot_owners(rank)), None)
 
 
 def initial_plan(world_size: int, dp: int, pp: int, layer_costs: Sequence[float], num_micro_batches: int,
@@ -303,7 +316,7 @@ def _build(prev: Plan, epoch: int, pipelines, ranges, mbs, freqs=(), routes=()) 
                 micro_batches=tuple(mbs), layer_costs=prev.layer_costs, frequencies=tuple(freqs), routes=tuple(routes),
                 layer_memory=prev.layer_memory, stage_memory_limit=prev.stage_memory_limit, memory=prev.memory,
                 depth=prev.depth,
-                ties=prev.ties, ranks_per_node=prev.ranks_per_node)
+                ties=prev.ties, ranks_per_node=prev.ranks_per_node, snapshot_copies=prev.snapshot_copies)
     owners = reassign_owners(prev.chunk_owners, plan.holder_groups())
     joined = set(plan.ranks) - set(prev.ranks)
     if joined:

@@ -12,12 +12,16 @@ import os
 import sys
 import time
 
-from elaswave.control.admission import STARTED_ENV
+from elaswave.control.admission import SPARE_ENV, STARTED_ENV
 from elaswave.interrupt import Disruption
 from elaswave.plan.plan import Plan, PlanError, replan
 from elaswave.runtime import recovery
 from elaswave.runtime.rank import RankState
 from elaswave.runtime.straggler import REBALANCE
+
+class StoodDown(Exception):
+    """A warm spare that the job never needed: it finished while the spare stood by."""
+
 
 GROW = "grow"
 """The cause of a membership change at a step boundary where the leader admitted ranks."""
@@ -62,6 +66,12 @@ def join(ctx) -> tuple[RankState, recovery.Recovery]:
     # Whatever a joiner can do alone it does before it asks: once admitted, the members wait for it.
     ctx.sampler_for(None)
     _warm_up(ctx)
+    if os.environ.get(SPARE_ENV):
+        # A warm spare has paid all of that already; its join starts when its agent promotes it.
+        promoted = ctx.admission.stand_by()
+        if promoted is None:
+            raise StoodDown()
+        started = promoted
     ctx.admission.request(ctx.token, started)
     attempt = 1
     while True:
@@ -93,13 +103,19 @@ def change(ctx, st: RankState | None, cause, noticed_wall: float, prev: Plan | N
 
 
 def _warm_up(ctx) -> None:
-    """One forward and backward through a throwaway block: a fresh process pays for its first
-    autograd pass (lazy initialisation) here rather than in its first step with the others."""
+    """One forward and backward through a throwaway block, and the layers counted: a fresh process
+    pays for its first autograd pass and lazy imports here rather than in its first step with the
+    others."""
     import torch
 
     from elaswave.precision import compute_dtype
 
+    from elaswave.model.contract import counted_numels
+
     m, dtype = ctx.model, compute_dtype(ctx.cfg.train.precision, ctx.device)
+    # Building the layers on the meta device (what the plan's chunk sizes come from) lazily imports
+    # torch._dynamo on the first initialiser: ~0.6 s here, which the members would wait out.
+    counted_numels(m)
     block = m.build_layer(1, ctx.cfg.train.seed, init=False).to(ctx.device, dtype)
     x = torch.zeros(1, m.seq_len, m.hidden_size, device=ctx.device, dtype=dtype, requires_grad=True)
     block(x, None).sum().backward()

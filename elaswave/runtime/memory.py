@@ -44,7 +44,8 @@ def job_memory_model(cfg: JobConfig, model: Model, dtype: torch.dtype, device: t
         param_bytes=itemsize, sum_bytes=sums, chunk_numel=cfg.parallel.chunk_numel,
         ties=ties, tied_numels=tuple(shapes[p] for p in ties),
         recomputed=frozenset(i for i in range(model.num_layers) if t.checkpointed(i, model.num_layers)),
-        snapshots=cfg.elastic.enabled and cfg.elastic.snapshots, snapshots_to_host=device.type == "cuda",
+        snapshots=cfg.elastic.enabled and cfg.elastic.snapshots, snapshot_copies=cfg.elastic.snapshot_copies,
+        snapshots_to_host=device.type == "cuda",
         data_bytes=float(corpus_bytes(cfg.data)))
 
 

@@ -25,6 +25,7 @@ from elaswave.comm import backend
 from elaswave.comm.groups import Communicator
 from elaswave.config import ConfigError, JobConfig
 from elaswave.control.admission import JOIN_ENV, Admission, Refused, job_token
+from elaswave.control.agents import NODES_ENV
 from elaswave.control.faults import FaultInjector
 from elaswave.control.heartbeat import Watcher
 from elaswave.control.liveness import LivenessPort, Prober
@@ -233,7 +234,8 @@ def run(cfg: JobConfig, rank: int, world_size: int, metrics_out: str | None) -> 
                              "wall_time": time.time(), "phases_s": result.phases_s,
                              "modelled_power_w": _modelled_power(st.plan), **ctx.source_tokens(step)})
                 if pending is not None:  # (a no-op writer on ranks that do not write)
-                    writer.write(pending.record(time.time(), took, evaluation_s))
+                    writer.write({**pending.record(time.time(), took, evaluation_s),
+                                  "spares_standing": ctx.membership.spares_standing()})
                     pending = None
                 step += 1
                 if ctx.checkpointer is not None and ctx.checkpointer.due(step):
@@ -319,9 +321,10 @@ def _start(ctx: Context, world_size: int):
                         [c.flops_per_token for c in model.layer_costs()], t.num_micro_batches,
                         numels, cfg.parallel.chunk_numel, stage_memory_limit=limit, ties=tie_pairs(model),
                         memory=ctx.memory_model if limit else None)
-    # Under torchrun, ranks are numbered host-major, LOCAL_WORLD_SIZE to a host; the launcher's
-    # job is one host (its joiners' numbers say nothing about hosts).
-    if not os.environ.get("ELASWAVE_STORE"):
+    plan = replace(plan, snapshot_copies=cfg.elastic.snapshot_copies)
+    # Under torchrun and several agents, ranks are numbered host-major, LOCAL_WORLD_SIZE to a host;
+    # the one-host launcher's job is one host (its joiners' numbers say nothing about hosts).
+    if not os.environ.get("ELASWAVE_STORE") or os.environ.get(NODES_ENV, "1") != "1":
         plan = replace(plan, ranks_per_node=int(os.environ.get("LOCAL_WORLD_SIZE", "0")))
     ctx.plan = plan
     stage = Stage(cfg, plan.layers_of(rank), device, model)
@@ -446,6 +449,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = config.load(args.config, args.overrides)
         code = run(cfg, rank, world_size, args.metrics_out)
+    except join.StoodDown:
+        code = 0  # a warm spare the job finished without
     except (ConfigError, disk.CheckpointError, PlanError, ActuatorError, Refused, digest.StateMismatch) as exc:
         print_error(str(exc))
         code = 2

@@ -1,9 +1,10 @@
 """The snapshot pool: after every step each rank copies its ZeRO chunks into a peer's memory.
 
-Placement is a ring over the epoch's ranks (:meth:`Plan.snapshot_holder`): rank ``r`` sends to the
-next rank and keeps the previous one's. A snapshot travels as a small header (generation, CRC-32,
-chunk keys) and the payload in one asynchronous message, so the copy overlaps the next step's
-compute. The holder verifies it before the next step's update may start (the step's loss exchange
+Placement is a ring over the epoch's ranks (:meth:`Plan.snapshot_holders`): rank ``r`` sends to the
+next ``K`` ranks (``elastic.snapshot_copies``) and keeps the previous ``K`` ones', so a rank dying
+together with up to ``K - 1`` of its holders still leaves a copy. A snapshot travels as a small
+header (generation, CRC-32, chunk keys) and the payload in one asynchronous message per holder --
+the same buffer, written once -- so the copies overlap the next step's compute. The holder verifies it before the next step's update may start (the step's loss exchange
 carries a "verified" flag from every holder), which is what lets every rank drop the generation
 before: a recovery then always finds one generation that every chunk has somewhere.
 
@@ -37,8 +38,9 @@ def _sizes(k: int, chunk_numel: int) -> tuple[int, int]:
 
 
 class SnapshotPool:
-    """One message per snapshot -- header and payload in one byte buffer -- so a step costs one send,
-    one receive and one wait on each side; the buffers are reused from step to step."""
+    """One message per snapshot and holder -- header and payload in one byte buffer -- so a step
+    costs one send per holder, one receive per owner and a wait on each; the buffers are reused
+    from step to step."""
 
     def __init__(self, rank: int, chunk_numel: int, verify_wait_s: float = 2.0):
         """``verify_wait_s``: how long :meth:`verify` may block on an owner that sent nothing (a hung
@@ -46,20 +48,21 @@ class SnapshotPool:
         self.rank, self.chunk_numel, self.verify_wait_s = rank, chunk_numel, verify_wait_s
         self.held: dict[tuple[int, int], tuple[tuple[ChunkKey, ...], torch.Tensor, torch.Tensor]] = {}
         """(owner, generation) -> (chunk keys, [k, 3, chunk_numel] payload in CPU memory, its buffer)."""
-        self._send: tuple | None = None
+        self._sends: list[tuple[object, int]] = []
         self._out: torch.Tensor | None = None
-        self._incoming = None
+        self._incoming: list[tuple[object, torch.Tensor, int, int]] = []
+        """(receive, buffer, chunk count, owner) per owner whose next snapshot is expected."""
         self._spare: list[torch.Tensor] = []
-        self.owner: int | None = None
+        self.owners: tuple[int, ...] = ()
 
     # -- the owner's side ---------------------------------------------------------------------
     def send(self, group: Group, plan: Plan, gen: int, keys: list[ChunkKey], fill: Callable[[torch.Tensor], object],
              device: torch.device, corrupt: bool = False) -> None:
-        """Post this rank's snapshot of generation ``gen``; ``fill(out)`` writes the chunks' state
-        into ``out`` (``[len(keys), 3, chunk_numel]``, part of the message buffer: no extra copy).
-        ``corrupt``: damage it after the checksum (fault injection)."""
-        holder = plan.snapshot_holder(self.rank)
-        if holder is None:
+        """Post this rank's snapshot of generation ``gen`` to each of its holders; ``fill(out)``
+        writes the chunks' state into ``out`` (``[len(keys), 3, chunk_numel]``, part of the message
+        buffer: no extra copy). ``corrupt``: damage it after the checksum (fault injection)."""
+        holders = plan.snapshot_holders(self.rank)
+        if not holders:
             return
         hbytes, pbytes = _sizes(len(keys), self.chunk_numel)
         if self._out is None or self._out.numel() != hbytes + pbytes or self._out.device != device:
@@ -70,41 +73,41 @@ class SnapshotPool:
         self._out[:hbytes].view(torch.int64).copy_(header)
         if corrupt and pbytes:
             self._out[hbytes] ^= 0x01
-        self._send = (group.isend(self._out, holder, TAG_SNAPSHOT), holder)
+        self._sends = [(group.isend(self._out, holder, TAG_SNAPSHOT), holder) for holder in holders]
 
     def wait_sends(self, group: Group) -> None:
-        """Called once the step's exchange proved the holder verified the snapshot: the send is
-        done, so it is waited on directly."""
-        if self._send is not None:
-            work, holder = self._send
-            self._send = None
+        """Called once the step's exchange proved the holders verified the snapshot: the sends are
+        done, so they are waited on directly."""
+        sends, self._sends = self._sends, []
+        for work, holder in sends:
             group.wait_direct(work, f"snapshot to rank {holder}")
 
     # -- the holder's side --------------------------------------------------------------------
     def expect(self, group: Group, plan: Plan, device: torch.device) -> None:
-        """Post the receive of the owner's next snapshot."""
-        self.owner = plan.snapshot_owner(self.rank)
-        if self.owner is None:
-            self._incoming = None
-            return
-        k = len(plan.chunks_of(self.owner))
-        hbytes, pbytes = _sizes(k, self.chunk_numel)
-        fits = [b for b in self._spare if b.numel() == hbytes + pbytes and b.device == device]
-        buf = fits[0] if fits else torch.empty(hbytes + pbytes, dtype=torch.uint8, device=device)
-        # Buffers of another size (an owner of another epoch) are not kept for later.
-        self._spare = [b for b in self._spare if b is not buf and b.numel() == hbytes + pbytes]
-        self._incoming = (group.irecv(buf, self.owner, TAG_SNAPSHOT), buf, k)
+        """Post the receives of the owners' next snapshots."""
+        self.owners = plan.snapshot_owners(self.rank)
+        sizes = [sum(_sizes(len(plan.chunks_of(o)), self.chunk_numel)) for o in self.owners]
+        # Buffers of another size (owners of another epoch) are not kept for later.
+        spare = [b for b in self._spare if b.device == device and b.numel() in sizes]
+        self._incoming = []
+        for owner, size in zip(self.owners, sizes):
+            fits = [b for b in spare if b.numel() == size]
+            buf = fits[0] if fits else torch.empty(size, dtype=torch.uint8, device=device)
+            spare = [b for b in spare if b is not buf]
+            self._incoming.append((group.irecv(buf, owner, TAG_SNAPSHOT), buf, len(plan.chunks_of(owner)), owner))
+        self._spare = spare
 
     def verify(self, group: Group, gen: int) -> bool:
-        """Wait for the expected snapshot of generation ``gen``; keep it if its checksum is right."""
-        if self._incoming is None:
-            return True
-        work, buf, k = self._incoming
-        self._incoming = None
+        """Wait for the expected snapshots of generation ``gen``; keep each whose checksum is right.
+        True when every one was."""
+        incoming, self._incoming = self._incoming, []
+        return all([self._verify_one(group, gen, *item) for item in incoming])
+
+    def _verify_one(self, group: Group, gen: int, work, buf: torch.Tensor, k: int, owner: int) -> bool:
         # Waited for here, on this thread: it was sent a whole step ago and is almost always in,
         # and no helper thread waking mid-step competes with the compute for the GIL. A dead
         # owner fails the wait at once; a hung one within verify_wait_s.
-        group.wait_direct(work, f"snapshot from rank {self.owner}", self.verify_wait_s)
+        group.wait_direct(work, f"snapshot from rank {owner}", self.verify_wait_s)
         buf = buf.cpu()
         hbytes, _ = _sizes(k, self.chunk_numel)
         h = buf[:hbytes].view(torch.int64).tolist()
@@ -113,23 +116,23 @@ class SnapshotPool:
             self._spare.append(buf)
             # Not fatal: the owner is alive and holds this state itself. Until a snapshot of it
             # verifies, its chunks are recoverable only from the generation held before.
-            older = sorted(g for (o, g) in self.held if o == self.owner)
-            print(f"elaswave: WARNING: rank {self.rank}: the snapshot of rank {self.owner} for step {gen} failed its "
+            older = sorted(g for (o, g) in self.held if o == owner)
+            print(f"elaswave: WARNING: rank {self.rank}: the snapshot of rank {owner} for step {gen} failed its "
                   f"checksum (header step {h[0]}, {h[2]} chunks); it is discarded and nobody drops an older "
                   f"generation this step (kept here: {older or 'none'}); the next step's snapshot replaces it",
                   file=sys.stderr, flush=True)
             return False
         keys = tuple((h[3 + 2 * i], h[4 + 2 * i]) for i in range(k))
-        self.held[(self.owner, gen)] = (keys, payload, buf)
-        self._drop_before(gen - 1)
+        self.held[(owner, gen)] = (keys, payload, buf)
+        self._drop_before(gen - 1, owner)
         return True
 
     def commit(self, gen: int) -> None:
         """Every holder verified generation ``gen``: the ones before are no longer needed."""
         self._drop_before(gen)
 
-    def _drop_before(self, gen: int) -> None:
-        for old in [k for k in self.held if k[1] < gen]:
+    def _drop_before(self, gen: int, owner: int | None = None) -> None:
+        for old in [k for k in self.held if k[1] < gen and owner in (None, k[0])]:
             self._spare.append(self.held.pop(old)[2])
 
     def holding(self) -> dict[int, list[ChunkKey]]:
@@ -151,12 +154,12 @@ class SnapshotPool:
     def bytes_buffered(self) -> int:
         """Transfer buffers: this rank's outgoing message and the receive buffers (in flight or spare)."""
         bufs = ([self._out] if self._out is not None else []) + self._spare
-        bufs += [self._incoming[1]] if self._incoming is not None else []
+        bufs += [item[1] for item in self._incoming]
         return sum(b.numel() for b in bufs)
 
     def reset(self) -> None:
         """A new epoch re-pairs owners and holders; what is held stays a recovery source until the
         next verified snapshot replaces it."""
-        self._incoming = None
-        self._send = None
+        self._incoming = []
+        self._sends = []
         self._out = None  # a send of the old epoch may still read the old buffer

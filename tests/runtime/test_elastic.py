@@ -93,6 +93,19 @@ def test_owner_dying_with_its_snapshot_holder_falls_back_to_the_disk_checkpoint(
     assert res.summary["ranks"] == [0, 1]
 
 
+def test_two_snapshot_copies_survive_an_owner_dying_with_its_first_holder(tmp_path, reference):
+    # The same two deaths with elastic.snapshot_copies=2: rank 0 keeps a second copy of rank 2's
+    # snapshot, so the job goes on from memory (at the step it was in, or the one before if the
+    # holders had not verified this step's snapshots yet) -- no disk checkpoint, nothing lost.
+    res = _elastic(tmp_path, ["kill:rank=2,step=12", "kill:rank=3,step=12"], extra=["elastic.snapshot_copies=2"])
+    _assert_same_run(res, reference)
+    (rec,) = _recoveries(res)
+    assert sorted(rec["lost_ranks"]) == [2, 3]
+    assert not rec["is_fallback"] and rec["resume_step"] in (11, 12), rec  # 11: step 12 not yet verified
+    assert "disk checkpoint" not in res.stderr
+    assert res.summary["ranks"] == [0, 1]
+
+
 PIPE_STEPS, PIPE_MBS = 12, 6
 
 

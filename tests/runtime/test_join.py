@@ -21,6 +21,22 @@ def _events(res, kind):
     return [r for r in res.records if r["event"] == kind]
 
 
+def test_a_warm_spare_fills_a_death_at_the_next_step_boundary(tmp_path, reference):
+    # The spare started with the job and stands by, started up; promoted when rank 3 dies, it is
+    # in within a few steps (a cold replacement spends seconds -- tens of these steps -- starting),
+    # and a new spare stands by in its place.
+    res = run_job(tmp_path, 2, 2, STEPS, True, extra=[*EXTRA, "elastic.inject=kill:rank=3,step=5", "elastic.spares=1"])
+    _assert_same_run(res, reference)
+    (rec,) = _events(res, "recovery")
+    (join,) = _events(res, "join")
+    assert rec["lost_ranks"] == [3] and join["joined_ranks"] == [4], (rec, join)
+    assert "spare rank 4 replaces rank 3" in res.stderr
+    assert join["resume_step"] - rec["resume_step"] <= 10, (rec["resume_step"], join["resume_step"])
+    assert join["spares_standing"] == 1 and rec["spares_standing"] == 1
+    assert res.summary["ranks"] == [0, 1, 2, 4]
+    assert res.left_behind == 0  # the spare that was never needed went with the job
+
+
 def test_a_replacement_joins_and_the_job_is_back_to_full_size(tmp_path, reference):
     res = run_job(tmp_path, 2, 2, STEPS, True, extra=[*EXTRA, "elastic.inject=kill:rank=3,step=5"],
                   cli=["--respawn-after", "0.2"])
