@@ -30,7 +30,6 @@ import argparse
 import json
 import os
 import platform
-import socket
 import statistics
 import sys
 import tempfile
@@ -45,7 +44,7 @@ from jobs import run_job  # noqa: E402
 from peers import JOB, KILL_RANK, KILL_STEP, torchft_run  # noqa: E402
 
 from elaswave.runtime.metrics import read_jsonl  # noqa: E402
-from tests.helpers.spawn import TorchrunNode  # noqa: E402
+from tests.helpers.spawn import TorchrunNode, free_port  # noqa: E402
 
 STEPS = 16
 ELASWAVE_JOB = [s for s in JOB if not s.startswith("train.steps=")] + [f"train.steps={STEPS}"]
@@ -63,17 +62,11 @@ def elaswave_mttr(kind: str, reported: bool, timeout_s: float, interval_s: float
     return {"mttr_s": rec["mttr_s"], "phases_s": rec["phases_s"], "evidence": rec["evidence"]}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def torchrun_host_mttr(timeout_s: float = 240) -> dict:
     """Two torchrun agents; the second host killed whole after step 8. MTTR from the kill."""
     sets = ["model.arch=gpt", "model.dropout=0", "parallel.dp=2", "parallel.pp=2", "train.steps=20",
             "train.num_micro_batches=8", "train.deterministic=true"]
-    endpoint = f"127.0.0.1:{_free_port()}"
+    endpoint = f"127.0.0.1:{free_port()}"
     with tempfile.TemporaryDirectory() as tmp:
         metrics = Path(tmp) / "run.jsonl"
 

@@ -29,8 +29,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
-from tests.helpers.spawn import Running, children, run_cli  # noqa: E402
-from tests.helpers.striker import _rank_of, _steps_written  # noqa: E402
+from tests.helpers.spawn import Running, children, rank_of, run_cli, steps_written  # noqa: E402
 
 DP, PP, MBS = 3, 2, 6
 JOB = ["model.d_model=32", "model.num_heads=2", "model.seq_len=32", "model.num_blocks=4", "train.micro_batch_size=2",
@@ -51,9 +50,9 @@ def double_kill(seed: int, copies: int, steps: int, reference: dict, tmp: Path) 
     metrics = tmp / f"kill-{seed}-k{copies}.jsonl"
     with Running(_args(steps, copies), metrics) as job:
         deadline = time.monotonic() + 120
-        while _steps_written(metrics) <= 10 and time.monotonic() < deadline:
+        while steps_written(metrics) <= 10 and time.monotonic() < deadline:
             time.sleep(0.005)
-        pids = {_rank_of(p): p for p in children(job.proc.pid)}
+        pids = {rank_of(p): p for p in children(job.proc.pid)}
         os.kill(pids[victim], signal.SIGKILL)
         time.sleep(gap_s)
         os.kill(pids[holder], signal.SIGKILL)

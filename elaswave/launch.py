@@ -28,9 +28,9 @@ from elaswave.config import ConfigError, JobConfig
 from elaswave.comm.backend import connect_store
 from elaswave.control import agents
 from elaswave.control.admission import JOIN_ENV, SPARE_ENV, STARTED_ENV, TOKEN_ENV, job_token, new_token, promote
-from elaswave.control.agents import NODE_ENV, NODES_ENV, AgentRefused, Node
+from elaswave.control.agents import NODES_ENV, AgentRefused, Node
+from elaswave.control.liveness import Prober
 from elaswave.control.membership import PREFIX, Membership
-
 
 
 def _stop(procs: list[subprocess.Popen], grace_s: float = 5.0) -> None:
@@ -80,7 +80,7 @@ class _Workers:
     """This host's worker processes: its founding ranks, and the joiners started later under new ranks."""
 
     def __init__(self, cfg: JobConfig, cfg_path: str, store: dist.TCPStore, store_addr: str,
-                 metrics_out: str | None, token: str, node: Node):
+                 metrics_out: str | None, token: str, node: Node, membership: Membership):
         self.cfg, self.cfg_path, self.store_addr, self.metrics_out = cfg, cfg_path, store_addr, metrics_out
         self.store, self.token, self.node = store, token, node
         self.procs: dict[int, subprocess.Popen] = {}
@@ -88,7 +88,7 @@ class _Workers:
         """rank -> its LOCAL_RANK on this host."""
         self.standing: list[int] = []
         """Warm spares of this host standing by, oldest first."""
-        self.membership = Membership(store, -1)
+        self.membership = membership
 
     def spawn_spare(self) -> int:
         rank = self.spawn(joining=True, spare=True)
@@ -125,7 +125,7 @@ class _Workers:
         local = self.slots[rank] = min(set(range(len(self.procs) + 1)) - taken)
         env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(local),
                    LOCAL_WORLD_SIZE=str(len(founding)), ELASWAVE_STORE=self.store_addr, OMP_NUM_THREADS="1")
-        env[TOKEN_ENV], env[NODE_ENV], env[NODES_ENV] = self.token, str(self.node.node_rank), str(self.node.nnodes)
+        env[TOKEN_ENV], env[NODES_ENV] = self.token, str(self.node.nnodes)
         if joining:
             env[JOIN_ENV], env[STARTED_ENV] = "1", repr(time.time())
         if spare:
@@ -206,7 +206,7 @@ def launch(cfg: JobConfig, metrics_out: str | None = None, host: str = "127.0.0.
     with tempfile.NamedTemporaryFile("w", suffix=".json", prefix="elaswave-", delete=False) as fh:
         json.dump(cfg.to_dict(), fh)
         cfg_path = fh.name
-    workers = _Workers(cfg, cfg_path, store, store_addr, metrics_out, token, node)
+    workers = _Workers(cfg, cfg_path, store, store_addr, metrics_out, token, node, membership)
     if cfg.elastic.enabled and node.node_rank == 0:
         how = ("with this job's ELASWAVE_TOKEN" if job_token() else
                "(none can: set ELASWAVE_TOKEN before `elaswave run` to allow it)")
@@ -222,7 +222,7 @@ def launch(cfg: JobConfig, metrics_out: str | None = None, host: str = "127.0.0.
             workers.spawn_spare()
         code = _watch(cfg, workers, store, membership, timeout_s, done_grace_s)
         if node.is_multi_host:
-            _finish(store, node, code, done_grace_s)
+            _finish(store, node, done_grace_s)
         return code
     except KeyboardInterrupt:
         _stop(workers.all())
@@ -299,8 +299,6 @@ class _OtherHosts:
     needs the store this agent hosts, even when every worker of this host is gone."""
 
     def __init__(self, store: dist.TCPStore, workers: _Workers, every_s: float = 0.5):
-        from elaswave.control.liveness import Prober
-
         self.store, self.workers, self.every_s = store, workers, every_s
         self.prober, self._checked, self._answer = Prober(), 0.0, True
 
@@ -312,7 +310,7 @@ class _OtherHosts:
         return self._answer
 
 
-def _finish(store: dist.TCPStore, node: Node, code: int, grace_s: float) -> None:
+def _finish(store: dist.TCPStore, node: Node, grace_s: float) -> None:
     """Node 0 keeps the store up until the other agents are done with it; they say when."""
     try:
         if node.node_rank == 0:

@@ -2,12 +2,12 @@
 and however the launcher itself ends, its workers end with it."""
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 
-from tests.helpers.spawn import TINY, Running, alive, assert_same_run, children, run_cli, run_reference
+from tests.helpers.spawn import (TINY, Running, alive, assert_same_run, children, free_port, rank_of, run_cli,
+                                 run_reference)
 
 
 def _start_long_job(extra=()):
@@ -58,20 +58,6 @@ def test_workers_end_with_the_launcher_however_it_ends():
                 pass
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _rank_of(pid: int) -> int | None:
-    try:
-        env = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
-    except OSError:
-        return None
-    return next((int(v[5:]) for v in env if v.startswith(b"RANK=")), None)
-
-
 def _agent(sets: list[str], node_rank: int, endpoint: str, metrics, extra=()) -> Running:
     args = ["run", *[x for s in sets for x in ("--set", s)], "--nnodes", "2", "--node-rank", str(node_rank),
             "--rdzv-endpoint", endpoint, *extra]
@@ -86,10 +72,10 @@ def test_two_host_agents_lose_one_worker_not_its_host(tmp_path):
     steps = 150  # long enough for the replacement's start-up (importing torch: seconds on 2 cores)
     sets = [*TINY, "parallel.dp=2", "parallel.pp=2", f"train.steps={steps}", "train.num_micro_batches=4",
             "train.deterministic=true", "elastic.respawn_after_s=0", "parallel.timeout_s=60"]
-    endpoint, metrics = f"127.0.0.1:{_free_port()}", tmp_path / "run.jsonl"
+    endpoint, metrics = f"127.0.0.1:{free_port()}", tmp_path / "run.jsonl"
     with _agent(sets, 0, endpoint, metrics) as host0, _agent(sets, 1, endpoint, metrics) as host1:
         host0.wait_for(r"step\s+6/", 180)
-        workers = {_rank_of(p): p for p in children(host1.proc.pid)}
+        workers = {rank_of(p): p for p in children(host1.proc.pid)}
         assert sorted(workers) == [2, 3], workers
         os.kill(workers[3], signal.SIGKILL)
         res0, res1 = host0.finish(240), host1.finish(240)
@@ -105,7 +91,7 @@ def test_two_host_agents_lose_one_worker_not_its_host(tmp_path):
 
 def test_agents_with_disagreeing_settings_are_refused(tmp_path):
     sets = [*TINY, "parallel.dp=2", "parallel.pp=2", "train.steps=400", "parallel.timeout_s=20"]
-    endpoint = f"127.0.0.1:{_free_port()}"
+    endpoint = f"127.0.0.1:{free_port()}"
     with _agent(sets, 0, endpoint, tmp_path / "a.jsonl") as host0:
         host0.wait_for("store at", 60)
         other = run_cli(["run", *[x for s in [*sets[:-2], "train.steps=500", sets[-1]] for x in ("--set", s)], "--nnodes", "2",
@@ -122,7 +108,7 @@ def test_agents_with_disagreeing_settings_are_refused(tmp_path):
 def test_an_unreachable_rendezvous_endpoint_is_a_clear_error_within_the_timeout(tmp_path):
     began = time.monotonic()
     res = run_cli(["run", *[x for s in [*TINY, "parallel.timeout_s=3"] for x in ("--set", s)], "--nnodes", "2",
-                   "--node-rank", "1", "--rdzv-endpoint", f"127.0.0.1:{_free_port()}"], tmp_path, timeout_s=60,
+                   "--node-rank", "1", "--rdzv-endpoint", f"127.0.0.1:{free_port()}"], tmp_path, timeout_s=60,
                   env={"ELASWAVE_TOKEN": "agents-test"})
     assert res.returncode == 2 and "no job's store answered within parallel.timeout_s=3 s" in res.stderr, res.stderr
     assert time.monotonic() - began < 30

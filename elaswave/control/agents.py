@@ -21,8 +21,6 @@ from elaswave.config import ConfigError
 from elaswave.control.admission import proof
 from elaswave.control.membership import PREFIX
 
-NODE_ENV = "ELASWAVE_NODE"
-"""Set in each worker an agent starts: its node rank, which host the worker is on."""
 NODES_ENV = "ELASWAVE_NNODES"
 """Set in each worker an agent starts: the job's number of hosts."""
 SETTINGS = PREFIX + "agents/settings"

@@ -164,14 +164,6 @@ class Plan:
         k = min(self.snapshot_copies, len(ring) - 1)
         return tuple(ring[(place[rank] - i) % len(ring)] for i in range(1, k + 1))
 
-    def snapshot_holder(self, rank: int) -> int | None:
-        """The first of ``rank``'s snapshot holders (the next rank on the ring), None when alone."""
-        return next(iter(self.snapshot_holders(rank)), None)
-
-    def snapshot_owner(self, rank: int) -> int | None:
-        """The first of the ranks whose snapshots ``rank`` keeps (the previous one on the ring)."""
-        return next(iter(self.snapshot_owners(rank)), None)
-
 
 def initial_plan(world_size: int, dp: int, pp: int, layer_costs: Sequence[float], num_micro_batches: int,
                  layer_numels: Sequence[int] = (), chunk_numel: int = 1, layer_memory: Sequence[float] = (),

@@ -53,7 +53,6 @@ class SnapshotPool:
         self._incoming: list[tuple[object, torch.Tensor, int, int]] = []
         """(receive, buffer, chunk count, owner) per owner whose next snapshot is expected."""
         self._spare: list[torch.Tensor] = []
-        self.owners: tuple[int, ...] = ()
 
     # -- the owner's side ---------------------------------------------------------------------
     def send(self, group: Group, plan: Plan, gen: int, keys: list[ChunkKey], fill: Callable[[torch.Tensor], object],
@@ -85,12 +84,12 @@ class SnapshotPool:
     # -- the holder's side --------------------------------------------------------------------
     def expect(self, group: Group, plan: Plan, device: torch.device) -> None:
         """Post the receives of the owners' next snapshots."""
-        self.owners = plan.snapshot_owners(self.rank)
-        sizes = [sum(_sizes(len(plan.chunks_of(o)), self.chunk_numel)) for o in self.owners]
+        owners = plan.snapshot_owners(self.rank)
+        sizes = [sum(_sizes(len(plan.chunks_of(o)), self.chunk_numel)) for o in owners]
         # Buffers of another size (owners of another epoch) are not kept for later.
         spare = [b for b in self._spare if b.device == device and b.numel() in sizes]
         self._incoming = []
-        for owner, size in zip(self.owners, sizes):
+        for owner, size in zip(owners, sizes):
             fits = [b for b in spare if b.numel() == size]
             buf = fits[0] if fits else torch.empty(size, dtype=torch.uint8, device=device)
             spare = [b for b in spare if b is not buf]

@@ -6,6 +6,7 @@ import os
 import queue
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -233,6 +234,35 @@ def assert_same_run(res: Result, reference: Result, steps: int) -> None:
     assert res.losses == reference.losses
     assert res.summary["params_sha256"] == reference.summary["params_sha256"]
     assert res.summary["state_sha256"] == reference.summary["state_sha256"], "the optimizer state differs"
+
+
+def free_port() -> int:
+    """A TCP port nobody listens on now (for a store endpoint a test hands out)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def rank_of(pid: int) -> int | None:
+    """The RANK of a live, running worker process; None if it has none, is dead, or is stopped."""
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as fh:
+            env = dict(item.split(b"=", 1) for item in fh.read().split(b"\0") if b"=" in item)
+        with open(f"/proc/{pid}/stat") as fh:
+            state = fh.read().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return None
+    if state in ("Z", "T", "t"):  # dead already, or stopped (by a test's SIGSTOP)
+        return None
+    return int(env[b"RANK"]) if b"RANK" in env else None
+
+
+def steps_written(metrics: Path) -> int:
+    """Step records in a run's metrics file so far."""
+    try:
+        return metrics.read_text().count('"event": "step"')
+    except OSError:
+        return 0
 
 
 def children(pid: int) -> list[int]:

@@ -14,29 +14,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from elaswave.control.chaos import Strike, strikes
-from tests.helpers.spawn import Running, Result, children, session_members
+from tests.helpers.spawn import Running, Result, children, rank_of, session_members, steps_written
 
 POLL_S = 0.005
-
-
-def _rank_of(pid: int) -> int | None:
-    try:
-        with open(f"/proc/{pid}/environ", "rb") as fh:
-            env = dict(item.split(b"=", 1) for item in fh.read().split(b"\0") if b"=" in item)
-        with open(f"/proc/{pid}/stat") as fh:
-            state = fh.read().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return None
-    if state in ("Z", "T", "t"):  # dead already, or stopped by an earlier strike
-        return None
-    return int(env[b"RANK"]) if b"RANK" in env else None
-
-
-def _steps_written(metrics: Path) -> int:
-    try:
-        return metrics.read_text().count('"event": "step"')
-    except OSError:
-        return 0
 
 
 class Striker(threading.Thread):
@@ -56,12 +36,12 @@ class Striker(threading.Thread):
     def run(self) -> None:
         for strike in self.plan:
             if strike.after_step is not None:
-                while _steps_written(self.metrics) <= strike.after_step:
+                while steps_written(self.metrics) <= strike.after_step:
                     if self._halt.wait(POLL_S):
                         return
             if self._halt.wait(strike.delay_s):
                 return
-            live = sorted((r, p) for p in children(self.pid) if (r := _rank_of(p)) is not None)
+            live = sorted((r, p) for p in children(self.pid) if (r := rank_of(p)) is not None)
             if len(live) <= self.min_alive:
                 self.skipped.append(f"{strike}: " + (f"only {len(live)} workers running" if live else "the job was over"))
                 continue
@@ -72,7 +52,7 @@ class Striker(threading.Thread):
                 self.skipped.append(f"{strike}: rank {rank} was gone")
                 continue
             self.fired.append({"wall_time": time.time(), "rank": rank, "signal": strike.signal,
-                               "steps_written": _steps_written(self.metrics)})
+                               "steps_written": steps_written(self.metrics)})
 
 
 @dataclass

@@ -48,7 +48,7 @@ def test_the_optimizer_share_is_per_holder_with_chunk_padding_and_two_generation
     assert {rank_bytes(m, plan, r)["optimizer"] for r in plan.ranks} == {OPTIMIZER_BYTES * 14 * 16}
     snap = _model(snapshots=True)
     # Its own outgoing state (14 chunks) and three buffers of rank 2's (13), whose snapshot it keeps.
-    assert plan.snapshot_owner(0) == 2
+    assert plan.snapshot_owners(0)[0] == 2
     assert rank_bytes(snap, plan, 0)["snapshots"] == STATE_BYTES * 16 * (14 + 3 * 13)
 
 

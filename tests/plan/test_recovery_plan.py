@@ -103,14 +103,22 @@ def test_pipeline_replans_give_clear_errors():
 
 def test_snapshot_ring():
     plan = _plan()
-    assert [plan.snapshot_holder(r) for r in range(4)] == [1, 2, 3, 0]
-    assert [plan.snapshot_owner(r) for r in range(4)] == [3, 0, 1, 2]
+    assert [plan.snapshot_holders(r)[0] for r in range(4)] == [1, 2, 3, 0]
+    assert [plan.snapshot_owners(r)[0] for r in range(4)] == [3, 0, 1, 2]
+
+
+def test_snapshot_copies_go_to_the_next_ranks_and_shrink_with_the_epoch():
+    plan = replace(_plan(), snapshot_copies=2)
+    assert [plan.snapshot_holders(r) for r in range(4)] == [(1, 2), (2, 3), (3, 0), (0, 1)]
+    assert [plan.snapshot_owners(r) for r in range(4)] == [(3, 2), (0, 3), (1, 0), (2, 1)]
+    two = replan(plan, [0, 2], 1, 4)  # one peer left each: one copy, and the copies setting carried on
+    assert two.snapshot_copies == 2 and two.snapshot_holders(0) == (2,) and two.snapshot_owners(2) == (0,)
 
 
 def test_snapshots_leave_their_host_so_a_lost_host_is_a_recovery_from_memory():
     plan = replace(initial_plan(6, 3, 2, [1.0] * 4, 12, NUMELS, chunk_numel=4), ranks_per_node=2)  # 3 hosts
     for r in plan.ranks:
-        assert plan.snapshot_holder(r) // 2 != r // 2 and plan.snapshot_owner(plan.snapshot_holder(r)) == r
+        assert plan.snapshot_holders(r)[0] // 2 != r // 2 and plan.snapshot_owners(plan.snapshot_holders(r)[0])[0] == r
     lost = {2, 3}  # the second host, a whole pipeline
     gens = {r: (5,) for r in plan.ranks}
     new = replan(plan, [0, 1, 4, 5], 1, 12)
@@ -127,7 +135,7 @@ def _holdings(plan, gens_own, gens_held, lost):
         if r in lost:
             continue
         mine = chunks_of(plan.chunk_owners, r)
-        owner = plan.snapshot_owner(r)
+        owner = plan.snapshot_owners(r)[0]
         held = chunks_of(plan.chunk_owners, owner)
         out.append(Holding(r, {g: mine for g in gens_own[r]}, {g: held for g in gens_held.get(r, ())}))
     return out

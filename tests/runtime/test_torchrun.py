@@ -1,10 +1,9 @@
 """The multi-host entry point: the same worker under real torchrun (env:// rendezvous)."""
-import socket
 import time
 from pathlib import Path
 
 from elaswave.runtime.metrics import read_jsonl
-from tests.helpers.spawn import TINY, TorchrunNode, run_reference, run_torchrun
+from tests.helpers.spawn import TINY, TorchrunNode, free_port, run_reference, run_torchrun
 
 
 def test_worker_under_torchrun_matches_reference(tmp_path):
@@ -16,12 +15,6 @@ def test_worker_under_torchrun_matches_reference(tmp_path):
     ref = run_reference(tmp_path, steps, deterministic=True)
     assert res.losses == ref.losses
     assert res.summary["params_sha256"] == ref.summary["params_sha256"]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _wait(what: str, predicate, timeout_s: float, logs: list[Path]) -> None:
@@ -39,7 +32,7 @@ def test_losing_one_of_two_torchrun_nodes_leaves_the_other_training(tmp_path):
     steps, kill_at = 24, 8
     sets = [*TINY, "parallel.dp=2", "parallel.pp=2", f"train.steps={steps}", "train.num_micro_batches=4",
             "train.deterministic=true", "elastic.heartbeat_timeout_s=1"]
-    endpoint, metrics = f"127.0.0.1:{_free_port()}", tmp_path / "run.jsonl"
+    endpoint, metrics = f"127.0.0.1:{free_port()}", tmp_path / "run.jsonl"
     logs = [tmp_path / "host0.log", tmp_path / "host1.log"]
     with TorchrunNode(2, 2, endpoint, True, sets, metrics, logs[0]) as host0, \
             TorchrunNode(2, 2, endpoint, False, sets, metrics, logs[1]) as host1:

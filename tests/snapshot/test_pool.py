@@ -51,7 +51,7 @@ def test_snapshot_travels_round_the_ring_and_keeps_one_generation_once_committed
             kept.append(sorted(pool.holding()))
             pool.commit(gen)
             kept.append(sorted(pool.holding()))
-        peer = plan.snapshot_owner(r)
+        peer = plan.snapshot_owners(r)[0]
         return kept, pool.chunk(plan.chunks_of(peer)[0], 3)[0, 0].item(), peer
 
     out = _run_pair(body)
