@@ -10,9 +10,12 @@ less its MTTR, which runs from the kill). From the ``join`` record of each run: 
 process start to the end of its first step, split into start-up (Python, torch, data: before the
 request), admission (request to the step boundary where the leader admitted it), the boundary
 (members finishing that step), agree, communicator, plan, state (chunks and layers moved) and the
-first step; and the time from the request alone. Medians over ``--runs``.
+first step; and the time from the request alone. Medians over ``--runs``. ``--default-job``: the
+README's default job instead (``elaswave run`` as shipped: the tiny Llama, dp=2 x pp=2), with
+the same kill; ``--modes`` picks which joins to run.
 
     python bench/join.py --runs 5
+    python bench/join.py --runs 5 --default-job --modes spare,replacement
 """
 from __future__ import annotations
 
@@ -27,6 +30,7 @@ HERE = Path(__file__).resolve().parent
 JOB = ["parallel.dp=2", "parallel.pp=2", "model.d_model=32", "model.num_heads=2", "model.seq_len=32",
        "model.num_blocks=4", "train.micro_batch_size=2", "train.num_micro_batches=6", "train.steps=300",
        "data.max_corpus_bytes=200000", "parallel.timeout_s=60"]
+DEFAULT_JOB = ["train.steps=300", "parallel.timeout_s=60"]
 MODES = {"spare": ["elastic.inject=kill:rank=3,step=5", "elastic.spares=1"],
          "replacement": ["elastic.inject=kill:rank=3,step=5", "elastic.respawn_after_s=0"],
          "extra": ["elastic.inject=join:step=5"]}
@@ -35,12 +39,19 @@ MODES = {"spare": ["elastic.inject=kill:rank=3,step=5", "elastic.spares=1"],
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--runs", type=int, default=5)
-    ap.add_argument("--out", default=str(HERE / "results" / "join"))
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--default-job", action="store_true", help="the README's default job instead of the tiny one")
+    ap.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, of {', '.join(MODES)}")
     args = ap.parse_args()
-    joins: dict[str, list[dict]] = {m: [] for m in MODES}
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    if not modes or set(modes) - set(MODES):
+        raise SystemExit(f"--modes={args.modes} is invalid: choose from {', '.join(MODES)}")
+    job, what = (DEFAULT_JOB, "the README's default job (tiny Llama)") if args.default_job else (JOB, "tiny model")
+    args.out = args.out or str(HERE / "results" / ("join_default_job" if args.default_job else "join"))
+    joins: dict[str, list[dict]] = {m: [] for m in modes}
     for i in range(args.runs):
-        for mode, sets in MODES.items():  # interleaved, so drift on the box hits both alike
-            records = run_job(JOB + sets)
+        for mode in modes:  # interleaved, so drift on the box hits both alike
+            records = run_job(job + MODES[mode])
             (join,) = [r for r in records if r["event"] == "join"]
             join["from_kill_s"] = _from_kill(records, join)
             joins[mode].append(join)
@@ -59,9 +70,10 @@ def main() -> None:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(result, indent=1))
-    names = list(result["replacement"]["phases_s"])
+    names = list(result[modes[0]]["phases_s"])
+    flags = (" --default-job" if args.default_job else "") + ("" if modes == list(MODES) else f" --modes {','.join(modes)}")
     lines = ["# Join: time to the first productive step", "",
-             f"`python bench/join.py --runs {args.runs}`; dp=2 x pp=2, tiny model, gloo, 2-core box. Medians "
+             f"`python bench/join.py --runs {args.runs}{flags}`; dp=2 x pp=2, {what}, gloo, 2-core box. Medians "
              "(range). A spare's start-up is its promotion to its request: it started with the job.", "",
              "| join | from the SIGKILL | from process start | from its request | " + " | ".join(names) + " |",
              "| --- | --- | --- | --- | " + " | ".join("---" for _ in names) + " |"]

@@ -29,6 +29,7 @@ from elaswave.comm.backend import connect_store
 from elaswave.control import agents
 from elaswave.control.admission import JOIN_ENV, SPARE_ENV, STARTED_ENV, TOKEN_ENV, job_token, new_token, promote
 from elaswave.control.agents import NODES_ENV, AgentRefused, Node
+from elaswave.control.link import EXIT_STORE_LOST, StoreLink, StoreLost
 from elaswave.control.liveness import Prober
 from elaswave.control.membership import PREFIX, Membership
 
@@ -54,17 +55,6 @@ class _Terminated(Exception):
 
 def _on_terminate(signum, frame) -> None:
     raise _Terminated(signum)
-
-
-def _die_with_parent() -> None:
-    """In the worker, before exec: SIGKILL it when the launcher dies, however the launcher dies
-    (Linux prctl PR_SET_PDEATHSIG; elsewhere the worker notices when the store goes away)."""
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG = 1
-    except (OSError, AttributeError):
-        pass
 
 
 def _describe(code: int) -> str:
@@ -135,16 +125,20 @@ class _Workers:
         cmd = [sys.executable, "-m", "elaswave.runtime.worker", "--config", self.cfg_path]
         if self.metrics_out:  # any rank may become the writer when rank 0 is gone
             cmd += ["--metrics-out", self.metrics_out]
-        self.procs[rank] = subprocess.Popen(cmd, env=env, preexec_fn=_die_with_parent)
+        # No parent-death signal: when this process dies, the store it hosts goes with it and the
+        # workers notice within the heartbeat timeout, save their state and exit
+        # (elaswave.runtime.rescue); on a host whose agent died, the workers keep training.
+        self.procs[rank] = subprocess.Popen(cmd, env=env)
         return rank
 
     def all(self) -> list[subprocess.Popen]:
         return list(self.procs.values())
 
 
-def _open_store(cfg: JobConfig, node: Node, host: str) -> tuple[dist.TCPStore, str]:
-    """The job's store: hosted here (one host, or node 0 of several) or reached at the endpoint.
-    Returns it and the address the workers connect to."""
+def _open_store(cfg: JobConfig, node: Node, host: str) -> tuple[dist.TCPStore | StoreLink, str]:
+    """The job's store: hosted here (one host, or node 0 of several) or reached at the endpoint
+    (through a link that outlives a dropped connection). Returns it and the address the workers
+    connect to."""
     timeout = timedelta(seconds=cfg.parallel.timeout_s)
     if node.rdzv_endpoint is None:
         store = dist.TCPStore(host, 0, world_size=None, is_master=True, wait_for_workers=False, timeout=timeout)
@@ -159,11 +153,13 @@ def _open_store(cfg: JobConfig, node: Node, host: str) -> tuple[dist.TCPStore, s
                                f"({type(exc).__name__}: {str(exc).splitlines()[0]})") from None
         return store, node.rdzv_endpoint
     try:
-        return connect_store(node.rdzv_endpoint, cfg.parallel.timeout_s), node.rdzv_endpoint
+        store = connect_store(node.rdzv_endpoint, cfg.parallel.timeout_s)
     except (RuntimeError, OSError) as exc:  # torch raises DistStoreError (a RuntimeError) on a timeout
         raise AgentRefused(f"--rdzv-endpoint={node.rdzv_endpoint}: no job's store answered within "
                            f"parallel.timeout_s={cfg.parallel.timeout_s:g} s ({type(exc).__name__}); is node 0's "
                            f"agent running there?") from None
+    return StoreLink(store, node.rdzv_endpoint, cfg.parallel.timeout_s, cfg.elastic.heartbeat_timeout_s), \
+        node.rdzv_endpoint
 
 
 def _check_devices(cfg: JobConfig, node: Node) -> None:
@@ -220,7 +216,10 @@ def launch(cfg: JobConfig, metrics_out: str | None = None, host: str = "127.0.0.
             workers.spawn()
         for _ in range(cfg.elastic.spares if cfg.elastic.enabled else 0):
             workers.spawn_spare()
-        code = _watch(cfg, workers, store, membership, timeout_s, done_grace_s)
+        try:
+            code = _watch(cfg, workers, store, membership, timeout_s, done_grace_s)
+        except StoreLost as lost:
+            return _after_store_lost(cfg, workers, lost)
         if node.is_multi_host:
             _finish(store, node, done_grace_s)
         return code
@@ -253,6 +252,8 @@ def _watch(cfg: JobConfig, workers: _Workers, store: dist.TCPStore, membership: 
             if code in (None, 0) or rank in reported:
                 continue
             reported.add(rank)
+            if code == EXIT_STORE_LOST:  # it saved its state and said so: nothing to report or replace
+                continue
             if workers.lost_spare(rank):
                 print(f"elaswave: spare rank {rank} {_describe(code)}; starting another", file=sys.stderr, flush=True)
                 if done_at is None:
@@ -292,6 +293,16 @@ def _watch(cfg: JobConfig, workers: _Workers, store: dist.TCPStore, membership: 
             _stop(workers.all())
             return 124
         time.sleep(0.005)
+
+
+def _after_store_lost(cfg: JobConfig, workers: _Workers, lost: StoreLost) -> int:
+    """The job's store (on node 0) is gone: this host's workers notice too, save their state and
+    exit; wait for them (bounded), then stop with the same code."""
+    print(f"elaswave: {lost}; this host's workers save their state and stop", file=sys.stderr, flush=True)
+    deadline = time.monotonic() + cfg.parallel.timeout_s + cfg.elastic.heartbeat_timeout_s
+    while any(p.poll() is None for p in workers.all()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return EXIT_STORE_LOST
 
 
 class _OtherHosts:

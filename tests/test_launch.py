@@ -1,13 +1,17 @@
 """With elasticity off, a rank that dies ends the job: promptly, non-zero, nothing left running;
-and however the launcher itself ends, its workers end with it."""
+however the launcher itself ends, its workers end with it; and per-host agents: a worker's death
+costs that rank alone, bad settings are refused, and a host's dropped store connections that come
+back within the heartbeat timeout cost nothing."""
 import os
+import re
 import signal
 import subprocess
 import sys
 import time
 
+from tests.helpers.proxy import Proxy
 from tests.helpers.spawn import (TINY, Running, alive, assert_same_run, children, free_port, rank_of, run_cli,
-                                 run_reference)
+                                 run_reference, steps_written)
 
 
 def _start_long_job(extra=()):
@@ -39,9 +43,11 @@ def test_without_elasticity_a_sigkill_ends_the_job_cleanly():
             pass
 
 
-def test_workers_end_with_the_launcher_however_it_ends():
+def test_workers_end_with_the_launcher_however_it_ends(tmp_path):
+    # SIGKILL takes the store with it: the workers save their state (tests/runtime/test_rescue.py)
+    # and exit within the heartbeat timeout.
     for sig in (signal.SIGTERM, signal.SIGKILL):
-        proc = _start_long_job()
+        proc = _start_long_job([f"checkpoint.dir={tmp_path / sig.name}"])
         try:
             workers = children(proc.pid)
             assert len(workers) == 4, workers
@@ -112,3 +118,63 @@ def test_an_unreachable_rendezvous_endpoint_is_a_clear_error_within_the_timeout(
                   env={"ELASWAVE_TOKEN": "agents-test"})
     assert res.returncode == 2 and "no job's store answered within parallel.timeout_s=3 s" in res.stderr, res.stderr
     assert time.monotonic() - began < 30
+
+
+def test_a_host_whose_store_connections_drop_and_come_back_keeps_its_place(tmp_path):
+    """Host 1's agent and workers reach the store through a loopback proxy. Every connection it
+    carries is cut, and new ones refused for 0.6 s (under the 2 s heartbeat timeout), twice: each
+    link re-connects, nobody is declared gone, the world stays 4 and the run equals the reference."""
+    steps = 200  # the cuts fall well inside the training (a step takes ~0.05 s here)
+    sets = [*TINY, "parallel.dp=2", "parallel.pp=2", f"train.steps={steps}", "train.num_micro_batches=4",
+            "train.deterministic=true", "parallel.timeout_s=30", f"checkpoint.dir={tmp_path / 'ckpt'}"]
+    port, metrics = free_port(), tmp_path / "run.jsonl"
+    with _agent(sets, 0, f"127.0.0.1:{port}", metrics) as host0:
+        host0.wait_for("store at", 60)
+        with Proxy(port) as proxy, _agent(sets, 1, proxy.addr, metrics) as host1:
+            host0.wait_for(r"step\s+6/", 180)
+            for _ in range(2):
+                proxy.refuse()
+                proxy.cut()
+                time.sleep(0.6)
+                proxy.allow()
+                time.sleep(1.0)
+            assert steps_written(metrics) < steps - 20, "the cuts came too late to test anything"
+            res0, res1 = host0.finish(240), host1.finish(120)
+            cuts = proxy.cuts
+    assert res0.returncode == 0 and res1.returncode == 0, f"{res0.stderr}\n{res1.stderr}"
+    assert cuts >= 6, cuts  # the agent's and each worker's connections, twice
+    changes = [r for r in res0.records if r["event"] in ("recovery", "join")]
+    assert not changes, f"a rank was declared gone: {changes}\n{res0.stderr}\n{res1.stderr}"
+    assert {r["world_size"] for r in res0.steps} == {4}
+    assert_same_run(res0, run_reference(tmp_path, steps, deterministic=True), steps)
+
+
+def test_node_0s_agent_sigkilled_takes_the_store_every_rank_saves_and_the_agents_rerun_losing_nothing(tmp_path):
+    """Node 0's agent holds the store. SIGKILLed alone, its workers outlive it: all four ranks
+    notice the store is gone, save the state after the last step they trained and exit; host 1's
+    agent waits for its workers and exits with the same code. The same two commands again resume
+    there, and the run equals the reference."""
+    steps = 60
+    sets = [*TINY, "parallel.dp=2", "parallel.pp=2", f"train.steps={steps}", "train.num_micro_batches=4",
+            "train.deterministic=true", "parallel.timeout_s=30", f"checkpoint.dir={tmp_path / 'ckpt'}"]
+    endpoint, metrics = f"127.0.0.1:{free_port()}", tmp_path / "run.jsonl"
+    with _agent(sets, 0, endpoint, metrics) as host0, _agent(sets, 1, endpoint, metrics) as host1:
+        host0.wait_for(r"step\s+6/", 180)
+        workers = children(host0.proc.pid) + children(host1.proc.pid)
+        os.kill(host0.proc.pid, signal.SIGKILL)
+        res1 = host1.finish(60)
+        deadline = time.monotonic() + 30
+        while [w for w in workers if alive(w)] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not [w for w in workers if alive(w)], "workers outlived their store by 30 s"
+        res0 = host0.finish(10)
+    assert res1.returncode == 4 and "this host's workers save their state and stop" in res1.stderr, res1.stderr
+    err = res0.stderr + res1.stderr
+    saved = int(re.search(r"the job is at step (\d+)", err).group(1))
+    assert err.count("saved its part of step") == 3, err
+    assert [r["step"] for r in res0.steps] == list(range(saved)), "the state saved is not the one after the last step"
+    with _agent(sets, 0, endpoint, metrics) as host0, _agent(sets, 1, endpoint, metrics) as host1:
+        again0, again1 = host0.finish(240), host1.finish(60)
+    assert again0.returncode == 0 and again1.returncode == 0, f"{again0.stderr}\n{again1.stderr}"
+    assert f"resuming at step {saved}" in again0.stdout
+    assert_same_run(again0, run_reference(tmp_path, steps, deterministic=True), steps)

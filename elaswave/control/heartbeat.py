@@ -14,6 +14,7 @@ from typing import Callable
 
 import torch.distributed as dist
 
+from elaswave.control.link import StoreLost
 from elaswave.control.membership import PREFIX, Membership, is_stale
 from elaswave.interrupt import Interrupt
 
@@ -38,6 +39,7 @@ class Watcher(threading.Thread):
     def run(self) -> None:
         watched, count, changed_at = None, None, time.monotonic()
         suspected_in: set[int] = set()
+        lost_at = None
         while not self._halt.is_set():
             try:
                 self.store.add(f"{PREFIX}hb/{self.rank}", 1)
@@ -57,7 +59,16 @@ class Watcher(threading.Thread):
                         self.membership.alert(epoch, f"rank {neighbour} missed heartbeats for "
                                                      f"{now - changed_at:.2f}s", [neighbour])
                 self._wait_for_alert(epoch)
-            except Exception:  # the store is gone (job over, or its host died): nothing left to watch
+            except StoreLost:
+                if self._halt.is_set():
+                    return
+                # The ranks stop at the end of the step, which carries the news to all of them; a
+                # main thread waiting on a peer that stopped first is woken after the timeout.
+                lost_at = lost_at or time.monotonic()
+                if time.monotonic() - lost_at > self.timeout_s:
+                    self.interrupt.trip(self.view()[0])
+                time.sleep(self.interval_s)
+            except Exception:  # the job is over (its store closed): nothing left to watch
                 if self._halt.is_set():
                     return
                 time.sleep(self.interval_s)

@@ -29,6 +29,9 @@ class StepResult:
     speeds: dict[int, float] = field(default_factory=dict)
     """Every rank's micro-batches per second of its own compute this step (0: it ran none), the
     same on every rank: stragglers are found from it."""
+    store_lost: bool = False
+    """Every rank's link to the control store has given up: all stop after this step. (A rank cut
+    off from a store that the others still reach trains on until they leave it out.)"""
 
 
 class _Laps:
@@ -54,9 +57,12 @@ def _exchange_exact(st: RankState, values: dict[int, float], size: int) -> list[
 
 def train_step(st: RankState, cfg: JobConfig, step: int, pool: SnapshotPool | None,
                fault: Callable[[int, str], None], admit: Callable[[RankState], int] | None = None,
-               corrupts: Callable[[int], bool] | None = None) -> StepResult:
+               corrupts: Callable[[int], bool] | None = None,
+               store_lost: Callable[[], bool] | None = None) -> StepResult:
     """``admit``: on the epoch's leader, answers pending join requests and returns how many ranks
-    it admitted into the next epoch; the count travels in the loss exchange."""
+    it admitted into the next epoch; the count travels in the loss exchange. ``store_lost``:
+    whether this rank's link to the control store gave up; the count travels there too, so that
+    when it is every rank, all stop after the same step."""
     t = cfg.train
     lap = _Laps()
     # 1. Forward and backward of this pipeline's micro-batches (1F1B); each micro-batch's gradient
@@ -66,16 +72,18 @@ def train_step(st: RankState, cfg: JobConfig, step: int, pool: SnapshotPool | No
     # The losses travel with one flag per rank: "I hold a verified snapshot of my peer's state at
     # the start of this step". Nobody updates until every flag is in, so nobody drops the older
     # generation while some chunk exists only there. With them, the leader's count of ranks it
-    # admitted (everyone learns of a join in the same step) and every rank's speed.
+    # admitted (everyone learns of a join in the same step), how many ranks lost the control
+    # store, and every rank's speed.
     is_verified = pool.verify(st.world, step) if pool is not None else True
     M = t.num_micro_batches
-    exchange = torch.zeros(M + 2 + st.world.size, dtype=torch.float64)
+    exchange = torch.zeros(M + 3 + st.world.size, dtype=torch.float64)
     for mb, loss_sum in losses.items():
         exchange[mb] = loss_sum  # one contributor per entry: the sum is exact
     exchange[M] = admit(st) if admit is not None else 0
     exchange[M + 1] = 1.0 if is_verified else 0.0
+    exchange[M + 2] = 1.0 if store_lost is not None and store_lost() else 0.0
     forwards = sum(1 for a in st.schedule if a.op is Op.FORWARD)
-    exchange[M + 2 + st.world.group_rank] = forwards / st.executor.busy_s if forwards and st.executor.busy_s > 0 else 0.0
+    exchange[M + 3 + st.world.group_rank] = forwards / st.executor.busy_s if forwards and st.executor.busy_s > 0 else 0.0
     exchange = exchange.to(st.device)
     exchange_work = st.world.all_reduce_async(exchange)
     lap("compute")
@@ -124,9 +132,9 @@ def train_step(st: RankState, cfg: JobConfig, step: int, pool: SnapshotPool | No
 
     step_tokens = st.plan.num_micro_batches * t.micro_batch_size * st.stage.model.seq_len
     loss = math.fsum(exchange[:M].tolist()) / step_tokens
-    speeds = dict(zip(st.world.members, exchange[M + 2:].tolist()))
+    speeds = dict(zip(st.world.members, exchange[M + 3:].tolist()))
     return StepResult(loss=loss, grad_norm=norm, lr=lr, phases_s=lap.phases, joining=int(exchange[M].item()),
-                      speeds=speeds)
+                      speeds=speeds, store_lost=exchange[M + 2].item() == st.world.size)
 
 
 def gather_params(st: RankState) -> None:

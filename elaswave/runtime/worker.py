@@ -28,6 +28,7 @@ from elaswave.control.admission import JOIN_ENV, Admission, Refused, job_token
 from elaswave.control.agents import NODES_ENV
 from elaswave.control.faults import FaultInjector
 from elaswave.control.heartbeat import Watcher
+from elaswave.control.link import EXIT_STORE_LOST, StoreLink, StoreLost
 from elaswave.control.liveness import LivenessPort, Prober
 from elaswave.control.membership import Membership
 from elaswave.data.mixture import Mixture, mixture_of, tokens_per_source
@@ -41,7 +42,7 @@ from elaswave.plan.frequency import PowerModel
 from elaswave.plan.memory import MemoryModel, rank_bytes
 from elaswave.plan.plan import PlanError, initial_plan
 from elaswave.precision import compute_dtype, name as precision_name, pin_kernels
-from elaswave.runtime import actuator, join, recovery
+from elaswave.runtime import actuator, join, recovery, rescue
 from elaswave.runtime.actuator import ActuatorError
 from elaswave.runtime.evaluation import Evaluation
 from elaswave.runtime.memory import job_memory_model, measure_peak
@@ -59,8 +60,9 @@ EXIT_EXCLUDED = 3
 class Context:
     """What a rank keeps across epochs: its control-plane links, communicator, weights and data."""
 
-    def __init__(self, cfg: JobConfig, rank: int, store, backend_name: str, device: torch.device):
+    def __init__(self, cfg: JobConfig, rank: int, store: StoreLink, backend_name: str, device: torch.device):
         e = cfg.elastic
+        self.store = store
         self.cfg, self.rank, self.device, self.backend_name = cfg, rank, device, backend_name
         self.model = model_for(cfg)
         """The model contract every stage, plan and recovery of this rank goes through."""
@@ -97,7 +99,7 @@ class Context:
         """The newest epoch whose members this rank agreed on (it may not have trained yet)."""
         self.step = 0
         # The watcher has its own store connection: its blocking waits must never stall training.
-        self.watcher = Watcher(store.clone(), rank, self._view, self.interrupt,
+        self.watcher = Watcher(store.separate(), rank, self._view, self.interrupt,
                                e.heartbeat_interval_s, e.heartbeat_timeout_s, self.prober) if e.enabled else None
         self._sampler = None
         self.evaluation = Evaluation(cfg, self.model)
@@ -130,7 +132,10 @@ class Context:
         the last step, after which there is nothing left to grow for."""
         if not self.cfg.elastic.enabled or st.rank != st.plan.ranks[0] or self.step >= self.cfg.train.steps - 1:
             return 0
-        return join.admit(self, st)
+        try:
+            return join.admit(self, st)
+        except StoreLost:  # said in this step's exchange (store_lost): every rank stops after it
+            return 0
 
     def _view(self):
         plan = self.plan
@@ -156,11 +161,14 @@ class Context:
         return self.plan.micro_batches[d][0]
 
 
-def _connect(cfg: JobConfig, rank: int, world_size: int):
+def _connect(cfg: JobConfig, rank: int, world_size: int) -> tuple[StoreLink, int, int]:
+    """The link to the job's store: ``elaswave run``'s (``ELASWAVE_STORE``) or torchrun's rendezvous."""
     addr = os.environ.get("ELASWAVE_STORE")
+    timeout_s, grace_s = cfg.parallel.timeout_s, cfg.elastic.heartbeat_timeout_s
     if addr:
-        return backend.connect_store(addr, cfg.parallel.timeout_s), rank, world_size
-    return backend.rendezvous_store(cfg.parallel.timeout_s)
+        return StoreLink(backend.connect_store(addr, timeout_s), addr, timeout_s, grace_s), rank, world_size
+    store, rank, world_size = backend.rendezvous_store(timeout_s)
+    return StoreLink(store, None, timeout_s, grace_s), rank, world_size
 
 
 def run(cfg: JobConfig, rank: int, world_size: int, metrics_out: str | None) -> int:
@@ -198,92 +206,103 @@ def run(cfg: JobConfig, rank: int, world_size: int, metrics_out: str | None) -> 
     began = time.perf_counter()
     result = None
     evaluation_s = 0.0  # evaluations since the last change, before its first step: not in its MTTR
-    while True:
-        cause = None
-        try:
-            while True:
-                if t.eval_due(step):  # the state after `step` steps, on the layout that runs the next
-                    evaluated = ctx.evaluation.run(st, step, lambda j, a, s=step: ctx.before_eval(s, j, a))
-                    journal.add(evaluated)
-                    if pending is not None:
-                        evaluation_s += evaluated["eval_s"]
-                if step >= t.steps:
+    try:
+        while True:
+            cause = None
+            try:
+                while True:
+                    if t.eval_due(step):  # the state after `step` steps, on the layout that runs the next
+                        evaluated = ctx.evaluation.run(st, step, lambda j, a, s=step: ctx.before_eval(s, j, a))
+                        journal.add(evaluated)
+                        if pending is not None:
+                            evaluation_s += evaluated["eval_s"]
+                    if step >= t.steps:
+                        break
+                    started = time.perf_counter()
+                    st.executor.slowdown = ctx.injector.slowdown(step)
+                    ctx.step = step
+                    def one_step():
+                        return train_step(st, cfg, step, ctx.pool, ctx.injector.at, ctx.admit, ctx.injector.corrupts,
+                                          ctx.store.lost.is_set)
+                    if step == t.measure_memory_step:
+                        result, before, peak = measure_peak(one_step, device)
+                        ctx.measured_memory = {"step": step, "before_bytes": before, "peak_bytes": peak,
+                                               "predicted": rank_bytes(ctx.memory_model, st.plan, rank)}
+                    else:
+                        result = one_step()
+                    for what in ctx.injector.flips(step):
+                        _flip_low_bit(st, what)
+                    took = time.perf_counter() - started
+                    ctx.speeds.add(st.epoch, result.speeds)
+                    # The median of the epoch's last steps; an idle rank (drop_replica) keeps its last figure.
+                    ctx.speed = ctx.speeds.median(rank) or ctx.speed
+                    journal.commit_before(step, writer)
+                    samples = st.plan.num_micro_batches * t.micro_batch_size
+                    journal.add({"event": "step", "step": step, "loss": result.loss, "grad_norm": result.grad_norm,
+                                 "lr": result.lr, "num_samples": samples, "world_size": len(st.plan.ranks),
+                                 "epoch": st.epoch, "step_time_s": took, "tokens_per_s": samples * ctx.model.seq_len / took,
+                                 "wall_time": time.time(), "phases_s": result.phases_s,
+                                 "modelled_power_w": _modelled_power(st.plan), **ctx.source_tokens(step)})
+                    if pending is not None:  # (a no-op writer on ranks that do not write)
+                        writer.write({**pending.record(time.time(), took, evaluation_s),
+                                      "spares_standing": ctx.membership.spares_standing()})
+                        pending = None
+                    step += 1
+                    if result.store_lost:
+                        raise StoreLost(ctx.store.lost_reason)
+                    if ctx.checkpointer is not None and ctx.checkpointer.due(step):
+                        ctx.checkpointer.save(step, st.plan.chunk_owners, st.optimizer.keys(), st.optimizer.payload(),
+                                              is_writer=rank == st.plan.ranks[0])
+                    if ctx.stamps_steps and rank == st.plan.ranks[0]:
+                        ctx.membership.stamp("step", step)  # the launcher starts the joins asked for at a step
+                    if result.joining:  # admitted during this step: the job grows at its end
+                        cause = join.GROW
+                        break
+                    gain = ctx.speeds.straggles(st.plan, t.num_micro_batches, cfg.elastic.straggler_gain)
+                    if gain and cfg.elastic.enabled and step < t.steps:
+                        if rank == st.plan.ranks[0]:
+                            slowest = min(st.plan.ranks, key=ctx.speeds.median)
+                            print(f"elaswave: re-planning at step {step} by measured speeds (slowest: rank {slowest}); "
+                                  f"predicted to save {100 * gain:.0f}% of a step", file=sys.stderr, flush=True)
+                        cause = REBALANCE
+                        break
+                if cause is None:
+                    if ctx.checkpointer is not None:
+                        ctx.checkpointer.wait()
+                    summary = _finish(ctx, st, cfg)
+                    journal.commit_before(t.steps + 1, writer)  # the last evaluation's record too
                     break
-                started = time.perf_counter()
-                st.executor.slowdown = ctx.injector.slowdown(step)
-                ctx.step = step
-                def one_step():
-                    return train_step(st, cfg, step, ctx.pool, ctx.injector.at, ctx.admit, ctx.injector.corrupts)
-                if step == t.measure_memory_step:
-                    result, before, peak = measure_peak(one_step, device)
-                    ctx.measured_memory = {"step": step, "before_bytes": before, "peak_bytes": peak,
-                                           "predicted": rank_bytes(ctx.memory_model, st.plan, rank)}
-                else:
-                    result = one_step()
-                for what in ctx.injector.flips(step):
-                    _flip_low_bit(st, what)
-                took = time.perf_counter() - started
-                ctx.speeds.add(st.epoch, result.speeds)
-                # The median of the epoch's last steps; an idle rank (drop_replica) keeps its last figure.
-                ctx.speed = ctx.speeds.median(rank) or ctx.speed
-                journal.commit_before(step, writer)
-                samples = st.plan.num_micro_batches * t.micro_batch_size
-                journal.add({"event": "step", "step": step, "loss": result.loss, "grad_norm": result.grad_norm,
-                             "lr": result.lr, "num_samples": samples, "world_size": len(st.plan.ranks),
-                             "epoch": st.epoch, "step_time_s": took, "tokens_per_s": samples * ctx.model.seq_len / took,
-                             "wall_time": time.time(), "phases_s": result.phases_s,
-                             "modelled_power_w": _modelled_power(st.plan), **ctx.source_tokens(step)})
-                if pending is not None:  # (a no-op writer on ranks that do not write)
-                    writer.write({**pending.record(time.time(), took, evaluation_s),
-                                  "spares_standing": ctx.membership.spares_standing()})
-                    pending = None
-                step += 1
-                if ctx.checkpointer is not None and ctx.checkpointer.due(step):
-                    ctx.checkpointer.save(step, st.plan.chunk_owners, st.optimizer.keys(), st.optimizer.payload(),
-                                          is_writer=rank == st.plan.ranks[0])
-                if ctx.stamps_steps and rank == st.plan.ranks[0]:
-                    ctx.membership.stamp("step", step)  # the launcher starts the joins asked for at a step
-                if result.joining:  # admitted during this step: the job grows at its end
-                    cause = join.GROW
-                    break
-                gain = ctx.speeds.straggles(st.plan, t.num_micro_batches, cfg.elastic.straggler_gain)
-                if gain and cfg.elastic.enabled and step < t.steps:
-                    if rank == st.plan.ranks[0]:
-                        slowest = min(st.plan.ranks, key=ctx.speeds.median)
-                        print(f"elaswave: re-planning at step {step} by measured speeds (slowest: rank {slowest}); "
-                              f"predicted to save {100 * gain:.0f}% of a step", file=sys.stderr, flush=True)
-                    cause = REBALANCE
-                    break
-            if cause is None:
-                if ctx.checkpointer is not None:
-                    ctx.checkpointer.wait()
-                summary = _finish(ctx, st, cfg)
-                journal.commit_before(t.steps + 1, writer)  # the last evaluation's record too
-                break
-        except Disruption as exc:
-            if not cfg.elastic.enabled:
+            except Disruption as exc:
+                if not cfg.elastic.enabled:
+                    raise
+                cause = exc
+            unfinished = pending  # a change whose first step never ended: its record goes into this one's
+            try:
+                st, pending = join.change(ctx, st, cause, time.time())
+            except PlanError as stop:
+                if stop.saved_step is not None:  # the steps the saved state has seen happened: record them
+                    journal.commit_before(stop.saved_step, writer)
                 raise
-            cause = exc
-        unfinished = pending  # a change whose first step never ended: its record goes into this one's
-        try:
-            st, pending = join.change(ctx, st, cause, time.time())
-        except PlanError as stop:
-            if stop.saved_step is not None:  # the steps the saved state has seen happened: record them
-                journal.commit_before(stop.saved_step, writer)
-            raise
-        except recovery.Excluded as out:
-            print_error(str(out))
-            writer.close()
-            return EXIT_EXCLUDED
-        if unfinished is not None:
-            pending = pending.absorb(unfinished)
-        ctx.plan = st.plan
-        step, evaluation_s = pending.resume_step, 0.0
-        journal.discard_from(step)
-        if rank == st.plan.ranks[0] and writer.fh is None and metrics_out:
-            writer = MetricsWriter(metrics_out, show_progress=True, total_steps=t.steps, append=True)
-            journal.replay(writer)
-        journal.commit_before(step, writer)
+            except recovery.Excluded as out:
+                print_error(str(out))
+                writer.close()
+                return EXIT_EXCLUDED
+            if unfinished is not None:
+                pending = pending.absorb(unfinished)
+            ctx.plan = st.plan
+            step, evaluation_s = pending.resume_step, 0.0
+            journal.discard_from(step)
+            if rank == st.plan.ranks[0] and writer.fh is None and metrics_out:
+                writer = MetricsWriter(metrics_out, show_progress=True, total_steps=t.steps, append=True)
+                journal.replay(writer)
+            journal.commit_before(step, writer)
+    except StoreLost as lost:
+        journal.commit_before(step, writer)  # the steps every rank finished: the state saved is after them
+        code = rescue.save_and_stop(ctx, st, str(lost), ctx.store.lost_wall or time.time(), writer)
+        writer.close()
+        if ctx.watcher is not None:
+            ctx.watcher.stop()
+        return code
     wall = time.perf_counter() - began
     if rank == st.plan.ranks[0]:
         # Every holder's copy of a layer is the same (checked in _finish): take any.
@@ -303,7 +322,10 @@ def run(cfg: JobConfig, rank: int, world_size: int, metrics_out: str | None) -> 
                       "memory_predicted_per_rank": [summary[r]["memory_predicted"] for r in st.plan.ranks],
                       "memory_measured_per_rank": [summary[r]["memory_measured"] for r in st.plan.ranks],
                       "cpu_s_per_rank": [summary[r]["cpu_s"] for r in st.plan.ranks]})
-        ctx.membership.stamp("done")
+        try:
+            ctx.membership.stamp("done")
+        except StoreLost:  # the training is over and checked: nobody is left to tell
+            pass
     writer.close()
     if ctx.watcher is not None:
         ctx.watcher.stop()
@@ -451,6 +473,9 @@ def main(argv: list[str] | None = None) -> int:
         code = run(cfg, rank, world_size, args.metrics_out)
     except join.StoodDown:
         code = 0  # a warm spare the job finished without
+    except StoreLost as lost:  # before the rank trained: nothing of the job's state is here
+        print_error(f"rank {rank}: {lost}; it stops")
+        code = EXIT_STORE_LOST
     except (ConfigError, disk.CheckpointError, PlanError, ActuatorError, Refused, digest.StateMismatch) as exc:
         print_error(str(exc))
         code = 2

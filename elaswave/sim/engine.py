@@ -4,6 +4,7 @@ Between events the job trains at its plan's steady rate (micro-batches per secon
 :func:`~elaswave.sim.model.step_time`); at an event the policy's :class:`~elaswave.sim.policies.Change`
 says how long nothing trains and how much finished work is thrown away. Goodput is the useful
 micro-batches over what the whole cluster, never failing, would have trained in the same time.
+A policy with spares replays the trace as its slots see it (:func:`~elaswave.sim.control.slot_events`).
 """
 from __future__ import annotations
 
@@ -35,15 +36,46 @@ class PolicyResult:
     stalls: int
     """Failures after which the policy could not train at all until a repair (left out of the MTTR)."""
     useful_micro_batches: float
+    devices: int = 0
+    """Devices in the layout (the failure-free plan)."""
+    spares: int = 0
+    """Idle devices held beside them."""
+    store_losses: int = 0
+    """Failures that took the control store's host along."""
+    duration_s: float = 0.0
     timeline: list[tuple[float, float]] = field(default_factory=list)
     """(time s, micro-batches per s) at each change of rate."""
+
+    @property
+    def ettr(self) -> float:
+        """Effective training time ratio, ByteRobust's metric: productive training time / wall time.
+        It is the goodput: a second trained at a fraction f of the job's failure-free rate counts as
+        f productive seconds, so a job running degraded is not credited as if it trained at full
+        speed. For a job that trains at its full rate or not at all (ByteRobust's, which replace
+        machines rather than shrink) the two readings are the same number."""
+        return self.goodput
+
+    @property
+    def ettr_all_devices(self) -> float:
+        """ETTR charged for the spares: productive device-time over the wall time of every device
+        the job holds, the layout's and the idle spares' (the spares train nothing)."""
+        held = self.devices + self.spares
+        return self.goodput * self.devices / held if held else self.goodput
+
+    @property
+    def productive_lost_per_failure_s(self) -> float | None:
+        """Wall time's unproductive share per failure, ``(1 - ETTR) x duration / failures``: unlike
+        ``time_lost_per_failure_s`` it also counts degraded running and the joins' pauses."""
+        return (1 - self.ettr) * self.duration_s / self.failures if self.failures else None
 
     def to_doc(self) -> dict:
         return {"throughput_after_over_before": self.throughput_after_over_before,
                 "throughput_before": self.throughput_before, "throughput_after": self.throughput_after,
-                "goodput": self.goodput,
+                "goodput": self.goodput, "ettr": self.ettr, "ettr_all_devices": self.ettr_all_devices,
                 "mttr_s": self.mttr_s, "time_lost_per_failure_s": self.time_lost_per_failure_s,
-                "failures": self.failures, "joins": self.joins, "stalls": self.stalls}
+                "productive_lost_per_failure_s": self.productive_lost_per_failure_s,
+                "failures": self.failures, "joins": self.joins, "stalls": self.stalls,
+                "store_losses": self.store_losses, "devices": self.devices, "spares": self.spares}
 
 
 def _rate(plan, model: ClusterModel, policy: Policy) -> tuple[float, float]:
@@ -60,26 +92,27 @@ def _rate(plan, model: ClusterModel, policy: Policy) -> tuple[float, float]:
 
 def simulate(events: Sequence[Event], policy: Policy, model: ClusterModel, duration_s: float) -> PolicyResult:
     live = set(policy.initial.ranks)
-    plan = policy.layout(sorted(live))
-    rate, step_s = _rate(plan, model, policy)
+    plan = full_plan = policy.layout(sorted(live))
+    rate, step_s = full = _rate(plan, model, policy)
     full_rate = rate
     t, resume_at, useful = 0.0, 0.0, 0.0
     timeline = [(0.0, rate)]
     first_ratio = first_after = None
     mttrs, lost = [], []
-    failures = joins = stalls = 0
-    for e in sorted(events):
+    failures = joins = stalls = store_losses = 0
+    for e in policy.slot_events(events):
         if e.t_s >= duration_s:
             break
         useful += rate * max(0.0, e.t_s - max(t, resume_at))
         t = e.t_s
-        joined = e.kind == "join"
+        joined = e.kind != "fail"  # a join, or a spare taking a failed device's place
         (live.add if joined else live.discard)(e.device)
         before = rate
-        change = policy.change(plan, sorted(live), joined, step_s)
+        change = policy.respond(plan, sorted(live), e, step_s)
         plan = change.plan
         useful = max(0.0, useful - before * change.lost_work_s)
-        rate, step_s = _rate(plan, model, policy)
+        # Back on the full layout (a spare's join, a repair): its rate is known.
+        rate, step_s = full if plan is full_plan else _rate(plan, model, policy)
         resume_at = max(resume_at, t + change.downtime_s)
         timeline += [(t, 0.0), (resume_at, rate)]
         if first_ratio is None and before > 0:
@@ -88,6 +121,7 @@ def simulate(events: Sequence[Event], policy: Policy, model: ClusterModel, durat
             joins += 1
         else:
             failures += 1
+            store_losses += change.store_lost
             lost.append(change.downtime_s + change.lost_work_s)
             if plan is None:
                 stalls += 1
@@ -100,4 +134,5 @@ def simulate(events: Sequence[Event], policy: Policy, model: ClusterModel, durat
         goodput=useful / (full_rate * duration_s) if full_rate > 0 else 0.0,
         mttr_s=sum(mttrs) / len(mttrs) if mttrs else None,
         time_lost_per_failure_s=sum(lost) / len(lost) if lost else None,
-        failures=failures, joins=joins, stalls=stalls, useful_micro_batches=useful, timeline=timeline)
+        failures=failures, joins=joins, stalls=stalls, useful_micro_batches=useful, timeline=timeline,
+        devices=policy.devices, spares=policy.spares, store_losses=store_losses, duration_s=duration_s)

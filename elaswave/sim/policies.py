@@ -8,7 +8,11 @@ of losses) and says what the change costs. Assumptions, per system:
   frequency levels planned within the live devices' nominal power; recovery is detection +
   agreement + standby communicator + plan + state migration (the slowest receiver's bytes), and the
   interrupted step is redone. A returning device is admitted at a step boundary: its pipeline gets
-  its layout back and it receives its state (no work lost).
+  its layout back and it receives its state (no work lost). Its control-plane options
+  (:class:`~elaswave.sim.control.Control`): warm spares that take a failed device's place, and the
+  store's host lost with a failure -- the floor (a restart from the last committed step, written on
+  the way out: heartbeat timeout + checkpoint write + ``restart_s``) or failover (the ordinary
+  recovery + heartbeat timeout + the store's move).
 - **elaswave_no_dvfs**: elaswave with every device at nominal frequency (the re-partition and
   micro-batch balance alone): how much of elaswave's figures comes from clocks. With no level above
   nominal (a device already at its sustained clock under its power limit) the planner can only
@@ -36,7 +40,9 @@ from typing import Sequence
 
 from elaswave.plan.frequency import PowerModel
 from elaswave.plan.plan import Plan, PlanError, initial_plan, replan
+from elaswave.sim.control import Control, slot_events
 from elaswave.sim.model import ClusterModel, migration_s
+from elaswave.sim.trace import Event
 
 POLICIES = ("elaswave", "elaswave_no_dvfs", "reroute", "drop_replica", "restart", "templates")
 
@@ -64,6 +70,8 @@ class Change:
     """No training from the change until this much later."""
     lost_work_s: float
     """Training time whose result is thrown away (redone)."""
+    store_lost: bool = False
+    """The failure took the control store's host with it (priced by the policy's store option)."""
 
 
 class Policy:
@@ -74,9 +82,22 @@ class Policy:
     """Whether the system runs the routed list schedule (detours) after a failure, and so could have
     run it on every device too (the engine then prices its failure-free plan with the better one)."""
 
-    def __init__(self, initial: Plan, num_micro_batches: int, model: ClusterModel, costs: BaselineCosts):
-        self.initial, self.m, self.model, self.costs = initial, num_micro_batches, model, costs
+    def __init__(self, initial: Plan, num_micro_batches: int, model: ClusterModel, costs: BaselineCosts,
+                 control: Control = Control()):
+        self.initial, self.m, self.model, self.costs, self.control = initial, num_micro_batches, model, costs, control
         self.devices = len(initial.ranks)
+        self.spares = control.spares
+        """Idle devices the job holds beside its layout (charged in ETTR over every device)."""
+
+    def slot_events(self, events: Sequence[Event]) -> list[Event]:
+        """The trace as the job's places in the plan see it: with spares, a spare's arrival in a
+        failed device's place is an event of kind ``spare`` (:func:`~elaswave.sim.control.slot_events`)."""
+        return slot_events(events, self.control.spares, self.control.join_s)
+
+    def respond(self, prev: Plan | None, live: Sequence[int], event: Event, step_s: float) -> Change:
+        """The change ``event`` brings, the live devices already updated. A spare's arrival is a
+        join of its own (the runtime's: survivors recover first, the spare joins at a step boundary)."""
+        return self.change(prev, live, event.kind != "fail", step_s)
 
     def layout(self, live: Sequence[int]) -> Plan:
         if len(live) == self.devices:
@@ -97,14 +118,39 @@ class Elaswave(Policy):
     name = "elaswave"
     has_list_schedule = True
 
+    def __init__(self, initial, num_micro_batches, model, costs, control: Control = Control()):
+        super().__init__(initial, num_micro_batches, model, costs, control)
+        self._full: Plan | None = None
+
+    def respond(self, prev, live, event, step_s):
+        ordinary = super().respond(prev, live, event, step_s)
+        if event.kind != "fail" or not self.control.loses_store(event.device, self.model.devices_per_node):
+            return ordinary
+        c = self.control.costs
+        if self.control.store == "failover":
+            return Change(ordinary.plan, ordinary.downtime_s + c.store_detect_s + c.store_move_s,
+                          ordinary.lost_work_s, store_lost=True)
+        # The floor: every rank writes the last committed step and exits; the job restarts on the
+        # live devices and loads it (restart_s covers the load, so no state moves between ranks).
+        return Change(ordinary.plan, c.store_detect_s + c.checkpoint_write_s + self.costs.restart_s,
+                      ordinary.lost_work_s, store_lost=True)
+
     def layout(self, live: Sequence[int]) -> Plan:
         # With every device live too: frequency planning evens out an uneven first partition, so
         # the steady state before a failure is elaswave's own, and a change is measured against it.
         # The cap is the live devices' nominal power (the runtime's default): a lost device's share
         # does not boost the survivors, so no failure can buy speed the job could not have had.
+        # That full layout is planned once (replan is pure): a spare's join returns to it after
+        # every failure, and at 10^4 devices a plan costs ~0.3 s.
+        full = len(live) == self.devices
+        if full and self._full is not None:
+            return self._full
         power = self.power
-        return replan(self.initial, live, 1, self.m, policy="elaswave", power=power,
+        plan = replan(self.initial, live, 1, self.m, policy="elaswave", power=power,
                       power_cap_w=power.power(1.0) * len(live) if power else None)
+        if full:
+            self._full = plan
+        return plan
 
     @property
     def power(self) -> PowerModel | None:
@@ -145,6 +191,13 @@ class Restart(Policy):
     def change(self, prev, live, joined, step_s):
         c = self.costs
         return Change(self._try(live), c.restart_s, c.checkpoint_every_s / 2)
+
+    def respond(self, prev, live, event, step_s):
+        if event.kind == "spare":
+            # The restart after the failure is still under way (a spare's join time < restart_s):
+            # the restarted job takes the spare into its world, at no cost of its own.
+            return Change(self._try(live), 0.0, 0.0)
+        return super().respond(prev, live, event, step_s)
 
 
 class DropReplica(Policy):
@@ -194,7 +247,15 @@ def _whole_layers_s(plan: Plan, ranks, model: ClusterModel) -> float:
     return worst / model.inter_node_bytes_per_s
 
 
-def make(name: str, initial: Plan, num_micro_batches: int, model: ClusterModel, costs: BaselineCosts) -> Policy:
+def make(name: str, initial: Plan, num_micro_batches: int, model: ClusterModel, costs: BaselineCosts,
+         control: Control | None = None) -> Policy:
+    """``control``: the spares every policy may hold, and the store's host, which only elaswave's
+    policies model (the baselines' own stores are not)."""
     kinds = {c.name: c for c in (Elaswave, ElaswaveNoDvfs, Restart, DropReplica, Reroute, Templates)}
-    return kinds[name](initial, num_micro_batches, model, costs)
+    kind = kinds[name]
+    control = control or Control()
+    if control.store != "dedicated" and not issubclass(kind, Elaswave):
+        raise ValueError(f"store={control.store!r} is invalid for policy {name}: only elaswave's policies "
+                         "model the store's host; give the baselines store='dedicated'")
+    return kind(initial, num_micro_batches, model, costs, control)
 

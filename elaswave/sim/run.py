@@ -9,7 +9,7 @@ from elaswave.config import ConfigError
 from elaswave.plan.frequency import CLOCKS
 from elaswave.plan.memory import rank_bytes
 from elaswave.plan.plan import PlanError, initial_plan
-from elaswave.sim import policies, trace
+from elaswave.sim import control, policies, trace
 from elaswave.sim.engine import PolicyResult, simulate
 from elaswave.sim.workload import MODELS, choose_layout, cluster, layer_numels
 
@@ -37,6 +37,15 @@ def add_arguments(ap) -> None:
                     help="device memory: every plan, first and after each failure, keeps each device's modelled peak "
                          "within it (elaswave/plan/memory.py, bf16, one sequence per micro-batch); 0: no limit")
     ap.add_argument("--checkpointing", default="none", help="activation checkpointing with --device-gib: none, full or every_N")
+    ap.add_argument("--spares", type=int, default=0,
+                    help="every row: idle devices beside the layout; one takes a failed device's place after the "
+                         "warm-spare join time (bench/results/join.md), the repaired device returns to the pool")
+    ap.add_argument("--cold-spares", action="store_true",
+                    help="the spares start their process on the failure (a cold replacement's join time)")
+    ap.add_argument("--store", default="dedicated",
+                    help=f"elaswave's rows, the control store's host ({', '.join(control.STORE_MODES)}): dedicated, a "
+                         "host the trace never fails (default); floor, on the first training host, its loss a restart "
+                         "from the last committed step; failover, there too, moved to a survivor on its loss")
     ap.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     ap.add_argument("--plot", metavar="FILE.png", help="also draw throughput over time, goodput and time lost per failure")
 
@@ -97,6 +106,7 @@ def run(args) -> int:
             raise ConfigError(f"--policies={args.policies} is invalid with --no-dvfs: policy elaswave plans frequencies; "
                               "name elaswave_no_dvfs, or drop --no-dvfs")
         names = list(dict.fromkeys(n for n in names if n != "elaswave"))
+    ctl = _control(args, names)
     dp, pp = _layout(args)
     m_cfg = MODELS[args.model]
     m = args.micro_batches or 2 * pp * dp
@@ -121,7 +131,9 @@ def run(args) -> int:
     results: dict[str, PolicyResult] = {}
     for name in names:
         try:
-            results[name] = simulate(events, policies.make(name, plan, m, model, costs), model, duration_s)
+            row = ctl if name.startswith("elaswave") else replace(ctl, store="dedicated")
+            policy = policies.make(name, plan, m, model, costs, row)
+            results[name] = simulate(events, policy, model, duration_s)
         except PlanError as exc:
             raise ConfigError(f"policy {name}: {exc}") from None
     wall = time.perf_counter() - began
@@ -130,7 +142,8 @@ def run(args) -> int:
               "clocks": None if args.no_dvfs else args.clocks or "boost",
               "hours": duration_s / 3600, "failures": sum(e.kind == "fail" for e in events),
               "joins": sum(e.kind == "join" for e in events), "trace": args.trace or ("poisson" if args.mtbf_h else "single"),
-              "costs": asdict(costs), "wall_s": wall}
+              "spares": ctl.spares, "warm_spares": ctl.warm, "store": ctl.store,
+              "costs": asdict(costs), "control_costs": asdict(ctl.costs), "wall_s": wall}
     if args.plot:
         from elaswave.sim.plots import plot
 
@@ -150,18 +163,36 @@ def run(args) -> int:
         print(f"memory: modelled peak {peak:.1f} GiB of {args.device_gib:g} per device "
               f"(bf16, checkpointing {args.checkpointing}); every re-plan keeps within it or stands survivors by")
     best = _best_baseline_after(results)
-    print(f"{'policy':<18}{'after/before':>14}{'after/best baseline':>21}{'goodput':>10}{'MTTR s':>10}"
-          f"{'lost s/failure':>16}{'stalls':>8}")
+    if ctl.spares or ctl.store != "dedicated":
+        print(f"{ctl.spares} {'warm' if ctl.warm else 'cold'} spares a row (join {ctl.join_s:g} s), store {ctl.store} "
+              "(elaswave's rows); ETTR all: over the layout's and the idle spares' devices")
+    print(f"{'policy':<18}{'after/before':>14}{'after/best baseline':>21}{'ETTR':>8}{'ETTR all':>10}{'MTTR s':>9}"
+          f"{'lost s/failure':>16}{'store losses':>14}{'stalls':>8}")
     for n, r in results.items():
         ratio = "-" if r.throughput_after_over_before is None else f"{r.throughput_after_over_before:.3f}"
         vs = "-" if not best or r.throughput_after is None else f"{r.throughput_after / best:.3f}"
         mttr = "-" if r.mttr_s is None else f"{r.mttr_s:.1f}"
         lost = "-" if r.time_lost_per_failure_s is None else f"{r.time_lost_per_failure_s:.1f}"
-        print(f"{n:<18}{ratio:>14}{vs:>21}{r.goodput:>10.4f}{mttr:>10}{lost:>16}{r.stalls:>8}")
+        print(f"{n:<18}{ratio:>14}{vs:>21}{r.ettr:>8.4f}{r.ettr_all_devices:>10.4f}{mttr:>9}{lost:>16}"
+              f"{r.store_losses:>14}{r.stalls:>8}")
     if any(r.stalls for r in results.values()):
         print("stalls: failures after which the policy had no layout to train on until a repair "
               "(e.g. no pipeline left whole for reroute and drop_replica)")
     return 0
+
+
+def _control(args, names: list[str]) -> control.Control:
+    """The control-plane options from the flags: spares for every row, the store for elaswave's."""
+    if args.spares < 0:
+        raise ConfigError(f"--spares={args.spares} is invalid: a count of idle devices, >= 0")
+    if args.store not in control.STORE_MODES:
+        raise ConfigError(f"--store={args.store} is invalid: choose from {', '.join(control.STORE_MODES)}")
+    if args.store != "dedicated" and not any(n.startswith("elaswave") for n in names):
+        raise ConfigError(f"--store={args.store} is invalid with --policies={args.policies}: only elaswave's rows "
+                          "model the store's host; add elaswave")
+    if args.cold_spares and not args.spares:
+        raise ConfigError("--cold-spares is invalid with --spares=0: give the number of spares")
+    return control.Control(spares=args.spares, warm=not args.cold_spares, store=args.store)
 
 
 def _best_baseline_after(results: dict[str, PolicyResult]) -> float | None:

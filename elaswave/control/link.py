@@ -1,0 +1,139 @@
+"""A rank's connection to the control store, which outlives a dropped connection.
+
+torch's TCPStore client never reconnects: once its socket drops (a network blip, a switch
+flapping, a proxy restarting) every later call fails, and the rank would be lost with a healthy
+process and a healthy store. A :class:`StoreLink` opens a new connection to the same store and
+repeats the call, for as long as ``grace_s`` (the heartbeat timeout, after which its peers would
+declare it gone anyway) since the first failure. When the store stays unreachable longer, the
+process or host holding it is gone: every link of the process says :class:`StoreLost` from then
+on, and the rank saves what it holds (:mod:`elaswave.runtime.rescue`).
+
+A call repeated after a dropped connection may have reached the store before the drop. That is
+harmless for every call elaswave makes except an ``add`` that counts: such an add may count
+twice. The protocol's counters tolerate it (heartbeats only need to move; ``next_rank`` only
+needs to be new); an alert sequence number counted twice leaves a gap that the agreement skips
+(it checks each alert key) and that a watcher waiting on the gap's key sees as "no alert".
+"""
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from datetime import timedelta
+from typing import Callable
+
+import torch.distributed as dist
+
+
+ATTEMPT_S = 0.25
+"""The longest one attempt to reconnect may take."""
+
+EXIT_STORE_LOST = 4
+"""A worker's exit code when it stopped because the control store was gone (having saved its state)."""
+
+
+class StoreLost(ConnectionError):
+    """The control store stayed unreachable for longer than the grace period."""
+
+
+class StoreLink:
+    """Duck-types the :class:`torch.distributed.Store` calls elaswave makes (``clone`` gives a raw
+    store on a new connection, for process groups); :meth:`separate` gives another link."""
+
+    def __init__(self, store: dist.Store, addr: str | None, timeout_s: float, grace_s: float,
+                 shared: "_Lost | None" = None):
+        """``addr``: HOST:PORT of a TCPStore to reconnect to, or None to reconnect by ``clone()``
+        (a store from torchrun's rendezvous, under its prefix)."""
+        self._store, self.addr, self.timeout_s, self.grace_s = store, addr, timeout_s, grace_s
+        # Shared by the process's links: once one has given up, the others fail at once.
+        self._lost = shared or _Lost()
+        self.reconnects = 0
+        """Connections this link re-opened (a dropped one that came back)."""
+
+    def separate(self) -> "StoreLink":
+        """Another link over its own connection (a client serves one blocking call at a time)."""
+        return StoreLink(self._store.clone(), self.addr, self.timeout_s, self.grace_s, self._lost)
+
+    @property
+    def lost(self) -> threading.Event:
+        return self._lost.event
+
+    @property
+    def lost_reason(self) -> str:
+        return self._lost.reason
+
+    @property
+    def lost_wall(self) -> float | None:
+        """When (time.time()) a link of this process gave up; None while the store answers."""
+        return self._lost.wall
+
+    def clone(self) -> dist.Store:
+        return self._store.clone()
+
+    def __getattr__(self, name: str):
+        method = getattr(self._store, name)
+        if not callable(method):
+            return method
+
+        def call(*args, **kwargs):
+            failed_at = None
+            while True:
+                if self.lost.is_set():
+                    raise StoreLost(self.lost_reason or "the control store is unreachable")
+                try:
+                    out = getattr(self._store, name)(*args, **kwargs)
+                    if name == "set":
+                        # TCPStore's set has no reply: on a connection the other end has closed the
+                        # bytes are accepted by the kernel and lost. A call that has one, on the
+                        # same stream, proves the set arrived (or fails, and the set is repeated).
+                        self._store.check([args[0] if args else kwargs["key"]])
+                    return out
+                except dist.DistNetworkError as exc:
+                    failed_at = failed_at or time.monotonic()
+                    self._reconnect(failed_at, exc)
+        return call
+
+    def _reconnect(self, failed_at: float, cause: Exception) -> None:
+        """A new connection to the same store, tried until ``grace_s`` after the first failure."""
+        while True:
+            left = self.grace_s - (time.monotonic() - failed_at)
+            if self.lost.is_set():  # another link of this process gave up already
+                raise StoreLost(self.lost_reason) from None
+            if left <= 0:
+                where = self.addr or "torchrun's rendezvous store"
+                reason = (f"the control store at {where} has not answered for {self.grace_s:g} s "
+                                    f"(elastic.heartbeat_timeout_s; last error: {str(cause).splitlines()[0]})")
+                self._lost.declare(reason)
+                raise StoreLost(reason) from None
+            try:
+                self._store = self._connect(left)
+                self.reconnects += 1
+                return
+            except Exception:  # noqa: BLE001 - refused or timed out: the store is not back yet
+                time.sleep(min(0.05, max(0.0, left)))
+
+    def _connect(self, within_s: float) -> dist.Store:
+        if self.addr is None:
+            return self._store.clone()
+        host, port = self.addr.rsplit(":", 1)
+        # A plain connect first: a refused one is cheap and quiet, where a TCPStore that cannot
+        # connect logs a C++ backtrace.
+        attempt_s = max(0.05, min(within_s, ATTEMPT_S))
+        socket.create_connection((host, int(port)), timeout=attempt_s).close()
+        # Short attempts: the constructor backs off between its own retries, which would keep a
+        # store that is back waiting for up to the whole grace.
+        store = dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=attempt_s))
+        store.set_timeout(timedelta(seconds=self.timeout_s))
+        return store
+
+
+class _Lost:
+    def __init__(self) -> None:
+        self.event = threading.Event()
+        self.reason = ""
+        self.wall: float | None = None
+
+    def declare(self, reason: str) -> None:
+        if not self.event.is_set():
+            self.reason, self.wall = reason, time.time()
+            self.event.set()

@@ -1,0 +1,77 @@
+"""The store link against a real TCPStore behind a real loopback proxy that drops connections."""
+from __future__ import annotations
+
+import threading
+import time
+from datetime import timedelta
+
+import pytest
+import torch.distributed as dist
+
+from elaswave.control.link import StoreLink, StoreLost
+from tests.helpers.proxy import Proxy
+
+
+@pytest.fixture
+def server():
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=5))
+    yield store
+
+
+def _link(addr: str, grace_s: float) -> StoreLink:
+    host, port = addr.rsplit(":", 1)
+    raw = dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=5))
+    return StoreLink(raw, addr, timeout_s=5.0, grace_s=grace_s)
+
+
+def test_a_dropped_connection_that_comes_back_within_the_grace_keeps_working(server):
+    with Proxy(server.port) as proxy:
+        link = _link(proxy.addr, grace_s=2.0)
+        assert link.add("n", 1) == 1
+        proxy.refuse()
+        proxy.cut()  # the connection drops and, for a while, the store seems gone
+        threading.Timer(0.5, proxy.allow).start()
+        began = time.monotonic()
+        assert link.add("n", 1) == 2  # repeated on a new connection once the store answers again
+        assert 0.4 < time.monotonic() - began < 2.0
+        assert link.reconnects >= 1 and proxy.cuts == 1
+        assert server.get("n") == b"2"
+        assert link.get("n") == b"2" and not link.lost.is_set()
+
+
+def test_a_store_that_stays_away_is_lost_within_the_grace_and_every_link_says_so(server):
+    with Proxy(server.port) as proxy:
+        link = _link(proxy.addr, grace_s=0.6)
+        other = link.separate()
+        link.set("k", "v")
+        proxy.refuse()
+        proxy.cut()
+        began = time.monotonic()
+        with pytest.raises(StoreLost, match=r"has not answered for 0.6 s"):
+            link.get("k")
+        assert 0.5 < time.monotonic() - began < 1.5
+        began = time.monotonic()
+        with pytest.raises(StoreLost):  # the process's other links give up at once
+            other.add("hb", 1)
+        assert time.monotonic() - began < 0.1
+        proxy.allow()
+        with pytest.raises(StoreLost):  # lost stays lost: the rank has begun saving its state
+            link.get("k")
+
+
+def test_a_waits_timeout_is_not_a_lost_store(server):
+    link = _link(f"127.0.0.1:{server.port}", grace_s=0.5)
+    with pytest.raises(RuntimeError, match="(?i)timeout|timed out|wait"):
+        link.wait(["never"], timedelta(seconds=0.2))
+    assert not link.lost.is_set()
+
+
+def test_a_set_on_a_connection_that_was_cut_is_not_lost(server):
+    # TCPStore's set expects no reply, so on a dropped connection it "succeeds" and vanishes;
+    # the link proves each set arrived and repeats it on a new connection when it did not.
+    with Proxy(server.port) as proxy:
+        link = _link(proxy.addr, grace_s=2.0)
+        link.set("a", "1")
+        proxy.cut()
+        link.set("b", "2")
+        assert server.get("b") == b"2" and link.reconnects == 1
