@@ -94,7 +94,6 @@ class Communicator:
         self.timeout_s, self.interrupt = timeout_s, interrupt
         self.use_standbys = use_standbys and backend_name == "gloo"  # NCCL comms hold GPU memory
         self._standby: dict[tuple[int, ...], tuple[threading.Thread, dict]] = {}
-        self._standby_store: dist.Store | None = None
         self.parked: list = []
         """Broken process groups, and the groups of finished epochs, kept from their destructors."""
         self.groups: list[Group] = []
@@ -177,11 +176,10 @@ class Communicator:
 
         One thread builds them one after another in the same order on every rank, over its own
         store connection: a store client serves one blocking request at a time, and groups built
-        in different orders on different ranks could wait on each other forever."""
+        in different orders on different ranks could wait on each other forever. A new connection
+        each epoch: one that dropped since (a network blip) would fail every later build."""
         if not self.use_standbys or len(members) < 3:
             return
-        if self._standby_store is None:
-            self._standby_store = self.store.clone()
         plan = [tuple(r for r in members if r != gone) for gone in members if gone != self.me]
         boxes = {rest: {} for rest in plan}
         thread = threading.Thread(target=self._build_all, args=(boxes, epoch), daemon=True,
@@ -191,10 +189,16 @@ class Communicator:
             self._standby[rest] = (thread, box)
 
     def _build_all(self, boxes: dict[tuple[int, ...], dict], epoch: int) -> None:
+        try:
+            store = self.store.clone()
+        except Exception as exc:  # noqa: BLE001 - the store is gone: no standby this epoch
+            for box in boxes.values():
+                box.update(error=exc, done=True)
+            return
         for members, box in boxes.items():
             try:
                 box["pg"] = backend.make_process_group(
-                    self._standby_store, _prefix("sb", epoch, members), members.index(self.me), len(members),
+                    store, _prefix("sb", epoch, members), members.index(self.me), len(members),
                     self.backend_name, self.timeout_s, self.device, self.bind)
             except Exception as exc:  # a member died while connecting: this standby is unusable
                 box["error"] = exc
