@@ -177,6 +177,9 @@ def main() -> None:
     out.close()
     if manager is not None:
         manager.shutdown(wait=False)
+    else:  # left to the interpreter's exit, gloo's threads can abort the process (std::terminate)
+        import torch.distributed as dist
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":
