@@ -98,6 +98,12 @@ def read_manifest(path: Path) -> Manifest | None:
                     doc["chunk_numel"], doc["model"])
 
 
+def is_complete(root: str | Path, step: int) -> bool:
+    """Whether the checkpoint of ``step`` under ``root`` has its manifest and every owner's part."""
+    manifest = read_manifest(step_dir(root, step))
+    return manifest is not None and manifest.is_complete()
+
+
 def complete_steps(root: str | Path) -> list[Manifest]:
     """Every complete checkpoint under ``root``, oldest first."""
     root = Path(root)

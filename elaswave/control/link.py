@@ -20,7 +20,6 @@ import socket
 import threading
 import time
 from datetime import timedelta
-from typing import Callable
 
 import torch.distributed as dist
 

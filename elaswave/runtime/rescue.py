@@ -48,7 +48,7 @@ def save_and_stop(ctx, st: RankState | None, reason: str, noticed_at: float, wri
     for gen, keys in sorted(st.optimizer.holding().items(), reverse=True):
         # A generation whose chunks are not all here (moments still arriving) would make a
         # checkpoint that claims what it lacks: leave it out, the other one is whole.
-        if sorted(keys) != sorted(owned) or _is_complete(root, gen):
+        if sorted(keys) != sorted(owned) or disk.is_complete(root, gen):
             continue
         payload = torch.stack([st.optimizer.chunk(k, gen) for k in owned]) if owned else torch.empty(0)
         checkpointer.save(gen, plan.chunk_owners, owned, payload, is_writer=ctx.rank == plan.ranks[0])
@@ -71,7 +71,3 @@ def save_and_stop(ctx, st: RankState | None, reason: str, noticed_at: float, wri
               f"in {root} ({took:.2f} s)", file=sys.stderr, flush=True)
     return EXIT_STORE_LOST
 
-
-def _is_complete(root: str, gen: int) -> bool:
-    manifest = disk.read_manifest(disk.step_dir(root, gen))
-    return manifest is not None and manifest.is_complete()
