@@ -1,7 +1,8 @@
 """With elasticity off, a rank that dies ends the job: promptly, non-zero, nothing left running;
 however the launcher itself ends, its workers end with it; and per-host agents: a worker's death
 costs that rank alone, bad settings are refused, and a host's dropped store connections that come
-back within the heartbeat timeout cost nothing."""
+back within the heartbeat timeout cost nothing, and a rank cut off from its peers but not from the
+store is left out at the first agreement."""
 import os
 import re
 import signal
@@ -9,6 +10,10 @@ import subprocess
 import sys
 import time
 
+import pytest
+
+from elaswave.runtime.worker import EXIT_EXCLUDED
+from tests.helpers import netns
 from tests.helpers.proxy import Proxy
 from tests.helpers.spawn import (TINY, Running, alive, assert_same_run, children, free_port, rank_of, run_cli,
                                  run_reference, steps_written)
@@ -64,10 +69,12 @@ def test_workers_end_with_the_launcher_however_it_ends(tmp_path):
                 pass
 
 
-def _agent(sets: list[str], node_rank: int, endpoint: str, metrics, extra=()) -> Running:
-    args = ["run", *[x for s in sets for x in ("--set", s)], "--nnodes", "2", "--node-rank", str(node_rank),
+def _agent(sets: list[str], node_rank: int, endpoint: str, metrics, extra=(), nnodes: int = 2,
+           prefix: list[str] = ()) -> Running:
+    args = ["run", *[x for s in sets for x in ("--set", s)], "--nnodes", str(nnodes), "--node-rank", str(node_rank),
             "--rdzv-endpoint", endpoint, *extra]
-    return Running(args, metrics, env={"ELASWAVE_TOKEN": "agents-test", "TORCH_CPP_LOG_LEVEL": "ERROR"})
+    return Running(args, metrics, env={"ELASWAVE_TOKEN": "agents-test", "TORCH_CPP_LOG_LEVEL": "ERROR"},
+                   prefix=prefix)
 
 
 def test_two_host_agents_lose_one_worker_not_its_host(tmp_path):
@@ -147,6 +154,50 @@ def test_a_host_whose_store_connections_drop_and_come_back_keeps_its_place(tmp_p
     assert not changes, f"a rank was declared gone: {changes}\n{res0.stderr}\n{res1.stderr}"
     assert {r["world_size"] for r in res0.steps} == {4}
     assert_same_run(res0, run_reference(tmp_path, steps, deterministic=True), steps)
+
+
+def test_a_rank_that_reaches_the_store_but_not_its_peers_is_left_out_at_once(tmp_path):
+    """Four agents of one worker each (dp=2 x pp=2); node 3 is a network namespace of its own,
+    reaching the store over one link and its peers over another. Mid-training the peer link goes
+    down (packets dropped, as a real fabric partition): rank 3 keeps its store connection and its
+    heartbeat, but no collective with it can finish. The watch on each neighbour's port sees the
+    silence within the heartbeat timeout, the check-ins' reachability reports cut rank 3 off at the
+    first agreement (epoch 1, not one failed epoch after another), it exits saying why, and the
+    others train on, bit-identical to the reference."""
+    reason = netns.unavailable()
+    if reason:
+        pytest.skip(reason)
+    steps = 160
+    sets = [*TINY, "parallel.dp=2", "parallel.pp=2", f"train.steps={steps}", "train.num_micro_batches=4",
+            "train.deterministic=true", "elastic.respawn_after_s=-1", "parallel.timeout_s=30"]
+    with netns.OtherHost() as host:
+        endpoint, metrics = f"{host.here_store_ip}:{free_port()}", tmp_path / "run.jsonl"
+        here = [*sets, f"parallel.bind_address={host.here_peer_ip}"]
+        agents = [_agent(here, k, endpoint, metrics if k == 0 else tmp_path / f"m{k}.jsonl", nnodes=4) for k in range(3)]
+        agents.append(_agent([*sets, f"parallel.bind_address={host.peer_ip}"], 3, endpoint, tmp_path / "m3.jsonl",
+                             nnodes=4, prefix=host.prefix()))
+        try:
+            agents[0].wait_for(r"step\s+10/", 240)
+            cut_wall = time.time()
+            host.cut_peers()
+            results = [a.finish(240) for a in agents]
+        finally:
+            for a in agents:
+                a.__exit__()
+    codes = [r.returncode for r in results]
+    assert codes == [0, 0, 0, EXIT_EXCLUDED], "\n".join(r.stderr for r in results)
+    assert "cut off from ranks [0, 1, 2]" in results[3].stderr, results[3].stderr
+    res = results[0]
+    changes = [r for r in res.records if r["event"] in ("recovery", "join")]
+    assert len(changes) == 1 and changes[0]["lost_ranks"] == [3] and changes[0]["epoch"] == 1, changes
+    assert "cut off" in changes[0]["evidence"]["3"] and not changes[0]["is_fallback"], changes
+    worlds = [r["world_size"] for r in res.steps]
+    assert worlds[:10] == [4] * 10 and worlds[-1] == 3 and set(worlds) == {4, 3}, worlds
+    assert steps_written(metrics) == steps
+    first_after = min(r["wall_time"] for r in res.steps if r["world_size"] == 3)
+    # Far inside parallel.timeout_s=30: found by the watch (2 s heartbeat timeout), not by a collective's timeout.
+    assert first_after - cut_wall < 8.0, first_after - cut_wall
+    assert_same_run(res, run_reference(tmp_path, steps, deterministic=True), steps)
 
 
 def test_node_0s_agent_sigkilled_takes_the_store_every_rank_saves_and_the_agents_rerun_losing_nothing(tmp_path):

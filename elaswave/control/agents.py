@@ -8,7 +8,8 @@ thing torchrun's agent cannot do: it tears the whole host down).
 
 Before any worker starts, an agent that does not host the store checks in: it claims its node
 rank (two agents with one rank would start two processes per rank) and compares its settings
-with node 0's -- job id, node count, workers per host, token, the whole job config. The token is
+with node 0's -- job id, node count, workers per host, token, the whole job config but the
+address its ranks bind to (``parallel.bind_address``: each host's own). The token is
 compared as an HMAC, never stored. A difference refuses the agent naming the value.
 """
 from __future__ import annotations
@@ -86,7 +87,12 @@ class Node:
                               "secret, so that only this job's replacements join it")
 
 
+PER_HOST = ("bind_address",)
+"""``parallel`` keys that name this host, not the job: each agent has its own."""
+
+
 def _settings(node: Node, world_size: int, config: dict, token: str) -> dict:
+    config = {**config, "parallel": {k: v for k, v in config.get("parallel", {}).items() if k not in PER_HOST}}
     return {"job id (--rdzv-id)": node.rdzv_id, "--nnodes": node.nnodes,
             "--nproc-per-node": node.workers(world_size), "ELASWAVE_TOKEN": proof(token, -1), "config": config}
 

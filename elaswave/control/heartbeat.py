@@ -39,14 +39,14 @@ class Watcher(threading.Thread):
     def run(self) -> None:
         watched, count, changed_at = None, None, time.monotonic()
         suspected_in: set[int] = set()
-        lost_at = None
+        lost_at = silent_since = None
         while not self._halt.is_set():
             try:
                 self.store.add(f"{PREFIX}hb/{self.rank}", 1)
                 epoch, members = self.view()
                 neighbour = _next(members, self.rank)
                 if neighbour != watched:
-                    watched, count, changed_at = neighbour, None, time.monotonic()
+                    watched, count, changed_at, silent_since = neighbour, None, time.monotonic(), None
                 if self.prober is not None:  # so that their refusal proves their death later (once reached, no more probes)
                     self.prober.learn(_following(members, self.rank, 2), self.store)
                 if neighbour is not None:
@@ -58,6 +58,7 @@ class Watcher(threading.Thread):
                         suspected_in.add(epoch)
                         self.membership.alert(epoch, f"rank {neighbour} missed heartbeats for "
                                                      f"{now - changed_at:.2f}s", [neighbour])
+                    silent_since = self._watch_reach(epoch, neighbour, silent_since, suspected_in)
                 self._wait_for_alert(epoch)
             except StoreLost:
                 if self._halt.is_set():
@@ -73,6 +74,21 @@ class Watcher(threading.Thread):
                     return
                 time.sleep(self.interval_s)
 
+    def _watch_reach(self, epoch: int, neighbour: int, silent_since: float | None, suspected_in: set[int]) -> float | None:
+        """The neighbour's liveness port, probed each beat over the network the collectives use: one
+        that stays silent for the timeout while its heartbeat (through the store) goes on is cut off
+        from this rank, and every collective with it would wait out ``parallel.timeout_s``. The
+        alert names nobody: the check-ins' reachability reports decide who is left out."""
+        if self.prober is None or not self.prober.is_silent(neighbour, self.store):
+            return None
+        now = time.monotonic()
+        silent_since = silent_since or now
+        if now - silent_since > self.timeout_s and epoch not in suspected_in:
+            suspected_in.add(epoch)
+            self.membership.alert(epoch, f"rank {self.rank} cannot reach rank {neighbour}: its port has not "
+                                         f"answered for {now - silent_since:.2f}s", network=True)
+        return silent_since
+
     def _wait_for_alert(self, epoch: int) -> None:
         key = f"{PREFIX}alert/{self.seen_alerts + 1}"
         try:
@@ -84,9 +100,16 @@ class Watcher(threading.Thread):
         broken = self._broken_by(alert) if alert.epoch >= epoch else None
         if broken is not None:
             # Check in first: the others may be waiting for us to decide the next epoch.
-            self.membership.check_in(broken + 1)
+            self.membership.check_in(broken + 1, self._unreachable(alert))
             self.noticed_at.setdefault(alert.epoch, time.time())
             self.interrupt.trip(broken)
+
+    def _unreachable(self, alert) -> list[int]:
+        """The members this rank's check-in reports it cannot reach (as the main thread's does)."""
+        if self.prober is None or not alert.network:
+            return []
+        _, members = self.view()
+        return self.prober.unreachable([r for r in members if r != self.rank and r not in alert.ranks], self.store)
 
     def _broken_by(self, alert) -> int | None:
         """The epoch an alert breaks: its own, or -- when it names a member of an epoch agreed since

@@ -13,13 +13,20 @@ all (a host powered off drops packets instead of refusing) proves nothing and sa
 """
 from __future__ import annotations
 
+import errno
+import selectors
 import socket
 import threading
+import time
 
 from elaswave.control.membership import PREFIX
 
 PROBE_TIMEOUT_S = 0.1
 """How long one probe waits for a host to answer: loopback and live hosts answer in microseconds."""
+REACH_TIMEOUT_S = 1.5
+"""How long the reachability probes at a check-in wait. A rank this slow to answer a connect is
+left out of the next epoch, so the wait covers one lost SYN (Linux re-sends it after 1 s); it is
+paid only when the network is in question (see :mod:`~elaswave.control.partition`)."""
 
 
 def _key(rank: int) -> str:
@@ -62,14 +69,50 @@ class LivenessPort:
 def probe(address: str, timeout_s: float = PROBE_TIMEOUT_S) -> bool | None:
     """True: the process answers (alive, perhaps hung); False: its host refused (it is gone);
     None: no answer within ``timeout_s`` or no route (nothing proven)."""
-    host, port = address.rsplit(":", 1)
-    try:
-        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s):
-            return True
-    except ConnectionRefusedError:
-        return False
-    except OSError:  # timed out, no route, host down
-        return None
+    return probe_all({0: address}, timeout_s)[0]
+
+
+def probe_all(addresses: dict[int, str], timeout_s: float) -> dict[int, bool | None]:
+    """:func:`probe` of every address at once (non-blocking connects): the whole set answers within
+    one ``timeout_s``, however many do not."""
+    out: dict[int, bool | None] = {}
+    waiting = selectors.DefaultSelector()
+    for key, address in addresses.items():
+        host, port = address.rsplit(":", 1)
+        try:
+            family, kind, proto, _, where = socket.getaddrinfo(host.strip("[]"), int(port), type=socket.SOCK_STREAM)[0]
+            sock = socket.socket(family, kind, proto)
+        except OSError:  # a name that does not resolve: no route either
+            out[key] = None
+            continue
+        sock.setblocking(False)
+        code = sock.connect_ex(where)
+        if code == errno.EINPROGRESS:
+            waiting.register(sock, selectors.EVENT_WRITE, key)
+            continue
+        out[key] = _answer(code)
+        sock.close()
+    deadline = time.monotonic() + timeout_s
+    while waiting.get_map():
+        # A last look with no wait once the time is up: a thread scheduled late must not call a
+        # port that answered in time silent.
+        left = max(0.0, deadline - time.monotonic())
+        ready_now = waiting.select(left)
+        if not ready_now and left == 0.0:
+            break
+        for ready, _ in ready_now:
+            out[ready.data] = _answer(ready.fileobj.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR))
+            waiting.unregister(ready.fileobj)
+            ready.fileobj.close()
+    for pending in list(waiting.get_map().values()):  # no answer in time
+        out[pending.data] = None
+        pending.fileobj.close()
+    waiting.close()
+    return out
+
+
+def _answer(code: int) -> bool | None:
+    return True if code == 0 else False if code == errno.ECONNREFUSED else None
 
 
 class Prober:
@@ -104,6 +147,24 @@ class Prober:
         all (nothing proven). False for a rank that never registered a port."""
         address = self._address(rank, store)
         return address is not None and probe(address) is not False
+
+    def is_silent(self, rank: int, store) -> bool:
+        """Whether ``rank``'s port, reached before, now gives no answer at all (no route, or packets
+        dropped): alive or not, this rank cannot reach it."""
+        return bool(self.unreachable([rank], store, PROBE_TIMEOUT_S))
+
+    def unreachable(self, ranks, store, timeout_s: float = REACH_TIMEOUT_S, reached_only: bool = True) -> list[int]:
+        """Those of ``ranks`` whose port does not answer at all within ``timeout_s`` (all probed at
+        once): alive or not, this rank cannot reach them over the network its collectives use.
+        A refusal is not counted (the rank is gone: that is the death evidence's to say), nor is a
+        rank that never registered a port, nor -- with ``reached_only`` -- one whose port this
+        prober never reached: an address that never worked (a host name that does not resolve
+        here) says nothing about the network, only about the address."""
+        addresses = {r: a for r in ranks if (a := self._address(r, store)) is not None}
+        answers = probe_all(addresses, timeout_s)
+        silent = sorted(r for r, a in answers.items() if a is None and (r in self._reached or not reached_only))
+        self._reached.update(r for r, a in answers.items() if a is True)
+        return silent
 
     def is_gone(self, rank: int, store) -> bool:
         """Whether ``rank`` is shown dead: its port, reached before, now refuses us."""

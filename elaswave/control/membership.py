@@ -22,27 +22,32 @@ import json
 import time
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Callable, Sequence
+from typing import Callable, Collection, Mapping, Sequence
 
 import torch.distributed as dist
 
+from elaswave.control import partition
 from elaswave.interrupt import EpochBroken
 
 PREFIX = "ew/"
 
 
-def decide(prev_members: Sequence[int], checked_in: set[int], known_dead: set[int], waited_s: float,
-           agree_timeout_s: float, proven_dead: set[int] = frozenset()) -> tuple[int, ...] | None:
+def decide(prev_members: Sequence[int], checked_in: Collection[int], known_dead: set[int], waited_s: float,
+           agree_timeout_s: float, proven_dead: set[int] = frozenset(),
+           unreachable: Mapping[int, Sequence[int]] = {}) -> tuple[int, ...] | None:  # noqa: B006 - read only
     """The next epoch's members, or None while it is still too early to tell.
 
     Every previous member must have checked in or be known dead, unless ``agree_timeout_s`` has
     passed: then whoever has not checked in is presumed gone (a hung rank never checks in). A rank
     *proven* dead (reaped by its launcher, or its port refusing) is left out even if it checked in
-    before it died: it would never post its state, and the epoch would wait for it."""
+    before it died: it would never post its state, and the epoch would wait for it. Of the ranks
+    left, those cut off from the others by the network (``unreachable``, each rank's check-in
+    report; see :mod:`~elaswave.control.partition`) are left out too."""
     live = tuple(sorted(r for r in prev_members if r in checked_in and r not in proven_dead))
     settled = all(r in checked_in or r in known_dead for r in prev_members)
     if settled or waited_s >= agree_timeout_s:
-        return live
+        out = partition.cut(live, unreachable)
+        return tuple(r for r in live if r not in out)
     return None
 
 
@@ -57,6 +62,9 @@ class Alert:
     by: str
     reason: str
     ranks: tuple[int, ...] = ()
+    network: bool = False
+    """Raised by a network symptom (a collective failed, a live peer's port went silent): the
+    check-ins it causes carry reachability reports (see :mod:`~elaswave.control.partition`)."""
 
 
 class Membership:
@@ -69,11 +77,11 @@ class Membership:
         """Tells whether a silent member is gone (:class:`~elaswave.control.liveness.Prober`); None: no probes."""
 
     # -- alerts -----------------------------------------------------------------------------
-    def alert(self, epoch: int, reason: str, ranks: Sequence[int] = ()) -> None:
+    def alert(self, epoch: int, reason: str, ranks: Sequence[int] = (), network: bool = False) -> None:
         n = self.store.add(PREFIX + "alert_seq", 1)
         by = "launcher" if self.rank < 0 else f"rank {self.rank}"
         self.store.set(f"{PREFIX}alert/{n}", json.dumps(
-            {"epoch": epoch, "by": by, "reason": reason, "ranks": list(ranks)}))
+            {"epoch": epoch, "by": by, "reason": reason, "ranks": list(ranks), "network": network}))
 
     def report_dead(self, rank: int, how: str, alert: bool = True) -> None:
         """Record a death; ``alert``: tell the members too (not for a rank that never joined them)."""
@@ -86,7 +94,12 @@ class Membership:
 
     def read_alert(self, n: int) -> Alert:
         doc = json.loads(self.store.get(f"{PREFIX}alert/{n}"))
-        return Alert(doc["epoch"], doc["by"], doc["reason"], tuple(doc["ranks"]))
+        return Alert(doc["epoch"], doc["by"], doc["reason"], tuple(doc["ranks"]), doc.get("network", False))
+
+    def network_in_question(self, epoch: int) -> bool:
+        """Whether an alert of ``epoch`` was raised by a network symptom."""
+        return any(self.store.check([f"{PREFIX}alert/{n}"]) and (a := self.read_alert(n)).network and a.epoch == epoch
+                   for n in range(self.alert_count(), 0, -1))
 
     def current_epoch(self) -> int:
         return int(self.store.add(PREFIX + "epoch", 0))
@@ -104,17 +117,29 @@ class Membership:
             current = self.store.compare_set(PREFIX + "epoch", current.decode(), str(epoch))
 
     # -- agreement --------------------------------------------------------------------------
-    def check_in(self, epoch: int) -> None:
-        self.store.set(f"{PREFIX}ep/{epoch}/in/{self.rank}", "1")
+    def check_in(self, epoch: int, unreachable: Sequence[int] = ()) -> None:
+        """Say this rank is alive for ``epoch``, with the ranks it could not reach (see
+        :mod:`~elaswave.control.partition`)."""
+        self.store.set(f"{PREFIX}ep/{epoch}/in/{self.rank}", json.dumps(sorted(unreachable)))
         self.store.add(f"{PREFIX}ep/{epoch}/num_in", 1)
 
-    def _checked_in(self, epoch: int, prev: Sequence[int]) -> set[int]:
-        return {r for r in prev if self.store.check([f"{PREFIX}ep/{epoch}/in/{r}"])}
+    def _checked_in(self, epoch: int, prev: Sequence[int]) -> dict[int, list[int]]:
+        """The ranks of ``prev`` checked in for ``epoch``, each with the ranks it could not reach."""
+        keys = {r: f"{PREFIX}ep/{epoch}/in/{r}" for r in prev}
+        present = [r for r, k in keys.items() if self.store.check([k])]
+        values = self.store.multi_get([keys[r] for r in present]) if present else []
+        return {r: json.loads(v) for r, v in zip(present, values)}
+
+    def cut_off(self, epoch: int) -> dict[int, list[int]]:
+        """The ranks left out of ``epoch`` because the network cut them off, with the ranks each
+        could not talk to (empty when nobody was)."""
+        key = f"{PREFIX}ep/{epoch}/cut"
+        return {int(r): peers for r, peers in json.loads(self.store.get(key)).items()} if self.store.check([key]) else {}
 
     def _proven_dead(self, ranks: Sequence[int]) -> set[int]:
         return {r for r in ranks if self.store.check([f"{PREFIX}dead/{r}"])}
 
-    def _known_dead(self, prev: Sequence[int]) -> tuple[set[int], set[int]]:
+    def known_dead(self, prev: Sequence[int]) -> tuple[set[int], set[int]]:
         """(proven dead, known dead): recorded deaths, and those plus the ranks alerts named."""
         proven = self._proven_dead(prev)
         dead = set(proven)
@@ -133,11 +158,14 @@ class Membership:
                 shown.add(r)
         return shown
 
-    def death_evidence(self, ranks: Sequence[int]) -> dict[int, str]:
+    def death_evidence(self, ranks: Sequence[int], epoch: int | None = None) -> dict[int, str]:
         """What showed each of ``ranks`` dead: its recorded death (the launcher's report, a refused
-        probe), else the alert that named it (a stale heartbeat), else nothing but its silence."""
-        out = {r: self.store.get(f"{PREFIX}dead/{r}").decode() for r in ranks
-               if self.store.check([f"{PREFIX}dead/{r}"])}
+        probe), else the alert that named it (a stale heartbeat), else nothing but its silence --
+        or, for a rank left out of ``epoch`` alive, the partition that cut it off."""
+        cut = self.cut_off(epoch) if epoch is not None else {}
+        out = {r: partition.describe(r, cut[r]) for r in ranks if r in cut}
+        out.update({r: self.store.get(f"{PREFIX}dead/{r}").decode() for r in ranks
+                    if r not in out and self.store.check([f"{PREFIX}dead/{r}"])})
         for n in range(self.alert_count(), 0, -1):
             if len(out) == len(ranks):
                 break
@@ -152,7 +180,7 @@ class Membership:
         key = f"{PREFIX}ep/{epoch}/members"
         start = self.clock()
         seen_in, dead, proven = -1, set(), set()
-        checked: set[int] = set()
+        checked: dict[int, list[int]] = {}
         probed_at = None
         while True:
             if self.store.check([key]):
@@ -162,13 +190,16 @@ class Membership:
             if num_in != seen_in:  # only rescan when something changed
                 seen_in = num_in
                 checked = self._checked_in(epoch, prev_members)
-                proven, dead = self._known_dead(prev_members)
+                proven, dead = self.known_dead(prev_members)
             if self.prober is not None and (probed_at is None or self.clock() - probed_at >= probe_every_s):
                 probed_at = self.clock()
                 shown = self._probe_silent(prev_members, checked, dead)
                 proven, dead = proven | shown, dead | shown
-            members = decide(prev_members, checked, dead, waited, agree_timeout_s, proven)
+            members = decide(prev_members, checked, dead, waited, agree_timeout_s, proven, checked)
             if members is not None:
+                cut = partition.cut([r for r in checked if r not in proven], checked)
+                if cut:  # before the members: whoever reads them finds why a live rank is not there
+                    self.store.compare_set(f"{PREFIX}ep/{epoch}/cut", "", json.dumps(cut))
                 stored = self.store.compare_set(key, "", json.dumps(list(members)))
                 won = json.loads(stored)
                 self._advance_epoch(epoch)
@@ -176,7 +207,7 @@ class Membership:
             if waited > timeout_s:
                 raise TimeoutError(f"no agreement on epoch {epoch} within {timeout_s}s")
             if waited > 0.05:  # past the usual case, re-check deaths now and then
-                proven, dead = self._known_dead(prev_members)
+                proven, dead = self.known_dead(prev_members)
             time.sleep(poll_s)
 
     # -- state reports (one JSON document per member and epoch) -----------------------------

@@ -72,6 +72,7 @@ def join(ctx) -> tuple[RankState, recovery.Recovery]:
         if promoted is None:
             raise StoodDown()
         started = promoted
+    _reach_members(ctx)
     ctx.admission.request(ctx.token, started)
     attempt = 1
     while True:
@@ -82,8 +83,29 @@ def join(ctx) -> tuple[RankState, recovery.Recovery]:
             ctx.watcher.start()
         try:
             return change(ctx, None, GROW, time.time(), prev)
+        except recovery.CutOff:
+            raise
         except recovery.Excluded:
             attempt += 1
+
+
+def _reach_members(ctx, every_s: float = 0.5) -> None:
+    """A joiner that cannot reach the members over their network would break every group built
+    with it, each after a collective timeout: it asks in only once their liveness ports answer,
+    and gives up after ``parallel.timeout_s`` (the store alone is not enough to train)."""
+    if ctx.prober is None:
+        return
+    deadline = time.monotonic() + ctx.cfg.parallel.timeout_s
+    while True:
+        members = ctx.membership.members_of(ctx.membership.current_epoch()) or ()
+        silent = ctx.prober.unreachable(members, ctx.store, reached_only=False)
+        if not silent:
+            return
+        if time.monotonic() > deadline:
+            raise recovery.CutOff(f"rank {ctx.rank} reaches the job's store but not ranks {silent} (their liveness "
+                                  f"ports gave no answer for parallel.timeout_s={ctx.cfg.parallel.timeout_s} s): "
+                                  "it does not join")
+        time.sleep(every_s)
 
 
 def change(ctx, st: RankState | None, cause, noticed_wall: float, prev: Plan | None = None):

@@ -16,6 +16,7 @@ import torch
 
 from elaswave.checkpoint import disk
 from elaswave.config import JobConfig
+from elaswave.control import partition
 from elaswave.interrupt import CommError, Disruption
 from elaswave.model.contract import untie
 from elaswave.pipeline.stage import Stage
@@ -32,6 +33,22 @@ TAG_RESTORE = 2_000_000
 
 class Excluded(RuntimeError):
     """This rank was left out of the next epoch (it checked in too late)."""
+
+
+class CutOff(Excluded):
+    """This rank was left out of the next epoch alive: it and the others could not connect."""
+
+
+def unreachable_of(ctx, ranks, broken: int) -> list[int]:
+    """The ranks, of ``ranks`` other than this one and those already shown or said dead, whose
+    liveness port does not answer this rank: its check-in reports them (see
+    :mod:`~elaswave.control.partition`). Only when epoch ``broken`` broke by a network symptom:
+    a death needs no such report, and a host powered off would make every check-in wait the
+    probe's timeout."""
+    if ctx.prober is None or not ctx.membership.network_in_question(broken):
+        return []
+    _, dead = ctx.membership.known_dead(ranks)
+    return ctx.prober.unreachable([r for r in ranks if r != ctx.rank and r not in dead], ctx.store)
 
 
 @dataclass
@@ -133,15 +150,19 @@ def recover(ctx, st: RankState | None, cause: Disruption | None, noticed_wall: f
         t = now
 
     if isinstance(cause, CommError) and not ctx.interrupt.is_broken(epoch - 1):
-        ctx.membership.alert(epoch - 1, f"rank {ctx.rank}: {cause}")
+        ctx.membership.alert(epoch - 1, f"rank {ctx.rank}: {cause}", network=True)
     if ctx.watcher is not None:
         noticed_wall = min([noticed_wall] + [w for e, w in ctx.watcher.noticed_at.items() if e >= old.epoch])
-    ctx.membership.check_in(epoch)
+    ctx.membership.check_in(epoch, unreachable_of(ctx, expected, epoch - 1))
     # A join waits for members still finishing the step; their deaths are reported, not timed out.
     agree_s = cfg.elastic.agree_timeout_s if cause is not None else cfg.parallel.timeout_s
     members = ctx.membership.agree(expected, epoch, agree_s, cfg.parallel.timeout_s)
     ctx.agreed_epoch = epoch
     if ctx.rank not in members:
+        cut = ctx.membership.cut_off(epoch)
+        if ctx.rank in cut:
+            raise CutOff(f"rank {ctx.rank} was left out of epoch {epoch} (members {list(members)}): "
+                         f"{partition.describe(ctx.rank, cut[ctx.rank])}")
         raise Excluded(f"rank {ctx.rank} was left out of epoch {epoch} (members {list(members)})")
     lost = sorted(set(old.ranks) - set(members))
     joined = sorted(set(members) - set(old.ranks))
@@ -217,7 +238,7 @@ def recover(ctx, st: RankState | None, cause: Disruption | None, noticed_wall: f
     fault_walls = [w for w in (ctx.membership.read_stamp(f"fault/{r}") for r in lost) if w is not None]
     return new, Recovery(epoch, lost, restore.resume_step, min(fault_walls) if fault_walls else None,
                          noticed_wall, phases, ctx.comm.last_source, restore.is_fallback, received,
-                         _layout(plan), joined, evidence=ctx.membership.death_evidence(lost))
+                         _layout(plan), joined, evidence=ctx.membership.death_evidence(lost, epoch))
 
 
 def _stop_with_state(ctx, st: RankState | None, old: Plan, members, holdings, disk_step, exc: PlanError):

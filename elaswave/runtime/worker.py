@@ -473,6 +473,9 @@ def main(argv: list[str] | None = None) -> int:
         code = run(cfg, rank, world_size, args.metrics_out)
     except join.StoodDown:
         code = 0  # a warm spare the job finished without
+    except recovery.Excluded as out:  # a joiner that never got in
+        print_error(str(out))
+        code = EXIT_EXCLUDED
     except StoreLost as lost:  # before the rank trained: nothing of the job's state is here
         print_error(f"rank {rank}: {lost}; it stops")
         code = EXIT_STORE_LOST

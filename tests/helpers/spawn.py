@@ -83,9 +83,10 @@ class Running:
     """``elaswave ARGS`` started in the background in its own session, for tests that act on a job
     while it trains; leaving the ``with`` block kills whatever it started."""
 
-    def __init__(self, args: list[str], metrics: Path, env: dict | None = None):
+    def __init__(self, args: list[str], metrics: Path, env: dict | None = None, prefix: list[str] = ()):
+        """``prefix``: what runs the command (e.g. ``ip netns exec NAME``: on another "host")."""
         self.metrics = metrics
-        cmd = [sys.executable, "-m", "elaswave.cli", *args, "--metrics-out", str(metrics)]
+        cmd = [*prefix, sys.executable, "-m", "elaswave.cli", *args, "--metrics-out", str(metrics)]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                      start_new_session=True,
                                      env=dict(os.environ, OMP_NUM_THREADS="1", **(env or {})))

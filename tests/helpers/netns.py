@@ -1,0 +1,85 @@
+"""A host of its own on one machine: a Linux network namespace joined to this one by two links.
+
+A job's "hosts" on loopback share one network, so nothing can stand between a rank and its peers
+but not its store. Here the other host lives in a network namespace with two veth links to this
+one: the *store link* (its agent and workers reach the job's store over it) and the *peer link*
+(gloo and the liveness ports bind to its addresses). Taking the peer link down is a partition as a
+real fabric has one: packets dropped, no reset, new connects failing -- while the store link still
+carries every store call. Needs root and iproute2; :func:`unavailable` says why not otherwise.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+
+# Benchmarking addresses (RFC 2544): never a real network's.
+STORE_NET, PEER_NET = "198.18.0", "198.18.1"
+
+
+def _ip(*args: str, netns: str | None = None) -> subprocess.CompletedProcess:
+    cmd = ["ip", *(["-n", netns] if netns else []), *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=10)
+
+
+def unavailable() -> str | None:
+    """Why no namespace can be made here (None: it can)."""
+    if os.geteuid() != 0:
+        return "network namespaces need root"
+    if shutil.which("ip") is None:
+        return "iproute2's `ip` is not installed"
+    probe = f"ewprobe{os.getpid()}"
+    made = _ip("netns", "add", probe)
+    if made.returncode != 0:
+        return f"`ip netns add` failed: {made.stderr.strip()}"
+    _ip("netns", "del", probe)
+    return None
+
+
+class OtherHost:
+    """The namespace and its two links; ``with`` removes them (a namespace's veth ends go with it)."""
+
+    def __init__(self):
+        tag = f"{os.getpid() % 100000}"
+        self.name = f"ew{tag}"
+        self.store_ip, self.peer_ip = f"{STORE_NET}.2", f"{PEER_NET}.2"
+        """This host's addresses over each link."""
+        self.here_store_ip, self.here_peer_ip = f"{STORE_NET}.1", f"{PEER_NET}.1"
+        """The addresses of this (the main) namespace's ends."""
+        self._links = {"store": (f"ews{tag}", f"ews{tag}x"), "peer": (f"ewp{tag}", f"ewp{tag}x")}
+
+    def __enter__(self) -> "OtherHost":
+        self._run("netns", "add", self.name)
+        try:
+            self._run("link", "set", "lo", "up", netns=self.name)
+            for kind, net in (("store", STORE_NET), ("peer", PEER_NET)):
+                here, there = self._links[kind]
+                self._run("link", "add", here, "type", "veth", "peer", "name", there)
+                self._run("link", "set", there, "netns", self.name)
+                self._run("addr", "add", f"{net}.1/24", "dev", here)
+                self._run("addr", "add", f"{net}.2/24", "dev", there, netns=self.name)
+                self._run("link", "set", here, "up")
+                self._run("link", "set", there, "up", netns=self.name)
+        except BaseException:
+            self.__exit__()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for here, _ in self._links.values():
+            _ip("link", "del", here)
+        _ip("netns", "del", self.name)
+
+    def prefix(self) -> list[str]:
+        """What to put before a command to run it on this host."""
+        return ["ip", "netns", "exec", self.name]
+
+    def cut_peers(self) -> None:
+        """The partition: the peer link goes down; the store link stays up."""
+        self._run("link", "set", self._links["peer"][1], "down", netns=self.name)
+
+    @staticmethod
+    def _run(*args: str, netns: str | None = None) -> None:
+        done = _ip(*args, netns=netns)
+        if done.returncode != 0:
+            raise RuntimeError(f"ip {' '.join(args)}: {done.stderr.strip()}")
