@@ -100,16 +100,10 @@ class Watcher(threading.Thread):
         broken = self._broken_by(alert) if alert.epoch >= epoch else None
         if broken is not None:
             # Check in first: the others may be waiting for us to decide the next epoch.
-            self.membership.check_in(broken + 1, self._unreachable(alert))
+            # Its report pending if the network is in question: the main thread probes and reports.
+            self.membership.check_in(broken + 1, None if alert.network else (), keep=True)
             self.noticed_at.setdefault(alert.epoch, time.time())
             self.interrupt.trip(broken)
-
-    def _unreachable(self, alert) -> list[int]:
-        """The members this rank's check-in reports it cannot reach (as the main thread's does)."""
-        if self.prober is None or not alert.network:
-            return []
-        _, members = self.view()
-        return self.prober.unreachable([r for r in members if r != self.rank and r not in alert.ranks], self.store)
 
     def _broken_by(self, alert) -> int | None:
         """The epoch an alert breaks: its own, or -- when it names a member of an epoch agreed since

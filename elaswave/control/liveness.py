@@ -20,13 +20,10 @@ import threading
 import time
 
 from elaswave.control.membership import PREFIX
+from elaswave.control.partition import REACH_TIMEOUT_S
 
 PROBE_TIMEOUT_S = 0.1
 """How long one probe waits for a host to answer: loopback and live hosts answer in microseconds."""
-REACH_TIMEOUT_S = 1.5
-"""How long the reachability probes at a check-in wait. A rank this slow to answer a connect is
-left out of the next epoch, so the wait covers one lost SYN (Linux re-sends it after 1 s); it is
-paid only when the network is in question (see :mod:`~elaswave.control.partition`)."""
 
 
 def _key(rank: int) -> str:

@@ -45,7 +45,8 @@ def decide(prev_members: Sequence[int], checked_in: Collection[int], known_dead:
     report; see :mod:`~elaswave.control.partition`) are left out too."""
     live = tuple(sorted(r for r in prev_members if r in checked_in and r not in proven_dead))
     settled = all(r in checked_in or r in known_dead for r in prev_members)
-    if settled or waited_s >= agree_timeout_s:
+    reported = all(unreachable.get(r, ()) is not None for r in live)
+    if (settled or waited_s >= agree_timeout_s) and (reported or waited_s >= agree_timeout_s + partition.REACH_TIMEOUT_S):
         out = partition.cut(live, unreachable)
         return tuple(r for r in live if r not in out)
     return None
@@ -117,14 +118,26 @@ class Membership:
             current = self.store.compare_set(PREFIX + "epoch", current.decode(), str(epoch))
 
     # -- agreement --------------------------------------------------------------------------
-    def check_in(self, epoch: int, unreachable: Sequence[int] = ()) -> None:
-        """Say this rank is alive for ``epoch``, with the ranks it could not reach (see
-        :mod:`~elaswave.control.partition`)."""
-        self.store.set(f"{PREFIX}ep/{epoch}/in/{self.rank}", json.dumps(sorted(unreachable)))
+    def check_in(self, epoch: int, unreachable: Sequence[int] | None = (), keep: bool = False) -> None:
+        """Say this rank is alive for ``epoch``, with the ranks it could not reach (None: its report
+        follows; see :mod:`~elaswave.control.partition`). ``keep``: not over a check-in already
+        there (the watcher's, which must not replace the main thread's report)."""
+        key, doc = f"{PREFIX}ep/{epoch}/in/{self.rank}", json.dumps(None if unreachable is None else sorted(unreachable))
+        if keep:
+            self.store.compare_set(key, "", doc)
+        else:
+            self.store.set(key, doc)
         self.store.add(f"{PREFIX}ep/{epoch}/num_in", 1)
 
-    def _checked_in(self, epoch: int, prev: Sequence[int]) -> dict[int, list[int]]:
-        """The ranks of ``prev`` checked in for ``epoch``, each with the ranks it could not reach."""
+    def check_in_reporting(self, epoch: int, unreachable: Callable[[], list[int]]) -> None:
+        """Check in at once with the report pending, then with what ``unreachable()`` found: the
+        probe may take a while exactly when it matters, and a late check-in would be left out."""
+        self.check_in(epoch, None)
+        self.check_in(epoch, unreachable())
+
+    def _checked_in(self, epoch: int, prev: Sequence[int]) -> dict[int, list[int] | None]:
+        """The ranks of ``prev`` checked in for ``epoch``, each with the ranks it could not reach
+        (None: pending)."""
         keys = {r: f"{PREFIX}ep/{epoch}/in/{r}" for r in prev}
         present = [r for r, k in keys.items() if self.store.check([k])]
         values = self.store.multi_get([keys[r] for r in present]) if present else []
@@ -180,7 +193,7 @@ class Membership:
         key = f"{PREFIX}ep/{epoch}/members"
         start = self.clock()
         seen_in, dead, proven = -1, set(), set()
-        checked: dict[int, list[int]] = {}
+        checked: dict[int, list[int] | None] = {}
         probed_at = None
         while True:
             if self.store.check([key]):

@@ -39,14 +39,12 @@ class CutOff(Excluded):
     """This rank was left out of the next epoch alive: it and the others could not connect."""
 
 
-def unreachable_of(ctx, ranks, broken: int) -> list[int]:
+def unreachable_of(ctx, ranks) -> list[int]:
     """The ranks, of ``ranks`` other than this one and those already shown or said dead, whose
     liveness port does not answer this rank: its check-in reports them (see
-    :mod:`~elaswave.control.partition`). Only when epoch ``broken`` broke by a network symptom:
-    a death needs no such report, and a host powered off would make every check-in wait the
-    probe's timeout."""
-    if ctx.prober is None or not ctx.membership.network_in_question(broken):
-        return []
+    :mod:`~elaswave.control.partition`). Asked only when the epoch broke by a network symptom: a
+    death needs no such report, and a host powered off would hold every report for the probe's
+    timeout."""
     _, dead = ctx.membership.known_dead(ranks)
     return ctx.prober.unreachable([r for r in ranks if r != ctx.rank and r not in dead], ctx.store)
 
@@ -153,7 +151,10 @@ def recover(ctx, st: RankState | None, cause: Disruption | None, noticed_wall: f
         ctx.membership.alert(epoch - 1, f"rank {ctx.rank}: {cause}", network=True)
     if ctx.watcher is not None:
         noticed_wall = min([noticed_wall] + [w for e, w in ctx.watcher.noticed_at.items() if e >= old.epoch])
-    ctx.membership.check_in(epoch, unreachable_of(ctx, expected, epoch - 1))
+    if ctx.prober is not None and ctx.membership.network_in_question(epoch - 1):
+        ctx.membership.check_in_reporting(epoch, lambda: unreachable_of(ctx, expected))
+    else:
+        ctx.membership.check_in(epoch)
     # A join waits for members still finishing the step; their deaths are reported, not timed out.
     agree_s = cfg.elastic.agree_timeout_s if cause is not None else cfg.parallel.timeout_s
     members = ctx.membership.agree(expected, epoch, agree_s, cfg.parallel.timeout_s)

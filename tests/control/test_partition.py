@@ -3,6 +3,7 @@ decision through a real TCPStore."""
 import json
 import socket
 import threading
+import time
 from datetime import timedelta
 
 import torch.distributed as dist
@@ -35,6 +36,19 @@ def test_decide_leaves_out_the_cut_rank_once_settled():
     assert decide([0, 1, 2, 3], {0: [3], 1: [3]}, set(), 0.1, 1.0, unreachable={0: [3], 1: [3]}) is None
 
 
+def test_a_pending_report_holds_the_decision_for_at_most_the_probe_timeout():
+    # The side cut off checks in first (its probes fail at once); the others' reports are pending.
+    # Deciding on the check-ins alone would keep rank 3 -- or, had the others checked in only
+    # after probing, leave them out after the agree timeout and keep rank 3 alone.
+    reports = {0: None, 1: None, 2: None, 3: [0, 1, 2]}
+    assert decide([0, 1, 2, 3], reports, set(), 0.1, 1.0, unreachable=reports) is None
+    assert decide([0, 1, 2, 3], reports, set(), 1.2, 1.0, unreachable=reports) is None
+    assert decide([0, 1, 2, 3], reports, set(), 1.0 + partition.REACH_TIMEOUT_S, 1.0,
+                  unreachable=reports) == (0, 1, 2)  # one-sided evidence still cuts rank 3
+    assert decide([0, 1, 2, 3], {**reports, 0: [3], 1: [3], 2: [3]}, set(), 0.1, 1.0,
+                  unreachable={**reports, 0: [3], 1: [3], 2: [3]}) == (0, 1, 2)
+
+
 def test_probe_all_tells_answered_refused_and_silent_apart_within_one_timeout():
     listening = socket.socket()
     listening.bind(("127.0.0.1", 0))
@@ -58,7 +72,7 @@ def test_check_ins_carry_reachability_and_the_cut_is_recorded():
     results = {}
 
     def run(r):
-        clients[r].check_in(1, reports[r])
+        clients[r].check_in_reporting(1, lambda: (time.sleep(0.3 * (r != 3)), reports[r])[1])
         results[r] = clients[r].agree([0, 1, 2, 3], 1, agree_timeout_s=5.0, timeout_s=10.0)
 
     threads = [threading.Thread(target=run, args=(r,)) for r in clients]
