@@ -49,6 +49,7 @@ class OtherHost:
         self._links = {"store": (f"ews{tag}", f"ews{tag}x"), "peer": (f"ewp{tag}", f"ewp{tag}x")}
 
     def __enter__(self) -> "OtherHost":
+        self.__exit__()  # what a killed run of this process id left behind
         self._run("netns", "add", self.name)
         try:
             self._run("link", "set", "lo", "up", netns=self.name)
