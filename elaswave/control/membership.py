@@ -43,13 +43,18 @@ def decide(prev_members: Sequence[int], checked_in: Collection[int], known_dead:
     before it died: it would never post its state, and the epoch would wait for it. Of the ranks
     left, those cut off from the others by the network (``unreachable``, each rank's check-in
     report; see :mod:`~elaswave.control.partition`) are left out too."""
-    live = tuple(sorted(r for r in prev_members if r in checked_in and r not in proven_dead))
+    live = live_members(prev_members, checked_in, proven_dead)
     settled = all(r in checked_in or r in known_dead for r in prev_members)
     reported = all(unreachable.get(r, ()) is not None for r in live)
     if (settled or waited_s >= agree_timeout_s) and (reported or waited_s >= agree_timeout_s + partition.REACH_TIMEOUT_S):
         out = partition.cut(live, unreachable)
         return tuple(r for r in live if r not in out)
     return None
+
+
+def live_members(prev_members: Sequence[int], checked_in: Collection[int], proven_dead: set[int]) -> tuple[int, ...]:
+    """The previous members that checked in and are not proven dead."""
+    return tuple(sorted(r for r in prev_members if r in checked_in and r not in proven_dead))
 
 
 def is_stale(last_change_s: float, now_s: float, timeout_s: float) -> bool:
@@ -210,9 +215,9 @@ class Membership:
                 proven, dead = proven | shown, dead | shown
             members = decide(prev_members, checked, dead, waited, agree_timeout_s, proven, checked)
             if members is not None:
-                cut = partition.cut([r for r in checked if r not in proven], checked)
-                if cut:  # before the members: whoever reads them finds why a live rank is not there
-                    self.store.compare_set(f"{PREFIX}ep/{epoch}/cut", "", json.dumps(cut))
+                live = live_members(prev_members, checked, proven)
+                if len(members) < len(live):  # a cut: recorded before the members, so whoever reads them finds why
+                    self.store.compare_set(f"{PREFIX}ep/{epoch}/cut", "", json.dumps(partition.cut(live, checked)))
                 stored = self.store.compare_set(key, "", json.dumps(list(members)))
                 won = json.loads(stored)
                 self._advance_epoch(epoch)
