@@ -2,19 +2,28 @@
 
 The README's default job (``elaswave run``: the tiny Llama, dp=2 x pp=2), deterministic, with a
 disk checkpoint directory and no periodic checkpoints. At step ``--kill-at`` the ``elaswave run``
-process -- which hosts the store -- is SIGKILLed. Its workers notice within the heartbeat timeout,
-save the state after the last step they trained and exit; then the same command is run again and
-resumes there. Per run:
+process -- which hosts the store -- is SIGKILLed. Two designs, in the same bench run:
+
+*failover* (``elastic.store_failover``, the default): the workers notice within the heartbeat
+timeout and move the store to rank 0's standby at the end of one step; the job trains on.
+
+- *detect*: SIGKILL -> the ranks' links gave up (the ``store_moved`` record's ``noticed_wall``);
+- *move*: the move itself (new store seeded, ports registered, a barrier);
+- *time lost*: SIGKILL -> the end of the first step after the move, less the median step time for
+  each step trained in between (those steps were not lost: only the stall was);
+
+*floor* (failover off): the workers save the state after the last step they trained and exit;
+then the same command is run again and resumes there.
 
 - *detect*: SIGKILL -> the ranks' links gave up (the ``store_lost`` record's ``noticed_wall``);
 - *save*: -> the state was on disk (the record's time); *exit*: -> the last worker was gone;
 - *restart*: the new command's start -> the end of its first step (process start, torch import,
   checkpoint load, groups): the cost of any whole-job restart, measured here as the baseline;
-- *time lost*: SIGKILL -> the end of the first step after the restart, less that step's own time,
-  over the restart alone: how much the floor adds to the restart a job without it would need anyway
-  (which would also redo the steps since its last checkpoint);
-- *steps lost*: steps recorded before the kill, less the step the rerun resumed at (goal 0);
-- *identical*: the final ``params_sha256`` and ``state_sha256`` equal a failure-free run's.
+- *time lost*: SIGKILL -> the end of the first step after the restart, less that step's own time.
+
+Both: time lost over the restart alone (how it compares with the restart a job without either
+would need anyway, which would also redo the steps since its last checkpoint); *steps lost* (goal 0);
+*identical*: the final ``params_sha256`` and ``state_sha256`` equal a failure-free run's.
 
     python bench/store_loss.py --runs 5
 """
@@ -46,8 +55,9 @@ def _cmd(sets: list[str], metrics: Path) -> list[str]:
         [x for s in sets for x in ("--set", s)]
 
 
-def one_run(tmp: Path, kill_at: int) -> dict:
-    sets, metrics = JOB + [f"checkpoint.dir={tmp / 'ckpt'}"], tmp / "run.jsonl"
+def one_run(tmp: Path, kill_at: int, failover: bool) -> dict:
+    sets = JOB + [f"checkpoint.dir={tmp / 'ckpt'}", f"elastic.store_failover={str(failover).lower()}"]
+    metrics = tmp / "run.jsonl"
     env = dict(os.environ, OMP_NUM_THREADS="1")
     proc = subprocess.Popen(_cmd(sets, metrics), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                             start_new_session=True, env=env)
@@ -69,6 +79,8 @@ def one_run(tmp: Path, kill_at: int) -> dict:
         except ProcessLookupError:
             pass
     before = read_jsonl(str(metrics))
+    if failover:
+        return _moved(before, killed, err)
     (lost,) = [r for r in before if r["event"] == "store_lost"] or [None]
     if lost is None:
         raise RuntimeError(f"no store_lost record:\n{err[-3000:]}")
@@ -87,6 +99,29 @@ def one_run(tmp: Path, kill_at: int) -> dict:
             "params_sha256": summary["params_sha256"], "state_sha256": summary["state_sha256"]}
 
 
+def _moved(records: list[dict], killed: float, err: str) -> dict:
+    """A failover run's figures, from its one metrics file."""
+    (moved,) = [r for r in records if r["event"] == "store_moved"] or [None]
+    summary = next((r for r in records if r["event"] == "summary"), None)
+    if moved is None or summary is None:
+        raise RuntimeError(f"no store_moved or summary record:\n{err[-3000:]}")
+    steps = [r for r in records if r["event"] == "step"]
+    step_time = statistics.median(r["step_time_s"] for r in steps)
+    first = next(r for r in steps if r["step"] == moved["step"])
+    between = [r for r in steps if killed < r["wall_time"] <= first["wall_time"]]
+    return {"detect_s": moved["noticed_wall"] - killed, "move_s": moved["move_s"],
+            "time_lost_s": first["wall_time"] - killed - len(between) * step_time,
+            "steps_lost": STEPS - len({r["step"] for r in steps}), "steps_repeated": len(steps) - len({r["step"] for r in steps}),
+            "step_time_s": step_time, "params_sha256": summary["params_sha256"], "state_sha256": summary["state_sha256"]}
+
+
+def _table(runs: list[dict], keys: list[str]) -> list[str]:
+    med = {k: statistics.median(r[k] for r in runs) for k in keys}
+    lines = ["| phase | median s | range s |", "| --- | --- | --- |"]
+    return lines + [f"| {k[:-2]} | {med[k]:.3f} | {min(r[k] for r in runs):.3f}-{max(r[k] for r in runs):.3f} |"
+                    for k in keys]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--runs", type=int, default=5)
@@ -94,36 +129,40 @@ def main() -> None:
     ap.add_argument("--out", default=str(HERE / "results" / "store_loss"))
     args = ap.parse_args()
     reference = run_job(JOB)[-1]
-    runs = []
+    runs: dict[str, list[dict]] = {"failover": [], "floor": []}
     for i in range(args.runs):
-        with tempfile.TemporaryDirectory() as tmp:
-            r = one_run(Path(tmp), args.kill_at)
-        r["identical"] = (r["params_sha256"], r["state_sha256"]) == (reference["params_sha256"], reference["state_sha256"])
-        runs.append(r)
-        print(f"run {i}: detect {r['detect_s']:.2f} s, save {r['save_s']:.3f} s, exit {r['exit_s']:.2f} s, restart "
-              f"{r['restart_s']:.2f} s, time lost {r['time_lost_s']:.2f} s, steps lost {r['steps_lost']}, "
-              f"identical {r['identical']}", flush=True)
-    keys = ["detect_s", "save_s", "exit_s", "restart_s", "time_lost_s", "step_time_s"]
-    med = {k: statistics.median(r[k] for r in runs) for k in keys}
-    rng = {k: [min(r[k] for r in runs), max(r[k] for r in runs)] for k in keys}
-    ratio = [r["time_lost_s"] / r["restart_s"] for r in runs]
+        for mode, found in runs.items():
+            with tempfile.TemporaryDirectory() as tmp:
+                r = one_run(Path(tmp), args.kill_at, mode == "failover")
+            r["identical"] = (r["params_sha256"], r["state_sha256"]) == (reference["params_sha256"],
+                                                                         reference["state_sha256"])
+            found.append(r)
+            print(f"run {i} {mode}: " + ", ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}"
+                                                  for k, v in r.items() if not k.endswith("sha256")), flush=True)
+    restart = statistics.median(r["restart_s"] for r in runs["floor"])
     doc = {"command": f"python bench/store_loss.py --runs {args.runs} --kill-at {args.kill_at}", "job": JOB,
-           "runs": runs, "median": med, "range": rng, "time_lost_over_restart": statistics.median(ratio),
-           "time_lost_over_restart_range": [min(ratio), max(ratio)],
-           "steps_lost": [r["steps_lost"] for r in runs], "identical": sum(r["identical"] for r in runs)}
+           "restart_s": restart}
+    lines = [f"# The store holder SIGKILLed (`{doc['command']}`)", "",
+             "README default job (tiny Llama, dp=2 x pp=2), deterministic, SIGKILL of `elaswave run` "
+             f"after {args.kill_at} steps. Medians (range) of {args.runs} runs of each design, alternating.", ""]
+    for mode, keys in (("failover", ["detect_s", "move_s", "time_lost_s", "step_time_s"]),
+                       ("floor", ["detect_s", "save_s", "exit_s", "restart_s", "time_lost_s", "step_time_s"])):
+        found = runs[mode]
+        ratio = [r["time_lost_s"] / restart for r in found]
+        doc[mode] = {"runs": found, "median": {k: statistics.median(r[k] for r in found) for k in keys},
+                     "time_lost_over_restart": statistics.median(ratio),
+                     "time_lost_over_restart_range": [min(ratio), max(ratio)],
+                     "steps_lost": [r["steps_lost"] for r in found], "identical": sum(r["identical"] for r in found)}
+        how = ("the store moves to rank 0's standby; the job trains on" if mode == "failover" else
+               "`elastic.store_failover=false`: the ranks save and stop; the same command run again")
+        lines += [f"## {mode}: {how}", "", *_table(found, keys), "",
+                  f"time lost / the floor's restart (median {restart:.3f} s): {doc[mode]['time_lost_over_restart']:.3f} "
+                  f"({min(ratio):.3f}-{max(ratio):.3f}); steps lost per run: {doc[mode]['steps_lost']}; "
+                  f"bit-identical to the failure-free run: {doc[mode]['identical']} of {len(found)}", ""]
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(doc, indent=1))
-    lines = [f"# The store holder SIGKILLed (`{doc['command']}`)", "",
-             "README default job (tiny Llama, dp=2 x pp=2), deterministic, SIGKILL of `elaswave run` "
-             f"after {args.kill_at} steps; the same command run again. Medians (range) of {len(runs)} runs.", "",
-             "| phase | median s | range s |", "| --- | --- | --- |"]
-    lines += [f"| {k[:-2]} | {med[k]:.3f} | {rng[k][0]:.3f}-{rng[k][1]:.3f} |" for k in keys]
-    lines += ["", f"time lost / restart alone: {doc['time_lost_over_restart']:.3f} "
-                  f"({doc['time_lost_over_restart_range'][0]:.3f}-{doc['time_lost_over_restart_range'][1]:.3f}); "
-                  f"steps lost per run: {doc['steps_lost']}; bit-identical to the failure-free run: "
-                  f"{doc['identical']} of {len(runs)}"]
-    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    out.with_suffix(".md").write_text("\n".join(lines))
     print("\n".join(lines))
 
 

@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from elaswave.config import ConfigError, JobConfig
 from elaswave.comm.backend import connect_store
-from elaswave.control import agents
+from elaswave.control import agents, failover
 from elaswave.control.admission import JOIN_ENV, SPARE_ENV, STARTED_ENV, TOKEN_ENV, job_token, new_token, promote
 from elaswave.control.agents import NODES_ENV, AgentRefused, Node
 from elaswave.control.link import EXIT_STORE_LOST, StoreLink, StoreLost
@@ -216,10 +216,18 @@ def launch(cfg: JobConfig, metrics_out: str | None = None, host: str = "127.0.0.
             workers.spawn()
         for _ in range(cfg.elastic.spares if cfg.elastic.enabled else 0):
             workers.spawn_spare()
-        try:
-            code = _watch(cfg, workers, store, membership, timeout_s, done_grace_s)
-        except StoreLost as lost:
-            return _after_store_lost(cfg, workers, lost)
+        watching = _Watching(cfg, node)
+        while True:
+            try:
+                code = _watch(cfg, workers, store, membership, timeout_s, done_grace_s, watching)
+                break
+            except StoreLost as lost:
+                if watching.done or all(p.poll() == 0 for p in workers.all()):
+                    # Its holder (a member, after a move) left at the end: nothing to follow.
+                    code = _wait_for_workers(cfg, workers)
+                    break
+                if not _follow(cfg, workers, store, watching, lost):
+                    return _after_store_lost(cfg, workers, lost)
         if node.is_multi_host:
             _finish(store, node, done_grace_s)
         return code
@@ -236,22 +244,41 @@ def launch(cfg: JobConfig, metrics_out: str | None = None, host: str = "127.0.0.
         os.unlink(cfg_path)
 
 
+class _Watching:
+    """What an agent's watch has done and has yet to do: kept when it follows a moved store."""
+
+    def __init__(self, cfg: JobConfig, node: Node):
+        self.reported: set[int] = set()
+        # Scheduled joins are the job's, so one agent (node 0's) starts them; replacements are each host's own.
+        self.joins = sorted((f for f in cfg.elastic.faults if f.kind == "join"), key=lambda f: f.step) \
+            if node.node_rank == 0 else []
+        self.respawns: list[float] = []
+        """When to start the next replacements (monotonic clock)."""
+        self.directory = failover.Directory() if node.node_rank != 0 and cfg.elastic.store_failover else None
+        """Where the store may move (an agent that does not host it)."""
+        self.started = time.monotonic()
+        self.done = False
+        """The training finished (``ew/done``)."""
+
+
 def _watch(cfg: JobConfig, workers: _Workers, store: dist.TCPStore, membership: Membership,
-           timeout_s: float | None, done_grace_s: float) -> int:
-    deadline = None if timeout_s is None else time.monotonic() + timeout_s
-    reported: set[int] = set()
+           timeout_s: float | None, done_grace_s: float, watching: _Watching) -> int:
+    deadline = None if timeout_s is None else watching.started + timeout_s
+    reported, joins, respawns = watching.reported, watching.joins, watching.respawns
     done_at = None
-    # Scheduled joins are the job's, so one agent (node 0's) starts them; replacements are each host's own.
-    joins = sorted((f for f in cfg.elastic.faults if f.kind == "join"), key=lambda f: f.step) \
-        if workers.node.node_rank == 0 else []
     others = _OtherHosts(store, workers) if workers.node.is_multi_host and workers.node.node_rank == 0 else None
-    respawns: list[float] = []  # when to start the next replacements (monotonic clock)
     while True:
+        if watching.directory is not None and cfg.elastic.enabled:
+            watching.directory.refresh(store)
         codes = {rank: p.poll() for rank, p in workers.procs.items()}
         for rank, code in codes.items():
             if code in (None, 0) or rank in reported:
                 continue
             reported.add(rank)
+            if code == EXIT_STORE_LOST and workers.lost_spare(rank):  # a spare of the store that moved
+                if done_at is None:
+                    workers.spawn_spare()
+                continue
             if code == EXIT_STORE_LOST:  # it saved its state and said so: nothing to report or replace
                 continue
             if workers.lost_spare(rank):
@@ -271,7 +298,7 @@ def _watch(cfg: JobConfig, workers: _Workers, store: dist.TCPStore, membership: 
             elif cfg.elastic.respawn_after_s >= 0 and done_at is None:
                 respawns.append(time.monotonic() + cfg.elastic.respawn_after_s)
         if done_at is None and store.check([PREFIX + "done"]):
-            done_at = time.monotonic()
+            done_at, watching.done = time.monotonic(), True
         if done_at is None:
             _start_joiners(workers, joins, respawns, membership)
         if all(c is not None for c in codes.values()) and not (done_at is None and others and others.training()):
@@ -293,6 +320,28 @@ def _watch(cfg: JobConfig, workers: _Workers, store: dist.TCPStore, membership: 
             _stop(workers.all())
             return 124
         time.sleep(0.005)
+
+
+def _follow(cfg: JobConfig, workers: _Workers, store, watching: _Watching, lost: StoreLost) -> bool:
+    """The job's store is gone: if the members moved it to a standby (elaswave.control.failover),
+    this agent goes there too, within ``parallel.timeout_s``; whether it did."""
+    if watching.directory is None or not cfg.elastic.enabled:
+        return False
+    addr = watching.directory.follow(store, cfg.parallel.timeout_s, cfg.parallel.timeout_s)
+    if addr is None:
+        return False
+    workers.store_addr = addr  # the replacements and spares it starts from now on
+    workers.membership.spares_standing(len(workers.standing))
+    print(f"elaswave: {lost}; the job's store moved to {addr}, and this agent follows it", file=sys.stderr, flush=True)
+    return True
+
+
+def _wait_for_workers(cfg: JobConfig, workers: _Workers) -> int:
+    """After the training finished: this host's workers exit on their own (bounded); 0 if all did."""
+    deadline = time.monotonic() + cfg.parallel.timeout_s
+    while any(p.poll() is None for p in workers.all()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return 0
 
 
 def _after_store_lost(cfg: JobConfig, workers: _Workers, lost: StoreLost) -> int:

@@ -49,10 +49,10 @@ def test_without_elasticity_a_sigkill_ends_the_job_cleanly():
 
 
 def test_workers_end_with_the_launcher_however_it_ends(tmp_path):
-    # SIGKILL takes the store with it: the workers save their state (tests/runtime/test_rescue.py)
-    # and exit within the heartbeat timeout.
+    # SIGKILL takes the store with it: without a failover the workers save their state
+    # (tests/runtime/test_rescue.py) and exit within the heartbeat timeout.
     for sig in (signal.SIGTERM, signal.SIGKILL):
-        proc = _start_long_job([f"checkpoint.dir={tmp_path / sig.name}"])
+        proc = _start_long_job([f"checkpoint.dir={tmp_path / sig.name}", "elastic.store_failover=false"])
         try:
             workers = children(proc.pid)
             assert len(workers) == 4, workers
@@ -97,6 +97,46 @@ def test_two_host_agents_lose_one_worker_not_its_host(tmp_path):
     records = res0.records
     recovery = next(r for r in records if r["event"] == "recovery")
     assert recovery["lost_ranks"] == [3] and not recovery["is_fallback"], recovery
+    worlds = [r["world_size"] for r in res0.steps]
+    assert 3 in worlds and 2 not in worlds and worlds[-1] == 4, worlds
+    assert_same_run(res0, run_reference(tmp_path, steps, deterministic=True), steps)
+
+
+def test_when_the_agent_holding_the_store_dies_the_others_follow_it_to_a_standby(tmp_path):
+    """Two agents, two workers each (dp=2 x pp=2). Node 0's agent -- which hosts the store -- is
+    SIGKILLed alone; its workers live on. The members move the store to rank 0's standby and node
+    1's agent follows it there. Then a worker of node 1 is SIGKILLed: its agent reports the death
+    on the new store, the others recover without it and the replacement the agent starts joins
+    through the new store (4 -> 3 -> 4). Every loss and the final state equal the reference."""
+    steps = 220
+    sets = [*TINY, "parallel.dp=2", "parallel.pp=2", f"train.steps={steps}", "train.num_micro_batches=4",
+            "train.deterministic=true", "elastic.respawn_after_s=0", "parallel.timeout_s=60"]
+    endpoint, metrics = f"127.0.0.1:{free_port()}", tmp_path / "run.jsonl"
+    with _agent(sets, 0, endpoint, metrics) as host0, _agent(sets, 1, endpoint, metrics) as host1:
+        host0.wait_for(r"step\s+6/", 180)
+        host0_workers = children(host0.proc.pid)
+        assert len(host0_workers) == 2, host0_workers
+        os.kill(host0.proc.pid, signal.SIGKILL)
+        deadline = time.monotonic() + 60
+        while "follows it" not in "".join(host1._stderr) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        workers = {rank_of(p): p for p in children(host1.proc.pid)}
+        assert sorted(workers) == [2, 3], workers
+        assert steps_written(metrics) < steps - 60, "the job ended before the death after the move"
+        os.kill(workers[3], signal.SIGKILL)
+        res1 = host1.finish(240)
+        deadline = time.monotonic() + 60
+        while [w for w in host0_workers if alive(w)] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        res0 = host0.finish(10)
+    assert res1.returncode == 0, res1.stderr
+    assert "this agent follows it" in res1.stderr, res1.stderr
+    assert "rank 3 was killed by SIGKILL" in res1.stderr and "replace a lost one" in res1.stderr, res1.stderr
+    records = res0.records
+    [moved] = [r for r in records if r["event"] == "store_moved"]
+    recovery = next(r for r in records if r["event"] == "recovery")
+    assert recovery["lost_ranks"] == [3] and recovery["resume_step"] > moved["step"], (moved, recovery)
+    assert recovery["evidence"]["3"].startswith("was killed by SIGKILL"), recovery  # the agent's report
     worlds = [r["world_size"] for r in res0.steps]
     assert 3 in worlds and 2 not in worlds and worlds[-1] == 4, worlds
     assert_same_run(res0, run_reference(tmp_path, steps, deterministic=True), steps)
@@ -201,13 +241,15 @@ def test_a_rank_that_reaches_the_store_but_not_its_peers_is_left_out_at_once(tmp
 
 
 def test_node_0s_agent_sigkilled_takes_the_store_every_rank_saves_and_the_agents_rerun_losing_nothing(tmp_path):
-    """Node 0's agent holds the store. SIGKILLed alone, its workers outlive it: all four ranks
+    """Without a failover (``elastic.store_failover=false``; with it, the store moves: the test
+    above). Node 0's agent holds the store. SIGKILLed alone, its workers outlive it: all four ranks
     notice the store is gone, save the state after the last step they trained and exit; host 1's
     agent waits for its workers and exits with the same code. The same two commands again resume
     there, and the run equals the reference."""
     steps = 60
     sets = [*TINY, "parallel.dp=2", "parallel.pp=2", f"train.steps={steps}", "train.num_micro_batches=4",
-            "train.deterministic=true", "parallel.timeout_s=30", f"checkpoint.dir={tmp_path / 'ckpt'}"]
+            "train.deterministic=true", "parallel.timeout_s=30", f"checkpoint.dir={tmp_path / 'ckpt'}",
+            "elastic.store_failover=false"]
     endpoint, metrics = f"127.0.0.1:{free_port()}", tmp_path / "run.jsonl"
     with _agent(sets, 0, endpoint, metrics) as host0, _agent(sets, 1, endpoint, metrics) as host1:
         host0.wait_for(r"step\s+6/", 180)

@@ -33,6 +33,10 @@ class ElasticConfig:
     launcher_reports_deaths: bool = True
     """The launcher tells the control plane the moment it reaps a dead worker; off: deaths are
     found as on a host nobody reports for (collective errors, probes, heartbeats) -- to measure that path."""
+    store_failover: bool = True
+    """When the process holding the control store dies and every member lives, the store moves to
+    a member's standby and training goes on (:mod:`elaswave.control.failover`); off: every rank
+    saves its state and stops, and a rerun resumes (:mod:`elaswave.runtime.rescue`)."""
     snapshots: bool = True
     """Copy every rank's ZeRO chunks into a peer's memory after each step (needed to recover them)."""
     snapshot_copies: int = 1

@@ -6,7 +6,9 @@ process and a healthy store. A :class:`StoreLink` opens a new connection to the 
 repeats the call, for as long as ``grace_s`` (the heartbeat timeout, after which its peers would
 declare it gone anyway) since the first failure. When the store stays unreachable longer, the
 process or host holding it is gone: every link of the process says :class:`StoreLost` from then
-on, and the rank saves what it holds (:mod:`elaswave.runtime.rescue`).
+on. Then the job either moves its store to a survivor (:meth:`StoreLink.move`, all links of the
+process follow; see :mod:`elaswave.control.failover`) or the rank saves what it holds
+(:mod:`elaswave.runtime.rescue`).
 
 A call repeated after a dropped connection may have reached the store before the drop. That is
 harmless for every call elaswave makes except an ``add`` that counts: such an add may count
@@ -40,17 +42,35 @@ class StoreLink:
     store on a new connection, for process groups); :meth:`separate` gives another link."""
 
     def __init__(self, store: dist.Store, addr: str | None, timeout_s: float, grace_s: float,
-                 shared: "_Lost | None" = None):
+                 shared: "_Endpoint | None" = None):
         """``addr``: HOST:PORT of a TCPStore to reconnect to, or None to reconnect by ``clone()``
         (a store from torchrun's rendezvous, under its prefix)."""
-        self._store, self.addr, self.timeout_s, self.grace_s = store, addr, timeout_s, grace_s
-        # Shared by the process's links: once one has given up, the others fail at once.
-        self._lost = shared or _Lost()
+        self._store, self.timeout_s, self.grace_s = store, timeout_s, grace_s
+        # Shared by the process's links: once one has given up, the others fail at once; once the
+        # store has moved, each reconnects to the new one at its next call.
+        self._lost = shared or _Endpoint(addr)
+        self._generation = self._lost.generation
         self.reconnects = 0
         """Connections this link re-opened (a dropped one that came back)."""
 
+    @property
+    def addr(self) -> str | None:
+        return self._lost.addr
+
+    @property
+    def generation(self) -> int:
+        """How many times the job's store has moved (0: it is where the job started it)."""
+        return self._lost.generation
+
+    def move(self, addr: str) -> None:
+        """Every link of this process goes to the TCPStore at ``addr`` from now on: the job's store
+        moved there (:mod:`elaswave.control.failover`). Connects this link at once."""
+        self._lost.move(addr)
+        self._follow()
+
     def separate(self) -> "StoreLink":
         """Another link over its own connection (a client serves one blocking call at a time)."""
+        self._follow()
         return StoreLink(self._store.clone(), self.addr, self.timeout_s, self.grace_s, self._lost)
 
     @property
@@ -67,7 +87,14 @@ class StoreLink:
         return self._lost.wall
 
     def clone(self) -> dist.Store:
+        self._follow()
         return self._store.clone()
+
+    def _follow(self) -> None:
+        """On this link's first use after the store moved: a connection to where it is now."""
+        if self._generation != self._lost.generation:
+            self._generation = self._lost.generation
+            self._reconnect(time.monotonic(), ConnectionError(f"the store moved to {self.addr}"))
 
     def __getattr__(self, name: str):
         method = getattr(self._store, name)
@@ -80,6 +107,7 @@ class StoreLink:
                 if self.lost.is_set():
                     raise StoreLost(self.lost_reason or "the control store is unreachable")
                 try:
+                    self._follow()
                     out = getattr(self._store, name)(*args, **kwargs)
                     if name == "set":
                         # TCPStore's set has no reply: on a connection the other end has closed the
@@ -118,7 +146,7 @@ class StoreLink:
         # A plain connect first: a refused one is cheap and quiet, where a TCPStore that cannot
         # connect logs a C++ backtrace.
         attempt_s = max(0.05, min(within_s, ATTEMPT_S))
-        socket.create_connection((host, int(port)), timeout=attempt_s).close()
+        check_listening(host, int(port), attempt_s)
         # Short attempts: the constructor backs off between its own retries, which would keep a
         # store that is back waiting for up to the whole grace.
         store = dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=attempt_s))
@@ -126,8 +154,21 @@ class StoreLink:
         return store
 
 
-class _Lost:
-    def __init__(self) -> None:
+def check_listening(host: str, port: int, timeout_s: float) -> None:
+    """Raises ConnectionRefusedError unless something listens at ``host:port``. A connect to a
+    loopback port nobody listens on can meet itself (TCP's simultaneous open, when the kernel
+    picks that same port as the source): that is no store, and a TCPStore client would wait out
+    its timeout on it, logging a C++ backtrace."""
+    with socket.create_connection((host, port), timeout=timeout_s) as sock:
+        if sock.getsockname() == sock.getpeername():
+            raise ConnectionRefusedError(f"nothing listens at {host}:{port} (the connect met itself)")
+
+
+class _Endpoint:
+    """Where a process's links go, and whether they gave up on it."""
+
+    def __init__(self, addr: str | None) -> None:
+        self.addr, self.generation = addr, 0
         self.event = threading.Event()
         self.reason = ""
         self.wall: float | None = None
@@ -136,3 +177,8 @@ class _Lost:
         if not self.event.is_set():
             self.reason, self.wall = reason, time.time()
             self.event.set()
+
+    def move(self, addr: str) -> None:
+        self.addr, self.generation = addr, self.generation + 1
+        self.reason, self.wall = "", None
+        self.event.clear()

@@ -26,6 +26,7 @@ from elaswave.comm.groups import Communicator
 from elaswave.config import ConfigError, JobConfig
 from elaswave.control.admission import JOIN_ENV, Admission, Refused, job_token
 from elaswave.control.agents import NODES_ENV
+from elaswave.control import failover
 from elaswave.control.faults import FaultInjector
 from elaswave.control.heartbeat import Watcher
 from elaswave.control.link import EXIT_STORE_LOST, StoreLink, StoreLost
@@ -72,6 +73,9 @@ class Context:
         self.liveness = LivenessPort(bind) if e.enabled else None
         if self.liveness is not None:
             self.liveness.register(store, rank)
+        self.standby = failover.Standby(bind, cfg.parallel.timeout_s) if e.enabled and e.store_failover else None
+        if self.standby is not None:
+            self.standby.register(store, rank)
         self.prober = Prober() if e.enabled else None
         self.membership = Membership(store, rank, prober=self.prober)
         self.admission = Admission(store, rank)
@@ -100,7 +104,8 @@ class Context:
         self.step = 0
         # The watcher has its own store connection: its blocking waits must never stall training.
         self.watcher = Watcher(store.separate(), rank, self._view, self.interrupt,
-                               e.heartbeat_interval_s, e.heartbeat_timeout_s, self.prober) if e.enabled else None
+                               e.heartbeat_interval_s, e.heartbeat_timeout_s, self.prober,
+                               trips_when_lost=self.standby is None) if e.enabled else None
         self._sampler = None
         self.evaluation = Evaluation(cfg, self.model)
 
@@ -136,6 +141,31 @@ class Context:
             return join.admit(self, st)
         except StoreLost:  # said in this step's exchange (store_lost): every rank stops after it
             return 0
+
+    def learn_standbys(self) -> None:
+        """Where the store would move: the members' standby addresses, read while it is up."""
+        if self.standby is not None:
+            try:
+                self.standby.learn(self.store, self.plan.ranks)
+            except StoreLost:  # said in the step's exchange: it moves, or the ranks stop
+                pass
+
+    def move_store(self, st, step: int) -> dict:
+        """Every member, at the end of the step whose exchange said that all of them lost the store:
+        it moves to the first member's standby (:mod:`elaswave.control.failover`); returns the
+        ``store_moved`` record."""
+        noticed, old, began = self.store.lost_wall, self.store.addr, time.perf_counter()
+        if self.standby is None:
+            raise StoreLost(self.store.lost_reason)
+        leader, addr = failover.move(self.store, self.standby, self.rank, st.plan.epoch, st.plan.ranks,
+                                     self.cfg.to_dict(), self.liveness)
+        st.world.all_reduce(torch.zeros(1, device=st.device), "store moved barrier")
+        if self.rank == leader:
+            failover.announce(self.store, self.standby)
+            print(f"elaswave: the control store at {old} was lost; it moved to rank {leader}'s standby at {addr} "
+                  f"after step {step - 1}, and training goes on", file=sys.stderr, flush=True)
+        return {"event": "store_moved", "step": step, "from": old, "to": addr, "to_rank": leader,
+                "noticed_wall": noticed, "move_s": time.perf_counter() - began, "wall_time": time.time()}
 
     def _view(self):
         plan = self.plan
@@ -192,6 +222,7 @@ def run(cfg: JobConfig, rank: int, world_size: int, metrics_out: str | None) -> 
     else:
         st, resumed = _start(ctx, world_size)
         step, pending = st.optimizer.gen, None
+    ctx.learn_standbys()
     if ctx.watcher is not None and not ctx.watcher.is_alive():
         ctx.watcher.start()
 
@@ -245,16 +276,17 @@ def run(cfg: JobConfig, rank: int, world_size: int, metrics_out: str | None) -> 
                                  "modelled_power_w": _modelled_power(st.plan), **ctx.source_tokens(step)})
                     if pending is not None:  # (a no-op writer on ranks that do not write)
                         writer.write({**pending.record(time.time(), took, evaluation_s),
-                                      "spares_standing": ctx.membership.spares_standing()})
+                                      "spares_standing": _spares_standing(ctx)})
                         pending = None
                     step += 1
                     if result.store_lost:
-                        raise StoreLost(ctx.store.lost_reason)
+                        journal.commit_before(step, writer)
+                        writer.write(ctx.move_store(st, step))
                     if ctx.checkpointer is not None and ctx.checkpointer.due(step):
                         ctx.checkpointer.save(step, st.plan.chunk_owners, st.optimizer.keys(), st.optimizer.payload(),
                                               is_writer=rank == st.plan.ranks[0])
                     if ctx.stamps_steps and rank == st.plan.ranks[0]:
-                        ctx.membership.stamp("step", step)  # the launcher starts the joins asked for at a step
+                        _stamp_step(ctx, step)
                     if result.joining:  # admitted during this step: the job grows at its end
                         cause = join.GROW
                         break
@@ -290,6 +322,7 @@ def run(cfg: JobConfig, rank: int, world_size: int, metrics_out: str | None) -> 
             if unfinished is not None:
                 pending = pending.absorb(unfinished)
             ctx.plan = st.plan
+            ctx.learn_standbys()
             step, evaluation_s = pending.resume_step, 0.0
             journal.discard_from(step)
             if rank == st.plan.ranks[0] and writer.fh is None and metrics_out:
@@ -326,6 +359,9 @@ def run(cfg: JobConfig, rank: int, world_size: int, metrics_out: str | None) -> 
             ctx.membership.stamp("done")
         except StoreLost:  # the training is over and checked: nobody is left to tell
             pass
+    if ctx.standby is not None and ctx.store.addr == ctx.standby.addr:
+        # The job's store moved here: the agents that followed it need it until they are done.
+        failover.hold_for_agents(ctx.store, int(os.environ.get(NODES_ENV, "1")), cfg.parallel.timeout_s)
     writer.close()
     if ctx.watcher is not None:
         ctx.watcher.stop()
@@ -363,6 +399,23 @@ def _start(ctx: Context, world_size: int):
         export.clear_staging(cfg.checkpoint.export_hf)  # before the barrier: no rank has written yet
     world.all_reduce(torch.zeros(1, device=device), "start-up barrier")
     return st, resumed
+
+
+def _stamp_step(ctx: Context, step: int) -> None:
+    """The launcher starts the joins asked for at a step; not when the store is gone (the step's
+    exchange says so, and the ranks move it or stop)."""
+    try:
+        ctx.membership.stamp("step", step)
+    except StoreLost:
+        pass
+
+
+def _spares_standing(ctx: Context) -> int | None:
+    """For a change's record; None when the store is gone (it moves, or the ranks stop, after the step)."""
+    try:
+        return ctx.membership.spares_standing()
+    except StoreLost:
+        return None
 
 
 def _flip_low_bit(st, what: str) -> None:

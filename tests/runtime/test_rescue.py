@@ -1,6 +1,7 @@
-"""The process holding the control store SIGKILLed: every rank notices within the heartbeat
-timeout, saves the state of the last step it trained, stops with the reason, and the same
-command run again continues with no step lost -- bit-identical to the failure-free run."""
+"""The process holding the control store SIGKILLed without a failover (``elastic.store_failover``
+off; with it on the store moves, tests/control/test_failover.py): every rank notices within the
+heartbeat timeout, saves the state of the last step it trained, stops with the reason, and the
+same command run again continues with no step lost -- bit-identical to the failure-free run."""
 import os
 import re
 import signal
@@ -16,7 +17,7 @@ reference = reference_fixture(STEPS, MBS)
 
 def test_the_store_holder_sigkilled_every_rank_saves_and_a_rerun_loses_no_step(tmp_path, reference):
     ckpt, metrics = tmp_path / "ckpt", tmp_path / "run.jsonl"
-    args = job_args(2, 2, STEPS, True, [f"checkpoint.dir={ckpt}", "parallel.timeout_s=20"])
+    args = job_args(2, 2, STEPS, True, [f"checkpoint.dir={ckpt}", "parallel.timeout_s=20", "elastic.store_failover=false"])
     with Running(args, metrics) as job:
         deadline = time.monotonic() + 180
         while steps_written(metrics) < 8 and time.monotonic() < deadline:

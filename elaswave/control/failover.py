@@ -1,0 +1,175 @@
+"""The job's control store moves to a survivor when the process holding it dies.
+
+The store lives in one process (``elaswave run``, or node 0's agent). Each worker also hosts a
+*standby*: an empty TCPStore server started with the rank, its address in the store
+(``ew/standby/<rank>``), which every member reads at the start of each epoch. When the store's
+process dies and every member lives, each rank's links give up within the heartbeat timeout, and
+the step's loss exchange counts the ranks that gave up (:mod:`elaswave.runtime.step`): once it is
+all of them, all move at the end of that same step to the standby of the epoch's first member
+(:func:`successor`, the same answer on every rank). That rank seeds what the protocol needs from
+then on -- the epoch and its members, the job's config, the rank counter -- every rank registers
+its ports there again, and a barrier over the world group (which never used the store after it
+was built) ends the move. No member changed and no state moved: the next step trains, and the run
+is bit-identical to one without the loss.
+
+The per-host agents follow: each keeps the members' standby addresses (:class:`Directory`), and
+when its link gives up it connects to the first that says it is the job's store now
+(``ew/store/generation`` newer than the one it knew).
+
+What this does not cover: the store's process dying *with* members (node 0's whole host, or, after
+a move, the member whose process holds the store). The survivors' collectives fail while no store
+can agree on their next epoch; they save their state and stop, and a rerun resumes with no step
+lost (:mod:`elaswave.runtime.rescue`).
+"""
+from __future__ import annotations
+
+import json
+import socket
+import time
+from datetime import timedelta
+from typing import Sequence
+
+import torch.distributed as dist
+
+from elaswave.control.agents import FINISHED
+from elaswave.control.link import StoreLink, StoreLost, check_listening
+from elaswave.control.membership import PREFIX
+
+STANDBY = PREFIX + "standby/"
+GENERATION = PREFIX + "store/generation"
+"""How many times the job's store has moved; set on the new store once it is ready."""
+CONNECT_S = 0.25
+"""The longest one connection attempt to a standby may take."""
+
+
+class Standby:
+    """This rank's standby store (idle until the job's store moves here), and the members'
+    standby addresses, learnt while the store is up."""
+
+    def __init__(self, bind: str | None, timeout_s: float):
+        host = bind or socket.gethostname()
+        self.server = dist.TCPStore(host, 0, world_size=None, is_master=True, wait_for_workers=False,
+                                    timeout=timedelta(seconds=timeout_s))
+        self.addr = f"{host}:{self.server.port}"
+        self.known: dict[int, str] = {}
+        self.generation = 0
+        """The generation of the store the members last read (0: never moved)."""
+
+    def register(self, store, rank: int) -> None:
+        store.set(f"{STANDBY}{rank}", self.addr)
+        self.known[rank] = self.addr
+
+    def learn(self, store, ranks: Sequence[int]) -> None:
+        """The standby addresses of ``ranks`` this rank does not know yet, and the store's generation."""
+        missing = [r for r in ranks if r not in self.known and store.check([f"{STANDBY}{r}"])]
+        if missing:
+            self.known.update(zip(missing, (v.decode() for v in store.multi_get([f"{STANDBY}{r}" for r in missing]))))
+        self.generation = _generation(store)
+
+
+def successor(members: Sequence[int], known: dict[int, str]) -> tuple[int, str]:
+    """Where the store moves: the standby of the first member (in rank order) whose address is
+    known. Every member computes the same answer from the same epoch."""
+    for rank in sorted(members):
+        if rank in known:
+            return rank, known[rank]
+    raise StoreLost(f"the control store is gone and no standby store of members {list(members)} is known")
+
+
+def move(link: StoreLink, standby: Standby, rank: int, epoch: int, members: Sequence[int], config: dict,
+         liveness=None) -> tuple[int, str]:
+    """This rank's part of a move, at a step boundary that every member of ``epoch`` reached with
+    the store lost: every link goes to the successor's standby; the successor seeds it; each rank
+    registers its ports. The caller ends it with a barrier over the world group, then
+    :func:`announce`. Returns (the successor's rank, its address)."""
+    leader, addr = successor(members, standby.known)
+    link.move(addr)
+    if rank == leader:
+        # Counters only ever grow: a rank number handed out before the move must not come again.
+        raise_to(link, PREFIX + "next_rank", max(standby.known) + 1)
+        raise_to(link, PREFIX + "epoch", epoch)
+        link.set(PREFIX + "config", json.dumps(config))
+        link.set(f"{PREFIX}ep/{epoch}/members", json.dumps(list(members)))
+    standby.register(link, rank)
+    if liveness is not None:
+        liveness.register(link, rank)
+    return leader, addr
+
+
+def announce(link: StoreLink, standby: Standby) -> None:
+    """On the successor, after the barrier: the new store is ready for the agents that follow."""
+    standby.generation += 1
+    link.set(GENERATION, str(standby.generation))
+
+
+def hold_for_agents(link: StoreLink, nnodes: int, within_s: float) -> None:
+    """On the member holding the moved store, at the end: wait (bounded) until the agents of the
+    other hosts, which followed the store here, say they finished (node 0's, which held it
+    before, is gone)."""
+    deadline = time.monotonic() + within_s
+    try:
+        while link.add(FINISHED, 0) < nnodes - 1 and time.monotonic() < deadline:
+            time.sleep(0.05)
+    except StoreLost:
+        pass
+
+
+def raise_to(store, key: str, value: int) -> None:
+    """A counter at least ``value`` (two raising it at once may overshoot: it only needs to be new)."""
+    now = store.add(key, 0)
+    if now < value:
+        store.add(key, value - now)
+
+
+class Directory:
+    """An agent's view of the members' standby stores, refreshed while the job's store is up,
+    to follow the store when it moves."""
+
+    def __init__(self, every_s: float = 0.5):
+        self.every_s, self.at = every_s, 0.0
+        self.known: dict[int, str] = {}
+        self.generation = 0
+        self.next_rank = 0
+
+    def refresh(self, store) -> None:
+        if time.monotonic() - self.at < self.every_s:
+            return
+        self.at = time.monotonic()
+        self.next_rank = store.add(PREFIX + "next_rank", 0)
+        missing = [f"{STANDBY}{r}" for r in range(self.next_rank) if r not in self.known]
+        present = [k for k in missing if store.check([k])]
+        if present:
+            self.known.update(zip((int(k.rsplit("/", 1)[1]) for k in present),
+                                  (v.decode() for v in store.multi_get(present))))
+        self.generation = _generation(store)
+
+    def follow(self, link: StoreLink, within_s: float, timeout_s: float) -> str | None:
+        """Move ``link`` to the standby that became the job's store (newer generation than the one
+        known); None if none did within ``within_s``."""
+        clients: dict[str, dist.Store] = {}  # one client per standby: connections are not free
+        deadline = time.monotonic() + within_s
+        while time.monotonic() < deadline:
+            for _, addr in sorted(self.known.items()):
+                try:
+                    client = clients.get(addr) or clients.setdefault(addr, _client(addr, timeout_s))
+                    if _generation(client) > self.generation:
+                        link.move(addr)
+                        raise_to(link, PREFIX + "next_rank", self.next_rank)
+                        self.generation = _generation(link)
+                        return addr
+                except (OSError, RuntimeError):  # refused (a dead rank's) or not answering: the next one
+                    clients.pop(addr, None)
+            time.sleep(0.05)
+        return None
+
+
+def _client(addr: str, timeout_s: float) -> dist.Store:
+    host, port = addr.rsplit(":", 1)
+    check_listening(host, int(port), CONNECT_S)  # a refused one is cheap and quiet
+    store = dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=CONNECT_S))
+    store.set_timeout(timedelta(seconds=timeout_s))
+    return store
+
+
+def _generation(store) -> int:
+    return int(store.get(GENERATION)) if store.check([GENERATION]) else 0

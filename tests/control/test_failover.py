@@ -1,0 +1,135 @@
+"""The control store moves to a survivor: the pieces on real TCPStores, then the process holding
+the job's store SIGKILLed mid-training -- the job trains on, bit-identical to the failure-free run."""
+import os
+import signal
+import time
+from datetime import timedelta
+
+import pytest
+import torch.distributed as dist
+
+from elaswave.control import failover
+from elaswave.control.link import StoreLink, StoreLost
+from elaswave.control.membership import PREFIX
+from tests.helpers.spawn import Running, alive, assert_same_run, children, job_args, reference_fixture, steps_written
+
+STEPS, MBS = 40, 4
+reference = reference_fixture(STEPS, MBS)
+
+
+def _server() -> tuple[dist.TCPStore, str]:
+    store = dist.TCPStore("127.0.0.1", 0, world_size=None, is_master=True, wait_for_workers=False,
+                          timeout=timedelta(seconds=15))
+    return store, f"127.0.0.1:{store.port}"
+
+
+def _link(addr: str) -> StoreLink:
+    # A generous timeout: now and then a TCPStore connection stalls exactly 5 s (../shared/FACTS.md).
+    host, port = addr.rsplit(":", 1)
+    return StoreLink(dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=15)), addr, 15.0, 0.6)
+
+
+def test_the_successor_is_the_first_member_with_a_known_standby():
+    known = {0: "a:1", 2: "b:2", 3: "c:3"}
+    assert failover.successor((3, 2, 0), known) == (0, "a:1")
+    assert failover.successor((1, 3, 2), known) == (2, "b:2")  # rank 1's standby was never read
+    with pytest.raises(StoreLost, match=r"no standby store of members \[1\] is known"):
+        failover.successor((1,), known)
+
+
+def test_a_moved_link_and_every_link_of_its_process_go_to_the_new_store():
+    old, old_addr = _server()
+    new, new_addr = _server()
+    link = _link(old_addr)
+    other = link.separate()
+    link.set("k", "old")
+    link.move(new_addr)
+    assert link.addr == new_addr and link.generation == 1 and other.generation == 1
+    other.set("k", "new")  # the other link follows at its next call
+    assert new.get("k") == b"new" and old.get("k") == b"old"
+    assert link.get("k") == b"new"
+
+
+def test_a_move_clears_the_loss_for_the_whole_process():
+    new, new_addr = _server()
+    old, old_addr = _server()
+    link = _link(old_addr)
+    other = link.separate()
+    del old  # the store's process is gone: the links give up after their grace
+    with pytest.raises(StoreLost):
+        link.add("x", 1)
+    with pytest.raises(StoreLost):
+        other.add("x", 1)
+    link.move(new_addr)
+    assert not link.lost.is_set()
+    assert other.add("x", 1) == 1 and new.add("x", 0) == 1
+
+
+def test_the_successor_seeds_what_the_protocol_reads_and_counters_only_grow():
+    job, job_addr = _server()
+    link = _link(job_addr)
+    standbys = {r: failover.Standby("127.0.0.1", 15.0) for r in (0, 1, 5)}
+    for rank, standby in standbys.items():
+        standby.register(link, rank)
+    for standby in standbys.values():
+        standby.learn(link, [0, 1, 5])
+    assert standbys[1].known == {r: s.addr for r, s in standbys.items()}
+    links = {r: _link(job_addr) for r in (1, 5)}
+    for rank in (5, 1):  # the follower first: it connects to a standby that is already listening
+        leader, addr = failover.move(links[rank], standbys[rank], rank, 3, (1, 5), {"model": {"d": 8}})
+        assert (leader, addr) == (1, standbys[1].addr)
+    failover.announce(links[1], standbys[1])
+    seeded = standbys[1].server
+    assert seeded.get(PREFIX + "ep/3/members") == b"[1, 5]" and seeded.add(PREFIX + "epoch", 0) == 3
+    assert seeded.add(PREFIX + "next_rank", 0) == 6  # past every rank whose standby was known
+    assert seeded.get(failover.STANDBY + "5") == standbys[5].addr.encode()
+    assert seeded.get(failover.GENERATION) == b"1"
+    failover.raise_to(seeded, PREFIX + "next_rank", 4)
+    assert seeded.add(PREFIX + "next_rank", 0) == 6
+
+
+def test_an_agent_follows_the_standby_that_became_the_store_and_gives_up_on_none():
+    job, job_addr = _server()
+    link = _link(job_addr)
+    idle, ready = failover.Standby("127.0.0.1", 15.0), failover.Standby("127.0.0.1", 15.0)
+    idle.register(link, 0)
+    ready.register(link, 1)
+    link.add(PREFIX + "next_rank", 9)
+    directory = failover.Directory(every_s=0)
+    directory.refresh(link)
+    assert directory.known == {0: idle.addr, 1: ready.addr} and directory.next_rank == 9
+    began = time.monotonic()
+    assert directory.follow(link, 0.5, 15.0) is None  # neither is the job's store yet
+    assert time.monotonic() - began < 2.0
+    ready.server.set(failover.GENERATION, "1")
+    assert directory.follow(link, 15.0, 15.0) == ready.addr
+    assert link.addr == ready.addr and directory.generation == 1
+    assert ready.server.add(PREFIX + "next_rank", 0) == 9  # the agent's next rank numbers stay new
+
+
+def test_the_store_holder_sigkilled_the_job_trains_on_bit_identical(tmp_path, reference):
+    """`elaswave run` hosts the store; SIGKILL it at step 8 or later. Its workers (no parent-death
+    signal) notice within the heartbeat timeout, move the store to rank 0's standby at the end of
+    one step, and train every remaining step: no step lost or repeated, the same losses and final
+    state as the failure-free reference."""
+    metrics = tmp_path / "run.jsonl"
+    args = job_args(2, 2, STEPS, True, ["parallel.timeout_s=20"])
+    with Running(args, metrics) as job:
+        deadline = time.monotonic() + 180
+        while steps_written(metrics) < 8 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        workers = children(job.proc.pid)
+        assert len(workers) == 4 and steps_written(metrics) >= 8, (workers, job.stdout)
+        os.kill(job.proc.pid, signal.SIGKILL)
+        killed_at, killed_after = time.time(), steps_written(metrics)
+        deadline = time.monotonic() + 120
+        while [w for w in workers if alive(w)] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not [w for w in workers if alive(w)], "the workers did not finish within 120 s of the store's loss"
+        res = job.finish(10)
+    assert "moved to rank 0's standby" in res.stderr, res.stderr
+    [moved] = [r for r in res.records if r["event"] == "store_moved"]
+    assert moved["to_rank"] == 0 and moved["step"] >= killed_after, moved
+    assert moved["noticed_wall"] - killed_at < 2.0 + 1.5  # the heartbeat timeout (2 s), and slack
+    assert not [r for r in res.records if r["event"] in ("recovery", "store_lost")]
+    assert_same_run(res, reference, STEPS)
