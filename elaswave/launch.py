@@ -28,7 +28,7 @@ from elaswave.config import ConfigError, JobConfig
 from elaswave.comm.backend import connect_store
 from elaswave.control import agents, failover
 from elaswave.control.admission import JOIN_ENV, SPARE_ENV, STARTED_ENV, TOKEN_ENV, job_token, new_token, promote
-from elaswave.control.agents import NODES_ENV, AgentRefused, Node
+from elaswave.control.agents import NODE_RANK_ENV, NODES_ENV, AgentRefused, Node
 from elaswave.control.link import EXIT_STORE_LOST, StoreLink, StoreLost
 from elaswave.control.liveness import Prober
 from elaswave.control.membership import PREFIX, Membership
@@ -115,7 +115,7 @@ class _Workers:
         local = self.slots[rank] = min(set(range(len(self.procs) + 1)) - taken)
         env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(local),
                    LOCAL_WORLD_SIZE=str(len(founding)), ELASWAVE_STORE=self.store_addr, OMP_NUM_THREADS="1")
-        env[TOKEN_ENV], env[NODES_ENV] = self.token, str(self.node.nnodes)
+        env[TOKEN_ENV], env[NODES_ENV], env[NODE_RANK_ENV] = self.token, str(self.node.nnodes), str(self.node.node_rank)
         if joining:
             env[JOIN_ENV], env[STARTED_ENV] = "1", repr(time.time())
         if spare:
@@ -331,6 +331,7 @@ def _follow(cfg: JobConfig, workers: _Workers, store, watching: _Watching, lost:
     if addr is None:
         return False
     workers.store_addr = addr  # the replacements and spares it starts from now on
+    failover.followed(store, workers.node.node_rank)
     workers.membership.spares_standing(len(workers.standing))
     print(f"elaswave: {lost}; the job's store moved to {addr}, and this agent follows it", file=sys.stderr, flush=True)
     return True
@@ -379,7 +380,7 @@ def _finish(store: dist.TCPStore, node: Node, grace_s: float) -> None:
                 print(f"elaswave: {missing} other host agent(s) did not report finishing within {grace_s:g} s; "
                       f"closing the job's store", file=sys.stderr, flush=True)
         else:
-            agents.finished(store)
+            agents.finished(store, node.node_rank)
     except (RuntimeError, OSError):  # node 0's store is gone: nobody is left to tell
         pass
 

@@ -135,11 +135,41 @@ def test_when_the_agent_holding_the_store_dies_the_others_follow_it_to_a_standby
     records = res0.records
     [moved] = [r for r in records if r["event"] == "store_moved"]
     recovery = next(r for r in records if r["event"] == "recovery")
-    assert recovery["lost_ranks"] == [3] and recovery["resume_step"] > moved["step"], (moved, recovery)
+    assert recovery["lost_ranks"] == [3] and recovery["resume_step"] >= moved["step"], (moved, recovery)
     assert recovery["evidence"]["3"].startswith("was killed by SIGKILL"), recovery  # the agent's report
     worlds = [r["world_size"] for r in res0.steps]
     assert 3 in worlds and 2 not in worlds and worlds[-1] == 4, worlds
     assert_same_run(res0, run_reference(tmp_path, steps, deterministic=True), steps)
+
+
+def test_a_whole_host_lost_with_the_store_the_survivors_move_it_and_recover(tmp_path):
+    """Two agents, two workers each (dp=2 x pp=2, a pipeline per host). Node 0's whole host --
+    its agent, which holds the store, and ranks 0 and 1 -- is SIGKILLed at once. Host 1's ranks
+    find the store gone in their recovery, move it to the first standby that answers (rank 2's),
+    agree there without ranks 0 and 1 (their ports refuse), restore their chunks from the
+    snapshots host 1 holds and train on as one pipeline; host 1's agent follows the store. Every
+    loss and the final state equal the reference."""
+    steps = 120
+    sets = [*TINY, "parallel.dp=2", "parallel.pp=2", f"train.steps={steps}", "train.num_micro_batches=4",
+            "train.deterministic=true", "parallel.timeout_s=30"]
+    endpoint, metrics = f"127.0.0.1:{free_port()}", tmp_path / "run.jsonl"
+    with _agent(sets, 0, endpoint, metrics) as host0, _agent(sets, 1, endpoint, metrics) as host1:
+        host0.wait_for(r"step\s+6/", 180)
+        os.killpg(host0.proc.pid, signal.SIGKILL)
+        killed_at = time.time()
+        res1 = host1.finish(240)
+    assert res1.returncode == 0, res1.stderr
+    assert "lost with members; it moved to rank 2's standby" in res1.stderr, res1.stderr
+    assert "this agent follows it" in res1.stderr, res1.stderr
+    records = res1.records
+    [recovery] = [r for r in records if r["event"] == "recovery"]
+    assert recovery["lost_ranks"] == [0, 1] and not recovery["is_fallback"], recovery
+    assert recovery["phases_s"]["store"] > 0 and all("refused" in how for how in recovery["evidence"].values()), recovery
+    worlds = [r["world_size"] for r in res1.steps]
+    assert worlds[0] == 4 and worlds[-1] == 2 and set(worlds) == {4, 2}, worlds
+    first_after = min(r["wall_time"] for r in res1.steps if r["world_size"] == 2)
+    assert first_after - killed_at < 15.0, first_after - killed_at  # not parallel.timeout_s-bound
+    assert_same_run(res1, run_reference(tmp_path, steps, deterministic=True), steps)
 
 
 def test_agents_with_disagreeing_settings_are_refused(tmp_path):

@@ -24,6 +24,8 @@ from elaswave.control.membership import PREFIX
 
 NODES_ENV = "ELASWAVE_NNODES"
 """Set in each worker an agent starts: the job's number of hosts."""
+NODE_RANK_ENV = "ELASWAVE_NODE_RANK"
+"""Set in each worker an agent starts: its host's node rank."""
 SETTINGS = PREFIX + "agents/settings"
 FINISHED = PREFIX + "agents/finished"
 
@@ -127,8 +129,10 @@ def check_in(store, node: Node, world_size: int, config: dict, token: str) -> No
         raise AgentRefused(f"--node-rank={node.node_rank} is taken: another agent of this job has it")
 
 
-def finished(store) -> None:
-    """An agent whose workers are done says so: node 0 keeps the store up until every agent has."""
+def finished(store, node_rank: int) -> None:
+    """An agent whose workers are done says so: node 0 keeps the store up until every agent has
+    (and, after the store moved, the member holding it: :mod:`~elaswave.control.failover`)."""
+    store.set(f"{FINISHED}/{node_rank}", "1")
     store.add(FINISHED, 1)
 
 

@@ -27,17 +27,18 @@ import json
 import socket
 import time
 from datetime import timedelta
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch.distributed as dist
 
-from elaswave.control.agents import FINISHED
+from elaswave.control import agents
 from elaswave.control.link import StoreLink, StoreLost, check_listening
 from elaswave.control.membership import PREFIX
 
 STANDBY = PREFIX + "standby/"
 GENERATION = PREFIX + "store/generation"
 """How many times the job's store has moved; set on the new store once it is ready."""
+FOLLOWS = PREFIX + "agents/follows/"
 CONNECT_S = 0.25
 """The longest one connection attempt to a standby may take."""
 
@@ -67,22 +68,42 @@ class Standby:
         self.generation = _generation(store)
 
 
-def successor(members: Sequence[int], known: dict[int, str]) -> tuple[int, str]:
+def successor(members: Sequence[int], known: dict[int, str],
+               answers: Callable[[str], bool] | None = None) -> tuple[int, str]:
     """Where the store moves: the standby of the first member (in rank order) whose address is
-    known. Every member computes the same answer from the same epoch."""
+    known -- and, with ``answers``, whose standby answers (members died with the store). Every
+    member computes the same answer from the same epoch."""
     for rank in sorted(members):
-        if rank in known:
+        if rank in known and (answers is None or answers(known[rank])):
             return rank, known[rank]
-    raise StoreLost(f"the control store is gone and no standby store of members {list(members)} is known")
+    raise StoreLost(f"the control store is gone and no standby store of members {list(members)} "
+                    f"{'answers' if answers else 'is known'}")
+
+
+def answers(addr: str) -> bool:
+    """Whether a standby store listens at ``addr`` (a dead rank's refuses, a dead host's is silent)."""
+    host, port = addr.rsplit(":", 1)
+    try:
+        check_listening(host, int(port), CONNECT_S)
+        return True
+    except OSError:
+        return False
 
 
 def move(link: StoreLink, standby: Standby, rank: int, epoch: int, members: Sequence[int], config: dict,
-         liveness=None) -> tuple[int, str]:
-    """This rank's part of a move, at a step boundary that every member of ``epoch`` reached with
-    the store lost: every link goes to the successor's standby; the successor seeds it; each rank
-    registers its ports. The caller ends it with a barrier over the world group, then
-    :func:`announce`. Returns (the successor's rank, its address)."""
-    leader, addr = successor(members, standby.known)
+         liveness=None, prober=None) -> tuple[int, str]:
+    """This rank's part of a move, after the last step of ``epoch``: every link goes to the
+    successor's standby; the successor seeds it; each rank registers its ports, and the ports it
+    knows of the others (``prober``'s, so that a member that died with the store is proven dead by
+    its refusal). Two ways in:
+
+    - at a step boundary that every member reached with the store lost: the caller ends the move
+      with a barrier over the world group, then :func:`announce`;
+    - from a recovery that found the store gone (members died with it, so the successor is the
+      first whose standby answers): the recovery that follows agrees on the next epoch there.
+
+    Returns (the successor's rank, its address)."""
+    leader, addr = successor(members, standby.known, answers if prober is not None else None)
     link.move(addr)
     if rank == leader:
         # Counters only ever grow: a rank number handed out before the move must not come again.
@@ -93,6 +114,8 @@ def move(link: StoreLink, standby: Standby, rank: int, epoch: int, members: Sequ
     standby.register(link, rank)
     if liveness is not None:
         liveness.register(link, rank)
+    if prober is not None:
+        prober.post_known(link)
     return leader, addr
 
 
@@ -102,16 +125,24 @@ def announce(link: StoreLink, standby: Standby) -> None:
     link.set(GENERATION, str(standby.generation))
 
 
-def hold_for_agents(link: StoreLink, nnodes: int, within_s: float) -> None:
+def hold_for_agents(link: StoreLink, nnodes: int, own_node: int, within_s: float) -> None:
     """On the member holding the moved store, at the end: wait (bounded) until the agents of the
-    other hosts, which followed the store here, say they finished (node 0's, which held it
-    before, is gone)."""
+    other hosts that followed the store here say they finished (its own host's agent waits for
+    this process to exit first; node 0's, which held the store before, is gone)."""
     deadline = time.monotonic() + within_s
     try:
-        while link.add(FINISHED, 0) < nnodes - 1 and time.monotonic() < deadline:
+        while time.monotonic() < deadline:
+            others = [n for n in range(nnodes) if n != own_node and link.check([f"{FOLLOWS}{n}"])]
+            if all(link.check([f"{agents.FINISHED}/{n}"]) for n in others):
+                return
             time.sleep(0.05)
     except StoreLost:
         pass
+
+
+def followed(link: StoreLink, node_rank: int) -> None:
+    """An agent that followed the store says so: the member holding it waits for it at the end."""
+    link.set(f"{FOLLOWS}{node_rank}", "1")
 
 
 def raise_to(store, key: str, value: int) -> None:

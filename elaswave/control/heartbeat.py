@@ -21,17 +21,13 @@ from elaswave.interrupt import Interrupt
 
 class Watcher(threading.Thread):
     def __init__(self, store: dist.Store, rank: int, view: Callable[[], tuple[int, tuple[int, ...]]],
-                 interrupt: Interrupt, interval_s: float, timeout_s: float, prober=None,
-                 trips_when_lost: bool = True):
+                 interrupt: Interrupt, interval_s: float, timeout_s: float, prober=None):
         super().__init__(name=f"elaswave-watcher-{rank}", daemon=True)
         self.membership = Membership(store, rank)
         self.prober = prober
         """The rank's :class:`~elaswave.control.liveness.Prober`: learns the next members' ports."""
         self.store, self.rank, self.view = store, rank, view
         self.interrupt, self.interval_s, self.timeout_s = interrupt, interval_s, timeout_s
-        self.trips_when_lost = trips_when_lost
-        """Whether a store lost for the timeout breaks the epoch: when the ranks stop (no failover),
-        a main thread waiting on a peer that stopped first must be woken."""
         self._halt = threading.Event()
         self.seen_alerts = self.membership.alert_count()
         self.noticed_at: dict[int, float] = {}
@@ -73,10 +69,11 @@ class Watcher(threading.Thread):
             except StoreLost:
                 if self._halt.is_set():
                     return
-                # The ranks stop at the end of the step, which carries the news to all of them; a
-                # main thread waiting on a peer that stopped first is woken after the timeout.
+                # The ranks move the store or stop at the end of the step, which carries the news
+                # to all of them. A main thread waiting on a peer that stopped first, or that died
+                # with the store, is woken after the timeout (its recovery moves the store).
                 lost_at = lost_at or time.monotonic()
-                if self.trips_when_lost and time.monotonic() - lost_at > self.timeout_s:
+                if time.monotonic() - lost_at > self.timeout_s:
                     self.interrupt.trip(self.view()[0])
                 time.sleep(self.interval_s)
             except Exception:  # the job is over (its store closed): nothing left to watch

@@ -131,6 +131,12 @@ class Prober:
             address = self._addresses[rank] = store.get(_key(rank)).decode()
         return address  # None: never registered (a joiner still starting)
 
+    def post_known(self, store) -> None:
+        """The ports this prober has reached, posted where a rank has not posted its own (a store
+        that moved, with members lost on the way: their refusals prove them dead there too)."""
+        for rank in self._reached:
+            store.compare_set(_key(rank), "", self._addresses[rank])
+
     def learn(self, ranks, store) -> None:
         """Probe ``ranks`` now, so that a later refusal from them counts."""
         for rank in ranks:

@@ -13,6 +13,7 @@ import sys
 import time
 
 from elaswave.control.admission import SPARE_ENV, STARTED_ENV
+from elaswave.control.link import StoreLost
 from elaswave.interrupt import Disruption
 from elaswave.plan.plan import Plan, PlanError, replan
 from elaswave.runtime import recovery
@@ -111,14 +112,23 @@ def _reach_members(ctx, every_s: float = 0.5) -> None:
 def change(ctx, st: RankState | None, cause, noticed_wall: float, prev: Plan | None = None):
     """Carry one membership change through to a working epoch, whatever happens meanwhile: a
     failure during it (a Disruption) starts the next epoch's agreement from the same state."""
+    moved_at = None
     while True:
         try:
             boundary = cause in (GROW, REBALANCE)
+            began = time.time()
             new, account = recovery.recover(ctx, st, None if boundary else cause, noticed_wall, prev=prev,
                                             rebalance=cause is REBALANCE)
             break
         except Disruption as again:
             cause, noticed_wall = again, time.time()
+        except StoreLost:
+            # Members died with the store: move it to the first survivor's standby, and agree there.
+            if st is None or not ctx.relocate_store(st):
+                raise
+            moved_at = (moved_at or 0.0) + time.time() - began
+    if moved_at is not None:  # finding the store gone (its links' grace) and moving it: part of the MTTR
+        account.phases_s = {"store": moved_at, **account.phases_s}
     if account.joined_ranks and not account.lost_ranks:
         account.join_walls = ctx.admission.walls(account.joined_ranks)
     return new, account

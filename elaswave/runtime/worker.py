@@ -25,7 +25,7 @@ from elaswave.comm import backend
 from elaswave.comm.groups import Communicator
 from elaswave.config import ConfigError, JobConfig
 from elaswave.control.admission import JOIN_ENV, Admission, Refused, job_token
-from elaswave.control.agents import NODES_ENV
+from elaswave.control.agents import NODE_RANK_ENV, NODES_ENV
 from elaswave.control import failover
 from elaswave.control.faults import FaultInjector
 from elaswave.control.heartbeat import Watcher
@@ -104,8 +104,7 @@ class Context:
         self.step = 0
         # The watcher has its own store connection: its blocking waits must never stall training.
         self.watcher = Watcher(store.separate(), rank, self._view, self.interrupt,
-                               e.heartbeat_interval_s, e.heartbeat_timeout_s, self.prober,
-                               trips_when_lost=self.standby is None) if e.enabled else None
+                               e.heartbeat_interval_s, e.heartbeat_timeout_s, self.prober) if e.enabled else None
         self._sampler = None
         self.evaluation = Evaluation(cfg, self.model)
 
@@ -166,6 +165,22 @@ class Context:
                   f"after step {step - 1}, and training goes on", file=sys.stderr, flush=True)
         return {"event": "store_moved", "step": step, "from": old, "to": addr, "to_rank": leader,
                 "noticed_wall": noticed, "move_s": time.perf_counter() - began, "wall_time": time.time()}
+
+    def relocate_store(self, st) -> bool:
+        """A recovery found the store gone, members with it: move it to the first survivor's
+        standby that answers (the same on every survivor) and give up the epochs agreed on the
+        lost store; the recovery starts again there. False without standbys (the rescue floor)."""
+        if self.standby is None:
+            return False
+        old = self.store.addr
+        leader, addr = failover.move(self.store, self.standby, self.rank, st.plan.epoch, st.plan.ranks,
+                                     self.cfg.to_dict(), self.liveness, self.prober)
+        self.agreed_epoch = st.plan.epoch
+        if self.rank == leader:
+            failover.announce(self.store, self.standby)
+            print(f"elaswave: the control store at {old} was lost with members; it moved to rank {leader}'s "
+                  f"standby at {addr}, and the survivors agree there", file=sys.stderr, flush=True)
+        return True
 
     def _view(self):
         plan = self.plan
@@ -361,7 +376,8 @@ def run(cfg: JobConfig, rank: int, world_size: int, metrics_out: str | None) -> 
             pass
     if ctx.standby is not None and ctx.store.addr == ctx.standby.addr:
         # The job's store moved here: the agents that followed it need it until they are done.
-        failover.hold_for_agents(ctx.store, int(os.environ.get(NODES_ENV, "1")), cfg.parallel.timeout_s)
+        failover.hold_for_agents(ctx.store, int(os.environ.get(NODES_ENV, "1")),
+                                 int(os.environ.get(NODE_RANK_ENV, "0")), cfg.parallel.timeout_s)
     writer.close()
     if ctx.watcher is not None:
         ctx.watcher.stop()
