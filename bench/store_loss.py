@@ -21,7 +21,14 @@ then the same command is run again and resumes there.
   checkpoint load, groups): the cost of any whole-job restart, measured here as the baseline;
 - *time lost*: SIGKILL -> the end of the first step after the restart, less that step's own time.
 
-Both: time lost over the restart alone (how it compares with the restart a job without either
+*host* (failover, two agents on loopback, a pipeline per host): node 0's whole host -- its agent,
+which holds the store, and ranks 0 and 1 -- is SIGKILLed at once; host 1's ranks find the store
+gone in their recovery, move it to rank 2's standby and recover there. Beside it, in the same
+bench run, *host_workers*: only node 0's two workers are SIGKILLed (the store lives): the same
+loss without the store's. Each: the fault -> the end of the first step on the two ranks left, less
+that step's own time, and the recovery record's ``store`` phase (the links' grace and the move).
+
+The first two: time lost over the restart alone (how it compares with the restart a job without either
 would need anyway, which would also redo the steps since its last checkpoint); *steps lost* (goal 0);
 *identical*: the final ``params_sha256`` and ``state_sha256`` equal a failure-free run's.
 
@@ -43,7 +50,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from elaswave.runtime.metrics import read_jsonl  # noqa: E402
 from jobs import run_job  # noqa: E402
-from tests.helpers.spawn import alive, children, steps_written  # noqa: E402
+from tests.helpers.spawn import alive, children, free_port, steps_written  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 STEPS = 60
@@ -99,6 +106,45 @@ def one_run(tmp: Path, kill_at: int, failover: bool) -> dict:
             "params_sha256": summary["params_sha256"], "state_sha256": summary["state_sha256"]}
 
 
+def host_run(tmp: Path, kill_at: int, whole: bool) -> dict:
+    """Two agents; SIGKILL node 0's whole host (``whole``) or only its workers."""
+    sets, metrics = JOB + ["elastic.respawn_after_s=-1"], tmp / "run.jsonl"
+    endpoint = f"127.0.0.1:{free_port()}"
+    env = dict(os.environ, OMP_NUM_THREADS="1", ELASWAVE_TOKEN="bench", TORCH_CPP_LOG_LEVEL="ERROR")
+    agents = [subprocess.Popen(_cmd(sets, metrics) + ["--nnodes", "2", "--node-rank", str(k), "--rdzv-endpoint", endpoint],
+                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                               env=env) for k in (0, 1)]
+    try:
+        deadline = time.monotonic() + 300
+        while steps_written(metrics) < kill_at and time.monotonic() < deadline:
+            time.sleep(0.01)
+        if whole:
+            os.killpg(agents[0].pid, signal.SIGKILL)
+        else:
+            for pid in children(agents[0].pid):
+                os.kill(pid, signal.SIGKILL)
+        killed = time.time()
+        agents[1].wait(timeout=300)
+        err = agents[1].stderr.read()
+    finally:
+        for a in agents:
+            try:
+                os.killpg(a.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    records = read_jsonl(str(metrics))
+    recovery = next((r for r in records if r["event"] == "recovery"), None)
+    summary = next((r for r in records if r["event"] == "summary"), None)
+    if recovery is None or summary is None:
+        raise RuntimeError(f"no recovery or summary record:\n{err[-3000:]}")
+    steps = [r for r in records if r["event"] == "step"]
+    first = next(r for r in steps if r["world_size"] == 2)
+    return {"fault_to_first_step_s": first["wall_time"] - killed, "time_lost_s": first["wall_time"] - killed - first["step_time_s"],
+            "store_s": recovery["phases_s"].get("store", 0.0), "lost_ranks": recovery["lost_ranks"],
+            "is_fallback": recovery["is_fallback"], "steps_lost": STEPS - len({r["step"] for r in steps}),
+            "params_sha256": summary["params_sha256"], "state_sha256": summary["state_sha256"]}
+
+
 def _moved(records: list[dict], killed: float, err: str) -> dict:
     """A failover run's figures, from its one metrics file."""
     (moved,) = [r for r in records if r["event"] == "store_moved"] or [None]
@@ -129,11 +175,12 @@ def main() -> None:
     ap.add_argument("--out", default=str(HERE / "results" / "store_loss"))
     args = ap.parse_args()
     reference = run_job(JOB)[-1]
-    runs: dict[str, list[dict]] = {"failover": [], "floor": []}
+    runs: dict[str, list[dict]] = {"failover": [], "floor": [], "host": [], "host_workers": []}
     for i in range(args.runs):
         for mode, found in runs.items():
             with tempfile.TemporaryDirectory() as tmp:
-                r = one_run(Path(tmp), args.kill_at, mode == "failover")
+                r = (host_run(Path(tmp), args.kill_at, mode == "host") if mode.startswith("host") else
+                     one_run(Path(tmp), args.kill_at, mode == "failover"))
             r["identical"] = (r["params_sha256"], r["state_sha256"]) == (reference["params_sha256"],
                                                                          reference["state_sha256"])
             found.append(r)
@@ -159,6 +206,26 @@ def main() -> None:
                   f"time lost / the floor's restart (median {restart:.3f} s): {doc[mode]['time_lost_over_restart']:.3f} "
                   f"({min(ratio):.3f}-{max(ratio):.3f}); steps lost per run: {doc[mode]['steps_lost']}; "
                   f"bit-identical to the failure-free run: {doc[mode]['identical']} of {len(found)}", ""]
+    host_keys = ["fault_to_first_step_s", "time_lost_s", "store_s"]
+    for mode in ("host", "host_workers"):
+        found = runs[mode]
+        doc[mode] = {"runs": found, "median": {k: statistics.median(r[k] for r in found) for k in host_keys},
+                     "steps_lost": [r["steps_lost"] for r in found], "identical": sum(r["identical"] for r in found),
+                     "fallbacks": sum(r["is_fallback"] for r in found)}
+    whole, workers = (statistics.median(r["time_lost_s"] for r in runs[m]) for m in ("host", "host_workers"))
+    doc["host_over_host_workers"] = whole / workers
+    lines += ["## host: node 0's whole host (its agent holds the store) SIGKILLed, two agents", "",
+              "| case | " + " | ".join(k[:-2] + " s (range)" for k in host_keys) + " |", "| --- |" + " --- |" * len(host_keys)]
+    for mode, what in (("host", "agent + ranks 0, 1 (the store with them)"), ("host_workers", "ranks 0, 1 only (the store lives)")):
+        found = runs[mode]
+        lines.append(f"| {what} | " + " | ".join(f"{statistics.median(r[k] for r in found):.3f} "
+                                                 f"({min(r[k] for r in found):.3f}-{max(r[k] for r in found):.3f})"
+                                                 for k in host_keys) + " |")
+    lines += ["", f"time lost, the store with them / without: {doc['host_over_host_workers']:.2f}x; steps lost per run: "
+                  f"{doc['host']['steps_lost']} / {doc['host_workers']['steps_lost']}; recovered from snapshots (no "
+                  f"fallback): {len(runs['host']) - doc['host']['fallbacks']} / {len(runs['host_workers']) - doc['host_workers']['fallbacks']} "
+                  f"of {len(runs['host'])}; bit-identical: {doc['host']['identical']} / {doc['host_workers']['identical']} "
+                  f"of {len(runs['host'])}", ""]
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(doc, indent=1))
