@@ -138,7 +138,9 @@ def host_run(tmp: Path, kill_at: int, whole: bool) -> dict:
     if recovery is None or summary is None:
         raise RuntimeError(f"no recovery or summary record:\n{err[-3000:]}")
     steps = [r for r in records if r["event"] == "step"]
-    first = next(r for r in steps if r["world_size"] == 2)
+    first = next((r for r in steps if r["world_size"] == 2), None)
+    if first is None:
+        raise RuntimeError(f"no step on two ranks: {recovery}\n{err[-3000:]}")
     return {"fault_to_first_step_s": first["wall_time"] - killed, "time_lost_s": first["wall_time"] - killed - first["step_time_s"],
             "store_s": recovery["phases_s"].get("store", 0.0), "lost_ranks": recovery["lost_ranks"],
             "is_fallback": recovery["is_fallback"], "steps_lost": STEPS - len({r["step"] for r in steps}),

@@ -68,6 +68,16 @@ class Standby:
         self.generation = _generation(store)
 
 
+def follow(link: StoreLink, standby: Standby, timeout_s: float) -> bool:
+    """A rank whose links gave up while others moved the store (members died with it, and this
+    rank was still waiting in a collective): its watcher looks for the store at the members'
+    standbys and moves the process's links there; whether it did."""
+    moved = follow_once(link, standby.known, standby.generation, timeout_s)
+    if moved is not None:
+        standby.generation = moved[1]
+    return moved is not None
+
+
 def successor(members: Sequence[int], known: dict[int, str],
                answers: Callable[[str], bool] | None = None) -> tuple[int, str]:
     """Where the store moves: the standby of the first member (in rank order) whose address is
@@ -105,12 +115,14 @@ def move(link: StoreLink, standby: Standby, rank: int, epoch: int, members: Sequ
     Returns (the successor's rank, its address)."""
     leader, addr = successor(members, standby.known, answers if prober is not None else None)
     link.move(addr)
-    if rank == leader:
+    # From a recovery every survivor seeds (the same values; the successor may still be stuck in
+    # a collective with the dead, until its watcher follows the store here).
+    if rank == leader or prober is not None:
         # Counters only ever grow: a rank number handed out before the move must not come again.
         raise_to(link, PREFIX + "next_rank", max(standby.known) + 1)
         raise_to(link, PREFIX + "epoch", epoch)
         link.set(PREFIX + "config", json.dumps(config))
-        link.set(f"{PREFIX}ep/{epoch}/members", json.dumps(list(members)))
+        link.compare_set(f"{PREFIX}ep/{epoch}/members", "", json.dumps(list(members)))
     standby.register(link, rank)
     if liveness is not None:
         liveness.register(link, rank)
@@ -120,7 +132,8 @@ def move(link: StoreLink, standby: Standby, rank: int, epoch: int, members: Sequ
 
 
 def announce(link: StoreLink, standby: Standby) -> None:
-    """On the successor, after the barrier: the new store is ready for the agents that follow."""
+    """The new store is ready for the agents and ranks that follow (after the barrier, on the
+    successor; from a recovery, on every survivor, with the same value)."""
     standby.generation += 1
     link.set(GENERATION, str(standby.generation))
 
@@ -177,21 +190,30 @@ class Directory:
     def follow(self, link: StoreLink, within_s: float, timeout_s: float) -> str | None:
         """Move ``link`` to the standby that became the job's store (newer generation than the one
         known); None if none did within ``within_s``."""
-        clients: dict[str, dist.Store] = {}  # one client per standby: connections are not free
         deadline = time.monotonic() + within_s
         while time.monotonic() < deadline:
-            for _, addr in sorted(self.known.items()):
-                try:
-                    client = clients.get(addr) or clients.setdefault(addr, _client(addr, timeout_s))
-                    if _generation(client) > self.generation:
-                        link.move(addr)
-                        raise_to(link, PREFIX + "next_rank", self.next_rank)
-                        self.generation = _generation(link)
-                        return addr
-                except (OSError, RuntimeError):  # refused (a dead rank's) or not answering: the next one
-                    clients.pop(addr, None)
+            moved = follow_once(link, self.known, self.generation, timeout_s)
+            if moved is not None:
+                addr, self.generation = moved
+                raise_to(link, PREFIX + "next_rank", self.next_rank)
+                return addr
             time.sleep(0.05)
         return None
+
+
+def follow_once(link: StoreLink, known: dict[int, str], generation: int, timeout_s: float) -> tuple[str, int] | None:
+    """One look, in rank order, for a standby that became the job's store (its generation newer
+    than ``generation``); moves ``link`` there and returns (its address, its generation)."""
+    for _, addr in sorted(known.items()):
+        try:
+            client = _client(addr, timeout_s)
+            newer = _generation(client)
+        except (OSError, RuntimeError):  # refused (a dead rank's) or not answering: the next one
+            continue
+        if newer > generation:
+            link.move(addr)
+            return addr, newer
+    return None
 
 
 def _client(addr: str, timeout_s: float) -> dist.Store:

@@ -104,7 +104,8 @@ class Context:
         self.step = 0
         # The watcher has its own store connection: its blocking waits must never stall training.
         self.watcher = Watcher(store.separate(), rank, self._view, self.interrupt,
-                               e.heartbeat_interval_s, e.heartbeat_timeout_s, self.prober) if e.enabled else None
+                               e.heartbeat_interval_s, e.heartbeat_timeout_s, self.prober,
+                               self.standby) if e.enabled else None
         self._sampler = None
         self.evaluation = Evaluation(cfg, self.model)
 
@@ -176,8 +177,11 @@ class Context:
         leader, addr = failover.move(self.store, self.standby, self.rank, st.plan.epoch, st.plan.ranks,
                                      self.cfg.to_dict(), self.liveness, self.prober)
         self.agreed_epoch = st.plan.epoch
+        failover.announce(self.store, self.standby)
+        # Wakes the survivors still waiting in a collective with the dead, once their watchers follow.
+        self.membership.alert(st.plan.epoch, f"rank {self.rank}: the control store was lost with members; "
+                                             f"it moved to {addr}")
         if self.rank == leader:
-            failover.announce(self.store, self.standby)
             print(f"elaswave: the control store at {old} was lost with members; it moved to rank {leader}'s "
                   f"standby at {addr}, and the survivors agree there", file=sys.stderr, flush=True)
         return True
