@@ -178,11 +178,17 @@ def main() -> None:
     args = ap.parse_args()
     reference = run_job(JOB)[-1]
     runs: dict[str, list[dict]] = {"failover": [], "floor": [], "host": [], "host_workers": []}
+    failed: dict[str, list[str]] = {}
     for i in range(args.runs):
         for mode, found in runs.items():
             with tempfile.TemporaryDirectory() as tmp:
-                r = (host_run(Path(tmp), args.kill_at, mode == "host") if mode.startswith("host") else
-                     one_run(Path(tmp), args.kill_at, mode == "failover"))
+                try:
+                    r = (host_run(Path(tmp), args.kill_at, mode == "host") if mode.startswith("host") else
+                         one_run(Path(tmp), args.kill_at, mode == "failover"))
+                except RuntimeError as exc:  # counted and shown, not hidden: the table says how many
+                    failed.setdefault(mode, []).append(str(exc)[:2000])
+                    print(f"run {i} {mode}: FAILED {str(exc)[:300]}", flush=True)
+                    continue
             r["identical"] = (r["params_sha256"], r["state_sha256"]) == (reference["params_sha256"],
                                                                          reference["state_sha256"])
             found.append(r)
@@ -228,6 +234,9 @@ def main() -> None:
                   f"fallback): {len(runs['host']) - doc['host']['fallbacks']} / {len(runs['host_workers']) - doc['host_workers']['fallbacks']} "
                   f"of {len(runs['host'])}; bit-identical: {doc['host']['identical']} / {doc['host_workers']['identical']} "
                   f"of {len(runs['host'])}", ""]
+    doc["failed"] = failed
+    lines += [f"Runs that failed: {', '.join(f'{m} {len(f)}' for m, f in failed.items()) or 'none'} "
+              f"(of {args.runs} per design)", ""]
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(doc, indent=1))

@@ -68,16 +68,6 @@ class Standby:
         self.generation = _generation(store)
 
 
-def follow(link: StoreLink, standby: Standby, timeout_s: float) -> bool:
-    """A rank whose links gave up while others moved the store (members died with it, and this
-    rank was still waiting in a collective): its watcher looks for the store at the members'
-    standbys and moves the process's links there; whether it did."""
-    moved = follow_once(link, standby.known, standby.generation, timeout_s)
-    if moved is not None:
-        standby.generation = moved[1]
-    return moved is not None
-
-
 def successor(members: Sequence[int], known: dict[int, str],
                answers: Callable[[str], bool] | None = None) -> tuple[int, str]:
     """Where the store moves: the standby of the first member (in rank order) whose address is
@@ -174,6 +164,7 @@ class Directory:
         self.known: dict[int, str] = {}
         self.generation = 0
         self.next_rank = 0
+        self.clients: dict[str, dist.Store] = {}
 
     def refresh(self, store) -> None:
         if time.monotonic() - self.at < self.every_s:
@@ -192,7 +183,7 @@ class Directory:
         known); None if none did within ``within_s``."""
         deadline = time.monotonic() + within_s
         while time.monotonic() < deadline:
-            moved = follow_once(link, self.known, self.generation, timeout_s)
+            moved = follow_once(link, self.known, self.generation, timeout_s, self.clients)
             if moved is not None:
                 addr, self.generation = moved
                 raise_to(link, PREFIX + "next_rank", self.next_rank)
@@ -201,14 +192,18 @@ class Directory:
         return None
 
 
-def follow_once(link: StoreLink, known: dict[int, str], generation: int, timeout_s: float) -> tuple[str, int] | None:
+def follow_once(link: StoreLink, known: dict[int, str], generation: int, timeout_s: float,
+                clients: dict[str, dist.Store]) -> tuple[str, int] | None:
     """One look, in rank order, for a standby that became the job's store (its generation newer
-    than ``generation``); moves ``link`` there and returns (its address, its generation)."""
+    than ``generation``); moves ``link`` there and returns (its address, its generation).
+    ``clients``: kept between looks, one per standby (now and then a TCPStore connection stalls
+    for 5 s: a new one each look would meet that often)."""
     for _, addr in sorted(known.items()):
         try:
-            client = _client(addr, timeout_s)
+            client = clients.get(addr) or clients.setdefault(addr, _client(addr, timeout_s))
             newer = _generation(client)
         except (OSError, RuntimeError):  # refused (a dead rank's) or not answering: the next one
+            clients.pop(addr, None)
             continue
         if newer > generation:
             link.move(addr)

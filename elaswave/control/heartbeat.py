@@ -14,7 +14,6 @@ from typing import Callable
 
 import torch.distributed as dist
 
-from elaswave.control import failover
 from elaswave.control.link import StoreLost
 from elaswave.control.membership import PREFIX, Membership, is_stale
 from elaswave.interrupt import Interrupt
@@ -22,15 +21,13 @@ from elaswave.interrupt import Interrupt
 
 class Watcher(threading.Thread):
     def __init__(self, store: dist.Store, rank: int, view: Callable[[], tuple[int, tuple[int, ...]]],
-                 interrupt: Interrupt, interval_s: float, timeout_s: float, prober=None, standby=None):
+                 interrupt: Interrupt, interval_s: float, timeout_s: float, prober=None):
         super().__init__(name=f"elaswave-watcher-{rank}", daemon=True)
         self.membership = Membership(store, rank)
         self.prober = prober
         """The rank's :class:`~elaswave.control.liveness.Prober`: learns the next members' ports."""
         self.store, self.rank, self.view = store, rank, view
         self.interrupt, self.interval_s, self.timeout_s = interrupt, interval_s, timeout_s
-        self.standby = standby
-        """The rank's :class:`~elaswave.control.failover.Standby`: where to look for a store that moved."""
         self._halt = threading.Event()
         self.seen_alerts = self.membership.alert_count()
         self.noticed_at: dict[int, float] = {}
@@ -76,8 +73,6 @@ class Watcher(threading.Thread):
                 # to all of them. A main thread waiting on a peer that stopped first, or that died
                 # with the store, is woken after the timeout (its recovery moves the store).
                 lost_at = lost_at or time.monotonic()
-                if self.standby is not None and failover.follow(self.store, self.standby, self.timeout_s):
-                    continue  # the others moved the store (members died with it): the alert there wakes us
                 if time.monotonic() - lost_at > self.timeout_s:
                     self.interrupt.trip(self.view()[0])
                 time.sleep(self.interval_s)

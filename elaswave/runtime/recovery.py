@@ -156,8 +156,9 @@ def recover(ctx, st: RankState | None, cause: Disruption | None, noticed_wall: f
     else:
         ctx.membership.check_in(epoch)
     # A join waits for members still finishing the step; their deaths are reported, not timed out.
-    agree_s = cfg.elastic.agree_timeout_s if cause is not None else cfg.parallel.timeout_s
+    agree_s = (cfg.elastic.agree_timeout_s if cause is not None else cfg.parallel.timeout_s) + ctx.agree_grace_s
     members = ctx.membership.agree(expected, epoch, agree_s, cfg.parallel.timeout_s)
+    ctx.agree_grace_s = 0.0
     ctx.agreed_epoch = epoch
     if ctx.rank not in members:
         cut = ctx.membership.cut_off(epoch)

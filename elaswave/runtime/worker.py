@@ -100,12 +100,13 @@ class Context:
         self.speeds = SpeedWindow()
         self.plan = None
         self.agreed_epoch = 0
+        self.agree_grace_s = 0.0
+        """Extra time the next agreement waits for silent members (after the store moved from a recovery)."""
         """The newest epoch whose members this rank agreed on (it may not have trained yet)."""
         self.step = 0
         # The watcher has its own store connection: its blocking waits must never stall training.
         self.watcher = Watcher(store.separate(), rank, self._view, self.interrupt,
-                               e.heartbeat_interval_s, e.heartbeat_timeout_s, self.prober,
-                               self.standby) if e.enabled else None
+                               e.heartbeat_interval_s, e.heartbeat_timeout_s, self.prober) if e.enabled else None
         self._sampler = None
         self.evaluation = Evaluation(cfg, self.model)
 
@@ -177,8 +178,10 @@ class Context:
         leader, addr = failover.move(self.store, self.standby, self.rank, st.plan.epoch, st.plan.ranks,
                                      self.cfg.to_dict(), self.liveness, self.prober)
         self.agreed_epoch = st.plan.epoch
+        # A survivor still waiting in a collective with the dead comes when its watcher gives up on
+        # the lost store (the heartbeat timeout after its links did): wait for it that much longer.
+        self.agree_grace_s = 2 * self.cfg.elastic.heartbeat_timeout_s
         failover.announce(self.store, self.standby)
-        # Wakes the survivors still waiting in a collective with the dead, once their watchers follow.
         self.membership.alert(st.plan.epoch, f"rank {self.rank}: the control store was lost with members; "
                                              f"it moved to {addr}")
         if self.rank == leader:
