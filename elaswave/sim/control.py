@@ -64,8 +64,10 @@ class ControlCosts:
     shared storage in parallel (~50 MB a rank: a 70B model's fp32 masters and two Adam moments,
     12 bytes a parameter, over 16,384 ranks); the figure is the storage system's, not elaswave's."""
     store_move_s: float = 1.0
-    """Assumption, not measured (failover is not built): a new store on a survivor and every
-    rank reconnected to it, membership keys re-posted."""
+    """Assumption at this scale: a new store on a survivor and every rank reconnected to it,
+    membership keys re-posted. Measured on the tiny job (4 ranks, ``BENCHMARKS.md``): 3-6 ms
+    for the move itself, beyond the links' grace (``store_detect_s``); with 16,384 ranks
+    connecting to one survivor's store the figure is kept at 1 s until measured at scale."""
 
 
 @dataclass(frozen=True)
