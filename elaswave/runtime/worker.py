@@ -14,7 +14,6 @@ import resource
 import sys
 import time
 from dataclasses import replace
-from functools import cached_property
 from typing import NamedTuple
 
 import torch
@@ -22,195 +21,30 @@ import torch
 from elaswave import config
 from elaswave.checkpoint import disk, export
 from elaswave.comm import backend
-from elaswave.comm.groups import Communicator
 from elaswave.config import ConfigError, JobConfig
-from elaswave.control.admission import JOIN_ENV, Admission, Refused, job_token
+from elaswave.control.admission import JOIN_ENV, Refused
 from elaswave.control.agents import NODE_RANK_ENV, NODES_ENV
 from elaswave.control import failover
-from elaswave.control.faults import FaultInjector
-from elaswave.control.heartbeat import Watcher
 from elaswave.control.link import EXIT_STORE_LOST, StoreLink, StoreLost
-from elaswave.control.liveness import LivenessPort, Prober
-from elaswave.control.membership import Membership
-from elaswave.data.mixture import Mixture, mixture_of, tokens_per_source
-from elaswave.data.sampler import Sampler, open_sampler
-from elaswave.data.trace import DATA_TRACE_ENV, DataTrace
-from elaswave.interrupt import Disruption, Interrupt
-from elaswave.model.contract import counted_numels, model_for, tie_pairs
-from elaswave.pipeline.schedule import Action, Op
+from elaswave.interrupt import Disruption
+from elaswave.model.contract import counted_numels, tie_pairs
 from elaswave.pipeline.stage import Stage
 from elaswave.plan.frequency import PowerModel
-from elaswave.plan.memory import MemoryModel, rank_bytes
+from elaswave.plan.memory import rank_bytes
 from elaswave.plan.plan import PlanError, initial_plan
 from elaswave.precision import compute_dtype, name as precision_name, pin_kernels
-from elaswave.runtime import actuator, join, recovery, rescue
+from elaswave.runtime import join, recovery, rescue
 from elaswave.runtime.actuator import ActuatorError
-from elaswave.runtime.evaluation import Evaluation
-from elaswave.runtime.memory import job_memory_model, measure_peak
+from elaswave.runtime.memory import measure_peak
 from elaswave.runtime.metrics import MetricsWriter, StepJournal, print_error
+from elaswave.runtime.context import Context
 from elaswave.runtime.rank import build_rank
 from elaswave.runtime.step import gather_masters, gather_params, train_step
-from elaswave.runtime.straggler import REBALANCE, SpeedWindow
-from elaswave.snapshot.pool import SnapshotPool
+from elaswave.runtime.straggler import REBALANCE
 from elaswave.zero import digest
 from elaswave.zero.flat import params_sha256
 
 EXIT_EXCLUDED = 3
-
-
-class Context:
-    """What a rank keeps across epochs: its control-plane links, communicator, weights and data."""
-
-    def __init__(self, cfg: JobConfig, rank: int, store: StoreLink, backend_name: str, device: torch.device):
-        e = cfg.elastic
-        self.store = store
-        self.cfg, self.rank, self.device, self.backend_name = cfg, rank, device, backend_name
-        self.model = model_for(cfg)
-        """The model contract every stage, plan and recovery of this rank goes through."""
-        self.interrupt = Interrupt()
-        bind = backend.bind_address(cfg.parallel.bind_address, os.environ.get("ELASWAVE_STORE"))
-        # Registered before anything else: from now on a peer can prove this process dead.
-        self.liveness = LivenessPort(bind) if e.enabled else None
-        if self.liveness is not None:
-            self.liveness.register(store, rank)
-        self.standby = failover.Standby(bind, cfg.parallel.timeout_s) if e.enabled and e.store_failover else None
-        if self.standby is not None:
-            self.standby.register(store, rank)
-        self.prober = Prober() if e.enabled else None
-        self.membership = Membership(store, rank, prober=self.prober)
-        self.admission = Admission(store, rank)
-        self.token = job_token()
-        self.stamps_steps = any(f.kind == "join" for f in cfg.elastic.faults)
-        self.comm = Communicator(store, rank, backend_name, device, cfg.parallel.timeout_s, self.interrupt,
-                                 e.enabled and e.standby_groups, bind)
-        self.pool = (SnapshotPool(rank, cfg.parallel.chunk_numel, e.heartbeat_timeout_s)
-                     if e.enabled and e.snapshots else None)
-        # A fault is an event in the run's life: a job restarted by torchrun does not meet it again.
-        first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
-        self.injector = FaultInjector(cfg.elastic.faults if first_attempt else [], rank, self.membership)
-        c = cfg.checkpoint
-        self.checkpointer = disk.Checkpointer(c.dir, rank, c.every_steps, c.keep, cfg.model_identity(),
-                                              cfg.parallel.chunk_numel) if c.dir else None
-        self.actuator = actuator.make(cfg.actuator, device)
-        self.measured_memory: dict | None = None
-        """This rank's peak in train.measure_memory_step, beside what the memory model predicted for it."""
-        self.speed = 1.0
-        """Micro-batches per second of this rank's own forward and backward time, measured at its
-        frequency level (median of the epoch's last steps); the re-plan balances by it."""
-        self.speeds = SpeedWindow()
-        self.plan = None
-        self.agreed_epoch = 0
-        self.agree_grace_s = 0.0
-        """Extra time the next agreement waits for silent members (after the store moved from a recovery)."""
-        """The newest epoch whose members this rank agreed on (it may not have trained yet)."""
-        self.step = 0
-        # The watcher has its own store connection: its blocking waits must never stall training.
-        self.watcher = Watcher(store.separate(), rank, self._view, self.interrupt,
-                               e.heartbeat_interval_s, e.heartbeat_timeout_s, self.prober) if e.enabled else None
-        self._sampler = None
-        self.evaluation = Evaluation(cfg, self.model)
-
-    @cached_property
-    def memory_model(self) -> MemoryModel:
-        return job_memory_model(self.cfg, self.model, compute_dtype(self.cfg.train.precision, self.device), self.device)
-
-    def sampler_for(self, stage: Stage | None) -> Sampler | None:
-        """The data, read the first time this rank runs a first or last stage (a data-parallel rank
-        always does; a middle stage may become one when its pipeline is re-partitioned), or at once
-        with ``stage`` None (a joiner, before it asks in: off the path of the members it joins)."""
-        if self._sampler is None and (stage is None or stage.is_first or stage.is_last):
-            self._sampler = open_sampler(self.cfg, self.model)
-            trace = os.environ.get(DATA_TRACE_ENV)
-            if trace:
-                self._sampler.on_read = DataTrace(trace, self.rank, lambda: self.plan.epoch if self.plan else 0)
-        return self._sampler
-
-    @cached_property
-    def _mixture(self) -> Mixture | None:
-        return mixture_of(self.cfg)
-
-    def source_tokens(self, step: int) -> dict:
-        """For the step's metrics: each source's tokens in a ``data.mix`` job (nothing otherwise)."""
-        return {"tokens_per_source": tokens_per_source(self.cfg, self._mixture, step, self.model.seq_len)} if self._mixture else {}
-
-    def admit(self, st) -> int:
-        """On the epoch's leader: answer join requests (see :mod:`elaswave.runtime.join`); not in
-        the last step, after which there is nothing left to grow for."""
-        if not self.cfg.elastic.enabled or st.rank != st.plan.ranks[0] or self.step >= self.cfg.train.steps - 1:
-            return 0
-        try:
-            return join.admit(self, st)
-        except StoreLost:  # said in this step's exchange (store_lost): every rank stops after it
-            return 0
-
-    def learn_standbys(self) -> None:
-        """Where the store would move: the members' standby addresses, read while it is up."""
-        if self.standby is not None:
-            try:
-                self.standby.learn(self.store, self.plan.ranks)
-            except StoreLost:  # said in the step's exchange: it moves, or the ranks stop
-                pass
-
-    def move_store(self, st, step: int) -> dict:
-        """Every member, at the end of the step whose exchange said that all of them lost the store:
-        it moves to the first member's standby (:mod:`elaswave.control.failover`); returns the
-        ``store_moved`` record."""
-        noticed, old, began = self.store.lost_wall, self.store.addr, time.perf_counter()
-        if self.standby is None:
-            raise StoreLost(self.store.lost_reason)
-        leader, addr = failover.move(self.store, self.standby, self.rank, st.plan.epoch, st.plan.ranks,
-                                     self.cfg.to_dict(), self.liveness)
-        st.world.all_reduce(torch.zeros(1, device=st.device), "store moved barrier")
-        if self.rank == leader:
-            failover.announce(self.store, self.standby)
-            print(f"elaswave: the control store at {old} was lost; it moved to rank {leader}'s standby at {addr} "
-                  f"after step {step - 1}, and training goes on", file=sys.stderr, flush=True)
-        return {"event": "store_moved", "step": step, "from": old, "to": addr, "to_rank": leader,
-                "noticed_wall": noticed, "move_s": time.perf_counter() - began, "wall_time": time.time()}
-
-    def relocate_store(self, st) -> bool:
-        """A recovery found the store gone, members with it: move it to the first survivor's
-        standby that answers (the same on every survivor) and give up the epochs agreed on the
-        lost store; the recovery starts again there. False without standbys (the rescue floor)."""
-        if self.standby is None:
-            return False
-        old = self.store.addr
-        leader, addr = failover.move(self.store, self.standby, self.rank, st.plan.epoch, st.plan.ranks,
-                                     self.cfg.to_dict(), self.liveness, self.prober)
-        self.agreed_epoch = st.plan.epoch
-        # A survivor still waiting in a collective with the dead comes when its watcher gives up on
-        # the lost store (the heartbeat timeout after its links did): wait for it that much longer.
-        self.agree_grace_s = 2 * self.cfg.elastic.heartbeat_timeout_s
-        failover.announce(self.store, self.standby)
-        self.membership.alert(st.plan.epoch, f"rank {self.rank}: the control store was lost with members; "
-                                             f"it moved to {addr}")
-        if self.rank == leader:
-            print(f"elaswave: the control store at {old} was lost with members; it moved to rank {leader}'s "
-                  f"standby at {addr}, and the survivors agree there", file=sys.stderr, flush=True)
-        return True
-
-    def _view(self):
-        plan = self.plan
-        return (plan.epoch, plan.ranks) if plan is not None else (0, ())
-
-    def before_action(self, step: int, action: Action) -> None:
-        if action.op == Op.FORWARD and action.micro_batch == self._first_mb:
-            self.injector.at(step, "forward")
-        elif action.op == Op.BACKWARD and action.micro_batch == self._first_mb:
-            self.injector.at(step, "backward")
-        if self.plan is not None:
-            self.interrupt.check(self.plan.epoch)
-
-    def before_eval(self, step: int, batch: int, action: Action) -> None:
-        if (batch == self.cfg.train.eval_batches - 1 and action.op == Op.FORWARD
-                and action.micro_batch == self._first_mb):
-            self.injector.at(step, "eval")
-        self.interrupt.check(self.plan.epoch)
-
-    @property
-    def _first_mb(self) -> int:
-        d, _ = self.plan.position(self.rank)
-        return self.plan.micro_batches[d][0]
 
 
 def _connect(cfg: JobConfig, rank: int, world_size: int) -> tuple[StoreLink, int, int]:

@@ -1,7 +1,5 @@
 """The control store moves to a survivor: the pieces on real TCPStores, then the process holding
 the job's store SIGKILLed mid-training -- the job trains on, bit-identical to the failure-free run."""
-import os
-import signal
 import time
 from datetime import timedelta
 
@@ -11,7 +9,7 @@ import torch.distributed as dist
 from elaswave.control import failover
 from elaswave.control.link import StoreLink, StoreLost
 from elaswave.control.membership import PREFIX
-from tests.helpers.spawn import Running, alive, assert_same_run, children, job_args, reference_fixture, steps_written
+from tests.helpers.spawn import Running, assert_same_run, job_args, reference_fixture, sigkill_launcher, wait_gone
 
 STEPS, MBS = 40, 4
 reference = reference_fixture(STEPS, MBS)
@@ -115,17 +113,8 @@ def test_the_store_holder_sigkilled_the_job_trains_on_bit_identical(tmp_path, re
     metrics = tmp_path / "run.jsonl"
     args = job_args(2, 2, STEPS, True, ["parallel.timeout_s=20"])
     with Running(args, metrics) as job:
-        deadline = time.monotonic() + 180
-        while steps_written(metrics) < 8 and time.monotonic() < deadline:
-            time.sleep(0.05)
-        workers = children(job.proc.pid)
-        assert len(workers) == 4 and steps_written(metrics) >= 8, (workers, job.stdout)
-        os.kill(job.proc.pid, signal.SIGKILL)
-        killed_at, killed_after = time.time(), steps_written(metrics)
-        deadline = time.monotonic() + 120
-        while [w for w in workers if alive(w)] and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert not [w for w in workers if alive(w)], "the workers did not finish within 120 s of the store's loss"
+        workers, killed_at, killed_after = sigkill_launcher(job, 8)
+        assert not wait_gone(workers, 120), "the workers did not finish within 120 s of the store's loss"
         res = job.finish(10)
     assert "moved to rank 0's standby" in res.stderr, res.stderr
     [moved] = [r for r in res.records if r["event"] == "store_moved"]

@@ -10,6 +10,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -282,3 +283,24 @@ def alive(pid: int) -> bool:
             return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
     except OSError:
         return False
+
+
+def sigkill_launcher(job: Running, after_steps: int, workers: int = 4) -> tuple[list[int], float, int]:
+    """Once ``after_steps`` steps are written, SIGKILL the `elaswave run` of ``job`` (it hosts the
+    store; its ``workers`` outlive it). Returns the workers' PIDs, the kill's wall time and the
+    steps written by then."""
+    deadline = time.monotonic() + 180
+    while steps_written(job.metrics) < after_steps and time.monotonic() < deadline:
+        time.sleep(0.05)
+    pids = children(job.proc.pid)
+    assert len(pids) == workers and steps_written(job.metrics) >= after_steps, (pids, job.stdout)
+    os.kill(job.proc.pid, signal.SIGKILL)
+    return pids, time.time(), steps_written(job.metrics)
+
+
+def wait_gone(pids: list[int], timeout_s: float) -> list[int]:
+    """Waits (bounded) for ``pids`` to exit; returns those still alive."""
+    deadline = time.monotonic() + timeout_s
+    while [p for p in pids if alive(p)] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return [p for p in pids if alive(p)]

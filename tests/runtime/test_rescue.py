@@ -2,14 +2,11 @@
 off; with it on the store moves, tests/control/test_failover.py): every rank notices within the
 heartbeat timeout, saves the state of the last step it trained, stops with the reason, and the
 same command run again continues with no step lost -- bit-identical to the failure-free run."""
-import os
 import re
-import signal
-import time
 
 from elaswave.checkpoint import disk
-from tests.helpers.spawn import Running, alive, assert_same_run, children, job_args, reference_fixture, run_cli, \
-    steps_written
+from tests.helpers.spawn import Running, assert_same_run, job_args, reference_fixture, run_cli, sigkill_launcher, \
+    wait_gone
 
 STEPS, MBS = 40, 4
 reference = reference_fixture(STEPS, MBS)
@@ -19,17 +16,8 @@ def test_the_store_holder_sigkilled_every_rank_saves_and_a_rerun_loses_no_step(t
     ckpt, metrics = tmp_path / "ckpt", tmp_path / "run.jsonl"
     args = job_args(2, 2, STEPS, True, [f"checkpoint.dir={ckpt}", "parallel.timeout_s=20", "elastic.store_failover=false"])
     with Running(args, metrics) as job:
-        deadline = time.monotonic() + 180
-        while steps_written(metrics) < 8 and time.monotonic() < deadline:
-            time.sleep(0.05)
-        workers = children(job.proc.pid)
-        assert len(workers) == 4 and steps_written(metrics) >= 8, (workers, job.stdout)
-        os.kill(job.proc.pid, signal.SIGKILL)  # `elaswave run` hosts the store
-        killed_at = time.time()
-        deadline = time.monotonic() + 30
-        while [w for w in workers if alive(w)] and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert not [w for w in workers if alive(w)], "workers outlived their store by 30 s"
+        workers, killed_at, _ = sigkill_launcher(job, 8)  # `elaswave run` hosts the store
+        assert not wait_gone(workers, 30), "workers outlived their store by 30 s"
         first = job.finish(10)
     saved = int(re.search(r"the job is at step (\d+)", first.stderr).group(1))
     assert first.stderr.count("saved its part of step") == 3, first.stderr
