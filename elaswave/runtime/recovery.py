@@ -257,7 +257,8 @@ def _stop_with_state(ctx, st: RankState | None, old: Plan, members, holdings, di
     mine = sorted(k for k, (src, _) in restore.sources.items() if src == ctx.rank)
     owners = tuple(tuple(restore.sources[(layer, c)][0] for c in range(len(row)))
                    for layer, row in enumerate(old.chunk_owners))
-    payload = torch.stack([_local_chunk(ctx, st, restore, k) for k in mine]) if mine else torch.empty(0)
+    # Own chunks are on the device, kept snapshots (on a GPU) in host memory: saved from the host.
+    payload = torch.stack([_local_chunk(ctx, st, restore, k).cpu() for k in mine]) if mine else torch.empty(0)
     if mine:
         ctx.checkpointer.save(gen, owners, mine, payload, is_writer=ctx.rank == min(r for row in owners for r in row))
         ctx.checkpointer.wait()
@@ -301,14 +302,14 @@ def _restore_chunks(ctx, st: RankState, world, new_owners, restore: Restore):
     gen, me = restore.resume_step, ctx.rank
     n = ctx.cfg.parallel.chunk_numel
 
-    def local(key: ChunkKey) -> torch.Tensor:
-        return _local_chunk(ctx, st, restore, key)
+    def local(key: ChunkKey) -> torch.Tensor:  # a kept snapshot is in host memory on a GPU
+        return _local_chunk(ctx, st, restore, key).to(ctx.device)
 
     transfers = restore.transfers(new_owners)
     works, params_in, moments_in = [], {}, []
     for (src, dst), keys in transfers.items():
         if src == me:
-            payload = torch.stack([local(k) for k in keys]).to(ctx.device)
+            payload = torch.stack([local(k) for k in keys])
             for tag, part in ((TAG_RESTORE, payload[:, 0].contiguous()), (TAG_RESTORE + 1, payload[:, 1:].contiguous())):
                 works.append((world.isend(part, dst, tag), part, f"chunks to rank {dst}"))
         elif dst == me:
@@ -339,7 +340,7 @@ def _restore_chunks(ctx, st: RankState, world, new_owners, restore: Restore):
         if new_owners[key[0]][key[1]] != me or key in chunks:
             continue
         if src == me:
-            chunks[key] = local(key).to(ctx.device)
+            chunks[key] = local(key)
         elif kind == "disk":
             from_disk.append(key)
         elif src is None:

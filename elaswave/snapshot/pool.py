@@ -3,7 +3,7 @@
 Placement is a ring over the epoch's ranks (:meth:`Plan.snapshot_holders`): rank ``r`` sends to the
 next ``K`` ranks (``elastic.snapshot_copies``) and keeps the previous ``K`` ones', so a rank dying
 together with up to ``K - 1`` of its holders still leaves a copy. A snapshot travels as a small
-header (generation, CRC-32, chunk keys) and the payload in one asynchronous message per holder --
+header (generation, checksum, chunk keys) and the payload in one asynchronous message per holder --
 the same buffer, written once -- so the copies overlap the next step's compute. The holder verifies it before the next step's update may start (the step's loss exchange
 carries a "verified" flag from every holder), which is what lets every rank drop the generation
 before: a recovery then always finds one generation that every chunk has somewhere.
@@ -16,7 +16,6 @@ leave no generation common to all chunks.
 from __future__ import annotations
 
 import sys
-import zlib
 from typing import Callable
 
 import torch
@@ -24,16 +23,13 @@ import torch
 from elaswave.comm.groups import Group
 from elaswave.plan.chunks import ChunkKey
 from elaswave.plan.plan import Plan
+from elaswave.snapshot.staging import HostStaging, Staged, checksum
 
 TAG_SNAPSHOT = 1_000_001
 
 
-def crc32(t: torch.Tensor) -> int:
-    return zlib.crc32(t.detach().cpu().contiguous().numpy())
-
-
 def _sizes(k: int, chunk_numel: int) -> tuple[int, int]:
-    """Bytes of a snapshot message's header (int64: generation, CRC-32, k, then k keys) and payload."""
+    """Bytes of a snapshot message's header (int64: generation, checksum, k, then k keys) and payload."""
     return 8 * (3 + 2 * k), 4 * k * 3 * chunk_numel
 
 
@@ -47,12 +43,20 @@ class SnapshotPool:
         one); the heartbeat timeout, within which a hung rank is declared gone anyway."""
         self.rank, self.chunk_numel, self.verify_wait_s = rank, chunk_numel, verify_wait_s
         self.held: dict[tuple[int, int], tuple[tuple[ChunkKey, ...], torch.Tensor, torch.Tensor]] = {}
-        """(owner, generation) -> (chunk keys, [k, 3, chunk_numel] payload in CPU memory, its buffer)."""
+        """(owner, generation) -> (chunk keys, [k, 3, chunk_numel] payload in host memory, its buffer)."""
         self._sends: list[tuple[object, int]] = []
         self._out: torch.Tensor | None = None
         self._incoming: list[tuple[object, torch.Tensor, int, int]] = []
         """(receive, buffer, chunk count, owner) per owner whose next snapshot is expected."""
         self._spare: list[torch.Tensor] = []
+        self._staging: HostStaging | None = None
+        self._header: torch.Tensor | None = None
+        """The last header's integers: on a GPU read by a copy that may not have run yet."""
+
+    def _staging_on(self, device: torch.device) -> HostStaging:
+        if self._staging is None or self._staging.device != device:
+            self._staging = HostStaging(device)
+        return self._staging
 
     # -- the owner's side ---------------------------------------------------------------------
     def send(self, group: Group, plan: Plan, gen: int, keys: list[ChunkKey], fill: Callable[[torch.Tensor], object],
@@ -68,8 +72,11 @@ class SnapshotPool:
             self._out = torch.empty(hbytes + pbytes, dtype=torch.uint8, device=device)
         payload = self._out[hbytes:].view(torch.float32).view(len(keys), 3, self.chunk_numel)
         fill(payload)
-        header = torch.tensor([gen, crc32(payload), len(keys)] + [x for k in keys for x in k], dtype=torch.int64)
-        self._out[:hbytes].view(torch.int64).copy_(header)
+        # No read-back on a GPU: the header's integers come from pinned memory and the checksum is
+        # written on the device, after the state it sums.
+        self._header = self._staging_on(device).header([gen, 0, len(keys)] + [x for k in keys for x in k])
+        self._out[:hbytes].view(torch.int64).copy_(self._header, non_blocking=True)
+        self._out[8:16].view(torch.int64).copy_(checksum(self._out[hbytes:]))
         if corrupt and pbytes:
             self._out[hbytes] ^= 0x01
         self._sends = [(group.isend(self._out, holder, TAG_SNAPSHOT), holder) for holder in holders]
@@ -100,19 +107,24 @@ class SnapshotPool:
         """Wait for the expected snapshots of generation ``gen``; keep each whose checksum is right.
         True when every one was."""
         incoming, self._incoming = self._incoming, []
-        return all([self._verify_one(group, gen, *item) for item in incoming])
+        staged = []
+        for work, buf, k, owner in incoming:
+            # Waited for here, on this thread: it was sent a whole step ago and is almost always
+            # in, and no helper thread waking mid-step competes with the compute for the GIL. A
+            # dead owner fails the wait at once; a hung one within verify_wait_s.
+            group.wait_direct(work, f"snapshot from rank {owner}", self.verify_wait_s)
+            staged.append((self._staging_on(buf.device).start(buf, _sizes(k, self.chunk_numel)[0]), buf, k, owner))
+        return all([self._verify_one(gen, *item) for item in staged])
 
-    def _verify_one(self, group: Group, gen: int, work, buf: torch.Tensor, k: int, owner: int) -> bool:
-        # Waited for here, on this thread: it was sent a whole step ago and is almost always in,
-        # and no helper thread waking mid-step competes with the compute for the GIL. A dead
-        # owner fails the wait at once; a hung one within verify_wait_s.
-        group.wait_direct(work, f"snapshot from rank {owner}", self.verify_wait_s)
-        buf = buf.cpu()
-        hbytes, _ = _sizes(k, self.chunk_numel)
-        h = buf[:hbytes].view(torch.int64).tolist()
-        payload = buf[hbytes:].view(torch.float32).view(k, 3, self.chunk_numel)
-        if h[0] != gen or h[2] != k or h[1] != crc32(payload):
+    def _verify_one(self, gen: int, staged: Staged, buf: torch.Tensor, k: int, owner: int) -> bool:
+        kept = staged.wait()
+        if kept is not buf:  # on a GPU: the receive buffer is free for the next snapshot
             self._spare.append(buf)
+        hbytes, _ = _sizes(k, self.chunk_numel)
+        h = kept[:hbytes].view(torch.int64).tolist()
+        payload = kept[hbytes:].view(torch.float32).view(k, 3, self.chunk_numel)
+        if h[0] != gen or h[2] != k or h[1] != staged.check.item():
+            self._recycle(kept)
             # Not fatal: the owner is alive and holds this state itself. Until a snapshot of it
             # verifies, its chunks are recoverable only from the generation held before.
             older = sorted(g for (o, g) in self.held if o == owner)
@@ -122,7 +134,7 @@ class SnapshotPool:
                   file=sys.stderr, flush=True)
             return False
         keys = tuple((h[3 + 2 * i], h[4 + 2 * i]) for i in range(k))
-        self.held[(owner, gen)] = (keys, payload, buf)
+        self.held[(owner, gen)] = (keys, payload, kept)
         self._drop_before(gen - 1, owner)
         return True
 
@@ -132,7 +144,11 @@ class SnapshotPool:
 
     def _drop_before(self, gen: int, owner: int | None = None) -> None:
         for old in [k for k in self.held if k[1] < gen and owner in (None, k[0])]:
-            self._spare.append(self.held.pop(old)[2])
+            self._recycle(self.held.pop(old)[2])
+
+    def _recycle(self, kept: torch.Tensor) -> None:
+        if self._staging is None or not self._staging.recycle(kept):
+            self._spare.append(kept)
 
     def holding(self) -> dict[int, list[ChunkKey]]:
         out: dict[int, list[ChunkKey]] = {}

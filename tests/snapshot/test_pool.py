@@ -71,3 +71,18 @@ def test_a_snapshot_for_the_wrong_step_is_refused():
         return ok, pool.holding()
 
     assert all(res == (False, {}) for res in _run_pair(body).values())
+
+
+def test_a_damaged_snapshot_is_refused_and_not_kept():
+    def body(r, group, plan):
+        pool = SnapshotPool(r, CHUNK)
+        keys = list(plan.chunks_of(r))
+        pool.expect(group, plan, torch.device("cpu"))
+        pool.send(group, plan, 5, keys, lambda out: out.fill_(1.5), torch.device("cpu"), corrupt=r == 0)
+        ok = pool.verify(group, 5)
+        pool.wait_sends(group)
+        return ok, sorted(pool.holding())
+
+    out = _run_pair(body)
+    assert out[1] == (False, [])  # rank 1 holds rank 0's snapshot, damaged after its checksum
+    assert out[0] == (True, [5])

@@ -1,0 +1,80 @@
+"""Where a kept snapshot lives, how it gets there, and the checksum its message carries.
+
+On CPU the receive buffer is already host memory: it is kept as it is, and the checksum is zlib's
+CRC-32 (several GB/s; torch's reductions are five times slower there). On a GPU the device holds
+only the messages in flight: a verified snapshot is kept in pinned host memory, copied on a side
+stream, so the copy neither waits for the compute stream nor delays it, and the device memory of
+each peer's snapshot is one receive buffer (the memory model's ``snapshots_to_host``). A CRC would
+need the payload on the host first -- on the owner, a read-back that waits for the step's whole
+compute stream -- so on a GPU the checksum is the int64 sum of the payload's 32-bit words, computed
+on the device by the owner (on its compute stream, after the state is written) and by the holder
+(on the side stream, beside the copy). Integer addition is associative, so both sums agree
+whatever order the kernels add in, and one flipped bit changes it. Both ends of a message are on the
+same kind of device (one backend per job), so they use the same checksum.
+"""
+from __future__ import annotations
+
+import zlib
+
+import torch
+
+
+def checksum(payload: torch.Tensor) -> torch.Tensor:
+    """The checksum of a message's payload bytes (uint8, a multiple of 4), as one int64 on their device."""
+    if payload.device.type == "cpu":
+        return torch.tensor([zlib.crc32(payload.detach().contiguous().numpy())], dtype=torch.int64)
+    return word_sum(payload)
+
+
+def word_sum(payload: torch.Tensor) -> torch.Tensor:
+    return payload.view(torch.int32).sum(dtype=torch.int64).reshape(1)
+
+
+class Staged:
+    """A received message on its way to where it is kept: ``wait()`` returns it there."""
+
+    def __init__(self, kept: torch.Tensor, check: torch.Tensor, done: torch.cuda.Event | None):
+        self.kept, self.check, self._done = kept, check, done
+
+    def wait(self) -> torch.Tensor:
+        if self._done is not None:
+            self._done.synchronize()  # the side stream only: the copy, not the compute
+        return self.kept
+
+
+class HostStaging:
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.side = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self._spare: list[torch.Tensor] = []
+        """Pinned host buffers of snapshots no longer kept (GPU only)."""
+
+    def header(self, ints: list[int]) -> torch.Tensor:
+        """The header's integers, in memory a device copy can read without a sync (pinned on a GPU)."""
+        t = torch.tensor(ints, dtype=torch.int64)
+        return t.pin_memory() if self.side is not None else t
+
+    def start(self, message: torch.Tensor, hbytes: int) -> Staged:
+        """Begin moving a received ``message`` (its receive is complete) to where it is kept, with its
+        payload's checksum."""
+        if self.side is None:
+            return Staged(message, checksum(message[hbytes:]), None)
+        fits = [b for b in self._spare if b.numel() == message.numel()]
+        host = fits[0] if fits else torch.empty(message.numel(), dtype=torch.uint8, pin_memory=True)
+        self._spare = [b for b in self._spare if b is not host]
+        check = torch.empty(1, dtype=torch.int64, pin_memory=True)
+        done = torch.cuda.Event()
+        with torch.cuda.stream(self.side):
+            # The receive completed (its work was waited for on the host), so nothing on the side
+            # stream needs ordering after the communication stream.
+            check.copy_(word_sum(message[hbytes:]), non_blocking=True)
+            host.copy_(message, non_blocking=True)
+            done.record()
+        return Staged(host, check, done)
+
+    def recycle(self, kept: torch.Tensor) -> bool:
+        """Take back a kept message's buffer if it is one of this staging's host buffers."""
+        if self.side is None:
+            return False
+        self._spare.append(kept)
+        return True
