@@ -22,6 +22,10 @@ Seven independent items (one that fails records its error; the rest still run):
   actuator. Read-only: lent machines must be left as found, so no clock is set, and whether a set
   would be allowed is read from NVML's API restriction instead.
 
+bf16 training (bf16 layers with fp32 master shards against a plain autocast loop, deterministic mode's
+cost, snapshots staged to pinned host memory) is bench/gpu_precision.py; the Llama family against
+transformers' model is bench/gpu_llama.py.
+
 Timing: kernels with CUDA events, the median of repeats after warm-up; training steps on the host
 clock (each step ends in a synchronisation), the median after WARMUP_STEPS. Without CUDA it says so,
 writes nothing and exits 0.

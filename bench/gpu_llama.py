@@ -64,7 +64,11 @@ def parity() -> dict:
     return out
 
 
-def plain_step(sets: list[str]) -> dict:
+def plain_step(sets: list[str], bf16: bool = False, device: str = "cuda") -> dict:
+    """transformers' model of the job's shape in a plain loop; ``bf16``: what a real bf16 run does
+    (float32 parameters under bfloat16 autocast, fused AdamW)."""
+    import contextlib
+
     import transformers
 
     from elaswave import config
@@ -76,31 +80,34 @@ def plain_step(sets: list[str]) -> dict:
     m, t = cfg.model, cfg.train
     torch.manual_seed(t.seed)
     hf = {k: v for k, v in to_hf_config(m).items() if k != "architectures"}
-    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**hf)).cuda().train()
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**hf)).to(device).train()
     params = list(model.parameters())
     opt = torch.optim.AdamW([{"params": [p for p in params if p.dim() >= 2], "weight_decay": t.weight_decay},
                              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}],
-                            lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps)
+                            lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps, fused=bf16 and device == "cuda")
+    autocast = (lambda: torch.autocast(device, dtype=torch.bfloat16)) if bf16 else contextlib.nullcontext
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     sampler = open_sampler(cfg, m)
     tokens = t.num_micro_batches * t.micro_batch_size * m.seq_len
     times, losses = [], []
     for step in range(t.steps):
-        torch.cuda.synchronize()
+        sync()
         began = time.perf_counter()
         for group in opt.param_groups:
             group["lr"] = lr_at(step, t)
         opt.zero_grad(set_to_none=True)
-        total = torch.zeros((), device="cuda")
+        total = torch.zeros((), device=device)
         for mb in range(t.num_micro_batches):
             b = sampler.micro_batch(step, mb)
-            logits = model(b.inputs.cuda()).logits
-            loss = F.cross_entropy(logits.reshape(-1, m.vocab_size).float(), b.targets.cuda().reshape(-1), reduction="sum")
+            with autocast():
+                logits = model(b.inputs.to(device)).logits
+            loss = F.cross_entropy(logits.reshape(-1, m.vocab_size).float(), b.targets.to(device).reshape(-1), reduction="sum")
             (loss / tokens).backward()
             total += loss.detach()
         torch.nn.utils.clip_grad_norm_(params, t.grad_clip)
         opt.step()
         losses.append(float(total) / tokens)
-        torch.cuda.synchronize()
+        sync()
         times.append(time.perf_counter() - began)
     return {"step_time_s": statistics.median(times[WARMUP_STEPS:]), "final_loss": losses[-1]}
 
