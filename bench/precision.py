@@ -8,7 +8,12 @@ step:  one process (the reference trainer: the runtime's stage, accumulator and 
        written out. Configurations alternate within each round; a configuration's time is the
        median step after warm-up, and each ratio is over the fp32 written-out step of the same
        round (median over rounds).
-Results: bench/results/precision_{curve,step}.json, the report in bench/results/precision_curve.report/.
+islands: whether float32 islands beyond the standard ones (RMSNorm, softmax and the loss already run
+       in float32) bring bf16 closer to fp32: the single-process reference (fast mode, the default
+       job's model and batch) for 200 steps in fp32, in bf16, in bf16 with a float32 residual stream
+       (Megatron's --fp32-residual-connection) and in bf16 with float32 logits, for ``--seeds``
+       seeds; each bf16 variant's relative loss difference from fp32 after warm-up.
+Results: bench/results/precision_{curve,step,islands}.json, the report in bench/results/precision_curve.report/.
 """
 from __future__ import annotations
 
@@ -21,7 +26,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+import torch.nn.functional as F  # noqa: E402
+
 from bench.jobs import run_job  # noqa: E402
+from elaswave.model.llama import Block, Head  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results"
 CURVE_STEPS, CURVE_WARMUP = 200, 20
@@ -59,6 +67,75 @@ def curve() -> dict:
     return out
 
 
+class _Fp32ResidualBlock(Block):
+    def forward(self, x, gen):
+        dt = self.mlp.up_proj.weight.dtype
+        x = x.float()
+        x = x + self.self_attn(self.input_layernorm(x).to(dt), gen).float()
+        return x + self.mlp(self.post_attention_layernorm(x).to(dt)).float()
+
+
+class _Fp32ResidualHead(Head):
+    def forward(self, x, gen):
+        return self.lm_head(self.norm(x.float()).to(self.lm_head.weight.dtype))
+
+
+class _Fp32LogitsHead(Head):
+    def forward(self, x, gen):
+        return F.linear(self.norm(x.float()), self.lm_head.weight.float())
+
+
+def _with_layers(cfg, block: type | None, head: type):
+    """The job's Llama with its blocks and head computing as ``block`` and ``head`` do: the same
+    parameters, built and initialised as the family builds them."""
+    from elaswave.model.contract import family
+    model = family(cfg.model, fused_attention=not cfg.train.deterministic)
+    build = model.build_layer
+
+    def build_layer(index: int, seed: int, init: bool = True):
+        layer = build(index, seed, init)
+        for base, cls in ((Block, block), (Head, head)):
+            if cls is not None and type(layer) is base:
+                layer.__class__ = cls
+        return layer
+    model.build_layer = build_layer
+    return model
+
+
+def fp32_residual(cfg):
+    return _with_layers(cfg, _Fp32ResidualBlock, _Fp32ResidualHead)
+
+
+def fp32_logits(cfg):
+    return _with_layers(cfg, None, _Fp32LogitsHead)
+
+
+def _rel_after_warmup(fp32: list[float], other: list[float]) -> dict:
+    after = [abs(b - f) / f for f, b in zip(fp32, other)][CURVE_WARMUP:]
+    return {"max": max(after), "median": statistics.median(after), "worst_step": CURVE_WARMUP + after.index(max(after)),
+            "steps_over_2_percent": sum(r > 0.02 for r in after)}
+
+
+def islands(seeds: int) -> dict:
+    from elaswave import config
+    from elaswave.reference import train_reference
+    # The default job's model (the llama-tiny preset) spelled out: a factory takes no preset.
+    tiny = ["model.arch=llama", "model.num_kv_heads=2", "model.ffn_dim=128", "model.tie_embeddings=true"]
+    variants = {"fp32": tiny + ["train.precision=fp32"], "bf16": tiny + ["train.precision=bf16"],
+                "bf16_fp32_residual": tiny + ["train.precision=bf16", "model.factory=bench.precision:fp32_residual"],
+                "bf16_fp32_logits": tiny + ["train.precision=bf16", "model.factory=bench.precision:fp32_logits"]}
+    out = {}
+    for seed in range(seeds):
+        losses = {name: train_reference(config.load(None, sets + [f"train.seed={seed}", f"train.steps={CURVE_STEPS}"]))["losses"]
+                  for name, sets in variants.items()}
+        out[seed] = {name: _rel_after_warmup(losses["fp32"], losses[name]) for name in variants if name != "fp32"}
+        print(f"islands seed {seed}: " + ", ".join(f"{n} max {100 * r['max']:.2f} % (step {r['worst_step']}, "
+                                                   f"{r['steps_over_2_percent']} over 2 %)" for n, r in out[seed].items()),
+              flush=True)
+    return {"steps": CURVE_STEPS, "warmup": CURVE_WARMUP, "trainer": "the single-process reference, fast mode",
+            "seeds": out}
+
+
 def _median_step(sets: list[str]) -> float:
     from elaswave import config
     from elaswave.reference import train_reference
@@ -85,14 +162,16 @@ def step(runs: int) -> dict:
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("what", choices=["curve", "step", "all"])
-    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("what", choices=["curve", "step", "islands", "all"])
+    ap.add_argument("--runs", type=int, default=3, help="step: rounds; islands: seeds")
     args = ap.parse_args()
     RESULTS.mkdir(exist_ok=True)
     if args.what in ("curve", "all"):
         (RESULTS / "precision_curve.json").write_text(json.dumps(curve(), indent=2))
     if args.what in ("step", "all"):
         (RESULTS / "precision_step.json").write_text(json.dumps(step(args.runs), indent=2))
+    if args.what == "islands":
+        (RESULTS / "precision_islands.json").write_text(json.dumps(islands(args.runs), indent=2))
     return 0
 
 
