@@ -56,17 +56,17 @@ class ControlCosts:
     2.760-3.907, 3.2 s of it Python and torch start-up."""
     store_detect_s: float = 2.0
     """How long workers take to see the store gone: ``elastic.heartbeat_timeout_s``'s default
-    (``elaswave/control/config.py``); measured 2.028 s (2.018-2.034) from the SIGKILL of the store's
+    (``elaswave/control/config.py``); measured 2.037 s (2.018-2.043) from the SIGKILL of the store's
     process, median of 5 (``bench/results/store_loss.md``)."""
     checkpoint_write_s: float = 10.0
-    """Assumption, not measured at this scale (the tiny job's ranks took 0.18 s,
+    """Assumption, not measured at this scale (the tiny job's ranks took 0.20 s,
     ``bench/results/store_loss.md``): every rank writes its shard of the last committed step to
     shared storage in parallel (~50 MB a rank: a 70B model's fp32 masters and two Adam moments,
     12 bytes a parameter, over 16,384 ranks); the figure is the storage system's, not elaswave's."""
     store_move_s: float = 1.0
     """Assumption at this scale: a new store on a survivor and every rank reconnected to it,
-    membership keys re-posted. Measured on the tiny job (4 ranks, ``BENCHMARKS.md``): 3-6 ms
-    for the move itself, beyond the links' grace (``store_detect_s``); with 16,384 ranks
+    membership keys re-posted. Measured on the tiny job (4 ranks, ``bench/results/store_loss.md``):
+    3-9 ms for the move itself, beyond the links' grace (``store_detect_s``); with 16,384 ranks
     connecting to one survivor's store the figure is kept at 1 s until measured at scale."""
 
 
