@@ -53,7 +53,8 @@ class BaselineCosts:
     (``../shared/FACTS.md``, ``bench/results``); set them for the cluster you model."""
 
     restart_s: float = 7.3
-    """Restart to the first step on loaded state (torchrun, measured: 7.30 s of the 7.8 s MTTR)."""
+    """Restart to the first step on loaded state (torchrun --max-restarts=1, GPT dp=4 on the 2-core
+    box: 7.300 s of its 7.805 s MTTR, ``bench/results/elastic.md``, 2026-11-22)."""
     checkpoint_every_s: float = 600.0
     torchft_detect_s: float = 5.15
     """TorchFT's lighthouse heartbeat timeout (default settings, measured)."""
