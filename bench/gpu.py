@@ -80,6 +80,21 @@ def _short(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"[:300]
 
 
+def run_parts(doc: dict, parts: dict, results: Path | None) -> None:
+    """Run each part of a follow-up GPU bench (``name -> zero-argument function``) into ``doc[name]``:
+    its result, or its error in one line (one part's failure is a finding; the rest still run).
+    ``results`` is rewritten after every part, so a run cut off by the lease keeps what it had."""
+    for name, fn in parts.items():
+        try:
+            doc[name] = fn()
+        except Exception as exc:  # noqa: BLE001
+            doc[name] = {"error": _short(exc)}
+        print(name, json.dumps(doc[name], indent=1), flush=True)
+        if results is not None:
+            results.parent.mkdir(parents=True, exist_ok=True)
+            results.write_text(json.dumps(doc, indent=1))
+
+
 def _tail(text: str) -> str:
     """The first two lines that name an error, and the last line (progress bars and warnings left out)."""
     lines = [ln.strip() for ln in text.splitlines() if ln.strip() and "%|" not in ln and "Warning" not in ln]

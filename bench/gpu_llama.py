@@ -10,7 +10,6 @@ Writes DIR/gpu_llama.json.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import tempfile
@@ -22,7 +21,7 @@ import torch.nn.functional as F
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from bench.gpu import WARMUP_STEPS  # noqa: E402
+from bench.gpu import WARMUP_STEPS, run_parts  # noqa: E402
 from bench.gpu_training import _elaswave  # noqa: E402
 
 JOB = ["parallel.dp=1", "parallel.pp=1", "model.preset=llama-tiny", "model.dropout=0", "train.precision=fp32", "model.d_model=512", "model.num_heads=8",
@@ -138,15 +137,7 @@ def main() -> int:
         print("bench/gpu_llama.py: no CUDA device here; nothing measured")
         return 0
     doc = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
-    for name, fn in (("parity", parity), ("step", step)):
-        try:
-            doc[name] = fn()
-        except Exception as exc:  # noqa: BLE001 - a finding; the other part still runs
-            doc[name] = {"error": f"{type(exc).__name__}: {exc}"}
-        print(name, json.dumps(doc[name], indent=1), flush=True)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "gpu_llama.json").write_text(json.dumps(doc, indent=1))
+    run_parts(doc, {"parity": parity, "step": step}, Path(args.out) / "gpu_llama.json")
     return 0
 
 

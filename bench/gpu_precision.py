@@ -21,6 +21,7 @@ staging:  a snapshot message (256 MiB) staged to pinned host memory on the side 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import sys
@@ -31,7 +32,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from bench.gpu import PEAKS, WARMUP_STEPS, _short  # noqa: E402
+from bench.gpu import PEAKS, WARMUP_STEPS, run_parts  # noqa: E402
 from bench.gpu_llama import plain_step  # noqa: E402
 from bench.gpu_training import _elaswave  # noqa: E402
 
@@ -151,21 +152,18 @@ def main() -> int:
     ap.add_argument("--only", default="step,repeat,staging")
     ap.add_argument("--shapes", default=",".join(SHAPES), help="of step: " + ", ".join(SHAPES))
     args = ap.parse_args()
+    items, shapes = {"step": step, "repeat": repeat, "staging": staging}, args.shapes.split(",")
+    for flag, given, valid in (("--only", args.only.split(","), items), ("--shapes", shapes, SHAPES)):
+        if set(given) - set(valid):
+            ap.error(f"{flag} {','.join(given)}: unknown {', '.join(sorted(set(given) - set(valid)))}; "
+                     f"valid: {', '.join(valid)}")
     if args.device == "cuda" and not torch.cuda.is_available():
         print("bench/gpu_precision.py: no CUDA device here; nothing measured")
         return 0
     doc = {"device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu (a check of the script)",
            "torch": torch.__version__, "date": time.strftime("%Y-%m-%d")}
-    for name in args.only.split(","):
-        try:
-            doc[name] = {"step": step, "repeat": repeat, "staging": staging}[name](args.device, args.shapes.split(","))
-        except Exception as exc:  # noqa: BLE001 - a finding; the other items still run
-            doc[name] = {"error": _short(exc)}
-        print(name, json.dumps(doc[name], indent=1), flush=True)
-    if args.device == "cuda":
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "gpu_precision.json").write_text(json.dumps(doc, indent=1))
+    run_parts(doc, {name: functools.partial(items[name], args.device, shapes) for name in args.only.split(",")},
+              Path(args.out) / "gpu_precision.json" if args.device == "cuda" else None)
     return 0
 
 

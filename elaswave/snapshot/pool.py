@@ -50,8 +50,6 @@ class SnapshotPool:
         """(receive, buffer, chunk count, owner) per owner whose next snapshot is expected."""
         self._spare: list[torch.Tensor] = []
         self._staging: HostStaging | None = None
-        self._header: torch.Tensor | None = None
-        """The last header's integers: on a GPU read by a copy that may not have run yet."""
 
     def _staging_on(self, device: torch.device) -> HostStaging:
         if self._staging is None or self._staging.device != device:
@@ -74,9 +72,10 @@ class SnapshotPool:
         fill(payload)
         # No read-back on a GPU: the header's integers come from pinned memory and the checksum is
         # written on the device, after the state it sums.
-        self._header = self._staging_on(device).header([gen, 0, len(keys)] + [x for k in keys for x in k])
-        self._out[:hbytes].view(torch.int64).copy_(self._header, non_blocking=True)
-        self._out[8:16].view(torch.int64).copy_(checksum(self._out[hbytes:]))
+        header = self._out[:hbytes].view(torch.int64)
+        ints = [gen, 0, len(keys)] + [x for k in keys for x in k]
+        header.copy_(self._staging_on(device).header(ints), non_blocking=True)
+        header[1:2].copy_(checksum(self._out[hbytes:]))
         if corrupt and pbytes:
             self._out[hbytes] ^= 0x01
         self._sends = [(group.isend(self._out, holder, TAG_SNAPSHOT), holder) for holder in holders]

@@ -48,11 +48,14 @@ class HostStaging:
         self.side = torch.cuda.Stream(device) if device.type == "cuda" else None
         self._spare: list[torch.Tensor] = []
         """Pinned host buffers of snapshots no longer kept (GPU only)."""
+        self._header: torch.Tensor | None = None
 
     def header(self, ints: list[int]) -> torch.Tensor:
-        """The header's integers, in memory a device copy can read without a sync (pinned on a GPU)."""
+        """The header's integers, in memory a device copy can read without a sync (pinned on a GPU),
+        kept until the next header: the copy may not have run when the caller returns."""
         t = torch.tensor(ints, dtype=torch.int64)
-        return t.pin_memory() if self.side is not None else t
+        self._header = t.pin_memory() if self.side is not None else t
+        return self._header
 
     def start(self, message: torch.Tensor, hbytes: int) -> Staged:
         """Begin moving a received ``message`` (its receive is complete) to where it is kept, with its
