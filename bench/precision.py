@@ -1,4 +1,4 @@
-"""Precision on this CPU, measured: ``python bench/precision.py curve|step|all [--runs N]``.
+"""Precision on this CPU, measured: ``python bench/precision.py curve|step|islands|floor|all [--runs N]``.
 
 curve: the default job (the tiny Llama at dp=2 x pp=2, fast mode) for 200 steps in fp32 and in
        bf16, as real runs; the relative loss difference at every step after warm-up (goal: within
@@ -11,9 +11,13 @@ step:  one process (the reference trainer: the runtime's stage, accumulator and 
 islands: whether float32 islands beyond the standard ones (RMSNorm, softmax and the loss already run
        in float32) bring bf16 closer to fp32: the single-process reference (fast mode, the default
        job's model and batch) for 200 steps in fp32, in bf16, in bf16 with a float32 residual stream
-       (Megatron's --fp32-residual-connection) and in bf16 with float32 logits, for ``--seeds``
+       (Megatron's --fp32-residual-connection) and in bf16 with float32 logits, for ``--runs``
        seeds; each bf16 variant's relative loss difference from fp32 after warm-up.
-Results: bench/results/precision_{curve,step,islands}.json, the report in bench/results/precision_curve.report/.
+floor: how far bf16 is from fp32 against how far fp32 is from itself with another kernel's rounding:
+       the same reference and model without dropout (so fast mode may fuse attention), for
+       ``--runs`` seeds: fp32 with SDPA, fp32 with the attention written out (the same arithmetic
+       rounded differently: the floor) and bf16 with SDPA; each one's difference from the first.
+Results: bench/results/precision_{curve,step,islands,floor}.json, the report in bench/results/precision_curve.report/.
 """
 from __future__ import annotations
 
@@ -38,6 +42,8 @@ STEP_SHAPE = ["model.arch=llama", "model.vocab_size=256", "model.d_model=256", "
               "model.tie_embeddings=true", "model.dropout=0", "train.micro_batch_size=4", "train.num_micro_batches=4",
               "train.steps=12", "data.max_corpus_bytes=400000"]
 STEP_WARMUP = 3
+TINY_LLAMA = ["model.arch=llama", "model.num_kv_heads=2", "model.ffn_dim=128", "model.tie_embeddings=true"]
+"""The default job's model (the llama-tiny preset) spelled out: a factory takes no preset."""
 
 
 def written_out(cfg):
@@ -117,23 +123,36 @@ def _rel_after_warmup(fp32: list[float], other: list[float]) -> dict:
 
 
 def islands(seeds: int) -> dict:
-    from elaswave import config
-    from elaswave.reference import train_reference
-    # The default job's model (the llama-tiny preset) spelled out: a factory takes no preset.
-    tiny = ["model.arch=llama", "model.num_kv_heads=2", "model.ffn_dim=128", "model.tie_embeddings=true"]
+    tiny = TINY_LLAMA
     variants = {"fp32": tiny + ["train.precision=fp32"], "bf16": tiny + ["train.precision=bf16"],
                 "bf16_fp32_residual": tiny + ["train.precision=bf16", "model.factory=bench.precision:fp32_residual"],
                 "bf16_fp32_logits": tiny + ["train.precision=bf16", "model.factory=bench.precision:fp32_logits"]}
-    out = {}
+    return {"steps": CURVE_STEPS, "warmup": CURVE_WARMUP, "trainer": "the single-process reference, fast mode",
+            "seeds": _against_first(variants, seeds, "islands")}
+
+
+def floor(seeds: int) -> dict:
+    tiny = TINY_LLAMA + ["model.dropout=0"]
+    variants = {"fp32": tiny + ["train.precision=fp32"],
+                "fp32_written": tiny + ["train.precision=fp32", "model.factory=bench.precision:written_out"],
+                "bf16": tiny + ["train.precision=bf16"]}
+    return {"steps": CURVE_STEPS, "warmup": CURVE_WARMUP, "trainer": "the single-process reference, fast mode, no dropout",
+            "seeds": _against_first(variants, seeds, "floor")}
+
+
+def _against_first(variants: dict, seeds: int, label: str) -> dict:
+    """Each variant's relative loss difference after warm-up from the first, per seed."""
+    from elaswave import config
+    from elaswave.reference import train_reference
+    first, out = next(iter(variants)), {}
     for seed in range(seeds):
         losses = {name: train_reference(config.load(None, sets + [f"train.seed={seed}", f"train.steps={CURVE_STEPS}"]))["losses"]
                   for name, sets in variants.items()}
-        out[seed] = {name: _rel_after_warmup(losses["fp32"], losses[name]) for name in variants if name != "fp32"}
-        print(f"islands seed {seed}: " + ", ".join(f"{n} max {100 * r['max']:.2f} % (step {r['worst_step']}, "
-                                                   f"{r['steps_over_2_percent']} over 2 %)" for n, r in out[seed].items()),
-              flush=True)
-    return {"steps": CURVE_STEPS, "warmup": CURVE_WARMUP, "trainer": "the single-process reference, fast mode",
-            "seeds": out}
+        out[seed] = {name: _rel_after_warmup(losses[first], losses[name]) for name in variants if name != first}
+        print(f"{label} seed {seed}: " + ", ".join(f"{n} max {100 * r['max']:.3f} %, median {100 * r['median']:.3f} % "
+                                                   f"(step {r['worst_step']}, {r['steps_over_2_percent']} over 2 %)"
+                                                   for n, r in out[seed].items()), flush=True)
+    return out
 
 
 def _median_step(sets: list[str]) -> float:
@@ -162,8 +181,8 @@ def step(runs: int) -> dict:
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("what", choices=["curve", "step", "islands", "all"])
-    ap.add_argument("--runs", type=int, default=3, help="step: rounds; islands: seeds")
+    ap.add_argument("what", choices=["curve", "step", "islands", "floor", "all"])
+    ap.add_argument("--runs", type=int, default=3, help="step: rounds; islands and floor: seeds")
     args = ap.parse_args()
     RESULTS.mkdir(exist_ok=True)
     if args.what in ("curve", "all"):
@@ -172,6 +191,8 @@ def main() -> int:
         (RESULTS / "precision_step.json").write_text(json.dumps(step(args.runs), indent=2))
     if args.what == "islands":
         (RESULTS / "precision_islands.json").write_text(json.dumps(islands(args.runs), indent=2))
+    if args.what == "floor":
+        (RESULTS / "precision_floor.json").write_text(json.dumps(floor(args.runs), indent=2))
     return 0
 
 

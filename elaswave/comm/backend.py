@@ -14,6 +14,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from elaswave.control.link import client
 from elaswave.interrupt import CommError, Interrupt
 
 
@@ -36,7 +37,7 @@ def choose(backend: str) -> tuple[str, torch.device]:
 def connect_store(addr: str, timeout_s: float) -> dist.Store:
     """A client of the launcher's TCPStore at ``host:port``."""
     host, port = addr.rsplit(":", 1)
-    return dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=timeout_s))
+    return client(host, int(port), timeout_s, timeout_s)
 
 
 def rendezvous_store(timeout_s: float) -> tuple[dist.Store, int, int]:

@@ -16,10 +16,15 @@ The per-host agents follow: each keeps the members' standby addresses (:class:`D
 when its link gives up it connects to the first that says it is the job's store now
 (``ew/store/generation`` newer than the one it knew).
 
-What this does not cover: the store's process dying *with* members (node 0's whole host, or, after
-a move, the member whose process holds the store). The survivors' collectives fail while no store
-can agree on their next epoch; they save their state and stop, and a rerun resumes with no step
-lost (:mod:`elaswave.runtime.rescue`).
+Members dead with the store (node 0's whole host, or, after a move, the member whose process holds
+the store): the survivors' recovery finds the store gone and each moves to the first member whose
+standby *answers* (:func:`move` with a prober), then agrees there without the dead
+(:meth:`elaswave.runtime.context.Context.relocate_store`). Without any standby that answers, the
+ranks save their state and stop, and a rerun resumes with no step lost (:mod:`elaswave.runtime.rescue`).
+
+What this does not cover: a store process that is frozen (SIGSTOP) rather than dead. A TCPStore
+client's ``get`` to one did not return 8 s after its 1 s timeout (torch 2.13), so a link blocked in
+a call never gives up (a new connection's attempt is bounded: :func:`elaswave.control.link.client`).
 """
 from __future__ import annotations
 
@@ -32,7 +37,7 @@ from typing import Callable, Sequence
 import torch.distributed as dist
 
 from elaswave.control import agents
-from elaswave.control.link import StoreLink, StoreLost, check_listening
+from elaswave.control.link import StoreLink, StoreLost, check_listening, client
 from elaswave.control.membership import PREFIX
 
 STANDBY = PREFIX + "standby/"
@@ -214,9 +219,7 @@ def follow_once(link: StoreLink, known: dict[int, str], generation: int, timeout
 def _client(addr: str, timeout_s: float) -> dist.Store:
     host, port = addr.rsplit(":", 1)
     check_listening(host, int(port), CONNECT_S)  # a refused one is cheap and quiet
-    store = dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=CONNECT_S))
-    store.set_timeout(timedelta(seconds=timeout_s))
-    return store
+    return client(host, int(port), CONNECT_S, timeout_s)
 
 
 def _generation(store) -> int:

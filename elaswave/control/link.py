@@ -93,8 +93,7 @@ class StoreLink:
     def _follow(self) -> None:
         """On this link's first use after the store moved: a connection to where it is now."""
         if self._generation != self._lost.generation:
-            self._generation = self._lost.generation
-            self._reconnect(time.monotonic(), ConnectionError(f"the store moved to {self.addr}"))
+            self._reconnect(time.monotonic(), ConnectionError("the store moved"))
 
     def __getattr__(self, name: str):
         method = getattr(self._store, name)
@@ -123,9 +122,15 @@ class StoreLink:
     def _reconnect(self, failed_at: float, cause: Exception) -> None:
         """A new connection to the same store, tried until ``grace_s`` after the first failure."""
         while True:
-            left = self.grace_s - (time.monotonic() - failed_at)
             if self.lost.is_set():  # another link of this process gave up already
                 raise StoreLost(self.lost_reason) from None
+            if self._generation != self._lost.generation:
+                # The store moved while this link was trying (another link gave up on the old one,
+                # and the process moved before this one looked again): the new store gets a grace of
+                # its own. Measured from the old failure, it would be declared lost unasked.
+                self._generation, failed_at = self._lost.generation, time.monotonic()
+                cause = ConnectionError(f"the store moved to {self.addr}")
+            left = self.grace_s - (time.monotonic() - failed_at)
             if left <= 0:
                 where = self.addr or "torchrun's rendezvous store"
                 reason = (f"the control store at {where} has not answered for {self.grace_s:g} s "
@@ -149,9 +154,30 @@ class StoreLink:
         check_listening(host, int(port), attempt_s)
         # Short attempts: the constructor backs off between its own retries, which would keep a
         # store that is back waiting for up to the whole grace.
-        store = dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=attempt_s))
-        store.set_timeout(timedelta(seconds=self.timeout_s))
-        return store
+        return client(host, int(port), attempt_s, self.timeout_s)
+
+
+def client(host: str, port: int, within_s: float, timeout_s: float) -> dist.Store:
+    """A TCPStore client (calls time out after ``timeout_s``), or TimeoutError after about
+    ``within_s``. The constructor waits for the server's answer to its first ping with no timeout
+    of its own: a store whose process is frozen (SIGSTOP, a stall) while its kernel still accepts
+    would hold the caller for good. The attempt left behind ends when that server answers or closes."""
+    made: dict = {}
+
+    def connect() -> None:
+        try:
+            made["store"] = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=within_s))
+        except Exception as exc:  # noqa: BLE001 - raised in the caller's thread below
+            made["error"] = exc
+    attempt = threading.Thread(target=connect, daemon=True, name="store-connect")
+    attempt.start()
+    attempt.join(2 * within_s)  # the connect itself is bounded by within_s; its ping gets as long again
+    if attempt.is_alive():
+        raise TimeoutError(f"the store at {host}:{port} accepted a connection but did not answer within {2 * within_s:g} s")
+    if "error" in made:
+        raise made["error"]
+    made["store"].set_timeout(timedelta(seconds=timeout_s))
+    return made["store"]
 
 
 def check_listening(host: str, port: int, timeout_s: float) -> None:

@@ -75,3 +75,40 @@ def test_a_set_on_a_connection_that_was_cut_is_not_lost(server):
         proxy.cut()
         link.set("b", "2")
         assert server.get("b") == b"2" and link.reconnects == 1
+
+
+
+def test_a_store_that_accepts_but_never_answers_is_lost_within_the_grace(server):
+    """A store process frozen (SIGSTOP, a stall) on a host that still accepts connections: a
+    TCPStore client's constructor would wait for its answer for good. Each reconnect attempt is
+    bounded, so the link gives up within the grace, as for a dead store."""
+    with Proxy(server.port) as proxy:
+        link = _link(proxy.addr, grace_s=0.6)
+        link.set("k", "v")
+        proxy.stall()
+        proxy.cut()
+        began = time.monotonic()
+        with pytest.raises(StoreLost, match=r"has not answered for 0.6 s"):
+            link.get("k")
+        assert time.monotonic() - began < 2.0
+
+
+def test_a_link_whose_failure_predates_a_move_gives_the_new_store_a_grace_of_its_own(server):
+    """The race behind a survivor that gave up on the store it had just moved to: its watcher's link
+    failed on the old store a moment before the main thread's link gave up and moved the store, and
+    was still in its reconnect loop, its grace running out just after the move. Measured from the
+    old failure, that grace would declare the new store lost; the new store gets one of its own."""
+    new = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=5))
+    with Proxy(server.port) as proxy:
+        link = _link(proxy.addr, grace_s=0.6)
+        watcher = link.separate()
+        proxy.refuse()
+        proxy.cut()
+        with pytest.raises(StoreLost):
+            link.get("k")
+        link.move(f"127.0.0.1:{new.port}")
+        # The watcher's loop, looking again after the move, a whole grace after its own failure.
+        watcher._reconnect(time.monotonic() - 0.6, ConnectionError("Failed to recv, got 0 bytes"))
+        new.set("x", "1")
+        assert watcher.get("x") == b"1" and link.get("x") == b"1"
+        assert not link.lost.is_set()

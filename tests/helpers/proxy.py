@@ -3,7 +3,8 @@
 Everything a client sends through it reaches the target unchanged. :meth:`Proxy.cut` closes every
 connection it carries (both ends see the connection drop, as when a link or a switch fails), and
 while :meth:`Proxy.refuse` is on, new connections are accepted and closed at once (the target
-seems gone); :meth:`Proxy.allow` lets them through again.
+seems gone); while :meth:`Proxy.stall` is on, they are accepted and never answered (a host gone
+silent: each attempt waits out its timeout). :meth:`Proxy.allow` lets them through again.
 """
 from __future__ import annotations
 
@@ -19,7 +20,8 @@ class Proxy:
         self.addr = f"{host}:{self.port}"
         self._lock = threading.Lock()
         self._conns: list[socket.socket] = []
-        self._refusing = False
+        self._held: list[socket.socket] = []
+        self._refusing = self._stalling = False
         self.cuts = 0
         """Connections closed by :meth:`cut`."""
         self.accepted = 0
@@ -28,15 +30,19 @@ class Proxy:
     def cut(self) -> None:
         with self._lock:
             conns, self._conns = self._conns, []
-        for s in conns:
+            held, self._held = self._held, []
+        for s in conns + held:
             _close(s)
         self.cuts += len(conns) // 2
 
     def refuse(self) -> None:
         self._refusing = True
 
+    def stall(self) -> None:
+        self._stalling = True
+
     def allow(self) -> None:
-        self._refusing = False
+        self._refusing = self._stalling = False
 
     def close(self) -> None:
         self.refuse()
@@ -51,6 +57,10 @@ class Proxy:
                 return  # closed
             if self._refusing:
                 _close(client)
+                continue
+            if self._stalling:
+                with self._lock:
+                    self._held.append(client)  # open, never answered; closed by cut or close
                 continue
             try:
                 upstream = socket.create_connection(self.target, timeout=5)
