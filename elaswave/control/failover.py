@@ -23,8 +23,9 @@ standby *answers* (:func:`move` with a prober), then agrees there without the de
 ranks save their state and stop, and a rerun resumes with no step lost (:mod:`elaswave.runtime.rescue`).
 
 What this does not cover: a store process that is frozen (SIGSTOP) rather than dead. A TCPStore
-client's ``get`` to one did not return 8 s after its 1 s timeout (torch 2.13), so a link blocked in
-a call never gives up (a new connection's attempt is bounded: :func:`elaswave.control.link.client`).
+client's calls that expect a reply (add, check, get, multi_get, compare_set, wait) to one had not
+returned 8 s after their 1 s timeout (torch 2.13), so a link blocked in a call never gives up (a new
+connection's attempt is bounded: :func:`elaswave.control.link.client`).
 """
 from __future__ import annotations
 
