@@ -93,7 +93,7 @@ class StoreLink:
     def _follow(self) -> None:
         """On this link's first use after the store moved: a connection to where it is now."""
         if self._generation != self._lost.generation:
-            self._reconnect(time.monotonic(), ConnectionError("the store moved"))
+            self._reconnect(time.monotonic())  # the moved-store branch there starts its grace
 
     def __getattr__(self, name: str):
         method = getattr(self._store, name)
@@ -119,8 +119,9 @@ class StoreLink:
                     self._reconnect(failed_at, exc)
         return call
 
-    def _reconnect(self, failed_at: float, cause: Exception) -> None:
-        """A new connection to the same store, tried until ``grace_s`` after the first failure."""
+    def _reconnect(self, failed_at: float, cause: Exception | None = None) -> None:
+        """A new connection to the same store, tried until ``grace_s`` after the first failure
+        (``cause``; none when the store moved, which is the cause then)."""
         while True:
             if self.lost.is_set():  # another link of this process gave up already
                 raise StoreLost(self.lost_reason) from None
@@ -158,8 +159,8 @@ class StoreLink:
 
 
 def client(host: str, port: int, within_s: float, timeout_s: float) -> dist.Store:
-    """A TCPStore client (calls time out after ``timeout_s``), or TimeoutError after about
-    ``within_s``. The constructor waits for the server's answer to its first ping with no timeout
+    """A TCPStore client whose calls get ``timeout_s`` (a frozen server outlasts it: see
+    :mod:`elaswave.control.failover`), or TimeoutError after about ``within_s``. The constructor waits for the server's answer to its first ping with no timeout
     of its own: a store whose process is frozen (SIGSTOP, a stall) while its kernel still accepts
     would hold the caller for good. The attempt left behind ends when that server answers or closes."""
     made: dict = {}
