@@ -17,7 +17,8 @@ from dataclasses import dataclass
 from typing import Callable, Sequence
 
 from elaswave import config
-from elaswave.config import ConfigError, JobConfig
+from elaswave.config import JobConfig
+from elaswave.errors import ConfigError
 from elaswave.runtime.metrics import read_jsonl
 
 
@@ -72,7 +73,7 @@ def train(config_path: str | None = None, overrides: Sequence[str] = (), model: 
           metrics_out: str | None = None, timeout_s: float | None = None) -> Run:
     """Run the job with its dp x pp worker processes on this host; returns its metrics."""
     from elaswave.launch import launch
-    from elaswave.model.contract import model_for
+    from elaswave.model.registry import model_for
 
     cfg = job(config_path, overrides, model)
     model_for(cfg)  # a bad model is one error here, not one per worker

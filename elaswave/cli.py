@@ -6,7 +6,7 @@ import os
 import sys
 
 from elaswave import config
-from elaswave.config import ConfigError
+from elaswave.errors import ConfigError
 from elaswave.runtime.metrics import MetricsWriter, print_error
 
 
@@ -61,7 +61,7 @@ def _check_data(cfg: config.JobConfig) -> None:
     """Load the corpus and check the model once up front, so a bad data file, factory or checkpoint
     is one line here, not N worker tracebacks."""
     from elaswave.data.sampler import open_eval_sampler, open_sampler
-    from elaswave.model.contract import model_for
+    from elaswave.model.registry import model_for
 
     model = model_for(cfg)
     if cfg.model.init_from:
@@ -83,7 +83,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     from elaswave.launch import launch
     from elaswave.runtime.metrics import TENSORBOARD_ENV
 
-    node = Node(args.nnodes, args.node_rank, args.nproc_per_node, args.rdzv_endpoint, args.rdzv_id)
+    node = Node(args.nnodes, args.node_rank, args.nproc_per_node, args.rdzv_endpoint, args.rdzv_id,
+                args.rdzv_backend)
     node.validate(cfg.world_size, job_token())
 
     if args.tensorboard:  # the workers' writer reads it (under torchrun, set it yourself)
@@ -107,7 +108,7 @@ def cmd_join(args: argparse.Namespace) -> int:
     import subprocess
     import tempfile
 
-    from elaswave.comm.backend import connect_store
+    from elaswave.control import rendezvous
     from elaswave.control.admission import JOIN_ENV, STARTED_ENV, TOKEN_ENV
     from elaswave.control.membership import PREFIX
     from elaswave.launch import next_rank
@@ -117,8 +118,10 @@ def cmd_join(args: argparse.Namespace) -> int:
     if not os.environ.get(TOKEN_ENV):
         raise ConfigError(f"{TOKEN_ENV} is not set: a job admits only ranks that know its token")
     try:
-        store = connect_store(args.store, args.timeout_s)
+        store = rendezvous.connect(args.store, args.timeout_s, args.timeout_s)
         doc = json.loads(store.get(PREFIX + "config"))
+    except ConfigError:
+        raise
     except Exception as exc:  # noqa: BLE001 - one line for the user
         raise ConfigError(f"--store={args.store!r}: no elaswave job answers there ({type(exc).__name__}: {exc})") from None
     rank = next_rank(store)
@@ -289,7 +292,11 @@ def main(argv: list[str] | None = None) -> int:
     hosts.add_argument("--nnodes", type=int, default=1, help="hosts in the job")
     hosts.add_argument("--node-rank", type=int, default=0, help="this host's number, 0..nnodes-1 (0 hosts the store)")
     hosts.add_argument("--nproc-per-node", type=int, default=None, help="workers on each host (default: dp x pp / nnodes)")
-    hosts.add_argument("--rdzv-endpoint", default=None, metavar="HOST:PORT", help="node 0's address and a free port for the job's store")
+    hosts.add_argument("--rdzv-backend", default="c10d", metavar="c10d|etcd",
+                       help="c10d: node 0's agent holds the job's store (a TCPStore); etcd: an etcd cluster holds "
+                            "it, and a majority of its members decides (any value is checked: one line if invalid)")
+    hosts.add_argument("--rdzv-endpoint", default=None, metavar="HOST:PORT[,...]",
+                       help="c10d: node 0's address and a free port for the job's store; etcd: the cluster's members")
     hosts.add_argument("--rdzv-id", default="elaswave", help="the job's id; every agent must give the same")
     run.add_argument("--timeout-s", type=float, default=None, help="stop the job after this many seconds")
     run.add_argument("--tensorboard", metavar="DIR", help="also log TensorBoard scalars in DIR (needs tensorboard)")

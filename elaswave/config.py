@@ -17,22 +17,18 @@ from typing import Any
 from elaswave.control import faults
 from elaswave.control.config import ElasticConfig
 from elaswave.data.config import DataConfig
+from elaswave.errors import ConfigError, fail as _fail
 from elaswave.model.config import ModelConfig, resolve as resolve_model
 from elaswave.plan.frequency import PowerModel
 from elaswave.precision import PRECISIONS
+
+__all__ = ["ConfigError", "TrainConfig", "ParallelConfig", "CheckpointConfig", "EmulateConfig", "FrequencyConfig",
+           "JobConfig", "load", "from_dict"]  # ConfigError lives in elaswave.errors; importable here as before
 
 try:  # Python >= 3.11
     import tomllib
 except ModuleNotFoundError:  # pragma: no cover - exercised only on 3.9/3.10
     import tomli as tomllib  # type: ignore[no-redef]
-
-
-class ConfigError(ValueError):
-    """A configuration value is invalid; the message is one line meant for the user."""
-
-
-def _fail(key: str, value: Any, valid: str) -> None:
-    raise ConfigError(f"{key}={value!r} is invalid: {valid}")
 
 
 @dataclass
@@ -417,7 +413,7 @@ def _budgeted(cfg: JobConfig) -> JobConfig:
     if cfg.data.mix:
         _fail("train.epochs", t.epochs, "is ambiguous with data.mix (every source has its own epochs); "
                                         "use train.tokens or train.steps")
-    from elaswave.data.corpus import corpus_tokens  # (corpus reads ConfigError from here)
+    from elaswave.data.corpus import corpus_tokens  # late: keeps numpy off the config edge
 
     windows = (corpus_tokens(cfg.data) - 1) // cfg.model.seq_len
     t.steps, t.epochs = max(1, math.ceil(t.epochs * windows / per_step)), 0.0

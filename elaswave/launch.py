@@ -24,9 +24,10 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from elaswave.config import ConfigError, JobConfig
+from elaswave.config import JobConfig
+from elaswave.errors import ConfigError
 from elaswave.comm.backend import connect_store
-from elaswave.control import agents, failover
+from elaswave.control import agents, failover, rendezvous
 from elaswave.control.admission import JOIN_ENV, SPARE_ENV, STARTED_ENV, TOKEN_ENV, job_token, new_token, promote
 from elaswave.control.agents import NODE_RANK_ENV, NODES_ENV, AgentRefused, Node
 from elaswave.control.link import EXIT_STORE_LOST, StoreLink, StoreLost
@@ -140,6 +141,10 @@ def _open_store(cfg: JobConfig, node: Node, host: str) -> tuple[dist.TCPStore | 
     (through a link that outlives a dropped connection). Returns it and the address the workers
     connect to."""
     timeout = timedelta(seconds=cfg.parallel.timeout_s)
+    if node.rdzv_backend == "etcd":
+        store = rendezvous.open_etcd_run(node.rdzv_endpoint, node.rdzv_id, node.node_rank, cfg.parallel.timeout_s)
+        return StoreLink(store, None, cfg.parallel.timeout_s, cfg.elastic.heartbeat_timeout_s), \
+            rendezvous.etcd_address(store)
     if node.rdzv_endpoint is None:
         store = dist.TCPStore(host, 0, world_size=None, is_master=True, wait_for_workers=False, timeout=timeout)
         return store, f"{host}:{store.port}"
@@ -184,6 +189,8 @@ def launch(cfg: JobConfig, metrics_out: str | None = None, host: str = "127.0.0.
     one that only this launcher's own replacements know."""
     node.validate(cfg.world_size, job_token())
     _check_devices(cfg, node)
+    if node.rdzv_backend == "etcd":
+        cfg.elastic.store_failover = False  # no process holds the store: there is nothing to move
     store, store_addr = _open_store(cfg, node, host)
     token = job_token() or new_token()
     if node.node_rank == 0:
@@ -230,6 +237,8 @@ def launch(cfg: JobConfig, metrics_out: str | None = None, host: str = "127.0.0.
                     return _after_store_lost(cfg, workers, lost)
         if node.is_multi_host:
             _finish(store, node, done_grace_s)
+        if node.rdzv_backend == "etcd" and node.node_rank == 0:
+            _close_run(store)
         return code
     except KeyboardInterrupt:
         _stop(workers.all())
@@ -382,6 +391,13 @@ def _finish(store: dist.TCPStore, node: Node, grace_s: float) -> None:
         else:
             agents.finished(store, node.node_rank)
     except (RuntimeError, OSError):  # node 0's store is gone: nobody is left to tell
+        pass
+
+
+def _close_run(store: StoreLink) -> None:
+    try:
+        rendezvous.close_etcd_run(store)
+    except (StoreLost, RuntimeError, OSError):  # no majority now: a later agent may find the run open
         pass
 
 

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from elaswave.errors import ConfigError
+
 if TYPE_CHECKING:
     import torch
 
@@ -29,7 +31,6 @@ def compute_dtype(precision: str, device: torch.device) -> torch.dtype:
     """The dtype layers hold and compute in on ``device``."""
     import torch  # here: the config edge imports this module and stays free of torch
 
-    from elaswave.config import ConfigError  # late: elaswave.config imports this module
     if precision not in PRECISIONS:
         raise ConfigError(f"train.precision={precision!r} is invalid: must be one of {', '.join(PRECISIONS)}")
     if precision == "auto":

@@ -14,7 +14,7 @@ import torch
 
 from elaswave.config import JobConfig
 from elaswave.data.sampler import Sampler, open_eval_sampler, open_sampler
-from elaswave.model.contract import model_for
+from elaswave.model.registry import model_for
 from elaswave.pipeline.stage import Stage
 from elaswave.precision import job_dtype, name
 from elaswave.plan.chunks import ChunkIndex

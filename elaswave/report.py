@@ -16,7 +16,7 @@ import math
 import os
 from pathlib import Path
 
-from elaswave.config import ConfigError
+from elaswave.errors import ConfigError
 from elaswave.runtime.metrics import read_jsonl
 
 PHASES = ("detect", "agree", "communicator", "plan", "state", "first_step")

@@ -22,7 +22,7 @@ from torch import nn
 
 from elaswave import config, reference
 from elaswave.data.sampler import open_sampler
-from elaswave.model.contract import model_for
+from elaswave.model.registry import model_for
 from elaswave.pipeline.stage import Stage
 
 # Dropout off: elaswave draws its masks from keyed streams (seed, step, micro-batch, layer) that a

@@ -15,10 +15,11 @@ from typing import Iterable
 import torch
 
 from elaswave.checkpoint import disk
-from elaswave.config import ConfigError
+from elaswave.errors import ConfigError
 from elaswave.model import hf
 from elaswave.model.config import ModelConfig
-from elaswave.model.contract import family, untie
+from elaswave.model.contract import untie
+from elaswave.model.registry import family
 from elaswave.plan.chunks import chunk_range, num_chunks
 from elaswave.plan.plan import Plan
 from elaswave.zero.flat import FlatLayer

@@ -83,16 +83,28 @@ class Admission:
     # -- the joiner's side -------------------------------------------------------------------
     def stand_by(self, poll_s: float = 0.5) -> float | None:
         """A warm spare waits here, everything that does not depend on its future place already
-        built, until promoted (returns the wall time of the promotion) or the job is done (None).
-        Every wait is bounded by ``poll_s``, so the end of the job is seen within it."""
+        built, until promoted (returns the wall time of the promotion) or the job is done (None)."""
         key = f"{PREFIX}spare/{self.rank}"
+        return float(self.store.get(key)) if self._wait_unless_done(key, None, poll_s) else None
+
+    def job_done(self) -> bool:
+        return self.store.check([PREFIX + "done"])
+
+    def _wait_unless_done(self, key: str, timeout_s: float | None, poll_s: float = 0.5) -> bool:
+        """Wait for ``key``: True once it is set, False as soon as the job is done (each wait is one
+        ``poll_s`` slice, so the end of the job is seen within it, not after a fixed margin);
+        TimeoutError after ``timeout_s`` (None: no limit)."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while True:
+            slice_s = poll_s if deadline is None else max(0.01, min(poll_s, deadline - time.monotonic()))
             try:
-                self.store.wait([key], timedelta(seconds=poll_s))
-                return float(self.store.get(key))
-            except Exception:  # c10d's timeout error: not promoted yet
-                if self.store.check([PREFIX + "done"]):
-                    return None
+                self.store.wait([key], timedelta(seconds=slice_s))
+                return True
+            except Exception:  # c10d's timeout error: not there yet
+                if self.job_done():
+                    return False
+                if deadline is not None and time.monotonic() >= deadline:
+                    raise TimeoutError(key) from None
 
     def request(self, token: str | None, started_wall: float) -> None:
         doc = {"rank": self.rank, "proof": proof(token, self.rank) if token else "", "started_wall": started_wall,
@@ -100,13 +112,14 @@ class Admission:
         n = self.store.add(PREFIX + "join_seq", 1)
         self.store.set(f"{PREFIX}join/{n}", json.dumps(doc))
 
-    def wait_verdict(self, attempt: int, timeout_s: float) -> Verdict:
+    def wait_verdict(self, attempt: int, timeout_s: float) -> Verdict | None:
         """The leader's answer to this rank's request (``attempt`` 1, or later ones after a failure
-        kept it out); raises :class:`Refused` or TimeoutError."""
+        kept it out), or None if the job finished first; raises :class:`Refused` or TimeoutError."""
         key = f"{PREFIX}join/{self.rank}/verdict/{attempt}"
         try:
-            self.store.wait([key], timedelta(seconds=timeout_s))
-        except Exception:  # c10d raises its own error type on a timeout
+            if not self._wait_unless_done(key, timeout_s):
+                return None
+        except TimeoutError:
             raise TimeoutError(f"rank {self.rank}: no answer to the join request within {timeout_s}s "
                                "(is the job still running?)") from None
         doc = json.loads(self.store.get(key))

@@ -18,9 +18,10 @@ import json
 import time
 from dataclasses import dataclass
 
-from elaswave.config import ConfigError
 from elaswave.control.admission import proof
+from elaswave.control.etcd import parse_endpoints
 from elaswave.control.membership import PREFIX
+from elaswave.errors import ConfigError
 
 NODES_ENV = "ELASWAVE_NNODES"
 """Set in each worker an agent starts: the job's number of hosts."""
@@ -34,6 +35,10 @@ class AgentRefused(ConfigError):
     """This agent's settings disagree with the job's, or its node rank is taken; says which."""
 
 
+BACKENDS = ("c10d", "etcd")
+"""Where the job's control store is (torchrun's --rdzv-backend names): see elaswave.control.rendezvous."""
+
+
 @dataclass(frozen=True)
 class Node:
     """This host's place in the job, in torchrun's terms. The default is the whole job on one host."""
@@ -43,12 +48,15 @@ class Node:
     nproc_per_node: int | None = None
     """Workers on each host; None: the job's ranks divided evenly over the hosts."""
     rdzv_endpoint: str | None = None
-    """HOST:PORT of the job's store, which node 0's agent hosts; None on one host (any free port)."""
+    """c10d: HOST:PORT of the job's store, which node 0's agent hosts; None on one host (any free
+    port). etcd: the cluster's members, HOST:PORT[,HOST:PORT...]."""
     rdzv_id: str = "elaswave"
+    rdzv_backend: str = "c10d"
+    """c10d: torch's TCPStore, held by node 0's agent; etcd: an etcd cluster (a majority decides)."""
 
     @property
     def is_multi_host(self) -> bool:
-        return self.nnodes > 1 or self.rdzv_endpoint is not None
+        return self.nnodes > 1 or (self.rdzv_endpoint is not None and self.rdzv_backend == "c10d")
 
     def workers(self, world_size: int) -> int:
         return self.nproc_per_node if self.nproc_per_node is not None else world_size // self.nnodes
@@ -68,10 +76,17 @@ class Node:
         if not 0 <= self.node_rank < self.nnodes:
             raise ConfigError(f"--node-rank={self.node_rank} is invalid: with --nnodes={self.nnodes} it is "
                               f"0..{self.nnodes - 1}")
-        if self.nnodes > 1 and not self.rdzv_endpoint:
+        if self.rdzv_backend not in BACKENDS:
+            raise ConfigError(f"--rdzv-backend={self.rdzv_backend!r} is invalid: use one of {', '.join(BACKENDS)}")
+        if self.rdzv_backend == "etcd":
+            if not self.rdzv_endpoint:
+                raise ConfigError("--rdzv-backend=etcd needs --rdzv-endpoint=HOST:PORT[,HOST:PORT...]: the etcd "
+                                  "cluster's members")
+            parse_endpoints(self.rdzv_endpoint)
+        elif self.nnodes > 1 and not self.rdzv_endpoint:
             raise ConfigError(f"--nnodes={self.nnodes} needs --rdzv-endpoint=HOST:PORT: where node 0's agent "
                               f"hosts the job's store")
-        if self.rdzv_endpoint is not None:
+        elif self.rdzv_endpoint is not None:
             host, _, port = self.rdzv_endpoint.rpartition(":")
             if not host or not port.isdigit() or not 0 < int(port) < 65536:
                 raise ConfigError(f"--rdzv-endpoint={self.rdzv_endpoint!r} is invalid: use HOST:PORT with a port "

@@ -6,14 +6,10 @@ live beside theirs.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+
+from elaswave.errors import fail as _fail
 
 from elaswave.control import faults
-
-
-def _fail(key: str, value: Any, valid: str) -> None:
-    from elaswave.config import ConfigError  # the edge's error type; imported late to avoid a cycle
-    raise ConfigError(f"{key}={value!r} is invalid: {valid}")
 
 
 POLICIES = ("elaswave", "drop_replica", "reroute")

@@ -133,7 +133,7 @@ class StoreLink:
                 cause = ConnectionError(f"the store moved to {self.addr}")
             left = self.grace_s - (time.monotonic() - failed_at)
             if left <= 0:
-                where = self.addr or "torchrun's rendezvous store"
+                where = self.addr or getattr(self._store, "description", "torchrun's rendezvous store")
                 reason = (f"the control store at {where} has not answered for {self.grace_s:g} s "
                                     f"(elastic.heartbeat_timeout_s; last error: {str(cause).splitlines()[0]})")
                 self._lost.declare(reason)

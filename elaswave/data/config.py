@@ -7,19 +7,15 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Any
 
-
-def _fail(key: str, value: Any, valid: str) -> None:
-    from elaswave.config import ConfigError  # the edge's error type; imported late to avoid a cycle
-    raise ConfigError(f"{key}={value!r} is invalid: {valid}")
+from elaswave.errors import fail as _fail
 
 
 DATA_SOURCES = ("auto", "stdlib", "text", "bin", "tokens")
 
 
 def _is_prepared(path: str) -> bool:
-    from elaswave.data.shards import is_prepared  # late: shards reads ConfigError from elaswave.config
+    from elaswave.data.shards import is_prepared  # late: keeps numpy off the config edge
 
     return is_prepared(path)
 

@@ -9,7 +9,7 @@ import sysconfig
 import numpy as np
 import torch
 
-from elaswave.config import ConfigError
+from elaswave.errors import ConfigError
 from elaswave.data.config import DataConfig
 from elaswave.data.shards import PreparedTokens, read_manifest
 from elaswave.data.tokenizer import Encoder

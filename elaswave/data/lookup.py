@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from elaswave.config import ConfigError, JobConfig
+from elaswave.config import JobConfig
+from elaswave.errors import ConfigError
 
 
 def parse_steps(text: str) -> range:
@@ -24,7 +25,7 @@ def batches(cfg: JobConfig, steps: range, with_text: bool = False) -> Iterator[d
     """One record per micro-batch of ``steps``: each sample's data epoch, window, and where its first
     token is (source of a mixture, shard, document, offset in it); with ``with_text``, the window decoded."""
     from elaswave.data.sampler import open_sampler
-    from elaswave.model.contract import model_for
+    from elaswave.model.registry import model_for
 
     sampler = open_sampler(cfg, model_for(cfg))
     paths = [p for p, _ in cfg.data.mixture] if cfg.data.mix else [cfg.data.path]

@@ -22,7 +22,7 @@ from collections.abc import Iterator
 
 import numpy as np
 
-from elaswave.config import ConfigError
+from elaswave.errors import ConfigError
 from elaswave.data import tokenizer as tok
 from elaswave.data.shards import DTYPES, FORMAT, MANIFEST, is_prepared
 

@@ -24,6 +24,7 @@ import torch
 from elaswave import rng
 from elaswave.data.mixture import Mixture, mixture_of
 from elaswave.data.permutation import Permutation
+from elaswave.errors import ConfigError
 
 
 @dataclass(frozen=True)
@@ -118,7 +119,6 @@ def open_eval_sampler(cfg, model) -> Sampler:
     train split, blended by the same weights, in a keyed order of its own. An evaluation reads
     batches 0..train.eval_batches-1, the same windows each time, none twice (they must fit in one
     eval epoch)."""
-    from elaswave.config import ConfigError
     from elaswave.data.corpus import open_tokens
 
     t = cfg.train

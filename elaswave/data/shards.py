@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from elaswave.config import ConfigError
+from elaswave.errors import ConfigError
 from elaswave.data.tokenizer import Encoder
 
 MANIFEST = "manifest.json"

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from elaswave.config import ConfigError
+from elaswave.errors import ConfigError
 
 BYTES = "bytes"
 BYTES_EOD = 0

@@ -13,12 +13,9 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass, fields, replace
-from typing import Any, Iterable
+from typing import Iterable
 
-
-def _fail(key: str, value: Any, valid: str) -> None:
-    from elaswave.config import ConfigError  # the edge's error type; imported late to avoid a cycle
-    raise ConfigError(f"{key}={value!r} is invalid: {valid}")
+from elaswave.errors import fail as _fail
 
 
 ARCHS = ("gpt", "llama")

@@ -19,16 +19,13 @@ holder group includes it, so the gradient of every use is reduced into the one s
 from __future__ import annotations
 
 import contextlib
-import importlib
-import os
-import sys
 from dataclasses import dataclass
 from typing import Protocol, Sequence, runtime_checkable
 
 import torch
 from torch import nn
 
-from elaswave.config import ConfigError
+from elaswave.errors import ConfigError
 
 
 @dataclass(frozen=True)
@@ -100,50 +97,6 @@ def check(model: object, where: str) -> "Model":
         raise ModelContractError(f"{where}: layer_costs() declares {declared} parameters per layer, the built layers "
                                  f"hold {counted} (ties counted with their owner)")
     return model
-
-
-def model_for(cfg) -> "Model":
-    """The job's model (``cfg`` is a JobConfig): the built-in families, or ``model.factory``'s."""
-    m = cfg.model
-    if m.factory:
-        where = f"model.factory={m.factory!r}"
-        try:
-            model = load_factory(m.factory)(cfg)
-        except ConfigError:
-            raise
-        except Exception as exc:  # the user's code: its failure in one line (ELASWAVE_DEBUG=1 re-raises)
-            if os.environ.get("ELASWAVE_DEBUG"):
-                raise
-            raise ModelContractError(f"{where} raised {type(exc).__name__}: {exc}") from None
-        return check(model, where)
-    return family(m, fused_attention=not cfg.train.deterministic)
-
-
-def family(m, fused_attention: bool = False) -> "Model":
-    """A built-in family's model for a ModelConfig ``m`` (``arch``)."""
-    if m.arch == "llama":
-        from elaswave.model.llama import Llama
-        return Llama(m, fused_attention=fused_attention)
-    from elaswave.model.gpt import GPT
-    return GPT(m)
-
-
-def load_factory(spec: str):
-    """``package.module:function`` -> the function, with one-line errors."""
-    module_name, sep, attr = spec.partition(":")
-    if not sep or not module_name or not attr:
-        raise ConfigError(f"model.factory={spec!r} is invalid: must look like package.module:function")
-    if os.getcwd() not in sys.path:  # a module next to the job, as `python -m` would find it
-        sys.path.insert(0, os.getcwd())
-    try:
-        module = importlib.import_module(module_name)
-    except Exception as exc:  # an import error of any kind is the user's to see in one line
-        raise ConfigError(f"model.factory={spec!r} is invalid: cannot import {module_name} "
-                          f"({type(exc).__name__}: {exc})") from None
-    fn = getattr(module, attr, None)
-    if not callable(fn):
-        raise ConfigError(f"model.factory={spec!r} is invalid: {module_name} has no callable {attr}")
-    return fn
 
 
 def tie_pairs(model: "Model") -> tuple[tuple[int, int], ...]:

@@ -17,7 +17,7 @@ from typing import Iterable, Mapping
 import torch
 from torch import nn
 
-from elaswave.config import ConfigError
+from elaswave.errors import ConfigError
 from elaswave.model.config import ModelConfig, to_hf_config
 
 INDEX = "model.safetensors.index.json"

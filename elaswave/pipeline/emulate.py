@@ -11,7 +11,7 @@ import time
 from typing import Sequence
 
 from elaswave.config import JobConfig
-from elaswave.model.contract import model_for
+from elaswave.model.registry import model_for
 from elaswave.runtime.actuator import Actuator
 
 

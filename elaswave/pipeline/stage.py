@@ -11,7 +11,8 @@ from torch.utils.checkpoint import checkpoint
 
 from elaswave import rng
 from elaswave.config import JobConfig
-from elaswave.model.contract import Model, ModelContractError, model_for, untie
+from elaswave.model.contract import Model, ModelContractError, untie
+from elaswave.model.registry import model_for
 from elaswave.zero.flat import FlatLayer
 
 

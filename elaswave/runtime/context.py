@@ -25,7 +25,7 @@ from elaswave.data.mixture import Mixture, mixture_of, tokens_per_source
 from elaswave.data.sampler import Sampler, open_sampler
 from elaswave.data.trace import DATA_TRACE_ENV, DataTrace
 from elaswave.interrupt import Interrupt
-from elaswave.model.contract import model_for
+from elaswave.model.registry import model_for
 from elaswave.pipeline.schedule import Action, Op
 from elaswave.pipeline.stage import Stage
 from elaswave.plan.memory import MemoryModel

@@ -21,7 +21,8 @@ from elaswave.runtime.rank import RankState
 from elaswave.runtime.straggler import REBALANCE
 
 class StoodDown(Exception):
-    """A warm spare that the job never needed: it finished while the spare stood by."""
+    """A spare or joiner that the job finished without: it ends with nothing to do (its message,
+    if any, says why)."""
 
 
 GROW = "grow"
@@ -78,6 +79,8 @@ def join(ctx) -> tuple[RankState, recovery.Recovery]:
     attempt = 1
     while True:
         verdict = ctx.admission.wait_verdict(attempt, ctx.cfg.parallel.timeout_s)
+        if verdict is None:
+            raise StoodDown(f"rank {ctx.rank}: the job finished before it was admitted; nothing to do")
         prev = Plan.from_doc(verdict.prev_plan)
         ctx.plan = prev  # the watcher beats and listens for alerts from now on
         if ctx.watcher is not None and not ctx.watcher.is_alive():
@@ -98,6 +101,8 @@ def _reach_members(ctx, every_s: float = 0.5) -> None:
         return
     deadline = time.monotonic() + ctx.cfg.parallel.timeout_s
     while True:
+        if ctx.admission.job_done():
+            raise StoodDown(f"rank {ctx.rank}: the job finished before it could ask in; nothing to do")
         members = ctx.membership.members_of(ctx.membership.current_epoch()) or ()
         silent = ctx.prober.unreachable(members, ctx.store, reached_only=False)
         if not silent:

@@ -19,7 +19,8 @@ import torch
 
 from elaswave.config import JobConfig
 from elaswave.data.corpus import corpus_bytes
-from elaswave.model.contract import Model, counted_numels, model_for, saved_activation_bytes, tie_pairs
+from elaswave.model.contract import Model, counted_numels, saved_activation_bytes, tie_pairs
+from elaswave.model.registry import model_for
 from elaswave.plan.memory import MemoryModel
 from elaswave.plan.partition import least_memory
 from elaswave.precision import compute_dtype

@@ -21,10 +21,11 @@ import torch
 from elaswave import config
 from elaswave.checkpoint import disk, export
 from elaswave.comm import backend
-from elaswave.config import ConfigError, JobConfig
+from elaswave.config import JobConfig
+from elaswave.errors import ConfigError
 from elaswave.control.admission import JOIN_ENV, Refused
 from elaswave.control.agents import NODE_RANK_ENV, NODES_ENV
-from elaswave.control import failover
+from elaswave.control import failover, rendezvous
 from elaswave.control.link import EXIT_STORE_LOST, StoreLink, StoreLost
 from elaswave.interrupt import Disruption
 from elaswave.model.contract import counted_numels, tie_pairs
@@ -52,7 +53,7 @@ def _connect(cfg: JobConfig, rank: int, world_size: int) -> tuple[StoreLink, int
     addr = os.environ.get("ELASWAVE_STORE")
     timeout_s, grace_s = cfg.parallel.timeout_s, cfg.elastic.heartbeat_timeout_s
     if addr:
-        return StoreLink(backend.connect_store(addr, timeout_s), addr, timeout_s, grace_s), rank, world_size
+        return rendezvous.connect(addr, timeout_s, grace_s), rank, world_size
     store, rank, world_size = backend.rendezvous_store(timeout_s)
     return StoreLink(store, None, timeout_s, grace_s), rank, world_size
 
@@ -381,8 +382,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = config.load(args.config, args.overrides)
         code = run(cfg, rank, world_size, args.metrics_out)
-    except join.StoodDown:
-        code = 0  # a warm spare the job finished without
+    except join.StoodDown as idle:
+        if str(idle):
+            print(f"elaswave: {idle}", flush=True)
+        code = 0  # a spare or joiner the job finished without
     except recovery.Excluded as out:  # a joiner that never got in
         print_error(str(out))
         code = EXIT_EXCLUDED

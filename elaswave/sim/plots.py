@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Mapping
 
-from elaswave.config import ConfigError
+from elaswave.errors import ConfigError
 from elaswave.sim.engine import PolicyResult
 
 

@@ -5,7 +5,7 @@ import json
 import time
 from dataclasses import asdict, replace
 
-from elaswave.config import ConfigError
+from elaswave.errors import ConfigError
 from elaswave.plan.frequency import CLOCKS
 from elaswave.plan.memory import rank_bytes
 from elaswave.plan.plan import PlanError, initial_plan

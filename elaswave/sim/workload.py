@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from elaswave.model.config import PRESETS, ModelConfig, preset
-from elaswave.model.contract import family
+from elaswave.model.registry import family
 from elaswave.sim.model import ClusterModel
 
 MODELS: dict[str, ModelConfig] = {name: preset(name) for name in PRESETS}

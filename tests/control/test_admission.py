@@ -1,5 +1,7 @@
 """Admission over a real TCPStore: the token's proof, the leader's verdicts, and what a joiner sees;
 and the chaos schedules (pure)."""
+import threading
+import time
 from datetime import timedelta
 
 import pytest
@@ -53,6 +55,24 @@ def test_verdicts_reach_the_joiner_and_answered_requests_are_not_pending(store):
     assert leader.pending(members=(0, 1, 4)) == []
     with pytest.raises(TimeoutError, match="no answer to the join request"):
         joiner.wait_verdict(2, timeout_s=0.2)
+
+
+def test_a_joiner_waiting_for_its_verdict_sees_the_end_of_the_job_at_once(store):
+    # It waits on the job's events: the end of the job ends its wait within one poll, not after
+    # parallel.timeout_s (under load a late joiner used to outlive the job by that timeout).
+    joiner = _client(store, 4)
+    joiner.request("s", started_wall=1.0)
+    timer = threading.Timer(0.3, lambda: store.set("ew/done", "1"))
+    timer.start()
+    began = time.monotonic()
+    assert joiner.wait_verdict(1, timeout_s=60) is None
+    assert 0.2 < time.monotonic() - began < 5
+    assert _client(store, 5).stand_by(poll_s=0.1) is None
+
+
+def test_a_verdict_that_never_comes_is_a_timeout_naming_the_rank(store):
+    with pytest.raises(TimeoutError, match="rank 4: no answer to the join request within 0.3s"):
+        _client(store, 4).wait_verdict(1, timeout_s=0.3)
 
 
 def test_chaos_schedules_are_seeded_and_keep_enough_founders():

@@ -5,7 +5,8 @@ import pytest
 from elaswave import config
 from elaswave.config import ConfigError
 from elaswave.model.config import PRESETS, from_hf_config, preset, to_hf_config
-from elaswave.model.contract import counted_numels, family, model_for
+from elaswave.model.contract import counted_numels
+from elaswave.model.registry import family, model_for
 
 # Published totals (parameters), to 0.5 %: the presets' shapes are the real ones.
 PUBLISHED = {"gpt2-124m": 124.4e6, "llama3-8b": 8.03e9, "llama3-70b": 70.6e9, "llama3-405b": 405.9e9,

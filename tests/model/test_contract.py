@@ -2,7 +2,8 @@ import pytest
 import torch
 
 from elaswave import config, rng
-from elaswave.model.contract import model_for, saved_activation_bytes, untie
+from elaswave.model.contract import saved_activation_bytes, untie
+from elaswave.model.registry import model_for
 
 
 def _saved_on_cpu(model, index: int, b: int, dtype: torch.dtype) -> int:

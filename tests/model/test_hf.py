@@ -10,7 +10,7 @@ transformers = pytest.importorskip("transformers")
 from safetensors.torch import load_file, save_file  # noqa: E402
 
 from elaswave import config  # noqa: E402
-from elaswave.model.contract import model_for  # noqa: E402
+from elaswave.model.registry import model_for  # noqa: E402
 from elaswave.pipeline.stage import Stage  # noqa: E402
 from tests.helpers.spawn import TINY, run_cli  # noqa: E402
 

@@ -14,7 +14,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from elaswave import config  # noqa: E402
-from elaswave.model.contract import model_for  # noqa: E402
+from elaswave.model.registry import model_for  # noqa: E402
 from elaswave.pipeline.stage import Stage  # noqa: E402
 from elaswave.plan.partition import partition  # noqa: E402
 

@@ -72,15 +72,21 @@ def test_only_a_rank_with_the_jobs_token_is_admitted(tmp_path, reference):
     secret = {"ELASWAVE_TOKEN": "the-job-secret"}
     with Running(job_args(2, 2, STEPS, True, EXTRA), tmp_path / "run.jsonl", env=secret) as job:
         store = job.wait_for(r"store at (\S+);", 60).group(1)
-        stranger = run_cli(["join", "--store", store], tmp_path, env={"ELASWAVE_TOKEN": "a-guess"}, timeout_s=120)
-        with Running(["join", "--store", store], tmp_path / "joiner.jsonl", env=secret) as friend:
+        # Both ask at once, as soon as the job is up: the friend's way in does not wait behind the
+        # stranger's start-up, so it asks early in the run whatever the machine's load.
+        with Running(["join", "--store", store], tmp_path / "joiner.jsonl", env=secret) as friend, \
+                Running(["join", "--store", store], tmp_path / "stranger.jsonl", env={"ELASWAVE_TOKEN": "a-guess"}) as stranger:
+            friend_rank = int(friend.wait_for(r"as rank (\d+)", 120).group(1))
+            stranger_rank = int(stranger.wait_for(r"as rank (\d+)", 120).group(1))
+            refused = stranger.finish(120)
             res = job.finish(240)
+            # Each waits on the job's events (a verdict, the job's end), not on fixed margins.
             friend.finish(60)
-    assert stranger.returncode == 2
-    assert "rank 4 was refused by the job" in stranger.stderr and "ELASWAVE_TOKEN" in stranger.stderr
-    assert "refusing rank 4" in res.stderr
+    assert refused.returncode == 2
+    assert f"rank {stranger_rank} was refused by the job" in refused.stderr and "ELASWAVE_TOKEN" in refused.stderr
+    assert f"refusing rank {stranger_rank}" in res.stderr
     _assert_same_run(res, reference)
-    assert res.summary["ranks"] == [0, 1, 2, 3, 5]
+    assert res.summary["ranks"] == [0, 1, 2, 3, friend_rank]
 
 
 def test_survivors_that_cannot_hold_the_model_stand_by_until_a_replacement_joins(tmp_path, reference):

@@ -4,7 +4,8 @@ different run from float32 (so bf16 is really in effect)."""
 import pytest
 
 from elaswave import config
-from elaswave.model.contract import counted_numels, model_for
+from elaswave.model.contract import counted_numels
+from elaswave.model.registry import model_for
 from tests.helpers.spawn import TINY, assert_same_run, run_job, run_reference
 
 STEPS, MBS, CHUNK = 8, 6, 512

@@ -3,7 +3,8 @@ says what is missing when the runs cannot determine it."""
 import pytest
 
 from elaswave import config
-from elaswave.model.contract import counted_numels, model_for
+from elaswave.model.contract import counted_numels
+from elaswave.model.registry import model_for
 from elaswave.sim.calibrate import CalibrationError, fit, fit_links, predict
 
 LATENCY_S, BYTES_PER_S = 300e-6, 1.5e9

@@ -1,0 +1,295 @@
+"""The job's control store on etcd: torch's ``Store`` calls, each one a Raft-committed request.
+
+``elaswave run --rdzv-backend etcd --rdzv-endpoint H:P[,H:P...]`` (torchrun's words) keeps the
+control plane -- epochs, check-ins, decisions, alerts, joins, the rank counter, and the process
+groups' rendezvous -- in an etcd cluster instead of a TCPStore held by one process. What that buys:
+
+- A *majority* commits. A side of a partition that cannot reach more than half of the etcd
+  members cannot write, nor read (reads are linearizable): every call fails with
+  ``DistNetworkError``, the rank's :class:`~elaswave.control.link.StoreLink` gives up after its
+  grace, and the rank saves its part and stops (:mod:`elaswave.runtime.rescue`). It cannot agree
+  a membership of its own, so a partition never makes two runs.
+- ``compare_set`` is one transaction conditioned on the key's value (or its absence): of two
+  proposers of the next epoch exactly one wins, whichever member each reached. ``add`` is a
+  compare-and-swap on the key's revision, so a counter never counts twice.
+- No process of the job holds the store: losing or freezing any of them costs no control plane.
+
+The client speaks etcd's documented v3 JSON gateway over one persistent HTTP connection per store
+object (``clone`` opens another), with the standard library only: the Python gRPC clients are
+unmaintained (``etcd3``'s last release is from 2020 and pins an old protobuf), and the gateway is
+part of every etcd server. Every request has a deadline; a member that refuses, stalls or answers
+"no leader" sends the next request to the next endpoint. ``wait`` follows etcd's watch stream
+rather than polling.
+
+Keys live under a prefix per job and run, so jobs (and reruns of one job) share a cluster apart.
+"""
+from __future__ import annotations
+
+import base64
+import http.client
+import json
+import threading
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch.distributed as dist
+
+from elaswave.errors import ConfigError
+
+REQUEST_TIMEOUT_S = 2.0
+"""The longest one request may take before the member is taken as unable to serve (etcd itself
+gives up on a proposal after about 7 s without a leader; a healthy cluster answers in ms)."""
+
+_UNAVAILABLE_CODES = (4, 14)
+"""gRPC's DeadlineExceeded and Unavailable: this member cannot serve now; another may."""
+_UNAVAILABLE = ("no leader", "request timed out", "leader changed", "not capable", "too many requests",
+                "unhealthy cluster")
+_AUTH = ("authentication", "auth token", "permission denied", "user name is empty", "invalid password")
+
+
+class EtcdAuthError(ConfigError):
+    """etcd refused the job's credentials (or the cluster wants credentials the job has none of)."""
+
+
+def parse_endpoints(text: str, flag: str = "--rdzv-endpoint") -> tuple[tuple[str, int], ...]:
+    """``H:P[,H:P...]`` -> ((host, port), ...), with a one-line error naming the bad part."""
+    out = []
+    for part in (p.strip() for p in text.split(",")):
+        host, _, port = part.removeprefix("http://").rpartition(":")
+        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ConfigError(f"{flag}={text!r} is invalid: {part!r} is not HOST:PORT with a port in 1..65535 "
+                              "(several etcd members: HOST:PORT,HOST:PORT,...)")
+        out.append((host.strip("[]"), int(port)))
+    return tuple(out)
+
+
+def _b64(data: bytes | str) -> str:
+    return base64.b64encode(data.encode() if isinstance(data, str) else data).decode()
+
+
+def _unb64(text: str) -> bytes:
+    return base64.b64decode(text)
+
+
+@dataclass(frozen=True)
+class Credentials:
+    user: str
+    password: str
+
+
+class EtcdStore(dist.Store):
+    """A ``torch.distributed.Store`` on an etcd cluster (the calls elaswave and gloo's rendezvous
+    make: set, get, add, compare_set, check, wait, multi_get, delete_key, num_keys, clone)."""
+
+    def __init__(self, endpoints: tuple[tuple[str, int], ...], prefix: str, timeout_s: float,
+                 credentials: Credentials | None = None, request_timeout_s: float = REQUEST_TIMEOUT_S):
+        super().__init__()
+        self.endpoints, self.prefix, self.credentials = tuple(endpoints), prefix, credentials
+        self._timeout = timedelta(seconds=timeout_s)
+        self.request_timeout_s = request_timeout_s
+        self._at = 0  # the endpoint in use; moves on when a member cannot serve
+        self._conn: http.client.HTTPConnection | None = None
+        self._token: str | None = None
+        self._lock = threading.Lock()
+        self._clones: list[EtcdStore] = []
+
+    @property
+    def description(self) -> str:
+        """What a message calls this store."""
+        return "etcd (" + ",".join(f"{h}:{p}" for h, p in self.endpoints) + ")"
+
+    # -- torch's Store interface ------------------------------------------------------------------
+    def clone(self) -> "EtcdStore":
+        twin = EtcdStore(self.endpoints, self.prefix, self._timeout.total_seconds(), self.credentials,
+                         self.request_timeout_s)
+        # A Python store handed to C++ (a PrefixStore, a gloo group) works only while its Python
+        # object lives: pybind11 finds the overrides through it. Callers often keep only the C++ side.
+        self._clones.append(twin)
+        return twin
+
+    @property
+    def timeout(self) -> timedelta:
+        return self._timeout
+
+    def set_timeout(self, timeout: timedelta) -> None:
+        self._timeout = timeout
+
+    def set(self, key: str, value) -> None:
+        self._call("/v3/kv/put", {"key": self._key(key), "value": _b64(value)})
+
+    def get(self, key: str) -> bytes:
+        self.wait([key])
+        kvs = self._call("/v3/kv/range", {"key": self._key(key)}).get("kvs") or []
+        if not kvs:  # deleted between the wait and the read
+            return self.get(key)
+        return _unb64(kvs[0].get("value", ""))
+
+    def multi_get(self, keys: list[str]) -> list[bytes]:
+        self.wait(keys)
+        found = self._ranges(keys)
+        return [found[k] for k in keys]
+
+    def check(self, keys: list[str]) -> bool:
+        found = self._ranges(keys)
+        return all(k in found for k in keys)
+
+    def add(self, key: str, amount: int) -> int:
+        k = self._key(key)
+        while True:
+            kvs = self._call("/v3/kv/range", {"key": k}).get("kvs") or []
+            if kvs and amount == 0:
+                return int(_unb64(kvs[0].get("value", "")) or b"0")
+            if kvs:
+                value = int(_unb64(kvs[0].get("value", "")) or b"0") + amount
+                compare = {"key": k, "target": "MOD", "mod_revision": kvs[0]["mod_revision"], "result": "EQUAL"}
+            else:
+                value, compare = amount, {"key": k, "target": "CREATE", "create_revision": "0", "result": "EQUAL"}
+            out = self._call("/v3/kv/txn", {"compare": [compare],
+                                            "success": [{"request_put": {"key": k, "value": _b64(str(value))}}]})
+            if out.get("succeeded"):
+                return value
+
+    def compare_set(self, key: str, expected, desired) -> bytes:
+        """As TCPStore's: set ``desired`` if the value is ``expected`` (``""``: if the key is
+        absent); returns the value the key holds afterwards (``expected`` if absent and not set)."""
+        k = self._key(key)
+        expected_b = expected.encode() if isinstance(expected, str) else bytes(expected)
+        desired_b = desired.encode() if isinstance(desired, str) else bytes(desired)
+        compare = ({"key": k, "target": "CREATE", "create_revision": "0", "result": "EQUAL"} if not expected_b else
+                   {"key": k, "target": "VALUE", "value": _b64(expected_b), "result": "EQUAL"})
+        out = self._call("/v3/kv/txn", {"compare": [compare],
+                                        "success": [{"request_put": {"key": k, "value": _b64(desired_b)}}],
+                                        "failure": [{"request_range": {"key": k}}]})
+        if out.get("succeeded"):
+            return desired_b
+        kvs = out["responses"][0]["response_range"].get("kvs") or []
+        return _unb64(kvs[0].get("value", "")) if kvs else expected_b
+
+    def delete_key(self, key: str) -> bool:
+        return int(self._call("/v3/kv/deleterange", {"key": self._key(key)}).get("deleted", 0)) > 0
+
+    def num_keys(self) -> int:
+        start = self.prefix.encode()
+        return int(self._call("/v3/kv/range", {"key": _b64(start), "range_end": _b64(_prefix_end(start)),
+                                               "count_only": True}).get("count", 0))
+
+    def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
+        """Until every key exists, following etcd's watch stream; ``DistStoreError`` after the
+        timeout (as TCPStore's wait: the caller's "not yet")."""
+        deadline = time.monotonic() + (timeout or self._timeout).total_seconds()
+        while True:
+            found, revision = self._ranges(keys, with_revision=True)
+            missing = [k for k in keys if k not in found]
+            if not missing:
+                return
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise dist.DistStoreError(f"wait timeout after {(timeout or self._timeout).total_seconds():g} s "
+                                          f"for keys {missing} in etcd")
+            self._watch_for(missing[0], revision + 1, left)
+
+    # -- etcd ---------------------------------------------------------------------------------------
+    def _key(self, key: str) -> str:
+        return _b64(self.prefix + key)
+
+    def _ranges(self, keys: list[str], with_revision: bool = False):
+        """The values of those of ``keys`` that exist, read in one transaction (one revision)."""
+        out = self._call("/v3/kv/txn", {"success": [{"request_range": {"key": self._key(k)}} for k in keys]})
+        found = {}
+        for k, resp in zip(keys, out.get("responses", [])):
+            kvs = resp.get("response_range", {}).get("kvs") or []
+            if kvs:
+                found[k] = _unb64(kvs[0].get("value", ""))
+        return (found, int(out["header"]["revision"])) if with_revision else found
+
+    def _watch_for(self, key: str, from_revision: int, within_s: float) -> None:
+        """Return when ``key`` is put at or after ``from_revision``, or after ``within_s``."""
+        host, port = self.endpoints[self._at]
+        conn = http.client.HTTPConnection(host, port, timeout=max(0.01, within_s))
+        try:
+            body = {"create_request": {"key": self._key(key), "start_revision": str(from_revision)}}
+            with self._lock:
+                headers = self._headers()
+            conn.request("POST", "/v3/watch", json.dumps(body), headers)
+            resp = conn.getresponse()
+            deadline = time.monotonic() + within_s
+            while time.monotonic() < deadline:
+                conn.sock.settimeout(max(0.01, deadline - time.monotonic()))
+                line = resp.readline()
+                if not line:
+                    return  # the member closed the stream: look again
+                result = json.loads(line).get("result", {})
+                if any(e.get("type", "PUT") == "PUT" for e in result.get("events", [])):
+                    return
+        except (OSError, http.client.HTTPException, json.JSONDecodeError):
+            return  # a timeout or a broken stream: the caller reads again, and fails there if it must
+        finally:
+            conn.close()
+
+    def _headers(self) -> dict:
+        headers = {"Content-Type": "application/json"}
+        if self.credentials is not None:
+            headers["Authorization"] = self._token or self._authenticate()
+        return headers
+
+    def _authenticate(self) -> str:
+        out = self._post("/v3/auth/authenticate", {"name": self.credentials.user,
+                                                    "password": self.credentials.password}, auth=False)
+        self._token = out["token"]
+        return self._token
+
+    def _call(self, path: str, body: dict) -> dict:
+        with self._lock:
+            try:
+                return self._post(path, body)
+            except EtcdAuthError:
+                if self.credentials is None or self._token is None:
+                    raise
+                self._token = None  # an expired token: once more with a new one
+                return self._post(path, body)
+
+    def _post(self, path: str, body: dict, auth: bool = True) -> dict:
+        """One request, to each endpoint in turn until one serves it; ``DistNetworkError`` when
+        none does (no quorum reachable from here)."""
+        errors = []
+        for _ in range(len(self.endpoints)):
+            host, port = self.endpoints[self._at]
+            try:
+                if self._conn is None:
+                    self._conn = http.client.HTTPConnection(host, port, timeout=self.request_timeout_s)
+                headers = self._headers() if auth else {"Content-Type": "application/json"}
+                self._conn.request("POST", path, json.dumps(body), headers)
+                resp = self._conn.getresponse()
+                out = json.loads(resp.read() or b"{}")
+                if resp.status == 200:
+                    return out
+                message = str(out.get("error") or out.get("message") or out)
+                if any(word in message for word in _AUTH):
+                    raise EtcdAuthError(f"etcd at {host}:{port} refused the job's credentials ({message}); set "
+                                        "ELASWAVE_ETCD_USER and ELASWAVE_ETCD_PASSWORD to a user with read-write "
+                                        f"access to {self.prefix!r}")
+                if out.get("code") not in _UNAVAILABLE_CODES and not any(w in message for w in _UNAVAILABLE):
+                    raise RuntimeError(f"etcd at {host}:{port} refused {path}: {message}")
+            except (OSError, http.client.HTTPException, json.JSONDecodeError) as exc:
+                message = f"{type(exc).__name__}: {exc}"
+            errors.append(f"{host}:{port}: {message.splitlines()[0] if message else '?'}")
+            self._drop()
+            self._at = (self._at + 1) % len(self.endpoints)
+        raise dist.DistNetworkError("no etcd member served the request (" + "; ".join(errors) + ")")
+
+    def _drop(self) -> None:
+        if self._conn is not None:
+            self._conn.close()
+        self._conn, self._token = None, None
+
+
+def _prefix_end(prefix: bytes) -> bytes:
+    """The first key after every key that starts with ``prefix`` (etcd's range_end for a prefix)."""
+    end = bytearray(prefix)
+    while end and end[-1] == 0xFF:
+        end.pop()
+    if not end:
+        return b"\0"
+    end[-1] += 1
+    return bytes(end)

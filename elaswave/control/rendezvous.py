@@ -1,0 +1,95 @@
+"""Where a job's control store is, and how every process of the job reaches it.
+
+Two backends, torchrun's names (``--rdzv-backend``):
+
+- ``c10d`` (the default): torch's TCPStore, hosted by ``elaswave run`` (node 0's agent on several
+  hosts), at ``HOST:PORT``.
+- ``etcd``: a run's prefix in an etcd cluster, at ``etcd://H:P[,H:P...]/elaswave/<job id>/<run>/``.
+  No process of the job holds it; a majority of the etcd members decides
+  (:mod:`elaswave.control.etcd`).
+
+Each run of a job id gets its own prefix: node 0's agent opens run ``n + 1`` of the id (a counter
+in etcd) and points ``current`` at it; the other agents take the current run unless it is closed
+(node 0 closes it when the training is over), so a rerun never meets a finished run's keys.
+"""
+from __future__ import annotations
+
+import os
+import time
+
+import torch.distributed as dist
+
+from elaswave.comm.backend import connect_store
+from elaswave.control.etcd import Credentials, EtcdStore, parse_endpoints
+from elaswave.control.link import StoreLink
+from elaswave.errors import ConfigError
+
+SCHEME = "etcd://"
+USER_ENV, PASSWORD_ENV = "ELASWAVE_ETCD_USER", "ELASWAVE_ETCD_PASSWORD"
+
+
+def credentials() -> Credentials | None:
+    """The etcd user the job's processes act as (inherited by its workers through the environment)."""
+    user = os.environ.get(USER_ENV)
+    if not user:
+        return None
+    return Credentials(user, os.environ.get(PASSWORD_ENV, ""))
+
+
+def is_etcd(addr: str) -> bool:
+    return addr.startswith(SCHEME)
+
+
+def etcd_address(store: EtcdStore) -> str:
+    return SCHEME + ",".join(f"{h}:{p}" for h, p in store.endpoints) + store.prefix
+
+
+def etcd_store(addr: str, timeout_s: float) -> EtcdStore:
+    """The store an ``etcd://`` address names."""
+    endpoints, slash, prefix = addr[len(SCHEME):].partition("/")
+    if not slash:
+        raise ConfigError(f"--store={addr!r} is invalid: an etcd store is etcd://HOST:PORT[,...]/PREFIX/, "
+                          "as `elaswave run` prints it")
+    return EtcdStore(parse_endpoints(endpoints, "--store"), "/" + prefix, timeout_s, credentials())
+
+
+def connect(addr: str, timeout_s: float, grace_s: float) -> StoreLink:
+    """A link to the job's store at ``addr`` (either backend), as a worker or joiner holds it."""
+    if is_etcd(addr):
+        store = etcd_store(addr, timeout_s)
+        store.check(["config"])  # reach a majority now: a bad address is one line, not a hang later
+        return StoreLink(store, None, timeout_s, grace_s)
+    return StoreLink(connect_store(addr, timeout_s), addr, timeout_s, grace_s)
+
+
+def open_etcd_run(endpoints: str, job_id: str, node_rank: int, timeout_s: float) -> EtcdStore:
+    """The store of this run of ``job_id``: node 0 opens a new run, the other agents wait (within
+    ``timeout_s``) for an open one. Raises ConfigError with one line when etcd cannot serve."""
+    job = EtcdStore(parse_endpoints(endpoints), f"/elaswave/{job_id}/", timeout_s, credentials())
+    try:
+        if node_rank == 0:
+            run = job.add("runs", 1)
+            job.set("current", str(run))
+        else:
+            run = _open_run(job, timeout_s)
+    except dist.DistNetworkError as exc:
+        raise ConfigError(f"--rdzv-endpoint={endpoints!r}: no majority of the etcd cluster answered ({exc})") from None
+    return EtcdStore(job.endpoints, f"{job.prefix}{run}/", timeout_s, job.credentials)
+
+
+def _open_run(job: EtcdStore, timeout_s: float) -> int:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if job.check(["current"]):
+            run = int(job.get("current"))
+            if not job.check([f"{run}/closed"]):
+                return run
+        if time.monotonic() > deadline:
+            raise ConfigError(f"no open run of job {job.prefix!r} in etcd within parallel.timeout_s={timeout_s:g} s; "
+                              "is node 0's agent running with the same --rdzv-id?")
+        time.sleep(0.2)
+
+
+def close_etcd_run(store: EtcdStore) -> None:
+    """Node 0, when the training is over: agents started later do not join this run."""
+    store.set("closed", str(time.time()))

@@ -1,0 +1,63 @@
+"""Jobs whose control store is an etcd cluster (``--rdzv-backend etcd``), end to end: real
+workers, a real 3-member cluster, real SIGKILLs. Losing a rank and an etcd member leaves the run
+bit-identical to the reference; losing the etcd majority stops every rank after it saved its part
+(no side can decide alone); bad rendezvous input is one line."""
+import time
+
+import pytest
+
+from elaswave.control.link import EXIT_STORE_LOST
+from tests.helpers.etcd import EtcdCluster
+from tests.helpers.spawn import Running, assert_same_run, free_port, job_args, reference_fixture, run_cli
+
+STEPS, MBS = 16, 4
+EXTRA = [f"train.num_micro_batches={MBS}", "parallel.timeout_s=60"]
+reference = reference_fixture(STEPS, MBS)
+
+
+def _etcd_job(etcd, extra=(), steps=STEPS):
+    return job_args(2, 2, steps, True, [*EXTRA, *extra]) + ["--rdzv-backend", "etcd", "--rdzv-endpoint", etcd.endpoints]
+
+
+def test_a_job_on_etcd_loses_a_rank_and_an_etcd_member_and_stays_the_same_run(tmp_path, reference):
+    with EtcdCluster(3) as etcd, Running(_etcd_job(etcd, ["elastic.inject=kill:rank=3,step=5"]),
+                                          tmp_path / "run.jsonl") as job:
+        job.wait_for(r"store at etcd://", 60)
+        job.wait_for(r"step\s+9/", 240)
+        etcd.kill(0)  # the member the ranks talk to first: they move on to the others
+        res = job.finish(240)
+    assert res.returncode == 0, res.stderr
+    assert_same_run(res, reference, STEPS)
+    (rec,) = [r for r in res.records if r["event"] == "recovery"]
+    assert rec["lost_ranks"] == [3]
+
+
+def test_a_job_whose_etcd_loses_its_majority_saves_and_stops(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    with EtcdCluster(3) as etcd, Running(_etcd_job(etcd, [f"checkpoint.dir={ckpt}"], steps=400),
+                                          tmp_path / "run.jsonl") as job:
+        job.wait_for(r"step\s+5/", 240)
+        etcd.kill(1)
+        etcd.kill(2)
+        began = time.monotonic()
+        res = job.finish(90)
+        stopped_s = time.monotonic() - began
+    assert res.returncode == EXIT_STORE_LOST, res.stderr
+    assert stopped_s < 30
+    assert not any(r["event"] == "summary" for r in res.records)  # no side finished a run of its own
+    assert "etcd (" in res.stderr and "saved its part of step" in res.stderr
+    assert any(ckpt.glob("step_*")), "the ranks saved nothing"
+
+
+@pytest.mark.parametrize("flags, needle", [
+    (["--rdzv-backend", "zk"], "--rdzv-backend='zk' is invalid: use one of c10d, etcd"),
+    (["--rdzv-backend", "etcd"], "--rdzv-backend=etcd needs --rdzv-endpoint"),
+    (["--rdzv-backend", "etcd", "--rdzv-endpoint", "127.0.0.1"], "is not HOST:PORT"),
+    (["--rdzv-backend", "etcd", "--rdzv-endpoint", "UNREACHABLE"], "no majority of the etcd cluster answered"),
+])
+def test_bad_rendezvous_input_is_one_line(tmp_path, flags, needle):
+    flags = [f"127.0.0.1:{free_port()}" if f == "UNREACHABLE" else f for f in flags]
+    began = time.monotonic()
+    res = run_cli(job_args(2, 2, 4, True, EXTRA) + flags, tmp_path, timeout_s=120)
+    assert res.returncode == 2 and needle in res.stderr and "Traceback" not in res.stderr, res.stderr
+    assert time.monotonic() - began < 60
