@@ -336,7 +336,8 @@ def _follow(cfg: JobConfig, workers: _Workers, store, watching: _Watching, lost:
     this agent goes there too, within ``parallel.timeout_s``; whether it did."""
     if watching.directory is None or not cfg.elastic.enabled:
         return False
-    addr = watching.directory.follow(store, cfg.parallel.timeout_s, cfg.parallel.timeout_s)
+    addr = watching.directory.follow(store, cfg.parallel.timeout_s, cfg.parallel.timeout_s,
+                                     pointless=lambda: all(p.poll() is not None for p in workers.all()))
     if addr is None:
         return False
     workers.store_addr = addr  # the replacements and spares it starts from now on

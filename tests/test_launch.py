@@ -12,10 +12,12 @@ import time
 
 import pytest
 
+from elaswave.control.link import EXIT_STORE_LOST
+from elaswave.runtime.metrics import read_jsonl
 from elaswave.runtime.worker import EXIT_EXCLUDED
 from tests.helpers import netns
 from tests.helpers.proxy import Proxy
-from tests.helpers.spawn import (TINY, Running, alive, assert_same_run, children, free_port, rank_of, run_cli,
+from tests.helpers.spawn import (TINY, Result, Running, alive, assert_same_run, children, free_port, rank_of, run_cli,
                                  run_reference, steps_written)
 
 
@@ -172,6 +174,35 @@ def test_a_whole_host_lost_with_the_store_the_survivors_move_it_and_recover(tmp_
     assert_same_run(res1, run_reference(tmp_path, steps, deterministic=True), steps)
 
 
+def test_a_frozen_store_holder_is_a_lost_one_the_store_moves_and_training_goes_on(tmp_path):
+    """`elaswave run` holds the TCPStore; SIGSTOPped mid-run it keeps every connection open and
+    answers nothing (a TCPStore call to it outlives its own timeout for good). Every store call has
+    a deadline, so each rank's link gives up within the heartbeat timeout, the step's exchange says
+    all of them did, and the store moves to the first member's standby: training goes on, the run
+    bit-identical to the reference. (Before, the job hung: no step after the freeze.)"""
+    steps = 60
+    sets = [*TINY, "parallel.dp=2", "parallel.pp=2", f"train.steps={steps}", "train.num_micro_batches=4",
+            "train.deterministic=true", "parallel.timeout_s=30"]
+    metrics = tmp_path / "run.jsonl"
+    with Running(["run", *[x for s in sets for x in ("--set", s)]], metrics) as job:
+        job.wait_for(r"step\s+8/", 120)
+        frozen_wall = time.time()
+        os.kill(job.proc.pid, signal.SIGSTOP)
+        try:
+            job.wait_for(rf"step\s+{steps}/", 120)
+            deadline = time.monotonic() + 30
+            while "summary" not in metrics.read_text() and time.monotonic() < deadline:
+                time.sleep(0.1)
+        finally:
+            os.kill(job.proc.pid, signal.SIGCONT)
+    res = Result(0, "", "", read_jsonl(str(metrics)))
+    (moved,) = [r for r in res.records if r["event"] == "store_moved"]
+    after = [r["wall_time"] for r in res.steps if r["wall_time"] > frozen_wall]
+    # The heartbeat timeout (2 s) and the move, not parallel.timeout_s: the step in flight ends there.
+    assert after and after[0] - frozen_wall < 2 + 4, after[0] - frozen_wall
+    assert_same_run(res, run_reference(tmp_path, steps, deterministic=True), steps)
+
+
 def test_agents_with_disagreeing_settings_are_refused(tmp_path):
     sets = [*TINY, "parallel.dp=2", "parallel.pp=2", "train.steps=400", "parallel.timeout_s=20"]
     endpoint = f"127.0.0.1:{free_port()}"
@@ -267,6 +298,45 @@ def test_a_rank_that_reaches_the_store_but_not_its_peers_is_left_out_at_once(tmp
     first_after = min(r["wall_time"] for r in res.steps if r["world_size"] == 3)
     # Far inside parallel.timeout_s=30: found by the watch (2 s heartbeat timeout), not by a collective's timeout.
     assert first_after - cut_wall < 8.0, first_after - cut_wall
+    assert_same_run(res, run_reference(tmp_path, steps, deterministic=True), steps)
+
+
+def test_two_hosts_cut_apart_around_one_store_make_one_run_not_two(tmp_path):
+    """Node 0's agent holds the TCPStore; host 1 (ranks 2, 3) is a network namespace that goes
+    silent mid-run: both links down, processes alive, nothing refused. Host 1's ranks lose the store
+    and their peers; two of four members, none proven dead, is no majority without the store, so
+    they neither move the store to a standby of theirs nor agree: they save their part and stop.
+    Host 0 (exactly half, with the store) leaves them out and trains on, bit-identical to the
+    reference -- one run, where host 1 used to elect its own store and train on alone."""
+    reason = netns.unavailable()
+    if reason:
+        pytest.skip(reason)
+    steps = 60
+    sets = [*TINY, "parallel.dp=2", "parallel.pp=2", f"train.steps={steps}", "train.num_micro_batches=4",
+            "train.deterministic=true", "elastic.respawn_after_s=-1", "parallel.timeout_s=30",
+            f"checkpoint.dir={tmp_path / 'ckpt'}"]
+    with netns.OtherHost() as host:
+        endpoint = f"{host.here_store_ip}:{free_port()}"
+        agents = [_agent([*sets, f"parallel.bind_address={host.here_peer_ip}"], 0, endpoint, tmp_path / "m0.jsonl"),
+                  _agent([*sets, f"parallel.bind_address={host.peer_ip}"], 1, endpoint, tmp_path / "m1.jsonl",
+                         prefix=host.prefix())]
+        try:
+            agents[0].wait_for(r"step\s+8/", 240)
+            host.silence()
+            cut = time.monotonic()
+            results = [agents[1].finish(120)]
+            cut_to_stop_s = time.monotonic() - cut
+            results.insert(0, agents[0].finish(240))
+        finally:
+            for a in agents:
+                a.__exit__()
+    assert results[0].returncode == 0, results[0].stderr
+    assert results[1].returncode == EXIT_STORE_LOST, results[1].stderr
+    assert "not a majority" in results[1].stderr and "moved to" not in results[1].stderr, results[1].stderr
+    assert cut_to_stop_s < 60, cut_to_stop_s  # bounded: a store call to the silent host has a deadline
+    res = results[0]
+    assert [r["world_size"] for r in res.steps][-1] == 2
+    assert not [r for r in results[1].records if r["event"] in ("step", "summary")]
     assert_same_run(res, run_reference(tmp_path, steps, deterministic=True), steps)
 
 

@@ -39,7 +39,7 @@ import torch.distributed as dist
 
 from elaswave.control import agents
 from elaswave.control.link import StoreLink, StoreLost, check_listening, client
-from elaswave.control.membership import PREFIX
+from elaswave.control.membership import PREFIX, NoMajority, has_majority
 
 STANDBY = PREFIX + "standby/"
 GENERATION = PREFIX + "store/generation"
@@ -88,16 +88,36 @@ def successor(members: Sequence[int], known: dict[int, str],
 
 def answers(addr: str) -> bool:
     """Whether a standby store listens at ``addr`` (a dead rank's refuses, a dead host's is silent)."""
+    return reach(addr) == "answers"
+
+
+def reach(addr: str) -> str:
+    """``answers``; ``refused`` (a live kernel says nobody listens: the rank is proven dead); or
+    ``silent`` (a dead host, or one cut off: it proves nothing)."""
     host, port = addr.rsplit(":", 1)
     try:
         check_listening(host, int(port), CONNECT_S)
-        return True
+        return "answers"
+    except ConnectionRefusedError:
+        return "refused"
     except OSError:
-        return False
+        return "silent"
+
+
+def check_majority(members: Sequence[int], known: dict[int, str]) -> None:
+    """Before electing a successor store on several hosts: the members whose standby answers must
+    be more than half of those not proven dead (a refused standby proves its rank dead). A side
+    cut off from the rest is no majority and must not make a store of its own: NoMajority."""
+    seen = {r: reach(known[r]) if r in known else "silent" for r in members}
+    side = [r for r, how in seen.items() if how == "answers"]
+    refused = [r for r, how in seen.items() if how == "refused"]
+    if not has_majority(side, members, refused, holds_store=False):
+        raise NoMajority(f"the control store is gone and only ranks {side} of members {list(members)} answer "
+                         f"({refused or 'none'} proven dead): not a majority, so this side does not elect a store")
 
 
 def move(link: StoreLink, standby: Standby, rank: int, epoch: int, members: Sequence[int], config: dict,
-         liveness=None, prober=None) -> tuple[int, str]:
+         liveness=None, prober=None, requires_majority: bool = False) -> tuple[int, str]:
     """This rank's part of a move, after the last step of ``epoch``: every link goes to the
     successor's standby; the successor seeds it; each rank registers its ports, and the ports it
     knows of the others (``prober``'s, so that a member that died with the store is proven dead by
@@ -108,7 +128,10 @@ def move(link: StoreLink, standby: Standby, rank: int, epoch: int, members: Sequ
     - from a recovery that found the store gone (members died with it, so the successor is the
       first whose standby answers): the recovery that follows agrees on the next epoch there.
 
-    Returns (the successor's rank, its address)."""
+    Returns (the successor's rank, its address). ``requires_majority`` (several hosts): from a
+    recovery, only a side with a majority of the members elects a store (:func:`check_majority`)."""
+    if requires_majority and prober is not None:
+        check_majority(members, standby.known)
     leader, addr = successor(members, standby.known, answers if prober is not None else None)
     link.move(addr)
     # From a recovery every survivor seeds (the same values; the successor may still be stuck in
@@ -184,11 +207,13 @@ class Directory:
                                   (v.decode() for v in store.multi_get(present))))
         self.generation = _generation(store)
 
-    def follow(self, link: StoreLink, within_s: float, timeout_s: float) -> str | None:
+    def follow(self, link: StoreLink, within_s: float, timeout_s: float,
+               pointless: Callable[[], bool] = lambda: False) -> str | None:
         """Move ``link`` to the standby that became the job's store (newer generation than the one
-        known); None if none did within ``within_s``."""
+        known); None if none did within ``within_s``, or once ``pointless()`` (e.g. every worker of
+        the host has exited: a side that saved and stopped has nothing to follow for)."""
         deadline = time.monotonic() + within_s
-        while time.monotonic() < deadline:
+        while time.monotonic() < deadline and not pointless():
             moved = follow_once(link, self.known, self.generation, timeout_s, self.clients)
             if moved is not None:
                 addr, self.generation = moved

@@ -18,6 +18,7 @@ needs to be new); an alert sequence number counted twice leaves a gap that the a
 """
 from __future__ import annotations
 
+import queue
 import socket
 import threading
 import time
@@ -37,6 +38,10 @@ class StoreLost(ConnectionError):
     """The control store stayed unreachable for longer than the grace period."""
 
 
+class Unanswered(dist.DistNetworkError):
+    """A store call got no answer within its deadline: the store is frozen, or its host is silent."""
+
+
 class StoreLink:
     """Duck-types the :class:`torch.distributed.Store` calls elaswave makes (``clone`` gives a raw
     store on a new connection, for process groups); :meth:`separate` gives another link."""
@@ -50,6 +55,7 @@ class StoreLink:
         # store has moved, each reconnects to the new one at its next call.
         self._lost = shared or _Endpoint(addr)
         self._generation = self._lost.generation
+        self._caller: _Caller | None = None
         self.reconnects = 0
         """Connections this link re-opened (a dropped one that came back)."""
 
@@ -105,19 +111,41 @@ class StoreLink:
             while True:
                 if self.lost.is_set():
                     raise StoreLost(self.lost_reason or "the control store is unreachable")
+                began = time.monotonic()
                 try:
                     self._follow()
-                    out = getattr(self._store, name)(*args, **kwargs)
-                    if name == "set":
-                        # TCPStore's set has no reply: on a connection the other end has closed the
-                        # bytes are accepted by the kernel and lost. A call that has one, on the
-                        # same stream, proves the set arrived (or fails, and the set is repeated).
-                        self._store.check([args[0] if args else kwargs["key"]])
-                    return out
+                    return self._bounded(name, args, kwargs)
                 except dist.DistNetworkError as exc:
-                    failed_at = failed_at or time.monotonic()
+                    # Unanswered: the store has been silent since the call began, not since it timed out.
+                    failed_at = failed_at or (began if isinstance(exc, Unanswered) else time.monotonic())
                     self._reconnect(failed_at, exc)
         return call
+
+    def _bounded(self, name: str, args: tuple, kwargs: dict):
+        """The call, answered within its deadline or :class:`Unanswered`. A TCPStore client blocked
+        on a frozen server (SIGSTOP) or a silent host outlives its own timeout for good, so the call
+        runs on this link's caller thread and the link abandons both (and the connection) if no
+        answer comes: its own wait's length (``wait``), else the grace, later."""
+        store = self._store
+
+        def run():
+            out = getattr(store, name)(*args, **kwargs)
+            if name == "set":
+                # TCPStore's set has no reply: on a connection the other end has closed the bytes
+                # are accepted by the kernel and lost. A call that has one, on the same stream,
+                # proves the set arrived (or fails, and the set is repeated).
+                store.check([args[0] if args else kwargs["key"]])
+            return out
+        waits = args[1] if name == "wait" and len(args) > 1 else kwargs.get("timeout") if name == "wait" else None
+        deadline_s = self.grace_s + (waits.total_seconds() if waits is not None else
+                                     self.timeout_s if name in ("wait", "get", "multi_get") else 0.0)
+        if self._caller is None:
+            self._caller = _Caller()
+        done, out = self._caller.call(run, deadline_s)
+        if not done:
+            self._caller = None  # its thread stays blocked on the silent connection: never reused
+            raise Unanswered(f"the control store did not answer {name} within {deadline_s:g} s")
+        return out
 
     def _reconnect(self, failed_at: float, cause: Exception | None = None) -> None:
         """A new connection to the same store, tried until ``grace_s`` after the first failure
@@ -209,3 +237,31 @@ class _Endpoint:
         self.addr, self.generation = addr, self.generation + 1
         self.reason, self.wall = "", None
         self.event.clear()
+
+
+class _Caller:
+    """One daemon thread that makes a link's store calls, one at a time, so that the link can stop
+    waiting for one: a thread hand-off per call, a few tens of microseconds."""
+
+    def __init__(self) -> None:
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        threading.Thread(target=self._serve, daemon=True, name="store-call").start()
+
+    def _serve(self) -> None:
+        while True:
+            fn, box, done = self._jobs.get()
+            try:
+                box["out"] = fn()
+            except BaseException as exc:  # noqa: BLE001 - re-raised in the caller's thread
+                box["error"] = exc
+            done.set()
+
+    def call(self, fn, deadline_s: float) -> tuple[bool, object]:
+        box: dict = {}
+        done = threading.Event()
+        self._jobs.put((fn, box, done))
+        if not done.wait(deadline_s):
+            return False, None
+        if "error" in box:
+            raise box["error"]
+        return True, box.get("out")

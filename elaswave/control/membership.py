@@ -27,6 +27,7 @@ from typing import Callable, Collection, Mapping, Sequence
 import torch.distributed as dist
 
 from elaswave.control import partition
+from elaswave.control.link import StoreLost
 from elaswave.interrupt import EpochBroken
 
 PREFIX = "ew/"
@@ -50,6 +51,22 @@ def decide(prev_members: Sequence[int], checked_in: Collection[int], known_dead:
         out = partition.cut(live, unreachable)
         return tuple(r for r in live if r not in out)
     return None
+
+
+def has_majority(side: Collection[int], prev_members: Sequence[int], proven_dead: Collection[int],
+                 holds_store: bool) -> bool:
+    """Whether ``side`` may decide for the job on several hosts: more than half of the last agreed
+    members not proven dead, or exactly half when it holds the store (so of two hosts cut apart, the
+    store's side goes on and the other stops). A silent member is not proven dead: a partition
+    looks the same from either side, so silence cannot count against the other side."""
+    base = [r for r in prev_members if r not in proven_dead]
+    have = sum(1 for r in base if r in side)
+    return not base or 2 * have > len(base) or (holds_store and 2 * have == len(base))
+
+
+class NoMajority(StoreLost):
+    """This side of a partition holds no majority of the last epoch's members: it must not decide
+    (it saves its state and stops; the other side, if it has the majority, goes on)."""
 
 
 def live_members(prev_members: Sequence[int], checked_in: Collection[int], proven_dead: set[int]) -> tuple[int, ...]:
@@ -77,10 +94,12 @@ class Membership:
     """Store operations of the protocol for one rank (or for the launcher, with ``rank=-1``)."""
 
     def __init__(self, store: dist.Store, rank: int, clock: Callable[[], float] = time.monotonic,
-                 prober=None):
+                 prober=None, requires_majority: bool = False):
         self.store, self.rank, self.clock = store, rank, clock
         self.prober = prober
         """Tells whether a silent member is gone (:class:`~elaswave.control.liveness.Prober`); None: no probes."""
+        self.requires_majority = requires_majority
+        """A job on several hosts around one TCPStore: an agreement needs :func:`has_majority`."""
 
     # -- alerts -----------------------------------------------------------------------------
     def alert(self, epoch: int, reason: str, ranks: Sequence[int] = (), network: bool = False) -> None:
@@ -214,6 +233,11 @@ class Membership:
                 shown = self._probe_silent(prev_members, checked, dead)
                 proven, dead = proven | shown, dead | shown
             members = decide(prev_members, checked, dead, waited, agree_timeout_s, proven, checked)
+            if members is not None and self.requires_majority and not self.store.check([key]) \
+                    and not has_majority(members, prev_members, proven, holds_store=True):
+                raise NoMajority(f"epoch {epoch} would have ranks {list(members)}: not a majority of epoch "
+                                 f"{epoch - 1}'s members {list(prev_members)} not proven dead "
+                                 f"({sorted(proven) or 'none'} proven); a minority side does not decide")
             if members is not None:
                 live = live_members(prev_members, checked, proven)
                 if len(members) < len(live):  # a cut: recorded before the members, so whoever reads them finds why

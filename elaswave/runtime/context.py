@@ -14,7 +14,8 @@ from elaswave.checkpoint import disk
 from elaswave.comm import backend
 from elaswave.comm.groups import Communicator
 from elaswave.config import JobConfig
-from elaswave.control import failover
+from elaswave.control import failover, rendezvous
+from elaswave.control.agents import NODES_ENV
 from elaswave.control.admission import Admission, job_token
 from elaswave.control.faults import FaultInjector
 from elaswave.control.heartbeat import Watcher
@@ -56,7 +57,9 @@ class Context:
         if self.standby is not None:
             self.standby.register(store, rank)
         self.prober = Prober() if e.enabled else None
-        self.membership = Membership(store, rank, prober=self.prober)
+        # Hosts can be cut apart around one TCPStore: a side must hold a majority to decide (on
+        # etcd, etcd's own majority is that arbiter; on one host there is nothing to cut).
+        self.membership = Membership(store, rank, prober=self.prober, requires_majority=_hosts_around_a_tcpstore())
         self.admission = Admission(store, rank)
         self.token = job_token()
         self.stamps_steps = any(f.kind == "join" for f in cfg.elastic.faults)
@@ -155,7 +158,8 @@ class Context:
             return False
         old = self.store.addr
         leader, addr = failover.move(self.store, self.standby, self.rank, st.plan.epoch, st.plan.ranks,
-                                     self.cfg.to_dict(), self.liveness, self.prober)
+                                     self.cfg.to_dict(), self.liveness, self.prober,
+                                     requires_majority=self.membership.requires_majority)
         self.agreed_epoch = st.plan.epoch
         # A survivor still waiting in a collective with the dead comes when its watcher gives up on
         # the lost store (the heartbeat timeout after its links did): wait for it that much longer.
@@ -190,3 +194,7 @@ class Context:
     def _first_mb(self) -> int:
         d, _ = self.plan.position(self.rank)
         return self.plan.micro_batches[d][0]
+
+
+def _hosts_around_a_tcpstore() -> bool:
+    return int(os.environ.get(NODES_ENV, "1")) > 1 and not rendezvous.is_etcd(os.environ.get("ELASWAVE_STORE", ""))

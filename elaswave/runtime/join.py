@@ -14,6 +14,7 @@ import time
 
 from elaswave.control.admission import SPARE_ENV, STARTED_ENV
 from elaswave.control.link import StoreLost
+from elaswave.control.membership import NoMajority
 from elaswave.interrupt import Disruption
 from elaswave.plan.plan import Plan, PlanError, replan
 from elaswave.runtime import recovery
@@ -127,9 +128,10 @@ def change(ctx, st: RankState | None, cause, noticed_wall: float, prev: Plan | N
             break
         except Disruption as again:
             cause, noticed_wall = again, time.time()
-        except StoreLost:
-            # Members died with the store: move it to the first survivor's standby, and agree there.
-            if st is None or not ctx.relocate_store(st):
+        except StoreLost as lost:
+            # Members died with the store: move it to the first survivor's standby, and agree there
+            # (a side without a majority of the members does neither: it stops).
+            if isinstance(lost, NoMajority) or st is None or not ctx.relocate_store(st):
                 raise
             moved_at = (moved_at or 0.0) + time.time() - began
     if moved_at is not None:  # finding the store gone (its links' grace) and moving it: part of the MTTR

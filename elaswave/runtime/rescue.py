@@ -67,7 +67,7 @@ def save_and_stop(ctx, st: RankState | None, reason: str, noticed_at: float, wri
               f"Run {again} (checkpoint.resume is on by default) to continue from step {newest}.",
               file=sys.stderr, flush=True)
     else:
-        print(f"elaswave: rank {ctx.rank}: the control store is gone; saved its part of step {newest} "
-              f"in {root} ({took:.2f} s)", file=sys.stderr, flush=True)
+        print(f"elaswave: rank {ctx.rank}: {reason}; saved its part of step {newest} in {root} ({took:.2f} s)",
+              file=sys.stderr, flush=True)
     return EXIT_STORE_LOST
 

@@ -8,7 +8,7 @@ import pytest
 import torch.distributed as dist
 
 from elaswave.control import faults
-from elaswave.control.membership import Membership, decide, is_stale
+from elaswave.control.membership import Membership, NoMajority, decide, has_majority, is_stale
 
 
 def test_decide_waits_for_every_member_or_the_timeout():
@@ -121,3 +121,28 @@ def test_an_alert_breaks_the_epochs_that_hold_the_rank_it_names(store):
     assert watcher._broken_by(Alert(1, "launcher", "rank 2 was killed by SIGKILL", (2,))) is None
     assert watcher._broken_by(Alert(0, "launcher", "rank 2 was killed by SIGKILL", (2,))) == 0
     assert watcher._broken_by(Alert(1, "rank 0", "collective failed", ())) == 1
+
+
+@pytest.mark.parametrize("side, proven, holds_store, ok", [
+    ((0, 1), (), True, True),      # two hosts cut apart: the store's half goes on ...
+    ((2, 3), (), False, False),    # ... the other half does not
+    ((2, 3), (), True, True),      # (the same half, were the store on its side)
+    ((0,), (), True, False),       # a quarter, even with the store
+    ((0, 1, 2), (), False, True),  # three of four
+    ((0,), (1, 2, 3), False, True),  # the others proven dead (refused, reaped): the survivor decides
+    ((0, 1), (3,), False, True),   # two of the three not proven dead
+])
+def test_a_side_decides_only_with_a_majority_of_the_members_not_proven_dead(side, proven, holds_store, ok):
+    assert has_majority(side, [0, 1, 2, 3], proven, holds_store) is ok
+
+
+def test_a_minority_that_reaches_the_store_does_not_agree(store):
+    # Several hosts around one store: ranks 0 and 1 vanish silently (no report, no refusal); the one
+    # rank left reaches the store but is a quarter of the members: it must not decide alone.
+    m = Membership(dist.TCPStore("127.0.0.1", store.port, is_master=False, timeout=timedelta(seconds=10)), 3,
+                   requires_majority=True)
+    Membership(store, -1).report_dead(2, "was killed by SIGKILL")  # proven: the base is ranks 0, 1, 3
+    m.check_in(1)
+    with pytest.raises(NoMajority, match=r"epoch 1 would have ranks \[3\]: not a majority"):
+        m.agree([0, 1, 2, 3], 1, agree_timeout_s=0.3, timeout_s=10.0)
+    assert not store.check(["ew/ep/1/members"])  # nothing was decided

@@ -1,6 +1,10 @@
 """The store link against a real TCPStore behind a real loopback proxy that drops connections."""
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
 import threading
 import time
 from datetime import timedelta
@@ -101,3 +105,28 @@ def test_a_link_whose_failure_predates_a_move_gives_the_new_store_a_grace_of_its
         new.set("x", "1")
         assert watcher.get("x") == b"1" and link.get("x") == b"1"
         assert not link.lost.is_set()
+
+
+def test_a_frozen_store_is_lost_within_the_grace_not_never():
+    # A real store process SIGSTOPped after the link connected: its kernel keeps the connection
+    # open, so a TCPStore call waits for good (past its own timeout). The link's deadline ends it.
+    holder = subprocess.Popen([sys.executable, "-c", (
+        "import sys, time, datetime, torch.distributed as d;"
+        "s = d.TCPStore('127.0.0.1', 0, world_size=None, is_master=True, wait_for_workers=False,"
+        " timeout=datetime.timedelta(seconds=30)); print(s.port, flush=True); time.sleep(600)")],
+        stdout=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        port = int(holder.stdout.readline())
+        link = StoreLink(dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=30)),
+                         f"127.0.0.1:{port}", timeout_s=30, grace_s=1.0)
+        assert link.add("n", 1) == 1
+        os.killpg(holder.pid, signal.SIGSTOP)
+        began = time.monotonic()
+        with pytest.raises(StoreLost, match="has not answered for 1 s"):
+            link.add("n", 1)
+        assert time.monotonic() - began < 5  # the grace and the last reconnect attempt, not the 30 s timeout
+        with pytest.raises(StoreLost):  # and it stays lost for every later call, at once
+            link.check(["n"])
+    finally:
+        os.killpg(holder.pid, signal.SIGKILL)
+        holder.wait()

@@ -7,6 +7,8 @@ import time
 import pytest
 
 from elaswave.control.link import EXIT_STORE_LOST
+from elaswave.runtime.metrics import read_jsonl
+from tests.helpers import netns
 from tests.helpers.etcd import EtcdCluster
 from tests.helpers.spawn import Running, assert_same_run, free_port, job_args, reference_fixture, run_cli
 
@@ -61,3 +63,41 @@ def test_bad_rendezvous_input_is_one_line(tmp_path, flags, needle):
     res = run_cli(job_args(2, 2, 4, True, EXTRA) + flags, tmp_path, timeout_s=120)
     assert res.returncode == 2 and needle in res.stderr and "Traceback" not in res.stderr, res.stderr
     assert time.monotonic() - began < 60
+
+
+def test_two_hosts_cut_apart_on_etcd_make_one_run_not_two(tmp_path, reference):
+    """Host 1 (ranks 2, 3 and one of the three etcd members, in a network namespace) goes silent
+    mid-run: both its links down, its processes alive, nothing refused. Host 0 holds the etcd
+    majority: it leaves ranks 2 and 3 out and trains on, bit-identical to the reference. Host 1
+    cannot commit anything to etcd: its ranks save their part and stop, and write no step, no
+    summary (on the embedded store it moved the store to itself and trained on alone)."""
+    reason = netns.unavailable()
+    if reason:
+        pytest.skip(reason)
+    sets = [*EXTRA, "parallel.dp=2", "parallel.pp=2", "train.deterministic=true", "elastic.respawn_after_s=-1"]
+    with netns.OtherHost() as host, \
+            EtcdCluster(3, hosts=[host.here_store_ip, host.here_store_ip, host.store_ip],
+                        prefixes=[[], [], host.prefix()]) as etcd:
+        def agent(k, bind, prefix=()):
+            args = job_args(2, 2, STEPS, True, [*sets, f"parallel.bind_address={bind}"])
+            args += ["--nnodes", "2", "--node-rank", str(k), "--rdzv-backend", "etcd", "--rdzv-endpoint", etcd.endpoints]
+            return Running(args, tmp_path / f"m{k}.jsonl", env={"ELASWAVE_TOKEN": "two-hosts"}, prefix=list(prefix))
+        agents = [agent(0, host.here_peer_ip), agent(1, host.peer_ip, host.prefix())]
+        try:
+            agents[0].wait_for(r"step\s+6/", 240)
+            cut_wall = time.time()
+            host.silence()
+            results = [a.finish(240) for a in agents]
+        finally:
+            for a in agents:
+                a.__exit__()
+    assert results[0].returncode == 0, results[0].stderr
+    assert results[1].returncode == EXIT_STORE_LOST, results[1].stderr
+    res = results[0]
+    worlds = [r["world_size"] for r in res.steps]
+    assert worlds[0] == 4 and worlds[-1] == 2, worlds
+    assert_same_run(res, reference, STEPS)
+    assert not (tmp_path / "m1.jsonl").exists() or not [
+        r for r in read_jsonl(str(tmp_path / "m1.jsonl")) if r["event"] in ("step", "summary")]
+    first_after = min(r["wall_time"] for r in res.steps if r["world_size"] == 2)
+    assert first_after - cut_wall < 60  # within parallel.timeout_s, not a hang

@@ -54,10 +54,9 @@ class EtcdCluster:
         self.n = n
         self.hosts = hosts or ["127.0.0.1"] * n
         self.prefixes = prefixes or [[] for _ in range(n)]
-        ports = [_free_ports(2, h) for h in self.hosts] if hosts else None
-        if ports is None:
-            flat = _free_ports(2 * n, "127.0.0.1")
-            ports = [flat[2 * i:2 * i + 2] for i in range(n)]
+        # Free on this namespace's loopback; a new namespace has none in use.
+        flat = _free_ports(2 * n, "127.0.0.1")
+        ports = [flat[2 * i:2 * i + 2] for i in range(n)]
         self.client_ports = [p[0] for p in ports]
         self.peer_ports = [p[1] for p in ports]
         # tmpfs where there is one: etcd fsyncs every commit, and a loaded disk would time the tests.

@@ -79,6 +79,12 @@ class OtherHost:
         """The partition: the peer link goes down; the store link stays up."""
         self._run("link", "set", self._links["peer"][1], "down", netns=self.name)
 
+    def silence(self) -> None:
+        """The whole host cut off: both links down. Its processes live on and reach only each
+        other; from outside, every packet to it is dropped and nothing is refused."""
+        for _, there in self._links.values():
+            self._run("link", "set", there, "down", netns=self.name)
+
     @staticmethod
     def _run(*args: str, netns: str | None = None) -> None:
         done = _ip(*args, netns=netns)
