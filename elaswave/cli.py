@@ -230,10 +230,10 @@ BENCH_CLAIMS = ("mttr", "deviation", "overhead", "all")
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    """``bench/peers.py CLAIM`` of a source checkout: elaswave and its real peers side by side."""
-    script = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench", "peers.py")
+    """``bench/peers/peers.py CLAIM`` of a source checkout: elaswave and its real peers side by side."""
+    script = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench", "peers", "peers.py")
     if not os.path.exists(script):
-        raise ConfigError(f"elaswave bench runs bench/peers.py from a source checkout, and there is none at "
+        raise ConfigError(f"elaswave bench runs bench/peers/peers.py from a source checkout, and there is none at "
                           f"{script}: clone the repository and `pip install -e '.[bench]'` there")
     if args.runs < 1:
         raise ConfigError(f"--runs {args.runs} is invalid: at least 1 (medians want 5)")

@@ -74,8 +74,10 @@ def bind_address(configured: str, store_addr: str | None) -> str | None:
     one-host job), else gloo's own choice (None)."""
     if configured:
         return configured
-    host = store_addr.rsplit(":", 1)[0] if store_addr else ""
-    return "127.0.0.1" if host in ("127.0.0.1", "localhost", "::1") else None
+    # HOST:PORT (a TCPStore), or etcd://HOST:PORT[,HOST:PORT...]/PREFIX (every member counts)
+    members = (store_addr or "").removeprefix("etcd://").split("/", 1)[0].split(",")
+    hosts = {m.rsplit(":", 1)[0] for m in members}
+    return "127.0.0.1" if hosts <= {"127.0.0.1", "localhost", "::1"} else None
 
 
 class _Watched:

@@ -30,6 +30,12 @@ import torch.distributed as dist
 ATTEMPT_S = 0.25
 """The longest one attempt to reconnect may take."""
 
+SILENT_S = 8.0
+"""A store that answers no call of a process for this long (or the grace, if longer) is frozen or
+cut off. Not less: a live TCPStore under a burst of connections and 16 ranks polling on 2 cores
+was seen answering nothing to a process for over 2 s (a new client connection stalls 5 s now and
+then: FACTS.md), and a false "lost" moves the store for nothing."""
+
 EXIT_STORE_LOST = 4
 """A worker's exit code when it stopped because the control store was gone (having saved its state)."""
 
@@ -122,10 +128,12 @@ class StoreLink:
         return call
 
     def _bounded(self, name: str, args: tuple, kwargs: dict):
-        """The call, answered within its deadline or :class:`Unanswered`. A TCPStore client blocked
-        on a frozen server (SIGSTOP) or a silent host outlives its own timeout for good, so the call
-        runs on this link's caller thread and the link abandons both (and the connection) if no
-        answer comes: its own wait's length (``wait``), else the grace, later."""
+        """The call, or :class:`Unanswered` once the store has answered nothing at all -- no call of
+        any link of this process -- for the grace, past the call's own wait (``wait``'s timeout;
+        ``get``'s, which waits for its key). A TCPStore client blocked on a frozen server (SIGSTOP)
+        or a silent host outlives its own timeout for good, so the call runs on this link's caller
+        thread, which the link abandons then (with its connection). A store that is only slow (a
+        loaded host, a burst of new connections) still answers someone, so nothing is abandoned."""
         store = self._store
 
         def run():
@@ -137,15 +145,25 @@ class StoreLink:
                 store.check([args[0] if args else kwargs["key"]])
             return out
         waits = args[1] if name == "wait" and len(args) > 1 else kwargs.get("timeout") if name == "wait" else None
-        deadline_s = self.grace_s + (waits.total_seconds() if waits is not None else
-                                     self.timeout_s if name in ("wait", "get", "multi_get") else 0.0)
+        own_s = (waits.total_seconds() if waits is not None else
+                 self.timeout_s if name in ("wait", "get", "multi_get") else 0.0)
         if self._caller is None:
             self._caller = _Caller()
-        done, out = self._caller.call(run, deadline_s)
-        if not done:
-            self._caller = None  # its thread stays blocked on the silent connection: never reused
-            raise Unanswered(f"the control store did not answer {name} within {deadline_s:g} s")
-        return out
+        silent_s = max(self.grace_s, SILENT_S)
+        began = time.monotonic()
+        pending = self._caller.submit(run)
+        while not pending.done.wait(0.05):
+            if self.lost.is_set():  # another link of this process gave up on this store
+                self._caller = None
+                raise StoreLost(self.lost_reason)
+            now = time.monotonic()
+            if now - began > own_s + silent_s and now - self._lost.answered_at > silent_s:
+                self._caller = None  # its thread stays blocked on the silent connection: never reused
+                raise Unanswered(f"the control store answered nothing for {silent_s:g} s ({name} pending)")
+        self._lost.answered_at = time.monotonic()
+        if "error" in pending.box:
+            raise pending.box["error"]
+        return pending.box.get("out")
 
     def _reconnect(self, failed_at: float, cause: Exception | None = None) -> None:
         """A new connection to the same store, tried until ``grace_s`` after the first failure
@@ -168,6 +186,7 @@ class StoreLink:
                 raise StoreLost(reason) from None
             try:
                 self._store = self._connect(left)
+                self._lost.answered_at = time.monotonic()  # a new connection's handshake was answered
                 self.reconnects += 1
                 return
             except Exception:  # noqa: BLE001 - refused or timed out: the store is not back yet
@@ -227,6 +246,8 @@ class _Endpoint:
         self.event = threading.Event()
         self.reason = ""
         self.wall: float | None = None
+        self.answered_at = time.monotonic()
+        """When a call of any of the process's links last got an answer (monotonic)."""
 
     def declare(self, reason: str) -> None:
         if not self.event.is_set():
@@ -234,6 +255,7 @@ class _Endpoint:
             self.event.set()
 
     def move(self, addr: str) -> None:
+        self.answered_at = time.monotonic()
         self.addr, self.generation = addr, self.generation + 1
         self.reason, self.wall = "", None
         self.event.clear()
@@ -256,12 +278,13 @@ class _Caller:
                 box["error"] = exc
             done.set()
 
-    def call(self, fn, deadline_s: float) -> tuple[bool, object]:
-        box: dict = {}
-        done = threading.Event()
-        self._jobs.put((fn, box, done))
-        if not done.wait(deadline_s):
-            return False, None
-        if "error" in box:
-            raise box["error"]
-        return True, box.get("out")
+    def submit(self, fn) -> "_Pending":
+        pending = _Pending()
+        self._jobs.put((fn, pending.box, pending.done))
+        return pending
+
+
+class _Pending:
+    def __init__(self) -> None:
+        self.box: dict = {}
+        self.done = threading.Event()

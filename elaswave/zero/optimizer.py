@@ -127,7 +127,7 @@ class ShardedAdamW:
                     keys.append(index.offsets[oc.layer] + oc.chunk)
                     sums.append(torch.dot(piece, piece))
         # One dot per chunk (the same kernel on the same shape in every layout), read back once: a
-        # read per chunk waited for the GPU thousands of times a step (bench/gpu.py).
+        # read per chunk waited for the GPU thousands of times a step (bench/gpu/checklist.py).
         return dict(zip(keys, torch.stack(sums).tolist())) if sums else {}
 
     def step(self, grads: Sequence[torch.Tensor], step: int, lr: float, coef: float) -> None:

@@ -199,7 +199,7 @@ def test_round_robin_matches_the_initial_rule():
 
 
 def test_replan_scales_to_ten_thousand_ranks():
-    # Guards against anything quadratic in the number of ranks (10^5 takes < 1 s: bench/planner.py).
+    # Guards against anything quadratic in the number of ranks (10^5 takes < 1 s: bench/sim/planner.py).
     import time
     plan = initial_plan(10_000, 625, 16, [1.0] * 34, 2500, [1 << 20] * 34, 1 << 16)
     began = time.perf_counter()

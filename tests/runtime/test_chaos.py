@@ -1,4 +1,4 @@
-"""Two seeds of the chaos schedule in CI (``bench/chaos.py`` runs twenty): kills, a kill during a
+"""Two seeds of the chaos schedule in CI (``bench/faults/chaos.py`` runs twenty): kills, a kill during a
 recovery, a double kill, a hang and joins in one 100-step run of six ranks, which must end equal
 to the failure-free run, with every step written once and no process left behind."""
 import pytest
@@ -18,7 +18,7 @@ def reference(tmp_path_factory):
 
 # Seed 0: two ranks join, a kill during a recovery, a double kill. Seed 5: a kill during a
 # recovery, a SIGSTOP hang, a join.
-@pytest.mark.parametrize("seed", [0, pytest.param(5, marks=pytest.mark.slow)])  # more: bench/chaos.py
+@pytest.mark.parametrize("seed", [0, pytest.param(5, marks=pytest.mark.slow)])  # more: bench/faults/chaos.py
 def test_a_chaos_run_ends_equal_to_the_failure_free_run(tmp_path, reference, seed):
     faults = schedule(seed, DP * PP, STEPS)
     res = run_job(tmp_path, DP, PP, STEPS, True,
@@ -37,7 +37,7 @@ def any_reference(tmp_path_factory):
     return run_reference(tmp_path_factory.mktemp("ref"), ANY_STEPS, deterministic=True, num_micro_batches=MBS)
 
 
-@pytest.mark.parametrize("seed", [1, 3])  # bench/chaos.py --any-instant runs fifty and more
+@pytest.mark.parametrize("seed", [1, 3])  # bench/faults/chaos.py --any-instant runs fifty and more
 def test_signals_at_any_instant_end_equal_or_fall_back_loudly(tmp_path, any_reference, seed):
     """A thread outside the job SIGKILLs or SIGSTOPs workers at seeded instants (mid-collective,
     mid-snapshot, mid-recovery, mid-join: wherever they are); replacements join. The run must

@@ -2,7 +2,7 @@
 another shell with and without the job's token. Every run equals the failure-free reference bit
 for bit (deterministic mode)."""
 from tests.helpers.memory import limit_between
-from tests.helpers.spawn import Running, assert_same_run, job_args, reference_fixture, run_cli, run_job
+from tests.helpers.spawn import Running, assert_same_run, job_args, reference_fixture, run_job
 
 # Long enough for a joiner's start-up (a new Python process importing torch: seconds on 2 cores).
 STEPS = 200

@@ -1,0 +1,218 @@
+"""MTTR on every detection path, and MTTR against the detection timeout for elaswave and TorchFT.
+
+    python bench/elastic/detection.py [--runs 5] [--timeouts 0.5,1,2,4] [--interval 0.1] [--ticks 20,100,500]
+
+A rank (replica) dies in the same job as ``bench/peers/peers.py`` (dp=3, GPT, dropout off, 12
+micro-batches; rank 2 in step 12), and MTTR runs from the fault to the end of the first step done
+on the new membership. The paths:
+
+- **reported**: the worker's parent (``elaswave run``'s launcher) reaps it and tells the control
+  plane at once (the default on one host).
+- **unreported**: nobody tells (``elastic.launcher_reports_deaths=false``), as when a host is lost
+  with its agent: a collective error alerts the survivors, and the dead rank is shown dead by its
+  refused liveness port.
+- **host lost (torchrun)**: two real torchrun agents on loopback, two workers each (dp=2 x pp=2);
+  the host without the rendezvous store is SIGKILLed whole, agent and workers, after step 8.
+  MTTR from the kill's wall time (taken here) to the end of the first step of the new epoch.
+- **hang**: SIGSTOP instead of SIGKILL: the process lives, its port answers, and only its stale
+  heartbeat shows it (``elastic.heartbeat_timeout_s``).
+- **TorchFT**: the real peer (``bench/peers/torchft_job.py``'s replicas, torchft-nightly), SIGKILL: the
+  lighthouse's heartbeat timeout, then a quorum at its next tick.
+
+The sweep sets elaswave's ``elastic.heartbeat_timeout_s`` and TorchFT's lighthouse
+``heartbeat_timeout_ms`` to each timeout (elaswave's heartbeat interval fixed at ``--interval``;
+TorchFT's quorum tick at 100 ms), then TorchFT's quorum tick at a 1 s heartbeat. Every point is the
+median (and range) of ``--runs`` runs. Results: ``bench/results/detection.{json,md,png}``.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from datetime import date
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository: bench.common, tests.helpers
+from bench.common import RESULTS, run_job, write_results  # noqa: E402
+from bench.peers.torchft_job import JOB, KILL_RANK, KILL_STEP, torchft_run  # noqa: E402
+from elaswave.runtime.metrics import read_jsonl  # noqa: E402
+from tests.helpers.spawn import TorchrunNode, free_port  # noqa: E402
+
+STEPS = 16
+ELASWAVE_JOB = [s for s in JOB if not s.startswith("train.steps=")] + [f"train.steps={STEPS}"]
+
+
+def _fault(kind: str) -> str:
+    return f"elastic.inject={kind}:rank={KILL_RANK},step={KILL_STEP},phase=backward"
+
+
+def elaswave_mttr(kind: str, reported: bool, timeout_s: float, interval_s: float) -> dict:
+    sets = [*ELASWAVE_JOB, _fault(kind), f"elastic.heartbeat_timeout_s={timeout_s}",
+            f"elastic.heartbeat_interval_s={interval_s}", f"elastic.launcher_reports_deaths={str(reported).lower()}"]
+    records = run_job(sets, deterministic=True)
+    (rec,) = [r for r in records if r["event"] == "recovery"]
+    return {"mttr_s": rec["mttr_s"], "phases_s": rec["phases_s"], "evidence": rec["evidence"]}
+
+
+def torchrun_host_mttr(timeout_s: float = 240) -> dict:
+    """Two torchrun agents; the second host killed whole after step 8. MTTR from the kill."""
+    sets = ["model.arch=gpt", "model.dropout=0", "parallel.dp=2", "parallel.pp=2", "train.steps=20",
+            "train.num_micro_batches=8", "train.deterministic=true"]
+    endpoint = f"127.0.0.1:{free_port()}"
+    with tempfile.TemporaryDirectory() as tmp:
+        metrics = Path(tmp) / "run.jsonl"
+
+        def records():
+            return read_jsonl(str(metrics)) if metrics.exists() else []
+
+        with TorchrunNode(2, 2, endpoint, True, sets, metrics, Path(tmp) / "host0.log"), \
+                TorchrunNode(2, 2, endpoint, False, sets, metrics, Path(tmp) / "host1.log") as lost:
+            deadline = time.monotonic() + timeout_s
+            while sum(r["event"] == "step" for r in records()) <= 8:
+                if time.monotonic() > deadline:
+                    raise RuntimeError("the torchrun job did not reach step 8")
+                time.sleep(0.05)
+            killed_at = time.time()
+            lost.kill()
+            while not any(r["event"] == "recovery" for r in records()) or not any(
+                    r["event"] == "step" and r["epoch"] > 0 for r in records()):
+                if time.monotonic() > deadline:
+                    raise RuntimeError("the surviving host did not recover")
+                time.sleep(0.05)
+            done = records()
+    rec = next(r for r in done if r["event"] == "recovery")
+    first = min((r for r in done if r["event"] == "step" and r["epoch"] == rec["epoch"]), key=lambda r: r["step"])
+    return {"mttr_s": first["wall_time"] - killed_at, "phases_s": rec["phases_s"], "evidence": rec["evidence"]}
+
+
+def _summary(values: list[float]) -> dict:
+    return {"median_s": statistics.median(values), "min_s": min(values), "max_s": max(values), "runs_s": values}
+
+
+def _repeat(runs: int, what: str, fn) -> dict:
+    values, details = [], []
+    for i in range(runs):
+        out = fn()
+        values.append(out["mttr_s"])
+        details.append(out)
+        print(f"  {what} run {i}: MTTR {out['mttr_s']:.3f} s", flush=True)
+    return {**_summary(values), "last": details[-1]}
+
+
+def measure(runs: int, timeouts: list[float], interval_s: float, ticks: list[int]) -> dict:
+    default = 2.0
+    paths = {
+        "reported": _repeat(runs, "reported", lambda: elaswave_mttr("kill", True, default, interval_s)),
+        "unreported": _repeat(runs, "unreported", lambda: elaswave_mttr("kill", False, default, interval_s)),
+        "host_lost_torchrun": _repeat(runs, "host lost (torchrun)", torchrun_host_mttr),
+        "hang": _repeat(runs, "hang", lambda: elaswave_mttr("stop", True, default, interval_s)),
+        "torchft_1s": _repeat(runs, "TorchFT 1 s", lambda: torchft_run(kill=True, heartbeat_ms=1000)),
+    }
+    sweep: dict[str, dict[str, dict]] = {"elaswave_kill_unreported": {}, "elaswave_hang": {}, "torchft_kill": {}}
+    for t in timeouts:
+        key = f"{t:g}"
+        sweep["elaswave_kill_unreported"][key] = _repeat(
+            runs, f"unreported kill, timeout {t:g} s", lambda: elaswave_mttr("kill", False, t, interval_s))
+        sweep["elaswave_hang"][key] = _repeat(runs, f"hang, timeout {t:g} s",
+                                              lambda: elaswave_mttr("stop", True, t, interval_s))
+        sweep["torchft_kill"][key] = _repeat(runs, f"TorchFT, heartbeat {t:g} s",
+                                             lambda: torchft_run(kill=True, heartbeat_ms=int(t * 1000)))
+    tick_sweep = {str(q): _repeat(runs, f"TorchFT, 1 s heartbeat, tick {q} ms",
+                                  lambda: torchft_run(kill=True, heartbeat_ms=1000, quorum_tick_ms=q)) for q in ticks}
+    return {"paths": paths, "timeout_sweep": sweep, "quorum_tick_sweep_1s": tick_sweep,
+            "heartbeat_interval_s": interval_s, "default_heartbeat_timeout_s": default}
+
+
+def plot(res: dict, path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    names = {"elaswave_kill_unreported": "elaswave, SIGKILL nobody reports",
+             "elaswave_hang": "elaswave, SIGSTOP (heartbeat)", "torchft_kill": "TorchFT, SIGKILL (lighthouse heartbeat)"}
+    for key, label in names.items():
+        pts = sorted((float(t), v) for t, v in res["timeout_sweep"][key].items())
+        xs = [t for t, _ in pts]
+        med = [v["median_s"] for _, v in pts]
+        lo = [v["median_s"] - v["min_s"] for _, v in pts]
+        hi = [v["max_s"] - v["median_s"] for _, v in pts]
+        ax.errorbar(xs, med, yerr=[lo, hi], marker="o", capsize=3, label=label)
+    ax.set_yscale("log")  # TorchFT's 30 s outliers (a kill mid-allreduce waits out its gloo timeout)
+    ax.set_xlabel("detection timeout (s): elaswave heartbeat timeout / TorchFT lighthouse heartbeat timeout")
+    ax.set_ylabel("MTTR (s), median and range")
+    ax.set_title("MTTR against the detection timeout (dp=3, one rank lost)")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def markdown(res: dict, meta: str) -> list[str]:
+    p = res["paths"]
+    rows = [("a worker's death, reported by its launcher", "reported"),
+            ("a worker's death nobody reports (collective error + refused probe)", "unreported"),
+            ("a whole host lost under torchrun (agent and workers SIGKILLed)", "host_lost_torchrun"),
+            (f"a hang (SIGSTOP), heartbeat timeout {res['default_heartbeat_timeout_s']:g} s", "hang"),
+            ("TorchFT, SIGKILL, lighthouse heartbeat 1 s", "torchft_1s")]
+    md = [meta, "", "**MTTR per detection path** (median, range):", "", "| path | MTTR s | range s | evidence (last run) |",
+          "| --- | --- | --- | --- |"]
+    for label, key in rows:
+        v = p[key]
+        ev = "; ".join(f"rank {r}: {how}" for r, how in v["last"].get("evidence", {}).items()) or "-"
+        md.append(f"| {label} | {v['median_s']:.3f} | {v['min_s']:.3f}-{v['max_s']:.3f} | {ev} |")
+    md += ["", "**MTTR against the detection timeout** (`detection.png`; median, range):", "",
+           "| timeout s | elaswave SIGKILL, unreported | elaswave SIGSTOP | TorchFT SIGKILL |", "| --- | --- | --- | --- |"]
+    sweep = res["timeout_sweep"]
+    for t in sweep["torchft_kill"]:
+        cells = [f"{sweep[k][t]['median_s']:.3f} ({sweep[k][t]['min_s']:.2f}-{sweep[k][t]['max_s']:.2f})"
+                 for k in ("elaswave_kill_unreported", "elaswave_hang", "torchft_kill")]
+        md.append(f"| {t} | " + " | ".join(cells) + " |")
+    md += ["", "**TorchFT's quorum tick** at a 1 s heartbeat:", "", "| quorum tick ms | MTTR s | range s |", "| --- | --- | --- |"]
+    md += [f"| {q} | {v['median_s']:.3f} | {v['min_s']:.3f}-{v['max_s']:.3f} |" for q, v in res["quorum_tick_sweep_1s"].items()]
+    return md
+
+
+def _floats(text: str, what: str) -> list[float]:
+    try:
+        return [float(x) for x in text.split(",") if x]
+    except ValueError:
+        raise SystemExit(f"bench/elastic/detection.py: {what}={text!r} is not a comma-separated list of numbers") from None
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--runs", type=int, default=5)
+    ap.add_argument("--timeouts", default="0.5,1,2,4")
+    ap.add_argument("--interval", type=float, default=0.1)
+    ap.add_argument("--ticks", default="20,100,500")
+    args = ap.parse_args(argv)
+    timeouts, ticks = _floats(args.timeouts, "--timeouts"), [int(q) for q in _floats(args.ticks, "--ticks")]
+    if args.runs < 1 or args.interval <= 0:
+        raise SystemExit(f"bench/elastic/detection.py: --runs={args.runs} must be >= 1 and --interval={args.interval} > 0")
+    too_short = [t for t in timeouts if t < 2 * args.interval]
+    if too_short:  # a heartbeat must be able to go stale between beats
+        raise SystemExit(f"bench/elastic/detection.py: --timeouts {too_short} are below 2 x --interval={args.interval}: "
+                         "every timeout must be at least two heartbeat intervals")
+    if any(q <= 0 for q in ticks):
+        raise SystemExit(f"bench/elastic/detection.py: --ticks={args.ticks} must be positive milliseconds")
+    began = time.perf_counter()
+    res = measure(args.runs, timeouts, args.interval, ticks)
+    wall = time.perf_counter() - began
+    import torch
+    meta = (f"`python bench/elastic/detection.py --runs {args.runs} --timeouts {args.timeouts} --interval {args.interval} "
+            f"--ticks {args.ticks}` on {date.today()}, {platform.machine()}, {os.cpu_count()} CPUs, torch "
+            f"{torch.__version__}, gloo on loopback, {wall:.0f} s. Job as bench/peers/peers.py (dp=3 GPT, rank 2 lost in "
+            f"step {KILL_STEP}'s backward), {STEPS} steps; elaswave heartbeat interval {args.interval:g} s.")
+    res["meta"] = meta
+    write_results(RESULTS / "detection", res, markdown(res, meta))
+    plot(res, RESULTS / "detection.png")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,95 @@
+"""Real data at size: ``python bench/training/data.py prepare|rss|all [--work DIR]``.
+
+prepare: ``elaswave prepare`` throughput (MB of text per second) on the standard library's folder
+         (~240 MB of text files on this box): the byte tokenizer (in-process, no workers: read
+         twice, the first time from a cold page cache), and a byte-level BPE of 8,192 trained on
+         it (training timed apart), with 1 and 2 worker processes.
+rss:     per-rank peak RSS of the default job (40 steps, dp=2) reading a prepared corpus of ~200 MB
+         and one of ~4.3 GB (both made by ``elaswave prepare`` from generated text), and the
+         default in-memory corpus as context; goal: the two prepared corpora within 20 MB.
+Results: bench/results/data_{prepare,rss}.json. The big corpora are deleted afterwards.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository: bench.common
+from bench.common import run_job, write_named  # noqa: E402
+from elaswave.data.corpus import stdlib_root  # noqa: E402
+from elaswave.data.prepare import prepare  # noqa: E402
+
+RSS_TEXT_MB = {"200 MB": 100, "4.3 GB": 2150}  # bytes tokenize to uint16: shards are twice the text
+
+
+def _text(path: Path, megabytes: int) -> None:
+    """Generated words in lines, ``megabytes`` MB: what is read does not matter for RSS, only its size."""
+    rnd = random.Random(0)
+    words = ["".join(rnd.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rnd.randint(1, 9))) for _ in range(4000)]
+    block = "\n".join(" ".join(rnd.choice(words) for _ in range(12)) for _ in range(20_000)).encode() + b"\n"
+    with open(path, "wb") as fh:
+        written = 0
+        while written < megabytes * 10 ** 6:
+            fh.write(block)
+            written += len(block)
+
+
+def bench_prepare(work: Path) -> dict:
+    rows = []
+    for tokenizer in ("bytes", "train-bpe:8192"):
+        for workers in (1, 2):  # bytes take no workers: the second run is the same work from a warm cache
+            out = work / f"prep-{tokenizer.replace(':', '-')}-{workers}"
+            began = time.perf_counter()
+            m = prepare([stdlib_root()], str(out), tokenizer, workers=workers, progress=False)
+            total = time.perf_counter() - began
+            rows.append({"tokenizer": tokenizer, "workers": workers, "text_mb": m["text_bytes"] / 1e6,
+                         "tokens": m["splits"]["train"]["tokens"], "vocab_size": m["vocab_size"],
+                         "tokenize_write_s": m["prepare_s"], "total_s": total,
+                         "mb_per_s": m["text_bytes"] / 1e6 / m["prepare_s"]})
+            print(json.dumps(rows[-1]), flush=True)
+            shutil.rmtree(out)
+    return {"rows": rows}
+
+
+def bench_rss(work: Path) -> dict:
+    rows = []
+    sets = ["parallel.dp=2", "parallel.pp=1", "train.steps=40"]
+    for label, mb in [("in-memory default (stdlib, 4 MB as int64)", None), *RSS_TEXT_MB.items()]:
+        extra = []
+        if mb is not None:
+            text, out = work / "text.txt", work / "prepared"
+            _text(text, mb)
+            m = prepare([str(text)], str(out), "bytes", progress=False)
+            text.unlink()
+            shard_bytes = sum(p.stat().st_size for p in out.glob("*.bin"))
+            extra = [f"data.path={out}"]
+        summary = run_job(sets + extra)[-1]
+        row = {"corpus": label, "peak_rss_mb_per_rank": [b / 2 ** 20 for b in summary["peak_rss_bytes_per_rank"]]}
+        if mb is not None:
+            row.update(shard_bytes=shard_bytes, tokens=m["splits"]["train"]["tokens"])
+            shutil.rmtree(out)
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    small, big = (max(r["peak_rss_mb_per_rank"]) for r in rows[1:])
+    return {"rows": rows, "big_minus_small_mb": big - small, "goal_mb": 20}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("what", choices=["prepare", "rss", "all"])
+    ap.add_argument("--work", help="a folder with ~7 GB free (default: a temporary one)")
+    args = ap.parse_args()
+    with tempfile.TemporaryDirectory(dir=args.work) as tmp:
+        write_named(args.what, {"prepare": lambda: bench_prepare(Path(tmp)), "rss": lambda: bench_rss(Path(tmp))}, "data",
+                    end="\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
