@@ -17,8 +17,8 @@ from elaswave.runtime.metrics import read_jsonl
 from elaswave.runtime.worker import EXIT_EXCLUDED
 from tests.helpers import netns
 from tests.helpers.proxy import Proxy
-from tests.helpers.spawn import (TINY, Result, Running, alive, assert_same_run, children, free_port, rank_of, run_cli,
-                                 run_reference, steps_written)
+from tests.helpers.spawn import (TINY, Result, Running, alive, assert_same_run, children, fault_mid_run, free_port,
+                                 rank_of, run_cli, run_reference, steps_written)
 
 
 def _start_long_job(extra=()):
@@ -279,14 +279,7 @@ def test_a_rank_that_reaches_the_store_but_not_its_peers_is_left_out_at_once(tmp
         agents = [_agent(here, k, endpoint, metrics if k == 0 else tmp_path / f"m{k}.jsonl", nnodes=4) for k in range(3)]
         agents.append(_agent([*sets, f"parallel.bind_address={host.peer_ip}"], 3, endpoint, tmp_path / "m3.jsonl",
                              nnodes=4, prefix=host.prefix()))
-        try:
-            agents[0].wait_for(r"step\s+10/", 240)
-            cut_wall = time.time()
-            host.cut_peers()
-            results = [a.finish(240) for a in agents]
-        finally:
-            for a in agents:
-                a.__exit__()
+        cut_wall, results = fault_mid_run(agents, 10, host.cut_peers)
     codes = [r.returncode for r in results]
     assert codes == [0, 0, 0, EXIT_EXCLUDED], "\n".join(r.stderr for r in results)
     assert "cut off from ranks [0, 1, 2]" in results[3].stderr, results[3].stderr

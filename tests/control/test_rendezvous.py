@@ -10,7 +10,8 @@ from elaswave.control.link import EXIT_STORE_LOST
 from elaswave.runtime.metrics import read_jsonl
 from tests.helpers import netns
 from tests.helpers.etcd import EtcdCluster
-from tests.helpers.spawn import Running, assert_same_run, free_port, job_args, reference_fixture, run_cli
+from tests.helpers.spawn import (Running, assert_same_run, fault_mid_run, free_port, job_args, reference_fixture,
+                                 run_cli)
 
 STEPS, MBS = 16, 4
 EXTRA = [f"train.num_micro_batches={MBS}", "parallel.timeout_s=60"]
@@ -82,15 +83,8 @@ def test_two_hosts_cut_apart_on_etcd_make_one_run_not_two(tmp_path, reference):
             args = job_args(2, 2, STEPS, True, [*sets, f"parallel.bind_address={bind}"])
             args += ["--nnodes", "2", "--node-rank", str(k), "--rdzv-backend", "etcd", "--rdzv-endpoint", etcd.endpoints]
             return Running(args, tmp_path / f"m{k}.jsonl", env={"ELASWAVE_TOKEN": "two-hosts"}, prefix=list(prefix))
-        agents = [agent(0, host.here_peer_ip), agent(1, host.peer_ip, host.prefix())]
-        try:
-            agents[0].wait_for(r"step\s+6/", 240)
-            cut_wall = time.time()
-            host.silence()
-            results = [a.finish(240) for a in agents]
-        finally:
-            for a in agents:
-                a.__exit__()
+        cut_wall, results = fault_mid_run([agent(0, host.here_peer_ip), agent(1, host.peer_ip, host.prefix())], 6,
+                                          host.silence)
     assert results[0].returncode == 0, results[0].stderr
     assert results[1].returncode == EXIT_STORE_LOST, results[1].stderr
     res = results[0]

@@ -137,6 +137,19 @@ class Running:
         self.proc.wait()
 
 
+def fault_mid_run(agents: list["Running"], at_step: int, fault, timeout_s: float = 240) -> tuple[float, list[Result]]:
+    """Once the first agent has written step ``at_step``: ``fault()``, then every agent's result (in
+    order); each is killed afterwards whatever happened. Returns the fault's wall time too."""
+    try:
+        agents[0].wait_for(rf"step\s+{at_step}/", timeout_s)
+        wall = time.time()
+        fault()
+        return wall, [a.finish(timeout_s) for a in agents]
+    finally:
+        for a in agents:
+            a.__exit__()
+
+
 def run_torchrun(torchrun_args: list[str], sets: list[str], metrics: Path, timeout_s: float = 300.0) -> Result:
     """The worker under real torchrun (``python -m torch.distributed.run TORCHRUN_ARGS -m
     elaswave.runtime.worker --set ...``); kill everything it started."""
