@@ -22,6 +22,7 @@ import queue
 import socket
 import threading
 import time
+from concurrent import futures
 from datetime import timedelta
 
 import torch.distributed as dist
@@ -129,7 +130,7 @@ class StoreLink:
 
     def _bounded(self, name: str, args: tuple, kwargs: dict):
         """The call, or :class:`Unanswered` once the store has answered nothing at all -- no call of
-        any link of this process -- for the grace, past the call's own wait (``wait``'s timeout;
+        any link of this process -- for ``SILENT_S`` (or the grace, if longer), past the call's own wait (``wait``'s timeout;
         ``get``'s, which waits for its key). A TCPStore client blocked on a frozen server (SIGSTOP)
         or a silent host outlives its own timeout for good, so the call runs on this link's caller
         thread, which the link abandons then (with its connection). A store that is only slow (a
@@ -144,7 +145,7 @@ class StoreLink:
                 # proves the set arrived (or fails, and the set is repeated).
                 store.check([args[0] if args else kwargs["key"]])
             return out
-        waits = args[1] if name == "wait" and len(args) > 1 else kwargs.get("timeout") if name == "wait" else None
+        waits = (args[1] if len(args) > 1 else kwargs.get("timeout")) if name == "wait" else None
         own_s = (waits.total_seconds() if waits is not None else
                  self.timeout_s if name in ("wait", "get", "multi_get") else 0.0)
         if self._caller is None:
@@ -152,7 +153,7 @@ class StoreLink:
         silent_s = max(self.grace_s, SILENT_S)
         began = time.monotonic()
         pending = self._caller.submit(run)
-        while not pending.done.wait(0.05):
+        while not futures.wait([pending], 0.05).done:
             if self.lost.is_set():  # another link of this process gave up on this store
                 self._caller = None
                 raise StoreLost(self.lost_reason)
@@ -161,9 +162,7 @@ class StoreLink:
                 self._caller = None  # its thread stays blocked on the silent connection: never reused
                 raise Unanswered(f"the control store answered nothing for {silent_s:g} s ({name} pending)")
         self._lost.answered_at = time.monotonic()
-        if "error" in pending.box:
-            raise pending.box["error"]
-        return pending.box.get("out")
+        return pending.result()
 
     def _reconnect(self, failed_at: float, cause: Exception | None = None) -> None:
         """A new connection to the same store, tried until ``grace_s`` after the first failure
@@ -271,20 +270,13 @@ class _Caller:
 
     def _serve(self) -> None:
         while True:
-            fn, box, done = self._jobs.get()
+            fn, future = self._jobs.get()
             try:
-                box["out"] = fn()
+                future.set_result(fn())
             except BaseException as exc:  # noqa: BLE001 - re-raised in the caller's thread
-                box["error"] = exc
-            done.set()
+                future.set_exception(exc)
 
-    def submit(self, fn) -> "_Pending":
-        pending = _Pending()
-        self._jobs.put((fn, pending.box, pending.done))
-        return pending
-
-
-class _Pending:
-    def __init__(self) -> None:
-        self.box: dict = {}
-        self.done = threading.Event()
+    def submit(self, fn) -> futures.Future:
+        future: futures.Future = futures.Future()
+        self._jobs.put((fn, future))
+        return future
