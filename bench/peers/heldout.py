@@ -85,8 +85,8 @@ def layers_from_checkpoint(step_dir: Path) -> list[nn.Module]:
     from elaswave.plan.chunks import chunk_range, num_chunks
     from elaswave.zero.flat import FlatLayer
 
-    manifest = disk.read_manifest(Path(step_dir))
-    if manifest is None or not manifest.is_complete():
+    manifest = disk.named(Path(step_dir))
+    if manifest is None:
         raise RuntimeError(f"{step_dir}: no complete checkpoint")
     model = family(ModelConfig(**manifest.model))
     if model.ties:

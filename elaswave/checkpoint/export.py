@@ -56,11 +56,11 @@ def finish_run_export(out: str, m: ModelConfig, parts: list[dict]) -> Path:
 
 
 def export_checkpoint(ckpt: str, out: str, max_shard_bytes: int = 5 * 2 ** 30) -> Path:
-    """A disk checkpoint (its newest complete step, or the step directory given) -> a Hugging Face
+    """A disk checkpoint (its newest complete step, a step folder given, or one fence of it) -> a Hugging Face
     directory: each layer rebuilt from its chunks' parameter rows, written in shards of at most
     ``max_shard_bytes`` (whole layers), as Hugging Face shards."""
     path = Path(ckpt)
-    manifest = disk.read_manifest(path) if (path / disk.MANIFEST).is_file() else disk.latest(path)
+    manifest = disk.named(path)
     if manifest is None:
         raise ConfigError(f"CHECKPOINT_DIR={ckpt!r} is invalid: no complete checkpoint there (a folder "
                           f"written with checkpoint.dir, or one of its step_* folders)")

@@ -68,6 +68,8 @@ class Verdict:
     joining: tuple[int, ...]
     prev_plan: dict
     admitted_wall: float
+    run: int = 0
+    """The run of the checkpoint directory the job is (its writes' fence)."""
 
 
 class Admission:
@@ -125,7 +127,7 @@ class Admission:
         doc = json.loads(self.store.get(key))
         if not doc["admitted"]:
             raise Refused(f"rank {self.rank} was refused by the job: {doc['why']}")
-        return Verdict(doc["epoch"], tuple(doc["joining"]), doc["prev_plan"], doc["admitted_wall"])
+        return Verdict(doc["epoch"], tuple(doc["joining"]), doc["prev_plan"], doc["admitted_wall"], doc.get("run", 0))
 
     # -- the leader's side -------------------------------------------------------------------
     def pending(self, members: tuple[int, ...]) -> list[Request]:
@@ -145,12 +147,12 @@ class Admission:
         self.refused.add(rank)
         self._answer(rank, {"admitted": False, "why": why})
 
-    def admit(self, ranks: list[int], epoch: int, prev_plan: dict) -> None:
+    def admit(self, ranks: list[int], epoch: int, prev_plan: dict, run: int = 0) -> None:
         self.store.set(f"{PREFIX}ep/{epoch}/joining", json.dumps(ranks))
         for rank in ranks:
             self.admitted_at[rank] = time.time()
             self._answer(rank, {"admitted": True, "epoch": epoch, "joining": ranks, "prev_plan": prev_plan,
-                                "admitted_wall": self.admitted_at[rank]})
+                                "admitted_wall": self.admitted_at[rank], "run": run})
 
     def walls(self, ranks) -> dict[str, float]:
         """When the joiners started, first asked and were admitted, as this leader saw it; empty on

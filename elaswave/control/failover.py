@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import json
 import socket
+import threading
 import time
 from datetime import timedelta
 from typing import Callable, Sequence
@@ -102,6 +103,27 @@ def reach(addr: str) -> str:
         return "refused"
     except OSError:
         return "silent"
+
+
+def epoch_now(link: StoreLink, within_s: float) -> tuple[int, tuple[int, ...] | None] | None:
+    """(the store's epoch, its members or None while undecided), asked over a new connection to
+    where ``link`` says the store is; None when it does not answer within about ``2 x within_s``
+    (gone, frozen, cut off). A rank whose own link gave up asks this before acting on it: paused
+    past the grace (SIGSTOP, a frozen VM), it finds the store answering, in an epoch without it."""
+    got: dict = {}
+
+    def ask() -> None:
+        try:
+            store = link.fresh(within_s)
+            epoch = int(store.add(PREFIX + "epoch", 0))
+            key = f"{PREFIX}ep/{epoch}/members"
+            got["now"] = epoch, (tuple(json.loads(store.get(key))) if store.check([key]) else None)
+        except Exception:  # noqa: BLE001 - refused, timed out, unknown: it does not answer
+            pass
+    asking = threading.Thread(target=ask, daemon=True, name="elaswave-epoch-now")
+    asking.start()
+    asking.join(2 * within_s)
+    return got.get("now")
 
 
 def check_majority(members: Sequence[int], known: dict[int, str]) -> None:

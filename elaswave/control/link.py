@@ -103,6 +103,14 @@ class StoreLink:
         self._follow()
         return self._store.clone()
 
+    def fresh(self, within_s: float) -> dist.Store:
+        """A new plain connection to where the store is now, whatever this link thinks of it (to
+        ask once more after giving up); its constructor bounded by ``within_s``, not its calls."""
+        if self.addr is None:
+            return self._store.clone()
+        host, port = self.addr.rsplit(":", 1)
+        return client(host, int(port), within_s, within_s)
+
     def _follow(self) -> None:
         """On this link's first use after the store moved: a connection to where it is now."""
         if self._generation != self._lost.generation:

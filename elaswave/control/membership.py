@@ -100,6 +100,10 @@ class Membership:
         """Tells whether a silent member is gone (:class:`~elaswave.control.liveness.Prober`); None: no probes."""
         self.requires_majority = requires_majority
         """A job on several hosts around one TCPStore: an agreement needs :func:`has_majority`."""
+        self.holds_store = True
+        """Whether the store agreed on is the one the last epoch was agreed on (half of the members
+        may decide there). False after this side elected a successor from a recovery, until the
+        next agreement: a side cut off from the others could have elected its own."""
 
     # -- alerts -----------------------------------------------------------------------------
     def alert(self, epoch: int, reason: str, ranks: Sequence[int] = (), network: bool = False) -> None:
@@ -234,7 +238,7 @@ class Membership:
                 proven, dead = proven | shown, dead | shown
             members = decide(prev_members, checked, dead, waited, agree_timeout_s, proven, checked)
             if members is not None and self.requires_majority and not self.store.check([key]) \
-                    and not has_majority(members, prev_members, proven, holds_store=True):
+                    and not has_majority(members, prev_members, proven, holds_store=self.holds_store):
                 raise NoMajority(f"epoch {epoch} would have ranks {list(members)}: not a majority of epoch "
                                  f"{epoch - 1}'s members {list(prev_members)} not proven dead "
                                  f"({sorted(proven) or 'none'} proven); a minority side does not decide")
@@ -245,6 +249,7 @@ class Membership:
                 stored = self.store.compare_set(key, "", json.dumps(list(members)))
                 won = json.loads(stored)
                 self._advance_epoch(epoch)
+                self.holds_store = True
                 return tuple(won)
             if waited > timeout_s:
                 raise TimeoutError(f"no agreement on epoch {epoch} within {timeout_s}s")

@@ -73,6 +73,8 @@ class Context:
         c = cfg.checkpoint
         self.checkpointer = disk.Checkpointer(c.dir, rank, c.every_steps, c.keep, cfg.model_identity(),
                                               cfg.parallel.chunk_numel) if c.dir else None
+        self.run = 0
+        """Which run of the checkpoint directory this job is: with the epoch, the fence of what it writes there."""
         self.actuator = actuator.make(cfg.actuator, device)
         self.measured_memory: dict | None = None
         """This rank's peak in train.measure_memory_step, beside what the memory model predicted for it."""
@@ -95,6 +97,11 @@ class Context:
     @cached_property
     def memory_model(self) -> MemoryModel:
         return job_memory_model(self.cfg, self.model, compute_dtype(self.cfg.train.precision, self.device), self.device)
+
+    def set_run(self, run: int) -> None:
+        self.run = run
+        if self.checkpointer is not None:
+            self.checkpointer.run = run
 
     def sampler_for(self, stage: Stage | None) -> Sampler | None:
         """The data, read the first time this rank runs a first or last stage (a data-parallel rank
@@ -156,7 +163,12 @@ class Context:
         lost store; the recovery starts again there. False without standbys (the rescue floor)."""
         if self.standby is None:
             return False
+        if failover.epoch_now(self.store, self.cfg.elastic.heartbeat_timeout_s / 2) is not None:
+            # The store answers a new connection: it is this rank that was away (paused past its
+            # links' grace), not the store. Electing a successor now would start a second run.
+            return False
         old = self.store.addr
+        self.membership.holds_store = False
         leader, addr = failover.move(self.store, self.standby, self.rank, st.plan.epoch, st.plan.ranks,
                                      self.cfg.to_dict(), self.liveness, self.prober,
                                      requires_majority=self.membership.requires_majority)

@@ -57,7 +57,7 @@ def admit(ctx, st: RankState) -> int:
             ctx.admission.refuse(r, str(exc))
         return 0
     _decide(ctx, f"admitting ranks {genuine} into epoch {epoch}; the job grows at the end of this step")
-    ctx.admission.admit(genuine, epoch, st.plan.to_doc())
+    ctx.admission.admit(genuine, epoch, st.plan.to_doc(), ctx.run)
     return len(genuine)
 
 
@@ -84,6 +84,7 @@ def join(ctx) -> tuple[RankState, recovery.Recovery]:
             raise StoodDown(f"rank {ctx.rank}: the job finished before it was admitted; nothing to do")
         prev = Plan.from_doc(verdict.prev_plan)
         ctx.plan = prev  # the watcher beats and listens for alerts from now on
+        ctx.set_run(verdict.run)
         if ctx.watcher is not None and not ctx.watcher.is_alive():
             ctx.watcher.start()
         try:

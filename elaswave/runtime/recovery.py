@@ -260,7 +260,8 @@ def _stop_with_state(ctx, st: RankState | None, old: Plan, members, holdings, di
     # Own chunks are on the device, kept snapshots (on a GPU) in host memory: saved from the host.
     payload = torch.stack([_local_chunk(ctx, st, restore, k).cpu() for k in mine]) if mine else torch.empty(0)
     if mine:
-        ctx.checkpointer.save(gen, owners, mine, payload, is_writer=ctx.rank == min(r for row in owners for r in row))
+        ctx.checkpointer.save(gen, owners, mine, payload, is_writer=ctx.rank == min(r for row in owners for r in row),
+                              epoch=old.epoch)
         ctx.checkpointer.wait()
     stop = PlanError(f"{exc}. The job stops; its state at step {gen} is saved in "
                      f"{disk.step_dir(cfg.checkpoint.dir, gen)}: run it again with more ranks and it resumes there")
@@ -346,7 +347,7 @@ def _restore_chunks(ctx, st: RankState, world, new_owners, restore: Restore):
         elif src is None:
             chunks[key] = _initial_chunk(ctx, key, fresh)
     if from_disk:
-        manifest = disk.read_manifest(disk.step_dir(ctx.cfg.checkpoint.dir, gen))
+        manifest = disk.at_step(ctx.cfg.checkpoint.dir, gen)
         chunks.update({k: v.to(ctx.device) for k, v in disk.load_chunks(manifest, from_disk).items()})
     return chunks, received, arriving
 

@@ -20,11 +20,29 @@ import time
 import torch
 
 from elaswave.checkpoint import disk
+from elaswave.control import failover
 from elaswave.control.link import EXIT_STORE_LOST
 from elaswave.runtime.rank import RankState
 
 RESCUE_DIR = "elaswave-rescue"
 """Where the state goes when the job has no ``checkpoint.dir``: progress is not thrown away."""
+
+
+def left_out(ctx, st: RankState | None) -> str | None:
+    """Why this rank must write nothing, or None: the job went on without it. Its own link gave up
+    on the store, but a rank paused past that grace (SIGSTOP, a frozen VM) finds the store answering
+    the others in an epoch it is not in; one cut off finds the checkpoint directory holding a
+    newer fence than its own (the side that went on saved since)."""
+    if st is None:
+        return None
+    now = failover.epoch_now(ctx.store, ctx.cfg.elastic.heartbeat_timeout_s / 2)
+    if now is not None and now[0] > st.epoch and now[1] is not None and ctx.rank not in now[1]:
+        return f"the job went on without it (epoch {now[0]}, members {list(now[1])})"
+    root = ctx.cfg.checkpoint.dir or RESCUE_DIR
+    newest, mine = disk.newest_fence(root), disk.Fence(ctx.run, st.epoch)
+    if newest is not None and newest > mine:
+        return f"{root} holds a newer checkpoint ({newest.name}) than its own {mine.name}: the job went on without it"
+    return None
 
 
 def save_and_stop(ctx, st: RankState | None, reason: str, noticed_at: float, writer=None) -> int:
@@ -38,7 +56,7 @@ def save_and_stop(ctx, st: RankState | None, reason: str, noticed_at: float, wri
         return EXIT_STORE_LOST
     began = time.perf_counter()
     checkpointer = ctx.checkpointer or disk.Checkpointer(root, ctx.rank, 0, cfg.checkpoint.keep,
-                                                         cfg.model_identity(), cfg.parallel.chunk_numel)
+                                                         cfg.model_identity(), cfg.parallel.chunk_numel, ctx.run)
     try:
         checkpointer.wait()  # a background save of the same generation must not race ours
     except disk.CheckpointError as exc:
@@ -51,9 +69,10 @@ def save_and_stop(ctx, st: RankState | None, reason: str, noticed_at: float, wri
         if sorted(keys) != sorted(owned) or disk.is_complete(root, gen):
             continue
         payload = torch.stack([st.optimizer.chunk(k, gen) for k in owned]) if owned else torch.empty(0)
-        checkpointer.save(gen, plan.chunk_owners, owned, payload, is_writer=ctx.rank == plan.ranks[0])
+        checkpointer.save(gen, plan.chunk_owners, owned, payload, is_writer=ctx.rank == plan.ranks[0], epoch=st.epoch)
         checkpointer.wait()
-        saved.append(gen)
+        if not any(g == gen for g, _, _ in checkpointer.fenced_off):
+            saved.append(gen)
     newest = st.optimizer.gen
     took = time.perf_counter() - began
     if writer is not None:

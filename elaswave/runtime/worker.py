@@ -89,7 +89,7 @@ def run(cfg: JobConfig, rank: int, world_size: int, metrics_out: str | None) -> 
     # The job as configured, first: reports and the simulator's calibration read the run from it.
     writer.write({"event": "job", "config": cfg.to_dict(), "world_size": world_size, "wall_time": time.time()})
     if resumed:
-        writer.write({"event": "resume", "step": step, "checkpoint": str(disk.step_dir(cfg.checkpoint.dir, step)),
+        writer.write({"event": "resume", "step": step, "checkpoint": str(resumed.manifest.path),
                       "load_s": resumed.load_s, "wall_time": time.time()})
     began = time.perf_counter()
     result = None
@@ -141,7 +141,7 @@ def run(cfg: JobConfig, rank: int, world_size: int, metrics_out: str | None) -> 
                         writer.write(ctx.move_store(st, step))
                     if ctx.checkpointer is not None and ctx.checkpointer.due(step):
                         ctx.checkpointer.save(step, st.plan.chunk_owners, st.optimizer.keys(), st.optimizer.payload(),
-                                              is_writer=rank == st.plan.ranks[0])
+                                              is_writer=rank == st.plan.ranks[0], epoch=st.epoch)
                     if ctx.stamps_steps and rank == st.plan.ranks[0]:
                         _stamp_step(ctx, step)
                     if result.joining:  # admitted during this step: the job grows at its end
@@ -187,6 +187,11 @@ def run(cfg: JobConfig, rank: int, world_size: int, metrics_out: str | None) -> 
                 journal.replay(writer)
             journal.commit_before(step, writer)
     except StoreLost as lost:
+        stale = rescue.left_out(ctx, st)
+        if stale is not None:  # nothing of it may reach the user's files: the job's state is elsewhere
+            print_error(f"rank {rank}: {lost}; {stale}. It writes nothing and stops")
+            writer.close()
+            return EXIT_EXCLUDED
         journal.commit_before(step, writer)  # the steps every rank finished: the state saved is after them
         code = rescue.save_and_stop(ctx, st, str(lost), ctx.store.lost_wall or time.time(), writer)
         writer.close()
@@ -202,7 +207,7 @@ def run(cfg: JobConfig, rank: int, world_size: int, metrics_out: str | None) -> 
                       "state_sha256": digest.state_sha256(summary[rank]["step_counter"],
                                                           [int(summary[r]["state_sum"], 16) for r in st.plan.ranks]),
                       "wall_s": wall, "world_size": len(st.plan.ranks), "dp": cfg.parallel.dp, "pp": cfg.parallel.pp,
-                      "epoch": st.epoch, "ranks": list(st.plan.ranks), "deterministic": t.deterministic,
+                      "epoch": st.epoch, "run": ctx.run, "ranks": list(st.plan.ranks), "deterministic": t.deterministic,
                       "precision": precision_name(compute_dtype(t.precision, device)),
                       "optimizer_state_bytes_per_rank": [summary[r]["state_bytes"] for r in st.plan.ranks],
                       "master_bytes_per_rank": [summary[r]["master_bytes"] for r in st.plan.ranks],
@@ -245,6 +250,8 @@ def _start(ctx: Context, world_size: int):
     ctx.plan = plan
     stage = Stage(cfg, plan.layers_of(rank), device, model)
     world = ctx.comm.group(plan.ranks, plan.epoch)
+    # Before the barrier below, so before any rank of this run has written there.
+    ctx.set_run(disk.next_run(cfg.checkpoint.dir or rescue.RESCUE_DIR))
     resumed = _resume_point(cfg, plan, rank)
     gen, chunks = (resumed.manifest.step, resumed.chunks) if resumed else (0, None)
     st = build_rank(cfg, plan, rank, stage, ctx.sampler_for(stage), world, ctx.comm, device, ctx.backend_name,
@@ -322,7 +329,7 @@ def _resume_point(cfg: JobConfig, plan, rank: int) -> ResumePoint | None:
                           f"step {manifest.step}; raise train.steps or use another checkpoint.dir")
     chunks = disk.load_chunks(manifest, plan.chunks_of(rank))
     if rank == 0:
-        print(f"elaswave: resuming at step {manifest.step} from {disk.step_dir(c.dir, manifest.step)}", flush=True)
+        print(f"elaswave: resuming at step {manifest.step} from {manifest.path}", flush=True)
     return ResumePoint(manifest, chunks, time.perf_counter() - began)
 
 
@@ -351,6 +358,10 @@ def _finish(ctx: Context, st, cfg: JobConfig) -> dict[int, dict]:
         return {}
     parts = ctx.membership.gather(plan.epoch, "final", plan.ranks, cfg.parallel.timeout_s)
     _check_replicas(parts)
+    # The fence of the export and the summary: nothing of an epoch the job has left reaches them.
+    if (now := ctx.membership.current_epoch()) != plan.epoch:
+        raise recovery.Excluded(f"rank {st.rank} finished epoch {plan.epoch} but the job is in epoch {now}: "
+                                "it writes no export and no summary")
     if cfg.checkpoint.export_hf:
         out = export.finish_run_export(cfg.checkpoint.export_hf, cfg.model, [p["export"] for p in parts.values()])
         print(f"elaswave: exported the model as a Hugging Face directory: {out}", flush=True)
