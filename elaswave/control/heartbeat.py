@@ -4,6 +4,11 @@ It runs beside the training loop on its own store connection, so it keeps beatin
 while the main thread computes or waits in a collective. Watching one neighbour (the next member
 in rank order) instead of everyone keeps the store traffic O(members) per interval; one detection
 is enough, since any alert makes every live rank check in and the check-ins decide who is left.
+
+A heartbeat adds the milliseconds since the watcher started (at least 1) to the rank's counter: a
+watcher only needs it to move, and the counter over ``hb0/<rank>`` (the watcher's start, wall
+clock) says when the rank last showed a sign of life, which a recovery of a fault nobody injected
+counts its MTTR from (:func:`~elaswave.control.membership.Membership.last_beat_wall`).
 """
 from __future__ import annotations
 
@@ -41,14 +46,19 @@ class Watcher(threading.Thread):
         suspected_in: set[int] = set()
         lost_at = silent_since = None
         generation = getattr(self.store, "generation", 0)
+        began, began_wall, sent_ms = time.monotonic(), time.time(), 0
         while not self._halt.is_set():
             if getattr(self.store, "generation", 0) != generation:
                 # The store moved (elaswave.control.failover): a new store, with no alerts yet.
                 generation, self.seen_alerts = self.store.generation, 0
-                watched, lost_at = None, None
+                watched, lost_at, sent_ms = None, None, 0
                 suspected_in.clear()
             try:
-                self.store.add(f"{PREFIX}hb/{self.rank}", 1)
+                if sent_ms == 0:
+                    self.membership.stamp(f"hb0/{self.rank}", began_wall)
+                beat_ms = max(sent_ms + 1, int(1000 * (time.monotonic() - began)))
+                self.store.add(f"{PREFIX}hb/{self.rank}", beat_ms - sent_ms)
+                sent_ms = beat_ms
                 epoch, members = self.view()
                 neighbour = _next(members, self.rank)
                 if neighbour != watched:
@@ -56,10 +66,12 @@ class Watcher(threading.Thread):
                 if self.prober is not None:  # so that their refusal proves their death later (once reached, no more probes)
                     self.prober.learn(_following(members, self.rank, 2), self.store)
                 if neighbour is not None:
-                    now_count = self.store.add(f"{PREFIX}hb/{neighbour}", 0)
+                    # The clock is read before the counter: a watcher starved between the two (a GC
+                    # pause, a loaded host) must not count its own absence as the neighbour's.
                     now = time.monotonic()
+                    now_count = self.store.add(f"{PREFIX}hb/{neighbour}", 0)
                     if now_count != count:
-                        count, changed_at = now_count, now
+                        count, changed_at = now_count, time.monotonic()
                     elif is_stale(changed_at, now, self.timeout_s) and epoch not in suspected_in:
                         suspected_in.add(epoch)
                         self.membership.alert(epoch, f"rank {neighbour} missed heartbeats for "

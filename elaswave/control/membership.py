@@ -296,3 +296,11 @@ class Membership:
 
     def read_stamp(self, key: str) -> float | None:
         return float(self.store.get(PREFIX + key)) if self.store.check([PREFIX + key]) else None
+
+    def last_beat_wall(self, rank: int) -> float | None:
+        """When ``rank``'s last heartbeat was sent (wall clock), or None if it never beat here (see
+        :mod:`~elaswave.control.heartbeat`: its counter is milliseconds since its watcher started)."""
+        began = self.read_stamp(f"hb0/{rank}")
+        if began is None or not self.store.check([f"{PREFIX}hb/{rank}"]):
+            return None
+        return began + self.store.add(f"{PREFIX}hb/{rank}", 0) / 1000

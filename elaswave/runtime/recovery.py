@@ -68,6 +68,8 @@ class Recovery:
     """Lost rank -> what showed it dead (the launcher's report, a refused probe, a stale heartbeat)."""
     earlier_start_wall: float | None = None
     """When an earlier change began whose first step never completed (this one interrupted it)."""
+    fault_from: str = "injected"
+    """How ``fault_wall`` is known: injected, last_heartbeat, or noticed (there is none)."""
     num_changes: int = 1
     """Changes this record covers: more than one when a failure hit before a change's first step ended."""
 
@@ -102,6 +104,7 @@ class Recovery:
                 "evidence": {str(r): how for r, how in self.evidence.items()}, "joined_ranks": self.joined_ranks,
                 "num_changes": self.num_changes,
                 "resume_step": self.resume_step, "mttr_s": first_step_end_wall - start,
+                "mttr_from": self.fault_from if self.fault_wall is not None else "noticed",
                 "phases_s": phases, "communicator": self.communicator, "is_fallback": self.is_fallback,
                 "bytes_received": self.bytes_received, "plan": self.plan, "evaluation_s": evaluation_s}
 
@@ -237,10 +240,24 @@ def recover(ctx, st: RankState | None, cause: Disruption | None, noticed_wall: f
         pool.expect(world, plan, new.device)
     ctx.comm.prepare_standbys(members, epoch)
     lap("state")
-    fault_walls = [w for w in (ctx.membership.read_stamp(f"fault/{r}") for r in lost) if w is not None]
-    return new, Recovery(epoch, lost, restore.resume_step, min(fault_walls) if fault_walls else None,
+    fault_wall, fault_from = _fault_start(ctx, lost, noticed_wall)
+    return new, Recovery(epoch, lost, restore.resume_step, fault_wall,
                          noticed_wall, phases, ctx.comm.last_source, restore.is_fallback, received,
-                         _layout(plan), joined, evidence=ctx.membership.death_evidence(lost, epoch))
+                         _layout(plan), joined, evidence=ctx.membership.death_evidence(lost, epoch),
+                         fault_from=fault_from)
+
+
+def _fault_start(ctx, lost: list[int], noticed_wall: float) -> tuple[float | None, str]:
+    """When the losses began, and how that is known: ``injected`` (the faults stamped it), else
+    ``last_heartbeat`` (the lost ranks' last sign of life: a dead host says nothing more), else
+    ``noticed`` (no earlier trace: the MTTR starts when a survivor noticed)."""
+    injected = [w for w in (ctx.membership.read_stamp(f"fault/{r}") for r in lost) if w is not None]
+    if injected:
+        return min(injected), "injected"
+    beats = [w for w in (ctx.membership.last_beat_wall(r) for r in lost) if w is not None]
+    if beats and min(beats) < noticed_wall:
+        return min(beats), "last_heartbeat"
+    return None, "noticed"
 
 
 def _stop_with_state(ctx, st: RankState | None, old: Plan, members, holdings, disk_step, exc: PlanError):

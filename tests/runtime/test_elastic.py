@@ -1,7 +1,11 @@
 """Real gloo ranks, real SIGKILL/SIGSTOP: a dp=4 job that loses ranks trains the same run."""
+import os
+import signal
+import time
+
 import pytest
 
-from tests.helpers.spawn import run_job, run_reference
+from tests.helpers.spawn import Running, children, job_args, rank_of, run_job, run_reference
 
 STEPS = 30
 DP = 4
@@ -170,3 +174,25 @@ def test_emulated_compute_with_frequency_planning_gives_the_same_run(tmp_path, p
     assert any(f != 1.0 for row in levels for f in row)
     after = [r for r in res.steps if r["epoch"] == 1]
     assert all(r["modelled_power_w"] <= 5.0 + 1e-9 for r in after)
+
+
+def test_a_hang_nobody_injected_is_timed_from_its_last_heartbeat(tmp_path, reference):
+    """A rank SIGSTOPped from outside (a frozen process: no stamp says when it stopped): the
+    recovery's MTTR runs from the last heartbeat the rank sent, and the record says so."""
+    timeout_s, interval_s = 2.0, 0.2
+    metrics = tmp_path / "run.jsonl"
+    args = job_args(DP, 1, STEPS * 4, True, [*EXTRA, f"elastic.heartbeat_timeout_s={timeout_s}",
+                                             f"elastic.heartbeat_interval_s={interval_s}"])
+    with Running(args, metrics) as job:
+        job.wait_for(r"step\s+10/", 120)
+        victim = next(p for p in children(job.proc.pid) if rank_of(p) == 1)
+        stopped = time.time()
+        os.kill(victim, signal.SIGSTOP)
+        res = job.finish(240)
+    assert res.returncode == 0, res.stderr
+    (rec,) = _recoveries(res)
+    assert rec["lost_ranks"] == [1] and rec["mttr_from"] == "last_heartbeat", rec
+    detect = rec["phases_s"]["detect"]
+    assert timeout_s - interval_s - 0.05 <= detect < timeout_s + 1.5, rec
+    began = min(r["wall_time"] for r in res.steps if r["step"] == rec["resume_step"]) - rec["mttr_s"]
+    assert stopped - interval_s - 0.3 <= began <= stopped + 0.05, (began - stopped, rec)
