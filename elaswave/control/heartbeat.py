@@ -1,9 +1,12 @@
 """Each rank's watcher thread: heartbeats, a neighbour watch, and instant reaction to alerts.
 
 It runs beside the training loop on its own store connection, so it keeps beating and checking in
-while the main thread computes or waits in a collective. Watching one neighbour (the next member
-in rank order) instead of everyone keeps the store traffic O(members) per interval; one detection
-is enough, since any alert makes every live rank check in and the check-ins decide who is left.
+while the main thread computes or waits in a collective. Each rank is watched by two others (of
+other hosts where the job has several: :func:`watchers_of`), not by everyone, which keeps the
+store traffic O(members) per interval. A missed heartbeat is a suspicion, not a death: it makes
+every live rank check in, and a suspect is left out without waiting for it only once both its
+watchers named it (:meth:`~elaswave.control.membership.Membership.known_dead`) -- one watcher
+starved or cut off must not evict a healthy neighbour; a suspect that is alive checks in.
 
 A heartbeat adds the milliseconds since the watcher started (at least 1) to the rank's counter: a
 watcher only needs it to move, and the counter over ``hb0/<rank>`` (the watcher's start, wall
@@ -20,7 +23,7 @@ from typing import Callable
 import torch.distributed as dist
 
 from elaswave.control.link import StoreLost
-from elaswave.control.membership import PREFIX, Membership, is_stale
+from elaswave.control.membership import PREFIX, WATCHERS, Membership, is_stale
 from elaswave.interrupt import Interrupt
 
 
@@ -42,9 +45,12 @@ class Watcher(threading.Thread):
         self._halt.set()
 
     def run(self) -> None:
-        watched, count, changed_at = None, None, time.monotonic()
-        suspected_in: set[int] = set()
+        watched: tuple[int, ...] | None = None
+        seen: dict[int, tuple[int | None, float]] = {}
+        """target -> (its counter when it last moved, when that was seen)"""
+        suspected_in: set[tuple[int, int]] = set()
         lost_at = silent_since = None
+        ring_of, targets = None, ()
         generation = getattr(self.store, "generation", 0)
         began, began_wall, sent_ms = time.monotonic(), time.time(), 0
         while not self._halt.is_set():
@@ -60,23 +66,28 @@ class Watcher(threading.Thread):
                 self.store.add(f"{PREFIX}hb/{self.rank}", beat_ms - sent_ms)
                 sent_ms = beat_ms
                 epoch, members = self.view()
-                neighbour = _next(members, self.rank)
-                if neighbour != watched:
-                    watched, count, changed_at, silent_since = neighbour, None, time.monotonic(), None
+                if members != ring_of:  # who watches whom changes with the members alone
+                    hosts = self.membership.hosts(members)
+                    ring_of, targets = members, watch_targets(members, self.rank, hosts)
+                if targets != watched:
+                    watched, silent_since = targets, None
+                    seen = {r: seen.get(r, (None, time.monotonic())) for r in targets}
                 if self.prober is not None:  # so that their refusal proves their death later (once reached, no more probes)
                     self.prober.learn(_following(members, self.rank, 2), self.store)
-                if neighbour is not None:
+                for target in targets:
                     # The clock is read before the counter: a watcher starved between the two (a GC
                     # pause, a loaded host) must not count its own absence as the neighbour's.
                     now = time.monotonic()
-                    now_count = self.store.add(f"{PREFIX}hb/{neighbour}", 0)
-                    if now_count != count:
-                        count, changed_at = now_count, time.monotonic()
-                    elif is_stale(changed_at, now, self.timeout_s) and epoch not in suspected_in:
-                        suspected_in.add(epoch)
-                        self.membership.alert(epoch, f"rank {neighbour} missed heartbeats for "
-                                                     f"{now - changed_at:.2f}s", [neighbour])
-                    silent_since = self._watch_reach(epoch, neighbour, silent_since, suspected_in)
+                    count = self.store.add(f"{PREFIX}hb/{target}", 0)
+                    last, changed_at = seen[target]
+                    if count != last:
+                        seen[target] = (count, time.monotonic())
+                    elif is_stale(changed_at, now, self.timeout_s) and (epoch, target) not in suspected_in:
+                        suspected_in.add((epoch, target))
+                        self.membership.alert(epoch, f"rank {target} missed heartbeats for "
+                                                     f"{now - changed_at:.2f}s", [target])
+                if targets:
+                    silent_since = self._watch_reach(epoch, targets[0], silent_since, suspected_in)
                 self._wait_for_alert(epoch)
             except StoreLost:
                 if self._halt.is_set():
@@ -93,7 +104,8 @@ class Watcher(threading.Thread):
                     return
                 time.sleep(self.interval_s)
 
-    def _watch_reach(self, epoch: int, neighbour: int, silent_since: float | None, suspected_in: set[int]) -> float | None:
+    def _watch_reach(self, epoch: int, neighbour: int, silent_since: float | None,
+                     suspected_in: set[tuple[int, int]]) -> float | None:
         """The neighbour's liveness port, probed each beat over the network the collectives use: one
         that stays silent for the timeout while its heartbeat (through the store) goes on is cut off
         from this rank, and every collective with it would wait out ``parallel.timeout_s``. The
@@ -102,8 +114,8 @@ class Watcher(threading.Thread):
             return None
         now = time.monotonic()
         silent_since = silent_since or now
-        if now - silent_since > self.timeout_s and epoch not in suspected_in:
-            suspected_in.add(epoch)
+        if now - silent_since > self.timeout_s and (epoch, neighbour) not in suspected_in:
+            suspected_in.add((epoch, neighbour))
             self.membership.alert(epoch, f"rank {self.rank} cannot reach rank {neighbour}: its port has not "
                                          f"answered for {now - silent_since:.2f}s", network=True)
         return silent_since
@@ -153,7 +165,19 @@ def _following(members: tuple[int, ...], me: int, k: int) -> list[int]:
     return [members[(i + j) % len(members)] for j in range(1, min(k, len(members) - 1) + 1)]
 
 
-def _next(members: tuple[int, ...], me: int) -> int | None:
-    if len(members) < 2 or me not in members:
-        return None
-    return members[(members.index(me) + 1) % len(members)]
+def watchers_of(members: tuple[int, ...], rank: int, hosts: dict[int, str], k: int = WATCHERS) -> list[int]:
+    """The members that watch ``rank``: the next ``k`` after it in ring order on other hosts than
+    its own, then (too few hosts) on its own. A watcher on the watched rank's host shares its fate
+    (a host paused, cut off, overloaded) and its view of the network."""
+    i = members.index(rank)
+    ring = [members[(i + j) % len(members)] for j in range(1, len(members))]
+    mine = hosts.get(rank)
+    other = [r for r in ring if hosts.get(r) != mine or mine is None]
+    return (other + [r for r in ring if r not in other])[:k]
+
+
+def watch_targets(members: tuple[int, ...], me: int, hosts: dict[int, str]) -> tuple[int, ...]:
+    """The members ``me`` watches: those it is a watcher of."""
+    if me not in members:
+        return ()
+    return tuple(r for r in members if r != me and me in watchers_of(members, r, hosts))

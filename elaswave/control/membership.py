@@ -31,6 +31,9 @@ from elaswave.control.link import StoreLost
 from elaswave.interrupt import EpochBroken
 
 PREFIX = "ew/"
+WATCHERS = 2
+"""Watchers per rank (:mod:`~elaswave.control.heartbeat`): a suspect both named is left out at
+once; one alone only makes the agreement wait for it."""
 
 
 def decide(prev_members: Sequence[int], checked_in: Collection[int], known_dead: set[int], waited_s: float,
@@ -181,13 +184,30 @@ class Membership:
         return {r for r in ranks if self.store.check([f"{PREFIX}dead/{r}"])}
 
     def known_dead(self, prev: Sequence[int]) -> tuple[set[int], set[int]]:
-        """(proven dead, known dead): recorded deaths, and those plus the ranks alerts named."""
+        """(proven dead, known dead): recorded deaths, and those plus the suspects every watcher
+        of theirs named (two, fewer in a smaller epoch: see :mod:`~elaswave.control.heartbeat`).
+        A suspect one watcher alone named is waited for until ``agree_timeout_s``: alive, it
+        checks in and stays."""
         proven = self._proven_dead(prev)
-        dead = set(proven)
+        named: dict[int, set[str]] = {}
         for n in range(1, self.alert_count() + 1):
             if self.store.check([f"{PREFIX}alert/{n}"]):
-                dead.update(r for r in self.read_alert(n).ranks if r in prev)
-        return proven, dead
+                alert = self.read_alert(n)
+                for r in alert.ranks:
+                    named.setdefault(r, set()).add(alert.by)
+        witnesses = min(WATCHERS, len(prev) - 1)
+        return proven, proven | {r for r, by in named.items() if r in prev and len(by) >= witnesses}
+
+    def announce_host(self, host: str) -> None:
+        """Which host this rank runs on (watchers are placed on other hosts than the watched)."""
+        self.store.set(f"{PREFIX}host/{self.rank}", host)
+
+    def hosts(self, ranks: Sequence[int]) -> dict[int, str]:
+        """The hosts of ``ranks`` that announced theirs."""
+        keys = {r: f"{PREFIX}host/{r}" for r in ranks}
+        present = [r for r, k in keys.items() if self.store.check([k])]
+        values = self.store.multi_get([keys[r] for r in present]) if present else []
+        return {r: v.decode() for r, v in zip(present, values)}
 
     def _probe_silent(self, prev: Sequence[int], checked: set[int], dead: set[int]) -> set[int]:
         """Members neither checked in nor known dead whose liveness port refuses us; each is

@@ -146,3 +146,81 @@ def test_a_minority_that_reaches_the_store_does_not_agree(store):
     with pytest.raises(NoMajority, match=r"epoch 1 would have ranks \[3\]: not a majority"):
         m.agree([0, 1, 2, 3], 1, agree_timeout_s=0.3, timeout_s=10.0)
     assert not store.check(["ew/ep/1/members"])  # nothing was decided
+
+
+def test_each_rank_is_watched_by_two_ranks_of_other_hosts_where_there_are_some():
+    from elaswave.control.heartbeat import watch_targets, watchers_of
+
+    hosts = {0: "a", 1: "a", 2: "b", 3: "b"}
+    members = (0, 1, 2, 3)
+    assert watchers_of(members, 0, hosts) == [2, 3] and watchers_of(members, 2, hosts) == [0, 1]
+    # Every rank watched twice, and every watcher watches: the load stays even.
+    assert sorted(len(watch_targets(members, r, hosts)) for r in members) == [2, 2, 2, 2]
+    one_host = {r: "a" for r in members}
+    assert watchers_of(members, 3, one_host) == [0, 1]  # the ring, as before
+    # Three hosts, one rank each on the last: the lone rank is still watched from elsewhere.
+    hosts3 = {0: "a", 1: "a", 2: "b", 3: "b", 4: "c"}
+    assert all(hosts3[w] != hosts3[r] for r in hosts3 for w in watchers_of(tuple(hosts3), r, hosts3))
+    assert watch_targets((0, 5), 0, {}) == (5,) and watch_targets((0, 5), 7, {}) == ()
+
+
+def test_a_suspect_one_watcher_named_is_not_dead_until_a_second_watcher_names_it(store):
+    m = Membership(store, 0)
+    prev = [0, 1, 2, 3]
+    Membership(store, 1).alert(0, "rank 2 missed heartbeats for 2.10s", [2])
+    assert m.known_dead(prev) == (set(), set())  # one view: the agreement waits for rank 2
+    Membership(store, 1).alert(0, "rank 2 missed heartbeats for 2.30s", [2])
+    assert m.known_dead(prev) == (set(), set())  # the same watcher again is still one witness
+    Membership(store, 3).alert(0, "rank 2 missed heartbeats for 2.05s", [2])
+    assert m.known_dead(prev) == (set(), {2})
+    # A proven death needs no witness; in an epoch of two, the one other rank is every watcher.
+    m.report_dead(1, "was killed by SIGKILL")
+    assert m.known_dead(prev) == ({1}, {1, 2})
+    Membership(store, 5).alert(0, "rank 4 missed heartbeats for 2.2s", [4])
+    assert m.known_dead([4, 5]) == (set(), {4})
+
+
+def test_a_starved_watcher_does_not_suspect_a_neighbour_that_beat_meanwhile(store):
+    """A real watcher thread whose read of its neighbour's counter comes back 3 s late (starved:
+    a GC pause, a loaded host) while the neighbour beats on: no alert. The clock it judges by is
+    read before the counter, so its own absence is not counted as the neighbour's silence."""
+    from elaswave.control.heartbeat import Watcher
+    from elaswave.interrupt import Interrupt
+
+    class Starved:
+        """The watcher's connection: once a read of the neighbour's counter shows no beat since the
+        last read (the neighbour beats every 0.5 s, the watcher reads every 0.2 s), the answer is
+        held 3 s -- the neighbour beats on meanwhile."""
+        def __init__(self, inner):
+            self.inner, self.last, self.starved = inner, None, False
+
+        def add(self, key, n):
+            value = self.inner.add(key, n)
+            if key == "ew/hb/1" and n == 0:
+                if value == self.last and not self.starved:
+                    self.starved = True
+                    time.sleep(3.0)
+                self.last = value
+            return value
+
+        def __getattr__(self, name):
+            return getattr(self.inner, name)
+
+    beating = threading.Event()
+
+    def neighbour():  # rank 1 beats every 0.5 s: between two of the watcher's reads, sometimes not
+        while not beating.is_set():
+            store.add("ew/hb/1", 1)
+            beating.wait(0.5)
+    threading.Thread(target=neighbour, daemon=True).start()
+    conn = dist.TCPStore("127.0.0.1", store.port, is_master=False, timeout=timedelta(seconds=10))
+    starved = Starved(conn)
+    watcher = Watcher(starved, 0, lambda: (0, (0, 1)), Interrupt(), 0.2, 2.0)
+    watcher.start()
+    try:
+        time.sleep(5.0)
+    finally:
+        watcher.stop()
+        beating.set()
+    assert starved.starved, "the watcher was never starved: the test tested nothing"
+    assert watcher.membership.alert_count() == 0, watcher.membership.read_alert(1)
