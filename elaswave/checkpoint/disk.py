@@ -155,7 +155,11 @@ def _writes(root: str | Path):
             continue
         if (sd / MANIFEST).is_file():
             yield UNFENCED, step, sd
-        for fd in sd.iterdir():
+        try:
+            inside = list(sd.iterdir())
+        except OSError:  # another rank's prune removed it meanwhile
+            continue
+        for fd in inside:
             fence = _parse_fence(fd.name)
             if fence is not None and fd.is_dir():
                 yield fence, step, fd
@@ -318,7 +322,10 @@ class Checkpointer:
             # Every rank prunes after its part: whichever finishes last sees the new one complete.
             self._prune()
         except BaseException as exc:  # surfaced on the training thread by the next wait()
-            newer = self._newer_than(fence)
+            try:
+                newer = self._newer_than(fence)
+            except OSError:
+                newer = None
             if newer is not None:  # a newer fence's prune took its folder: the same as not written
                 self.fenced_off.append((gen, fence, newer))
                 return

@@ -50,7 +50,7 @@ class Watcher(threading.Thread):
         """target -> (its counter when it last moved, when that was seen)"""
         suspected_in: set[tuple[int, int]] = set()
         lost_at = silent_since = None
-        ring_of, targets = None, ()
+        ring_of, targets, hosts = None, (), {}
         generation = getattr(self.store, "generation", 0)
         began, began_wall, sent_ms = time.monotonic(), time.time(), 0
         while not self._halt.is_set():
@@ -67,7 +67,7 @@ class Watcher(threading.Thread):
                 sent_ms = beat_ms
                 epoch, members = self.view()
                 if members != ring_of:  # who watches whom changes with the members alone
-                    hosts = self.membership.hosts(members)
+                    hosts.update(self.membership.hosts([r for r in members if r not in hosts]))
                     ring_of, targets = members, watch_targets(members, self.rank, hosts)
                 if targets != watched:
                     watched, silent_since = targets, None
@@ -85,7 +85,8 @@ class Watcher(threading.Thread):
                     elif is_stale(changed_at, now, self.timeout_s) and (epoch, target) not in suspected_in:
                         suspected_in.add((epoch, target))
                         self.membership.alert(epoch, f"rank {target} missed heartbeats for "
-                                                     f"{now - changed_at:.2f}s", [target])
+                                                     f"{now - changed_at:.2f}s", [target],
+                                              watchers=len(watchers_of(members, target, hosts)))
                 if targets:
                     silent_since = self._watch_reach(epoch, targets[0], silent_since, suspected_in)
                 self._wait_for_alert(epoch)
@@ -169,11 +170,14 @@ def watchers_of(members: tuple[int, ...], rank: int, hosts: dict[int, str], k: i
     """The members that watch ``rank``: the next ``k`` after it in ring order on other hosts than
     its own, then (too few hosts) on its own. A watcher on the watched rank's host shares its fate
     (a host paused, cut off, overloaded) and its view of the network."""
-    i = members.index(rank)
-    ring = [members[(i + j) % len(members)] for j in range(1, len(members))]
-    mine = hosts.get(rank)
-    other = [r for r in ring if hosts.get(r) != mine or mine is None]
-    return (other + [r for r in ring if r not in other])[:k]
+    i, n, mine = members.index(rank), len(members), hosts.get(rank)
+    ring = (members[(i + j) % n] for j in range(1, n))
+    other, same = [], []
+    for r in ring:
+        (other if mine is None or hosts.get(r) != mine else same).append(r)
+        if len(other) == k:
+            break
+    return (other + same)[:k]
 
 
 def watch_targets(members: tuple[int, ...], me: int, hosts: dict[int, str]) -> tuple[int, ...]:

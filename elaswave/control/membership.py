@@ -91,6 +91,9 @@ class Alert:
     network: bool = False
     """Raised by a network symptom (a collective failed, a live peer's port went silent): the
     check-ins it causes carry reachability reports (see :mod:`~elaswave.control.partition`)."""
+    watchers: int = 1
+    """How many watchers the named ranks have, as its author saw the ring: so many must name a
+    suspect before it counts as dead (one, for an alert that is not a suspicion)."""
 
 
 class Membership:
@@ -109,11 +112,13 @@ class Membership:
         next agreement: a side cut off from the others could have elected its own."""
 
     # -- alerts -----------------------------------------------------------------------------
-    def alert(self, epoch: int, reason: str, ranks: Sequence[int] = (), network: bool = False) -> None:
+    def alert(self, epoch: int, reason: str, ranks: Sequence[int] = (), network: bool = False,
+              watchers: int = 1) -> None:
         n = self.store.add(PREFIX + "alert_seq", 1)
         by = "launcher" if self.rank < 0 else f"rank {self.rank}"
         self.store.set(f"{PREFIX}alert/{n}", json.dumps(
-            {"epoch": epoch, "by": by, "reason": reason, "ranks": list(ranks), "network": network}))
+            {"epoch": epoch, "by": by, "reason": reason, "ranks": list(ranks), "network": network,
+             "watchers": watchers}))
 
     def report_dead(self, rank: int, how: str, alert: bool = True) -> None:
         """Record a death; ``alert``: tell the members too (not for a rank that never joined them)."""
@@ -126,7 +131,8 @@ class Membership:
 
     def read_alert(self, n: int) -> Alert:
         doc = json.loads(self.store.get(f"{PREFIX}alert/{n}"))
-        return Alert(doc["epoch"], doc["by"], doc["reason"], tuple(doc["ranks"]), doc.get("network", False))
+        return Alert(doc["epoch"], doc["by"], doc["reason"], tuple(doc["ranks"]), doc.get("network", False),
+                     doc.get("watchers", 1))
 
     def network_in_question(self, epoch: int) -> bool:
         """Whether an alert of ``epoch`` was raised by a network symptom."""
@@ -183,20 +189,24 @@ class Membership:
     def _proven_dead(self, ranks: Sequence[int]) -> set[int]:
         return {r for r in ranks if self.store.check([f"{PREFIX}dead/{r}"])}
 
-    def known_dead(self, prev: Sequence[int]) -> tuple[set[int], set[int]]:
-        """(proven dead, known dead): recorded deaths, and those plus the suspects every watcher
-        of theirs named (two, fewer in a smaller epoch: see :mod:`~elaswave.control.heartbeat`).
+    def known_dead(self, prev: Sequence[int], since_epoch: int = 0) -> tuple[set[int], set[int]]:
+        """(proven dead, known dead): recorded deaths, and those plus the suspects that every
+        watcher of theirs named in an alert of ``since_epoch`` or later (two, fewer where the ring
+        had fewer: see :mod:`~elaswave.control.heartbeat`; an older alert was answered already).
         A suspect one watcher alone named is waited for until ``agree_timeout_s``: alive, it
         checks in and stays."""
         proven = self._proven_dead(prev)
         named: dict[int, set[str]] = {}
+        need: dict[int, int] = {}
         for n in range(1, self.alert_count() + 1):
             if self.store.check([f"{PREFIX}alert/{n}"]):
                 alert = self.read_alert(n)
+                if alert.epoch < since_epoch:
+                    continue
                 for r in alert.ranks:
                     named.setdefault(r, set()).add(alert.by)
-        witnesses = min(WATCHERS, len(prev) - 1)
-        return proven, proven | {r for r, by in named.items() if r in prev and len(by) >= witnesses}
+                    need[r] = min(need.get(r, WATCHERS), max(1, alert.watchers))
+        return proven, proven | {r for r, by in named.items() if r in prev and len(by) >= need[r]}
 
     def announce_host(self, host: str) -> None:
         """Which host this rank runs on (watchers are placed on other hosts than the watched)."""
@@ -236,8 +246,10 @@ class Membership:
         return {r: out.get(r, "did not check in within elastic.agree_timeout_s") for r in ranks}
 
     def agree(self, prev_members: Sequence[int], epoch: int, agree_timeout_s: float,
-              timeout_s: float, poll_s: float = 0.002, probe_every_s: float = 0.02) -> tuple[int, ...]:
-        """Block until epoch ``epoch``'s members are decided; returns them (maybe without us)."""
+              timeout_s: float, poll_s: float = 0.002, probe_every_s: float = 0.02,
+              alerts_since: int = 0) -> tuple[int, ...]:
+        """Block until epoch ``epoch``'s members are decided; returns them (maybe without us).
+        ``alerts_since``: the epoch whose alerts (and later ones') can name a suspect dead."""
         key = f"{PREFIX}ep/{epoch}/members"
         start = self.clock()
         seen_in, dead, proven = -1, set(), set()
@@ -251,7 +263,7 @@ class Membership:
             if num_in != seen_in:  # only rescan when something changed
                 seen_in = num_in
                 checked = self._checked_in(epoch, prev_members)
-                proven, dead = self.known_dead(prev_members)
+                proven, dead = self.known_dead(prev_members, alerts_since)
             if self.prober is not None and (probed_at is None or self.clock() - probed_at >= probe_every_s):
                 probed_at = self.clock()
                 shown = self._probe_silent(prev_members, checked, dead)
@@ -274,7 +286,7 @@ class Membership:
             if waited > timeout_s:
                 raise TimeoutError(f"no agreement on epoch {epoch} within {timeout_s}s")
             if waited > 0.05:  # past the usual case, re-check deaths now and then
-                proven, dead = self.known_dead(prev_members)
+                proven, dead = self.known_dead(prev_members, alerts_since)
             time.sleep(poll_s)
 
     # -- state reports (one JSON document per member and epoch) -----------------------------

@@ -165,9 +165,11 @@ class Context:
         lost store; the recovery starts again there. False without standbys (the rescue floor)."""
         if self.standby is None:
             return False
-        if failover.epoch_now(self.store, self.cfg.elastic.heartbeat_timeout_s / 2) is not None:
-            # The store answers a new connection: it is this rank that was away (paused past its
-            # links' grace), not the store. Electing a successor now would start a second run.
+        now = failover.epoch_now(self.store, self.cfg.elastic.heartbeat_timeout_s / 2)
+        if now is not None and now[0] >= st.plan.epoch and now[1] is not None:
+            # The job's store answers a new connection: it is this rank that was away (paused past
+            # its links' grace), not the store. Electing a successor now would start a second run.
+            # (A store that answers without the job's epochs is a new one at the same address.)
             return False
         old = self.store.addr
         self.membership.holds_store = False

@@ -45,7 +45,7 @@ def unreachable_of(ctx, ranks) -> list[int]:
     :mod:`~elaswave.control.partition`). Asked only when the epoch broke by a network symptom: a
     death needs no such report, and a host powered off would hold every report for the probe's
     timeout."""
-    _, dead = ctx.membership.known_dead(ranks)
+    _, dead = ctx.membership.known_dead(ranks, ctx.plan.epoch if ctx.plan is not None else 0)
     return ctx.prober.unreachable([r for r in ranks if r != ctx.rank and r not in dead], ctx.store)
 
 
@@ -160,7 +160,7 @@ def recover(ctx, st: RankState | None, cause: Disruption | None, noticed_wall: f
         ctx.membership.check_in(epoch)
     # A join waits for members still finishing the step; their deaths are reported, not timed out.
     agree_s = (cfg.elastic.agree_timeout_s if cause is not None else cfg.parallel.timeout_s) + ctx.agree_grace_s
-    members = ctx.membership.agree(expected, epoch, agree_s, cfg.parallel.timeout_s)
+    members = ctx.membership.agree(expected, epoch, agree_s, cfg.parallel.timeout_s, alerts_since=old.epoch)
     ctx.agree_grace_s = 0.0
     ctx.agreed_epoch = epoch
     if ctx.rank not in members:

@@ -69,9 +69,10 @@ def save_and_stop(ctx, st: RankState | None, reason: str, noticed_at: float, wri
         if sorted(keys) != sorted(owned) or disk.is_complete(root, gen):
             continue
         payload = torch.stack([st.optimizer.chunk(k, gen) for k in owned]) if owned else torch.empty(0)
+        refused = len(checkpointer.fenced_off)
         checkpointer.save(gen, plan.chunk_owners, owned, payload, is_writer=ctx.rank == plan.ranks[0], epoch=st.epoch)
         checkpointer.wait()
-        if not any(g == gen for g, _, _ in checkpointer.fenced_off):
+        if len(checkpointer.fenced_off) == refused:
             saved.append(gen)
     newest = st.optimizer.gen
     took = time.perf_counter() - began

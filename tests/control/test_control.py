@@ -167,17 +167,18 @@ def test_each_rank_is_watched_by_two_ranks_of_other_hosts_where_there_are_some()
 def test_a_suspect_one_watcher_named_is_not_dead_until_a_second_watcher_names_it(store):
     m = Membership(store, 0)
     prev = [0, 1, 2, 3]
-    Membership(store, 1).alert(0, "rank 2 missed heartbeats for 2.10s", [2])
+    Membership(store, 1).alert(1, "rank 2 missed heartbeats for 2.10s", [2], watchers=2)
     assert m.known_dead(prev) == (set(), set())  # one view: the agreement waits for rank 2
-    Membership(store, 1).alert(0, "rank 2 missed heartbeats for 2.30s", [2])
+    Membership(store, 1).alert(1, "rank 2 missed heartbeats for 2.30s", [2], watchers=2)
     assert m.known_dead(prev) == (set(), set())  # the same watcher again is still one witness
-    Membership(store, 3).alert(0, "rank 2 missed heartbeats for 2.05s", [2])
+    Membership(store, 3).alert(1, "rank 2 missed heartbeats for 2.05s", [2], watchers=2)
     assert m.known_dead(prev) == (set(), {2})
-    # A proven death needs no witness; in an epoch of two, the one other rank is every watcher.
+    assert m.known_dead(prev, since_epoch=2) == (set(), set())  # older alerts were answered already
+    # A proven death needs no witness; where the ring had one watcher for it, one names it.
     m.report_dead(1, "was killed by SIGKILL")
     assert m.known_dead(prev) == ({1}, {1, 2})
-    Membership(store, 5).alert(0, "rank 4 missed heartbeats for 2.2s", [4])
-    assert m.known_dead([4, 5]) == (set(), {4})
+    Membership(store, 5).alert(1, "rank 4 missed heartbeats for 2.2s", [4], watchers=1)
+    assert m.known_dead([4, 5, 6]) == (set(), {4})
 
 
 def test_a_starved_watcher_does_not_suspect_a_neighbour_that_beat_meanwhile(store):
