@@ -309,9 +309,10 @@ class Checkpointer:
             folder = fence_dir(self.root, gen, fence)
             newer = self._newer_than(fence)
             if newer is None:
-                (folder / f"rank_{self.rank}").mkdir(parents=True, exist_ok=True)
+                part = folder / f"rank_{self.rank}"
+                part.mkdir(parents=True, exist_ok=True)
                 with _single_process():
-                    dcp.save(state, checkpoint_id=str(folder / f"rank_{self.rank}"), no_dist=True)
+                    dcp.save(state, checkpoint_id=str(part), no_dist=True)
                 newer = self._newer_than(fence)
             if newer is not None:
                 self.fenced_off.append((gen, fence, newer))

@@ -175,10 +175,14 @@ class Membership:
     def _checked_in(self, epoch: int, prev: Sequence[int]) -> dict[int, list[int] | None]:
         """The ranks of ``prev`` checked in for ``epoch``, each with the ranks it could not reach
         (None: pending)."""
-        keys = {r: f"{PREFIX}ep/{epoch}/in/{r}" for r in prev}
+        return {r: json.loads(v) for r, v in self._per_rank(f"ep/{epoch}/in", prev).items()}
+
+    def _per_rank(self, what: str, ranks: Sequence[int]) -> dict[int, bytes]:
+        """``ew/WHAT/<r>`` of each of ``ranks`` that has one, in one multi_get."""
+        keys = {r: f"{PREFIX}{what}/{r}" for r in ranks}
         present = [r for r, k in keys.items() if self.store.check([k])]
         values = self.store.multi_get([keys[r] for r in present]) if present else []
-        return {r: json.loads(v) for r, v in zip(present, values)}
+        return dict(zip(present, values))
 
     def cut_off(self, epoch: int) -> dict[int, list[int]]:
         """The ranks left out of ``epoch`` because the network cut them off, with the ranks each
@@ -214,10 +218,7 @@ class Membership:
 
     def hosts(self, ranks: Sequence[int]) -> dict[int, str]:
         """The hosts of ``ranks`` that announced theirs."""
-        keys = {r: f"{PREFIX}host/{r}" for r in ranks}
-        present = [r for r, k in keys.items() if self.store.check([k])]
-        values = self.store.multi_get([keys[r] for r in present]) if present else []
-        return {r: v.decode() for r, v in zip(present, values)}
+        return {r: v.decode() for r, v in self._per_rank("host", ranks).items()}
 
     def _probe_silent(self, prev: Sequence[int], checked: set[int], dead: set[int]) -> set[int]:
         """Members neither checked in nor known dead whose liveness port refuses us; each is
