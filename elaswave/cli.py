@@ -108,7 +108,7 @@ def cmd_join(args: argparse.Namespace) -> int:
     import subprocess
     import tempfile
 
-    from elaswave.control import rendezvous
+    from elaswave.control import rendezvous, seal
     from elaswave.control.admission import JOIN_ENV, STARTED_ENV, TOKEN_ENV
     from elaswave.control.membership import PREFIX
     from elaswave.launch import next_rank
@@ -118,7 +118,8 @@ def cmd_join(args: argparse.Namespace) -> int:
     if not os.environ.get(TOKEN_ENV):
         raise ConfigError(f"{TOKEN_ENV} is not set: a job admits only ranks that know its token")
     try:
-        store = rendezvous.connect(args.store, args.timeout_s, args.timeout_s)
+        store = seal.open_job(rendezvous.connect(args.store, args.timeout_s, args.timeout_s),
+                              os.environ[TOKEN_ENV], found=True)
         doc = json.loads(store.get(PREFIX + "config"))
     except ConfigError:
         raise

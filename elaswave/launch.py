@@ -27,8 +27,8 @@ import torch.distributed as dist
 from elaswave.config import JobConfig
 from elaswave.errors import ConfigError
 from elaswave.comm.backend import connect_store
-from elaswave.control import agents, failover, rendezvous
-from elaswave.control.admission import JOIN_ENV, SPARE_ENV, STARTED_ENV, TOKEN_ENV, job_token, new_token, promote
+from elaswave.control import agents, failover, rendezvous, seal
+from elaswave.control.admission import JOIN_ENV, SPARE_ENV, STARTED_ENV, TOKEN_ENV, job_token, new_token, promote, Admission
 from elaswave.control.agents import NODE_RANK_ENV, NODES_ENV, AgentRefused, Node
 from elaswave.control.link import EXIT_STORE_LOST, StoreLink, StoreLost
 from elaswave.control.liveness import Prober
@@ -193,15 +193,23 @@ def launch(cfg: JobConfig, metrics_out: str | None = None, host: str = "127.0.0.
         cfg.elastic.store_failover = False  # no process holds the store: there is nothing to move
     store, store_addr = _open_store(cfg, node, host)
     token = job_token() or new_token()
+    try:
+        store = seal.open_job(store, token, found=node.node_rank != 0, wait=True)
+    except seal.TokenMismatch:
+        raise AgentRefused("ELASWAVE_TOKEN differs from node 0's: every agent of a job must be started with the "
+                           "same token") from None
+    except (RuntimeError, OSError):
+        raise AgentRefused(f"--rdzv-endpoint={node.rdzv_endpoint}: node 0's agent did not publish the job's "
+                           f"settings within parallel.timeout_s={cfg.parallel.timeout_s:g} s") from None
     if node.node_rank == 0:
         # What `elaswave join` needs to add a rank from elsewhere: the job's config and a rank number.
         store.add(PREFIX + "next_rank", cfg.world_size)
         store.set(PREFIX + "config", json.dumps(cfg.to_dict()))
         if node.is_multi_host:
-            agents.publish(store, node, cfg.world_size, cfg.to_dict(), token)
+            agents.publish(store, node, cfg.world_size, cfg.to_dict())
     else:
         try:
-            agents.check_in(store, node, cfg.world_size, cfg.to_dict(), token)
+            agents.check_in(store, node, cfg.world_size, cfg.to_dict())
         except (RuntimeError, OSError):
             raise AgentRefused(f"--rdzv-endpoint={node.rdzv_endpoint}: node 0's agent did not publish the job's "
                                f"settings within parallel.timeout_s={cfg.parallel.timeout_s:g} s") from None
@@ -423,8 +431,7 @@ def _is_member(cfg: JobConfig, store: dist.TCPStore, membership: Membership, ran
     epoch. A joiner that dies before that (or that was refused) is only recorded dead."""
     epoch = membership.current_epoch()
     members = (membership.members_of(epoch) if epoch else None) or tuple(range(cfg.world_size))
-    key = f"{PREFIX}ep/{epoch + 1}/joining"
-    return rank in members or (store.check([key]) and rank in json.loads(store.get(key)))
+    return rank in members or rank in Admission(store, -1).joining(epoch + 1)
 
 
 def next_rank(store: dist.Store) -> int:
@@ -434,7 +441,4 @@ def next_rank(store: dist.Store) -> int:
 
 def _final_members(store: dist.TCPStore, membership: Membership, world_size: int) -> tuple[int, ...]:
     epoch = membership.current_epoch()
-    key = f"{PREFIX}ep/{epoch}/members"
-    if epoch == 0 or not store.check([key]):
-        return tuple(range(world_size))
-    return tuple(json.loads(store.get(key)))
+    return (membership.members_of(epoch) if epoch else None) or tuple(range(world_size))

@@ -1,8 +1,12 @@
 """Admission of joining ranks, through the store: a request proving the job's token, and a verdict.
 
 A joining process (a replacement the launcher respawns, or extra capacity started with
-``elaswave join``) posts a *request* ``ew/join/<n>`` carrying an HMAC of its rank under the job's
-token (``ELASWAVE_TOKEN``; the token itself never enters the store). The epoch's leader (its
+``elaswave join``) posts a *request* ``ew/join/<n>``, sealed like every control record
+(:mod:`elaswave.control.seal`): an HMAC of the request and its number ``n`` under the job's key,
+which only a holder of the job's token (``ELASWAVE_TOKEN``, never in the store) can derive from
+the job's nonce. The number is the challenge: it is drawn from the job's counter and a seal for
+one number or one job proves nothing for another, so a request read off the store cannot be
+replayed. A request that is not sealed is not the job's and is not answered. The epoch's leader (its
 lowest rank) reads new requests once per step, before the step's loss exchange, and either
 *refuses* one (wrong token, or no plan can take it: a clear verdict the joiner prints) or *admits*
 it into the next epoch: it writes the joining ranks and the plan they join, and counts them into
@@ -11,18 +15,17 @@ joiner that a failure kept out of that epoch is admitted again at a later step.
 """
 from __future__ import annotations
 
-import hashlib
-import hmac
 import json
 import os
 import secrets
+import sys
 import time
 from dataclasses import dataclass
 from datetime import timedelta
 
 import torch.distributed as dist
 
-from elaswave.control.membership import PREFIX
+from elaswave.control.seal import PREFIX, sealed
 
 TOKEN_ENV = "ELASWAVE_TOKEN"
 JOIN_ENV = "ELASWAVE_JOIN"
@@ -46,10 +49,6 @@ def new_token() -> str:
     return secrets.token_hex(16)
 
 
-def proof(token: str, rank: int) -> str:
-    return hmac.new(token.encode(), f"elaswave-join/{rank}".encode(), hashlib.sha256).hexdigest()
-
-
 class Refused(RuntimeError):
     """The job would not take this rank; the message says why."""
 
@@ -57,7 +56,6 @@ class Refused(RuntimeError):
 @dataclass(frozen=True)
 class Request:
     rank: int
-    proof: str
     started_wall: float
     requested_wall: float
 
@@ -76,7 +74,7 @@ class Admission:
     """Both sides of the protocol for one process (the joiner's, or the leader's)."""
 
     def __init__(self, store: dist.Store, rank: int):
-        self.store, self.rank = store, rank
+        self.store, self.rank = sealed(store), rank
         self.seen = 0
         self.requests: dict[int, Request] = {}
         self.refused: set[int] = set()
@@ -108,9 +106,8 @@ class Admission:
                 if deadline is not None and time.monotonic() >= deadline:
                     raise TimeoutError(key) from None
 
-    def request(self, token: str | None, started_wall: float) -> None:
-        doc = {"rank": self.rank, "proof": proof(token, self.rank) if token else "", "started_wall": started_wall,
-               "requested_wall": time.time()}
+    def request(self, started_wall: float) -> None:
+        doc = {"rank": self.rank, "started_wall": started_wall, "requested_wall": time.time()}
         n = self.store.add(PREFIX + "join_seq", 1)
         self.store.set(f"{PREFIX}join/{n}", json.dumps(doc))
 
@@ -135,13 +132,21 @@ class Admission:
         count = self.store.add(PREFIX + "join_seq", 0)
         while self.seen < count:
             self.seen += 1
-            doc = json.loads(self.store.get(f"{PREFIX}join/{self.seen}"))
-            self.requests[doc["rank"]] = Request(doc["rank"], doc["proof"], doc["started_wall"], doc["requested_wall"])
+            raw = self.store.read(f"{PREFIX}join/{self.seen}")
+            if raw is None:  # forged (or its writer died between the number and the request)
+                if self.store.check([f"{PREFIX}join/{self.seen}"]):
+                    print(f"elaswave: join request {self.seen} is not sealed with the job's token: not answered",
+                          file=sys.stderr, flush=True)
+                continue
+            doc = json.loads(raw)
+            self.requests[doc["rank"]] = Request(doc["rank"], doc["started_wall"], doc["requested_wall"])
         return [r for k, r in sorted(self.requests.items()) if k not in members and k not in self.refused
-                and not self.store.check([f"{PREFIX}dead/{k}"])]
+                and self.store.read(f"{PREFIX}dead/{k}") is None]
 
-    def is_genuine(self, req: Request, token: str | None) -> bool:
-        return bool(token) and hmac.compare_digest(req.proof, proof(token, req.rank))
+    @property
+    def proves_tokens(self) -> bool:
+        """Whether a request here proves the job's token (its seal): a job without one admits none."""
+        return self.store.key is not None
 
     def refuse(self, rank: int, why: str) -> None:
         self.refused.add(rank)
@@ -164,8 +169,8 @@ class Admission:
                 "admitted": max(self.admitted_at[r] for r in ranks)}
 
     def joining(self, epoch: int) -> tuple[int, ...]:
-        key = f"{PREFIX}ep/{epoch}/joining"
-        return tuple(json.loads(self.store.get(key))) if self.store.check([key]) else ()
+        raw = self.store.read(f"{PREFIX}ep/{epoch}/joining")
+        return () if raw is None else tuple(json.loads(raw))
 
     def _answer(self, rank: int, doc: dict) -> None:
         attempt = self.store.add(f"{PREFIX}join/{rank}/attempts", 1)

@@ -8,9 +8,10 @@ thing torchrun's agent cannot do: it tears the whole host down).
 
 Before any worker starts, an agent that does not host the store checks in: it claims its node
 rank (two agents with one rank would start two processes per rank) and compares its settings
-with node 0's -- job id, node count, workers per host, token, the whole job config but the
-address its ranks bind to (``parallel.bind_address``: each host's own). The token is
-compared as an HMAC, never stored. A difference refuses the agent naming the value.
+with node 0's -- job id, node count, workers per host, the whole job config but the address its
+ranks bind to (``parallel.bind_address``: each host's own). The token is never stored: an agent
+with another token cannot open the job's record (:mod:`elaswave.control.seal`), and the settings
+are sealed. A difference refuses the agent naming the value.
 """
 from __future__ import annotations
 
@@ -18,7 +19,6 @@ import json
 import time
 from dataclasses import dataclass
 
-from elaswave.control.admission import proof
 from elaswave.control.etcd import parse_endpoints
 from elaswave.control.membership import PREFIX
 from elaswave.errors import ConfigError
@@ -108,10 +108,10 @@ PER_HOST = ("bind_address",)
 """``parallel`` keys that name this host, not the job: each agent has its own."""
 
 
-def _settings(node: Node, world_size: int, config: dict, token: str) -> dict:
+def _settings(node: Node, world_size: int, config: dict) -> dict:
     config = {**config, "parallel": {k: v for k, v in config.get("parallel", {}).items() if k not in PER_HOST}}
     return {"job id (--rdzv-id)": node.rdzv_id, "--nnodes": node.nnodes,
-            "--nproc-per-node": node.workers(world_size), "ELASWAVE_TOKEN": proof(token, -1), "config": config}
+            "--nproc-per-node": node.workers(world_size), "config": config}
 
 
 def _flat(doc: dict, prefix: str = "") -> dict:
@@ -124,20 +124,19 @@ def _flat(doc: dict, prefix: str = "") -> dict:
     return out
 
 
-def publish(store, node: Node, world_size: int, config: dict, token: str) -> None:
+def publish(store, node: Node, world_size: int, config: dict) -> None:
     """Node 0: the settings every other agent must match."""
-    store.set(SETTINGS, json.dumps(_settings(node, world_size, config, token)))
+    store.set(SETTINGS, json.dumps(_settings(node, world_size, config)))
 
 
-def check_in(store, node: Node, world_size: int, config: dict, token: str) -> None:
+def check_in(store, node: Node, world_size: int, config: dict) -> None:
     """Any other node: claim the node rank and match node 0's settings (``store`` waits for them
     within its own timeout)."""
     theirs = _flat(json.loads(store.get(SETTINGS)))
-    ours = _flat(json.loads(json.dumps(_settings(node, world_size, config, token))))  # tuples read back as lists
+    ours = _flat(json.loads(json.dumps(_settings(node, world_size, config))))  # tuples read back as lists
     for key in sorted(ours.keys() | theirs.keys()):
         if ours.get(key) != theirs.get(key):
-            shown = ("differs" if key == "ELASWAVE_TOKEN" else
-                     f"is {ours.get(key, '(unset)')!r} here and {theirs.get(key, '(unset)')!r} on node 0")
+            shown = f"is {ours.get(key, '(unset)')!r} here and {theirs.get(key, '(unset)')!r} on node 0"
             raise AgentRefused(f"{key.removeprefix('config.')} {shown}: every agent of a job must be started "
                                f"with the same settings")
     if store.add(f"{PREFIX}agents/node/{node.node_rank}", 1) != 1:

@@ -40,7 +40,8 @@ import torch.distributed as dist
 
 from elaswave.control import agents
 from elaswave.control.link import StoreLink, StoreLost, check_listening, client
-from elaswave.control.membership import PREFIX, NoMajority, has_majority
+from elaswave.control.membership import PREFIX, Membership, NoMajority, has_majority
+from elaswave.control.seal import JOB, Sealed, sealed
 
 STANDBY = PREFIX + "standby/"
 GENERATION = PREFIX + "store/generation"
@@ -69,9 +70,7 @@ class Standby:
 
     def learn(self, store, ranks: Sequence[int]) -> None:
         """The standby addresses of ``ranks`` this rank does not know yet, and the store's generation."""
-        missing = [r for r in ranks if r not in self.known and store.check([f"{STANDBY}{r}"])]
-        if missing:
-            self.known.update(zip(missing, (v.decode() for v in store.multi_get([f"{STANDBY}{r}" for r in missing]))))
+        self.known.update(_standbys(store, [r for r in ranks if r not in self.known]))
         self.generation = _generation(store)
 
 
@@ -114,10 +113,9 @@ def epoch_now(link: StoreLink, within_s: float) -> tuple[int, tuple[int, ...] | 
 
     def ask() -> None:
         try:
-            store = link.fresh(within_s)
-            epoch = int(store.add(PREFIX + "epoch", 0))
-            key = f"{PREFIX}ep/{epoch}/members"
-            got["now"] = epoch, (tuple(json.loads(store.get(key))) if store.check([key]) else None)
+            membership = Membership(sealed(link).fresh(within_s), -1)
+            epoch = membership.current_epoch()
+            got["now"] = epoch, membership.members_of(epoch)
         except Exception:  # noqa: BLE001 - refused, timed out, unknown: it does not answer
             pass
     asking = threading.Thread(target=ask, daemon=True, name="elaswave-epoch-now")
@@ -163,6 +161,8 @@ def move(link: StoreLink, standby: Standby, rank: int, epoch: int, members: Sequ
         raise_to(link, PREFIX + "next_rank", max(standby.known) + 1)
         raise_to(link, PREFIX + "epoch", epoch)
         link.set(PREFIX + "config", json.dumps(config))
+        if getattr(link, "job_record", None):  # a joiner that comes after the move checks its token here
+            link.compare_set(JOB, "", link.job_record)
         link.compare_set(f"{PREFIX}ep/{epoch}/members", "", json.dumps(list(members)))
     standby.register(link, rank)
     if liveness is not None:
@@ -222,11 +222,7 @@ class Directory:
             return
         self.at = time.monotonic()
         self.next_rank = store.add(PREFIX + "next_rank", 0)
-        missing = [f"{STANDBY}{r}" for r in range(self.next_rank) if r not in self.known]
-        present = [k for k in missing if store.check([k])]
-        if present:
-            self.known.update(zip((int(k.rsplit("/", 1)[1]) for k in present),
-                                  (v.decode() for v in store.multi_get(present))))
+        self.known.update(_standbys(store, [r for r in range(self.next_rank) if r not in self.known]))
         self.generation = _generation(store)
 
     def follow(self, link: StoreLink, within_s: float, timeout_s: float,
@@ -253,7 +249,7 @@ def follow_once(link: StoreLink, known: dict[int, str], generation: int, timeout
     for 5 s: a new one each look would meet that often)."""
     for _, addr in sorted(known.items()):
         try:
-            client = clients.get(addr) or clients.setdefault(addr, _client(addr, timeout_s))
+            client = clients.get(addr) or clients.setdefault(addr, Sealed(_client(addr, timeout_s), sealed(link).key))
             newer = _generation(client)
         except (OSError, RuntimeError):  # refused (a dead rank's) or not answering: the next one
             clients.pop(addr, None)
@@ -271,4 +267,11 @@ def _client(addr: str, timeout_s: float) -> dist.Store:
 
 
 def _generation(store) -> int:
-    return int(store.get(GENERATION)) if store.check([GENERATION]) else 0
+    raw = sealed(store).read(GENERATION)
+    return 0 if raw is None else int(raw)
+
+
+def _standbys(store, ranks: Sequence[int]) -> dict[int, str]:
+    """The standby addresses ``ranks`` registered (a forged one is not theirs: it is left out)."""
+    keys = {f"{STANDBY}{r}": r for r in ranks}
+    return {keys[k]: v.decode() for k, v in sealed(store).genuine(list(keys)).items()}

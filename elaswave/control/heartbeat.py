@@ -129,6 +129,8 @@ class Watcher(threading.Thread):
             return
         self.seen_alerts += 1
         alert = self.membership.read_alert(self.seen_alerts)
+        if alert is None:  # forged: not the job's (elaswave.control.seal)
+            return
         broken = self._broken_by(alert) if alert.epoch >= epoch else None
         if broken is not None:
             # Check in first: the others may be waiting for us to decide the next epoch.

@@ -21,6 +21,7 @@ import time
 
 from elaswave.control.membership import PREFIX
 from elaswave.control.partition import REACH_TIMEOUT_S
+from elaswave.control.seal import sealed
 
 PROBE_TIMEOUT_S = 0.1
 """How long one probe waits for a host to answer: loopback and live hosts answer in microseconds."""
@@ -127,8 +128,8 @@ class Prober:
 
     def _address(self, rank: int, store) -> str | None:
         address = self._addresses.get(rank)
-        if address is None and store is not None and store.check([_key(rank)]):
-            address = self._addresses[rank] = store.get(_key(rank)).decode()
+        if address is None and store is not None and (raw := sealed(store).read(_key(rank))) is not None:
+            address = self._addresses[rank] = raw.decode()
         return address  # None: never registered (a joiner still starting)
 
     def post_known(self, store) -> None:

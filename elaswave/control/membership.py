@@ -28,9 +28,9 @@ import torch.distributed as dist
 
 from elaswave.control import partition
 from elaswave.control.link import StoreLost
+from elaswave.control.seal import PREFIX, sealed
 from elaswave.interrupt import EpochBroken
 
-PREFIX = "ew/"
 WATCHERS = 2
 """Watchers per rank (:mod:`~elaswave.control.heartbeat`): a suspect both named is left out at
 once; one alone only makes the agreement wait for it."""
@@ -101,7 +101,10 @@ class Membership:
 
     def __init__(self, store: dist.Store, rank: int, clock: Callable[[], float] = time.monotonic,
                  prober=None, requires_majority: bool = False):
-        self.store, self.rank, self.clock = store, rank, clock
+        self.store = sealed(store)
+        """Records are sealed and verified when ``store`` is a :class:`~elaswave.control.seal.Sealed` with the
+        job's key (a forged one reads as absent); a plain store is used as it is."""
+        self.rank, self.clock = rank, clock
         self.prober = prober
         """Tells whether a silent member is gone (:class:`~elaswave.control.liveness.Prober`); None: no probes."""
         self.requires_majority = requires_majority
@@ -129,28 +132,40 @@ class Membership:
     def alert_count(self) -> int:
         return self.store.add(PREFIX + "alert_seq", 0)
 
-    def read_alert(self, n: int) -> Alert:
-        doc = json.loads(self.store.get(f"{PREFIX}alert/{n}"))
+    def read_alert(self, n: int) -> Alert | None:
+        """Alert ``n``; None when it is absent or forged."""
+        raw = self.store.read(f"{PREFIX}alert/{n}")
+        if raw is None:
+            return None
+        doc = json.loads(raw)
         return Alert(doc["epoch"], doc["by"], doc["reason"], tuple(doc["ranks"]), doc.get("network", False),
                      doc.get("watchers", 1))
 
     def network_in_question(self, epoch: int) -> bool:
         """Whether an alert of ``epoch`` was raised by a network symptom."""
-        return any(self.store.check([f"{PREFIX}alert/{n}"]) and (a := self.read_alert(n)).network and a.epoch == epoch
+        return any((a := self.read_alert(n)) is not None and a.network and a.epoch == epoch
                    for n in range(self.alert_count(), 0, -1))
 
-    def current_epoch(self) -> int:
-        return int(self.store.add(PREFIX + "epoch", 0))
+    def current_epoch(self, scan: int = 64) -> int:
+        """The newest epoch with a decision: the counter, unless nobody with the job's token
+        decided that epoch (a counter carries no seal; an outsider may have raised it)."""
+        counter = int(self.store.add(PREFIX + "epoch", 0))
+        if self.store.key is None:  # nothing is sealed: nothing to tell a forged count by
+            return counter
+        for epoch in range(counter, max(0, counter - scan), -1):
+            if self.members_of(epoch) is not None:
+                return epoch
+        return 0 if counter < scan else counter
 
     def members_of(self, epoch: int) -> tuple[int, ...] | None:
         """The agreed members of ``epoch``, once decided."""
-        key = f"{PREFIX}ep/{epoch}/members"
-        return tuple(json.loads(self.store.get(key))) if self.store.check([key]) else None
+        raw = self.store.read(f"{PREFIX}ep/{epoch}/members")
+        return None if raw is None else tuple(json.loads(raw))
 
     def _advance_epoch(self, epoch: int) -> None:
         # Every agreeing rank calls this at once: a read-then-add would count the epoch once per
         # rank, so move the counter forward by compare-and-set, never past ``epoch``.
-        current = str(self.current_epoch()).encode()
+        current = str(self.store.add(PREFIX + "epoch", 0)).encode()
         while int(current) < epoch:
             current = self.store.compare_set(PREFIX + "epoch", current.decode(), str(epoch))
 
@@ -179,19 +194,17 @@ class Membership:
 
     def _per_rank(self, what: str, ranks: Sequence[int]) -> dict[int, bytes]:
         """``ew/WHAT/<r>`` of each of ``ranks`` that has one, in one multi_get."""
-        keys = {r: f"{PREFIX}{what}/{r}" for r in ranks}
-        present = [r for r, k in keys.items() if self.store.check([k])]
-        values = self.store.multi_get([keys[r] for r in present]) if present else []
-        return dict(zip(present, values))
+        keys = {f"{PREFIX}{what}/{r}": r for r in ranks}
+        return {keys[k]: v for k, v in self.store.genuine(list(keys)).items()}
 
     def cut_off(self, epoch: int) -> dict[int, list[int]]:
         """The ranks left out of ``epoch`` because the network cut them off, with the ranks each
         could not talk to (empty when nobody was)."""
-        key = f"{PREFIX}ep/{epoch}/cut"
-        return {int(r): peers for r, peers in json.loads(self.store.get(key)).items()} if self.store.check([key]) else {}
+        raw = self.store.read(f"{PREFIX}ep/{epoch}/cut")
+        return {} if raw is None else {int(r): peers for r, peers in json.loads(raw).items()}
 
     def _proven_dead(self, ranks: Sequence[int]) -> set[int]:
-        return {r for r in ranks if self.store.check([f"{PREFIX}dead/{r}"])}
+        return set(self._per_rank("dead", ranks))
 
     def known_dead(self, prev: Sequence[int], since_epoch: int = 0) -> tuple[set[int], set[int]]:
         """(proven dead, known dead): recorded deaths, and those plus the suspects that every
@@ -203,8 +216,8 @@ class Membership:
         named: dict[int, set[str]] = {}
         need: dict[int, int] = {}
         for n in range(1, self.alert_count() + 1):
-            if self.store.check([f"{PREFIX}alert/{n}"]):
-                alert = self.read_alert(n)
+            alert = self.read_alert(n)
+            if alert is not None:
                 if alert.epoch < since_epoch:
                     continue
                 for r in alert.ranks:
@@ -236,13 +249,12 @@ class Membership:
         or, for a rank left out of ``epoch`` alive, the partition that cut it off."""
         cut = self.cut_off(epoch) if epoch is not None else {}
         out = {r: partition.describe(r, cut[r]) for r in ranks if r in cut}
-        out.update({r: self.store.get(f"{PREFIX}dead/{r}").decode() for r in ranks
-                    if r not in out and self.store.check([f"{PREFIX}dead/{r}"])})
+        out.update({r: v.decode() for r, v in self._per_rank("dead", [r for r in ranks if r not in out]).items()})
         for n in range(self.alert_count(), 0, -1):
             if len(out) == len(ranks):
                 break
-            if self.store.check([f"{PREFIX}alert/{n}"]):
-                alert = self.read_alert(n)
+            alert = self.read_alert(n)
+            if alert is not None:
                 out.update({r: f"{alert.reason} ({alert.by})" for r in alert.ranks if r in ranks and r not in out})
         return {r: out.get(r, "did not check in within elastic.agree_timeout_s") for r in ranks}
 
@@ -257,8 +269,9 @@ class Membership:
         checked: dict[int, list[int] | None] = {}
         probed_at = None
         while True:
-            if self.store.check([key]):
-                return tuple(json.loads(self.store.get(key)))
+            decided = self.members_of(epoch)
+            if decided is not None:
+                return decided
             waited = self.clock() - start
             num_in = self.store.add(f"{PREFIX}ep/{epoch}/num_in", 0)
             if num_in != seen_in:  # only rescan when something changed
@@ -270,7 +283,7 @@ class Membership:
                 shown = self._probe_silent(prev_members, checked, dead)
                 proven, dead = proven | shown, dead | shown
             members = decide(prev_members, checked, dead, waited, agree_timeout_s, proven, checked)
-            if members is not None and self.requires_majority and not self.store.check([key]) \
+            if members is not None and self.requires_majority and self.members_of(epoch) is None \
                     and not has_majority(members, prev_members, proven, holds_store=self.holds_store):
                 raise NoMajority(f"epoch {epoch} would have ranks {list(members)}: not a majority of epoch "
                                  f"{epoch - 1}'s members {list(prev_members)} not proven dead "
@@ -328,7 +341,8 @@ class Membership:
         self.store.set(PREFIX + key, repr(time.time() if value is None else value))
 
     def read_stamp(self, key: str) -> float | None:
-        return float(self.store.get(PREFIX + key)) if self.store.check([PREFIX + key]) else None
+        raw = self.store.read(PREFIX + key)
+        return None if raw is None else float(raw)
 
     def last_beat_wall(self, rank: int) -> float | None:
         """When ``rank``'s last heartbeat was sent (wall clock), or None if it never beat here (see

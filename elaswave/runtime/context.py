@@ -15,9 +15,9 @@ from elaswave.checkpoint import disk
 from elaswave.comm import backend
 from elaswave.comm.groups import Communicator
 from elaswave.config import JobConfig
-from elaswave.control import failover, rendezvous
+from elaswave.control import failover, rendezvous, seal
 from elaswave.control.agents import NODE_RANK_ENV, NODES_ENV
-from elaswave.control.admission import Admission, job_token
+from elaswave.control.admission import JOIN_ENV, Admission, job_token
 from elaswave.control.faults import FaultInjector
 from elaswave.control.heartbeat import Watcher
 from elaswave.control.link import StoreLink, StoreLost
@@ -44,6 +44,8 @@ class Context:
 
     def __init__(self, cfg: JobConfig, rank: int, store: StoreLink, backend_name: str, device: torch.device):
         e = cfg.elastic
+        # Every control record this rank writes is sealed with the job's key, every one it reads verified.
+        store = seal.open_job(store, job_token(), found=bool(os.environ.get(JOIN_ENV)))
         self.store = store
         self.cfg, self.rank, self.device, self.backend_name = cfg, rank, device, backend_name
         self.model = model_for(cfg)
@@ -63,7 +65,6 @@ class Context:
         self.membership = Membership(store, rank, prober=self.prober, requires_majority=_hosts_around_a_tcpstore())
         self.membership.announce_host(_host())
         self.admission = Admission(store, rank)
-        self.token = job_token()
         self.stamps_steps = any(f.kind == "join" for f in cfg.elastic.faults)
         self.comm = Communicator(store, rank, backend_name, device, cfg.parallel.timeout_s, self.interrupt,
                                  e.enabled and e.standby_groups, bind)

@@ -31,23 +31,21 @@ GROW = "grow"
 
 
 def admit(ctx, st: RankState) -> int:
-    """The leader's answer to new join requests, once per step: refuse a request without the job's
-    token, or one that no plan can take; admit the rest into the next epoch. Returns how many."""
+    """The leader's answer to new join requests, once per step (a request that does not prove the
+    job's token is not even read: :mod:`elaswave.control.seal`): refuse every request in a job
+    without a token, or one that no plan can take; admit the rest into the next epoch. Returns
+    how many."""
     epoch = st.plan.epoch + 1
     pending = ctx.admission.pending(st.plan.ranks)
     if not pending or ctx.admission.joining(epoch):
         return 0
-    genuine = []
-    for req in pending:
-        if ctx.admission.is_genuine(req, ctx.token):
-            genuine.append(req.rank)
-            continue
-        why = ("its request did not prove the job's token (ELASWAVE_TOKEN)" if ctx.token else
-               "this job admits no joins: it was started without ELASWAVE_TOKEN")
-        _decide(ctx, f"refusing rank {req.rank}: {why}")
-        ctx.admission.refuse(req.rank, why)
-    if not genuine:
+    if not ctx.admission.proves_tokens:
+        why = "this job admits no joins: it was started without ELASWAVE_TOKEN"
+        for req in pending:
+            _decide(ctx, f"refusing rank {req.rank}: {why}")
+            ctx.admission.refuse(req.rank, why)
         return 0
+    genuine = [req.rank for req in pending]
     cfg = ctx.cfg
     try:
         replan(st.plan, st.plan.ranks + tuple(genuine), epoch, cfg.train.num_micro_batches, {}, cfg.elastic.policy)
@@ -76,7 +74,7 @@ def join(ctx) -> tuple[RankState, recovery.Recovery]:
             raise StoodDown()
         started = promoted
     _reach_members(ctx)
-    ctx.admission.request(ctx.token, started)
+    ctx.admission.request(started)
     attempt = 1
     while True:
         verdict = ctx.admission.wait_verdict(attempt, ctx.cfg.parallel.timeout_s)

@@ -1,4 +1,4 @@
-"""Admission over a real TCPStore: the token's proof, the leader's verdicts, and what a joiner sees;
+"""Admission over a real TCPStore: sealed requests, the leader's verdicts, and what a joiner sees;
 and the chaos schedules (pure)."""
 import threading
 import time
@@ -10,6 +10,9 @@ import torch.distributed as dist
 from elaswave.control.admission import Admission, Refused
 from elaswave.control.chaos import schedule
 from elaswave.control.membership import Membership
+from elaswave.control.seal import TokenMismatch, open_job, seal
+
+TOKEN = "the-secret"
 
 
 @pytest.fixture
@@ -18,27 +21,42 @@ def store():
                          timeout=timedelta(seconds=10))
 
 
-def _client(store, rank):
-    return Admission(dist.TCPStore("127.0.0.1", store.port, is_master=False, timeout=timedelta(seconds=10)), rank)
+def _raw(store):
+    return dist.TCPStore("127.0.0.1", store.port, is_master=False, timeout=timedelta(seconds=10))
 
 
-def test_only_a_request_made_with_the_jobs_token_is_genuine(store):
-    leader = Admission(store, 0)
-    _client(store, 4).request("the-secret", started_wall=1.0)
-    _client(store, 5).request("a-guess", started_wall=1.0)
-    _client(store, 6).request(None, started_wall=1.0)
-    pending = leader.pending(members=(0, 1, 2, 3))
-    assert [r.rank for r in pending] == [4, 5, 6]
-    assert [leader.is_genuine(r, "the-secret") for r in pending] == [True, False, False]
-    assert not leader.is_genuine(pending[0], None)  # a job without a token admits nobody
-    assert "the-secret" not in str(store.get("ew/join/1"))  # the token never enters the store
+def _client(store, rank, token=TOKEN):
+    return Admission(open_job(_raw(store), token, found=True), rank)
+
+
+def _leader(store, token=TOKEN):
+    return Admission(open_job(store, token), 0)
+
+
+def test_only_a_request_sealed_with_the_jobs_key_is_read(store):
+    leader = _leader(store)
+    _client(store, 4).request(started_wall=1.0)
+    with pytest.raises(TokenMismatch, match="ELASWAVE_TOKEN differs from the job's"):
+        _client(store, 5, token="a-guess")  # a joiner with another token stops before it asks
+    Admission(_raw(store), 6).request(started_wall=1.0)  # no seal: an outsider, or a job without a token
+    # Sealed with the same token for another job (its own nonce), or for another request number:
+    # a request read off a store proves nothing anywhere else.
+    other = open_job(dist.TCPStore("127.0.0.1", 0, world_size=None, is_master=True, wait_for_workers=False), TOKEN)
+    doc = '{"rank": 7, "started_wall": 1.0, "requested_wall": 1.0}'
+    n = store.add("ew/join_seq", 1)
+    store.set(f"ew/join/{n}", seal(other.key, f"ew/join/{n}", doc))
+    n = store.add("ew/join_seq", 1)
+    store.set(f"ew/join/{n}", seal(leader.store.key, f"ew/join/{n - 1}", doc))
+    assert [r.rank for r in leader.pending(members=(0, 1, 2, 3))] == [4]
+    assert leader.proves_tokens and not Admission(_raw(store), 0).proves_tokens  # no token: admits nobody
+    assert TOKEN not in str(store.get("ew/join/1"))  # the token never enters the store
 
 
 def test_verdicts_reach_the_joiner_and_answered_requests_are_not_pending(store):
-    leader = Admission(store, 0)
+    leader = _leader(store)
     joiner, stranger = _client(store, 4), _client(store, 5)
-    joiner.request("s", started_wall=1.0)
-    stranger.request("x", started_wall=1.0)
+    joiner.request(started_wall=1.0)
+    stranger.request(started_wall=1.0)
     leader.pending(members=(0, 1))
     leader.refuse(5, "its request did not prove the job's token")
     leader.admit([4], epoch=3, prev_plan={"epoch": 2})
@@ -50,8 +68,8 @@ def test_verdicts_reach_the_joiner_and_answered_requests_are_not_pending(store):
     assert [r.rank for r in leader.pending(members=(0, 1, 4))] == []
     assert set(leader.walls([4])) == {"started", "requested", "admitted"}
     # A joiner whose process died is not pending either.
-    _client(store, 6).request("s", started_wall=1.0)
-    Membership(store, -1).report_dead(6, "exited with code 1", alert=False)
+    _client(store, 6).request(started_wall=1.0)
+    Membership(leader.store, -1).report_dead(6, "exited with code 1", alert=False)
     assert leader.pending(members=(0, 1, 4)) == []
     with pytest.raises(TimeoutError, match="no answer to the join request"):
         joiner.wait_verdict(2, timeout_s=0.2)
@@ -60,8 +78,9 @@ def test_verdicts_reach_the_joiner_and_answered_requests_are_not_pending(store):
 def test_a_joiner_waiting_for_its_verdict_sees_the_end_of_the_job_at_once(store):
     # It waits on the job's events: the end of the job ends its wait within one poll, not after
     # parallel.timeout_s (under load a late joiner used to outlive the job by that timeout).
+    _leader(store)
     joiner = _client(store, 4)
-    joiner.request("s", started_wall=1.0)
+    joiner.request(started_wall=1.0)
     timer = threading.Timer(0.3, lambda: store.set("ew/done", "1"))
     timer.start()
     began = time.monotonic()
@@ -71,6 +90,7 @@ def test_a_joiner_waiting_for_its_verdict_sees_the_end_of_the_job_at_once(store)
 
 
 def test_a_verdict_that_never_comes_is_a_timeout_naming_the_rank(store):
+    _leader(store)
     with pytest.raises(TimeoutError, match="rank 4: no answer to the join request within 0.3s"):
         _client(store, 4).wait_verdict(1, timeout_s=0.3)
 

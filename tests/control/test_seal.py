@@ -1,0 +1,131 @@
+"""Sealed control records over a real TCPStore: what a process that reaches the store without the
+job's token can write, and what the job makes of it (nothing)."""
+import json
+import threading
+from datetime import timedelta
+
+import pytest
+import torch.distributed as dist
+
+from elaswave.control import failover
+from elaswave.control.liveness import LivenessPort, Prober
+from elaswave.control.membership import Membership
+from elaswave.control.seal import Forged, Sealed, TokenMismatch, open_job, opened, seal
+
+TOKEN = "job-token"
+
+
+@pytest.fixture
+def server():
+    return dist.TCPStore("127.0.0.1", 0, world_size=None, is_master=True, wait_for_workers=False,
+                         timeout=timedelta(seconds=10))
+
+
+def _raw(server):
+    return dist.TCPStore("127.0.0.1", server.port, is_master=False, timeout=timedelta(seconds=10))
+
+
+def _job(server, token=TOKEN, found=True):
+    return open_job(_raw(server), token, found=found)
+
+
+def test_a_seal_is_bound_to_its_key_its_name_and_its_value():
+    key = b"k" * 32
+    raw = seal(key, "ew/dead/2", "was killed")
+    assert opened(key, "ew/dead/2", raw) == b"was killed"
+    assert opened(b"x" * 32, "ew/dead/2", raw) is None  # another job's key
+    assert opened(key, "ew/dead/3", raw) is None  # moved to another record
+    assert opened(key, "ew/dead/2", raw.replace(b"killed", b"kilted")) is None
+    assert opened(key, "ew/dead/2", b"was killed") is None  # no seal at all
+
+
+def test_every_process_with_the_token_derives_the_jobs_key_and_no_other_does(server):
+    first = open_job(server, TOKEN)
+    assert _job(server).key == first.key and first.key is not None
+    assert open_job(server, TOKEN).key == first.key  # a second founder reads the first one's nonce
+    with pytest.raises(TokenMismatch, match="ELASWAVE_TOKEN differs from the job's"):
+        _job(server, token="a-guess")
+    other = dist.TCPStore("127.0.0.1", 0, world_size=None, is_master=True, wait_for_workers=False)
+    assert open_job(other, TOKEN).key != first.key  # the same token, another job: another key
+    with pytest.raises(TokenMismatch, match="started without ELASWAVE_TOKEN"):
+        _job(dist.TCPStore("127.0.0.1", 0, world_size=None, is_master=True, wait_for_workers=False))
+    assert TOKEN.encode() not in server.get("ew/job")
+
+
+def test_forged_deaths_alerts_hosts_and_check_ins_do_not_count(server):
+    job = open_job(server, TOKEN)
+    outsider = _raw(server)
+    members = Membership(job, 0)
+    for r in (0, 1, 2, 3):
+        Membership(_job(server), r).announce_host(f"host{r}")
+    outsider.set("ew/dead/1", "was killed by SIGKILL")
+    for by in ("rank 0", "rank 3"):  # both of rank 2's watchers, as far as a reader can tell
+        n = outsider.add("ew/alert_seq", 1)
+        outsider.set(f"ew/alert/{n}", json.dumps({"epoch": 0, "by": by, "reason": "missed heartbeats",
+                                                  "ranks": [2], "watchers": 2}))
+    outsider.set("ew/host/3", "host0")
+    outsider.set("ew/ep/1/in/3", json.dumps([0, 1, 2]))  # rank 3 "cannot reach" the others
+    assert members.known_dead([0, 1, 2, 3]) == (set(), set())
+    # An overwritten record is lost (a denial of service), never taken for the outsider's value.
+    assert members.read_alert(1) is None and members.hosts([2, 3]) == {2: "host2"}
+    assert members._checked_in(1, [0, 1, 2, 3]) == {}
+    assert members.death_evidence([1]) == {1: "did not check in within elastic.agree_timeout_s"}
+    # The same records sealed by a member count.
+    Membership(_job(server), -1).report_dead(1, "was killed by SIGKILL", alert=False)
+    assert members.known_dead([0, 1, 2, 3])[0] == {1}
+
+
+def test_a_forged_decision_is_replaced_by_the_real_one_and_a_forged_epoch_count_is_not_the_epoch(server):
+    job = open_job(server, TOKEN)
+    outsider = _raw(server)
+    outsider.set("ew/ep/1/members", json.dumps([0]))  # ranks 1-3 "left out"
+    outsider.add("ew/epoch", 5)
+    clients = {r: Membership(_job(server), r) for r in range(4)}
+    assert clients[0].members_of(1) is None and clients[0].current_epoch() == 0
+    results = {}
+
+    def run(r):
+        clients[r].check_in(1)
+        results[r] = clients[r].agree([0, 1, 2, 3], 1, agree_timeout_s=5.0, timeout_s=10.0)
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in clients]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(15)
+    assert results == {r: (0, 1, 2, 3) for r in range(4)}
+    assert Membership(job, -1).members_of(1) == (0, 1, 2, 3) and clients[1].current_epoch() == 1
+    # A record the outsider keeps rewriting is an error, never a decision of its.
+    assert job.compare_set("ew/ep/2/cut", "", "{}") == b"{}"
+    with pytest.raises(Forged):
+        outsider.set("ew/ep/2/members", "[9]")
+        job.get("ew/ep/2/members")
+
+
+def test_a_forged_standby_or_liveness_address_is_not_followed(server):
+    job = open_job(server, TOKEN)
+    outsider = _raw(server)
+    standby = failover.Standby("127.0.0.1", 10)
+    standby.register(_job(server), 0)
+    outsider.set("ew/standby/1", "203.0.113.9:29400")  # redirect the store's next move there
+    learner = failover.Standby("127.0.0.1", 10)
+    learner.learn(job, [0, 1])
+    assert learner.known == {0: standby.addr}
+    directory = failover.Directory(every_s=0)
+    outsider.add("ew/next_rank", 2)
+    directory.refresh(job)
+    assert directory.known == {0: standby.addr}
+    outsider.set("ew/standby/0", "203.0.113.9:29400")  # over a real one: lost, never followed
+    learner = failover.Standby("127.0.0.1", 10)
+    learner.learn(job, [0, 1])
+    assert learner.known == {}
+    port = LivenessPort("127.0.0.1")
+    port.register(_job(server), 2)
+    watcher = Prober()
+    watcher.learn([2], job)  # reached: a refusal from it would now prove rank 2 dead
+    outsider.set("ew/live/2", "127.0.0.1:1")  # a port that refuses, as "proof" that rank 2 is dead
+    assert not Prober().is_gone(2, job) and Prober()._address(2, job) is None
+    assert Prober()._address(2, Sealed(_raw(server), None)) == "127.0.0.1:1"  # what an unsealed job would use
+    assert not watcher.is_gone(2, job)
+    port.close()
+    assert watcher.is_gone(2, job)
