@@ -15,7 +15,8 @@ groups' rendezvous -- in an etcd cluster instead of a TCPStore held by one proce
 - No process of the job holds the store: losing or freezing any of them costs no control plane.
 
 The client speaks etcd's documented v3 JSON gateway over one persistent HTTP connection per store
-object (``clone`` opens another), with the standard library only: the Python gRPC clients are
+object (``clone`` opens another), HTTPS with a CA and a client certificate where the cluster asks
+for them (:class:`Tls`), with the standard library only: the Python gRPC clients are
 unmaintained (``etcd3``'s last release is from 2020 and pins an old protobuf), and the gateway is
 part of every etcd server. Every request has a deadline; a member that refuses, stalls or answers
 "no leader" sends the next request to the next endpoint. ``wait`` follows etcd's watch stream
@@ -28,6 +29,8 @@ from __future__ import annotations
 import base64
 import http.client
 import json
+import os
+import ssl
 import threading
 import time
 from dataclasses import dataclass
@@ -78,14 +81,43 @@ class Credentials:
     password: str
 
 
+@dataclass(frozen=True)
+class Tls:
+    """HTTPS to the etcd members (etcdctl's ``--cacert``, ``--cert``, ``--key``): the CA that signed
+    their certificates, and this job's client certificate and key where the cluster requires
+    one (``--client-cert-auth``)."""
+
+    cacert: str
+    cert: str | None = None
+    key: str | None = None
+
+    def context(self) -> ssl.SSLContext:
+        for what, path in (("ELASWAVE_ETCD_CACERT", self.cacert), ("ELASWAVE_ETCD_CERT", self.cert),
+                           ("ELASWAVE_ETCD_KEY", self.key)):
+            if path is not None and not os.path.isfile(path):
+                raise ConfigError(f"{what}={path!r} is invalid: no such file (a PEM file)")
+        if (self.cert is None) != (self.key is None):
+            raise ConfigError("ELASWAVE_ETCD_CERT and ELASWAVE_ETCD_KEY go together: the client certificate and its key")
+        try:
+            context = ssl.create_default_context(cafile=self.cacert)
+            if self.cert is not None:
+                context.load_cert_chain(self.cert, self.key)
+        except (ssl.SSLError, ValueError) as exc:
+            raise ConfigError(f"the etcd TLS files ({self.cacert}, {self.cert}, {self.key}) do not load: {exc}") from None
+        return context
+
+
 class EtcdStore(dist.Store):
     """A ``torch.distributed.Store`` on an etcd cluster (the calls elaswave and gloo's rendezvous
     make: set, get, add, compare_set, check, wait, multi_get, delete_key, num_keys, clone)."""
 
     def __init__(self, endpoints: tuple[tuple[str, int], ...], prefix: str, timeout_s: float,
-                 credentials: Credentials | None = None, request_timeout_s: float = REQUEST_TIMEOUT_S):
+                 credentials: Credentials | None = None, request_timeout_s: float = REQUEST_TIMEOUT_S,
+                 tls: Tls | None = None):
         super().__init__()
         self.endpoints, self.prefix, self.credentials = tuple(endpoints), prefix, credentials
+        self.tls = tls
+        self._tls_context = tls.context() if tls is not None else None
         self._timeout = timedelta(seconds=timeout_s)
         self.request_timeout_s = request_timeout_s
         self._at = 0  # the endpoint in use; moves on when a member cannot serve
@@ -102,7 +134,7 @@ class EtcdStore(dist.Store):
     # -- torch's Store interface ------------------------------------------------------------------
     def clone(self) -> "EtcdStore":
         twin = EtcdStore(self.endpoints, self.prefix, self._timeout.total_seconds(), self.credentials,
-                         self.request_timeout_s)
+                         self.request_timeout_s, self.tls)
         # A Python store handed to C++ (a PrefixStore, a gloo group) works only while its Python
         # object lives: pybind11 finds the overrides through it. Callers often keep only the C++ side.
         self._clones.append(twin)
@@ -206,7 +238,7 @@ class EtcdStore(dist.Store):
     def _watch_for(self, key: str, from_revision: int, within_s: float) -> None:
         """Return when ``key`` is put at or after ``from_revision``, or after ``within_s``."""
         host, port = self.endpoints[self._at]
-        conn = http.client.HTTPConnection(host, port, timeout=max(0.01, within_s))
+        conn = self._connection(host, port, max(0.01, within_s))
         try:
             body = {"create_request": {"key": self._key(key), "start_revision": str(from_revision)}}
             with self._lock:
@@ -226,6 +258,11 @@ class EtcdStore(dist.Store):
             return  # a timeout or a broken stream: the caller reads again, and fails there if it must
         finally:
             conn.close()
+
+    def _connection(self, host: str, port: int, timeout_s: float) -> http.client.HTTPConnection:
+        if self._tls_context is None:
+            return http.client.HTTPConnection(host, port, timeout=timeout_s)
+        return http.client.HTTPSConnection(host, port, timeout=timeout_s, context=self._tls_context)
 
     def _headers(self) -> dict:
         headers = {"Content-Type": "application/json"}
@@ -253,11 +290,13 @@ class EtcdStore(dist.Store):
         """One request, to each endpoint in turn until one serves it; ``DistNetworkError`` when
         none does (no quorum reachable from here)."""
         errors = []
+        shut_out = 0  # new connections a member accepted, then closed or failed in TLS: a TLS mismatch
         for _ in range(len(self.endpoints)):
             host, port = self.endpoints[self._at]
+            fresh = self._conn is None
             try:
                 if self._conn is None:
-                    self._conn = http.client.HTTPConnection(host, port, timeout=self.request_timeout_s)
+                    self._conn = self._connection(host, port, self.request_timeout_s)
                 headers = self._headers() if auth else {"Content-Type": "application/json"}
                 self._conn.request("POST", path, json.dumps(body), headers)
                 resp = self._conn.getresponse()
@@ -271,11 +310,24 @@ class EtcdStore(dist.Store):
                                         f"access to {self.prefix!r}")
                 if out.get("code") not in _UNAVAILABLE_CODES and not any(w in message for w in _UNAVAILABLE):
                     raise RuntimeError(f"etcd at {host}:{port} refused {path}: {message}")
+            except ssl.SSLCertVerificationError as exc:
+                raise EtcdAuthError(f"etcd at {host}:{port}: its certificate does not verify against "
+                                    f"ELASWAVE_ETCD_CACERT={self.tls.cacert!r} ({exc.verify_message})") from None
+            except (ssl.SSLError, http.client.RemoteDisconnected, ConnectionResetError) as exc:
+                shut_out += fresh
+                message = f"{type(exc).__name__}: {exc}"
             except (OSError, http.client.HTTPException, json.JSONDecodeError) as exc:
                 message = f"{type(exc).__name__}: {exc}"
             errors.append(f"{host}:{port}: {message.splitlines()[0] if message else '?'}")
             self._drop()
             self._at = (self._at + 1) % len(self.endpoints)
+        if shut_out == len(self.endpoints):
+            raise EtcdAuthError(
+                f"every etcd member ({self.description}) closed new connections without an answer: "
+                + ("it serves HTTPS? set ELASWAVE_ETCD_CACERT to its CA (and ELASWAVE_ETCD_CERT, ELASWAVE_ETCD_KEY "
+                   "to the job's client certificate)" if self.tls is None else
+                   "it refused the TLS client certificate (ELASWAVE_ETCD_CERT, ELASWAVE_ETCD_KEY: one signed by the "
+                   "CA it trusts?)"))
         raise dist.DistNetworkError("no etcd member served the request (" + "; ".join(errors) + ")")
 
     def _drop(self) -> None:

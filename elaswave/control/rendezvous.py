@@ -20,12 +20,13 @@ import time
 import torch.distributed as dist
 
 from elaswave.comm.backend import connect_store
-from elaswave.control.etcd import Credentials, EtcdStore, parse_endpoints
+from elaswave.control.etcd import Credentials, EtcdStore, Tls, parse_endpoints
 from elaswave.control.link import StoreLink
 from elaswave.errors import ConfigError
 
 SCHEME = "etcd://"
 USER_ENV, PASSWORD_ENV = "ELASWAVE_ETCD_USER", "ELASWAVE_ETCD_PASSWORD"
+CACERT_ENV, CERT_ENV, KEY_ENV = "ELASWAVE_ETCD_CACERT", "ELASWAVE_ETCD_CERT", "ELASWAVE_ETCD_KEY"
 
 
 def credentials() -> Credentials | None:
@@ -34,6 +35,17 @@ def credentials() -> Credentials | None:
     if not user:
         return None
     return Credentials(user, os.environ.get(PASSWORD_ENV, ""))
+
+
+def tls() -> Tls | None:
+    """HTTPS to etcd, when ``ELASWAVE_ETCD_CACERT`` is set (inherited by the workers, as the credentials)."""
+    cacert = os.environ.get(CACERT_ENV)
+    if not cacert:
+        if os.environ.get(CERT_ENV) or os.environ.get(KEY_ENV):
+            raise ConfigError(f"{CERT_ENV} and {KEY_ENV} need {CACERT_ENV}: the CA that signed the etcd members' "
+                              "certificates")
+        return None
+    return Tls(cacert, os.environ.get(CERT_ENV) or None, os.environ.get(KEY_ENV) or None)
 
 
 def is_etcd(addr: str) -> bool:
@@ -50,7 +62,7 @@ def etcd_store(addr: str, timeout_s: float) -> EtcdStore:
     if not slash:
         raise ConfigError(f"--store={addr!r} is invalid: an etcd store is etcd://HOST:PORT[,...]/PREFIX/, "
                           "as `elaswave run` prints it")
-    return EtcdStore(parse_endpoints(endpoints, "--store"), "/" + prefix, timeout_s, credentials())
+    return EtcdStore(parse_endpoints(endpoints, "--store"), "/" + prefix, timeout_s, credentials(), tls=tls())
 
 
 def connect(addr: str, timeout_s: float, grace_s: float) -> StoreLink:
@@ -65,7 +77,7 @@ def connect(addr: str, timeout_s: float, grace_s: float) -> StoreLink:
 def open_etcd_run(endpoints: str, job_id: str, node_rank: int, timeout_s: float) -> EtcdStore:
     """The store of this run of ``job_id``: node 0 opens a new run, the other agents wait (within
     ``timeout_s``) for an open one. Raises ConfigError with one line when etcd cannot serve."""
-    job = EtcdStore(parse_endpoints(endpoints), f"/elaswave/{job_id}/", timeout_s, credentials())
+    job = EtcdStore(parse_endpoints(endpoints), f"/elaswave/{job_id}/", timeout_s, credentials(), tls=tls())
     try:
         if node_rank == 0:
             run = job.add("runs", 1)
@@ -74,7 +86,7 @@ def open_etcd_run(endpoints: str, job_id: str, node_rank: int, timeout_s: float)
             run = _open_run(job, timeout_s)
     except dist.DistNetworkError as exc:
         raise ConfigError(f"--rdzv-endpoint={endpoints!r}: no majority of the etcd cluster answered ({exc})") from None
-    return EtcdStore(job.endpoints, f"{job.prefix}{run}/", timeout_s, job.credentials)
+    return EtcdStore(job.endpoints, f"{job.prefix}{run}/", timeout_s, job.credentials, tls=job.tls)
 
 
 def _open_run(job: EtcdStore, timeout_s: float) -> int:

@@ -1,7 +1,7 @@
 """The control store on a real 3-member etcd cluster: the Store calls behave as TCPStore's (the
 oracle, run beside it), a decision is one committed transaction whoever proposes it, gloo meets
 through it, one member lost or frozen costs nothing, two lost leave no side able to decide, and
-credentials are enforced."""
+credentials (a user and password, or TLS client certificates) are enforced."""
 import http.client
 import json
 import threading
@@ -12,9 +12,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from elaswave.control.etcd import Credentials, EtcdAuthError, EtcdStore, parse_endpoints
+from elaswave.control.etcd import Credentials, EtcdAuthError, EtcdStore, Tls, parse_endpoints
 from elaswave.control.link import StoreLink, StoreLost
 from elaswave.errors import ConfigError
+from tests.helpers.certs import Authority
 from tests.helpers.etcd import EtcdCluster
 
 
@@ -160,6 +161,27 @@ def test_a_cluster_with_auth_admits_only_the_jobs_credentials():
             with pytest.raises(EtcdAuthError, match=needle):
                 _store(etcd, prefix, credentials=who).set("epoch", "2")
         assert good.get("epoch") == b"1"
+
+
+def test_a_cluster_on_tls_admits_only_a_client_certificate_its_ca_signed(tmp_path):
+    ca, other_ca = Authority(tmp_path / "pki", "ca"), Authority(tmp_path / "pki", "other-ca")
+    server = ca.issue("member", ip="127.0.0.1")
+    job, stranger = ca.issue("job"), other_ca.issue("stranger")
+    with EtcdCluster(3, tls=(ca.cert, *server)) as etcd:
+        good = _store(etcd, "/job/", tls=Tls(str(ca.cert), *map(str, job)))
+        _script(good)  # every call, the watch stream included, over HTTPS
+        assert good.compare_set("decided", "", "yes") == b"yes" and good.clone().get("decided") == b"yes"
+        for tls, needle in [(None, "serves HTTPS\\? set ELASWAVE_ETCD_CACERT"),
+                            (Tls(str(other_ca.cert), *map(str, job)), "does not verify against ELASWAVE_ETCD_CACERT"),
+                            (Tls(str(ca.cert)), "refused the TLS client certificate"),
+                            (Tls(str(ca.cert), *map(str, stranger)), "refused the TLS client certificate")]:
+            began = time.monotonic()
+            with pytest.raises(EtcdAuthError, match=needle):
+                _store(etcd, "/job/", tls=tls).set("decided", "no")
+            assert time.monotonic() - began < 10
+        assert good.get("decided") == b"yes"
+    with pytest.raises(ConfigError, match="ELASWAVE_ETCD_CACERT='/no/such.pem' is invalid: no such file"):
+        Tls("/no/such.pem").context()
 
 
 @pytest.mark.parametrize("text", ["", "host", "h:0", "h:1,h2", "h:99999"])

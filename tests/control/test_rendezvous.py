@@ -9,6 +9,7 @@ import pytest
 from elaswave.control.link import EXIT_STORE_LOST
 from elaswave.runtime.metrics import read_jsonl
 from tests.helpers import netns
+from tests.helpers.certs import Authority
 from tests.helpers.etcd import EtcdCluster
 from tests.helpers.spawn import (Running, assert_same_run, fault_mid_run, free_port, job_args, reference_fixture,
                                  run_cli)
@@ -50,6 +51,25 @@ def test_a_job_whose_etcd_loses_its_majority_saves_and_stops(tmp_path):
     assert not any(r["event"] == "summary" for r in res.records)  # no side finished a run of its own
     assert "etcd (" in res.stderr and "saved its part of step" in res.stderr
     assert any(ckpt.glob("step_*")), "the ranks saved nothing"
+
+
+def test_a_job_on_etcd_over_tls_with_client_certificates_is_the_same_run(tmp_path, reference):
+    """Every process of the job -- the launcher and each worker -- speaks HTTPS with the job's
+    client certificate, from the environment; without it the job is one line, within the timeout."""
+    ca = Authority(tmp_path / "pki", "ca")
+    server, job_cert = ca.issue("member", ip="127.0.0.1"), ca.issue("job")
+    env = {"ELASWAVE_ETCD_CACERT": str(ca.cert), "ELASWAVE_ETCD_CERT": str(job_cert[0]),
+           "ELASWAVE_ETCD_KEY": str(job_cert[1])}
+    with EtcdCluster(3, tls=(ca.cert, *server)) as etcd:
+        with Running(_etcd_job(etcd), tmp_path / "run.jsonl", env=env) as job:
+            res = job.finish(240)
+        assert res.returncode == 0, res.stderr
+        assert_same_run(res, reference, STEPS)
+        began = time.monotonic()
+        bare = run_cli(_etcd_job(etcd, ["parallel.timeout_s=10"]), tmp_path, timeout_s=60,
+                       env={"ELASWAVE_ETCD_CACERT": str(ca.cert)})
+    assert bare.returncode == 2 and "refused the TLS client certificate" in bare.stderr, bare.stderr
+    assert len(bare.stderr.strip().splitlines()) == 1 and time.monotonic() - began < 30
 
 
 @pytest.mark.parametrize("flags, needle", [

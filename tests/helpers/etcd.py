@@ -13,6 +13,7 @@ import os
 import shutil
 import signal
 import socket
+import ssl
 import subprocess
 import tempfile
 import time
@@ -47,10 +48,12 @@ class EtcdCluster:
     ``kill(i)``, ``stop(i)``/``cont(i)`` act on member ``i``'s real process."""
 
     def __init__(self, n: int = 3, hosts: list[str] | None = None, prefixes: list[list[str]] | None = None,
-                 data_root: str | None = None):
+                 data_root: str | None = None, tls: tuple[Path, Path, Path] | None = None):
         """``hosts``: each member's address (default loopback); ``prefixes``: what runs each member
-        (``ip netns exec NAME``: in a host namespace)."""
+        (``ip netns exec NAME``: in a host namespace); ``tls``: (CA, server certificate, its key):
+        clients speak HTTPS and must show a certificate the CA signed (``--client-cert-auth``)."""
         require_etcd()
+        self.tls = tls
         self.n = n
         self.hosts = hosts or ["127.0.0.1"] * n
         self.prefixes = prefixes or [[] for _ in range(n)]
@@ -84,13 +87,17 @@ class EtcdCluster:
 
     def _start(self, i: int, cluster: str) -> None:
         h, cp, pp = self.hosts[i], self.client_ports[i], self.peer_ports[i]
+        scheme = "https" if self.tls else "http"
         cmd = [*self.prefixes[i], ETCD, "--name", f"m{i}", "--data-dir", str(self._dir / f"m{i}"),
-               "--listen-client-urls", f"http://{h}:{cp}", "--advertise-client-urls", f"http://{h}:{cp}",
+               "--listen-client-urls", f"{scheme}://{h}:{cp}", "--advertise-client-urls", f"{scheme}://{h}:{cp}",
                "--listen-peer-urls", f"http://{h}:{pp}", "--initial-advertise-peer-urls", f"http://{h}:{pp}",
                "--initial-cluster", cluster, "--initial-cluster-state", "new",
                "--initial-cluster-token", self._dir.name,
                # Faster elections than the WAN defaults: a lost leader is replaced within ~1 s.
                "--heartbeat-interval", "100", "--election-timeout", "1000"]
+        if self.tls:
+            ca, cert, key = self.tls
+            cmd += ["--trusted-ca-file", str(ca), "--cert-file", str(cert), "--key-file", str(key), "--client-cert-auth"]
         log = open(self._dir / f"m{i}.log", "wb")
         self.procs[i] = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
@@ -100,7 +107,8 @@ class EtcdCluster:
         for i in members if members is not None else range(self.n):
             while True:
                 try:
-                    conn = http.client.HTTPConnection(*self.endpoint(i), timeout=2)
+                    conn = (http.client.HTTPSConnection(*self.endpoint(i), timeout=2, context=self._client_tls())
+                            if self.tls else http.client.HTTPConnection(*self.endpoint(i), timeout=2))
                     conn.request("POST", "/v3/kv/put", json.dumps({"key": "aGVhbHRo", "value": "MQ=="}))
                     if conn.getresponse().status == 200:
                         break
@@ -110,6 +118,12 @@ class EtcdCluster:
                     raise AssertionError(f"etcd member {i} not healthy within {timeout_s}s: "
                                          f"{(self._dir / f'm{i}.log').read_text()[-2000:]}")
                 time.sleep(0.1)
+
+    def _client_tls(self) -> ssl.SSLContext:
+        ca, cert, key = self.tls
+        context = ssl.create_default_context(cafile=str(ca))
+        context.load_cert_chain(str(cert), str(key))  # the server's pair also serves as a client's
+        return context
 
     def kill(self, i: int) -> None:
         self._signal(i, signal.SIGKILL)
