@@ -230,6 +230,7 @@ def test_an_unreachable_rendezvous_endpoint_is_a_clear_error_within_the_timeout(
     assert time.monotonic() - began < 30
 
 
+@pytest.mark.slow  # the default run keeps a faster case of the same path; `pytest -m slow` runs it
 def test_a_host_whose_store_connections_drop_and_come_back_keeps_its_place(tmp_path):
     """Host 1's agent and workers reach the store through a loopback proxy. Every connection it
     carries is cut, and new ones refused for 0.6 s (under the 2 s heartbeat timeout), twice: each

@@ -3,11 +3,14 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 from tests.helpers.spawn import run_job, run_reference
 
 PNG = b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.slow  # the default run keeps a faster case of the same path; `pytest -m slow` runs it
 def test_report_of_a_run_with_a_failure_against_the_reference(tmp_path):
     run = run_job(tmp_path, 2, 1, 8, True, extra=["elastic.inject=kill:rank=1,step=4,phase=backward"])
     ref = run_reference(tmp_path, 8, deterministic=True)

@@ -1,6 +1,7 @@
 """MTTR on every detection path, and MTTR against the detection timeout for elaswave and TorchFT.
 
     python bench/elastic/detection.py [--runs 5] [--timeouts 0.5,1,2,4] [--interval 0.1] [--ticks 20,100,500]
+                                      [--only silent_host]
 
 A rank (replica) dies in the same job as ``bench/peers/peers.py`` (dp=3, GPT, dropout off, 12
 micro-batches; rank 2 in step 12), and MTTR runs from the fault to the end of the first step done
@@ -16,6 +17,14 @@ on the new membership. The paths:
   MTTR from the kill's wall time (taken here) to the end of the first step of the new epoch.
 - **hang**: SIGSTOP instead of SIGKILL: the process lives, its port answers, and only its stale
   heartbeat shows it (``elastic.heartbeat_timeout_s``).
+- **silent host**: a dead host that refuses nothing (power, kernel panic, NIC, cable). Two
+  ``elaswave run`` agents (dp=2 x pp=2, two workers each); host 1 is a network namespace whose
+  links go down after step 8 (``tests/helpers/netns.py``): every packet to it is dropped, its
+  processes live on. Host 0 holds the store and, with half the members, goes on; host 1 stops by
+  itself. MTTR from the cut (taken here) to the end of host 0's first step of the new epoch, at
+  each heartbeat timeout; the recovery record's own ``mttr_s`` (from the last heartbeat seen:
+  ``mttr_from``) beside it. Goal (issue 35): within the heartbeat timeout + 0.5 s. Needs root
+  (network namespaces); ``--only silent_host`` runs this path alone and updates the stored results.
 - **TorchFT**: the real peer (``bench/peers/torchft_job.py``'s replicas, torchft-nightly), SIGKILL: the
   lighthouse's heartbeat timeout, then a quorum at its next tick.
 
@@ -40,7 +49,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository: 
 from bench.common import RESULTS, run_job, write_results  # noqa: E402
 from bench.peers.torchft_job import JOB, KILL_RANK, KILL_STEP, torchft_run  # noqa: E402
 from elaswave.runtime.metrics import read_jsonl  # noqa: E402
-from tests.helpers.spawn import TorchrunNode, free_port  # noqa: E402
+from tests.helpers import netns  # noqa: E402
+from tests.helpers.spawn import TINY, Running, TorchrunNode, free_port  # noqa: E402
 
 STEPS = 16
 ELASWAVE_JOB = [s for s in JOB if not s.startswith("train.steps=")] + [f"train.steps={STEPS}"]
@@ -89,6 +99,45 @@ def torchrun_host_mttr(timeout_s: float = 240) -> dict:
     return {"mttr_s": first["wall_time"] - killed_at, "phases_s": rec["phases_s"], "evidence": rec["evidence"]}
 
 
+def silent_host_mttr(timeout_s: float, interval_s: float, limit_s: float = 240) -> dict:
+    """Two agents; host 1 (a namespace) goes silent after step 8. MTTR from the cut."""
+    sets = [*TINY, "parallel.dp=2", "parallel.pp=2", "train.steps=60", "train.num_micro_batches=4",
+            "train.deterministic=true", "elastic.respawn_after_s=-1", "parallel.timeout_s=30",
+            f"elastic.heartbeat_timeout_s={timeout_s}", f"elastic.heartbeat_interval_s={interval_s}"]
+    env = {"ELASWAVE_TOKEN": "detection-bench", "TORCH_CPP_LOG_LEVEL": "ERROR"}
+
+    def agent(node_rank: int, bind: str, endpoint: str, metrics: Path, prefix=()) -> Running:
+        args = ["run", *[x for s in [*sets, f"parallel.bind_address={bind}"] for x in ("--set", s)],
+                "--nnodes", "2", "--node-rank", str(node_rank), "--rdzv-endpoint", endpoint]
+        return Running(args, metrics, env=env, prefix=list(prefix))
+
+    with tempfile.TemporaryDirectory() as tmp, netns.OtherHost() as host:
+        endpoint = f"{host.here_store_ip}:{free_port()}"
+        with agent(0, host.here_peer_ip, endpoint, Path(tmp) / "m0.jsonl") as host0, \
+                agent(1, host.peer_ip, endpoint, Path(tmp) / "m1.jsonl", host.prefix()) as host1:
+            host0.wait_for(r"step\s+8/", limit_s)
+            host.silence()
+            cut_at = time.time()
+            res = host0.finish(limit_s)
+            host1.finish(limit_s)
+    if res.returncode != 0:
+        raise RuntimeError(f"host 0 did not finish: {res.stderr[-2000:]}")
+    rec = next(r for r in res.records if r["event"] == "recovery")
+    first = min((r for r in res.records if r["event"] == "step" and r["epoch"] == rec["epoch"]), key=lambda r: r["step"])
+    return {"mttr_s": first["wall_time"] - cut_at, "recorded_mttr_s": rec["mttr_s"], "mttr_from": rec["mttr_from"],
+            "phases_s": rec["phases_s"], "evidence": rec["evidence"], "lost_ranks": rec["lost_ranks"]}
+
+
+def silent_host_sweep(runs: int, timeouts: list[float], interval_s: float) -> dict:
+    """The silent host at each heartbeat timeout; empty, with the reason, where namespaces are unavailable."""
+    reason = netns.unavailable()
+    if reason:
+        print(f"  silent host: skipped ({reason})", flush=True)
+        return {"skipped": reason}
+    return {f"{t:g}": _repeat(runs, f"silent host, timeout {t:g} s", lambda: silent_host_mttr(t, interval_s))
+            for t in timeouts}
+
+
 def _summary(values: list[float]) -> dict:
     return {"median_s": statistics.median(values), "min_s": min(values), "max_s": max(values), "runs_s": values}
 
@@ -124,6 +173,7 @@ def measure(runs: int, timeouts: list[float], interval_s: float, ticks: list[int
     tick_sweep = {str(q): _repeat(runs, f"TorchFT, 1 s heartbeat, tick {q} ms",
                                   lambda: torchft_run(kill=True, heartbeat_ms=1000, quorum_tick_ms=q)) for q in ticks}
     return {"paths": paths, "timeout_sweep": sweep, "quorum_tick_sweep_1s": tick_sweep,
+            "silent_host": silent_host_sweep(runs, timeouts, interval_s),
             "heartbeat_interval_s": interval_s, "default_heartbeat_timeout_s": default}
 
 
@@ -174,6 +224,23 @@ def markdown(res: dict, meta: str) -> list[str]:
         md.append(f"| {t} | " + " | ".join(cells) + " |")
     md += ["", "**TorchFT's quorum tick** at a 1 s heartbeat:", "", "| quorum tick ms | MTTR s | range s |", "| --- | --- | --- |"]
     md += [f"| {q} | {v['median_s']:.3f} | {v['min_s']:.3f}-{v['max_s']:.3f} |" for q, v in res["quorum_tick_sweep_1s"].items()]
+    return md + silent_markdown(res.get("silent_host", {}), res.get("silent_host_meta"))
+
+
+def silent_markdown(silent: dict, meta: str | None) -> list[str]:
+    if not silent or "skipped" in silent:
+        return ["", f"**A silent host**: not measured ({silent.get('skipped', 'not run')})."]
+    md = ["", "**A silent host** (both links of host 1 down after step 8: nothing refused; dp=2 x pp=2 over two "
+          "agents; MTTR from the cut to host 0's first step of the new epoch; median, range):"]
+    md += ["", meta] if meta else []
+    md += ["", "| heartbeat timeout s | MTTR s | range s | over timeout + 0.5 s | record's mttr_s (from) | "
+           "detect / agree s (last run) |", "| --- | --- | --- | --- | --- | --- |"]
+    for t, v in silent.items():
+        last = v["last"]
+        over = sum(m > float(t) + 0.5 for m in v["runs_s"])
+        md.append(f"| {t} | {v['median_s']:.3f} | {v['min_s']:.3f}-{v['max_s']:.3f} | {over} of {len(v['runs_s'])} | "
+                  f"{last['recorded_mttr_s']:.3f} ({last['mttr_from']}) | "
+                  f"{last['phases_s'].get('detect', 0):.3f} / {last['phases_s'].get('agree', 0):.3f} |")
     return md
 
 
@@ -190,6 +257,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--timeouts", default="0.5,1,2,4")
     ap.add_argument("--interval", type=float, default=0.1)
     ap.add_argument("--ticks", default="20,100,500")
+    ap.add_argument("--only", choices=["silent_host"], help="measure this path alone; update the stored results")
     args = ap.parse_args(argv)
     timeouts, ticks = _floats(args.timeouts, "--timeouts"), [int(q) for q in _floats(args.ticks, "--ticks")]
     if args.runs < 1 or args.interval <= 0:
@@ -201,6 +269,8 @@ def main(argv: list[str] | None = None) -> int:
     if any(q <= 0 for q in ticks):
         raise SystemExit(f"bench/elastic/detection.py: --ticks={args.ticks} must be positive milliseconds")
     began = time.perf_counter()
+    if args.only == "silent_host":
+        return _only_silent_host(args, timeouts, began)
     res = measure(args.runs, timeouts, args.interval, ticks)
     wall = time.perf_counter() - began
     import torch
@@ -211,6 +281,22 @@ def main(argv: list[str] | None = None) -> int:
     res["meta"] = meta
     write_results(RESULTS / "detection", res, markdown(res, meta))
     plot(res, RESULTS / "detection.png")
+    return 0
+
+
+def _only_silent_host(args, timeouts: list[float], began: float) -> int:
+    import json
+
+    import torch
+    path = RESULTS / "detection.json"
+    res = json.loads(path.read_text()) if path.exists() else {}
+    res["silent_host"] = silent_host_sweep(args.runs, timeouts, args.interval)
+    res["silent_host_meta"] = (
+        f"`python bench/elastic/detection.py --only silent_host --runs {args.runs} --timeouts {args.timeouts} "
+        f"--interval {args.interval}` on {date.today()}, {platform.machine()}, {os.cpu_count()} CPUs, torch "
+        f"{torch.__version__}, {time.perf_counter() - began:.0f} s.")
+    lines = markdown(res, res["meta"]) if "paths" in res else silent_markdown(res["silent_host"], res["silent_host_meta"])
+    write_results(RESULTS / "detection", res, lines)
     return 0
 
 

@@ -37,7 +37,7 @@ def any_reference(tmp_path_factory):
     return run_reference(tmp_path_factory.mktemp("ref"), ANY_STEPS, deterministic=True, num_micro_batches=MBS)
 
 
-@pytest.mark.parametrize("seed", [1, 3])  # bench/faults/chaos.py --any-instant runs fifty and more
+@pytest.mark.parametrize("seed", [1, pytest.param(3, marks=pytest.mark.slow)])  # bench/faults/chaos.py --any-instant runs fifty and more
 def test_signals_at_any_instant_end_equal_or_fall_back_loudly(tmp_path, any_reference, seed):
     """A thread outside the job SIGKILLs or SIGSTOPs workers at seeded instants (mid-collective,
     mid-snapshot, mid-recovery, mid-join: wherever they are); replacements join. The run must

@@ -8,6 +8,8 @@ import os
 import signal
 from collections import Counter
 
+import pytest
+
 from elaswave.data.prepare import prepare
 from tests.helpers.spawn import Running, job_args, run_cli, run_reference
 
@@ -40,6 +42,7 @@ def _counted(records: list[dict]) -> dict[int, list[dict]]:
     return counted
 
 
+@pytest.mark.slow  # the default run keeps a faster case of the same path; `pytest -m slow` runs it
 def test_one_epoch_reads_every_window_once_through_a_kill_a_join_and_a_resume(tmp_path):
     text = tmp_path / "corpus.txt"
     text.write_bytes(bytes(97 + (i * 7919 + i // 13) % 26 for i in range(WINDOWS * SEQ)))  # + EOD: N windows exactly

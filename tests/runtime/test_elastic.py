@@ -34,7 +34,8 @@ def _assert_same_run(res, reference):
     assert res.summary["state_sha256"] == reference.summary["state_sha256"]
 
 
-@pytest.mark.parametrize("phase", ["forward", "backward", "reduce", "optimizer", "snapshot"])
+@pytest.mark.parametrize("phase", ["forward", *(pytest.param(p, marks=pytest.mark.slow) for p in ("backward", "reduce", "optimizer")),
+                                   "snapshot"])
 def test_sigkill_in_each_phase_gives_the_same_run(tmp_path, reference, phase):
     res = _elastic(tmp_path, [f"kill:rank=2,step=12,phase={phase}"])
     _assert_same_run(res, reference)
@@ -63,6 +64,7 @@ def test_a_death_nobody_reports_is_shown_by_its_refused_port_not_by_a_timeout(tm
     assert rec["phases_s"]["agree"] < 2.0 and rec["mttr_s"] < 5.0, rec
 
 
+@pytest.mark.slow  # the default run keeps a faster case of the same path; `pytest -m slow` runs it
 def test_two_failures_at_different_steps_give_the_same_run(tmp_path, reference):
     # Rank 0 is the metrics writer and the second to die: rank 1 must take the writing over.
     res = _elastic(tmp_path, ["kill:rank=2,step=8,phase=reduce", "kill:rank=0,step=20,phase=optimizer"])

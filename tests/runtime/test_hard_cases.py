@@ -125,7 +125,8 @@ def test_no_plan_fits_after_a_loss_the_state_is_saved_and_a_restart_loses_nothin
     assert again.summary["params_sha256"] == reference.summary["params_sha256"]
 
 
-@pytest.mark.parametrize("fault", ["kill:rank=0,step=12,phase=snapshot", "stop:rank=0,step=12,phase=optimizer"])
+@pytest.mark.parametrize("fault", [pytest.param("kill:rank=0,step=12,phase=snapshot", marks=pytest.mark.slow),
+                                   "stop:rank=0,step=12,phase=optimizer"])
 def test_the_metrics_writer_lost_after_the_others_committed_a_step(tmp_path, reference, fault):
     # Rank 0 writes the metrics. Lost after step 12's exchange, it never writes step 11, which the
     # others committed in that exchange: the next writer writes it (found by the chaos runs).

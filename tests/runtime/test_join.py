@@ -1,6 +1,7 @@
 """Real ranks joining a running job: a replacement after a SIGKILL, extra capacity, and ranks from
 another shell with and without the job's token. Every run equals the failure-free reference bit
 for bit (deterministic mode)."""
+import pytest
 from tests.helpers.memory import limit_between
 from tests.helpers.spawn import Running, assert_same_run, job_args, reference_fixture, run_job
 
@@ -58,6 +59,7 @@ def test_a_replacement_joins_and_the_job_is_back_to_full_size(tmp_path, referenc
     assert state[4] == state[1] and state[2] == state[0]
 
 
+@pytest.mark.slow  # the default run keeps a faster case of the same path; `pytest -m slow` runs it
 def test_extra_ranks_join_as_a_new_pipeline(tmp_path, reference):
     res = run_job(tmp_path, 2, 2, STEPS, True, extra=[*EXTRA, "elastic.inject=join:step=2,count=2"])
     _assert_same_run(res, reference)
@@ -89,6 +91,7 @@ def test_only_a_rank_with_the_jobs_token_is_admitted(tmp_path, reference):
     assert res.summary["ranks"] == [0, 1, 2, 3, friend_rank]
 
 
+@pytest.mark.slow  # the default run keeps a faster case of the same path; `pytest -m slow` runs it
 def test_survivors_that_cannot_hold_the_model_stand_by_until_a_replacement_joins(tmp_path, reference):
     # A limit between what a stage of two needs and what the whole model on one rank needs: rank 0
     # cannot take pipeline 0 alone. (With detours on, the planner may send its micro-batches through

@@ -38,6 +38,7 @@ def test_tied_llama_survives_the_loss_of_a_first_or_last_stage(tmp_path, referen
 JOIN_STEPS = 150  # a replacement is a new process: seconds of start-up before it can join
 
 
+@pytest.mark.slow  # the default run keeps a faster case of the same path; `pytest -m slow` runs it
 def test_tied_llama_replacement_joins_and_gives_the_same_run(tmp_path):
     reference = run_reference(tmp_path, JOIN_STEPS, deterministic=True, num_micro_batches=MBS, extra=LLAMA)
     res = run_job(tmp_path, 2, 2, JOIN_STEPS, True, extra=[*LLAMA, "elastic.inject=kill:rank=1,step=2,phase=backward"],

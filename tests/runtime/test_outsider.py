@@ -9,8 +9,11 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from tests.helpers.spawn import Running, job_args
-from tests.runtime.test_elastic import DP, EXTRA, STEPS, _assert_same_run, _recoveries, reference  # noqa: F401
+from tests.helpers.spawn import Running, assert_same_run, job_args, reference_fixture
+
+STEPS, DP, MBS = 30, 4, 12
+EXTRA = [f"train.num_micro_batches={MBS}", "parallel.timeout_s=60"]
+reference = reference_fixture(STEPS, MBS)
 
 
 def _forge(addr: str, own: dist.TCPStore) -> int:
@@ -33,7 +36,7 @@ def _forge(addr: str, own: dist.TCPStore) -> int:
     return rank
 
 
-def test_an_outsider_without_the_token_cannot_evict_redirect_or_join(tmp_path, reference):  # noqa: F811
+def test_an_outsider_without_the_token_cannot_evict_redirect_or_join(tmp_path, reference):
     own = dist.TCPStore("127.0.0.1", 0, world_size=None, is_master=True, wait_for_workers=False)
     args = job_args(DP, 1, STEPS, True, [*EXTRA, "elastic.inject=kill:rank=2,step=16,phase=backward"])
     with Running(args, tmp_path / "run.jsonl") as job:
@@ -42,8 +45,8 @@ def test_an_outsider_without_the_token_cannot_evict_redirect_or_join(tmp_path, r
         outsider_rank = _forge(addr, own)
         res = job.finish(240)
     assert res.returncode == 0, res.stderr
-    _assert_same_run(res, reference)
-    (rec,) = _recoveries(res)
+    assert_same_run(res, reference, STEPS)
+    (rec,) = [r for r in res.records if r["event"] == "recovery"]
     assert rec["lost_ranks"] == [2] and rec["epoch"] == 1, rec
     assert res.summary["ranks"] == [0, 1, 3]
     assert not [r for r in res.records if r["event"] in ("join", "grow")]

@@ -50,7 +50,8 @@ def test_bf16_survives_a_kill_bit_identical(tmp_path, reference, dp, pp, fault):
 JOIN_STEPS = 150  # a replacement is a new process: seconds of start-up before it can join
 
 
-@pytest.mark.parametrize("dp,pp,victim", [(2, 2, 1), pytest.param(1, 3, 2, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("dp,pp,victim", [pytest.param(2, 2, 1, marks=pytest.mark.slow),
+                                          pytest.param(1, 3, 2, marks=pytest.mark.slow)])
 def test_bf16_replacement_joins_and_gives_the_same_run(tmp_path, dp, pp, victim):
     reference = run_reference(tmp_path, JOIN_STEPS, deterministic=True, num_micro_batches=MBS, extra=BF16)
     res = run_job(tmp_path, dp, pp, JOIN_STEPS, True,
