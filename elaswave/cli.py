@@ -363,12 +363,20 @@ def main(argv: list[str] | None = None) -> int:
     sim.set_defaults(func=sim_run.run)
     args = ap.parse_args(argv)
     try:
-        return args.func(args)
+        code = args.func(args)
     except ConfigError as exc:
         print_error(str(exc))
-        return 2
+        code = 2
     except KeyboardInterrupt:
-        return 130
+        code = 130
+    if args.command == "run":
+        # An agent's helper threads may still sit in torch's C++ store calls (a connect to a frozen or
+        # silent store): finalizing the interpreter under them aborted the process (SIGABRT, -6)
+        # and lost the exit code. The workers end the same way (elaswave.runtime.worker).
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code
 
 
 if __name__ == "__main__":

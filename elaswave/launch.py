@@ -30,7 +30,7 @@ from elaswave.comm.backend import connect_store
 from elaswave.control import agents, failover, rendezvous, seal
 from elaswave.control.admission import JOIN_ENV, SPARE_ENV, STARTED_ENV, TOKEN_ENV, job_token, new_token, promote, Admission
 from elaswave.control.agents import NODE_RANK_ENV, NODES_ENV, AgentRefused, Node
-from elaswave.control.link import EXIT_STORE_LOST, StoreLink, StoreLost
+from elaswave.control.link import EXIT_EXCLUDED, EXIT_STORE_LOST, StoreLink, StoreLost
 from elaswave.control.liveness import Prober
 from elaswave.control.membership import PREFIX, Membership
 
@@ -370,6 +370,11 @@ def _after_store_lost(cfg: JobConfig, workers: _Workers, lost: StoreLost) -> int
     deadline = time.monotonic() + cfg.parallel.timeout_s + cfg.elastic.heartbeat_timeout_s
     while any(p.poll() is None for p in workers.all()) and time.monotonic() < deadline:
         time.sleep(0.05)
+    codes = [p.poll() for p in workers.all()]
+    if EXIT_EXCLUDED in codes and EXIT_STORE_LOST not in codes:
+        # The store lives on; this host was away (paused past its links' grace) and the job went
+        # on without its workers: say that, not that the store was lost.
+        return EXIT_EXCLUDED
     return EXIT_STORE_LOST
 
 

@@ -39,6 +39,9 @@ then: FACTS.md), and a false "lost" moves the store for nothing."""
 
 EXIT_STORE_LOST = 4
 """A worker's exit code when it stopped because the control store was gone (having saved its state)."""
+EXIT_EXCLUDED = 3
+"""A worker's exit code when the job went on without it (left out of an epoch, or paused past the
+heartbeat timeout and continued): it writes nothing."""
 
 
 class StoreLost(ConnectionError):

@@ -26,7 +26,7 @@ from elaswave.errors import ConfigError
 from elaswave.control.admission import JOIN_ENV, Refused
 from elaswave.control.agents import NODE_RANK_ENV, NODES_ENV
 from elaswave.control import failover, rendezvous
-from elaswave.control.link import EXIT_STORE_LOST, StoreLink, StoreLost
+from elaswave.control.link import EXIT_EXCLUDED, EXIT_STORE_LOST, StoreLink, StoreLost
 from elaswave.interrupt import Disruption
 from elaswave.model.contract import counted_numels, tie_pairs
 from elaswave.pipeline.stage import Stage
@@ -45,7 +45,6 @@ from elaswave.runtime.straggler import REBALANCE
 from elaswave.zero import digest
 from elaswave.zero.flat import params_sha256
 
-EXIT_EXCLUDED = 3
 
 
 def _connect(cfg: JobConfig, rank: int, world_size: int) -> tuple[StoreLink, int, int]:
