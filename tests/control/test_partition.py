@@ -2,7 +2,6 @@
 decision through a real TCPStore."""
 import json
 import socket
-import threading
 import time
 from datetime import timedelta
 
@@ -10,6 +9,7 @@ import torch.distributed as dist
 
 from elaswave.control import partition
 from elaswave.control.liveness import Prober, probe_all
+from tests.helpers.threads import at_once
 from elaswave.control.membership import Membership, decide
 
 
@@ -69,17 +69,11 @@ def test_check_ins_carry_reachability_and_the_cut_is_recorded():
     clients = {r: Membership(dist.TCPStore("127.0.0.1", server.port, is_master=False,
                                            timeout=timedelta(seconds=10)), r) for r in range(4)}
     reports = {0: [3], 1: [], 2: [3], 3: [0, 1, 2]}
-    results = {}
-
     def run(r):
         clients[r].check_in_reporting(1, lambda: (time.sleep(0.3 * (r != 3)), reports[r])[1])
-        results[r] = clients[r].agree([0, 1, 2, 3], 1, agree_timeout_s=5.0, timeout_s=10.0)
+        return clients[r].agree([0, 1, 2, 3], 1, agree_timeout_s=5.0, timeout_s=10.0)
 
-    threads = [threading.Thread(target=run, args=(r,)) for r in clients]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(15)
+    results = at_once(run, clients)
     assert results == {r: (0, 1, 2) for r in range(4)}
     assert json.loads(server.get("ew/ep/1/members")) == [0, 1, 2]
     assert clients[0].cut_off(1) == {3: [0, 1, 2]}

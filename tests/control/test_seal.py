@@ -1,7 +1,6 @@
 """Sealed control records over a real TCPStore: what a process that reaches the store without the
 job's token can write, and what the job makes of it (nothing)."""
 import json
-import threading
 from datetime import timedelta
 
 import pytest
@@ -11,6 +10,7 @@ from elaswave.control import failover
 from elaswave.control.liveness import LivenessPort, Prober
 from elaswave.control.membership import Membership
 from elaswave.control.seal import Forged, Sealed, TokenMismatch, open_job, opened, seal
+from tests.helpers.threads import at_once
 
 TOKEN = "job-token"
 
@@ -82,17 +82,11 @@ def test_a_forged_decision_is_replaced_by_the_real_one_and_a_forged_epoch_count_
     outsider.add("ew/epoch", 5)
     clients = {r: Membership(_job(server), r) for r in range(4)}
     assert clients[0].members_of(1) is None and clients[0].current_epoch() == 0
-    results = {}
-
     def run(r):
         clients[r].check_in(1)
-        results[r] = clients[r].agree([0, 1, 2, 3], 1, agree_timeout_s=5.0, timeout_s=10.0)
+        return clients[r].agree([0, 1, 2, 3], 1, agree_timeout_s=5.0, timeout_s=10.0)
 
-    threads = [threading.Thread(target=run, args=(r,)) for r in clients]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(15)
+    results = at_once(run, clients)
     assert results == {r: (0, 1, 2, 3) for r in range(4)}
     assert Membership(job, -1).members_of(1) == (0, 1, 2, 3) and clients[1].current_epoch() == 1
     # A record the outsider keeps rewriting is an error, never a decision of its.
