@@ -34,6 +34,9 @@ from elaswave.control.link import EXIT_EXCLUDED, EXIT_STORE_LOST, StoreLink, Sto
 from elaswave.control.liveness import Prober
 from elaswave.control.membership import PREFIX, Membership
 
+STORE_POLL_S = 0.25
+"""How often an agent's watch reads the store (``ew/done``, the step for scheduled joins)."""
+
 
 def _stop(procs: list[subprocess.Popen], grace_s: float = 5.0) -> None:
     """SIGTERM every live worker, then SIGKILL what is still there after ``grace_s``."""
@@ -282,7 +285,7 @@ def _watch(cfg: JobConfig, workers: _Workers, store: dist.TCPStore, membership: 
            timeout_s: float | None, done_grace_s: float, watching: _Watching) -> int:
     deadline = None if timeout_s is None else watching.started + timeout_s
     reported, joins, respawns = watching.reported, watching.joins, watching.respawns
-    done_at = None
+    done_at, asked_at = None, 0.0
     others = _OtherHosts(store, workers) if workers.node.is_multi_host and workers.node.node_rank == 0 else None
     while True:
         if watching.directory is not None and cfg.elastic.enabled:
@@ -314,10 +317,16 @@ def _watch(cfg: JobConfig, workers: _Workers, store: dist.TCPStore, membership: 
                 print(f"elaswave: spare rank {spare} replaces rank {rank}", file=sys.stderr, flush=True)
             elif cfg.elastic.respawn_after_s >= 0 and done_at is None:
                 respawns.append(time.monotonic() + cfg.elastic.respawn_after_s)
-        if done_at is None and store.check([PREFIX + "done"]):
+        # The children are polled every loop (a death is reported at once); the store only every
+        # STORE_POLL_S: on etcd each read is a request through the cluster's leader, and at the
+        # loop's pace the agent alone kept the members busier than the whole job's control plane.
+        asks = time.monotonic() - asked_at >= STORE_POLL_S or all(c is not None for c in codes.values())
+        if asks:
+            asked_at = time.monotonic()
+        if asks and done_at is None and store.check([PREFIX + "done"]):
             done_at, watching.done = time.monotonic(), True
         if done_at is None:
-            _start_joiners(workers, joins, respawns, membership)
+            _start_joiners(workers, joins if asks else [], respawns, membership)
         if all(c is not None for c in codes.values()) and not (done_at is None and others and others.training()):
             if done_at is not None or all(c == 0 for c in codes.values()):
                 return 0

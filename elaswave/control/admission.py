@@ -22,6 +22,7 @@ import sys
 import time
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Callable
 
 import torch.distributed as dist
 
@@ -34,6 +35,9 @@ STARTED_ENV = "ELASWAVE_STARTED"
 """Wall time at which the launcher started a joining process (its start-up is part of a join's time)."""
 SPARE_ENV = "ELASWAVE_SPARE"
 """Set (to 1) in a warm spare: a joiner that stands by, started up, until its agent promotes it."""
+REQUEST_GAP_S = 10.0
+"""How long a drawn request number may stay without its request before the leader passes over it
+(its writer died in between)."""
 
 
 def promote(store: dist.Store, rank: int) -> None:
@@ -79,6 +83,11 @@ class Admission:
         self.requests: dict[int, Request] = {}
         self.refused: set[int] = set()
         self.admitted_at: dict[int, float] = {}
+        self.counted: Callable[[], int | None] | None = None
+        """The number of join requests as a watch stream last saw it (on etcd,
+        :class:`~elaswave.control.leases.Lease`), so that the leader's check in every step reads
+        the store only when there is something new; None: read the counter."""
+        self._gap_since: dict[int, float] = {}
 
     # -- the joiner's side -------------------------------------------------------------------
     def stand_by(self, poll_s: float = 0.5) -> float | None:
@@ -129,14 +138,22 @@ class Admission:
     # -- the leader's side -------------------------------------------------------------------
     def pending(self, members: tuple[int, ...]) -> list[Request]:
         """Requests not yet answered for good: not refused, and not members already."""
-        count = self.store.add(PREFIX + "join_seq", 0)
+        count = self.counted() if self.counted is not None else None
+        if count is None:
+            count = self.store.add(PREFIX + "join_seq", 0)
         while self.seen < count:
-            self.seen += 1
-            raw = self.store.read(f"{PREFIX}join/{self.seen}")
-            if raw is None:  # forged (or its writer died between the number and the request)
-                if self.store.check([f"{PREFIX}join/{self.seen}"]):
-                    print(f"elaswave: join request {self.seen} is not sealed with the job's token: not answered",
-                          file=sys.stderr, flush=True)
+            n = self.seen + 1
+            if not self.store.check([f"{PREFIX}join/{n}"]):
+                # Its writer drew the number and has not written the request yet -- or died in between.
+                if time.monotonic() - self._gap_since.setdefault(n, time.monotonic()) < REQUEST_GAP_S:
+                    break
+                self.seen = n
+                continue
+            self.seen = n
+            raw = self.store.read(f"{PREFIX}join/{n}")
+            if raw is None:  # forged
+                print(f"elaswave: join request {n} is not sealed with the job's token: not answered",
+                      file=sys.stderr, flush=True)
                 continue
             doc = json.loads(raw)
             self.requests[doc["rank"]] = Request(doc["rank"], doc["started_wall"], doc["requested_wall"])

@@ -151,16 +151,24 @@ class EtcdStore(dist.Store):
         self._call("/v3/kv/put", {"key": self._key(key), "value": _b64(value)})
 
     def get(self, key: str) -> bytes:
-        self.wait([key])
-        kvs = self._call("/v3/kv/range", {"key": self._key(key)}).get("kvs") or []
-        if not kvs:  # deleted between the wait and the read
-            return self.get(key)
-        return _unb64(kvs[0].get("value", ""))
+        while True:  # one request when the key is there (the usual case); else wait for it
+            kvs = self._call("/v3/kv/range", {"key": self._key(key)}).get("kvs") or []
+            if kvs:
+                return _unb64(kvs[0].get("value", ""))
+            self.wait([key])
 
     def multi_get(self, keys: list[str]) -> list[bytes]:
-        self.wait(keys)
-        found = self._ranges(keys)
-        return [found[k] for k in keys]
+        while True:
+            found = self._ranges(keys)
+            if len(found) == len(set(keys)):
+                return [found[k] for k in keys]
+            self.wait(keys)
+
+    def present(self, keys: list[str]) -> dict[str, bytes]:
+        """Those of ``keys`` that exist, with their values, in one request (a TCPStore needs a
+        ``check`` per key and a ``multi_get``: :class:`~elaswave.control.seal.Sealed` uses this
+        where the store has it)."""
+        return self._ranges(keys)
 
     def check(self, keys: list[str]) -> bool:
         found = self._ranges(keys)
@@ -220,6 +228,92 @@ class EtcdStore(dist.Store):
                 raise dist.DistStoreError(f"wait timeout after {(timeout or self._timeout).total_seconds():g} s "
                                           f"for keys {missing} in etcd")
             self._watch_for(missing[0], revision + 1, left)
+
+    # -- leases and followed prefixes: liveness on etcd (elaswave.control.leases) -------------------
+    def grant(self, ttl_s: int) -> tuple[int, int]:
+        """A new lease: (its ID, the TTL granted -- etcd raises one below its minimum, ~1.5x the
+        election timeout)."""
+        out = self._call("/v3/lease/grant", {"TTL": str(int(ttl_s))})
+        return int(out["ID"]), int(out["TTL"])
+
+    def put_leased(self, key: str, value, lease: int | None) -> None:
+        """``set`` bound to ``lease``: etcd deletes the key when the lease expires (None: unbound)."""
+        body = {"key": self._key(key), "value": _b64(value)}
+        if lease is not None:
+            body["lease"] = str(lease)
+        self._call("/v3/kv/put", body)
+
+    def keep_alive(self, lease: int) -> int:
+        """Renew ``lease``; the TTL it has again, 0 when it had expired already."""
+        return int(self._call("/v3/lease/keepalive", {"ID": str(lease)}).get("result", {}).get("TTL", 0))
+
+    def lease_left(self, lease: int) -> int:
+        """Seconds ``lease`` has left; -1 once it expired (or was revoked)."""
+        return int(self._call("/v3/lease/timetolive", {"ID": str(lease)}).get("TTL", -1))
+
+    def revoke(self, lease: int) -> None:
+        self._call("/v3/lease/revoke", {"ID": str(lease)})
+
+    def follow(self, prefix: str, on_event, halt: threading.Event) -> threading.Thread:
+        """A daemon thread calling ``on_event(kind, key, value, prev)`` for every change under
+        ``prefix`` from now on (``kind`` PUT or DELETE; ``key`` without the job's prefix; ``prev``
+        the etcd record before the change, with its ``lease``), until ``halt`` is set. One watch
+        stream; one that breaks or stays quiet for ``request_timeout_s`` (a frozen member sends
+        nothing either) is resumed on the next member from the revision after the last event
+        seen: nothing is missed, nothing is seen twice."""
+        resume = [self._prefix_revision(prefix)]
+
+        def run() -> None:
+            at = self._at
+            while not halt.is_set():
+                host, port = self.endpoints[at]
+                try:
+                    self._stream(host, port, prefix, resume, on_event, halt)
+                except (OSError, http.client.HTTPException, json.JSONDecodeError, ValueError):
+                    at = (at + 1) % len(self.endpoints)
+        thread = threading.Thread(target=run, name=f"etcd-follow-{prefix}", daemon=True)
+        thread.start()
+        return thread
+
+    def _prefix_revision(self, prefix: str) -> int:
+        start = (self.prefix + prefix).encode()
+        out = self._call("/v3/kv/range", {"key": _b64(start), "range_end": _b64(_prefix_end(start)), "count_only": True})
+        return int(out["header"]["revision"]) + 1
+
+    def _stream(self, host: str, port: int, prefix: str, resume: list[int], on_event, halt: threading.Event) -> None:
+        """One watch stream from revision ``resume[0]``, which it moves past each event handled."""
+        key = (self.prefix + prefix).encode()
+        # A timeout leaves http.client's chunked reader in an undefined state: the stream ends there.
+        conn = self._connection(host, port, self.request_timeout_s)
+        try:
+            with self._lock:
+                headers = self._headers()
+            conn.request("POST", "/v3/watch", json.dumps({"create_request": {
+                "key": _b64(key), "range_end": _b64(_prefix_end(key)), "start_revision": str(resume[0]),
+                "prev_kv": True}}), headers)
+            resp = conn.getresponse()
+            if resp.status != 200:
+                raise OSError(f"watch refused: {resp.status}")
+            while not halt.is_set():
+                line = resp.readline()
+                if not line:
+                    raise OSError("the member closed the watch stream")
+                doc = json.loads(line)
+                result = doc.get("result", {})
+                if result.get("canceled") or "error" in doc:
+                    raise OSError(f"the watch ended: {line[:200]!r}")
+                since = resume[0]  # (one revision's events, a transaction's, come in one response)
+                for event in result.get("events", []):
+                    kv = event.get("kv", {})
+                    revision = int(kv.get("mod_revision", 0))
+                    if revision < since:
+                        continue
+                    name = _unb64(kv.get("key", "")).decode()[len(self.prefix):]
+                    on_event(event.get("type", "PUT"), name, _unb64(kv["value"]) if "value" in kv else None,
+                             event.get("prev_kv"))
+                    resume[0] = max(resume[0], revision + 1)
+        finally:
+            conn.close()
 
     # -- etcd ---------------------------------------------------------------------------------------
     def _key(self, key: str) -> str:

@@ -22,6 +22,7 @@ from typing import Callable
 
 import torch.distributed as dist
 
+from elaswave.control import leases
 from elaswave.control.link import StoreLost
 from elaswave.control.membership import PREFIX, WATCHERS, Membership, is_stale
 from elaswave.interrupt import Interrupt
@@ -37,12 +38,16 @@ class Watcher(threading.Thread):
         self.store, self.rank, self.view = store, rank, view
         self.interrupt, self.interval_s, self.timeout_s = interrupt, interval_s, timeout_s
         self._halt = threading.Event()
+        self.lease = leases.Lease(store, rank, timeout_s) if leases.supported(store) else None
+        """On etcd: this rank's lease, and the deaths its expiry proves (:mod:`~elaswave.control.leases`)."""
         self.seen_alerts = self.membership.alert_count()
         self.noticed_at: dict[int, float] = {}
         """epoch -> wall time (time.time()) at which this watcher learnt the epoch was broken."""
 
     def stop(self) -> None:
         self._halt.set()
+        if self.lease is not None:
+            self.lease.close()
 
     def run(self) -> None:
         watched: tuple[int, ...] | None = None
@@ -60,11 +65,14 @@ class Watcher(threading.Thread):
                 watched, lost_at, sent_ms = None, None, 0
                 suspected_in.clear()
             try:
-                if sent_ms == 0:
-                    self.membership.stamp(f"hb0/{self.rank}", began_wall)
-                beat_ms = max(sent_ms + 1, int(1000 * (time.monotonic() - began)))
-                self.store.add(f"{PREFIX}hb/{self.rank}", beat_ms - sent_ms)
-                sent_ms = beat_ms
+                if self.lease is not None:
+                    self.lease.beat()
+                else:
+                    if sent_ms == 0:
+                        self.membership.stamp(f"hb0/{self.rank}", began_wall)
+                    beat_ms = max(sent_ms + 1, int(1000 * (time.monotonic() - began)))
+                    self.store.add(f"{PREFIX}hb/{self.rank}", beat_ms - sent_ms)
+                    sent_ms = beat_ms
                 epoch, members = self.view()
                 if members != ring_of:  # who watches whom changes with the members alone
                     hosts.update(self.membership.hosts([r for r in members if r not in hosts]))
@@ -74,7 +82,11 @@ class Watcher(threading.Thread):
                     seen = {r: seen.get(r, (None, time.monotonic())) for r in targets}
                 if self.prober is not None:  # so that their refusal proves their death later (once reached, no more probes)
                     self.prober.learn(_following(members, self.rank, 2), self.store)
-                for target in targets:
+                if self.lease is not None:
+                    for target, last_wall, ttl_s in self.lease.expired():
+                        if target in targets:  # its watchers speak for it
+                            self.membership.lease_expired(epoch, target, last_wall, ttl_s)
+                for target in targets if self.lease is None else ():
                     # The clock is read before the counter: a watcher starved between the two (a GC
                     # pause, a loaded host) must not count its own absence as the neighbour's.
                     now = time.monotonic()
@@ -123,10 +135,14 @@ class Watcher(threading.Thread):
 
     def _wait_for_alert(self, epoch: int) -> None:
         key = f"{PREFIX}alert/{self.seen_alerts + 1}"
-        try:
-            self.store.wait([key], timedelta(seconds=self.interval_s))
-        except Exception:  # timed out: no alert this interval
-            return
+        if self.lease is not None:  # on etcd the watch stream says when (no request per interval)
+            if not self.lease.alert_posted(self.seen_alerts + 1, self.interval_s):
+                return
+        else:
+            try:
+                self.store.wait([key], timedelta(seconds=self.interval_s))
+            except Exception:  # timed out: no alert this interval
+                return
         self.seen_alerts += 1
         alert = self.membership.read_alert(self.seen_alerts)
         if alert is None:  # forged: not the job's (elaswave.control.seal)

@@ -109,6 +109,8 @@ class Membership:
         """Tells whether a silent member is gone (:class:`~elaswave.control.liveness.Prober`); None: no probes."""
         self.requires_majority = requires_majority
         """A job on several hosts around one TCPStore: an agreement needs :func:`has_majority`."""
+        self._alerts: dict[tuple[int, int], Alert] = {}
+        """(the store's generation, n) -> alert n, as read there."""
         self.holds_store = True
         """Whether the store agreed on is the one the last epoch was agreed on (half of the members
         may decide there). False after this side elected a successor from a recovery, until the
@@ -133,13 +135,18 @@ class Membership:
         return self.store.add(PREFIX + "alert_seq", 0)
 
     def read_alert(self, n: int) -> Alert | None:
-        """Alert ``n``; None when it is absent or forged."""
+        """Alert ``n``; None when it is absent or forged. A genuine alert is never rewritten: read
+        once (an agreement rescans the alerts every poll; on etcd each read is a request)."""
+        key = (getattr(self.store, "generation", 0), n)
+        if key in self._alerts:
+            return self._alerts[key]
         raw = self.store.read(f"{PREFIX}alert/{n}")
         if raw is None:
             return None
         doc = json.loads(raw)
-        return Alert(doc["epoch"], doc["by"], doc["reason"], tuple(doc["ranks"]), doc.get("network", False),
-                     doc.get("watchers", 1))
+        self._alerts[key] = Alert(doc["epoch"], doc["by"], doc["reason"], tuple(doc["ranks"]),
+                                  doc.get("network", False), doc.get("watchers", 1))
+        return self._alerts[key]
 
     def network_in_question(self, epoch: int) -> bool:
         """Whether an alert of ``epoch`` was raised by a network symptom."""
@@ -344,9 +351,20 @@ class Membership:
         raw = self.store.read(PREFIX + key)
         return None if raw is None else float(raw)
 
+    def lease_expired(self, epoch: int, rank: int, last_wall: float, ttl_s: int) -> None:
+        """``rank``'s etcd lease expired (:mod:`~elaswave.control.leases`): a death proven by the
+        cluster's quorum, recorded with its last renewal (wall clock), and said to the members."""
+        self.store.compare_set(f"{PREFIX}dead/{rank}", "", f"its etcd lease expired: no renewal for {ttl_s} s")
+        self.store.compare_set(f"{PREFIX}renewed/{rank}", "", repr(last_wall))
+        self.alert(epoch, f"rank {rank}'s etcd lease expired (no renewal for {ttl_s} s)", [rank])
+
     def last_beat_wall(self, rank: int) -> float | None:
         """When ``rank``'s last heartbeat was sent (wall clock), or None if it never beat here (see
-        :mod:`~elaswave.control.heartbeat`: its counter is milliseconds since its watcher started)."""
+        :mod:`~elaswave.control.heartbeat`: its counter is milliseconds since its watcher started);
+        on etcd, its lease's last renewal."""
+        renewed = self.read_stamp(f"renewed/{rank}")
+        if renewed is not None:
+            return renewed
         began = self.read_stamp(f"hb0/{rank}")
         if began is None or not self.store.check([f"{PREFIX}hb/{rank}"]):
             return None

@@ -120,13 +120,17 @@ class Sealed:
 
     def read(self, name: str) -> bytes | None:
         """The record's value, or None when it is absent or forged."""
-        return self._open(name, self.raw.get(name)) if self.raw.check([name]) else None
+        return self.genuine([name]).get(name)
 
     def genuine(self, names: list[str]) -> dict[str, bytes]:
-        """Of ``names``, the records present and sealed, with their values (one multi_get)."""
-        present = [n for n in names if self.raw.check([n])]
-        values = self.raw.multi_get(present) if present else []
-        return {n: v for n, raw in zip(present, values) if (v := self._open(n, raw)) is not None}
+        """Of ``names``, the records present and sealed, with their values (on etcd one request;
+        on a TCPStore a check per name and one multi_get)."""
+        try:
+            found = self.raw.present(names)
+        except AttributeError:  # a TCPStore
+            present = [n for n in names if self.raw.check([n])]
+            found = dict(zip(present, self.raw.multi_get(present) if present else []))
+        return {n: v for n, raw in found.items() if (v := self._open(n, raw)) is not None}
 
     def compare_set(self, name: str, expected, desired) -> bytes:
         """As the store's, for a record that must be claimed once (``expected`` empty): returns

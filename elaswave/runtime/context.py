@@ -94,6 +94,9 @@ class Context:
         # The watcher has its own store connection: its blocking waits must never stall training.
         self.watcher = Watcher(store.separate(), rank, self._view, self.interrupt,
                                e.heartbeat_interval_s, e.heartbeat_timeout_s, self.prober) if e.enabled else None
+        if self.watcher is not None and self.watcher.lease is not None:
+            lease = self.watcher.lease
+            self.admission.counted = lambda: lease.counts[seal.PREFIX + "join_seq"]
         self._sampler = None
         self.evaluation = Evaluation(cfg, self.model)
 

@@ -2,6 +2,8 @@
 workers, a real 3-member cluster, real SIGKILLs. Losing a rank and an etcd member leaves the run
 bit-identical to the reference; losing the etcd majority stops every rank after it saved its part
 (no side can decide alone); bad rendezvous input is one line."""
+import os
+import signal
 import time
 
 import pytest
@@ -11,8 +13,8 @@ from elaswave.runtime.metrics import read_jsonl
 from tests.helpers import netns
 from tests.helpers.certs import Authority
 from tests.helpers.etcd import EtcdCluster
-from tests.helpers.spawn import (Running, assert_same_run, fault_mid_run, free_port, job_args, reference_fixture,
-                                 run_cli)
+from tests.helpers.spawn import (Running, assert_same_run, children, fault_mid_run, free_port, job_args, rank_of,
+                                 reference_fixture, run_cli)
 
 STEPS, MBS = 16, 4
 EXTRA = [f"train.num_micro_batches={MBS}", "parallel.timeout_s=60"]
@@ -34,6 +36,29 @@ def test_a_job_on_etcd_loses_a_rank_and_an_etcd_member_and_stays_the_same_run(tm
     assert_same_run(res, reference, STEPS)
     (rec,) = [r for r in res.records if r["event"] == "recovery"]
     assert rec["lost_ranks"] == [3]
+
+
+def test_a_rank_frozen_on_etcd_is_left_out_when_its_lease_expires(tmp_path, reference):
+    """A rank SIGSTOPped from outside: nobody reports it, its lease runs out, the cluster deletes
+    its key, its watchers prove the expiry and record the death; the MTTR runs from its last
+    renewal (the expiry less the TTL), and the run stays bit-identical."""
+    timeout_s = 2.0
+    with EtcdCluster(3) as etcd, Running(_etcd_job(etcd, [f"elastic.heartbeat_timeout_s={timeout_s}"]),
+                                          tmp_path / "run.jsonl") as job:
+        job.wait_for(r"step\s+5/", 240)
+        victim = next(p for p in children(job.proc.pid) if rank_of(p) == 2)
+        stopped = time.time()
+        os.kill(victim, signal.SIGSTOP)
+        res = job.finish(240)
+    assert res.returncode == 0, res.stderr
+    assert_same_run(res, reference, STEPS)
+    (rec,) = [r for r in res.records if r["event"] == "recovery"]
+    assert rec["lost_ranks"] == [2] and rec["mttr_from"] == "last_heartbeat", rec
+    assert "etcd lease expired" in rec["evidence"]["2"], rec["evidence"]
+    # Renewed every TTL/4 until the stop: the last renewal is at most that before it (and the
+    # leader's expiry check, every 0.5 s, makes the estimate late by up to that).
+    began = min(r["wall_time"] for r in res.steps if r["step"] == rec["resume_step"]) - rec["mttr_s"]
+    assert stopped - timeout_s / 4 - 0.3 <= began <= stopped + 0.8, (began - stopped, rec)
 
 
 def test_a_job_whose_etcd_loses_its_majority_saves_and_stops(tmp_path):

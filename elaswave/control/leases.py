@@ -1,0 +1,139 @@
+"""Liveness on etcd: each rank holds a lease, and a lease that expires is a death proven by quorum.
+
+On the embedded TCPStore a rank shows it lives by adding to a counter that two watchers poll
+(:mod:`~elaswave.control.heartbeat`). On etcd that would be a Raft-committed write per beat and a
+linearizable read per watcher and beat -- measured, the control plane's requests then cost the job
+more than its collectives' waits. Here instead a rank's watcher thread grants one lease with a TTL
+of ``elastic.heartbeat_timeout_s`` (rounded up to whole seconds, and raised by etcd to its minimum),
+puts ``ew/alive/<rank>`` bound to it, and renews it a few times per TTL. A renewal is answered by
+the leader alone, no log entry.
+
+Every rank follows the ``ew/alive/`` prefix on one watch stream. When a rank stops renewing
+(killed, SIGSTOPped, its host silent or cut off from the etcd majority) the leader expires its
+lease and deletes the key; every follower sees the deletion, asks the cluster whether the lease
+really expired (``timetolive`` says -1: not a key someone deleted), and the rank's watchers record
+the death (``ew/dead/<rank>``) with the time of its last renewal -- the expiry less the TTL, on the
+leader's clock -- from which the recovery times its MTTR. A watcher starved for seconds evicts
+nobody: the expiry is the leader's verdict, not the watcher's view.
+
+A rank that ends cleanly (or is left out and exits) puts its key back without the lease first,
+so its end is never taken for a death.
+"""
+from __future__ import annotations
+
+import base64
+import json
+import math
+import queue
+import threading
+import time
+
+from elaswave.control.seal import PREFIX, opened, seal
+
+ALIVE = PREFIX + "alive/"
+COUNTED = (PREFIX + "join_seq",)
+"""Counters the stream keeps: the leader's check for join requests in every step reads this, not the store."""
+RENEWALS_PER_TTL = 4
+"""Renewals per TTL: a lease expires only after about three renewals in a row were missed."""
+
+
+def supported(store) -> bool:
+    """Whether ``store`` (through its links and seal) is on etcd, which grants leases."""
+    try:
+        return callable(getattr(store, "grant"))
+    except AttributeError:
+        return False
+
+
+class Lease:
+    """This rank's lease, and the deaths of others seen on the ``ew/alive/`` stream."""
+
+    def __init__(self, store, rank: int, timeout_s: float):
+        """``store``: the watcher's (sealed) link to the etcd store."""
+        self.store, self.rank = store, rank
+        self.ttl_s = max(1, math.ceil(timeout_s))
+        self.id: int | None = None
+        self.expired_own = False
+        """This rank's lease expired before it renewed it: the job holds it dead (it will be left out)."""
+        self.renewed_at = 0.0
+        self.alert_seen = 0
+        self.counts: dict[str, int | None] = {name: None for name in COUNTED}
+        """Counters as the stream last saw them (None: not yet known)."""
+        """The highest alert number whose record the stream has seen put."""
+        self._deletions: queue.SimpleQueue = queue.SimpleQueue()
+        self._changed = threading.Condition()
+        self._halt = threading.Event()
+        self._follower: threading.Thread | None = None
+        self.follow()
+
+    # -- this rank's lease ----------------------------------------------------------------------
+    def follow(self) -> None:
+        """Start following the job's records (before the watcher reads how many alerts there are:
+        every alert numbered after that is then seen put)."""
+        self._follower = self.store.clone().follow(PREFIX, self._on_event, self._halt)
+        for name in self.counts:  # the counts before the stream began (a count only grows)
+            self.counts[name] = max(self.counts[name] or 0, int(self.store.add(name, 0)))
+
+    def beat(self) -> None:
+        """Grant the lease on the first call, renew it on later ones (a few times per TTL)."""
+        now = time.monotonic()
+        if self.expired_own or (self.id is not None and now - self.renewed_at < self.ttl_s / RENEWALS_PER_TTL):
+            return
+        if self.id is None:
+            self.id, self.ttl_s = self.store.grant(self.ttl_s)
+            self._put(json.dumps({"lease": self.id, "ttl_s": self.ttl_s}), self.id)
+        elif self.store.keep_alive(self.id) <= 0:
+            # Renewed too late (this process was stopped or starved past the TTL): it is dead to the job.
+            self.expired_own = True
+            return
+        self.renewed_at = now
+
+    def close(self) -> None:
+        """A clean end: the key stays (unbound), so the lease's end is no death; then stop following."""
+        self._halt.set()
+        if self.id is not None and not self.expired_own:
+            try:
+                self._put("ended", None)
+                self.store.revoke(self.id)
+            except Exception:  # noqa: BLE001 - the store is gone: the lease expires by itself
+                pass
+
+    def _put(self, value: str, lease: int | None) -> None:
+        name = f"{ALIVE}{self.rank}"
+        key = getattr(self.store, "key", None)
+        self.store.put_leased(name, seal(key, name, value) if key is not None else value, lease)
+
+    # -- the others ---------------------------------------------------------------------------------
+    def _on_event(self, kind: str, name: str, value: bytes | None, prev: dict | None) -> None:
+        if kind == "DELETE" and name.startswith(ALIVE) and name[len(ALIVE):].isdigit() and prev and "lease" in prev:
+            self._deletions.put((int(name[len(ALIVE):]), int(prev["lease"]), prev.get("value"), time.time()))
+        elif kind == "PUT" and name in self.counts and value is not None and value.isdigit():
+            self.counts[name] = max(self.counts[name] or 0, int(value))
+        elif kind == "PUT" and name.startswith(PREFIX + "alert/"):
+            with self._changed:
+                number = name.rsplit("/", 1)[1]
+                self.alert_seen = max(self.alert_seen, int(number) if number.isdigit() else 0)
+                self._changed.notify_all()
+
+    def expired(self) -> list[tuple[int, float, int]]:
+        """The ranks whose lease expired since the last call: (rank, wall time of its last renewal, TTL)."""
+        out = []
+        while True:
+            try:
+                rank, lease, raw, seen_wall = self._deletions.get_nowait()
+            except queue.Empty:
+                return out
+            if not self._genuine(rank, raw) or self.store.lease_left(lease) >= 0:
+                continue  # not the job's record, or deleted by someone while its lease lives: no death
+            out.append((rank, seen_wall - self.ttl_s, self.ttl_s))
+
+    def _genuine(self, rank: int, raw_b64: str | None) -> bool:
+        key = getattr(self.store, "key", None)
+        if key is None:
+            return True
+        return raw_b64 is not None and opened(key, f"{ALIVE}{rank}", base64.b64decode(raw_b64)) is not None
+
+    def alert_posted(self, n: int, within_s: float) -> bool:
+        """Whether alert ``n`` (or a later one) was put, waiting up to ``within_s`` for it."""
+        with self._changed:
+            return self._changed.wait_for(lambda: self.alert_seen >= n, within_s)

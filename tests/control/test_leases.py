@@ -1,0 +1,134 @@
+"""Liveness on etcd (:mod:`elaswave.control.leases`) over a real 3-member cluster, the lease held by
+a real process: its SIGKILL and its SIGSTOP are deaths seen through the watch stream within the
+TTL and dated by its last renewal; a key deleted while its lease lives, a clean end and a watcher
+starved for 3 s are not deaths; a lease renewed too late is known to its holder as expired."""
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from elaswave.control import leases
+from elaswave.control.etcd import EtcdStore, parse_endpoints
+from elaswave.control.seal import PREFIX, Sealed
+from tests.helpers.etcd import EtcdCluster
+
+REPO = Path(__file__).resolve().parents[2]
+TIMEOUT_S = 2.0
+
+
+@pytest.fixture(scope="module")
+def etcd():
+    with EtcdCluster(3) as cluster:
+        yield cluster
+
+
+def _store(etcd, prefix: str) -> EtcdStore:
+    return EtcdStore(parse_endpoints(etcd.endpoints), prefix, 10.0)
+
+
+class Holder:
+    """A process holding rank ``rank``'s lease, renewing it as a watcher does (every 0.05 s)."""
+
+    def __init__(self, etcd, prefix: str, rank: int):
+        code = (f"import sys, time; sys.path.insert(0, {str(REPO)!r})\n"
+                "from elaswave.control.etcd import EtcdStore, parse_endpoints\n"
+                "from elaswave.control.leases import Lease\n"
+                f"lease = Lease(EtcdStore(parse_endpoints({etcd.endpoints!r}), {prefix!r}, 10.0), {rank}, {TIMEOUT_S})\n"
+                "lease.beat(); print('ready', flush=True)\n"
+                "while True:\n"
+                "    lease.beat()\n"
+                "    if lease.expired_own: print('expired', flush=True); break\n"
+                "    time.sleep(0.05)\n")
+        self.proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
+                                     start_new_session=True)
+        assert self.proc.stdout.readline().strip() == "ready"
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        for sig in (signal.SIGCONT, signal.SIGKILL):
+            try:
+                os.kill(self.proc.pid, sig)
+            except ProcessLookupError:
+                pass
+        self.proc.wait(10)
+
+
+def _deaths_within(lease: leases.Lease, within_s: float) -> list[tuple[int, float, int]]:
+    deadline, out = time.monotonic() + within_s, []
+    while time.monotonic() < deadline and not out:
+        out = lease.expired()
+        time.sleep(0.05)
+    return out
+
+
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSTOP])
+def test_a_holder_killed_or_frozen_is_a_death_dated_by_its_last_renewal(etcd, sig):
+    prefix = f"/t/lease-{sig.name}/"
+    watcher = leases.Lease(_store(etcd, prefix), 0, TIMEOUT_S)
+    with Holder(etcd, prefix, 5) as holder:
+        time.sleep(0.5)
+        assert watcher.expired() == []  # renewed: alive
+        struck = time.time()
+        os.kill(holder.proc.pid, sig)
+        deaths = _deaths_within(watcher, TIMEOUT_S + 2.0)
+        seen = time.time()
+        assert [d[0] for d in deaths] == [5]
+        (_, last_wall, ttl_s) = deaths[0]
+        assert ttl_s == TIMEOUT_S
+        # Expired a TTL after the last renewal (at most TTL/4 before the signal), seen within the
+        # leader's expiry check (every 0.5 s) after that.
+        assert TIMEOUT_S * 3 / 4 - 0.1 <= seen - struck <= TIMEOUT_S + 1.2, seen - struck
+        assert struck - TIMEOUT_S / 4 - 0.2 <= last_wall <= struck + 0.7, last_wall - struck
+        if sig == signal.SIGSTOP:  # continued: its next renewal finds the lease gone, and it knows it
+            os.kill(holder.proc.pid, signal.SIGCONT)
+            assert holder.proc.stdout.readline().strip() == "expired"
+    watcher.close()
+
+
+def test_a_deleted_key_a_clean_end_and_a_starved_watcher_are_no_deaths(etcd):
+    prefix = "/t/lease-none/"
+    store = _store(etcd, prefix)
+    watcher = leases.Lease(store, 0, TIMEOUT_S)
+    with Holder(etcd, prefix, 6):
+        time.sleep(0.3)
+        assert store.delete_key(f"{leases.ALIVE}6")  # someone deletes the key: its lease lives on
+        time.sleep(TIMEOUT_S + 1.0)  # and the watcher is starved meanwhile (reads nothing for 3 s)
+        assert watcher.expired() == []
+    ended = leases.Lease(_store(etcd, prefix), 7, TIMEOUT_S)
+    ended.beat()
+    ended.close()  # a clean end: the key stays, unbound, and the lease is revoked
+    assert _deaths_within(watcher, TIMEOUT_S + 1.5) == []
+    watcher.close()
+
+
+def test_a_forged_record_is_no_death_and_the_stream_counts_alerts_and_join_requests(etcd):
+    prefix = "/t/lease-sealed/"
+    key = b"k" * 32
+    watcher = leases.Lease(Sealed(_store(etcd, prefix), key), 0, TIMEOUT_S)
+    outsider = _store(etcd, prefix)
+    lease, _ = outsider.grant(2)
+    outsider.put_leased(f"{leases.ALIVE}3", "not sealed", lease)  # expires in 2 s, but was never the job's
+    job = Sealed(_store(etcd, prefix), key)
+    job.add(PREFIX + "join_seq", 2)
+    job.set(PREFIX + "alert/1", "{}")
+    assert watcher.alert_posted(1, 5.0)
+    deadline = time.monotonic() + 5
+    while watcher.counts[PREFIX + "join_seq"] != 2 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert watcher.counts[PREFIX + "join_seq"] == 2
+    assert _deaths_within(watcher, 4.0) == []
+    watcher.close()
+
+
+def test_on_a_tcpstore_nothing_is_leased():
+    import torch.distributed as dist
+    from datetime import timedelta
+    tcp = dist.TCPStore("127.0.0.1", 0, world_size=None, is_master=True, wait_for_workers=False,
+                        timeout=timedelta(seconds=5))
+    assert not leases.supported(Sealed(tcp, None))
