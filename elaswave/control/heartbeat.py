@@ -128,6 +128,8 @@ class Watcher(threading.Thread):
         now = time.monotonic()
         silent_since = silent_since or now
         if now - silent_since > self.timeout_s and (epoch, neighbour) not in suspected_in:
+            if self.lease is not None and not self.lease.renewing(neighbour):
+                return silent_since  # its lease runs out: the expiry will prove its death
             suspected_in.add((epoch, neighbour))
             self.membership.alert(epoch, f"rank {self.rank} cannot reach rank {neighbour}: its port has not "
                                          f"answered for {now - silent_since:.2f}s", network=True)

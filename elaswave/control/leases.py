@@ -28,7 +28,7 @@ import queue
 import threading
 import time
 
-from elaswave.control.seal import PREFIX, opened, seal
+from elaswave.control.seal import PREFIX, opened, seal, sealed
 
 ALIVE = PREFIX + "alive/"
 COUNTED = (PREFIX + "join_seq",)
@@ -132,6 +132,16 @@ class Lease:
         if key is None:
             return True
         return raw_b64 is not None and opened(key, f"{ALIVE}{rank}", base64.b64decode(raw_b64)) is not None
+
+    def renewing(self, rank: int) -> bool:
+        """Whether ``rank`` still renews its lease (at least half its TTL left): then a port of
+        its that stays silent is a network between us, not its death. A lease that runs out
+        instead will soon prove the death, which says more than this rank's silence (and spares
+        the check-ins' reachability probes). One request, on a silent port only."""
+        raw = sealed(self.store).read(f"{ALIVE}{rank}")
+        if raw is None or not raw.startswith(b"{"):  # expired already, or ended
+            return False
+        return self.store.lease_left(int(json.loads(raw)["lease"])) * 2 >= self.ttl_s
 
     def alert_posted(self, n: int, within_s: float) -> bool:
         """Whether alert ``n`` (or a later one) was put, waiting up to ``within_s`` for it."""

@@ -91,6 +91,21 @@ def test_a_holder_killed_or_frozen_is_a_death_dated_by_its_last_renewal(etcd, si
     watcher.close()
 
 
+def test_a_holder_renewing_is_told_from_one_whose_lease_runs_out(etcd):
+    """What a watcher asks before it calls a silent port a network problem: a holder that renews
+    is (its port's silence is the network's); one frozen for 3/4 of the TTL is not (its expiry
+    will prove its death)."""
+    prefix = "/t/lease-renewing/"
+    watcher = leases.Lease(_store(etcd, prefix), 0, TIMEOUT_S)
+    with Holder(etcd, prefix, 4) as holder:
+        assert all(watcher.renewing(4) for _ in range(4) if not time.sleep(0.25))
+        os.kill(holder.proc.pid, signal.SIGSTOP)
+        time.sleep(TIMEOUT_S * 3 / 4)
+        assert not watcher.renewing(4)
+    assert not watcher.renewing(9)  # never held one
+    watcher.close()
+
+
 def test_a_deleted_key_a_clean_end_and_a_starved_watcher_are_no_deaths(etcd):
     prefix = "/t/lease-none/"
     store = _store(etcd, prefix)
