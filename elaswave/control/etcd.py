@@ -243,9 +243,11 @@ class EtcdStore(dist.Store):
             body["lease"] = str(lease)
         self._call("/v3/kv/put", body)
 
-    def keep_alive(self, lease: int) -> int:
-        """Renew ``lease``; the TTL it has again, 0 when it had expired already."""
-        return int(self._call("/v3/lease/keepalive", {"ID": str(lease)}).get("result", {}).get("TTL", 0))
+    def keep_alive(self, lease: int, timeout_s: float | None = None) -> int:
+        """Renew ``lease``; the TTL it has again, 0 when it had expired already. ``timeout_s``: how
+        long one member may take before the next is asked (a frozen member must not outlast the lease)."""
+        out = self._call("/v3/lease/keepalive", {"ID": str(lease)}, timeout_s)
+        return int(out.get("result", {}).get("TTL", 0))
 
     def lease_left(self, lease: int) -> int:
         """Seconds ``lease`` has left; -1 once it expired (or was revoked)."""
@@ -370,17 +372,17 @@ class EtcdStore(dist.Store):
         self._token = out["token"]
         return self._token
 
-    def _call(self, path: str, body: dict) -> dict:
+    def _call(self, path: str, body: dict, timeout_s: float | None = None) -> dict:
         with self._lock:
             try:
-                return self._post(path, body)
+                return self._post(path, body, timeout_s=timeout_s)
             except EtcdAuthError:
                 if self.credentials is None or self._token is None:
                     raise
                 self._token = None  # an expired token: once more with a new one
-                return self._post(path, body)
+                return self._post(path, body, timeout_s=timeout_s)
 
-    def _post(self, path: str, body: dict, auth: bool = True) -> dict:
+    def _post(self, path: str, body: dict, auth: bool = True, timeout_s: float | None = None) -> dict:
         """One request, to each endpoint in turn until one serves it; ``DistNetworkError`` when
         none does (no quorum reachable from here)."""
         errors = []
@@ -391,6 +393,10 @@ class EtcdStore(dist.Store):
             try:
                 if self._conn is None:
                     self._conn = self._connection(host, port, self.request_timeout_s)
+                # This request's deadline (a lease renewal's is shorter than the others').
+                self._conn.timeout = timeout_s or self.request_timeout_s
+                if self._conn.sock is not None:
+                    self._conn.sock.settimeout(self._conn.timeout)
                 headers = self._headers() if auth else {"Content-Type": "application/json"}
                 self._conn.request("POST", path, json.dumps(body), headers)
                 resp = self._conn.getresponse()

@@ -75,18 +75,30 @@ class Lease:
             self.counts[name] = max(self.counts[name] or 0, int(self.store.add(name, 0)))
 
     def beat(self) -> None:
-        """Grant the lease on the first call, renew it on later ones (a few times per TTL)."""
-        now = time.monotonic()
-        if self.expired_own or (self.id is not None and now - self.renewed_at < self.ttl_s / RENEWALS_PER_TTL):
+        """Grant the lease and start renewing it (on the first call)."""
+        if self.id is not None:
             return
-        if self.id is None:
-            self.id, self.ttl_s = self.store.grant(self.ttl_s)
-            self._put(json.dumps({"lease": self.id, "ttl_s": self.ttl_s}), self.id)
-        elif self.store.keep_alive(self.id) <= 0:
-            # Renewed too late (this process was stopped or starved past the TTL): it is dead to the job.
-            self.expired_own = True
-            return
-        self.renewed_at = now
+        self.id, self.ttl_s = self.store.grant(self.ttl_s)
+        self._put(json.dumps({"lease": self.id, "ttl_s": self.ttl_s}), self.id)
+        self.renewed_at = time.monotonic()
+        # A thread and a connection of its own: a renewal must never wait behind the watcher's
+        # other requests, nor behind a member that stopped answering (each member gets 1/8 TTL).
+        threading.Thread(target=self._renew, args=(self.store.clone(),), name=f"elaswave-lease-{self.rank}",
+                         daemon=True).start()
+
+    def _renew(self, store) -> None:
+        every_s = self.ttl_s / RENEWALS_PER_TTL
+        while not self._halt.wait(max(0.0, self.renewed_at + every_s - time.monotonic())):
+            try:
+                left = store.keep_alive(self.id, timeout_s=self.ttl_s / 8)
+            except Exception:  # noqa: BLE001 - no member answered: again at the next period
+                self.renewed_at = time.monotonic()
+                continue
+            if left <= 0:
+                # Renewed too late (this process was stopped or starved past the TTL): dead to the job.
+                self.expired_own = True
+                return
+            self.renewed_at = time.monotonic()
 
     def close(self) -> None:
         """A clean end: the key stays (unbound), so the lease's end is no death; then stop following."""
