@@ -81,9 +81,15 @@ class Lease:
         self.id, self.ttl_s = self.store.grant(self.ttl_s)
         self._put(json.dumps({"lease": self.id, "ttl_s": self.ttl_s}), self.id)
         self.renewed_at = time.monotonic()
-        # A thread and a connection of its own: a renewal must never wait behind the watcher's
-        # other requests, nor behind a member that stopped answering (each member gets 1/8 TTL).
-        threading.Thread(target=self._renew, args=(self.store.clone(),), name=f"elaswave-lease-{self.rank}",
+        # A thread and a link of its own: a renewal must never wait behind the watcher's other
+        # requests, nor behind a member that stopped answering (each member gets 1/8 TTL). Through
+        # a link sharing the process's verdict: renewals that fail past the grace declare the
+        # store lost -- in a steady job on etcd they may be the only requests a rank makes.
+        try:
+            renewer = self.store.separate()
+        except AttributeError:  # a bare store (no link): a connection of its own
+            renewer = self.store.clone()
+        threading.Thread(target=self._renew, args=(renewer,), name=f"elaswave-lease-{self.rank}",
                          daemon=True).start()
 
     def _renew(self, store) -> None:
