@@ -1,7 +1,7 @@
 """MTTR on every detection path, and MTTR against the detection timeout for elaswave and TorchFT.
 
     python bench/elastic/detection.py [--runs 5] [--timeouts 0.5,1,2,4] [--interval 0.1] [--ticks 20,100,500]
-                                      [--only silent_host]
+                                      [--only silent_host [--backend c10d|etcd]]
 
 A rank (replica) dies in the same job as ``bench/peers/peers.py`` (dp=3, GPT, dropout off, 12
 micro-batches; rank 2 in step 12), and MTTR runs from the fault to the end of the first step done
@@ -24,7 +24,9 @@ on the new membership. The paths:
   itself. MTTR from the cut (taken here) to the end of host 0's first step of the new epoch, at
   each heartbeat timeout; the recovery record's own ``mttr_s`` (from the last heartbeat seen:
   ``mttr_from``) beside it. Goal (issue 35): within the heartbeat timeout + 0.5 s. Needs root
-  (network namespaces); ``--only silent_host`` runs this path alone and updates the stored results.
+  (network namespaces); ``--only silent_host`` runs this path alone and updates the stored results;
+  ``--backend etcd`` runs it on a 3-member etcd cluster on host 0 (host 1's ranks are then shown
+  dead by their leases' expiry, :mod:`elaswave.control.leases`; etcd grants at least 2 s).
 - **TorchFT**: the real peer (``bench/peers/torchft_job.py``'s replicas, torchft-nightly), SIGKILL: the
   lighthouse's heartbeat timeout, then a quorum at its next tick.
 
@@ -36,6 +38,7 @@ median (and range) of ``--runs`` runs. Results: ``bench/results/detection.{json,
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import platform
 import statistics
@@ -50,6 +53,7 @@ from bench.common import RESULTS, run_job, write_results  # noqa: E402
 from bench.peers.torchft_job import JOB, KILL_RANK, KILL_STEP, torchft_run  # noqa: E402
 from elaswave.runtime.metrics import read_jsonl  # noqa: E402
 from tests.helpers import netns  # noqa: E402
+from tests.helpers.etcd import EtcdCluster  # noqa: E402
 from tests.helpers.spawn import TINY, Running, TorchrunNode, free_port  # noqa: E402
 
 STEPS = 16
@@ -99,22 +103,25 @@ def torchrun_host_mttr(timeout_s: float = 240) -> dict:
     return {"mttr_s": first["wall_time"] - killed_at, "phases_s": rec["phases_s"], "evidence": rec["evidence"]}
 
 
-def silent_host_mttr(timeout_s: float, interval_s: float, limit_s: float = 240) -> dict:
-    """Two agents; host 1 (a namespace) goes silent after step 8. MTTR from the cut."""
+def silent_host_mttr(timeout_s: float, interval_s: float, limit_s: float = 240, backend: str = "c10d") -> dict:
+    """Two agents; host 1 (a namespace) goes silent after step 8. MTTR from the cut. ``backend``
+    etcd: the control plane on a 3-member etcd cluster on host 0 (host 1's ranks' leases expire)."""
     sets = [*TINY, "parallel.dp=2", "parallel.pp=2", "train.steps=60", "train.num_micro_batches=4",
             "train.deterministic=true", "elastic.respawn_after_s=-1", "parallel.timeout_s=30",
             f"elastic.heartbeat_timeout_s={timeout_s}", f"elastic.heartbeat_interval_s={interval_s}"]
     env = {"ELASWAVE_TOKEN": "detection-bench", "TORCH_CPP_LOG_LEVEL": "ERROR"}
 
-    def agent(node_rank: int, bind: str, endpoint: str, metrics: Path, prefix=()) -> Running:
+    def agent(node_rank: int, bind: str, rdzv: list[str], metrics: Path, prefix=()) -> Running:
         args = ["run", *[x for s in [*sets, f"parallel.bind_address={bind}"] for x in ("--set", s)],
-                "--nnodes", "2", "--node-rank", str(node_rank), "--rdzv-endpoint", endpoint]
+                "--nnodes", "2", "--node-rank", str(node_rank), *rdzv]
         return Running(args, metrics, env=env, prefix=list(prefix))
 
-    with tempfile.TemporaryDirectory() as tmp, netns.OtherHost() as host:
-        endpoint = f"{host.here_store_ip}:{free_port()}"
-        with agent(0, host.here_peer_ip, endpoint, Path(tmp) / "m0.jsonl") as host0, \
-                agent(1, host.peer_ip, endpoint, Path(tmp) / "m1.jsonl", host.prefix()) as host1:
+    with tempfile.TemporaryDirectory() as tmp, netns.OtherHost() as host, \
+            (EtcdCluster(3, hosts=[host.here_store_ip] * 3) if backend == "etcd" else contextlib.nullcontext()) as etcd:
+        rdzv = (["--rdzv-backend", "etcd", "--rdzv-endpoint", etcd.endpoints] if etcd is not None else
+                ["--rdzv-endpoint", f"{host.here_store_ip}:{free_port()}"])
+        with agent(0, host.here_peer_ip, rdzv, Path(tmp) / "m0.jsonl") as host0, \
+                agent(1, host.peer_ip, rdzv, Path(tmp) / "m1.jsonl", host.prefix()) as host1:
             host0.wait_for(r"step\s+8/", limit_s)
             host.silence()
             cut_at = time.time()
@@ -128,13 +135,14 @@ def silent_host_mttr(timeout_s: float, interval_s: float, limit_s: float = 240) 
             "phases_s": rec["phases_s"], "evidence": rec["evidence"], "lost_ranks": rec["lost_ranks"]}
 
 
-def silent_host_sweep(runs: int, timeouts: list[float], interval_s: float) -> dict:
+def silent_host_sweep(runs: int, timeouts: list[float], interval_s: float, backend: str = "c10d") -> dict:
     """The silent host at each heartbeat timeout; empty, with the reason, where namespaces are unavailable."""
     reason = netns.unavailable()
     if reason:
         print(f"  silent host: skipped ({reason})", flush=True)
         return {"skipped": reason}
-    return {f"{t:g}": _repeat(runs, f"silent host, timeout {t:g} s", lambda: silent_host_mttr(t, interval_s))
+    return {f"{t:g}": _repeat(runs, f"silent host ({backend}), timeout {t:g} s",
+                              lambda: silent_host_mttr(t, interval_s, backend=backend))
             for t in timeouts}
 
 
@@ -224,13 +232,15 @@ def markdown(res: dict, meta: str) -> list[str]:
         md.append(f"| {t} | " + " | ".join(cells) + " |")
     md += ["", "**TorchFT's quorum tick** at a 1 s heartbeat:", "", "| quorum tick ms | MTTR s | range s |", "| --- | --- | --- |"]
     md += [f"| {q} | {v['median_s']:.3f} | {v['min_s']:.3f}-{v['max_s']:.3f} |" for q, v in res["quorum_tick_sweep_1s"].items()]
-    return md + silent_markdown(res.get("silent_host", {}), res.get("silent_host_meta"))
+    return (md + silent_markdown(res.get("silent_host", {}), res.get("silent_host_meta"))
+            + silent_markdown(res.get("silent_host_etcd", {}), res.get("silent_host_etcd_meta"), "on etcd"))
 
 
-def silent_markdown(silent: dict, meta: str | None) -> list[str]:
+def silent_markdown(silent: dict, meta: str | None, where: str = "") -> list[str]:
+    title = f"**A silent host{' ' + where if where else ''}**"
     if not silent or "skipped" in silent:
-        return ["", f"**A silent host**: not measured ({silent.get('skipped', 'not run')})."]
-    md = ["", "**A silent host** (both links of host 1 down after step 8: nothing refused; dp=2 x pp=2 over two "
+        return ["", f"{title}: not measured ({silent.get('skipped', 'not run')})."]
+    md = ["", f"{title} (both links of host 1 down after step 8: nothing refused; dp=2 x pp=2 over two "
           "agents; MTTR from the cut to host 0's first step of the new epoch; median, range):"]
     md += ["", meta] if meta else []
     md += ["", "| heartbeat timeout s | MTTR s | range s | over timeout + 0.5 s | record's mttr_s (from) | "
@@ -258,6 +268,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--interval", type=float, default=0.1)
     ap.add_argument("--ticks", default="20,100,500")
     ap.add_argument("--only", choices=["silent_host"], help="measure this path alone; update the stored results")
+    ap.add_argument("--backend", choices=["c10d", "etcd"], default="c10d",
+                    help="the control store of --only silent_host: the embedded TCPStore, or 3 etcd members on host 0")
     args = ap.parse_args(argv)
     timeouts, ticks = _floats(args.timeouts, "--timeouts"), [int(q) for q in _floats(args.ticks, "--ticks")]
     if args.runs < 1 or args.interval <= 0:
@@ -290,12 +302,15 @@ def _only_silent_host(args, timeouts: list[float], began: float) -> int:
     import torch
     path = RESULTS / "detection.json"
     res = json.loads(path.read_text()) if path.exists() else {}
-    res["silent_host"] = silent_host_sweep(args.runs, timeouts, args.interval)
-    res["silent_host_meta"] = (
-        f"`python bench/elastic/detection.py --only silent_host --runs {args.runs} --timeouts {args.timeouts} "
-        f"--interval {args.interval}` on {date.today()}, {platform.machine()}, {os.cpu_count()} CPUs, torch "
-        f"{torch.__version__}, {time.perf_counter() - began:.0f} s.")
-    lines = markdown(res, res["meta"]) if "paths" in res else silent_markdown(res["silent_host"], res["silent_host_meta"])
+    key = "silent_host" if args.backend == "c10d" else "silent_host_etcd"
+    res[key] = silent_host_sweep(args.runs, timeouts, args.interval, args.backend)
+    res[f"{key}_meta"] = (
+        f"`python bench/elastic/detection.py --only silent_host --backend {args.backend} --runs {args.runs} "
+        f"--timeouts {args.timeouts} --interval {args.interval}` on {date.today()}, {platform.machine()}, "
+        f"{os.cpu_count()} CPUs, torch {torch.__version__}, {time.perf_counter() - began:.0f} s.")
+    lines = markdown(res, res["meta"]) if "paths" in res else (
+        silent_markdown(res.get("silent_host", {}), res.get("silent_host_meta"))
+        + silent_markdown(res.get("silent_host_etcd", {}), res.get("silent_host_etcd_meta"), "on etcd"))
     write_results(RESULTS / "detection", res, lines)
     return 0
 

@@ -2,8 +2,8 @@
 
 Each round runs the same job on both backends, one after the other (the order alternating by
 round): failure-free for the steady step (the median step time after a warm-up; the ratio etcd over
-TCPStore per round), then with a rank SIGKILLed and with a rank SIGSTOPped (the recovery record's
-``mttr_s`` and phases). etcd is a real 3-member cluster on loopback, its data on tmpfs, started
+TCPStore per round), then with a rank SIGKILLed (reported by its agent, and unreported: found by a
+refused probe) and with a rank SIGSTOPped (the recovery record's ``mttr_s`` and phases). etcd is a real 3-member cluster on loopback, its data on tmpfs, started
 per round by the tests' helper (``scripts/install_etcd.sh`` installs etcd). Deterministic mode:
 both backends must give the same ``params_sha256`` in every run, which the results say.
 
@@ -22,7 +22,9 @@ from tests.helpers.etcd import EtcdCluster  # noqa: E402
 JOB = ["parallel.dp=2", "parallel.pp=2", "train.steps=40", "train.num_micro_batches=8", "parallel.timeout_s=60",
        "elastic.respawn_after_s=-1"]
 WARMUP = 5
-FAULTS = {"steady": [], "kill": ["elastic.inject=kill:rank=3,step=20"], "hang": ["elastic.inject=stop:rank=3,step=20"]}
+FAULTS = {"steady": [], "kill": ["elastic.inject=kill:rank=3,step=20"],
+          "unreported": ["elastic.inject=kill:rank=3,step=20", "elastic.launcher_reports_deaths=false"],
+          "hang": ["elastic.inject=stop:rank=3,step=20"]}
 
 
 def _run(backend: str, fault: str) -> dict:
@@ -73,9 +75,17 @@ def _page(rounds: list[dict]) -> list[str]:
              "| measure | TCPStore (c10d) | etcd (3 members) |", "| --- | --- | --- |",
              f"| steady step, median s | {med([x['step_s'] for x in ok('steady/c10d')])} | "
              f"{med([x['step_s'] for x in ok('steady/etcd')])} |"]
-    for fault in ("kill", "hang"):
-        lines.append(f"| MTTR, rank 3 {'SIGKILLed' if fault == 'kill' else 'SIGSTOPped'}, median s | "
+    what = {"kill": "SIGKILLed (its agent reports it)", "unreported": "SIGKILLed, unreported (a refused probe)",
+            "hang": "SIGSTOPped (a hang)"}
+    for fault in what:
+        lines.append(f"| MTTR, rank 3 {what[fault]}, median s | "
                      f"{med([x['mttr_s'] for x in ok(f'{fault}/c10d')])} | {med([x['mttr_s'] for x in ok(f'{fault}/etcd')])} |")
+    for fault in what:
+        for backend in ("c10d", "etcd"):
+            runs = ok(f"{fault}/{backend}")
+            if runs:
+                phases = {p: med([x["phases_s"][p] for x in runs]) for p in runs[0]["phases_s"]}
+                lines.append(f"- {fault} on {backend}, median phases (s): {phases}")
     lines += ["", f"Steady step, etcd over TCPStore (median of the per-round ratios): "
                   f"{med(ratios)}x (range {min(ratios):.3f}-{max(ratios):.3f})" if ratios else "no steady pair completed",
               f"Failed runs: {failed}", f"Distinct params_sha256 over every run: {len(shas)} (1: every run the same run)"]

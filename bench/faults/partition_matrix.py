@@ -2,8 +2,9 @@
 
     python bench/faults/partition_matrix.py [--runs 20] [--cases all|NAME,NAME] [--steps 40]
 
-Each case is a real deterministic job (dp=2 x pp=2, the tests' tiny GPT) with a real fault after
-step 8; a *side* is what one agent's metrics file holds (the training steps, the summary):
+Each case is a real deterministic job (dp=2 x pp=2, the tests' tiny GPT, 6 micro-batches) with a
+real fault after step 8; a *side* is what one agent's metrics file holds (the training steps, the
+summary):
 
 - ``c10d_cut``: two agents around node 0's TCPStore; host 1 (a network namespace, ranks 2 and 3)
   goes silent (both links down: nothing refused, its processes alive). The store's side goes on.
@@ -14,12 +15,14 @@ step 8; a *side* is what one agent's metrics file holds (the training steps, the
   etcd majority goes on -- in the second case that is host 1, without node 0's agent.
 - ``etcd_member_killed`` / ``etcd_member_stopped``: one host on etcd; the member the ranks talk to
   first is SIGKILLed (resp. SIGSTOPped, continued after the end).
+- ``c10d_three_hosts_one_cut`` / ``etcd_three_hosts_one_cut``: three agents (dp=3 x pp=2, two ranks
+  a host; hosts 1 and 2 namespaces that reach each other through this one), around node 0's
+  TCPStore (resp. one etcd member per host); host 2 goes silent. Hosts 0 and 1 go on.
 
 A run *passes* when at most one side writes a step after the fault, that side's run is bit-identical
 to the reference (every step once, the losses, the final parameters and optimizer state), the other
 side (if any) stops by itself with a documented code (3: left out, 4: the store lost) within 90 s
 of the fault and writes no summary, and nothing hangs. Results: ``bench/results/partition_matrix.{json,md}``.
-Not here yet: three hosts with one cut off (``tests/helpers/netns.py`` makes one other host).
 """
 from __future__ import annotations
 
@@ -46,11 +49,14 @@ STOP_WITHIN_S = 90.0
 DOCUMENTED = (3, 4)
 """The codes a side that must not go on exits with: left out (``EXIT_EXCLUDED``), store lost (``EXIT_STORE_LOST``)."""
 ENV = {"ELASWAVE_TOKEN": "partition-matrix", "TORCH_CPP_LOG_LEVEL": "ERROR"}
+MICRO_BATCHES = 6
+"""Dealt over 2 or 3 replicas alike (the reference is one process: every layout must equal it)."""
 
 
-def _sets(steps: int) -> list[str]:
-    return [*TINY, "parallel.dp=2", "parallel.pp=2", f"train.steps={steps}", "train.num_micro_batches=4",
-            "train.deterministic=true", "elastic.respawn_after_s=-1", "parallel.timeout_s=30"]
+def _sets(steps: int, dp: int = 2) -> list[str]:
+    return [*TINY, f"parallel.dp={dp}", "parallel.pp=2", f"train.steps={steps}",
+            f"train.num_micro_batches={MICRO_BATCHES}", "train.deterministic=true", "elastic.respawn_after_s=-1",
+            "parallel.timeout_s=30"]
 
 
 def _args(sets: list[str], *extra: str) -> list[str]:
@@ -100,6 +106,33 @@ def _two_hosts(tmp: Path, steps: int, etcd_in_host1: int | None) -> list[dict]:
     return [_side(tmp / f"m{k}.jsonl", code, wall, s) for k, (code, s) in enumerate(done)]
 
 
+def _three_hosts(tmp: Path, steps: int, etcd_per_host: bool) -> list[dict]:
+    """Three agents (dp=3 x pp=2, two ranks a host): node 0 here, nodes 1 and 2 in namespaces that
+    reach each other through this one; host 2 goes silent. ``etcd_per_host``: one etcd member on
+    each host (else node 0's TCPStore). Hosts 0 and 1 hold 4 of the 6 ranks (and 2 of 3 members)."""
+    netns.forward()
+    with netns.OtherHost(1) as h1, netns.OtherHost(2) as h2:
+        members = EtcdCluster(3, hosts=[h1.here_store_ip, h1.store_ip, h2.store_ip],
+                              prefixes=[[], h1.prefix(), h2.prefix()]) if etcd_per_host else None
+        with members or _Nothing() as etcd:
+            rdzv = (["--rdzv-backend", "etcd", "--rdzv-endpoint", etcd.endpoints] if members else
+                    ["--rdzv-endpoint", f"{h1.here_store_ip}:{free_port()}"])
+
+            def agent(k: int, bind: str, prefix=()) -> Running:
+                return Running(_args([*_sets(steps, dp=3), f"parallel.bind_address={bind}"], "--nnodes", "3",
+                                     "--node-rank", str(k), *rdzv), tmp / f"m{k}.jsonl", env=ENV, prefix=list(prefix))
+
+            with agent(0, h1.here_peer_ip) as a0, agent(1, h1.peer_ip, h1.prefix()) as a1, \
+                    agent(2, h2.peer_ip, h2.prefix()) as a2:
+                a0.wait_for(rf"step\s+{FAULT_STEP}/", 300)
+                h2.silence()
+                wall, since = time.time(), time.monotonic()
+                done = _finish([a0, a1, a2], since, STOP_WITHIN_S + 150)
+    sides = [_side(tmp / f"m{k}.jsonl", code, wall, s) for k, (code, s) in enumerate(done)]
+    sides[1]["partner"] = True  # host 1 goes on with host 0, whose leader writes the run's metrics
+    return sides
+
+
 class _Nothing:
     def __enter__(self):
         return None
@@ -141,10 +174,12 @@ def _has_summary(metrics: Path) -> bool:
 CASES = {
     "c10d_cut": lambda tmp, steps: _two_hosts(tmp, steps, None),
     "c10d_holder_stopped": lambda tmp, steps: _one_host(tmp, steps, "holder_stopped"),
+    "c10d_three_hosts_one_cut": lambda tmp, steps: _three_hosts(tmp, steps, False),
     "etcd_cut_majority_host0": lambda tmp, steps: _two_hosts(tmp, steps, 1),
     "etcd_cut_majority_host1": lambda tmp, steps: _two_hosts(tmp, steps, 2),
     "etcd_member_killed": lambda tmp, steps: _one_host(tmp, steps, "member_killed"),
     "etcd_member_stopped": lambda tmp, steps: _one_host(tmp, steps, "member_stopped"),
+    "etcd_three_hosts_one_cut": lambda tmp, steps: _three_hosts(tmp, steps, True),
 }
 
 
@@ -165,6 +200,9 @@ def judge(sides: list[dict], reference: dict, steps: int) -> dict:
     for s in sides:
         if s["code"] is None:
             problems.append("a side hung (did not exit)")
+        elif s.get("partner"):  # a host of the side that goes on: it ends with it
+            if s["code"] != 0:
+                problems.append(f"a host of the side that went on exited with {s['code']}")
         elif s["summary"] is None and (s["code"] not in DOCUMENTED or (s["stopped_s"] or 0) > STOP_WITHIN_S):
             problems.append(f"a side stopped with code {s['code']} after {s['stopped_s']:.1f} s (want "
                             f"{DOCUMENTED} within {STOP_WITHIN_S:g} s)")
@@ -183,7 +221,7 @@ def markdown(doc: dict) -> list[str]:
             continue
         sides = [(c, t) for r in res["runs"] for c, t in zip(r["codes"], r["stopped_s"])]
         stops = [t for c, t in sides if c not in (0, None)]
-        done = [t for c, t in sides if c == 0]
+        done = [t for c, t in sides if c == 0]  # (a three-host case's two going-on hosts both count)
         codes = sorted({c for c, _ in sides if c not in (0, None)})
         problems = sorted({p for r in res["runs"] for p in r["problems"]})
         stopped = f"{statistics.median(stops):.1f}, {max(stops):.1f}" if stops else "-"
@@ -207,12 +245,12 @@ def main(argv: list[str] | None = None) -> int:
     reason = netns.unavailable()
     began = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
-        ref = run_reference(Path(tmp), args.steps, deterministic=True)
+        ref = run_reference(Path(tmp), args.steps, deterministic=True, num_micro_batches=MICRO_BATCHES)
     reference = {"losses": ref.losses, "params_sha256": ref.summary["params_sha256"],
                  "state_sha256": ref.summary["state_sha256"]}
     out: dict = {}
     for name in names:
-        if reason and ("cut" in name):
+        if reason and ("cut" in name):  # (the three-host cases too)
             out[name] = {"skipped": reason}
             continue
         runs = []

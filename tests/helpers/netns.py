@@ -17,6 +17,11 @@ import subprocess
 STORE_NET, PEER_NET = "198.18.0", "198.18.1"
 
 
+def _nets(index: int) -> tuple[str, str]:
+    """Other host ``index``'s store and peer subnets (host 1: STORE_NET and PEER_NET)."""
+    return f"198.18.{2 * index - 2}", f"198.18.{2 * index - 1}"
+
+
 def _ip(*args: str, netns: str | None = None) -> subprocess.CompletedProcess:
     cmd = ["ip", *(["-n", netns] if netns else []), *args]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=10)
@@ -36,15 +41,26 @@ def unavailable() -> str | None:
     return None
 
 
+def forward() -> None:
+    """Let this namespace route between the other hosts (needed with two or more of them: host 1
+    reaches host 2 through here, as through a switch)."""
+    with open("/proc/sys/net/ipv4/ip_forward", "w") as fh:
+        fh.write("1")
+
+
 class OtherHost:
     """The namespace and its two links; ``with`` removes them (a namespace's veth ends go with it)."""
 
-    def __init__(self):
-        tag = f"{os.getpid() % 100000}"
+    def __init__(self, index: int = 1):
+        """``index``: which other host (1, 2, ...), each with subnets of its own; hosts reach each
+        other through this namespace (see :func:`forward`)."""
+        tag = f"{os.getpid() % 100000}" + ("" if index == 1 else f"h{index}")
         self.name = f"ew{tag}"
-        self.store_ip, self.peer_ip = f"{STORE_NET}.2", f"{PEER_NET}.2"
+        store_net, peer_net = _nets(index)
+        self._nets = {"store": store_net, "peer": peer_net}
+        self.store_ip, self.peer_ip = f"{store_net}.2", f"{peer_net}.2"
         """This host's addresses over each link."""
-        self.here_store_ip, self.here_peer_ip = f"{STORE_NET}.1", f"{PEER_NET}.1"
+        self.here_store_ip, self.here_peer_ip = f"{store_net}.1", f"{peer_net}.1"
         """The addresses of this (the main) namespace's ends."""
         self._links = {"store": (f"ews{tag}", f"ews{tag}x"), "peer": (f"ewp{tag}", f"ewp{tag}x")}
 
@@ -53,7 +69,7 @@ class OtherHost:
         self._run("netns", "add", self.name)
         try:
             self._run("link", "set", "lo", "up", netns=self.name)
-            for kind, net in (("store", STORE_NET), ("peer", PEER_NET)):
+            for kind, net in self._nets.items():
                 here, there = self._links[kind]
                 self._run("link", "add", here, "type", "veth", "peer", "name", there)
                 self._run("link", "set", there, "netns", self.name)
@@ -61,6 +77,8 @@ class OtherHost:
                 self._run("addr", "add", f"{net}.2/24", "dev", there, netns=self.name)
                 self._run("link", "set", here, "up")
                 self._run("link", "set", there, "up", netns=self.name)
+            # The other hosts' subnets through this namespace (its own are nearer: directly linked).
+            self._run("route", "add", "198.18.0.0/16", "via", f"{self._nets['peer']}.1", netns=self.name)
         except BaseException:
             self.__exit__()
             raise
