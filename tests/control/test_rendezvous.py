@@ -2,8 +2,6 @@
 workers, a real 3-member cluster, real SIGKILLs. Losing a rank and an etcd member leaves the run
 bit-identical to the reference; losing the etcd majority stops every rank after it saved its part
 (no side can decide alone); bad rendezvous input is one line."""
-import os
-import signal
 import time
 
 import pytest
@@ -13,7 +11,7 @@ from elaswave.runtime.metrics import read_jsonl
 from tests.helpers import netns
 from tests.helpers.certs import Authority
 from tests.helpers.etcd import EtcdCluster
-from tests.helpers.spawn import (Running, assert_same_run, children, fault_mid_run, free_port, job_args, rank_of,
+from tests.helpers.spawn import (Running, assert_same_run, fault_mid_run, free_port, freeze_rank, job_args,
                                  reference_fixture, run_cli)
 
 STEPS, MBS = 16, 4
@@ -46,9 +44,7 @@ def test_a_rank_frozen_on_etcd_is_left_out_when_its_lease_expires(tmp_path, refe
     with EtcdCluster(3) as etcd, Running(_etcd_job(etcd, [f"elastic.heartbeat_timeout_s={timeout_s}"]),
                                           tmp_path / "run.jsonl") as job:
         job.wait_for(r"step\s+5/", 240)
-        victim = next(p for p in children(job.proc.pid) if rank_of(p) == 2)
-        stopped = time.time()
-        os.kill(victim, signal.SIGSTOP)
+        stopped = freeze_rank(job, 2)
         res = job.finish(240)
     assert res.returncode == 0, res.stderr
     assert_same_run(res, reference, STEPS)

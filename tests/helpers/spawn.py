@@ -317,3 +317,11 @@ def wait_gone(pids: list[int], timeout_s: float) -> list[int]:
     while [p for p in pids if alive(p)] and time.monotonic() < deadline:
         time.sleep(0.05)
     return [p for p in pids if alive(p)]
+
+
+def freeze_rank(job: "Running", rank: int) -> float:
+    """SIGSTOP ``rank``'s worker of ``job`` from outside (nothing stamps it); returns the wall time."""
+    victim = next(p for p in children(job.proc.pid) if rank_of(p) == rank)
+    stopped = time.time()
+    os.kill(victim, signal.SIGSTOP)
+    return stopped

@@ -1,11 +1,8 @@
 """Real gloo ranks, real SIGKILL/SIGSTOP: a dp=4 job that loses ranks trains the same run."""
-import os
-import signal
-import time
 
 import pytest
 
-from tests.helpers.spawn import Running, children, job_args, rank_of, run_job, run_reference
+from tests.helpers.spawn import Running, freeze_rank, job_args, run_job, run_reference
 
 STEPS = 30
 DP = 4
@@ -187,9 +184,7 @@ def test_a_hang_nobody_injected_is_timed_from_its_last_heartbeat(tmp_path, refer
                                              f"elastic.heartbeat_interval_s={interval_s}"])
     with Running(args, metrics) as job:
         job.wait_for(r"step\s+10/", 120)
-        victim = next(p for p in children(job.proc.pid) if rank_of(p) == 1)
-        stopped = time.time()
-        os.kill(victim, signal.SIGSTOP)
+        stopped = freeze_rank(job, 1)
         res = job.finish(240)
     assert res.returncode == 0, res.stderr
     (rec,) = _recoveries(res)
