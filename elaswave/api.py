@@ -72,11 +72,11 @@ def job(config_path: str | None = None, overrides: Sequence[str] = (), model: Ca
 def train(config_path: str | None = None, overrides: Sequence[str] = (), model: Callable | str | None = None,
           metrics_out: str | None = None, timeout_s: float | None = None) -> Run:
     """Run the job with its dp x pp worker processes on this host; returns its metrics."""
+    from elaswave import preflight
     from elaswave.launch import launch
-    from elaswave.model.registry import model_for
 
     cfg = job(config_path, overrides, model)
-    model_for(cfg)  # a bad model is one error here, not one per worker
+    preflight.check(cfg)  # as the command line does: a bad model or corpus is one error here, not one per worker
     with tempfile.TemporaryDirectory(prefix="elaswave-api-") as tmp:
         path = metrics_out or os.path.join(tmp, "metrics.jsonl")
         code = launch(cfg, path, timeout_s=timeout_s)

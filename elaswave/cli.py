@@ -5,7 +5,7 @@ import argparse
 import os
 import sys
 
-from elaswave import config
+from elaswave import config, preflight
 from elaswave.errors import ConfigError
 from elaswave.runtime.metrics import MetricsWriter, print_error
 
@@ -42,42 +42,12 @@ def _load(args: argparse.Namespace) -> config.JobConfig:
     return config.load(args.config, overrides)
 
 
-def _check_memory(cfg) -> None:
-    """A memory limit no layout meets: said here once, before any rank starts."""
-    limit = cfg.parallel.stage_memory_mb
-    if not limit:
-        return
-    from elaswave.comm import backend
-    from elaswave.runtime.memory import least_stage_memory_mb
-
-    least = least_stage_memory_mb(cfg, cfg.parallel.pp, cfg.parallel.dp, backend.choose(cfg.parallel.backend)[1])
-    if least > limit:
-        raise ConfigError(f"parallel.stage_memory_mb={limit} is invalid: no partition of the model into "
-                          f"{cfg.parallel.pp} stages fits it at dp={cfg.parallel.dp}; the least any needs is "
-                          f"{least:.4g} (MiB per rank, as elaswave/plan/memory.py models it)")
-
-
-def _check_data(cfg: config.JobConfig) -> None:
-    """Load the corpus and check the model once up front, so a bad data file, factory or checkpoint
-    is one line here, not N worker tracebacks."""
-    from elaswave.data.sampler import open_eval_sampler, open_sampler
-    from elaswave.model.registry import model_for
-
-    model = model_for(cfg)
-    if cfg.model.init_from:
-        model.weights.check(model)
-    open_sampler(cfg, model)
-    if cfg.train.eval_every:
-        open_eval_sampler(cfg, model)
-
-
 def cmd_run(args: argparse.Namespace) -> int:
     cfg = _load(args)
     if args.nproc is not None and args.nproc != cfg.world_size:
         raise ConfigError(f"--nproc={args.nproc} is invalid: parallel.dp={cfg.parallel.dp} x "
                           f"parallel.pp={cfg.parallel.pp} needs {cfg.world_size} ranks")
-    _check_data(cfg)
-    _check_memory(cfg)
+    preflight.check(cfg)
     from elaswave.control.admission import job_token
     from elaswave.control.agents import Node
     from elaswave.launch import launch
@@ -143,7 +113,7 @@ def cmd_join(args: argparse.Namespace) -> int:
 
 def cmd_reference(args: argparse.Namespace) -> int:
     cfg = _load(args)
-    _check_data(cfg)
+    preflight.check_model_and_data(cfg)
     _write_reference(cfg, args.metrics_out)
     return 0
 
@@ -153,7 +123,7 @@ def _write_reference(cfg: config.JobConfig, path: str, show_progress: bool = Tru
 
     writer = MetricsWriter(path, show_progress=show_progress, total_steps=cfg.train.steps)
     result = train_reference(cfg, on_step=writer.write)
-    writer.write({"event": "summary", "steps": cfg.train.steps, "final_loss": result["losses"][-1] if result["losses"] else float("nan"),
+    writer.write({"event": "summary", "steps": cfg.train.steps, "final_loss": result["losses"][-1] if result["losses"] else None,
                   "params_sha256": result["params_sha256"], "state_sha256": result["state_sha256"],
                   "world_size": 1, "dp": 1, "pp": 1,
                   "deterministic": cfg.train.deterministic, "precision": result["precision"]})
@@ -193,7 +163,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     cfg = config.load(args.config, list(args.overrides) + [
         "train.deterministic=true", f"elastic.respawn_after_s={args.respawn_after}",
         "elastic.inject=" + ";".join(f"kill:rank={r},step={s},phase=backward" for r, s in kills)])
-    _check_data(cfg)
+    preflight.check_model_and_data(cfg)
     out = args.out
     os.makedirs(out, exist_ok=True)
     run_path, ref_path = os.path.join(out, "run.jsonl"), os.path.join(out, "reference.jsonl")
@@ -255,8 +225,11 @@ def cmd_report(args: argparse.Namespace) -> int:
 def cmd_export(args: argparse.Namespace) -> int:
     from elaswave.checkpoint.export import export_checkpoint
 
-    out = export_checkpoint(args.checkpoint, args.out, int(args.max_shard_gb * 2 ** 30))
-    print(f"elaswave: wrote {out} (config.json, safetensors shards and their index)")
+    if not args.max_shard_gb > 0:
+        raise ConfigError(f"--max-shard-gb {args.max_shard_gb} is invalid: must be > 0")
+    out = export_checkpoint(args.checkpoint, args.out, int(args.max_shard_gb * 2 ** 30), args.dtype, args.overwrite,
+                            args.source or "")
+    print(f"elaswave: wrote {out} (config.json, the weights, the source's tokenizer files)")
     return 0
 
 
@@ -331,6 +304,11 @@ def main(argv: list[str] | None = None) -> int:
     exp.add_argument("checkpoint", metavar="CHECKPOINT_DIR", help="checkpoint.dir of a run, or one of its step_* folders")
     exp.add_argument("out", metavar="OUT_DIR")
     exp.add_argument("--max-shard-gb", type=float, default=5.0, help="largest safetensors file (whole layers)")
+    exp.add_argument("--dtype", default="auto", choices=("auto", "bf16", "fp32", "fp16"),
+                     help="the weights' dtype (auto: the source's, bf16 for a model built from a preset)")
+    exp.add_argument("--overwrite", action="store_true", help="replace OUT_DIR if it exists and is not empty")
+    exp.add_argument("--source", metavar="HF_DIR", help="the folder whose config.json and tokenizer files to carry "
+                     "(default: the run's model.init_from, if it still exists)")
     exp.set_defaults(func=cmd_export)
     rep = sub.add_parser("report", help="plots and a page for a run's metrics (RUN.jsonl), against a reference")
     rep.add_argument("run", metavar="RUN.jsonl")

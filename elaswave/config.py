@@ -14,6 +14,7 @@ import re
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from elaswave.checkpoint.hf_folder import EXPORT_DTYPES, check_target
 from elaswave.control import faults
 from elaswave.control.config import ElasticConfig
 from elaswave.data.config import DataConfig
@@ -181,8 +182,16 @@ class CheckpointConfig:
     resume: bool = True
     """At start, continue from the newest complete checkpoint in ``dir`` if there is one."""
     export_hf: str = ""
-    """When the run ends, write the model here as a Hugging Face directory (config.json, safetensors
-    shards and their index); model.arch=llama only."""
+    """When the run ends, write the model here as a Hugging Face folder: the weights, the input
+    folder's config.json and tokenizer files (see elaswave/checkpoint/hf_folder.py); model.arch=llama
+    only. A folder that exists and is not empty is refused unless checkpoint.overwrite."""
+    export_dtype: str = "auto"
+    """auto | bf16 | fp32 | fp16: the exported weights' dtype; auto: model.init_from's, bf16 for a
+    model built from a preset."""
+    max_shard_gb: float = 5.0
+    """The largest safetensors shard of an export; one shard is named model.safetensors."""
+    overwrite: bool = False
+    """Let checkpoint.export_hf replace a folder that is not empty (never model.init_from's)."""
 
     def validate(self) -> None:
         if self.every_steps < 0:
@@ -193,6 +202,10 @@ class CheckpointConfig:
             _fail("checkpoint.keep", self.keep, "must be >= 1")
         if self.dir and os.path.exists(self.dir) and not os.path.isdir(self.dir):
             _fail("checkpoint.dir", self.dir, "exists and is not a directory")
+        if self.export_dtype not in EXPORT_DTYPES:
+            _fail("checkpoint.export_dtype", self.export_dtype, f"must be one of {', '.join(EXPORT_DTYPES)}")
+        if not self.max_shard_gb > 0:
+            _fail("checkpoint.max_shard_gb", self.max_shard_gb, "must be > 0")
 
 
 @dataclass
@@ -289,6 +302,10 @@ class JobConfig:
             _fail("checkpoint.export_hf", self.checkpoint.export_hf,
                   f"needs model.arch=llama (Hugging Face's Llama layout); this job's model is "
                   f"{self.model.factory or self.model.arch}")
+        if self.checkpoint.export_hf:
+            check_target(self.checkpoint.export_hf, self.checkpoint.overwrite,
+                         keep={"model.init_from": self.model.init_from, "checkpoint.dir": self.checkpoint.dir,
+                               "data.path": self.data.path})
         if self.train.num_micro_batches < self.parallel.dp:
             _fail("train.num_micro_batches", self.train.num_micro_batches,
                   f"must be >= parallel.dp={self.parallel.dp} so every pipeline has work")
@@ -304,6 +321,11 @@ class JobConfig:
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+    def sources(self) -> dict:
+        """Where the model and data came from, as absolute paths (recorded in checkpoints)."""
+        return {"init_from": os.path.abspath(self.model.init_from) if self.model.init_from else "",
+                "data": os.path.abspath(self.data.path) if self.data.kind == "tokens" else ""}
 
     def model_identity(self) -> dict:
         """What a checkpoint must match to load into this job: the model's shape."""

@@ -80,7 +80,7 @@ def train_reference(cfg: JobConfig, on_step: Callable[[dict], None] | None = Non
         layer.flat.copy_(flat)
     if cfg.checkpoint.export_hf:
         from elaswave.checkpoint import export
-        export.write_layers(cfg.checkpoint.export_hf, cfg.model, layers, m.num_layers)
+        export.write_layers(export.Target.of_job(cfg), cfg.model, layers, m.num_layers)
     return {"losses": losses, "eval_losses": eval_losses, "params_sha256": params_sha256([l.digest() for l in layers]),
             "state_sha256": state_sha256(optimizer.gen, [owned_state_sum(optimizer)]), "precision": name(dtype)}
 

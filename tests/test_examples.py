@@ -46,4 +46,5 @@ def test_finetune_toml_loads_a_hugging_face_directory_and_exports_it(tmp_path):
     model, info = transformers.AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"]
     assert model.config.num_key_value_heads == 2 and res.summary["steps"] == 3
+    assert (out / "tokenizer.json").read_bytes() == (model_dir / "tokenizer.json").read_bytes()  # a drop-in folder
     assert [r["step"] for r in res.records if r["event"] == "eval"] == [3]  # the example evaluates after the last

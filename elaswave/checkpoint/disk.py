@@ -32,7 +32,7 @@ import re
 import shutil
 import threading
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NamedTuple, Sequence
 
@@ -103,6 +103,9 @@ class Manifest:
     chunk_numel: int
     model: dict
     fence: Fence = UNFENCED
+    source: dict = field(default_factory=dict)
+    """Where the job's model and data came from (``init_from``, ``data``: absolute paths), for an
+    offline export to carry the input folder's config and tokenizer."""
 
     @property
     def path(self) -> Path:
@@ -141,7 +144,7 @@ def read_manifest(path: Path) -> Manifest | None:
     fence = Fence(*doc["fence"]) if "fence" in doc else UNFENCED
     root = path.parent if fence == UNFENCED else path.parent.parent
     return Manifest(str(root), doc["step"], tuple(tuple(row) for row in doc["owners"]),
-                    doc["chunk_numel"], doc["model"], fence)
+                    doc["chunk_numel"], doc["model"], fence, doc.get("source", {}))
 
 
 def _writes(root: str | Path):
@@ -265,9 +268,10 @@ class Checkpointer:
     """This rank's side: saves its owned chunks every ``every`` steps on a background thread, each
     under the fence of the run (``run``, set once the job knows it) and the epoch it was made in."""
 
-    def __init__(self, root: str, rank: int, every: int, keep: int, model: dict, chunk_numel: int, run: int = 0):
+    def __init__(self, root: str, rank: int, every: int, keep: int, model: dict, chunk_numel: int, run: int = 0,
+                 source: dict | None = None):
         self.root, self.rank, self.every, self.keep = root, rank, every, keep
-        self.model, self.chunk_numel, self.run = model, chunk_numel, run
+        self.model, self.chunk_numel, self.run, self.source = model, chunk_numel, run, source or {}
         self._thread: threading.Thread | None = None
         self.error: BaseException | None = None
         self.fenced_off: list[tuple[int, Fence, Fence]] = []
@@ -284,7 +288,7 @@ class Checkpointer:
         state = {_name(k): payload[i].detach().to("cpu", copy=True) for i, k in enumerate(keys)}
         fence = Fence(self.run, epoch)
         manifest = {"step": gen, "fence": list(fence), "owners": [list(row) for row in owners],
-                    "chunk_numel": self.chunk_numel, "model": self.model}
+                    "chunk_numel": self.chunk_numel, "model": self.model, "source": self.source}
         self._thread = threading.Thread(target=self._write, args=(gen, fence, state, manifest, is_writer),
                                         name="elaswave-checkpoint", daemon=True)
         self._thread.start()

@@ -2,19 +2,19 @@
 checkpoint (``elaswave export CHECKPOINT_DIR OUT_DIR``), whatever layout wrote it.
 
 At the end of a run every layer is whole on each of its holders. Each layer is written by its
-first holder, so each writing rank writes one shard of the layers it holds and nobody gathers the
-model; the plan's first rank then writes the index and ``config.json`` and renames the staging
-directory, so a failure mid-way never leaves a directory that looks finished.
+first holder, so each writing rank writes the shards of the layers it holds and nobody gathers the
+model; the plan's first rank then checks them, names them in layer order and moves the folder into
+place (see :mod:`elaswave.checkpoint.hf_folder`: what the folder holds, and why it is safe).
 """
 from __future__ import annotations
 
-import shutil
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable
 
 import torch
 
-from elaswave.checkpoint import disk
+from elaswave.checkpoint import disk, hf_folder
 from elaswave.errors import ConfigError
 from elaswave.model import hf
 from elaswave.model.config import ModelConfig
@@ -24,41 +24,66 @@ from elaswave.plan.chunks import chunk_range, num_chunks
 from elaswave.plan.plan import Plan
 from elaswave.zero.flat import FlatLayer
 
+DEFAULT_MAX_SHARD_GB = 5.0
+
+
+@dataclass
+class Target:
+    """One export: where, in which dtype, in shards of at most how many bytes, from which source."""
+
+    out: str
+    dtype: torch.dtype
+    max_shard_bytes: int
+    overwrite: bool
+    source: hf_folder.Source
+
+    @classmethod
+    def of_job(cls, cfg) -> "Target":
+        """``checkpoint.export_hf`` of a job (a JobConfig)."""
+        c = cfg.checkpoint
+        source = hf_folder.source_of(cfg.model.init_from, cfg.data.path if cfg.data.kind == "tokens" else "")
+        return cls(c.export_hf, hf_folder.export_dtype(c.export_dtype, source), int(c.max_shard_gb * 2 ** 30),
+                   c.overwrite, source)
+
 
 def writers(plan: Plan) -> list[int]:
-    """The ranks that write a shard: each layer's first holder."""
+    """The ranks that write shards: each layer's first holder."""
     return sorted({plan.holders(i)[0] for i in range(plan.num_layers)})
 
 
-def clear_staging(out: str) -> None:
-    """Before a run: what a failed earlier export left must not mix into this one."""
-    shutil.rmtree(hf.staging_dir(out), ignore_errors=True)
+def write_my_shards(target: Target, plan: Plan, rank: int, layers: list[FlatLayer]) -> list[dict]:
+    """This rank's shards (none if it writes none): the layers it is the first holder of, in pieces."""
+    mine = [layer for layer in sorted(layers, key=lambda l: l.index) if plan.holders(layer.index)[0] == rank]
+    return _write(target, mine, plan.num_layers, f"r{rank:05d}")
 
 
-def write_my_shard(out: str, plan: Plan, rank: int, layers: list[FlatLayer]) -> dict:
-    """This rank's shard (if it writes one): ``{"names": [...], "bytes": n, "file": name}``."""
-    ws = writers(plan)
-    if rank not in ws:
-        return {"names": [], "bytes": 0, "file": ""}
-    tensors: dict[str, torch.Tensor] = {}
-    for layer in layers:
-        if plan.holders(layer.index)[0] == rank:
-            tensors.update(hf.layer_tensors(layer.module, layer.index, plan.num_layers))
-    k = ws.index(rank)
-    names = hf.write_shard(out, k, len(ws), tensors)
-    return {"names": names, "bytes": _nbytes(tensors), "file": hf.shard_name(k, len(ws))}
+def finish_run_export(target: Target, m: ModelConfig, parts: list[list[dict]]) -> Path:
+    """On the plan's first rank, once every writer has posted its shards: checked, in layer order."""
+    ordered = sorted((p for ps in parts for p in ps), key=lambda p: p["first_layer"])
+    return hf_folder.finish(target.out, ordered, hf_folder.config_doc(m, target.source, target.dtype),
+                            target.source, target.overwrite, target.max_shard_bytes)
 
 
-def finish_run_export(out: str, m: ModelConfig, parts: list[dict]) -> Path:
-    """On the plan's first rank, once every writer has posted its part."""
-    weight_map = {name: p["file"] for p in parts for name in p["names"]}
-    return hf.finish(out, m, weight_map, sum(p["bytes"] for p in parts))
+def write_layers(target: Target, m: ModelConfig, layers: Iterable[FlatLayer], num_layers: int) -> Path:
+    """Whole layers, in order, by one process (the reference trainer, or ``elaswave export``)."""
+    hf_folder.clear_staging(target.out)
+    parts = _write(target, layers, num_layers, "all")
+    return hf_folder.finish(target.out, parts, hf_folder.config_doc(m, target.source, target.dtype),
+                            target.source, target.overwrite, target.max_shard_bytes)
 
 
-def export_checkpoint(ckpt: str, out: str, max_shard_bytes: int = 5 * 2 ** 30) -> Path:
+def _write(target: Target, layers: Iterable[FlatLayer], num_layers: int, tag: str) -> list[dict]:
+    by_layer = ((layer.index, hf.layer_tensors(layer.module, layer.index, num_layers, target.dtype))
+                for layer in layers)
+    return [hf_folder.write_part(target.out, f"{tag}-{j:03d}", first, tensors)
+            for j, (first, tensors) in enumerate(hf_folder.pieces(by_layer, target.max_shard_bytes))]
+
+
+def export_checkpoint(ckpt: str, out: str, max_shard_bytes: int = int(DEFAULT_MAX_SHARD_GB * 2 ** 30),
+                      dtype: str = "auto", overwrite: bool = False, source: str = "") -> Path:
     """A disk checkpoint (its newest complete step, a step folder given, or one fence of it) -> a Hugging Face
-    directory: each layer rebuilt from its chunks' parameter rows, written in shards of at most
-    ``max_shard_bytes`` (whole layers), as Hugging Face shards."""
+    directory: each layer rebuilt from its chunks' parameter rows. ``source``: the folder whose
+    config.json and tokenizer files to carry (default: the run's ``model.init_from`` if it still exists)."""
     path = Path(ckpt)
     manifest = disk.named(path)
     if manifest is None:
@@ -70,6 +95,11 @@ def export_checkpoint(ckpt: str, out: str, max_shard_bytes: int = 5 * 2 ** 30) -
     except (TypeError, ValueError) as exc:
         raise ConfigError(f"CHECKPOINT_DIR={ckpt!r} is invalid: its model cannot be rebuilt ({exc})") from None
     hf.check_exportable(m)
+    recorded = manifest.source.get("init_from", "")
+    source = source or (recorded if recorded and Path(recorded, "config.json").is_file() else "")
+    hf_folder.check_target(out, overwrite, "OUT_DIR", {"the checkpoint": ckpt, "--source": source})
+    found = hf_folder.source_of(source, manifest.source.get("data", ""))
+    target = Target(out, hf_folder.export_dtype(dtype, found), max_shard_bytes, overwrite, found)
     model = family(m)
 
     def rebuilt(i: int) -> FlatLayer:
@@ -84,27 +114,4 @@ def export_checkpoint(ckpt: str, out: str, max_shard_bytes: int = 5 * 2 ** 30) -
                 layer.flat[start:end] = chunks[key][0, :end - start]
         return layer
 
-    return write_layers(out, m, (rebuilt(i) for i in range(model.num_layers)), model.num_layers, max_shard_bytes)
-
-
-def write_layers(out: str, m: ModelConfig, layers: Iterable[FlatLayer], num_layers: int,
-                 max_shard_bytes: int = 5 * 2 ** 30) -> Path:
-    """Whole layers, in order, into shards of at most ``max_shard_bytes`` (one process writes all:
-    the reference trainer, or ``elaswave export``), then the index and config.json."""
-    clear_staging(out)
-    shards: list[dict[str, torch.Tensor]] = [{}]
-    size = 0
-    for layer in layers:
-        tensors = hf.layer_tensors(layer.module, layer.index, num_layers)
-        if shards[-1] and size + _nbytes(tensors) > max_shard_bytes:
-            shards.append({})
-            size = 0
-        shards[-1].update(tensors)
-        size += _nbytes(tensors)
-    weight_map = {name: hf.shard_name(k, len(shards))
-                  for k, tensors in enumerate(shards) for name in hf.write_shard(out, k, len(shards), tensors)}
-    return hf.finish(out, m, weight_map, sum(_nbytes(t) for t in shards))
-
-
-def _nbytes(tensors: dict[str, torch.Tensor]) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors.values())
+    return write_layers(target, m, (rebuilt(i) for i in range(model.num_layers)), model.num_layers)

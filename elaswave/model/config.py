@@ -166,14 +166,39 @@ def preset(name: str) -> ModelConfig:
 HF_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
 
 
-def from_hf_config(doc: dict, where: str) -> dict:
-    """The shape keys that a Hugging Face ``config.json`` (Llama family) sets."""
+ACTIVATIONS = ("silu", "swish")
+"""hidden_act values elaswave computes (transformers' names for one function: x * sigmoid(x))."""
+NO_EFFECT = {"partial_rotary_factor": (None, 1.0), "attn_logit_softcapping": (None,),
+             "final_logit_softcapping": (None,), "use_qk_norm": (None, False)}
+"""config.json fields of related architectures that change the model's function unless they hold
+one of these values; elaswave implements none of them, so any other value is refused. Fields that
+change nothing computed are accepted: ``pretraining_tp`` (transformers 4 slices the same products;
+5 ignores it), ids, ``use_cache``, ``initializer_range``."""
+
+
+def from_hf_config(doc: dict, where: str, seq_len: int | None = None) -> dict:
+    """The shape keys that a Hugging Face ``config.json`` (Llama family) sets; a field whose effect
+    elaswave does not implement is a one-line error. ``seq_len``: the job's, which decides whether
+    a sliding window has any effect (none when it covers the whole window)."""
     archs = doc.get("architectures") or [doc.get("model_type", "?")]
     if not any(a in HF_ARCHITECTURES for a in archs):
         _fail("model.init_from", where, f"its config.json declares architectures {archs}; supported: "
                                         f"{', '.join(HF_ARCHITECTURES)}")
-    if doc.get("use_sliding_window") or (doc.get("model_type") == "mistral" and doc.get("sliding_window")):
-        _fail("model.init_from", where, "uses sliding-window attention, which elaswave does not implement")
+    act = doc.get("hidden_act", "silu")
+    if act not in ACTIVATIONS:
+        _fail("model.init_from", where, f"its config.json sets hidden_act={act!r}, which elaswave does not implement "
+                                        f"(supported: {', '.join(ACTIVATIONS)})")
+    for key, fine in NO_EFFECT.items():
+        if doc.get(key) not in fine:
+            _fail("model.init_from", where, f"its config.json sets {key}={doc[key]!r}, which elaswave does not "
+                                            f"implement (only {' or '.join(map(repr, fine))})")
+    window = doc.get("sliding_window")
+    windowed = (doc.get("use_sliding_window") or doc.get("model_type") == "mistral"
+                or "sliding_attention" in (doc.get("layer_types") or []))
+    if windowed and window and (seq_len is None or seq_len > int(window)):
+        _fail("model.init_from", where, f"uses sliding-window attention over {window} positions, shorter than "
+                                        f"model.seq_len={seq_len}; elaswave implements none: set model.seq_len "
+                                        f"<= {window}, where the window covers every position")
     d, heads = int(doc["hidden_size"]), int(doc["num_attention_heads"])
     out = dict(arch="llama", vocab_size=int(doc["vocab_size"]), d_model=d, num_heads=heads,
                num_blocks=int(doc["num_hidden_layers"]), num_kv_heads=int(doc.get("num_key_value_heads") or heads),
@@ -254,9 +279,10 @@ def resolve(m: ModelConfig, explicit: Iterable[str]) -> ModelConfig:
         keep = {f.name: getattr(m, f.name) for f in fields(m) if f.name in explicit}
         return replace(base, **keep)
     if m.init_from:
-        hf = from_hf_config(read_hf_config(m.init_from), m.init_from)
+        doc = read_hf_config(m.init_from)
+        hf = from_hf_config(doc, m.init_from, m.seq_len)
         if "dropout" not in explicit:
-            hf["dropout"] = 0.0
+            hf["dropout"] = float(doc.get("attention_dropout") or 0.0)
         for key, value in hf.items():
             if key in explicit and getattr(m, key) != value:
                 _fail(f"model.{key}", getattr(m, key), f"has no effect with model.init_from={m.init_from!r}, whose "

@@ -3,22 +3,20 @@
 The name mapping is data: layer 0 is ``model.embed_tokens``, block ``i`` (layer ``i + 1``) is
 ``model.layers.{i}``, the head is ``model.norm`` and ``lm_head``; inside them, module names are
 Hugging Face's own (see :mod:`elaswave.model.llama`). Reading is lazy: a rank opens the files and
-reads only the tensors of the layers it builds. Writing goes to a temporary directory that is
-renamed when complete, so a failure mid-way never leaves a directory that looks finished.
+reads only the tensors of the layers it builds. Writing a folder is :mod:`elaswave.checkpoint.hf_folder`.
 """
 from __future__ import annotations
 
+import contextlib
 import json
-import os
-import shutil
 from pathlib import Path
-from typing import Iterable, Mapping
+from typing import Iterable
 
 import torch
 from torch import nn
 
 from elaswave.errors import ConfigError
-from elaswave.model.config import ModelConfig, to_hf_config
+from elaswave.model.config import ModelConfig
 
 INDEX = "model.safetensors.index.json"
 
@@ -45,10 +43,9 @@ class HFWeights:
         if index.is_file():
             self.files = {name: self.path / f for name, f in json.loads(index.read_text())["weight_map"].items()}
         else:
-            from safetensors import safe_open
             self.files = {}
             for f in sorted(self.path.glob("*.safetensors")):
-                with safe_open(str(f), framework="pt") as fh:
+                with _opened(f, path) as fh:
                     self.files.update({name: f for name in fh.keys()})
         if not self.files:
             raise HFError(f"model.init_from={path!r} is invalid: no tensors in its *.safetensors files")
@@ -68,7 +65,6 @@ class HFWeights:
     def _visit(self, layer: nn.Module, index: int, num_layers: int, skip: set[str], load: bool) -> None:
         """Each of the layer's parameters (but ``skip``) found on disk with its shape, and copied in
         with ``load``; one file opened once for all the tensors it holds."""
-        from safetensors import safe_open
         where = f"model.init_from={str(self.path)!r}"
         by_file: dict[Path, list[tuple[str, torch.Tensor]]] = {}
         for name, p in layer.named_parameters():
@@ -81,49 +77,36 @@ class HFWeights:
         for f, items in by_file.items():
             if not f.is_file():
                 raise HFError(f"{where}: {f.name}, named in {INDEX}, does not exist")
-            with safe_open(str(f), framework="pt") as fh:
+            with _opened(f, str(self.path)) as fh:
                 for key, p in items:
                     shape = tuple(fh.get_slice(key).get_shape())
                     if shape != tuple(p.shape):
                         raise HFError(f"{where}: tensor {key} has shape {list(shape)}, the model expects {list(p.shape)}")
                     if load:
-                        p.copy_(fh.get_tensor(key).to(p.dtype))
+                        try:
+                            p.copy_(fh.get_tensor(key).to(p.dtype))
+                        except Exception as exc:  # safetensors' own errors: a file cut short after its header
+                            raise HFError(f"{where}: {f.name} cannot be read ({exc}); is it truncated?") from None
 
 
-def layer_tensors(module: nn.Module, index: int, num_layers: int) -> dict[str, torch.Tensor]:
-    """A built layer's own parameters under their Hugging Face names (a tied use is not its own)."""
-    return {hf_name(index, num_layers, name): p.detach().cpu().contiguous()
+@contextlib.contextmanager
+def _opened(f: Path, where: str):
+    """``safe_open`` with a one-line error for a file that is not safetensors (truncated, corrupt)."""
+    from safetensors import safe_open
+    try:
+        fh = safe_open(str(f), framework="pt")
+    except Exception as exc:  # SafetensorError and OSError alike
+        raise HFError(f"model.init_from={where!r}: {f.name} is not a readable safetensors file ({exc})") from None
+    with fh:
+        yield fh
+
+
+def layer_tensors(module: nn.Module, index: int, num_layers: int,
+                  dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+    """A built layer's own parameters under their Hugging Face names (a tied use is not its own),
+    cast to ``dtype`` when given."""
+    return {hf_name(index, num_layers, name): p.detach().to(dtype or p.dtype).cpu().contiguous()
             for name, p in module.named_parameters()}
-
-
-def shard_name(k: int, n: int) -> str:
-    return f"model-{k + 1:05d}-of-{n:05d}.safetensors"
-
-
-def staging_dir(out: str | Path) -> Path:
-    out = Path(out)
-    return out.parent / f".{out.name}.partial"
-
-
-def write_shard(out: str | Path, k: int, n: int, tensors: Mapping[str, torch.Tensor]) -> list[str]:
-    """Shard ``k`` of ``n`` into the staging directory of ``out``; returns the names it holds."""
-    from safetensors.torch import save_file
-    stage = staging_dir(out)
-    stage.mkdir(parents=True, exist_ok=True)
-    save_file(dict(tensors), str(stage / shard_name(k, n)), metadata={"format": "pt"})
-    return sorted(tensors)
-
-
-def finish(out: str | Path, m: ModelConfig, weight_map: Mapping[str, str], total_bytes: int) -> Path:
-    """Index and config.json into the staging directory, then rename it to ``out`` (atomic)."""
-    out, stage = Path(out), staging_dir(out)
-    index = {"metadata": {"total_size": total_bytes}, "weight_map": dict(sorted(weight_map.items()))}
-    (stage / INDEX).write_text(json.dumps(index, indent=2))
-    (stage / "config.json").write_text(json.dumps(to_hf_config(m), indent=2))
-    if out.exists():
-        shutil.rmtree(out)
-    os.replace(stage, out)
-    return out
 
 
 def check_exportable(m: ModelConfig) -> None:

@@ -102,8 +102,9 @@ class MetricsWriter:
         elif self.show_progress and record.get("event") in ("join", "rebalance"):
             print(f"{self.last_event}: epoch {record['epoch']}, pipelines {record['plan']['pipelines']}", flush=True)
         elif self.show_progress and record.get("event") == "summary":
-            print(f"done: {record['steps']} steps, final loss {record['final_loss']:.4f}, "
-                  f"params_sha256 {record['params_sha256'][:16]}...", flush=True)
+            loss = (f"final loss {record['final_loss']:.4f}" if record["steps"] else
+                    "no step trained (train.steps=0: the model as loaded)")
+            print(f"done: {record['steps']} steps, {loss}, params_sha256 {record['params_sha256'][:16]}...", flush=True)
 
     def close(self) -> None:
         if self.fh is not None:

@@ -56,7 +56,8 @@ def save_and_stop(ctx, st: RankState | None, reason: str, noticed_at: float, wri
         return EXIT_STORE_LOST
     began = time.perf_counter()
     checkpointer = ctx.checkpointer or disk.Checkpointer(root, ctx.rank, 0, cfg.checkpoint.keep,
-                                                         cfg.model_identity(), cfg.parallel.chunk_numel, ctx.run)
+                                                         cfg.model_identity(), cfg.parallel.chunk_numel, ctx.run,
+                                                         cfg.sources())
     try:
         checkpointer.wait()  # a background save of the same generation must not race ours
     except disk.CheckpointError as exc:

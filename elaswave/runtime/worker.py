@@ -14,12 +14,13 @@ import resource
 import sys
 import time
 from dataclasses import replace
+from pathlib import Path
 from typing import NamedTuple
 
 import torch
 
 from elaswave import config
-from elaswave.checkpoint import disk, export
+from elaswave.checkpoint import disk, export, hf_folder
 from elaswave.comm import backend
 from elaswave.config import JobConfig
 from elaswave.errors import ConfigError
@@ -157,8 +158,10 @@ def run(cfg: JobConfig, rank: int, world_size: int, metrics_out: str | None) -> 
                 if cause is None:
                     if ctx.checkpointer is not None:
                         ctx.checkpointer.wait()
-                    summary = _finish(ctx, st, cfg)
+                    summary, exported = _finish(ctx, st, cfg)
                     journal.commit_before(t.steps + 1, writer)  # the last evaluation's record too
+                    if exported:
+                        print(f"elaswave: exported the model as a Hugging Face folder: {exported}", flush=True)
                     break
             except Disruption as exc:
                 if not cfg.elastic.enabled:
@@ -201,7 +204,7 @@ def run(cfg: JobConfig, rank: int, world_size: int, metrics_out: str | None) -> 
     if rank == st.plan.ranks[0]:
         # Every holder's copy of a layer is the same (checked in _finish): take any.
         digests = {i: h for part in summary.values() for i, h in part["layer_copies"].items()}
-        writer.write({"event": "summary", "steps": t.steps, "final_loss": result.loss if result else float("nan"),
+        writer.write({"event": "summary", "steps": t.steps, "final_loss": result.loss if result else None,
                       "params_sha256": params_sha256([bytes.fromhex(digests[str(i)]) for i in range(ctx.model.num_layers)]),
                       "state_sha256": digest.state_sha256(summary[rank]["step_counter"],
                                                           [int(summary[r]["state_sum"], 16) for r in st.plan.ranks]),
@@ -260,7 +263,7 @@ def _start(ctx: Context, world_size: int):
         gather_params(st)
     ctx.comm.prepare_standbys(plan.ranks, plan.epoch)
     if cfg.checkpoint.export_hf and rank == plan.ranks[0]:
-        export.clear_staging(cfg.checkpoint.export_hf)  # before the barrier: no rank has written yet
+        hf_folder.clear_staging(cfg.checkpoint.export_hf)  # before the barrier: no rank has written yet
     world.all_reduce(torch.zeros(1, device=device), "start-up barrier")
     return st, resumed
 
@@ -332,15 +335,16 @@ def _resume_point(cfg: JobConfig, plan, rank: int) -> ResumePoint | None:
     return ResumePoint(manifest, chunks, time.perf_counter() - began)
 
 
-def _finish(ctx: Context, st, cfg: JobConfig) -> dict[int, dict]:
+def _finish(ctx: Context, st, cfg: JobConfig) -> tuple[dict[int, dict], Path | None]:
     """Every rank posts the digest of its copy of each layer it holds, its optimizer state's sum
-    and its memory figures; the first member checks that the copies agree."""
+    and its memory figures; the first member checks that the copies agree and finishes the export
+    (returned: the parts, and the export's folder on the member that wrote it)."""
     plan = st.plan
     if st.stage.dtype != torch.float32:
         gather_masters(st)
     usage = resource.getrusage(resource.RUSAGE_SELF)
-    exported = (export.write_my_shard(cfg.checkpoint.export_hf, plan, st.rank, st.stage.layers)
-                if cfg.checkpoint.export_hf else None)
+    target = export.Target.of_job(cfg) if cfg.checkpoint.export_hf else None
+    exported = export.write_my_shards(target, plan, st.rank, st.stage.layers) if target else None
     doc = {"layer_copies": digest.layer_digests(st.stage.layers),
            "state_sum": f"{digest.owned_state_sum(st.optimizer):x}", "step_counter": st.optimizer.gen,
            "master_problems": digest.masters_mismatches(st.optimizer, st.stage.layers, st.rank),
@@ -354,17 +358,15 @@ def _finish(ctx: Context, st, cfg: JobConfig) -> dict[int, dict]:
     ctx.membership.post(plan.epoch, "final", doc)
     st.world.all_reduce(torch.zeros(1, device=st.device), "final barrier")
     if st.rank != plan.ranks[0]:
-        return {}
+        return {}, None
     parts = ctx.membership.gather(plan.epoch, "final", plan.ranks, cfg.parallel.timeout_s)
     _check_replicas(parts)
     # The fence of the export and the summary: nothing of an epoch the job has left reaches them.
     if (now := ctx.membership.current_epoch()) != plan.epoch:
         raise recovery.Excluded(f"rank {st.rank} finished epoch {plan.epoch} but the job is in epoch {now}: "
                                 "it writes no export and no summary")
-    if cfg.checkpoint.export_hf:
-        out = export.finish_run_export(cfg.checkpoint.export_hf, cfg.model, [p["export"] for p in parts.values()])
-        print(f"elaswave: exported the model as a Hugging Face directory: {out}", flush=True)
-    return parts
+    out = export.finish_run_export(target, cfg.model, [p["export"] for p in parts.values()]) if target else None
+    return parts, out
 
 
 def _check_replicas(parts: dict[int, dict]) -> None:

@@ -73,3 +73,28 @@ def test_hf_config_round_trip():
         m = preset(name)
         back = from_hf_config(to_hf_config(m), "x")
         assert all(getattr(m, k) == v or (k == "head_dim" and v == 0) for k, v in back.items()), name
+
+
+def _folder(tmp_path, **fields):
+    """A config.json (and a stand-in weights file: resolving reads no tensor) of a tiny Mistral/Llama."""
+    import json
+
+    import torch
+    from safetensors.torch import save_file
+    doc = {**dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=300, hidden_size=32,
+                  intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, hidden_act="silu"), **fields}
+    (tmp_path / "config.json").write_text(json.dumps(doc))
+    save_file({"x": torch.zeros(1)}, str(tmp_path / "model.safetensors"))
+    return str(tmp_path)
+
+
+def test_config_fields_without_effect_at_this_length_are_honoured(tmp_path):
+    """A Mistral's window covering the whole sequence changes nothing, so it loads; attention_dropout
+    and rms_norm_eps are read; pretraining_tp changes no product and is accepted."""
+    path = _folder(tmp_path, architectures=["MistralForCausalLM"], model_type="mistral", sliding_window=4096,
+                   attention_dropout=0.25, rms_norm_eps=1e-5, pretraining_tp=2)
+    cfg = config.load(None, [f"model.init_from={path}", "model.seq_len=32"])
+    assert (cfg.model.dropout, cfg.model.norm_eps) == (0.25, 1e-5)
+    with pytest.raises(ConfigError, match="sliding-window attention over 16 positions"):
+        config.load(None, [f"model.init_from={_folder(tmp_path, use_sliding_window=True, sliding_window=16)}",
+                           "model.seq_len=32"])

@@ -15,7 +15,7 @@ from elaswave.pipeline.stage import Stage  # noqa: E402
 from tests.helpers.spawn import TINY, run_cli  # noqa: E402
 
 HF = dict(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
-          num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=True)
+          num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=True, rms_norm_eps=1e-5)
 JOB = [x for s in [*TINY[4:], "model.seq_len=32", "parallel.timeout_s=60"] for x in ("--set", s)]
 
 
@@ -40,11 +40,70 @@ def test_zero_steps_round_trip_is_exact(tmp_path, hf_dir):
     res = run_cli(["run", "--set", f"model.init_from={hf_dir}", "--set", "train.steps=0", "--set",
                    f"checkpoint.export_hf={out}", "--set", "parallel.dp=1", "--set", "parallel.pp=3", *JOB], tmp_path)
     assert res.returncode == 0, res.stderr
+    assert "no step trained" in res.stdout and "nan" not in res.stdout
     a, b = _tensors(hf_dir), _tensors(out)
     assert sorted(a) == sorted(b)
     assert all(torch.equal(a[k], b[k]) for k in a)
-    index = json.loads((out / "model.safetensors.index.json").read_text())
-    assert set(index["weight_map"]) == set(b) and not list(tmp_path.glob(".out.partial*"))
+    # Small enough for one file: named as transformers names one, without an index.
+    assert sorted(f.name for f in out.glob("*.safetensors")) == ["model.safetensors"]
+    assert not (out / "model.safetensors.index.json").exists() and not list(tmp_path.glob(".out.partial*"))
+
+
+TOKENS = ["<unk>", "<s>", "</s>", *[f"w{i}" for i in range(336)]]  # 339, bos 1 and eos 2
+
+
+@pytest.fixture(scope="module")
+def bf16_dir(tmp_path_factory):
+    """A folder as a user brings it: bf16 weights, GQA, Llama-3 rope scaling, 2048 positions,
+    rms_norm_eps 1e-5, bos/eos, a generation config and a 339-token tokenizer."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    path = tmp_path_factory.mktemp("bf16")
+    torch.manual_seed(1)
+    cfg = transformers.LlamaConfig(**dict(HF, vocab_size=len(TOKENS), tie_word_embeddings=False,
+                                          max_position_embeddings=2048), bos_token_id=1, eos_token_id=2,
+                                   rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                                 "high_freq_factor": 4.0, "original_max_position_embeddings": 256})
+    transformers.LlamaForCausalLM(cfg).to(torch.bfloat16).save_pretrained(path)
+    tok = Tokenizer(models.WordLevel({t: i for i, t in enumerate(TOKENS)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    transformers.PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
+                                         unk_token="<unk>").save_pretrained(path)
+    assert {"tokenizer.json", "tokenizer_config.json", "generation_config.json"} <= {f.name for f in path.iterdir()}
+    return path
+
+
+def test_a_bf16_folder_comes_back_field_for_field_from_a_real_layout(tmp_path, bf16_dir):
+    """init_from -> train.steps=0 at dp=2 x pp=2 -> export: the same folder, replacing one that
+    existed only because checkpoint.overwrite says so."""
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "old.txt").write_text("replace me")
+    job = ["run", "--set", f"model.init_from={bf16_dir}", "--set", "train.steps=0", "--set", "parallel.dp=2",
+           "--set", "parallel.pp=2", "--set", "train.num_micro_batches=2", "--set", f"checkpoint.export_hf={out}", *JOB]
+    res = run_cli(job, tmp_path)
+    assert res.returncode == 2 and "exists and is not empty" in res.stderr and (out / "old.txt").is_file(), res.stderr
+    res = run_cli([*job, "--set", "checkpoint.overwrite=true"], tmp_path)
+    assert res.returncode == 0, res.stderr
+    assert sorted(f.name for f in out.iterdir()) == sorted(f.name for f in bf16_dir.iterdir())
+    assert json.loads((out / "config.json").read_text()) == json.loads((bf16_dir / "config.json").read_text())
+    for f in bf16_dir.iterdir():
+        if f.suffix != ".safetensors" and f.name != "config.json":
+            assert (out / f.name).read_bytes() == f.read_bytes(), f.name
+    a, b = _tensors(bf16_dir), _tensors(out)
+    assert sorted(a) == sorted(b) and all(b[k].dtype == torch.bfloat16 and torch.equal(a[k], b[k]) for k in a)
+    tok = transformers.AutoTokenizer.from_pretrained(out)
+    assert (tok.bos_token_id, tok.eos_token_id, len(tok)) == (1, 2, len(TOKENS))
+    model = transformers.AutoModelForCausalLM.from_pretrained(out)
+    assert model.generation_config.eos_token_id == 2 and model.config.max_position_embeddings == 2048
+
+
+def test_the_export_never_replaces_its_source(tmp_path, bf16_dir):
+    before = {f.name: f.read_bytes() for f in bf16_dir.iterdir()}
+    for target in (bf16_dir, bf16_dir.parent):
+        res = run_cli(["run", "--set", f"model.init_from={bf16_dir}", "--set", "train.steps=0", "--set",
+                       f"checkpoint.export_hf={target}", "--set", "checkpoint.overwrite=true", *JOB], tmp_path)
+        assert res.returncode == 2 and "must never replace" in res.stderr and "Traceback" not in res.stderr, res.stderr
+    assert {f.name: f.read_bytes() for f in bf16_dir.iterdir()} == before
 
 
 def _logits(path, ids):
@@ -60,9 +119,17 @@ def test_export_after_a_re_partition_loads_in_transformers_with_the_same_logits(
     res = run_cli(["run", "--deterministic", "--set", f"model.init_from={hf_dir}", "--set", "train.steps=6",
                    "--set", "parallel.dp=2", "--set", "parallel.pp=2", "--set", "train.num_micro_batches=4",
                    "--set", "elastic.inject=kill:rank=1,step=3,phase=backward", "--set", f"checkpoint.export_hf={out}",
-                   "--set", f"checkpoint.dir={ckpt}", "--set", "checkpoint.every_steps=5", *JOB], tmp_path)
+                   "--set", f"checkpoint.dir={ckpt}", "--set", "checkpoint.every_steps=5",
+                   "--set", "checkpoint.max_shard_gb=0.00003", *JOB], tmp_path)
     assert res.returncode == 0, res.stderr
     assert [r for r in res.records if r["event"] == "recovery"]
+    # About 32 KB a shard, shards named and indexed in layer order, each holding what the index says.
+    index = json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]
+    shards = sorted(out.glob("model-*.safetensors"))
+    assert len(shards) > 2 and set(index.values()) == {f.name for f in shards}
+    assert all(sorted(load_file(f)) == sorted(k for k, v in index.items() if v == f.name) for f in shards)
+    assert index["model.embed_tokens.weight"] == shards[0].name and index["lm_head.weight" if "lm_head.weight"
+                                                                         in index else "model.norm.weight"] == shards[-1].name
     loaded = transformers.AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
     model, info = loaded
     assert not info["missing_keys"] and not info["unexpected_keys"]
@@ -70,14 +137,53 @@ def test_export_after_a_re_partition_loads_in_transformers_with_the_same_logits(
     with torch.no_grad():
         theirs = model.eval()(ids).logits
     assert float((theirs - _logits(out, ids)).abs().max()) <= 1e-5
+    # Step 0 of the real layout (separate ranks, dp=2 x pp=2): the loss transformers gives the input
+    # model on the same global batch (rms_norm_eps 1e-5, not transformers' default 1e-6).
+    first = next(r["loss"] for r in res.records if r["event"] == "step" and r["step"] == 0)
+    assert abs(first - _transformers_loss(hf_dir, [f"model.init_from={hf_dir}", "train.num_micro_batches=4",
+                                                   *JOB[1::2]], 0)) <= 1e-5
     assert not torch.equal(_tensors(out)["model.norm.weight"], _tensors(hf_dir)["model.norm.weight"])  # it trained
     # Offline, from the disk checkpoint the re-partitioned job wrote at step 5.
     offline = tmp_path / "offline"
     res = run_cli(["export", str(ckpt), str(offline)], tmp_path)
     assert res.returncode == 0, res.stderr
+    assert json.loads((offline / "config.json").read_text()) == json.loads((hf_dir / "config.json").read_text())
+    res = run_cli(["export", str(ckpt), str(offline)], tmp_path)  # it exists now
+    assert res.returncode == 2 and "exists and is not empty" in res.stderr, res.stderr
     assert sorted(_tensors(offline)) == sorted(_tensors(hf_dir))
     _, info = transformers.AutoModelForCausalLM.from_pretrained(offline, output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"]
+
+
+def _transformers_loss(path, sets, step):
+    """transformers' mean cross-entropy of step ``step``'s global batch, as elaswave's sampler deals it."""
+    from elaswave.data.sampler import open_sampler
+    cfg = config.load(None, [*sets, "train.deterministic=true"])
+    sampler = open_sampler(cfg, model_for(cfg))
+    model = transformers.AutoModelForCausalLM.from_pretrained(path).eval()
+    total, tokens = 0.0, 0
+    with torch.no_grad():
+        for mb in range(cfg.train.num_micro_batches):
+            batch = sampler.micro_batch(step, mb)
+            logits = model(batch.inputs).logits
+            total += float(torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch.targets.flatten(),
+                                                             reduction="sum"))
+            tokens += batch.targets.numel()
+    return total / tokens
+
+
+def test_the_python_api_checks_the_weights_as_the_command_line_does(tmp_path, hf_dir):
+    """A missing tensor is one error before any worker starts (it was one rank's exit and the others
+    waiting parallel.timeout_s)."""
+    from elaswave import api
+    from elaswave.model.hf import HFError
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    for f in hf_dir.iterdir():
+        (bad / f.name).write_bytes(f.read_bytes())
+    _drop_tensor(bad, "model.layers.1.mlp.up_proj.weight")
+    with pytest.raises(HFError, match="tensor model.layers.1.mlp.up_proj.weight .layer 2. is missing"):
+        api.train(overrides=[f"model.init_from={bad}", "train.steps=1", *JOB[1::2]], timeout_s=60)
 
 
 def _bad(tmp_path, hf_dir, mutate):
@@ -108,6 +214,10 @@ def _drop_tensor(bad, name, replace_with=None):
     ("shape", "tensor model.layers.1.mlp.up_proj.weight has shape [64, 31], the model expects [64, 32]"),
     ("arch", "declares architectures ['GPT2LMHeadModel']; supported: LlamaForCausalLM"),
     ("no_weights", "has no *.safetensors weights"),
+    ("act", "hidden_act='gelu_pytorch_tanh', which elaswave does not implement (supported: silu"),
+    ("window", "sliding-window attention over 16 positions, shorter than model.seq_len=32"),
+    ("rotary", "partial_rotary_factor=0.5, which elaswave does not implement"),
+    ("truncated", "is not a readable safetensors file"),
 ])
 def test_a_bad_directory_is_one_line_and_nothing_runs(tmp_path, hf_dir, case, expected):
     def mutate(bad):
@@ -115,9 +225,15 @@ def test_a_bad_directory_is_one_line_and_nothing_runs(tmp_path, hf_dir, case, ex
             _drop_tensor(bad, "model.layers.1.mlp.up_proj.weight")
         elif case == "shape":
             _drop_tensor(bad, "model.layers.1.mlp.up_proj.weight", torch.zeros(64, 31))
-        elif case == "arch":
+        elif case in ("arch", "act", "window", "rotary"):
             doc = json.loads((bad / "config.json").read_text())
-            (bad / "config.json").write_text(json.dumps(dict(doc, architectures=["GPT2LMHeadModel"])))
+            doc.update({"arch": dict(architectures=["GPT2LMHeadModel"]), "act": dict(hidden_act="gelu_pytorch_tanh"),
+                        "window": dict(model_type="mistral", architectures=["MistralForCausalLM"], sliding_window=16),
+                        "rotary": dict(partial_rotary_factor=0.5)}[case])
+            (bad / "config.json").write_text(json.dumps(doc))
+        elif case == "truncated":
+            f = sorted(bad.glob("*.safetensors"))[-1]
+            f.write_bytes(f.read_bytes()[:-100])
         else:
             for f in bad.glob("*.safetensors"):
                 f.unlink()

@@ -31,7 +31,8 @@ OPTIONS = {
     "attention_bias": dict(attention_bias=True),
     "mlp_bias": dict(mlp_bias=True),
     "tied": dict(tie_word_embeddings=True),
-    "all": dict(num_key_value_heads=2, head_dim=16, attention_bias=True, mlp_bias=True, tie_word_embeddings=True,
+    "rms_norm_eps": dict(rms_norm_eps=1e-5),  # transformers' default is 1e-6; real Llamas use 1e-5
+    "all": dict(num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-5, attention_bias=True, mlp_bias=True, tie_word_embeddings=True,
                 rope_scaling={"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                               "original_max_position_embeddings": 16}),
 }
