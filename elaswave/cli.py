@@ -237,7 +237,7 @@ def cmd_prepare(args: argparse.Namespace) -> int:
     from elaswave.data.prepare import prepare
 
     m = prepare(args.inputs, args.out, args.tokenizer, args.text_field, args.workers, args.eval_fraction,
-                args.eod_token, args.shard_tokens, args.overwrite)
+                args.eod_token, args.shard_tokens, args.overwrite, fmt=args.format, train_on=args.train_on)
     train, held = m["splits"]["train"], m["splits"]["eval"]
     print(f"elaswave: wrote {args.out}: {train['tokens']:,} train tokens in {train['documents']:,} documents, "
           f"{held['tokens']:,} eval tokens in {held['documents']:,}; vocabulary {m['vocab_size']:,} ({m['dtype']}); "
@@ -321,6 +321,11 @@ def main(argv: list[str] | None = None) -> int:
     prep.add_argument("--tokenizer", default="bytes", metavar="SPEC",
                       help="bytes | PATH/tokenizer.json | MODEL_DIR | train-bpe:VOCAB (default bytes)")
     prep.add_argument("--text-field", default="text", help="the field of each .jsonl line that holds the text")
+    prep.add_argument("--format", default="text", choices=("text", "chat"),
+                      help="text: documents; chat: .jsonl lines of {\"messages\": [{\"role\", \"content\"}, ...]} "
+                           "rendered with --tokenizer MODEL_DIR's chat template")
+    prep.add_argument("--train-on", default="assistant", choices=("assistant", "all"),
+                      help="--format chat: the tokens that are trained (default: what the assistant says)")
     prep.add_argument("--workers", type=int, default=max(1, (os.cpu_count() or 1)), help="tokenizing processes")
     prep.add_argument("--eval-fraction", type=float, default=0.0, help="share of documents held out for eval")
     prep.add_argument("--eod-token", help="the end-of-document token's text (default: the tokenizer's own)")

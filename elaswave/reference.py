@@ -40,7 +40,6 @@ def train_reference(cfg: JobConfig, on_step: Callable[[dict], None] | None = Non
         layer.cast(dtype)
     accumulator = GradAccumulator(layers, t.deterministic, t.grad_fixed_point_bits, t.num_micro_batches)
     index = ChunkIndex.build([l.numel for l in layers], cfg.parallel.chunk_numel)
-    global_tokens = t.num_micro_batches * t.micro_batch_size * m.seq_len
     losses, eval_losses = [], {}
     eval_sampler = open_eval_sampler(cfg, m) if t.eval_every else None
     for step in range(t.steps + 1):
@@ -48,19 +47,20 @@ def train_reference(cfg: JobConfig, on_step: Callable[[dict], None] | None = Non
             began = time.perf_counter()
             eval_losses[step] = _evaluate(cfg, stage, eval_sampler)
             if on_step is not None:
-                on_step({"event": "eval", "step": step, "eval_loss": eval_losses[step], "world_size": 1, "epoch": 0,
-                         "eval_tokens": t.eval_batches * t.num_micro_batches * t.micro_batch_size * m.seq_len,
-                         "eval_s": time.perf_counter() - began})
+                on_step({"event": "eval", "step": step, "eval_loss": eval_losses[step][0], "world_size": 1,
+                         "epoch": 0, "eval_tokens": eval_losses[step][1], "eval_s": time.perf_counter() - began})
+            eval_losses[step] = eval_losses[step][0]
         if step == t.steps:
             break
         started = time.perf_counter()
+        global_tokens = sampler.loss_tokens(step)
         accumulator.zero()
         loss_sums = []
         for mb in range(t.num_micro_batches):
             batch = sampler.micro_batch(step, mb)
             loss_sum = m.loss_sum(stage.forward(batch.inputs, step, mb), batch.targets)
             loss_sums.append(float(loss_sum.detach()))
-            (loss_sum / global_tokens).backward()
+            (loss_sum / max(1, global_tokens)).backward()
             accumulator.add_micro_batch()
         grad = accumulator.to_float(bucket.pack([accumulator.sums[l.index] for l in layers]))
         norm, coef = clip_coef(list(optimizer.chunk_sumsq([grad], index, owned_only=True,
@@ -69,11 +69,12 @@ def train_reference(cfg: JobConfig, on_step: Callable[[dict], None] | None = Non
         with torch.no_grad():
             for layer, flat in zip(layers, bucket.unpack(optimizer.params[0])):
                 layer.flat.copy_(flat)
-        loss = math.fsum(loss_sums) / global_tokens
+        loss = math.fsum(loss_sums) / max(1, global_tokens)
         losses.append(loss)
         if on_step is not None:
             on_step({"event": "step", "step": step, "loss": loss, "grad_norm": norm,
                      "num_samples": t.num_micro_batches * t.micro_batch_size, "world_size": 1, "epoch": 0,
+                     "tokens": t.num_micro_batches * t.micro_batch_size * m.seq_len, "loss_tokens": global_tokens,
                      "step_time_s": time.perf_counter() - started})
     for layer, flat in zip(layers, bucket.unpack(optimizer.params[0])):  # the masters, for digest and export
         layer.cast(torch.float32)
@@ -85,13 +86,15 @@ def train_reference(cfg: JobConfig, on_step: Callable[[dict], None] | None = Non
             "state_sha256": state_sha256(optimizer.gen, [owned_state_sum(optimizer)]), "precision": name(dtype)}
 
 
-def _evaluate(cfg: JobConfig, stage: Stage, sampler: Sampler) -> float:
-    """The held-out loss of the whole model, micro-batch after micro-batch (see runtime/evaluation.py)."""
+def _evaluate(cfg: JobConfig, stage: Stage, sampler: Sampler) -> tuple[float, int]:
+    """The held-out loss of the whole model, micro-batch after micro-batch (see runtime/evaluation.py),
+    and its count of loss tokens."""
     t, m = cfg.train, stage.model
-    sums = []
+    sums, tokens = [], 0
     with torch.no_grad():
         for j in range(t.eval_batches):
             for mb in range(t.num_micro_batches):
                 batch = sampler.micro_batch(j, mb)
                 sums.append(float(m.loss_sum(stage.forward(batch.inputs, j, mb, train=False), batch.targets)))
-    return math.fsum(sums) / (t.eval_batches * t.num_micro_batches * t.micro_batch_size * m.seq_len)
+                tokens += batch.loss_tokens
+    return math.fsum(sums) / max(1, tokens), tokens

@@ -10,6 +10,12 @@ a micro-batch holds is a pure function of its id: no layout, kill, join, re-part
 from disk can make a sample be seen twice or skipped. The global batch of a step is the
 micro-batches ``0..M-1``; which pipeline runs which is the plan's business, never the data's.
 
+A corpus with a loss mask (conversations, ``prepare --format chat``) marks the targets that are not
+trained with ``IGNORE`` (-100, what ``torch.nn.functional.cross_entropy`` and transformers' labels
+skip). The loss of a step is then the mean over the loss tokens of the whole global batch:
+:meth:`Sampler.loss_tokens` counts them from the step's micro-batch ids alone, so every pipeline
+scales its gradients by the same count, whichever micro-batches it runs.
+
 With ``data.mix``, sample ``g`` first goes to a source (:mod:`elaswave.data.mixture`) as that
 source's ``k``-th sample, and ``k`` takes the place of ``g`` above: every source has its own epochs.
 """
@@ -27,12 +33,20 @@ from elaswave.data.permutation import Permutation
 from elaswave.errors import ConfigError
 
 
+IGNORE = -100
+"""A target that is not trained (the loss mask's 0)."""
+
+
 @dataclass(frozen=True)
 class MicroBatch:
     step: int
     index: int
     inputs: torch.Tensor  # (micro_batch_size, seq_len) int64
-    targets: torch.Tensor  # (micro_batch_size, seq_len) int64
+    targets: torch.Tensor  # (micro_batch_size, seq_len) int64; IGNORE where not trained
+
+    @property
+    def loss_tokens(self) -> int:
+        return int((self.targets != IGNORE).sum())
 
 
 @dataclass(frozen=True)
@@ -60,6 +74,7 @@ class Sampler:
         if min(self.num_windows) < 1:
             raise ValueError(f"a corpus of {min(map(len, self.sources))} tokens holds no window of seq_len + 1 = {seq_len + 1}")
         self._orders: dict[tuple[int, int], Permutation] = {}
+        self._loss_tokens: dict[tuple[int, int], int] = {}
         self.on_read: Callable[[int, int, np.ndarray], None] | None = None
         """Called with (step, index, window ids) each time a micro-batch is read (a data trace)."""
 
@@ -96,7 +111,38 @@ class Sampler:
         rows = np.stack([self.sources[s].read(int(w) * self.seq_len, self.seq_len + 1)
                          for s, w in zip(d.sources.tolist(), d.windows.tolist())])
         rows = torch.from_numpy(rows.astype(np.int64, copy=False))
-        return MicroBatch(step, index, rows[:, :-1].contiguous(), rows[:, 1:].contiguous())
+        targets = rows[:, 1:].contiguous()
+        trained = self._trained(d)
+        if trained is not None:
+            targets[~torch.from_numpy(trained)] = IGNORE
+        return MicroBatch(step, index, rows[:, :-1].contiguous(), targets)
+
+    def _trained(self, d: Draw) -> np.ndarray | None:
+        """(micro_batch_size, seq_len) bool: which targets are trained; None when all are."""
+        if not any(getattr(src, "masked", False) for src in self.sources):
+            return None
+        out = np.ones((len(d.windows), self.seq_len), dtype=np.bool_)
+        for row, (s, w) in enumerate(zip(d.sources.tolist(), d.windows.tolist())):
+            read = getattr(self.sources[s], "read_mask", None)
+            mask = read(int(w) * self.seq_len + 1, self.seq_len) if read is not None else None
+            if mask is not None:
+                out[row] = mask
+        return out
+
+    def loss_tokens(self, step: int, num_micro_batches: int | None = None) -> int:
+        """The targets trained in step ``step``'s global batch (micro-batches 0..M-1, M the plan's),
+        read from the masks alone; ``M x b x seq_len`` when nothing is masked."""
+        M = num_micro_batches or self.num_micro_batches
+        if (step, M) not in self._loss_tokens:
+            full = self.micro_batch_size * self.seq_len
+            count = 0
+            for m in range(M):
+                trained = self._trained(self.draw(step, m))
+                count += full if trained is None else int(trained.sum())
+            if len(self._loss_tokens) > 8:
+                self._loss_tokens.pop(min(self._loss_tokens))
+            self._loss_tokens[step, M] = count
+        return self._loss_tokens[step, M]
 
 
 def _corpora(cfg) -> list:

@@ -3,7 +3,9 @@
 ``DIR/manifest.json`` names the tokenizer (its sha256, vocabulary size, end-of-document id), the id
 dtype and, per split (``train``, ``eval``), its shards: ``NAME.bin`` holds the packed token ids
 (flat little-endian, nanoGPT-style) and ``NAME.idx`` each document's start offset in it (int64,
-one more entry than documents). The manifest is written last, so a directory with one is whole.
+one more entry than documents). A corpus of conversations trained on what the assistant says
+(``elaswave-tokens/2``, ``prepare --format chat``) has ``NAME.mask`` beside them: one byte per token,
+1 where that token is a loss target. The manifest is written last, so a directory with one is whole.
 
 A split reads as one stream of tokens, the shards one after the other; nothing is read until a
 window is asked for, and then only its pages (``numpy.memmap``). Each read then unmaps the pages
@@ -27,6 +29,8 @@ from elaswave.data.tokenizer import Encoder
 
 MANIFEST = "manifest.json"
 FORMAT = "elaswave-tokens/1"
+FORMAT_MASKED = "elaswave-tokens/2"
+"""With a loss mask: an elaswave that cannot honour one refuses the corpus rather than train every token."""
 DTYPES = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}
 RELEASE_ALIGN = 2 << 20
 """Unmap whole 2 MiB-aligned regions around a window: the largest folio a fault maps in."""
@@ -44,9 +48,9 @@ def read_manifest(path: str) -> dict:
     except (OSError, ValueError) as exc:
         raise ConfigError(f"data.path={path!r} is invalid: {where} cannot be read as a prepared corpus "
                           f"manifest ({exc}); make one with `elaswave prepare`") from None
-    if manifest.get("format") != FORMAT:
+    if manifest.get("format") not in (FORMAT, FORMAT_MASKED):
         raise ConfigError(f"data.path={path!r} is invalid: its manifest's format is {manifest.get('format')!r}, "
-                          f"this elaswave reads {FORMAT!r}")
+                          f"this elaswave reads {FORMAT!r} and {FORMAT_MASKED!r}")
     return manifest
 
 
@@ -55,6 +59,7 @@ class Shard:
     name: str
     tokens: np.ndarray  # memmap of ids
     starts: np.ndarray  # memmap of int64 document starts, documents + 1 entries
+    mask: np.ndarray | None = None  # memmap of uint8 loss-target flags, one per token
 
 
 class PreparedTokens:
@@ -66,6 +71,7 @@ class PreparedTokens:
         self.vocab_size = int(self.manifest["vocab_size"])
         self.eod_id = int(self.manifest["tokenizer"]["eod_id"])
         dtype = DTYPES[self.manifest["dtype"]]
+        self.masked = self.manifest["format"] == FORMAT_MASKED
         if split not in self.manifest["splits"]:
             raise ConfigError(f"data.path={path!r} has no {split!r} split; it has {sorted(self.manifest['splits'])}")
         self.shards = [self._open(s, dtype) for s in self.manifest["splits"][split]["shards"]]
@@ -78,29 +84,41 @@ class PreparedTokens:
         name, tokens, documents = entry["name"], int(entry["tokens"]), int(entry["documents"])
         files = {os.path.join(self.path, name + ".bin"): tokens * dtype.itemsize,
                  os.path.join(self.path, name + ".idx"): (documents + 1) * 8}
+        if self.masked:
+            files[os.path.join(self.path, name + ".mask")] = tokens
         for file, size in files.items():
             found = os.path.getsize(file) if os.path.isfile(file) else None
             if found != size:
                 raise ConfigError(f"data.path={self.path!r} is invalid: {file} has "
                                   f"{'no file' if found is None else f'{found} bytes'}, its manifest says {size} "
                                   f"bytes; prepare the corpus again")
-        bin_file, idx_file = files
+        bin_file, idx_file, *mask_file = files
+        mask = None
+        if mask_file:
+            mask = np.memmap(mask_file[0], dtype=np.uint8, mode="r", shape=(tokens,)) if tokens else np.empty(0, np.uint8)
         return Shard(name, np.memmap(bin_file, dtype=dtype, mode="r", shape=(tokens,)) if tokens else np.empty(0, dtype),
-                     np.memmap(idx_file, dtype="<i8", mode="r", shape=(documents + 1,)))
+                     np.memmap(idx_file, dtype="<i8", mode="r", shape=(documents + 1,)), mask)
 
     def __len__(self) -> int:
         return int(self.offsets[-1])
 
     def read(self, start: int, length: int) -> np.ndarray:
         """Tokens ``start .. start+length-1`` of the stream as int64 (a window may span shards)."""
+        return self._read(start, length, lambda s: s.tokens, np.int64)
+
+    def read_mask(self, start: int, length: int) -> np.ndarray | None:
+        """Loss-target flags of the same tokens (bool), or None when every token is one."""
+        return self._read(start, length, lambda s: s.mask, np.bool_) if self.masked else None
+
+    def _read(self, start: int, length: int, field, dtype) -> np.ndarray:
         parts, end = [], start + length
         i = int(np.searchsorted(self.offsets, start, side="right")) - 1
         while start < end:
             lo = start - int(self.offsets[i])
-            take = min(end - start, len(self.shards[i].tokens) - lo)
-            tokens = self.shards[i].tokens
-            parts.append(np.array(tokens[lo:lo + take], dtype=np.int64))
-            _release(tokens, lo, take)
+            values = field(self.shards[i])
+            take = min(end - start, len(values) - lo)
+            parts.append(np.array(values[lo:lo + take], dtype=dtype))
+            _release(values, lo, take)
             start += take
             i += 1
         return np.concatenate(parts) if len(parts) > 1 else parts[0]

@@ -54,10 +54,17 @@ class Encoder:
 
             self.tokenizer = Tokenizer.from_str(tokenizer_json)
 
-    def encode(self, documents: list[str]) -> list[np.ndarray]:
+    def encode(self, documents: list[str], special: bool = False) -> list[np.ndarray]:
+        """``special``: with the tokens the tokenizer adds to a text of its own accord (a Llama's BOS)."""
         if self.tokenizer is None:
             return [np.frombuffer(d.encode("utf-8"), dtype=np.uint8) for d in documents]
-        return [np.asarray(e.ids, dtype=np.int64) for e in self.tokenizer.encode_batch(documents, add_special_tokens=False)]
+        return [np.asarray(e.ids, dtype=np.int64) for e in self.tokenizer.encode_batch(documents, add_special_tokens=special)]
+
+    def encode_with_offsets(self, texts: list[str]) -> list[tuple[np.ndarray, list[tuple[int, int]]]]:
+        """Ids and each token's (start, end) characters; nothing added (a chat template writes its
+        own special tokens)."""
+        return [(np.asarray(e.ids, dtype=np.int64), e.offsets)
+                for e in self.tokenizer.encode_batch(texts, add_special_tokens=False)]
 
     def decode(self, ids: Iterable[int]) -> str:
         ids = [int(i) for i in ids]

@@ -62,7 +62,9 @@ class Model(Protocol):
         """One per layer, in layer order."""
 
     def loss_sum(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """The micro-batch's token losses, summed (callers divide by the global token count)."""
+        """The micro-batch's token losses, summed (callers divide by the global count of loss
+        tokens). A target of -100 (``elaswave.data.sampler.IGNORE``: masked by the corpus) is not a
+        loss token: ``torch.nn.functional.cross_entropy``'s default ``ignore_index`` skips it."""
 
     def identity(self) -> dict:
         """What a checkpoint must match to load into this model (JSON-ready)."""

@@ -18,11 +18,12 @@ class Executor:
     ``before`` before every action (fault injection, and giving up early in a broken epoch);
     ``emulated``: modelled compute time added to each forward and backward (``--emulate``)."""
 
-    def __init__(self, stage: Stage, p2p: P2P, sampler: Sampler | None, global_tokens: int,
+    def __init__(self, stage: Stage, p2p: P2P, sampler: Sampler | None, global_tokens: Callable[[int], int],
                  on_backward: Callable[[], None], before: Callable[[int, Action], None] | None = None,
                  emulated: EmulatedCompute | None = None):
         self.stage, self.p2p, self.sampler = stage, p2p, sampler
         self.global_tokens = global_tokens
+        """Step -> the loss tokens of its whole global batch (what every micro-batch's loss is divided by)."""
         self.on_backward = on_backward
         self.before = before
         self.emulated = emulated
@@ -39,13 +40,14 @@ class Executor:
             Op.RECV_GRAD: self._recv_grad, Op.BACKWARD: self._backward, Op.SEND_GRAD: self._send_grad,
         }
 
-    def run(self, actions: Sequence[Action], step: int) -> dict[int, float]:
-        """Execute the actions; returns each micro-batch's summed token loss (last stage only)."""
+    def run(self, actions: Sequence[Action], step: int) -> dict[int, tuple[float, int]]:
+        """Execute the actions; returns each micro-batch's summed token loss and its count of loss
+        tokens (last stage only)."""
         self.step = step
         self.inputs: dict[int, torch.Tensor] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self.grads: dict[int, torch.Tensor] = {}
-        self.losses: dict[int, float] = {}
+        self.losses: dict[int, tuple[float, int]] = {}
         self.busy_s = 0.0
         for action in actions:
             if self.before is not None:
@@ -56,14 +58,14 @@ class Executor:
         return self.losses
 
     def evaluate(self, actions: Sequence[Action], sampler: Sampler | None, batch: int,
-                 before: Callable[[Action], None] | None = None) -> dict[int, float]:
+                 before: Callable[[Action], None] | None = None) -> dict[int, tuple[float, int]]:
         """The forwards of ``actions`` (a step's schedule) on held-out batch ``batch`` read from
         ``sampler``: no dropout, no graph, no gradients. Returns each micro-batch's summed token loss
-        (last stage only). Dropping the backwards leaves a schedule that cannot deadlock: it only
+        and loss-token count (last stage only). Dropping the backwards leaves a schedule that cannot deadlock: it only
         loses waits."""
         received: dict[int, torch.Tensor] = {}
         outputs: dict[int, torch.Tensor] = {}
-        losses: dict[int, float] = {}
+        losses: dict[int, tuple[float, int]] = {}
         with torch.no_grad():
             for a in actions:
                 if a.op not in (Op.RECV_ACT, Op.FORWARD, Op.SEND_ACT):
@@ -80,7 +82,8 @@ class Executor:
                     x = data.inputs.to(self.stage.device) if self.stage.is_first else received.pop(mb)
                     out = self.stage.forward(x, batch, mb, train=False)
                     if self.stage.is_last:
-                        losses[mb] = float(self.stage.model.loss_sum(out, data.targets.to(self.stage.device)))
+                        losses[mb] = (float(self.stage.model.loss_sum(out, data.targets.to(self.stage.device))),
+                                      data.loss_tokens)
                     else:
                         outputs[mb] = out
         self.p2p.drain()
@@ -97,10 +100,10 @@ class Executor:
         out = self.stage.forward(x, self.step, mb)
         if self.stage.is_last:
             loss_sum = self.stage.model.loss_sum(out, batch.targets.to(self.stage.device))
-            self.losses[mb] = float(loss_sum.detach())
-            # Scale by the *global* token count: the gradient is the mean over the whole batch,
-            # whichever pipeline runs this micro-batch and however many pipelines are alive.
-            out = loss_sum / self.global_tokens
+            self.losses[mb] = (float(loss_sum.detach()), batch.loss_tokens)
+            # Scale by the *global* count of loss tokens: the gradient is the mean over the whole
+            # batch, whichever pipeline runs this micro-batch and however many pipelines are alive.
+            out = loss_sum / max(1, self.global_tokens(self.step))
         self.outputs[mb] = out
         if self.emulated is not None:
             self.emulated.forward(began)

@@ -36,14 +36,17 @@ class Evaluation:
         began = time.perf_counter()
         M = t.num_micro_batches
         sampler = self.sampler if st.stage.is_first or st.stage.is_last else None
-        sums = torch.zeros(t.eval_batches * M, dtype=torch.float64)
+        # Each micro-batch's loss sum, then its loss-token count: one contributor per entry.
+        sums = torch.zeros(2 * t.eval_batches * M, dtype=torch.float64)
         for j in range(t.eval_batches):
             hook = (lambda a, j=j: before(j, a)) if before is not None else None
-            for mb, loss_sum in st.executor.evaluate(st.schedule, sampler, j, hook).items():
+            for mb, (loss_sum, count) in st.executor.evaluate(st.schedule, sampler, j, hook).items():
                 sums[j * M + mb] = loss_sum
+                sums[(t.eval_batches + j) * M + mb] = count
         sums = sums.to(st.device)
         st.world.all_reduce(sums, "eval loss exchange")
-        tokens = t.eval_batches * st.plan.num_micro_batches * t.micro_batch_size * self.model.seq_len
-        return {"event": "eval", "step": step, "eval_loss": math.fsum(sums.cpu().tolist()) / tokens,
+        sums = sums.cpu().tolist()
+        tokens = int(sum(sums[t.eval_batches * M:]))
+        return {"event": "eval", "step": step, "eval_loss": math.fsum(sums[:t.eval_batches * M]) / max(1, tokens),
                 "eval_tokens": tokens, "eval_s": time.perf_counter() - began, "world_size": len(st.plan.ranks),
                 "epoch": st.epoch, "wall_time": time.time()}

@@ -83,7 +83,8 @@ def build_rank(cfg: JobConfig, plan: Plan, rank: int, stage: Stage, sampler: Sam
     accumulator = GradAccumulator(stage.layers, t.deterministic, t.grad_fixed_point_bits, t.num_micro_batches)
     p2p = P2P(world, pipeline[s - 1] if s > 0 else None, pipeline[s + 1] if s < len(pipeline) - 1 else None,
               (t.micro_batch_size, model.seq_len, model.hidden_size), device, dtype)
-    step_tokens = plan.num_micro_batches * t.micro_batch_size * model.seq_len
+    def step_tokens(step: int) -> int:
+        return sampler.loss_tokens(step, plan.num_micro_batches)
     # With detours (the reroute baseline) no per-pipeline 1F1B fits; all ranks derive one schedule.
     schedule = (plan_schedules(plan, cfg.emulate.backward_factor).get(rank, []) if plan.routes
                 else one_f_one_b(s, len(pipeline), plan.micro_batches[d]))

@@ -32,6 +32,10 @@ class StepResult:
     store_lost: bool = False
     """Every rank's link to the control store has given up: all stop after this step. (A rank cut
     off from a store that the others still reach trains on until they leave it out.)"""
+    tokens: int = 0
+    """Target tokens of the global batch."""
+    loss_tokens: int = 0
+    """Of them, the ones trained (all, unless the corpus has a loss mask): the loss is their mean."""
 
 
 class _Laps:
@@ -76,9 +80,11 @@ def train_step(st: RankState, cfg: JobConfig, step: int, pool: SnapshotPool | No
     # store, and every rank's speed.
     is_verified = pool.verify(st.world, step) if pool is not None else True
     M = t.num_micro_batches
-    exchange = torch.zeros(M + 3 + st.world.size, dtype=torch.float64)
-    for mb, loss_sum in losses.items():
+    W = st.world.size
+    exchange = torch.zeros(2 * M + 3 + W, dtype=torch.float64)
+    for mb, (loss_sum, loss_tokens) in losses.items():
         exchange[mb] = loss_sum  # one contributor per entry: the sum is exact
+        exchange[M + 3 + W + mb] = loss_tokens
     exchange[M] = admit(st) if admit is not None else 0
     exchange[M + 1] = 1.0 if is_verified else 0.0
     exchange[M + 2] = 1.0 if store_lost is not None and store_lost() else 0.0
@@ -130,11 +136,13 @@ def train_step(st: RankState, cfg: JobConfig, step: int, pool: SnapshotPool | No
     fault(step, "snapshot")
     lap("snapshot")
 
-    step_tokens = st.plan.num_micro_batches * t.micro_batch_size * st.stage.model.seq_len
-    loss = math.fsum(exchange[:M].tolist()) / step_tokens
-    speeds = dict(zip(st.world.members, exchange[M + 3:].tolist()))
+    loss_tokens = int(exchange[M + 3 + W:].sum().item())
+    loss = math.fsum(exchange[:M].tolist()) / max(1, loss_tokens)
+    speeds = dict(zip(st.world.members, exchange[M + 3:M + 3 + W].tolist()))
     return StepResult(loss=loss, grad_norm=norm, lr=lr, phases_s=lap.phases, joining=int(exchange[M].item()),
-                      speeds=speeds, store_lost=exchange[M + 2].item() == st.world.size)
+                      speeds=speeds, store_lost=exchange[M + 2].item() == st.world.size,
+                      tokens=st.plan.num_micro_batches * t.micro_batch_size * st.stage.model.seq_len,
+                      loss_tokens=loss_tokens)
 
 
 def gather_params(st: RankState) -> None:

@@ -127,7 +127,8 @@ def run(cfg: JobConfig, rank: int, world_size: int, metrics_out: str | None) -> 
                     journal.commit_before(step, writer)
                     samples = st.plan.num_micro_batches * t.micro_batch_size
                     journal.add({"event": "step", "step": step, "loss": result.loss, "grad_norm": result.grad_norm,
-                                 "lr": result.lr, "num_samples": samples, "world_size": len(st.plan.ranks),
+                                 "lr": result.lr, "num_samples": samples, "tokens": result.tokens,
+                                 "loss_tokens": result.loss_tokens, "world_size": len(st.plan.ranks),
                                  "epoch": st.epoch, "step_time_s": took, "tokens_per_s": samples * ctx.model.seq_len / took,
                                  "wall_time": time.time(), "phases_s": result.phases_s,
                                  "modelled_power_w": _modelled_power(st.plan), **ctx.source_tokens(step)})

@@ -1,0 +1,143 @@
+"""Chat data: ``elaswave prepare --format chat`` renders conversations with the model folder's own
+chat template and stores a loss mask beside the tokens; training honours it. The loss of a step is
+the mean over the loss tokens of the whole global batch: transformers' loss with ``labels=-100`` on
+the masked tokens on the same batch, a real dp=2 x pp=2 run, and the reference, bit for bit."""
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from elaswave import config
+from elaswave.config import ConfigError
+from elaswave.data import tokenizer as tok
+from elaswave.data.prepare import prepare
+from elaswave.data.sampler import IGNORE, open_sampler
+from elaswave.data.shards import PreparedTokens
+from elaswave.model.registry import model_for
+from tests.helpers.spawn import TINY, run_cli
+
+CHATML = ("{% for message in messages %}{{'<|im_start|>' + message['role'] + '\\n' + message['content'] + "
+          "'<|im_end|>' + '\\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+WORDS = "the cat sat on a mat and then it ran to see why sky is blue because light scatters".split()
+
+
+def _conversation(i: int) -> dict:
+    say = lambda k, n: " ".join(WORDS[(i * 7 + k * 3 + j) % len(WORDS)] for j in range(n))  # noqa: E731
+    messages = [{"role": "system", "content": "be brief"}] if i % 3 == 0 else []
+    for turn in range(1 + i % 2):
+        messages += [{"role": "user", "content": say(turn, 5 + i % 4)}, {"role": "assistant", "content": say(turn + 9, 4 + i % 5)}]
+    return {"messages": messages}
+
+
+@pytest.fixture(scope="module")
+def chat_model(tmp_path_factory):
+    """A model folder as chat models come: tokenizer.json (a byte-level BPE with ChatML's special
+    tokens) and tokenizer_config.json with the chat template; the conversations beside it."""
+    from tokenizers import AddedToken, Tokenizer
+    root = tmp_path_factory.mktemp("chat")
+    spec = tok.train_bpe("train-bpe:320", [" ".join(WORDS)] * 20)
+    tokenizer = Tokenizer.from_str(spec.json)
+    tokenizer.add_special_tokens([AddedToken("<|im_start|>", special=True), AddedToken("<|im_end|>", special=True)])
+    model = root / "model"
+    model.mkdir()
+    tokenizer.save(str(model / "tokenizer.json"))
+    (model / "tokenizer_config.json").write_text(json.dumps({"chat_template": CHATML, "eos_token": "<|im_end|>"}))
+    (root / "chat.jsonl").write_text("".join(json.dumps(_conversation(i)) + "\n" for i in range(60)))
+    return root
+
+
+def _prepared(chat_model, tmp_path, **options):
+    return prepare([str(chat_model / "chat.jsonl")], str(tmp_path / "corpus"), str(chat_model / "model"),
+                   progress=False, fmt="chat", **options)
+
+
+def test_the_mask_covers_what_the_assistant_says_and_its_end_of_turn(chat_model, tmp_path):
+    m = _prepared(chat_model, tmp_path)
+    assert m["format"] == "elaswave-tokens/2" and m["loss_mask"]["train_on"] == "assistant"
+    corpus = PreparedTokens(str(tmp_path / "corpus"))
+    encoder, starts = corpus.encoder(), corpus.shards[0].starts
+    assert len(starts) - 1 == 60
+    for d in (0, 1, 5):
+        ids = corpus.read(int(starts[d]), int(starts[d + 1] - starts[d]))
+        mask = corpus.read_mask(int(starts[d]), int(starts[d + 1] - starts[d]))
+        said = "".join(msg["content"] + "<|im_end|>\n" for msg in _conversation(d)["messages"]
+                       if msg["role"] == "assistant")
+        assert encoder.decode(ids[mask]) == said
+        whole = encoder.decode(ids[:-1])  # the end-of-document id follows, untrained
+        assert whole.startswith("<|im_start|>") and not mask[-1]
+    everything = _prepared(chat_model, tmp_path / "all", train_on="all")
+    assert everything["format"] == "elaswave-tokens/1" and everything["splits"]["train"]["tokens"] == m["splits"]["train"]["tokens"]
+
+
+@pytest.mark.parametrize("record,expected", [
+    ({"messages": [{"content": "hi"}]}, 'message 0 has no "role"'),
+    ({"messages": [{"role": "user"}]}, 'message 0 (user) has no text "content"'),
+    ({"messages": [{"role": "wizard", "content": "hi"}]}, "message 0 has role 'wizard'"),
+    ({"text": "hi"}, 'has no "messages" list'),
+])
+def test_a_bad_conversation_is_one_line_naming_its_line(tmp_path, chat_model, record, expected):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps(_conversation(0)) + "\n" + json.dumps(record) + "\n")
+    res = run_cli(["prepare", str(bad), "--out", str(tmp_path / "corpus"), "--tokenizer", str(chat_model / "model"),
+                   "--format", "chat", "--workers", "1"], tmp_path)
+    assert res.returncode == 2 and f"{bad}:2" in res.stderr and expected in res.stderr, res.stderr
+    assert "Traceback" not in res.stderr and not (tmp_path / "corpus").exists()
+
+
+def test_a_tokenizer_without_a_chat_template_is_refused(tmp_path, chat_model):
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    (plain / "tokenizer.json").write_bytes((chat_model / "model" / "tokenizer.json").read_bytes())
+    with pytest.raises(ConfigError, match="has no chat template"):
+        prepare([str(chat_model / "chat.jsonl")], str(tmp_path / "c"), str(plain), progress=False, fmt="chat")
+
+
+def test_the_loss_is_the_mean_over_the_global_batch_loss_tokens(chat_model, tmp_path):
+    """The sampler marks untrained targets IGNORE and counts the step's loss tokens over every
+    micro-batch, whichever pipeline reads them."""
+    _prepared(chat_model, tmp_path)
+    cfg = config.load(None, [*TINY, "model.vocab_size=400", f"data.path={tmp_path / 'corpus'}",
+                             "train.num_micro_batches=4"])
+    sampler = open_sampler(cfg, model_for(cfg))
+    batches = [sampler.micro_batch(3, mb) for mb in range(4)]
+    counted = sum(int((b.targets != IGNORE).sum()) for b in batches)
+    assert sampler.loss_tokens(3) == counted == sum(b.loss_tokens for b in batches)
+    assert 0 < counted < 4 * batches[0].targets.numel()  # prompts are masked, answers are not
+    assert np.array_equal(batches[0].inputs[:, 1:], np.where(batches[0].targets[:, :-1] == IGNORE,
+                                                             batches[0].inputs[:, 1:], batches[0].targets[:, :-1]))
+
+
+def test_masked_training_equals_transformers_and_the_reference_in_a_real_layout(chat_model, tmp_path):
+    transformers = pytest.importorskip("transformers")
+    _prepared(chat_model, tmp_path)
+    vocab = PreparedTokens(str(tmp_path / "corpus")).vocab_size
+    torch.manual_seed(0)
+    hf = tmp_path / "hf"
+    transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-5)).save_pretrained(hf)
+    sets = [f"model.init_from={hf}", "model.seq_len=32", f"data.path={tmp_path / 'corpus'}", "train.steps=3",
+            "train.num_micro_batches=4", "train.micro_batch_size=2", "parallel.timeout_s=60"]
+    args = [x for s in sets for x in ("--set", s)]
+    run = run_cli(["run", "--deterministic", *args, "--set", "parallel.dp=2", "--set", "parallel.pp=2"], tmp_path)
+    assert run.returncode == 0, run.stderr
+    ref = run_cli(["reference", "--deterministic", *args], tmp_path)
+    assert ref.returncode == 0, ref.stderr
+    steps = [r for r in run.records if r["event"] == "step"]
+    assert [r["loss"] for r in steps] == [r["loss"] for r in ref.records if r["event"] == "step"]
+    assert run.summary["params_sha256"] == ref.summary["params_sha256"]
+    assert all(0 < r["loss_tokens"] < r["tokens"] == 4 * 2 * 32 for r in steps)
+    # transformers on step 0's global batch: labels -100 where masked, the mean over all its loss tokens.
+    cfg = config.load(None, [*sets, "train.deterministic=true"])
+    sampler = open_sampler(cfg, model_for(cfg))
+    model = transformers.AutoModelForCausalLM.from_pretrained(hf).eval()
+    total = 0.0
+    with torch.no_grad():
+        for mb in range(4):
+            b = sampler.micro_batch(0, mb)
+            out = model(input_ids=b.inputs, labels=b.targets, shift_labels=b.targets,
+                        num_items_in_batch=steps[0]["loss_tokens"])
+            total += float(out.loss)
+    assert steps[0]["loss_tokens"] == sampler.loss_tokens(0)
+    assert abs(steps[0]["loss"] - total) <= 1e-5
