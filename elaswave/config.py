@@ -302,6 +302,9 @@ class JobConfig:
             _fail("checkpoint.export_hf", self.checkpoint.export_hf,
                   f"needs model.arch=llama (Hugging Face's Llama layout); this job's model is "
                   f"{self.model.factory or self.model.arch}")
+        if self.data.document_masking == "true" and (self.model.arch != "llama" or self.model.factory):
+            _fail("data.document_masking", self.data.document_masking,
+                  f"is implemented for model.arch=llama; this job's model is {self.model.factory or self.model.arch}")
         if self.checkpoint.export_hf:
             check_target(self.checkpoint.export_hf, self.checkpoint.overwrite,
                          keep={"model.init_from": self.model.init_from, "checkpoint.dir": self.checkpoint.dir,
@@ -346,6 +349,8 @@ _SECTIONS = {f.name: f.type for f in fields(JobConfig)}
 def _coerce(key: str, raw: Any, default: Any) -> Any:
     """Parse ``raw`` (a string from --set, or a TOML value) into the type of ``default``."""
     kind = type(default)
+    if kind is str and isinstance(raw, bool):  # a TOML true/false for a key that also takes auto
+        return str(raw).lower()
     if kind is tuple:  # a list in TOML/JSON, or ';'-separated items from --set
         items = raw.split(";") if isinstance(raw, str) else raw
         if not isinstance(items, (list, tuple)) or not all(isinstance(x, str) for x in items):

@@ -58,7 +58,7 @@ def train_reference(cfg: JobConfig, on_step: Callable[[dict], None] | None = Non
         loss_sums = []
         for mb in range(t.num_micro_batches):
             batch = sampler.micro_batch(step, mb)
-            loss_sum = m.loss_sum(stage.forward(batch.inputs, step, mb), batch.targets)
+            loss_sum = m.loss_sum(stage.forward(batch.inputs, step, mb, documents=batch.documents), batch.targets)
             loss_sums.append(float(loss_sum.detach()))
             (loss_sum / max(1, global_tokens)).backward()
             accumulator.add_micro_batch()
@@ -95,6 +95,7 @@ def _evaluate(cfg: JobConfig, stage: Stage, sampler: Sampler) -> tuple[float, in
         for j in range(t.eval_batches):
             for mb in range(t.num_micro_batches):
                 batch = sampler.micro_batch(j, mb)
-                sums.append(float(m.loss_sum(stage.forward(batch.inputs, j, mb, train=False), batch.targets)))
+                sums.append(float(m.loss_sum(stage.forward(batch.inputs, j, mb, train=False, documents=batch.documents),
+                                             batch.targets)))
                 tokens += batch.loss_tokens
     return math.fsum(sums) / max(1, tokens), tokens

@@ -12,6 +12,7 @@ from elaswave.errors import fail as _fail
 
 
 DATA_SOURCES = ("auto", "stdlib", "text", "bin", "tokens")
+DOCUMENT_MASKING = ("auto", "true", "false")
 
 
 def _is_prepared(path: str) -> bool:
@@ -35,6 +36,10 @@ class DataConfig:
     mix: tuple = ()
     """Prepared corpora blended by weight, ``PATH=WEIGHT`` each (instead of ``path``); every source
     keeps its own exactly-once epochs."""
+    document_masking: str = "auto"
+    """true: attention never crosses a document boundary inside a packed window (block-causal, from
+    the prepared corpus's document index); auto: true for a corpus of conversations (``prepare
+    --format chat``), else false."""
 
     @property
     def mixture(self) -> list[tuple[str, float]]:
@@ -52,6 +57,18 @@ class DataConfig:
         return pairs
 
     @property
+    def masks_documents(self) -> bool:
+        """``document_masking`` in effect (``auto`` resolved by the corpus's manifest)."""
+        if self.document_masking != "auto":
+            return self.document_masking == "true"
+        if self.kind != "tokens":
+            return False
+        from elaswave.data.shards import read_manifest  # late: keeps numpy off the config edge
+
+        paths = [p for p, _ in self.mixture] or [self.path]
+        return all(read_manifest(p).get("input_format") == "chat" for p in paths)
+
+    @property
     def kind(self) -> str:
         """The source in effect (``auto`` resolved by what is at the path)."""
         if self.source != "auto":
@@ -67,6 +84,11 @@ class DataConfig:
     def validate(self) -> None:
         if self.source not in DATA_SOURCES:
             _fail("data.source", self.source, f"must be one of {', '.join(DATA_SOURCES)}")
+        if self.document_masking not in DOCUMENT_MASKING:
+            _fail("data.document_masking", self.document_masking, f"must be one of {', '.join(DOCUMENT_MASKING)}")
+        if self.document_masking == "true" and self.kind != "tokens":
+            _fail("data.document_masking", self.document_masking, f"needs a corpus made by `elaswave prepare` (its "
+                  f"document index); data.source={self.kind} has none")
         if self.mix:
             if self.path or self.source not in ("auto", "tokens"):
                 _fail("data.path" if self.path else "data.source", self.path or self.source,

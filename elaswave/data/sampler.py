@@ -43,6 +43,9 @@ class MicroBatch:
     index: int
     inputs: torch.Tensor  # (micro_batch_size, seq_len) int64
     targets: torch.Tensor  # (micro_batch_size, seq_len) int64; IGNORE where not trained
+    documents: torch.Tensor | None = None
+    """(micro_batch_size, seq_len) int64: the document of each input token (equal ids, same
+    document), with data.document_masking; attention never crosses from one to another."""
 
     @property
     def loss_tokens(self) -> int:
@@ -59,11 +62,12 @@ class Draw:
 
 class Sampler:
     def __init__(self, tokens, seed: int, micro_batch_size: int, seq_len: int, num_micro_batches: int,
-                 mixture: Mixture | None = None, purpose: int = rng.DATA):
+                 mixture: Mixture | None = None, purpose: int = rng.DATA, documents: bool = False):
         """``tokens``: a token stream (``len``, ``read(start, length)``; see :mod:`elaswave.data.corpus`),
         or a list of them blended by ``mixture``; ``purpose``: the rng key of the window orders
         (rng.EVAL for the held-out windows)."""
         self.purpose = purpose
+        self.with_documents = documents
         self.sources = list(tokens) if isinstance(tokens, (list, tuple)) else [tokens]
         self.seed = seed
         self.micro_batch_size = micro_batch_size
@@ -115,7 +119,11 @@ class Sampler:
         trained = self._trained(d)
         if trained is not None:
             targets[~torch.from_numpy(trained)] = IGNORE
-        return MicroBatch(step, index, rows[:, :-1].contiguous(), targets)
+        documents = None
+        if self.with_documents:
+            documents = torch.from_numpy(np.stack([self.sources[s].documents(int(w) * self.seq_len, self.seq_len) + (s << 48)
+                                                   for s, w in zip(d.sources.tolist(), d.windows.tolist())]))
+        return MicroBatch(step, index, rows[:, :-1].contiguous(), targets, documents)
 
     def _trained(self, d: Draw) -> np.ndarray | None:
         """(micro_batch_size, seq_len) bool: which targets are trained; None when all are."""
@@ -156,7 +164,8 @@ def open_sampler(cfg, model) -> Sampler:
 
     t = cfg.train
     tokens = [open_tokens(c, model.vocab_size, model.seq_len + 1) for c in _corpora(cfg)]
-    return Sampler(tokens, t.seed, t.micro_batch_size, model.seq_len, t.num_micro_batches, mixture_of(cfg))
+    return Sampler(tokens, t.seed, t.micro_batch_size, model.seq_len, t.num_micro_batches, mixture_of(cfg),
+                   documents=cfg.data.masks_documents)
 
 
 def open_eval_sampler(cfg, model) -> Sampler:
@@ -171,7 +180,7 @@ def open_eval_sampler(cfg, model) -> Sampler:
     corpora = _corpora(cfg)
     tokens = [open_tokens(c, model.vocab_size, model.seq_len + 1, split="eval") for c in corpora]
     sampler = Sampler(tokens, t.seed, t.micro_batch_size, model.seq_len, t.num_micro_batches, mixture_of(cfg),
-                      purpose=rng.EVAL)
+                      purpose=rng.EVAL, documents=cfg.data.masks_documents)
     draws = [sampler.draw(j, m) for j in range(t.eval_batches) for m in range(t.num_micro_batches)]
     over = sorted({int(s) for d in draws for s in d.sources[d.epochs > 0]})
     if over:

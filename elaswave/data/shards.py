@@ -110,6 +110,20 @@ class PreparedTokens:
         """Loss-target flags of the same tokens (bool), or None when every token is one."""
         return self._read(start, length, lambda s: s.mask, np.bool_) if self.masked else None
 
+    def documents(self, start: int, length: int) -> np.ndarray:
+        """Which document each of the same tokens is in (int64; equal ids, same document; a
+        document's end-of-document id is its own last token)."""
+        out, end = [], start + length
+        i = int(np.searchsorted(self.offsets, start, side="right")) - 1
+        while start < end:
+            lo = start - int(self.offsets[i])
+            take = min(end - start, len(self.shards[i].tokens) - lo)
+            local = np.searchsorted(self.shards[i].starts, np.arange(lo, lo + take), side="right") - 1
+            out.append((i << 40) + local.astype(np.int64))  # shards end at document ends: ids stay apart
+            start += take
+            i += 1
+        return np.concatenate(out) if len(out) > 1 else out[0]
+
     def _read(self, start: int, length: int, field, dtype) -> np.ndarray:
         parts, end = [], start + length
         i = int(np.searchsorted(self.offsets, start, side="right")) - 1

@@ -76,7 +76,7 @@ class Attention(nn.Module):
         mask = torch.triu(torch.ones(m.seq_len, m.seq_len, dtype=torch.bool), diagonal=1)
         self.register_buffer("causal", mask, persistent=False)
 
-    def forward(self, x: torch.Tensor, gen: torch.Generator | None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, gen: torch.Generator | None, documents: torch.Tensor | None = None) -> torch.Tensor:
         b, t, _ = x.shape
         q = self.q_proj(x).view(b, t, self.num_heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
@@ -86,11 +86,15 @@ class Attention(nn.Module):
         # Query head h reads key/value head h // group (Hugging Face's repeat_kv).
         group = self.num_heads // self.num_kv_heads
         k, v = (z.repeat_interleave(group, dim=1) if group > 1 else z for z in (k, v))
+        # Block-causal with documents: a token sees the earlier tokens of its own document only.
+        blocked = self.causal[:t, :t] if documents is None else \
+            (self.causal[:t, :t] | (documents[:, :, None] != documents[:, None, :]))[:, None]
         if self.fused and (gen is None or self.p == 0.0):
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            y = (F.scaled_dot_product_attention(q, k, v, is_causal=True) if documents is None else
+                 F.scaled_dot_product_attention(q, k, v, attn_mask=~blocked))
         else:
             att = (q @ k.transpose(-2, -1)) * self.head_dim ** -0.5
-            att = att.masked_fill(self.causal[:t, :t], float("-inf")).softmax(dim=-1, dtype=torch.float32)
+            att = att.masked_fill(blocked, float("-inf")).softmax(dim=-1, dtype=torch.float32)
             att = rng.keyed_dropout(att.to(q.dtype), self.p, gen)
             y = att @ v
         return self.o_proj(y.transpose(1, 2).reshape(b, t, self.num_heads * self.head_dim))
@@ -112,7 +116,7 @@ class Embedding(nn.Module):
         super().__init__()
         self.embed_tokens = nn.Embedding(m.vocab_size, m.d_model)
 
-    def forward(self, idx: torch.Tensor, gen: torch.Generator | None) -> torch.Tensor:
+    def forward(self, idx: torch.Tensor, gen: torch.Generator | None, documents: torch.Tensor | None = None) -> torch.Tensor:
         return self.embed_tokens(idx)
 
 
@@ -124,8 +128,8 @@ class Block(nn.Module):
         self.post_attention_layernorm = RMSNorm(m.d_model, m.norm_eps)
         self.mlp = MLP(m)
 
-    def forward(self, x: torch.Tensor, gen: torch.Generator | None) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), gen)
+    def forward(self, x: torch.Tensor, gen: torch.Generator | None, documents: torch.Tensor | None = None) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), gen, documents)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -135,7 +139,7 @@ class Head(nn.Module):
         self.norm = RMSNorm(m.d_model, m.norm_eps)
         self.lm_head = nn.Linear(m.d_model, m.vocab_size, bias=False)
 
-    def forward(self, x: torch.Tensor, gen: torch.Generator | None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, gen: torch.Generator | None, documents: torch.Tensor | None = None) -> torch.Tensor:
         return self.lm_head(self.norm(x))
 
 

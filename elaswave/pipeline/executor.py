@@ -80,7 +80,8 @@ class Executor:
                 else:
                     data = sampler.micro_batch(batch, mb) if sampler is not None else None
                     x = data.inputs.to(self.stage.device) if self.stage.is_first else received.pop(mb)
-                    out = self.stage.forward(x, batch, mb, train=False)
+                    out = self.stage.forward(x, batch, mb, train=False,
+                                             documents=data.documents if data is not None else None)
                     if self.stage.is_last:
                         losses[mb] = (float(self.stage.model.loss_sum(out, data.targets.to(self.stage.device))),
                                       data.loss_tokens)
@@ -97,7 +98,7 @@ class Executor:
         began = time.perf_counter()
         batch = self.sampler.micro_batch(self.step, mb) if self.sampler is not None else None
         x = batch.inputs.to(self.stage.device) if self.stage.is_first else self.inputs[mb]
-        out = self.stage.forward(x, self.step, mb)
+        out = self.stage.forward(x, self.step, mb, documents=batch.documents if batch is not None else None)
         if self.stage.is_last:
             loss_sum = self.stage.model.loss_sum(out, batch.targets.to(self.stage.device))
             self.losses[mb] = (float(loss_sum.detach()), batch.loss_tokens)

@@ -49,18 +49,23 @@ class Stage:
         """What the layers hold and compute in (train.precision; set by casting the layers)."""
         return self.layers[0].flat.dtype
 
-    def forward(self, x: torch.Tensor, step: int, micro_batch: int, train: bool = True) -> torch.Tensor:
-        """Dropout in layer ``i`` draws from the stream (seed, DROPOUT, step, micro_batch, i)."""
+    def forward(self, x: torch.Tensor, step: int, micro_batch: int, train: bool = True,
+                documents: torch.Tensor | None = None) -> torch.Tensor:
+        """Dropout in layer ``i`` draws from the stream (seed, DROPOUT, step, micro_batch, i);
+        ``documents`` (data.document_masking): the document of each token, for every layer."""
+        if documents is not None:
+            documents = documents.to(self.device)
         for layer in self.running:
             if train and layer.index in self.recomputed and torch.is_grad_enabled():
                 # The recomputation makes its generator anew from the same key: the same masks.
-                x = checkpoint(self._run, layer, x, step, micro_batch, train, use_reentrant=False,
+                x = checkpoint(self._run, layer, x, step, micro_batch, train, documents, use_reentrant=False,
                                preserve_rng_state=False)
             else:
-                x = self._run(layer, x, step, micro_batch, train)
+                x = self._run(layer, x, step, micro_batch, train, documents)
         return x
 
-    def _run(self, layer: FlatLayer, x: torch.Tensor, step: int, micro_batch: int, train: bool) -> torch.Tensor:
+    def _run(self, layer: FlatLayer, x: torch.Tensor, step: int, micro_batch: int, train: bool,
+             documents: torch.Tensor | None = None) -> torch.Tensor:
         gen = rng.generator(self.seed, rng.DROPOUT, step, micro_batch, layer.index,
                             device=self.device) if train else None
-        return layer.module(x, gen)
+        return layer.module(x, gen) if documents is None else layer.module(x, gen, documents)

@@ -113,7 +113,8 @@ class Context:
         """The data, read the first time this rank runs a first or last stage (a data-parallel rank
         always does; a middle stage may become one when its pipeline is re-partitioned), or at once
         with ``stage`` None (a joiner, before it asks in: off the path of the members it joins)."""
-        if self._sampler is None and (stage is None or stage.is_first or stage.is_last):
+        # With document masking every stage reads its micro-batches' document index.
+        if self._sampler is None and (stage is None or stage.is_first or stage.is_last or self.cfg.data.masks_documents):
             self._sampler = open_sampler(self.cfg, self.model)
             trace = os.environ.get(DATA_TRACE_ENV)
             if trace:

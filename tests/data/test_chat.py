@@ -108,7 +108,8 @@ def test_the_loss_is_the_mean_over_the_global_batch_loss_tokens(chat_model, tmp_
                                                              batches[0].inputs[:, 1:], batches[0].targets[:, :-1]))
 
 
-def test_masked_training_equals_transformers_and_the_reference_in_a_real_layout(chat_model, tmp_path):
+@pytest.mark.parametrize("documents", ["false", "true"])
+def test_masked_training_equals_transformers_and_the_reference_in_a_real_layout(chat_model, tmp_path, documents):
     transformers = pytest.importorskip("transformers")
     _prepared(chat_model, tmp_path)
     vocab = PreparedTokens(str(tmp_path / "corpus")).vocab_size
@@ -118,7 +119,8 @@ def test_masked_training_equals_transformers_and_the_reference_in_a_real_layout(
         vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-5)).save_pretrained(hf)
     sets = [f"model.init_from={hf}", "model.seq_len=32", f"data.path={tmp_path / 'corpus'}", "train.steps=3",
-            "train.num_micro_batches=4", "train.micro_batch_size=2", "parallel.timeout_s=60"]
+            "train.num_micro_batches=4", "train.micro_batch_size=2", "parallel.timeout_s=60",
+            f"data.document_masking={documents}"]
     args = [x for s in sets for x in ("--set", s)]
     run = run_cli(["run", "--deterministic", *args, "--set", "parallel.dp=2", "--set", "parallel.pp=2"], tmp_path)
     assert run.returncode == 0, run.stderr
@@ -136,8 +138,48 @@ def test_masked_training_equals_transformers_and_the_reference_in_a_real_layout(
     with torch.no_grad():
         for mb in range(4):
             b = sampler.micro_batch(0, mb)
+            extra = {}
+            if documents == "true":  # transformers' custom 4D mask: the same block-causal pattern
+                t = b.inputs.shape[1]
+                allowed = torch.tril(torch.ones(t, t, dtype=torch.bool)) & (b.documents[:, :, None] == b.documents[:, None, :])
+                extra["attention_mask"] = torch.zeros(allowed.shape).masked_fill(~allowed, float("-inf"))[:, None]
             out = model(input_ids=b.inputs, labels=b.targets, shift_labels=b.targets,
-                        num_items_in_batch=steps[0]["loss_tokens"])
+                        num_items_in_batch=steps[0]["loss_tokens"], **extra)
             total += float(out.loss)
     assert steps[0]["loss_tokens"] == sampler.loss_tokens(0)
     assert abs(steps[0]["loss"] - total) <= 1e-5
+
+
+def test_document_masking_keeps_attention_inside_each_conversation(chat_model, tmp_path):
+    """Block-causal attention from the document index: a window's logits at a document's tokens
+    equal the logits of that document alone (at its own positions, as a window starting with it
+    sees them); without the mask the earlier conversation leaks in. Every layout equals the reference."""
+    _prepared(chat_model, tmp_path)
+    from elaswave.pipeline.stage import Stage
+    sets = [*TINY, "model.vocab_size=400", f"data.path={tmp_path / 'corpus'}", "train.deterministic=true",
+            "model.dropout=0"]
+    masked = config.load(None, sets)
+    assert masked.data.masks_documents  # auto: a corpus of conversations
+    plain = config.load(None, [*sets, "data.document_masking=false"])
+    sampler = open_sampler(masked, model_for(masked))
+    # A row in which the next document starts well inside the window.
+    for mb in range(8):
+        batch = sampler.micro_batch(0, mb)
+        rows = [(r, int((d != d[0]).nonzero()[0])) for r, d in enumerate(batch.documents) if (d != d[0]).any()]
+        rows = [(r, at) for r, at in rows if 4 <= at <= len(batch.documents[r]) - 8]
+        if rows:
+            break
+    row, second = rows[0]
+    batch = type(batch)(0, mb, batch.inputs[row:row + 1], batch.targets[row:row + 1], batch.documents[row:row + 1])
+    model = model_for(masked)
+    stage = Stage(masked, (0, model.num_layers), torch.device("cpu"), model)
+    with torch.no_grad():
+        with_mask = stage.forward(batch.inputs, 0, 0, train=False, documents=batch.documents)
+        without = stage.forward(batch.inputs, 0, 0, train=False)
+        # The second document alone at positions from 0 (rotary: shifting every token's position
+        # alike changes nothing that attention reads).
+        alone = stage.forward(batch.inputs[:, second:], 0, 0, train=False)
+    assert torch.allclose(with_mask[0, second:], alone[0], atol=1e-5)
+    assert not torch.allclose(without[0, second:], alone[0], atol=1e-3)
+    assert torch.equal(with_mask[0, :second], without[0, :second])  # the first document saw only itself
+    assert not plain.data.masks_documents
