@@ -64,7 +64,8 @@ class TrainConfig:
     steps of num_micro_batches x micro_batch_size x model.seq_len); 0: train.steps says."""
     epochs: float = 0.0
     """A budget instead of ``steps``: this many passes over the corpus's windows of seq_len + 1
-    tokens (rounded up to whole steps; a single source, not data.mix); 0: train.steps says."""
+    tokens, in whole steps that stay inside them (rounded down: the windows that do not fill a
+    last step go unread; a single source, not data.mix); 0: train.steps says."""
     eval_every: int = 0
     """Evaluate on the held-out split (a prepared corpus's eval split) after every this many steps
     and after the last; 0: never. An evaluation is a forward-only pass on the job's own layout."""
@@ -330,6 +331,22 @@ class JobConfig:
         return {"init_from": os.path.abspath(self.model.init_from) if self.model.init_from else "",
                 "data": os.path.abspath(self.data.path) if self.data.kind == "tokens" else ""}
 
+    def data_identity(self) -> dict:
+        """What a resumed run must read as the run that saved the checkpoint did: the corpus (its
+        manifest's hash), its tokenizer's, and every setting that decides which samples a step holds."""
+        from elaswave.data.shards import corpus_identity  # late: keeps numpy off the config edge
+
+        d, t = self.data, self.train
+        paths = [p for p, _ in d.mixture] or [d.path]
+        corpora = [list(corpus_identity(p)) if d.kind == "tokens" else [d.kind, os.path.abspath(p) if p else "",
+                                                                         d.max_corpus_bytes]
+                   for p in paths]  # lists: what the manifest's JSON gives back
+        return {"corpus": [c[1] for c in corpora] if d.kind == "tokens" else corpora,
+                "tokenizer": [c[0] for c in corpora] if d.kind == "tokens" else "bytes",
+                "mix": list(d.mix), "document_masking": d.masks_documents, "seed": t.seed, "seq_len": self.model.seq_len,
+                "micro_batch_size": t.micro_batch_size, "num_micro_batches": t.num_micro_batches,
+                "tokens_per_step": t.num_micro_batches * t.micro_batch_size * self.model.seq_len}
+
     def model_identity(self) -> dict:
         """What a checkpoint must match to load into this job: the model's shape."""
         return {k: v for k, v in dataclasses.asdict(self.model).items()
@@ -443,7 +460,14 @@ def _budgeted(cfg: JobConfig) -> JobConfig:
     from elaswave.data.corpus import corpus_tokens  # late: keeps numpy off the config edge
 
     windows = (corpus_tokens(cfg.data) - 1) // cfg.model.seq_len
-    t.steps, t.epochs = max(1, math.ceil(t.epochs * windows / per_step)), 0.0
+    # Whole steps inside the epochs asked for: the last steps never read a window of the next
+    # epoch; the few windows that do not fill a last step go unread (at most one step's worth).
+    steps = math.floor(t.epochs * windows / per_step)
+    if steps < 1:
+        _fail("train.epochs", t.epochs, f"is less than one step: the corpus holds {windows} windows of model.seq_len + 1 "
+                                        f"= {cfg.model.seq_len + 1} tokens and a step reads {per_step}; use more epochs "
+                                        "or smaller batches")
+    t.steps, t.epochs = steps, 0.0
     return cfg
 
 

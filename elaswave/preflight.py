@@ -10,6 +10,54 @@ from elaswave.errors import ConfigError
 def check(cfg: JobConfig) -> None:
     check_model_and_data(cfg)
     check_memory(cfg)
+    check_resume(cfg)
+
+
+def check_resume(cfg: JobConfig) -> None:
+    """The newest checkpoint a run would resume from was trained on the same data, read the same way."""
+    c = cfg.checkpoint
+    if not (c.dir and c.resume):
+        return
+    from elaswave.checkpoint import disk
+
+    manifest = disk.latest(c.dir)
+    if manifest is not None:
+        try:
+            manifest.check_data(cfg.data_identity())
+        except disk.CheckpointError as exc:
+            raise ConfigError(f"checkpoint.dir={c.dir!r} is invalid: {exc}") from None
+
+
+def check_tokenizer(cfg: JobConfig) -> None:
+    """A model from a folder trains on text tokenized by its own tokenizer: a prepared corpus whose
+    tokenizer is the folder's (by hash: the same vocabulary size is not the same tokenizer), or
+    bytes only when asked for by name."""
+    m, d = cfg.model, cfg.data
+    if not m.init_from:
+        return
+    import hashlib
+    import os
+
+    if d.kind != "tokens":
+        if d.source == "auto":
+            raise ConfigError(f"model.init_from={m.init_from!r} is invalid without data.path: the job would train the "
+                              f"model on {'the Python standard library' if d.kind == 'stdlib' else d.path!r} as bytes, "
+                              f"not as its tokenizer reads text; give data.path a corpus made with `elaswave prepare ... "
+                              f"--tokenizer {m.init_from}`, or set data.source={d.kind} to train on bytes anyway")
+        return
+    own = os.path.join(m.init_from, "tokenizer.json")
+    if not os.path.isfile(own):
+        return  # nothing to compare with: the folder carries no tokenizer
+    with open(own, encoding="utf-8") as fh:
+        expected = hashlib.sha256(fh.read().encode()).hexdigest()
+    from elaswave.data.shards import read_manifest
+
+    for path in [p for p, _ in d.mixture] or [d.path]:
+        tok = read_manifest(path)["tokenizer"]
+        if tok["sha256"] != expected:
+            raise ConfigError(f"data.path={path!r} is invalid for model.init_from={m.init_from!r}: it was tokenized "
+                              f"with {tok['name']!r}, not with the model's tokenizer.json; prepare it again with "
+                              f"--tokenizer {m.init_from}")
 
 
 def check_memory(cfg: JobConfig) -> None:
@@ -33,6 +81,7 @@ def check_model_and_data(cfg: JobConfig) -> None:
     from elaswave.data.sampler import open_eval_sampler, open_sampler
     from elaswave.model.registry import model_for
 
+    check_tokenizer(cfg)
     model = model_for(cfg)
     if cfg.model.init_from:
         model.weights.check(model)

@@ -49,10 +49,14 @@ def test_a_token_or_epoch_budget_sets_the_steps(tmp_path):
     corpus = tmp_path / "c.bin"
     corpus.write_bytes(bytes(2 * (64 * 100 + 1)))  # 6,401 uint16 tokens: 100 windows of 64 + 1
     sets = [f"data.path={corpus}", "model.seq_len=64", "train.num_micro_batches=4", "train.micro_batch_size=2"]
-    for budget, steps in (("train.epochs=1", 13), ("train.epochs=2", 25), ("train.epochs=0.08", 1),
-                          ("train.tokens=1024", 2), ("train.tokens=1025", 3)):  # 8 windows, 512 tokens a step
+    # 8 windows, 512 tokens a step; an epoch budget stays inside its epochs (100 windows: 12 steps
+    # and 4 windows unread), a token budget is rounded up.
+    for budget, steps in (("train.epochs=1", 12), ("train.epochs=2", 25), ("train.epochs=0.08", 1),
+                          ("train.tokens=1024", 2), ("train.tokens=1025", 3)):
         cfg = config.load(None, [*sets, budget])
         assert cfg.train.steps == steps, budget
         assert config.from_dict(cfg.to_dict()).train.steps == steps  # what the launcher hands its ranks
+    with pytest.raises(ConfigError, match="train.epochs=0.05 is invalid: is less than one step: the corpus holds 100"):
+        config.load(None, [*sets, "train.epochs=0.05"])
     with pytest.raises(ConfigError, match="train.epochs=1.0 is invalid: is ambiguous with data.mix"):
         config._budgeted(config.JobConfig(data=config.DataConfig(mix=("a=1",)), train=config.TrainConfig(epochs=1.0)))

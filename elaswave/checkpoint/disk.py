@@ -106,6 +106,9 @@ class Manifest:
     source: dict = field(default_factory=dict)
     """Where the job's model and data came from (``init_from``, ``data``: absolute paths), for an
     offline export to carry the input folder's config and tokenizer."""
+    data: dict = field(default_factory=dict)
+    """What the job read and how (corpus and tokenizer hashes, the sampler's settings): a resume
+    must read the same samples in the same order (empty in checkpoints written before it)."""
 
     @property
     def path(self) -> Path:
@@ -119,6 +122,15 @@ class Manifest:
 
     def is_complete(self) -> bool:
         return all((self.part(r) / ".metadata").is_file() for r in {r for row in self.owners for r in row})
+
+    def check_data(self, data: dict) -> None:
+        """A clear error if resuming here would read other samples than the run that saved it."""
+        changed = [f"{k} {self.data.get(k)!r} there, {v!r} here" for k, v in data.items()
+                   if self.data and self.data.get(k) != v]
+        if changed:
+            raise CheckpointError(f"checkpoint {self.path} was trained on other data or batches, so resuming "
+                                  f"would re-read or skip samples: {', '.join(changed)}; restore them, or start "
+                                  "afresh in another checkpoint.dir")
 
     def check_fits(self, model: dict, chunk_numel: int, owners: Owners) -> None:
         """A clear error if this checkpoint was written by another model or chunking."""
@@ -144,7 +156,7 @@ def read_manifest(path: Path) -> Manifest | None:
     fence = Fence(*doc["fence"]) if "fence" in doc else UNFENCED
     root = path.parent if fence == UNFENCED else path.parent.parent
     return Manifest(str(root), doc["step"], tuple(tuple(row) for row in doc["owners"]),
-                    doc["chunk_numel"], doc["model"], fence, doc.get("source", {}))
+                    doc["chunk_numel"], doc["model"], fence, doc.get("source", {}), doc.get("data", {}))
 
 
 def _writes(root: str | Path):
@@ -269,9 +281,10 @@ class Checkpointer:
     under the fence of the run (``run``, set once the job knows it) and the epoch it was made in."""
 
     def __init__(self, root: str, rank: int, every: int, keep: int, model: dict, chunk_numel: int, run: int = 0,
-                 source: dict | None = None):
+                 source: dict | None = None, data: dict | None = None):
         self.root, self.rank, self.every, self.keep = root, rank, every, keep
         self.model, self.chunk_numel, self.run, self.source = model, chunk_numel, run, source or {}
+        self.data = data or {}
         self._thread: threading.Thread | None = None
         self.error: BaseException | None = None
         self.fenced_off: list[tuple[int, Fence, Fence]] = []
@@ -288,7 +301,8 @@ class Checkpointer:
         state = {_name(k): payload[i].detach().to("cpu", copy=True) for i, k in enumerate(keys)}
         fence = Fence(self.run, epoch)
         manifest = {"step": gen, "fence": list(fence), "owners": [list(row) for row in owners],
-                    "chunk_numel": self.chunk_numel, "model": self.model, "source": self.source}
+                    "chunk_numel": self.chunk_numel, "model": self.model, "source": self.source, "data": self.data,
+                    "tokens_consumed": gen * self.data.get("tokens_per_step", 0)}
         self._thread = threading.Thread(target=self._write, args=(gen, fence, state, manifest, is_writer),
                                         name="elaswave-checkpoint", daemon=True)
         self._thread.start()

@@ -54,6 +54,16 @@ def read_manifest(path: str) -> dict:
     return manifest
 
 
+def corpus_identity(path: str) -> tuple[str, str]:
+    """(the tokenizer's sha256, the manifest's): what names a prepared corpus and how it was tokenized."""
+    import hashlib
+
+    where = os.path.join(path, MANIFEST)
+    with open(where, "rb") as fh:
+        raw = fh.read()
+    return read_manifest(path)["tokenizer"]["sha256"], hashlib.sha256(raw).hexdigest()
+
+
 @dataclass
 class Shard:
     name: str

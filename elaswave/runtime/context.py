@@ -75,7 +75,8 @@ class Context:
         self.injector = FaultInjector(cfg.elastic.faults if first_attempt else [], rank, self.membership)
         c = cfg.checkpoint
         self.checkpointer = disk.Checkpointer(c.dir, rank, c.every_steps, c.keep, cfg.model_identity(),
-                                              cfg.parallel.chunk_numel, source=cfg.sources()) if c.dir else None
+                                              cfg.parallel.chunk_numel, source=cfg.sources(),
+                                              data=cfg.data_identity()) if c.dir else None
         self.run = 0
         """Which run of the checkpoint directory this job is: with the epoch, the fence of what it writes there."""
         self.actuator = actuator.make(cfg.actuator, device)

@@ -57,7 +57,7 @@ def save_and_stop(ctx, st: RankState | None, reason: str, noticed_at: float, wri
     began = time.perf_counter()
     checkpointer = ctx.checkpointer or disk.Checkpointer(root, ctx.rank, 0, cfg.checkpoint.keep,
                                                          cfg.model_identity(), cfg.parallel.chunk_numel, ctx.run,
-                                                         cfg.sources())
+                                                         cfg.sources(), cfg.data_identity())
     try:
         checkpointer.wait()  # a background save of the same generation must not race ours
     except disk.CheckpointError as exc:

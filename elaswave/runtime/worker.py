@@ -327,6 +327,7 @@ def _resume_point(cfg: JobConfig, plan, rank: int) -> ResumePoint | None:
     if manifest is None:
         return None
     manifest.check_fits(cfg.model_identity(), cfg.parallel.chunk_numel, plan.chunk_owners)
+    manifest.check_data(cfg.data_identity())
     if manifest.step >= cfg.train.steps:
         raise ConfigError(f"train.steps={cfg.train.steps} is invalid: the checkpoint in {c.dir} is already at "
                           f"step {manifest.step}; raise train.steps or use another checkpoint.dir")

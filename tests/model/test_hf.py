@@ -16,7 +16,7 @@ from tests.helpers.spawn import TINY, run_cli  # noqa: E402
 
 HF = dict(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
           num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=True, rms_norm_eps=1e-5)
-JOB = [x for s in [*TINY[4:], "model.seq_len=32", "parallel.timeout_s=60"] for x in ("--set", s)]
+JOB = [x for s in [*TINY[4:], "model.seq_len=32", "parallel.timeout_s=60", "data.source=stdlib"] for x in ("--set", s)]
 
 
 @pytest.fixture(scope="module")
@@ -251,3 +251,21 @@ def test_bad_keys_with_init_from_are_one_line(tmp_path, hf_dir, sets, expected):
     args = ["run", "--set", f"model.init_from={hf_dir}", *[x for s in sets for x in ("--set", s)], *JOB]
     res = run_cli(args, tmp_path)
     assert res.returncode == 2 and expected in res.stderr and "Traceback" not in res.stderr, res.stderr
+
+
+def test_a_model_folder_trains_only_on_text_its_own_tokenizer_read(tmp_path, bf16_dir):
+    """Without data.path the job would train the model on the standard library as bytes; a corpus
+    tokenized otherwise fits the vocabulary (256 byte ids < 339) and still is refused, by hash."""
+    from elaswave.data.prepare import prepare
+    base = ["run", "--set", f"model.init_from={bf16_dir}", "--set", "train.steps=1", *JOB[:-2]]
+    res = run_cli(base, tmp_path)
+    assert res.returncode == 2 and "is invalid without data.path" in res.stderr and "Traceback" not in res.stderr
+    text = tmp_path / "t.txt"
+    text.write_text("w1 w2 w3 " * 200)
+    prepare([str(text)], str(tmp_path / "bytes"), "bytes", progress=False)
+    res = run_cli([*base, "--set", f"data.path={tmp_path / 'bytes'}"], tmp_path)
+    assert res.returncode == 2 and "it was tokenized with 'bytes', not with the model's tokenizer.json" in res.stderr
+    ours = prepare([str(text)], str(tmp_path / "ours"), str(bf16_dir), progress=False)
+    assert ours["vocab_size"] == len(TOKENS)
+    res = run_cli([*base, "--set", f"data.path={tmp_path / 'ours'}", "--set", "train.num_micro_batches=2"], tmp_path)
+    assert res.returncode == 0, res.stderr

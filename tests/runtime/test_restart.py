@@ -50,4 +50,10 @@ def test_a_checkpoint_of_another_model_is_refused_and_left_as_it_was(tmp_path):
     errors = [line for line in wider.stderr.splitlines() if "error" in line]
     assert errors and all("another model: model.d_model=32 there, 48 here" in e for e in errors)
     assert "Traceback" not in wider.stderr
+    # Other batches would re-read or skip samples (it was accepted, and re-read samples 24-31).
+    for change, said in (("train.num_micro_batches=4", "num_micro_batches 6 there, 4 here"),
+                         ("train.seed=7", "seed 1234 there, 7 here")):
+        other = run_cli(["run"] + [x for s in _sets(tmp_path, 2, 1, [change]) for x in ("--set", s)], tmp_path)
+        lines = [line for line in other.stderr.splitlines() if line.strip()]
+        assert other.returncode == 2 and len(lines) == 1 and said in lines[0], other.stderr
     assert sorted(p.name for p in ckpt.iterdir()) == before  # nothing of the old run was touched
