@@ -237,7 +237,8 @@ def cmd_prepare(args: argparse.Namespace) -> int:
     from elaswave.data.prepare import prepare
 
     m = prepare(args.inputs, args.out, args.tokenizer, args.text_field, args.workers, args.eval_fraction,
-                args.eod_token, args.shard_tokens, args.overwrite, fmt=args.format, train_on=args.train_on)
+                args.eod_token, args.shard_tokens, args.overwrite, fmt=args.format, train_on=args.train_on,
+                separator=args.separator)
     train, held = m["splits"]["train"], m["splits"]["eval"]
     print(f"elaswave: wrote {args.out}: {train['tokens']:,} train tokens in {train['documents']:,} documents, "
           f"{held['tokens']:,} eval tokens in {held['documents']:,}; vocabulary {m['vocab_size']:,} ({m['dtype']}); "
@@ -324,6 +325,9 @@ def main(argv: list[str] | None = None) -> int:
     prep.add_argument("--format", default="text", choices=("text", "chat"),
                       help="text: documents; chat: .jsonl lines of {\"messages\": [{\"role\", \"content\"}, ...]} "
                            "rendered with --tokenizer MODEL_DIR's chat template")
+    prep.add_argument("--separator", default="blank-line", metavar="SEP",
+                      help="what splits a text file into documents: blank-line (default), file (the whole file is "
+                           "one document), or a text such as '<|endoftext|>'")
     prep.add_argument("--train-on", default="assistant", choices=("assistant", "all"),
                       help="--format chat: the tokens that are trained (default: what the assistant says)")
     prep.add_argument("--workers", type=int, default=max(1, (os.cpu_count() or 1)), help="tokenizing processes")

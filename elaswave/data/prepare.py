@@ -1,7 +1,7 @@
 """``elaswave prepare``: text in, a prepared corpus out (:mod:`elaswave.data.shards`), tokenized once.
 
-Documents are whole text files, or one field of each line of a ``.jsonl`` file (``--format
-text``), or the conversations of a ``.jsonl`` file (``--format chat``: rendered with the model's chat
+Documents are the parts of text files between blank lines (``--separator``, or whole files),
+or one field of each line of a ``.jsonl`` file (``--format text``), or the conversations of a ``.jsonl`` file (``--format chat``: rendered with the model's chat
 template, with a loss mask beside the tokens, :mod:`elaswave.data.chat`); folders are read
 recursively in sorted order, so the same inputs always make the same corpus. A text document gets
 the special tokens its tokenizer adds of its own accord (a Llama's BOS), and each document is
@@ -9,7 +9,10 @@ followed by the end-of-document id (unless the tokenizer already ended it with t
 falls under ``eval_fraction``: the split does not depend on the order of inputs or the number of
 workers, and a document repeated in the input is never on both sides.
 
-Workers (spawned processes) tokenize batches of documents; the parent writes them in input order.
+Everything is streamed: a text file is read in chunks and cut into documents as it goes (a stretch
+longer than ``MAX_DOCUMENT_CHARS`` without a separator is cut at a line end), and at most two
+batches per worker are in flight, so memory does not grow with the input. Workers (spawned
+processes) tokenize batches of documents; the parent writes them in input order.
 Everything is written into ``OUT.partial`` and renamed to ``OUT`` at the end, so an interrupted
 prepare never leaves a manifest that points at half-written shards.
 """
@@ -20,6 +23,7 @@ import json
 import multiprocessing
 import os
 import shutil
+import sys
 import time
 from collections.abc import Iterator
 
@@ -32,6 +36,14 @@ from elaswave.data.shards import DTYPES, FORMAT, FORMAT_MASKED, MANIFEST, is_pre
 SHARD_TOKENS = 1 << 28
 """Tokens per shard file (512 MiB at uint16): few files, each far under any file-size limit."""
 FORMATS = ("text", "chat")
+BLANK_LINE = "blank-line"
+WHOLE_FILE = "file"
+MAX_DOCUMENT_CHARS = 1 << 23
+"""A document longer than this (8 Mi characters) is cut at a line end: tokenizing one unbounded
+string is what made a 21.6 MB file peak at 3 GB."""
+READ_CHARS = 1 << 20
+LOG_EVERY_S = 10.0
+"""Off a terminal (a log file, CI), a progress line this often instead of a bar."""
 BATCH_BYTES = 1 << 20
 """Text per worker task: large enough to keep a worker busy, small enough to stream."""
 
@@ -54,20 +66,49 @@ def _is_binary(path: str) -> bool:
         return b"\0" in fh.read(8192)
 
 
-def documents(inputs: list[str], text_field: str) -> Iterator[str]:
+def documents(inputs: list[str], text_field: str, separator: str = BLANK_LINE) -> Iterator[str]:
     """Every document of ``inputs``, in order; a bad JSONL line is an error naming file:line. Binary
-    files found in a folder are passed over; one named as an input is read as text."""
+    files found in a folder are passed over; one named as an input is an error."""
     for given in inputs:
         for path in _files(given):
             if path.endswith(".jsonl"):
                 yield from _jsonl(path, text_field)
                 continue
-            if path != given and _is_binary(path):
+            if _is_binary(path):
+                if path == given:
+                    raise ConfigError(f"input {path!r} is invalid: it is binary (a NUL byte in its first 8 KiB); "
+                                      "give text files, folders of them or .jsonl files")
                 continue
-            with open(path, encoding="utf-8", errors="replace") as fh:
-                text = fh.read()
-            if text:
-                yield text
+            yield from _text_documents(path, separator)
+
+
+def _text_documents(path: str, separator: str) -> Iterator[str]:
+    """A text file's documents, read in chunks: the parts between separators (a blank line: a line
+    of nothing but whitespace), or the whole file; never one longer than MAX_DOCUMENT_CHARS."""
+    cut = _splitter(separator)
+    with open(path, encoding="utf-8", errors="replace") as fh:
+        tail = ""
+        while chunk := fh.read(READ_CHARS):
+            tail += chunk
+            if cut is not None:
+                *done, tail = cut(tail)
+                yield from (d for d in done if d.strip())
+            while len(tail) > MAX_DOCUMENT_CHARS:
+                at = tail.rfind("\n", 0, MAX_DOCUMENT_CHARS) + 1 or MAX_DOCUMENT_CHARS
+                yield tail[:at]
+                tail = tail[at:]
+        if tail.strip():
+            yield tail
+
+
+def _splitter(separator: str):
+    if separator == WHOLE_FILE:
+        return None
+    if separator == BLANK_LINE:
+        import re
+
+        return re.compile(r"\n[ \t\r\f\v]*\n").split
+    return lambda text: text.split(separator)
 
 
 def _jsonl(path: str, text_field: str) -> Iterator[str]:
@@ -107,14 +148,63 @@ def conversations(inputs: list[str]) -> Iterator[tuple[list[dict], str]]:
                     yield chat.messages_of(record, where), where
 
 
-def _units(inputs: list[str], text_field: str, fmt: str) -> Iterator[tuple[object, str]]:
+def _units(inputs: list[str], text_field: str, fmt: str, separator: str) -> Iterator[tuple[object, str]]:
     """(what a worker encodes, the text the eval split is decided by) for each document."""
     if fmt == "chat":
         for messages, where in conversations(inputs):
             yield (messages, where), json.dumps(messages, sort_keys=True, ensure_ascii=False)
     else:
-        for text in documents(inputs, text_field):
+        for text in documents(inputs, text_field, separator):
             yield text, text
+
+
+def _in_order(pool, fn, items: Iterator, ahead: int) -> Iterator:
+    """``pool.imap`` with at most ``ahead`` tasks in flight (imap reads its whole input at once:
+    the corpus would sit in the parent's memory, waiting)."""
+    from collections import deque
+
+    pending: deque = deque()
+    for item in items:
+        pending.append(pool.apply_async(fn, (item,)))
+        if len(pending) >= ahead:
+            yield pending.popleft().get()
+    while pending:
+        yield pending.popleft().get()
+
+
+class _Progress:
+    """A bar with the input's total bytes on a terminal; a line every LOG_EVERY_S elsewhere."""
+
+    def __init__(self, total: int, show: bool):
+        import sys
+
+        from tqdm import tqdm
+
+        self.total, self.done, self.tokens = total, 0, 0
+        self.began = self.logged = time.perf_counter()
+        self.lines = show and not sys.stderr.isatty()
+        self.bar = tqdm(total=total, unit="B", unit_scale=True, desc="prepare", disable=not show or self.lines)
+
+    def update(self, size: int, tokens: int) -> None:
+        self.done += size
+        now = time.perf_counter()
+        self.bar.update(size)
+        self.bar.set_postfix(tokens_per_s=f"{tokens / max(now - self.began, 1e-9):.3g}", refresh=False)
+        self.tokens = tokens
+        if self.lines and now - self.logged >= LOG_EVERY_S:
+            self.logged = now
+            self._line(min(99, int(100 * self.done / max(self.total, 1))))
+
+    def _line(self, percent: int) -> None:
+        took = max(time.perf_counter() - self.began, 1e-9)
+        print(f"elaswave prepare: {self.done / 1e6:,.1f} MB of text of {self.total / 1e6:,.1f} MB of input "
+              f"({percent}%), {self.done / 1e6 / took:.2f} MB/s, {self.tokens:,} tokens", file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        """(The text is the documents without their separators: less than the input's bytes.)"""
+        self.bar.close()
+        if self.lines and self.done:
+            self._line(100)
 
 
 def _is_eval(text: str, fraction: float) -> bool:
@@ -234,7 +324,8 @@ def _claim(out: str, overwrite: bool) -> str:
 
 def prepare(inputs: list[str], out: str, tokenizer: str, text_field: str = "text", workers: int = 1,
             eval_fraction: float = 0.0, eod_token: str | None = None, shard_tokens: int = SHARD_TOKENS,
-            overwrite: bool = False, progress: bool = True, fmt: str = "text", train_on: str = "assistant") -> dict:
+            overwrite: bool = False, progress: bool = True, fmt: str = "text", train_on: str = "assistant",
+            separator: str = BLANK_LINE) -> dict:
     """Tokenize ``inputs`` into the prepared corpus ``out``; returns its manifest."""
     if not inputs:
         raise ConfigError("prepare needs at least one INPUT (a text file, a folder or a .jsonl file)")
@@ -254,6 +345,8 @@ def prepare(inputs: list[str], out: str, tokenizer: str, text_field: str = "text
         raise ConfigError(f"--eval-fraction={eval_fraction} is invalid: must be in [0, 1)")
     if shard_tokens < 1:
         raise ConfigError(f"--shard-tokens={shard_tokens} is invalid: must be >= 1")
+    if not separator:
+        raise ConfigError(f"--separator={separator!r} is invalid: give {BLANK_LINE}, {WHOLE_FILE} or a text")
     for path in inputs:
         _files(path)  # a missing input is said before any work
     spec = _tokenizer_for(tokenizer, inputs, text_field, eod_token)
@@ -265,14 +358,12 @@ def prepare(inputs: list[str], out: str, tokenizer: str, text_field: str = "text
     writers = {split: ShardWriter(partial, split, dtype, spec.eod_id, spec.vocab_size, shard_tokens, masked)
                for split in ("train", "eval")}
     text_bytes = 0
-    from tqdm import tqdm
-
-    bar = tqdm(unit="B", unit_scale=True, desc="prepare", disable=not progress or None)
-    batches = _batches(_units(inputs, text_field, fmt), eval_fraction)
+    bar = _Progress(sum(os.path.getsize(f) for given in inputs for f in _files(given)), progress)
+    batches = _batches(_units(inputs, text_field, fmt, separator), eval_fraction)
     pool = None
     if workers > 1 and spec.json is not None:  # bytes take no tokenizing: workers would only copy them
         pool = multiprocessing.get_context("spawn").Pool(workers, _init_worker, (spec.json, chat_setting))
-        encoded = pool.imap(_encode, batches)
+        encoded = _in_order(pool, _encode, batches, 2 * workers)
     else:
         _init_worker(spec.json, chat_setting)
         encoded = map(_encode, batches)
@@ -281,9 +372,7 @@ def prepare(inputs: list[str], out: str, tokenizer: str, text_field: str = "text
             for one, mask, e in zip(ids, masks, to_eval):
                 writers["eval" if e else "train"].add(one, mask)
             text_bytes += size
-            bar.update(size)
-            tokens = sum(s["tokens"] for w in writers.values() for s in w.shards)
-            bar.set_postfix(tokens_per_s=f"{tokens / max(time.perf_counter() - began, 1e-9):.3g}", refresh=False)
+            bar.update(size, sum(s["tokens"] for w in writers.values() for s in w.shards))
     finally:
         bar.close()
         if pool is not None:
@@ -302,6 +391,7 @@ def prepare(inputs: list[str], out: str, tokenizer: str, text_field: str = "text
                               "file": "tokenizer.json" if spec.json is not None else None},
                 "splits": splits, "eval_fraction": eval_fraction,
                 "inputs": [os.path.abspath(i) for i in inputs], "text_field": text_field, "input_format": fmt,
+                "separator": separator if fmt == "text" else None,
                 "loss_mask": {"train_on": train_on, "file": ".mask"} if masked else None,
                 "chat_template": ({"source": os.path.abspath(template.source),
                                    "sha256": hashlib.sha256(template.text.encode()).hexdigest()}

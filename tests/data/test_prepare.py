@@ -133,7 +133,9 @@ def test_a_killed_prepare_leaves_no_manifest(tmp_path):
     res = run_cli(["prepare", str(text), "--out", str(out), "--shard-tokens", "1000000"], tmp_path, timeout_s=120)
     assert res.returncode == 0, res.stderr
     assert "MB of text per second" in res.stdout and not (tmp_path / "out.partial").exists()
-    assert json.loads((out / MANIFEST).read_text())["splits"]["train"]["tokens"] == text.stat().st_size + 1
+    train = json.loads((out / MANIFEST).read_text())["splits"]["train"]
+    # No blank line in ~22 MB: cut at line ends into documents of at most 8 Mi characters, each with its id after it.
+    assert train["documents"] == 3 and train["tokens"] == text.stat().st_size + 3
 
 
 def test_data_batches_names_each_samples_window_and_document(tmp_path, inputs):
@@ -174,3 +176,30 @@ def test_reading_windows_at_random_does_not_map_the_corpus_into_the_rank(tmp_pat
     grown = _rss_mb() - before
     assert window[0] == 97 + int(starts[-1]) % (1 << 20) % 26
     assert grown < 8, f"500 windows of 65 tokens grew the process by {grown:.1f} MB"
+
+
+def test_plain_text_is_cut_into_documents_at_blank_lines_and_streamed(tmp_path, capsys, monkeypatch):
+    """A book is not one document: --separator blank-line (default) splits it, so --eval-fraction
+    holds some out (it held out nothing before); off a terminal, progress is a line every
+    LOG_EVERY_S against the input's total; a binary file named as input is refused."""
+    from elaswave.data import prepare as module
+    book = tmp_path / "book.txt"
+    book.write_text("".join(f"chapter {i}\nline one of {i}\n  \nmore of {i}\n\n\n" for i in range(200)))
+    m = prepare([str(book)], str(tmp_path / "a"), "bytes", progress=False)
+    assert m["splits"]["train"]["documents"] == 400
+    stream = PreparedTokens(str(tmp_path / "a"))
+    first = bytes(stream.read(0, int(stream.shards[0].starts[1]) - 1).tolist()).decode()
+    assert first == "chapter 0\nline one of 0"
+    held = prepare([str(book)], str(tmp_path / "e"), "bytes", eval_fraction=0.2, progress=False)
+    assert 40 < held["splits"]["eval"]["documents"] < 120
+    whole = prepare([str(book)], str(tmp_path / "b"), "bytes", progress=False, separator="file")
+    assert whole["splits"]["train"]["documents"] == 1
+    monkeypatch.setattr(module, "LOG_EVERY_S", 0.0)
+    prepare([str(book)], str(tmp_path / "c"), "bytes", progress=True)  # stderr is captured: not a terminal
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("elaswave prepare:")]
+    assert len(lines) > 1 and all(" MB of input (" in line and " MB/s, " in line for line in lines)
+    assert "(100%)" in lines[-1] and "(100%)" not in lines[0]
+    binary = tmp_path / "x.bin"
+    binary.write_bytes(b"\x00\x01" * 100)
+    with pytest.raises(ConfigError, match="x.bin' is invalid: it is binary"):
+        prepare([str(binary)], str(tmp_path / "d"), "bytes", progress=False)
