@@ -48,3 +48,55 @@ def test_finetune_toml_loads_a_hugging_face_directory_and_exports_it(tmp_path):
     assert model.config.num_key_value_heads == 2 and res.summary["steps"] == 3
     assert (out / "tokenizer.json").read_bytes() == (model_dir / "tokenizer.json").read_bytes()  # a drop-in folder
     assert [r["step"] for r in res.records if r["event"] == "eval"] == [3]  # the example evaluates after the last
+
+
+def test_instruct_toml_tunes_a_chat_model_through_a_kill_and_exports_a_drop_in_folder(tmp_path):
+    """The walkthrough of examples/instruct_llama.toml: a tiny chat model (ChatML template, its
+    end-of-turn token as EOS), chat JSONL, prepare --format chat, a run at dp=2 x pp=2 through a
+    SIGKILL, the export; transformers loads the export with its tokenizer and chat template and
+    generates, stopping at the model's EOS."""
+    import json
+
+    transformers = pytest.importorskip("transformers")
+    from tokenizers import AddedToken, Tokenizer
+
+    from elaswave.data import tokenizer as tok
+    words = "please say hello to the small model and it says ok back every single time".split()
+    spec = tok.train_bpe("train-bpe:300", [" ".join(words)] * 10)
+    backend = Tokenizer.from_str(spec.json)
+    backend.add_special_tokens([AddedToken("<|im_start|>", special=True), AddedToken("<|im_end|>", special=True)])
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<|im_end|>")
+    fast.chat_template = ("{% for m in messages %}{{'<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n'}}"
+                          "{% endfor %}{% if add_generation_prompt %}{{'<|im_start|>assistant\\n'}}{% endif %}")
+    model_dir = tmp_path / "my-chat-model"
+    eos = backend.token_to_id("<|im_end|>")
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=backend.get_vocab_size(), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, eos_token_id=eos,
+        bos_token_id=None)).save_pretrained(model_dir)
+    fast.save_pretrained(model_dir)
+    chats = tmp_path / "chats.jsonl"
+    chats.write_text("".join(json.dumps({"messages": [
+        {"role": "user", "content": " ".join(words[(i + j) % len(words)] for j in range(3 + i % 4))},
+        {"role": "assistant", "content": "ok"}]}) + "\n" for i in range(80)))
+    prep = run_cli(["prepare", str(chats), "--format", "chat", "--tokenizer", str(model_dir), "--out",
+                    str(tmp_path / "chats"), "--workers", "1"], tmp_path)
+    assert prep.returncode == 0, prep.stderr
+    out = tmp_path / "my-chat-model-tuned"
+    res = run_cli(["run", "--config", str(EXAMPLES / "instruct_llama.toml"), "--set", f"model.init_from={model_dir}",
+                   "--set", f"data.path={tmp_path / 'chats'}", "--set", f"checkpoint.export_hf={out}",
+                   "--set", "model.seq_len=32", "--set", "train.steps=6", "--set", "train.lr=1e-2",
+                   "--set", "train.warmup_steps=0", "--set", "parallel.timeout_s=60",
+                   "--inject", "kill:rank=2,step=3,phase=backward"], tmp_path)
+    assert res.returncode == 0, res.stderr
+    steps = [r for r in res.records if r["event"] == "step"]
+    assert [r["step"] for r in steps] == list(range(6)) and [r for r in res.records if r["event"] == "recovery"]
+    assert all(0 < r["loss_tokens"] < r["tokens"] for r in steps)  # only the assistant's tokens are trained
+    tokenizer = transformers.AutoTokenizer.from_pretrained(out)
+    model = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    assert tokenizer.eos_token_id == model.generation_config.eos_token_id == eos
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "please say hello"}], add_generation_prompt=True,
+                                           return_tensors="pt", return_dict=True)
+    generated = model.generate(**prompt, max_new_tokens=12, do_sample=False)[0, prompt["input_ids"].shape[1]:].tolist()
+    assert eos not in generated[:-1]  # generation stops at the model's EOS, if it says it
