@@ -18,6 +18,7 @@ prepare never leaves a manifest that points at half-written shards.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import multiprocessing
@@ -156,6 +157,23 @@ def _units(inputs: list[str], text_field: str, fmt: str, separator: str) -> Iter
     else:
         for text in documents(inputs, text_field, separator):
             yield text, text
+
+
+@contextlib.contextmanager
+def _workers_without_main():
+    """Start worker processes that do not import the parent's main module: a spawned worker runs it
+    again first (``python -m elaswave.cli``: the command line, which imports torch; measured ~200 MB
+    a worker), and the workers need only this module. Hidden only while the pool starts them."""
+    main = sys.modules["__main__"]
+    saved = {k: getattr(main, k) for k in ("__spec__", "__file__") if hasattr(main, k)}
+    main.__spec__ = None
+    if "__file__" in saved:
+        del main.__file__
+    try:
+        yield multiprocessing.get_context("spawn")
+    finally:
+        for k, v in saved.items():
+            setattr(main, k, v)
 
 
 def _in_order(pool, fn, items: Iterator, ahead: int) -> Iterator:
@@ -362,7 +380,8 @@ def prepare(inputs: list[str], out: str, tokenizer: str, text_field: str = "text
     batches = _batches(_units(inputs, text_field, fmt, separator), eval_fraction)
     pool = None
     if workers > 1 and spec.json is not None:  # bytes take no tokenizing: workers would only copy them
-        pool = multiprocessing.get_context("spawn").Pool(workers, _init_worker, (spec.json, chat_setting))
+        with _workers_without_main() as ctx:
+            pool = ctx.Pool(workers, _init_worker, (spec.json, chat_setting))
         encoded = _in_order(pool, _encode, batches, 2 * workers)
     else:
         _init_worker(spec.json, chat_setting)
