@@ -269,3 +269,19 @@ def test_a_model_folder_trains_only_on_text_its_own_tokenizer_read(tmp_path, bf1
     assert ours["vocab_size"] == len(TOKENS)
     res = run_cli([*base, "--set", f"data.path={tmp_path / 'ours'}", "--set", "train.num_micro_batches=2"], tmp_path)
     assert res.returncode == 0, res.stderr
+
+
+def test_a_mistral_comes_back_as_a_mistral(tmp_path):
+    """Its architecture, model type and sliding window (wider than the job's windows, so without
+    effect here) are written back as they came; it was written back as a LlamaForCausalLM."""
+    src, out = tmp_path / "mistral", tmp_path / "out"
+    torch.manual_seed(2)
+    transformers.MistralForCausalLM(transformers.MistralConfig(**{**HF, "tie_word_embeddings": False},
+                                                               sliding_window=4096)).save_pretrained(src)
+    res = run_cli(["run", "--set", f"model.init_from={src}", "--set", "train.steps=0", "--set", "parallel.pp=2",
+                   "--set", f"checkpoint.export_hf={out}", *JOB], tmp_path)
+    assert res.returncode == 0, res.stderr
+    doc = json.loads((out / "config.json").read_text())
+    assert doc == json.loads((src / "config.json").read_text()) and doc["architectures"] == ["MistralForCausalLM"]
+    a, b = _tensors(src), _tensors(out)
+    assert sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)
