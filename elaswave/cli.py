@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 
@@ -180,7 +181,9 @@ def cmd_demo(args: argparse.Namespace) -> int:
     if code != 0:
         return code
     print("elaswave demo 2/3: training the same job failure-free, in one process (the reference)", flush=True)
-    _write_reference(cfg, ref_path, show_progress=False)
+    # The run wrote the export; the reference is a comparison, not a second export into the same folder.
+    _write_reference(dataclasses.replace(cfg, checkpoint=dataclasses.replace(cfg.checkpoint, export_hf="")), ref_path,
+                     show_progress=False)
     print("elaswave demo 3/3: comparing and drawing", flush=True)
     render(run_path, ref_path, os.path.join(out, "report"))
     run = read_jsonl(run_path)

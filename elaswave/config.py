@@ -14,7 +14,7 @@ import re
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from elaswave.checkpoint.hf_folder import EXPORT_DTYPES, check_target
+from elaswave.checkpoint.target import EXPORT_DTYPES, check_target
 from elaswave.control import faults
 from elaswave.control.config import ElasticConfig
 from elaswave.data.config import DataConfig
@@ -303,13 +303,13 @@ class JobConfig:
             _fail("checkpoint.export_hf", self.checkpoint.export_hf,
                   f"needs model.arch=llama (Hugging Face's Llama layout); this job's model is "
                   f"{self.model.factory or self.model.arch}")
-        if self.data.document_masking == "true" and (self.model.arch != "llama" or self.model.factory):
+        if self.data.document_masking == "true" and not self._llama:
             _fail("data.document_masking", self.data.document_masking,
                   f"is implemented for model.arch=llama; this job's model is {self.model.factory or self.model.arch}")
         if self.checkpoint.export_hf:
             check_target(self.checkpoint.export_hf, self.checkpoint.overwrite,
                          keep={"model.init_from": self.model.init_from, "checkpoint.dir": self.checkpoint.dir,
-                               "data.path": self.data.path})
+                               "data.path": self.data.path, "data.mix": [p for p, _ in self.data.mixture]})
         if self.train.num_micro_batches < self.parallel.dp:
             _fail("train.num_micro_batches", self.train.num_micro_batches,
                   f"must be >= parallel.dp={self.parallel.dp} so every pipeline has work")
@@ -325,6 +325,16 @@ class JobConfig:
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+    @property
+    def _llama(self) -> bool:
+        return self.model.arch == "llama" and not self.model.factory
+
+    @property
+    def masks_documents(self) -> bool:
+        """Document masking in effect: data.document_masking resolved, for the Llama family only
+        (``auto`` on a corpus of conversations leaves other models unmasked)."""
+        return self._llama and self.data.masks_documents
 
     def sources(self) -> dict:
         """Where the model and data came from, as absolute paths (recorded in checkpoints)."""
@@ -343,7 +353,7 @@ class JobConfig:
                    for p in paths]  # lists: what the manifest's JSON gives back
         return {"corpus": [c[1] for c in corpora] if d.kind == "tokens" else corpora,
                 "tokenizer": [c[0] for c in corpora] if d.kind == "tokens" else "bytes",
-                "mix": list(d.mix), "document_masking": d.masks_documents, "seed": t.seed, "seq_len": self.model.seq_len,
+                "mix": list(d.mix), "document_masking": self.masks_documents, "seed": t.seed, "seq_len": self.model.seq_len,
                 "micro_batch_size": t.micro_batch_size, "num_micro_batches": t.num_micro_batches,
                 "tokens_per_step": t.num_micro_batches * t.micro_batch_size * self.model.seq_len}
 

@@ -110,3 +110,12 @@ def test_no_file_of_the_package_passes_the_size_ceiling():
     long = {str(p.relative_to(PACKAGE.parent)): n for p in PACKAGE.rglob("*.py")
             if (n := len(p.read_text().splitlines())) > MAX_LINES}
     assert not long, f"files over {MAX_LINES} lines: {long}"
+
+
+def test_the_config_edge_does_not_import_torch():
+    """Loading a config (every command, `elaswave prepare` included) stays cheap: ~0.3 s, not ~3 s."""
+    import subprocess
+    import sys
+    code = "import sys, elaswave.config, elaswave.data.prepare; assert 'torch' not in sys.modules, 'torch imported'"
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0, res.stderr

@@ -14,10 +14,10 @@ from typing import Iterable
 
 import torch
 
-from elaswave.checkpoint import disk, hf_folder
+from elaswave.checkpoint import disk, hf_folder, target
 from elaswave.errors import ConfigError
 from elaswave.model import hf
-from elaswave.model.config import ModelConfig
+from elaswave.model.config import ModelConfig, from_hf_config
 from elaswave.model.contract import untie
 from elaswave.model.registry import family
 from elaswave.plan.chunks import chunk_range, num_chunks
@@ -95,11 +95,18 @@ def export_checkpoint(ckpt: str, out: str, max_shard_bytes: int = int(DEFAULT_MA
     except (TypeError, ValueError) as exc:
         raise ConfigError(f"CHECKPOINT_DIR={ckpt!r} is invalid: its model cannot be rebuilt ({exc})") from None
     hf.check_exportable(m)
-    recorded = manifest.source.get("init_from", "")
+    recorded, corpus = manifest.source.get("init_from", ""), manifest.source.get("data", "")
     source = source or (recorded if recorded and Path(recorded, "config.json").is_file() else "")
-    hf_folder.check_target(out, overwrite, "OUT_DIR", {"the checkpoint": ckpt, "--source": source})
-    found = hf_folder.source_of(source, manifest.source.get("data", ""))
-    target = Target(out, hf_folder.export_dtype(dtype, found), max_shard_bytes, overwrite, found)
+    target.check_target(out, overwrite, "OUT_DIR", {"the checkpoint": ckpt, "--source": source,
+                                                    "the run's model.init_from": recorded, "the run's data.path": corpus})
+    found = hf_folder.source_of(source, corpus)
+    if found.config is not None:  # its config.json is written beside these weights: it must describe them
+        shapes = from_hf_config(found.config, source, m.seq_len)
+        differ = [f"{k}={shapes[k]!r} there, {manifest.model[k]!r} in the checkpoint" for k in shapes
+                  if k in manifest.model and manifest.model[k] != shapes[k]]
+        if differ:
+            raise ConfigError(f"--source={source!r} is invalid: its config.json describes another model than "
+                              f"{ckpt!r} holds ({', '.join(differ)}); give the folder the run started from")
     model = family(m)
 
     def rebuilt(i: int) -> FlatLayer:
@@ -114,4 +121,5 @@ def export_checkpoint(ckpt: str, out: str, max_shard_bytes: int = int(DEFAULT_MA
                 layer.flat[start:end] = chunks[key][0, :end - start]
         return layer
 
-    return write_layers(target, m, (rebuilt(i) for i in range(model.num_layers)), model.num_layers)
+    return write_layers(Target(out, hf_folder.export_dtype(dtype, found), max_shard_bytes, overwrite, found), m,
+                        (rebuilt(i) for i in range(model.num_layers)), model.num_layers)

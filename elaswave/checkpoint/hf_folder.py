@@ -27,22 +27,17 @@ from typing import Iterable, Mapping
 
 import torch
 
-from elaswave.errors import ConfigError
+from elaswave.checkpoint.target import EXPORT_DTYPES, ExportError
 from elaswave.model.config import read_hf_config, to_hf_config
 from elaswave.model.hf import INDEX
 
 SINGLE = "model.safetensors"
-EXPORT_DTYPES = ("auto", "bf16", "fp32", "fp16")
 _TORCH = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
 _HF_NAMES = {"bfloat16": "bf16", "float32": "fp32", "float16": "fp16", "BF16": "bf16", "F32": "fp32", "F16": "fp16"}
 COMPANIONS = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json",
               "added_tokens.json", "vocab.json", "merges.txt", "generation_config.json", "chat_template.jinja",
               "chat_template.json")
 """The files beside the weights that make a folder usable as it came (transformers' names)."""
-
-
-class ExportError(ConfigError):
-    """An export cannot be written where asked; one line naming the path or shard."""
 
 
 @dataclass
@@ -108,29 +103,9 @@ def config_doc(m, source: Source, dtype: torch.dtype) -> dict:
     return doc
 
 
-# -- where it may go --------------------------------------------------------------------------------
-def _inside(path: str, folder: str) -> bool:
-    path, folder = os.path.realpath(path), os.path.realpath(folder)
-    return path == folder or path.startswith(folder.rstrip(os.sep) + os.sep)
-
-
-def check_target(out: str, overwrite: bool, key: str = "checkpoint.export_hf",
-                 keep: Mapping[str, str] = {}) -> None:
-    """Before anything is trained or read: ``out`` may be written. ``keep``: setting -> a path the
-    export must never replace (init_from, the checkpoint directory, the corpus)."""
-    for setting, path in keep.items():
-        if path and _inside(path, out):
-            raise ExportError(f"{key}={out!r} is invalid: it is or holds {setting}={path!r}, which an export "
-                              "must never replace; export to another folder")
-    if os.path.exists(out) and not os.path.isdir(out):
-        raise ExportError(f"{key}={out!r} is invalid: it exists and is not a folder")
-    if os.path.isdir(out) and os.listdir(out) and not overwrite:
-        raise ExportError(f"{key}={out!r} is invalid: it exists and is not empty; export to a new folder, or "
-                          "replace it with checkpoint.overwrite=true (elaswave export --overwrite)")
-
-
+# -- where it goes ------------------------------------------------------------------------------------
 def staging_dir(out: str | Path) -> Path:
-    out = Path(out)
+    out = Path(os.path.abspath(out))  # "." has no name of its own; its absolute path does
     return out.parent / f".{out.name}.partial"
 
 
@@ -194,9 +169,13 @@ def finish(out: str | Path, parts: list[dict], doc: dict, source: Source, overwr
     """Check every posted part, join neighbours into shards of at most ``max_shard_bytes`` (the
     writers cut parts by layer holder, not by size), name them in the order given, write the index,
     config.json and the companion files, then move the folder into place."""
-    out, stage = Path(out), staging_dir(out)
+    out, stage = Path(os.path.abspath(out)), staging_dir(out)
     for part in parts:
         _checked(stage, part)
+    posted = {p["file"] for p in parts}
+    for leftover in stage.glob("*.safetensors"):  # parts of an attempt that a failure cut short
+        if leftover.name not in posted:
+            leftover.unlink()
     shards = [_joined(stage, group, k) for k, group in enumerate(_groups(parts, max_shard_bytes))]
     names = [SINGLE] if len(shards) == 1 else [f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors"
                                                for k in range(len(shards))]

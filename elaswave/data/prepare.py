@@ -96,7 +96,8 @@ def _text_documents(path: str, separator: str) -> Iterator[str]:
                 yield from (d for d in done if d.strip())
             while len(tail) > MAX_DOCUMENT_CHARS:
                 at = tail.rfind("\n", 0, MAX_DOCUMENT_CHARS) + 1 or MAX_DOCUMENT_CHARS
-                yield tail[:at]
+                if tail[:at].strip():
+                    yield tail[:at]
                 tail = tail[at:]
         if tail.strip():
             yield tail
@@ -322,9 +323,10 @@ class ShardWriter:
                 "documents": sum(s["documents"] for s in self.shards)}
 
 
-def _tokenizer_for(spec: str, inputs: list[str], text_field: str, eod_token: str | None) -> tok.TokenizerSpec:
+def _tokenizer_for(spec: str, inputs: list[str], text_field: str, eod_token: str | None,
+                   separator: str = BLANK_LINE) -> tok.TokenizerSpec:
     if spec.startswith(tok.TRAIN_BPE):
-        return tok.train_bpe(spec, documents(inputs, text_field))
+        return tok.train_bpe(spec, documents(inputs, text_field, separator))
     return tok.load(spec, eod_token)
 
 
@@ -367,7 +369,7 @@ def prepare(inputs: list[str], out: str, tokenizer: str, text_field: str = "text
         raise ConfigError(f"--separator={separator!r} is invalid: give {BLANK_LINE}, {WHOLE_FILE} or a text")
     for path in inputs:
         _files(path)  # a missing input is said before any work
-    spec = _tokenizer_for(tokenizer, inputs, text_field, eod_token)
+    spec = _tokenizer_for(tokenizer, inputs, text_field, eod_token, separator)
     dtype = "uint16" if spec.vocab_size <= 1 << 16 else "uint32"
     masked = fmt == "chat" and train_on == "assistant"
     chat_setting = (template, train_on) if template is not None else None

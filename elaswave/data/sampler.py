@@ -115,7 +115,7 @@ class Sampler:
         rows = np.stack([self.sources[s].read(int(w) * self.seq_len, self.seq_len + 1)
                          for s, w in zip(d.sources.tolist(), d.windows.tolist())])
         rows = torch.from_numpy(rows.astype(np.int64, copy=False))
-        targets = rows[:, 1:].contiguous()
+        targets = rows[:, 1:].clone()  # its own memory: masking it must not touch the inputs
         trained = self._trained(d)
         if trained is not None:
             targets[~torch.from_numpy(trained)] = IGNORE
@@ -165,7 +165,7 @@ def open_sampler(cfg, model) -> Sampler:
     t = cfg.train
     tokens = [open_tokens(c, model.vocab_size, model.seq_len + 1) for c in _corpora(cfg)]
     return Sampler(tokens, t.seed, t.micro_batch_size, model.seq_len, t.num_micro_batches, mixture_of(cfg),
-                   documents=cfg.data.masks_documents)
+                   documents=cfg.masks_documents)
 
 
 def open_eval_sampler(cfg, model) -> Sampler:
@@ -180,7 +180,7 @@ def open_eval_sampler(cfg, model) -> Sampler:
     corpora = _corpora(cfg)
     tokens = [open_tokens(c, model.vocab_size, model.seq_len + 1, split="eval") for c in corpora]
     sampler = Sampler(tokens, t.seed, t.micro_batch_size, model.seq_len, t.num_micro_batches, mixture_of(cfg),
-                      purpose=rng.EVAL, documents=cfg.data.masks_documents)
+                      purpose=rng.EVAL, documents=cfg.masks_documents)
     draws = [sampler.draw(j, m) for j in range(t.eval_batches) for m in range(t.num_micro_batches)]
     over = sorted({int(s) for d in draws for s in d.sources[d.epochs > 0]})
     if over:

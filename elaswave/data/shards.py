@@ -55,13 +55,15 @@ def read_manifest(path: str) -> dict:
 
 
 def corpus_identity(path: str) -> tuple[str, str]:
-    """(the tokenizer's sha256, the manifest's): what names a prepared corpus and how it was tokenized."""
+    """(the tokenizer's sha256, the corpus's): what names a prepared corpus and how it was
+    tokenized. The corpus's hash is its manifest's without what does not change the tokens (the
+    time prepare took, its workers, where the inputs were), so preparing the same text again
+    names the same corpus."""
     import hashlib
 
-    where = os.path.join(path, MANIFEST)
-    with open(where, "rb") as fh:
-        raw = fh.read()
-    return read_manifest(path)["tokenizer"]["sha256"], hashlib.sha256(raw).hexdigest()
+    manifest = read_manifest(path)
+    kept = {k: v for k, v in manifest.items() if k not in ("prepare_s", "workers", "inputs")}
+    return manifest["tokenizer"]["sha256"], hashlib.sha256(json.dumps(kept, sort_keys=True).encode()).hexdigest()
 
 
 @dataclass

@@ -115,7 +115,7 @@ class Context:
         always does; a middle stage may become one when its pipeline is re-partitioned), or at once
         with ``stage`` None (a joiner, before it asks in: off the path of the members it joins)."""
         # With document masking every stage reads its micro-batches' document index.
-        if self._sampler is None and (stage is None or stage.is_first or stage.is_last or self.cfg.data.masks_documents):
+        if self._sampler is None and (stage is None or stage.is_first or stage.is_last or self.cfg.masks_documents):
             self._sampler = open_sampler(self.cfg, self.model)
             trace = os.environ.get(DATA_TRACE_ENV)
             if trace:

@@ -35,7 +35,7 @@ class Evaluation:
         t = self.cfg.train
         began = time.perf_counter()
         M = t.num_micro_batches
-        reads = st.stage.is_first or st.stage.is_last or self.cfg.data.masks_documents
+        reads = st.stage.is_first or st.stage.is_last or self.cfg.masks_documents
         sampler = self.sampler if reads else None
         # Each micro-batch's loss sum, then its loss-token count: one contributor per entry.
         sums = torch.zeros(2 * t.eval_batches * M, dtype=torch.float64)

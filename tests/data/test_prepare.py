@@ -67,6 +67,10 @@ def test_trained_bpe_is_the_same_with_any_number_of_workers_and_serves_as_a_spec
     (model_dir / "tokenizer_config.json").write_text(json.dumps({"eos_token": {"content": "<|endoftext|>"}}))
     folder = prepare([src], str(tmp_path / "dir"), str(model_dir), text_field="body", eval_fraction=0.2, progress=False)
     assert again["splits"] == folder["splits"] == one["splits"]
+    # The same text prepared again, with other workers, is the same corpus to a resume.
+    from elaswave.data.shards import corpus_identity
+    assert corpus_identity(str(tmp_path / "w1")) == corpus_identity(str(tmp_path / "w2"))
+    assert corpus_identity(str(tmp_path / "w1")) != corpus_identity(str(tmp_path / "json"))
     held_out = PreparedTokens(str(tmp_path / "w1"), "eval")
     assert len(held_out) == one["splits"]["eval"]["tokens"] > 0
 
