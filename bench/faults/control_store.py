@@ -7,7 +7,7 @@ refused probe) and with a rank SIGSTOPped (the recovery record's ``mttr_s`` and 
 per round by the tests' helper (``scripts/install_etcd.sh`` installs etcd). Deterministic mode:
 both backends must give the same ``params_sha256`` in every run, which the results say.
 
-    python bench/faults/control_store.py --runs 5
+    python bench/faults/control_store.py --runs 5 [--faults steady,kill,unreported,hang] [--out PATH]
 """
 from __future__ import annotations
 
@@ -46,11 +46,16 @@ def _run(backend: str, fault: str) -> dict:
 
 def main() -> None:
     ap = bench_args(__doc__, out="control_store", runs=5)
+    ap.add_argument("--faults", default=",".join(FAULTS), help=f"a subset of {', '.join(FAULTS)}")
     args = ap.parse_args()
+    chosen = [f for f in args.faults.split(",") if f]
+    unknown = [f for f in chosen if f not in FAULTS]
+    if unknown:
+        ap.error(f"--faults {args.faults!r}: unknown {unknown}; known: {', '.join(FAULTS)}")
     rounds = []
     for i in range(args.runs):
         row = {}
-        for fault in FAULTS:
+        for fault in chosen:
             for backend in in_turn(i, ["c10d", "etcd"]):
                 try:
                     row[f"{fault}/{backend}"] = _run(backend, fault)
@@ -77,7 +82,7 @@ def _page(rounds: list[dict]) -> list[str]:
              f"{med([x['step_s'] for x in ok('steady/etcd')])} |"]
     what = {"kill": "SIGKILLed (its agent reports it)", "unreported": "SIGKILLed, unreported (a refused probe)",
             "hang": "SIGSTOPped (a hang)"}
-    for fault in what:
+    for fault in [f for f in what if rounds and f"{f}/c10d" in rounds[0]]:
         lines.append(f"| MTTR, rank 3 {what[fault]}, median s | "
                      f"{med([x['mttr_s'] for x in ok(f'{fault}/c10d')])} | {med([x['mttr_s'] for x in ok(f'{fault}/etcd')])} |")
     for fault in what:
