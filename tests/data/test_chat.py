@@ -1,7 +1,7 @@
 """Chat data: ``elaswave prepare --format chat`` renders conversations with the model folder's own
 chat template and stores a loss mask beside the tokens; training honours it. The loss of a step is
 the mean over the loss tokens of the whole global batch: transformers' loss with ``labels=-100`` on
-the masked tokens on the same batch, a real dp=2 x pp=2 run, and the reference, bit for bit."""
+the masked tokens on the same batch, real dp=2 x pp=2 and 1 x 3 runs, and the reference, bit for bit."""
 import json
 
 import numpy as np
@@ -138,6 +138,10 @@ def test_masked_training_equals_transformers_and_the_reference_in_a_real_layout(
     steps = [r for r in run.records if r["event"] == "step"]
     assert [r["loss"] for r in steps] == [r["loss"] for r in ref.records if r["event"] == "step"]
     assert run.summary["params_sha256"] == ref.summary["params_sha256"]
+    deep = run_cli(["run", "--deterministic", *args, "--set", "parallel.dp=1", "--set", "parallel.pp=3"], tmp_path)
+    assert deep.returncode == 0, deep.stderr  # another layout, the same bits
+    assert [r["loss"] for r in deep.records if r["event"] == "step"] == [r["loss"] for r in steps]
+    assert deep.summary["params_sha256"] == ref.summary["params_sha256"]
     assert all(0 < r["loss_tokens"] < r["tokens"] == 4 * 2 * 32 for r in steps)
     # transformers on step 0's global batch: labels -100 where masked, the mean over all its loss tokens.
     cfg = config.load(None, [*sets, "train.deterministic=true"])
