@@ -37,8 +37,17 @@ RSS_TEXT_MB = {"200 MB": 100, "4.3 GB": 2150}  # bytes tokenize to uint16: shard
 def _text(path: Path, megabytes: int) -> None:
     """Generated words in lines, ``megabytes`` MB: what is read does not matter for RSS, only its size."""
     rnd = random.Random(0)
-    words = ["".join(rnd.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rnd.randint(1, 9))) for _ in range(4000)]
-    block = "\n".join(" ".join(rnd.choice(words) for _ in range(12)) for _ in range(20_000)).encode() + b"\n"
+    words = _words(rnd)
+    _repeated(path, "\n".join(" ".join(rnd.choice(words) for _ in range(12)) for _ in range(20_000)).encode() + b"\n",
+              megabytes)
+
+
+def _words(rnd: random.Random) -> list[str]:
+    return ["".join(rnd.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rnd.randint(1, 9))) for _ in range(4000)]
+
+
+def _repeated(path: Path, block: bytes, megabytes: int) -> None:
+    """``block`` written again and again until the file holds ``megabytes`` MB."""
     with open(path, "wb") as fh:
         written = 0
         while written < megabytes * 10 ** 6:
@@ -66,15 +75,11 @@ def bench_prepare(work: Path) -> dict:
 def _paragraphs(path: Path, megabytes: int, jsonl: bool = False) -> None:
     """Generated paragraphs (1-6 lines) between blank lines, or one JSONL record each."""
     rnd = random.Random(1)
-    words = ["".join(rnd.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rnd.randint(1, 9))) for _ in range(4000)]
+    words = _words(rnd)
     paras = ["\n".join(" ".join(rnd.choice(words) for _ in range(12)) for _ in range(rnd.randint(1, 6)))
              for _ in range(5000)]
-    block = ("".join(json.dumps({"text": p}) + "\n" for p in paras) if jsonl else "\n\n".join(paras) + "\n\n").encode()
-    with open(path, "wb") as fh:
-        written = 0
-        while written < megabytes * 10 ** 6:
-            fh.write(block)
-            written += len(block)
+    block = "".join(json.dumps({"text": p}) + "\n" for p in paras) if jsonl else "\n\n".join(paras) + "\n\n"
+    _repeated(path, block.encode(), megabytes)
 
 
 def _tree_rss_mb(pid: int) -> float:

@@ -113,20 +113,26 @@ def _splitter(separator: str):
     return lambda text: text.split(separator)
 
 
-def _jsonl(path: str, text_field: str) -> Iterator[str]:
+def _records(path: str) -> Iterator[tuple[object, int]]:
+    """Each non-empty line of a JSONL file, parsed, with its line number; a line that is not JSON
+    is an error naming file:line."""
     with open(path, encoding="utf-8", errors="replace") as fh:
         for number, line in enumerate(fh, 1):
             if not line.strip():
                 continue
             try:
-                record = json.loads(line)
+                yield json.loads(line), number
             except ValueError:
                 raise ConfigError(f"{path}:{number} is not JSON: {line[:60].strip()!r}") from None
-            if not isinstance(record, dict) or not isinstance(record.get(text_field), str):
-                raise ConfigError(f"{path}:{number} has no text field {text_field!r} (--text-field); "
-                                  f"its keys: {sorted(record) if isinstance(record, dict) else type(record).__name__}")
-            if record[text_field]:
-                yield record[text_field]
+
+
+def _jsonl(path: str, text_field: str) -> Iterator[str]:
+    for record, number in _records(path):
+        if not isinstance(record, dict) or not isinstance(record.get(text_field), str):
+            raise ConfigError(f"{path}:{number} has no text field {text_field!r} (--text-field); "
+                              f"its keys: {sorted(record) if isinstance(record, dict) else type(record).__name__}")
+        if record[text_field]:
+            yield record[text_field]
 
 
 def conversations(inputs: list[str]) -> Iterator[tuple[list[dict], str]]:
@@ -138,16 +144,9 @@ def conversations(inputs: list[str]) -> Iterator[tuple[list[dict], str]]:
                     raise ConfigError(f"input {path!r} is invalid for --format chat: it reads .jsonl files of "
                                       "{\"messages\": [...]} records")
                 continue
-            with open(path, encoding="utf-8", errors="replace") as fh:
-                for number, line in enumerate(fh, 1):
-                    if not line.strip():
-                        continue
-                    try:
-                        record = json.loads(line)
-                    except ValueError:
-                        raise ConfigError(f"{path}:{number} is not JSON: {line[:60].strip()!r}") from None
-                    where = f"{path}:{number}"
-                    yield chat.messages_of(record, where), where
+            for record, number in _records(path):
+                where = f"{path}:{number}"
+                yield chat.messages_of(record, where), where
 
 
 def _units(inputs: list[str], text_field: str, fmt: str, separator: str) -> Iterator[tuple[object, str]]:

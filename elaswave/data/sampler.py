@@ -125,9 +125,14 @@ class Sampler:
                                                    for s, w in zip(d.sources.tolist(), d.windows.tolist())]))
         return MicroBatch(step, index, rows[:, :-1].contiguous(), targets, documents)
 
+    @property
+    def masked(self) -> bool:
+        """Whether any source has a loss mask."""
+        return any(getattr(src, "masked", False) for src in self.sources)
+
     def _trained(self, d: Draw) -> np.ndarray | None:
         """(micro_batch_size, seq_len) bool: which targets are trained; None when all are."""
-        if not any(getattr(src, "masked", False) for src in self.sources):
+        if not self.masked:
             return None
         out = np.ones((len(d.windows), self.seq_len), dtype=np.bool_)
         for row, (s, w) in enumerate(zip(d.sources.tolist(), d.windows.tolist())):
@@ -141,8 +146,10 @@ class Sampler:
         """The targets trained in step ``step``'s global batch (micro-batches 0..M-1, M the plan's),
         read from the masks alone; ``M x b x seq_len`` when nothing is masked."""
         M = num_micro_batches or self.num_micro_batches
+        full = self.micro_batch_size * self.seq_len
+        if not self.masked:  # nothing to read: the step's every target is trained
+            return M * full
         if (step, M) not in self._loss_tokens:
-            full = self.micro_batch_size * self.seq_len
             count = 0
             for m in range(M):
                 trained = self._trained(self.draw(step, m))
