@@ -89,6 +89,8 @@ def try_job(command: str, sets: list[str], deterministic: bool, timeout_s: float
     steps = step_records(records)
     return {"exit_code": code, "wall_s": time.perf_counter() - began, "steps": steps, "losses": [r["loss"] for r in steps],
             "sha": next((r["params_sha256"] for r in records if r.get("event") == "summary"), None),
+            "memory": next(({k: r[k] for k in ("memory_measured_per_rank", "memory_predicted_per_rank") if r.get(k)}
+                            for r in records if r.get("event") == "summary"), None),
             "error": error_tail(err) if code else None}
 
 

@@ -177,6 +177,9 @@ def _check_devices(cfg: JobConfig, node: Node) -> None:
     if cfg.parallel.backend == "gloo" or not torch.cuda.is_available():
         return
     have, workers = torch.cuda.device_count(), node.workers(cfg.world_size)
+    if workers > have:
+        raise ConfigError(f"parallel.dp x parallel.pp = {workers} workers on this host is invalid under NCCL: it has "
+                          f"{have} GPU(s), one per worker; use at most {have} workers here, or parallel.backend=gloo")
     if workers + cfg.elastic.spares > have:
         raise ConfigError(f"elastic.spares={cfg.elastic.spares} is invalid: this host has {have} GPUs for its "
                           f"{workers} workers; at most {max(0, have - workers)} spares fit")

@@ -164,7 +164,7 @@ def item_matmul(quick: bool) -> dict:
                 ref = a.double() @ b.double()
                 rel = float(torch.linalg.norm(torch.mm(a, b).double() - ref) / torch.linalg.norm(ref))
                 rows.append({"n": n, "precision": label, "ms": ms, "tflops": 2 * n ** 3 / ms / 1e9, "rel_err_vs_fp64": rel})
-                del sets, a, b, ref
+                sets = a = b = ref = None
     finally:
         torch.set_float32_matmul_precision("highest")
     return {"rows": rows}

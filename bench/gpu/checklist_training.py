@@ -27,7 +27,8 @@ def elaswave_row(sets: list[str], deterministic: bool, timeout_s: float, with_st
     exit code and error); ``with_steps``: how many steps it wrote, too."""
     res = try_job("run", sets, deterministic, timeout_s=timeout_s)
     kept = res["steps"][WARMUP_STEPS:]
-    row = {"exit_code": res["exit_code"], "error": res["error"], **({"steps": len(res["steps"])} if with_steps else {})}
+    row = {"exit_code": res["exit_code"], "error": res["error"], **({"steps": len(res["steps"])} if with_steps else {}),
+           **({"memory": res["memory"]} if res["memory"] else {})}
     if kept:
         row.update(step_time_s=statistics.median(r["step_time_s"] for r in kept), final_loss=res["losses"][-1],
                    phases_s={k: statistics.median(r["phases_s"][k] for r in kept) for k in kept[0]["phases_s"]})

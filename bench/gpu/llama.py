@@ -85,6 +85,13 @@ def plain_step(sets: list[str], bf16: bool = False, device: str = "cuda") -> dic
 
     train_step = plain_trainer(cfg, list(model.parameters()), micro_batch_loss, device, fused=bf16 and device == "cuda")
     times, losses = timed_steps(train_step, t.steps, device)
+    # The loop runs in the bench's own process: hand its cached blocks back before the next row's
+    # `elaswave run` (a 1B model's loop kept 21 GiB reserved, and the run beside it ran out).
+    train_step = model = None
+    if device == "cuda":
+        import gc
+        gc.collect()
+        torch.cuda.empty_cache()
     return {"step_time_s": statistics.median(times[WARMUP_STEPS:]), "final_loss": losses[-1]}
 
 
