@@ -250,8 +250,11 @@ class EtcdStore(dist.Store):
         return int(out.get("result", {}).get("TTL", 0))
 
     def lease_left(self, lease: int) -> int:
-        """Seconds ``lease`` has left; -1 once it expired (or was revoked)."""
-        return int(self._call("/v3/lease/timetolive", {"ID": str(lease)}).get("TTL", -1))
+        """Whole seconds ``lease`` has left (0: under one); -1 once it expired (or was revoked)."""
+        out = self._call("/v3/lease/timetolive", {"ID": str(lease)})
+        # The gateway leaves out fields at their zero value: a live lease with under a second left
+        # comes without "TTL" (measured), an expired one with "TTL": "-1".
+        return int(out.get("TTL", 0 if "grantedTTL" in out else -1))
 
     def revoke(self, lease: int) -> None:
         self._call("/v3/lease/revoke", {"ID": str(lease)})

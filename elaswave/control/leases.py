@@ -125,6 +125,8 @@ class Lease:
     def _on_event(self, kind: str, name: str, value: bytes | None, prev: dict | None) -> None:
         if kind == "DELETE" and name.startswith(ALIVE) and name[len(ALIVE):].isdigit() and prev and "lease" in prev:
             self._deletions.put((int(name[len(ALIVE):]), int(prev["lease"]), prev.get("value"), time.time()))
+            with self._changed:  # the watcher waiting for an alert looks at once, not at its next beat
+                self._changed.notify_all()
         elif kind == "PUT" and name in self.counts and value is not None and value.isdigit():
             self.counts[name] = max(self.counts[name] or 0, int(value))
         elif kind == "PUT" and name.startswith(PREFIX + "alert/"):
@@ -162,6 +164,8 @@ class Lease:
         return self.store.lease_left(int(json.loads(raw)["lease"])) * 2 >= self.ttl_s
 
     def alert_posted(self, n: int, within_s: float) -> bool:
-        """Whether alert ``n`` (or a later one) was put, waiting up to ``within_s`` for it."""
+        """Whether alert ``n`` (or a later one) was put, waiting up to ``within_s`` for it, or less
+        when a lease's key is deleted meanwhile (:meth:`expired` has news)."""
         with self._changed:
-            return self._changed.wait_for(lambda: self.alert_seen >= n, within_s)
+            self._changed.wait_for(lambda: self.alert_seen >= n or not self._deletions.empty(), within_s)
+            return self.alert_seen >= n

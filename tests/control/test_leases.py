@@ -6,6 +6,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -119,6 +120,30 @@ def test_a_deleted_key_a_clean_end_and_a_starved_watcher_are_no_deaths(etcd):
     ended.beat()
     ended.close()  # a clean end: the key stays, unbound, and the lease is revoked
     assert _deaths_within(watcher, TIMEOUT_S + 1.5) == []
+    watcher.close()
+
+
+def test_a_key_deleted_in_its_leases_last_second_is_no_death_and_wakes_the_watcher(etcd):
+    """A live lease with under a second left reads 0 (etcd's gateway leaves the field out), not -1
+    (expired): a key deleted then is no death. The deletion wakes a watcher waiting for alerts."""
+    prefix = "/t/lease-last-second/"
+    store = _store(etcd, prefix)
+    watcher = leases.Lease(store, 0, TIMEOUT_S)
+    lease, ttl = store.grant(2)
+    store.put_leased(f"{leases.ALIVE}8", "held", lease)
+    time.sleep(ttl - 0.8)
+    assert store.lease_left(lease) == 0
+    began = time.monotonic()
+    woken = []
+    waiting = threading.Thread(target=lambda: woken.append((watcher.alert_posted(10 ** 6, 5.0), time.monotonic())))
+    waiting.start()
+    time.sleep(0.1)
+    assert store.delete_key(f"{leases.ALIVE}8")
+    waiting.join(6)
+    assert woken and woken[0][0] is False and woken[0][1] - began < 1.0, woken
+    assert watcher.expired() == []  # its lease still lived: someone deleted the key
+    time.sleep(1.0)
+    assert store.lease_left(lease) == -1
     watcher.close()
 
 
