@@ -4,6 +4,9 @@
 step at which the signal goes out. ``corrupt:rank=R,step=S`` flips a byte of the snapshot the rank
 sends after step S, after its checksum was computed (what a bad link or bad memory would do);
 ``slow:rank=R,step=S,factor=F`` makes the rank's compute F times as slow from step S on.
+``starve:rank=R,step=S[,seconds=X]`` holds the rank's watcher thread back for X s (default 3) as
+step S starts, while the rank computes on: a thread a loaded host does not schedule, or one held up
+in a slow call. Its view of its neighbours is then X s old, which must not evict any of them.
 ``flip:rank=R,step=S,what=moment|param`` flips the lowest bit of one value after step S: of the
 first Adam moment the rank owns, or of its first parameter (silent data corruption, which only the
 end-of-run state check can see). ``join:step=S[,count=N]`` is the opposite event, carried out by
@@ -23,7 +26,7 @@ from typing import TYPE_CHECKING, Sequence
 if TYPE_CHECKING:  # keeps this module free of torch: config validation imports it
     from elaswave.control.membership import Membership
 
-KINDS = ("kill", "stop", "corrupt", "slow", "flip", "join")
+KINDS = ("kill", "stop", "corrupt", "slow", "flip", "join", "starve")
 FLIPPED = ("moment", "param")
 PHASES = ("forward", "backward", "reduce", "optimizer", "snapshot", "recovery", "eval")
 """forward/backward: as the step's first forward/backward starts; reduce: as the gradient reduction
@@ -32,7 +35,8 @@ snapshot: just after this rank posted the step's snapshot to its holder; recover
 recovery that resumes at the step, as the chunks are about to move (a failure during a recovery);
 eval: in the evaluation due before the step (train.eval_every), as its last batch starts."""
 USAGE = ("use kill:rank=R,step=S[,phase=P], stop:rank=R,step=S[,phase=P], corrupt:rank=R,step=S, "
-         "slow:rank=R,step=S[,factor=F], flip:rank=R,step=S,what=moment|param or join:step=S[,count=N]")
+         "slow:rank=R,step=S[,factor=F], flip:rank=R,step=S,what=moment|param, starve:rank=R,step=S[,seconds=X] "
+         "or join:step=S[,count=N]")
 
 
 @dataclass(frozen=True)
@@ -47,6 +51,8 @@ class Fault:
     """slow: from ``step`` on, the rank's compute takes this many times as long (a straggler)."""
     what: str = ""
     """flip: which value gets a bit flipped (``moment`` or ``param``)."""
+    seconds: float = 3.0
+    """starve: how long the rank's watcher thread is held back."""
 
 
 def parse(text: str) -> Fault:
@@ -56,7 +62,7 @@ def parse(text: str) -> Fault:
     if kind not in KINDS or not sep:
         raise ValueError(f"{text!r}: the fault must start with one of {', '.join(KINDS)}; {USAGE}")
     allowed = {"join": ("step", "count"), "slow": ("rank", "step", "factor"),
-               "flip": ("rank", "step", "what")}.get(kind, ("rank", "step", "phase"))
+               "flip": ("rank", "step", "what"), "starve": ("rank", "step", "seconds")}.get(kind, ("rank", "step", "phase"))
     fields: dict[str, str] = {}
     for item in rest.split(","):
         key, eq, value = item.partition("=")
@@ -69,17 +75,18 @@ def parse(text: str) -> Fault:
     try:
         rank, step, count = int(fields.get("rank", -1)), int(fields["step"]), int(fields.get("count", 1))
         factor = float(fields.get("factor", 3.0 if kind == "slow" else 1.0))
+        seconds = float(fields.get("seconds", 3.0))
     except ValueError:
-        raise ValueError(f"{text!r}: rank, step and count must be integers, factor a number") from None
-    if step < 0 or (kind != "join" and rank < 0) or count < 1 or factor < 1:
-        raise ValueError(f"{text!r}: rank and step must be >= 0, count >= 1 and factor >= 1")
+        raise ValueError(f"{text!r}: rank, step and count must be integers, factor and seconds numbers") from None
+    if step < 0 or (kind != "join" and rank < 0) or count < 1 or factor < 1 or not 0 < seconds <= 600:
+        raise ValueError(f"{text!r}: rank and step must be >= 0, count >= 1, factor >= 1 and 0 < seconds <= 600")
     phase = fields.get("phase", "forward")
     if phase not in PHASES:
         raise ValueError(f"{text!r}: phase={phase} is not one of {', '.join(PHASES)}")
     what = fields.get("what", "")
     if kind == "flip" and what not in FLIPPED:
         raise ValueError(f"{text!r}: what={what} is not one of {', '.join(FLIPPED)}")
-    return Fault(kind, rank, step, phase, count, factor, what)
+    return Fault(kind, rank, step, phase, count, factor, what, seconds)
 
 
 class FaultInjector:
@@ -106,6 +113,14 @@ class FaultInjector:
     def slowdown(self, step: int) -> float:
         """How many times as long this rank's compute takes at ``step`` (``slow``)."""
         return max([f.factor for f in self.mine if f.kind == "slow" and f.step <= step], default=1.0)
+
+    def starves(self, step: int) -> float:
+        """How long this rank's watcher thread is held back as ``step`` starts (``starve``; 0: not)."""
+        hit = [f.seconds for f in self.mine if f.kind == "starve" and f.step == step]
+        if hit:
+            print(f"elaswave: injecting a starved watcher into rank {self.mine[0].rank} at step {step} "
+                  f"({max(hit):g} s), wall time {time.time():.6f}", file=sys.stderr, flush=True)
+        return max(hit, default=0.0)
 
     def at(self, step: int, phase: str) -> None:
         for f in self.mine:

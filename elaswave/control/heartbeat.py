@@ -41,8 +41,14 @@ class Watcher(threading.Thread):
         self.lease = leases.Lease(store, rank, timeout_s) if leases.supported(store) else None
         """On etcd: this rank's lease, and the deaths its expiry proves (:mod:`~elaswave.control.leases`)."""
         self.seen_alerts = self.membership.alert_count()
+        self._starve_s = 0.0
+        """A fault (``starve``): how long the thread is held back at its next turn."""
         self.noticed_at: dict[int, float] = {}
         """epoch -> wall time (time.time()) at which this watcher learnt the epoch was broken."""
+
+    def starve(self, seconds: float) -> None:
+        """Hold this thread back for ``seconds`` at its next turn (``starve``: elaswave.control.faults)."""
+        self._starve_s = seconds
 
     def stop(self) -> None:
         self._halt.set()
@@ -59,6 +65,9 @@ class Watcher(threading.Thread):
         generation = getattr(self.store, "generation", 0)
         began, began_wall, sent_ms = time.monotonic(), time.time(), 0
         while not self._halt.is_set():
+            if self._starve_s:
+                starved, self._starve_s = self._starve_s, 0.0
+                time.sleep(starved)
             if getattr(self.store, "generation", 0) != generation:
                 # The store moved (elaswave.control.failover): a new store, with no alerts yet.
                 generation, self.seen_alerts = self.store.generation, 0
@@ -86,6 +95,12 @@ class Watcher(threading.Thread):
                     for target, last_wall, ttl_s in self.lease.expired():
                         if target in targets:  # its watchers speak for it
                             self.membership.lease_expired(epoch, target, last_wall, ttl_s)
+                    for target in targets:
+                        since = self.lease.unrenewed(target)
+                        if since is not None and (epoch, target) not in suspected_in:
+                            suspected_in.add((epoch, target))
+                            self.membership.lease_unrenewed(epoch, target, since, self.lease.ttl_s - 1,
+                                                            watchers=len(watchers_of(members, target, hosts)))
                 for target in targets if self.lease is None else ():
                     # The clock is read before the counter: a watcher starved between the two (a GC
                     # pause, a loaded host) must not count its own absence as the neighbour's.
@@ -138,7 +153,7 @@ class Watcher(threading.Thread):
     def _wait_for_alert(self, epoch: int) -> None:
         key = f"{PREFIX}alert/{self.seen_alerts + 1}"
         if self.lease is not None:  # on etcd the watch stream says when (no request per interval)
-            if not self.lease.alert_posted(self.seen_alerts + 1, self.interval_s):
+            if not self.lease.alert_posted(self.seen_alerts + 1, min(self.interval_s, self.lease.next_read_in())):
                 return
         else:
             try:

@@ -4,17 +4,27 @@ On the embedded TCPStore a rank shows it lives by adding to a counter that two w
 (:mod:`~elaswave.control.heartbeat`). On etcd that would be a Raft-committed write per beat and a
 linearizable read per watcher and beat -- measured, the control plane's requests then cost the job
 more than its collectives' waits. Here instead a rank's watcher thread grants one lease with a TTL
-of ``elastic.heartbeat_timeout_s`` (rounded up to whole seconds, and raised by etcd to its minimum),
-puts ``ew/alive/<rank>`` bound to it, and renews it a few times per TTL. A renewal is answered by
-the leader alone, no log entry.
+of ``elastic.heartbeat_timeout_s`` rounded up to whole seconds, plus one (and raised by etcd to its
+minimum), puts ``ew/alive/<rank>`` bound to it, and renews it a few times per TTL. A renewal is
+answered by the leader alone, no log entry.
+
+Eviction on evidence, within the timeout: a rank's two watchers ask the leader (``timetolive``,
+no log entry either) how long its lease has left. etcd answers in whole seconds, rounded down, so
+an answer of 0 says: under one second left, no renewal for more than TTL - 1 >= the timeout. Each
+watcher that reads 0 names the rank in an alert; both naming it leave it out (as two watchers
+seeing a stale heartbeat do on the TCPStore), about when the timeout says -- not when the
+leader's expiry check, every 0.5 s, gets to it and a revocation commits. A lease read with two
+or more seconds left is read again a second later at the latest (it cannot reach 0 sooner than
+that less one second), one with one second left every 0.05 s.
 
 Every rank follows the ``ew/alive/`` prefix on one watch stream. When a rank stops renewing
 (killed, SIGSTOPped, its host silent or cut off from the etcd majority) the leader expires its
 lease and deletes the key; every follower sees the deletion, asks the cluster whether the lease
 really expired (``timetolive`` says -1: not a key someone deleted), and the rank's watchers record
 the death (``ew/dead/<rank>``) with the time of its last renewal -- the expiry less the TTL, on the
-leader's clock -- from which the recovery times its MTTR. A watcher starved for seconds evicts
-nobody: the expiry is the leader's verdict, not the watcher's view.
+leader's clock -- from which the recovery times its MTTR. The expiry is the proof where a rank has
+one watcher left. A watcher starved for seconds evicts nobody: the leader's answers and its expiry
+are the verdict, not the watcher's view.
 
 A rank that ends cleanly (or is left out and exits) puts its key back without the lease first,
 so its end is never taken for a death.
@@ -34,7 +44,9 @@ ALIVE = PREFIX + "alive/"
 COUNTED = (PREFIX + "join_seq",)
 """Counters the stream keeps: the leader's check for join requests in every step reads this, not the store."""
 RENEWALS_PER_TTL = 4
-"""Renewals per TTL: a lease expires only after about three renewals in a row were missed."""
+"""Renewals per TTL: a rank is suspected only after two or three renewals in a row were missed."""
+CLOSE_READ_S = 0.05
+"""How often a watcher asks about a lease with under two seconds left."""
 
 
 def supported(store) -> bool:
@@ -51,7 +63,11 @@ class Lease:
     def __init__(self, store, rank: int, timeout_s: float):
         """``store``: the watcher's (sealed) link to the etcd store."""
         self.store, self.rank = store, rank
-        self.ttl_s = max(1, math.ceil(timeout_s))
+        # One second over the timeout: etcd's answers are whole seconds, and "0 left" must mean
+        # "not renewed for the timeout" (see the module's doc).
+        self.ttl_s = max(1, math.ceil(timeout_s)) + 1
+        self._watched: dict[int, tuple[int | None, float, float]] = {}
+        """rank -> (its lease, when to ask about it next (monotonic), when it last had a second left (wall))."""
         self.id: int | None = None
         self.expired_own = False
         """This rank's lease expired before it renewed it: the job holds it dead (it will be left out)."""
@@ -154,14 +170,44 @@ class Lease:
         return raw_b64 is not None and opened(key, f"{ALIVE}{rank}", base64.b64decode(raw_b64)) is not None
 
     def renewing(self, rank: int) -> bool:
-        """Whether ``rank`` still renews its lease (at least half its TTL left): then a port of
-        its that stays silent is a network between us, not its death. A lease that runs out
+        """Whether ``rank`` still renews its lease (at least TTL - 1 left, in whole seconds, which
+        a lease unrenewed for the timeout no longer has): then a port of its that stays silent is
+        a network between us, not its death. A lease that runs out
         instead will soon prove the death, which says more than this rank's silence (and spares
         the check-ins' reachability probes). One request, on a silent port only."""
         raw = sealed(self.store).read(f"{ALIVE}{rank}")
         if raw is None or not raw.startswith(b"{"):  # expired already, or ended
             return False
-        return self.store.lease_left(int(json.loads(raw)["lease"])) * 2 >= self.ttl_s
+        return self.store.lease_left(int(json.loads(raw)["lease"])) >= self.ttl_s - 1
+
+    def unrenewed(self, rank: int) -> float | None:
+        """When asked (see the module's doc): whether ``rank``'s lease went unrenewed for the
+        timeout -- the leader says it has under a second left. Then the earliest its last renewal
+        can have been (wall clock: a second left when last read, less the TTL); else None."""
+        lease, due, second_left = self._watched.get(rank, (None, 0.0, 0.0))
+        now = time.monotonic()
+        if now < due:
+            return None
+        if lease is None:
+            raw = sealed(self.store).read(f"{ALIVE}{rank}")
+            if raw is None or not raw.startswith(b"{"):  # not granted yet, expired already, or ended
+                self._watched[rank] = (None, now + 0.5, second_left)
+                return None
+            lease = int(json.loads(raw)["lease"])
+        asked_wall, left = time.time(), self.store.lease_left(lease)
+        if left < 0:  # expired (the deletion proves it) or revoked: its next lease, if any, afresh
+            self._watched[rank] = (None, now + 0.5, second_left)
+            return None
+        if left >= 1:
+            self._watched[rank] = (lease, now + (min(1.0, left - 1) if left >= 2 else CLOSE_READ_S), asked_wall)
+            return None
+        self._watched[rank] = (lease, now + 1.0, second_left)
+        return (second_left or asked_wall - 1) - (self.ttl_s - 1)
+
+    def next_read_in(self) -> float:
+        """Seconds until a lease is due to be asked about again (the watcher waits no longer)."""
+        now = time.monotonic()
+        return max(0.0, min((due - now for _, due, _ in self._watched.values()), default=1.0))
 
     def alert_posted(self, n: int, within_s: float) -> bool:
         """Whether alert ``n`` (or a later one) was put, waiting up to ``within_s`` for it, or less

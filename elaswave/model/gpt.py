@@ -16,6 +16,7 @@ from torch import nn
 from elaswave import rng
 from elaswave.model.config import ModelConfig
 from elaswave.model.contract import LayerCost
+from elaswave.model.masks import causal_mask
 
 
 class Embedding(nn.Module):
@@ -44,8 +45,6 @@ class Block(nn.Module):
         self.ln2 = nn.LayerNorm(cfg.d_model)
         self.fc = nn.Linear(cfg.d_model, cfg.ffn_width)
         self.out = nn.Linear(cfg.ffn_width, cfg.d_model)
-        mask = torch.triu(torch.ones(cfg.seq_len, cfg.seq_len, dtype=torch.bool), diagonal=1)
-        self.register_buffer("causal", mask, persistent=False)
 
     def forward(self, x: torch.Tensor, gen: torch.Generator | None) -> torch.Tensor:
         b, t, d = x.shape
@@ -53,7 +52,7 @@ class Block(nn.Module):
         q, k, v = self.qkv(self.ln1(x)).split(d, dim=2)
         q, k, v = (z.view(b, t, h, d // h).transpose(1, 2) for z in (q, k, v))
         att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(d // h))
-        att = att.masked_fill(self.causal[:t, :t], float("-inf")).softmax(dim=-1)
+        att = att.masked_fill(causal_mask(t, x.device), float("-inf")).softmax(dim=-1)
         att = rng.keyed_dropout(att, self.p, gen)
         y = (att @ v).transpose(1, 2).reshape(b, t, d)
         x = x + rng.keyed_dropout(self.proj(y), self.p, gen)

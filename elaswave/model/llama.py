@@ -21,6 +21,7 @@ from torch import nn
 from elaswave import rng
 from elaswave.model.config import ModelConfig
 from elaswave.model.contract import LayerCost, Tie
+from elaswave.model.masks import causal_mask
 
 
 class RMSNorm(nn.Module):
@@ -73,8 +74,6 @@ class Attention(nn.Module):
         angles = torch.cat((freqs, freqs), dim=-1)
         self.register_buffer("cos", angles.cos(), persistent=False)
         self.register_buffer("sin", angles.sin(), persistent=False)
-        mask = torch.triu(torch.ones(m.seq_len, m.seq_len, dtype=torch.bool), diagonal=1)
-        self.register_buffer("causal", mask, persistent=False)
 
     def forward(self, x: torch.Tensor, gen: torch.Generator | None, documents: torch.Tensor | None = None) -> torch.Tensor:
         b, t, _ = x.shape
@@ -86,12 +85,16 @@ class Attention(nn.Module):
         # Query head h reads key/value head h // group (Hugging Face's repeat_kv).
         group = self.num_heads // self.num_kv_heads
         k, v = (z.repeat_interleave(group, dim=1) if group > 1 else z for z in (k, v))
+        fused = self.fused and (gen is None or self.p == 0.0)
+        if fused and documents is None:  # the kernel masks by itself: no [t, t] mask is built
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            return self.o_proj(y.transpose(1, 2).reshape(b, t, self.num_heads * self.head_dim))
         # Block-causal with documents: a token sees the earlier tokens of its own document only.
-        blocked = self.causal[:t, :t] if documents is None else \
-            (self.causal[:t, :t] | (documents[:, :, None] != documents[:, None, :]))[:, None]
-        if self.fused and (gen is None or self.p == 0.0):
-            y = (F.scaled_dot_product_attention(q, k, v, is_causal=True) if documents is None else
-                 F.scaled_dot_product_attention(q, k, v, attn_mask=~blocked))
+        causal = causal_mask(t, x.device)
+        blocked = causal if documents is None else \
+            (causal | (documents[:, :, None] != documents[:, None, :]))[:, None]
+        if fused:
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=~blocked)
         else:
             att = (q @ k.transpose(-2, -1)) * self.head_dim ** -0.5
             att = att.masked_fill(blocked, float("-inf")).softmax(dim=-1, dtype=torch.float32)

@@ -108,6 +108,9 @@ def run(cfg: JobConfig, rank: int, world_size: int, metrics_out: str | None) -> 
                         break
                     started = time.perf_counter()
                     st.executor.slowdown = ctx.injector.slowdown(step)
+                    starve_s = ctx.injector.starves(step)
+                    if starve_s and ctx.watcher is not None:
+                        ctx.watcher.starve(starve_s)
                     ctx.step = step
                     def one_step():
                         return train_step(st, cfg, step, ctx.pool, ctx.injector.at, ctx.admit, ctx.injector.corrupts,

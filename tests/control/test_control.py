@@ -34,13 +34,18 @@ def test_is_stale():
     ("slow:rank=1,step=4", faults.Fault("slow", 1, 4, factor=3.0)),
     ("corrupt:rank=0,step=6", faults.Fault("corrupt", 0, 6)),
     ("flip:rank=1,step=3,what=moment", faults.Fault("flip", 1, 3, what="moment")),
+    ("starve:rank=2,step=6", faults.Fault("starve", 2, 6, seconds=3.0)),
+    ("starve:rank=2,step=6,seconds=0.5", faults.Fault("starve", 2, 6, seconds=0.5)),
 ])
 def test_fault_parsing(text, expect):
     assert faults.parse(text) == expect
 
 
 @pytest.mark.parametrize("text,needle", [
-    ("kil:rank=1,step=1", "must start with one of kill, stop, corrupt, slow, flip, join"),
+    ("kil:rank=1,step=1", "must start with one of kill, stop, corrupt, slow, flip, join, starve"),
+    ("starve:rank=1,step=2,seconds=0", "0 < seconds <= 600"),
+    ("starve:rank=1,step=2,seconds=soon", "factor and seconds numbers"),
+    ("starve:rank=1,step=2,phase=reduce", "'phase=reduce' is not one of rank=, step=, seconds="),
     ("slow:rank=1,step=2,factor=0.5", "factor >= 1"),
     ("kill:rank=1", "rank= and step= are required"),
     ("kill:rank=1,step=x", "must be integers"),

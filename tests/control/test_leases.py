@@ -81,14 +81,47 @@ def test_a_holder_killed_or_frozen_is_a_death_dated_by_its_last_renewal(etcd, si
         seen = time.time()
         assert [d[0] for d in deaths] == [5]
         (_, last_wall, ttl_s) = deaths[0]
-        assert ttl_s == TIMEOUT_S
+        assert ttl_s == TIMEOUT_S + 1 == watcher.ttl_s  # whole seconds, one over the timeout
         # Expired a TTL after the last renewal (at most TTL/4 before the signal), seen within the
         # leader's expiry check (every 0.5 s) after that.
-        assert TIMEOUT_S * 3 / 4 - 0.1 <= seen - struck <= TIMEOUT_S + 1.2, seen - struck
-        assert struck - TIMEOUT_S / 4 - 0.2 <= last_wall <= struck + 0.7, last_wall - struck
+        assert ttl_s * 3 / 4 - 0.1 <= seen - struck <= ttl_s + 1.2, seen - struck
+        assert struck - ttl_s / 4 - 0.2 <= last_wall <= struck + 0.7, last_wall - struck
         if sig == signal.SIGSTOP:  # continued: its next renewal finds the lease gone, and it knows it
             os.kill(holder.proc.pid, signal.SIGCONT)
             assert holder.proc.stdout.readline().strip() == "expired"
+    watcher.close()
+
+
+@pytest.mark.parametrize("starved_s", [0.0, 3.0])
+def test_the_leader_says_when_a_lease_went_unrenewed_for_the_timeout(etcd, starved_s):
+    """A watcher asking about a renewing holder (also after it was starved for 3 s: asked nothing)
+    gets no evidence; once the holder is frozen, the answer "under a second left" -- no renewal
+    for the timeout -- comes within 0.3 s of the timeout after its last renewal, before the
+    lease expires, dated no later than that renewal."""
+    prefix = f"/t/lease-unrenewed-{starved_s:g}/"
+    watcher = leases.Lease(_store(etcd, prefix), 0, TIMEOUT_S)
+    with Holder(etcd, prefix, 5) as holder:
+        time.sleep(starved_s)
+        until = time.monotonic() + 3.0
+        while time.monotonic() < until:
+            assert watcher.unrenewed(5) is None
+            time.sleep(max(0.0, min(0.2, watcher.next_read_in())))
+        struck = time.time()
+        os.kill(holder.proc.pid, signal.SIGSTOP)
+        since = None
+        while time.time() - struck < TIMEOUT_S + 2:
+            since = watcher.unrenewed(5)
+            if since is not None:
+                break
+            time.sleep(watcher.next_read_in())
+        seen = time.time()
+        assert since is not None, "no evidence within the lease's TTL"
+        renewal_every = watcher.ttl_s / leases.RENEWALS_PER_TTL
+        # The last renewal came at most one renewal period before the stop.
+        assert TIMEOUT_S - renewal_every - 0.1 <= seen - struck <= TIMEOUT_S + 0.3, seen - struck
+        assert struck - renewal_every - 0.3 <= since <= struck, since - struck
+        assert watcher.store.lease_left(int(__import__("json").loads(
+            Sealed(watcher.store, None).read(f"{leases.ALIVE}5"))["lease"])) == 0  # not expired yet
     watcher.close()
 
 
@@ -142,7 +175,10 @@ def test_a_key_deleted_in_its_leases_last_second_is_no_death_and_wakes_the_watch
     waiting.join(6)
     assert woken and woken[0][0] is False and woken[0][1] - began < 1.0, woken
     assert watcher.expired() == []  # its lease still lived: someone deleted the key
-    time.sleep(1.0)
+    # Past its TTL it still reads 0 until the leader's expiry check (every 0.5 s) revokes it.
+    deadline = time.monotonic() + 3.0
+    while store.lease_left(lease) != -1 and time.monotonic() < deadline:
+        time.sleep(0.05)
     assert store.lease_left(lease) == -1
     watcher.close()
 
