@@ -6,20 +6,23 @@ epoch, and their links may have given up on the store meanwhile (the rescue path
 must find that the job went on without it -- the store's epoch has no place for it, or the
 checkpoint directory holds a newer fence -- and stop without writing a byte to the job's files.
 """
+import contextlib
 import os
 import signal
 import time
 
+import pytest
+
 from elaswave.checkpoint import disk
 from elaswave.runtime.worker import EXIT_EXCLUDED
+from tests.helpers.etcd import EtcdCluster
 from tests.helpers.spawn import TINY, Running, assert_same_run, free_port, run_reference
 
 PAUSE_S = 12.0  # past the heartbeat timeout (2 s) and past link.SILENT_S (8 s): the links give up too
 
 
-def _agent(sets, node_rank, endpoint, metrics):
-    args = ["run", *[x for s in sets for x in ("--set", s)], "--nnodes", "2", "--node-rank", str(node_rank),
-            "--rdzv-endpoint", endpoint]
+def _agent(sets, node_rank, rdzv, metrics):
+    args = ["run", *[x for s in sets for x in ("--set", s)], "--nnodes", "2", "--node-rank", str(node_rank), *rdzv]
     return Running(args, metrics, env={"ELASWAVE_TOKEN": "fence-test", "TORCH_CPP_LOG_LEVEL": "ERROR"})
 
 
@@ -27,14 +30,24 @@ def _files(root):
     return {p: p.stat().st_mtime for p in root.rglob("*") if p.is_file()}
 
 
-def test_a_paused_host_continued_after_the_job_went_on_writes_nothing_and_stops(tmp_path):
+@pytest.mark.parametrize("backend", ["c10d", "etcd"])
+def test_a_paused_host_continued_after_the_job_went_on_writes_nothing_and_stops(tmp_path, backend):
+    """On etcd the paused ranks' leases go unrenewed (their watchers name them) and then expire."""
     steps = 400
     ckpt = tmp_path / "ckpt"  # one directory for both hosts: a shared file system
     sets = [*TINY, "parallel.dp=2", "parallel.pp=2", f"train.steps={steps}", "train.num_micro_batches=4",
             "train.deterministic=true", "parallel.timeout_s=30", "elastic.respawn_after_s=-1",
             f"checkpoint.dir={ckpt}", "checkpoint.every_steps=5"]
-    endpoint, metrics, metrics1 = f"127.0.0.1:{free_port()}", tmp_path / "run.jsonl", tmp_path / "m1.jsonl"
-    with _agent(sets, 0, endpoint, metrics) as host0, _agent(sets, 1, endpoint, metrics1) as host1:
+    metrics, metrics1 = tmp_path / "run.jsonl", tmp_path / "m1.jsonl"
+    with (EtcdCluster(3) if backend == "etcd" else contextlib.nullcontext()) as etcd:
+        rdzv = (["--rdzv-backend", "etcd", "--rdzv-endpoint", etcd.endpoints] if etcd is not None else
+                ["--rdzv-endpoint", f"127.0.0.1:{free_port()}"])
+        res0, res1, paused, continued, gone, before = _pause_host(sets, rdzv, metrics, metrics1, ckpt)
+    _check(res0, res1, paused, continued, gone, before, ckpt, metrics1, tmp_path, steps)
+
+
+def _pause_host(sets, rdzv, metrics, metrics1, ckpt):
+    with _agent(sets, 0, rdzv, metrics) as host0, _agent(sets, 1, rdzv, metrics1) as host1:
         host0.wait_for(r"step\s+12/", 180)
         os.killpg(host1.proc.pid, signal.SIGSTOP)
         paused = time.time()
@@ -45,6 +58,10 @@ def test_a_paused_host_continued_after_the_job_went_on_writes_nothing_and_stops(
         res1 = host1.finish(60)
         gone = time.time()
         res0 = host0.finish(240)
+    return res0, res1, paused, continued, gone, before
+
+
+def _check(res0, res1, paused, continued, gone, before, ckpt, metrics1, tmp_path, steps):
     changes = [(r['event'], r.get('epoch'), r.get('lost_ranks'), r.get('resume_step')) for r in res0.records
                if r['event'] in ('recovery', 'join')]
     assert res0.returncode == 0, res0.stderr
