@@ -157,7 +157,7 @@ def _repeat(runs: int, what: str, fn) -> dict:
         values.append(out["mttr_s"])
         details.append(out)
         print(f"  {what} run {i}: MTTR {out['mttr_s']:.3f} s", flush=True)
-    return {**_summary(values), "last": details[-1]}
+    return {**_summary(values), "last": details[-1], "details": details}
 
 
 def measure(runs: int, timeouts: list[float], interval_s: float, ticks: list[int]) -> dict:
