@@ -175,10 +175,13 @@ class Lease:
         a network between us, not its death. A lease that runs out
         instead will soon prove the death, which says more than this rank's silence (and spares
         the check-ins' reachability probes). One request, on a silent port only."""
+        lease = self._lease_of(rank)
+        return lease is not None and self.store.lease_left(lease) >= self.ttl_s - 1
+
+    def _lease_of(self, rank: int) -> int | None:
+        """``rank``'s lease, from its record; None before it granted one, or once it expired or ended."""
         raw = sealed(self.store).read(f"{ALIVE}{rank}")
-        if raw is None or not raw.startswith(b"{"):  # expired already, or ended
-            return False
-        return self.store.lease_left(int(json.loads(raw)["lease"])) >= self.ttl_s - 1
+        return int(json.loads(raw)["lease"]) if raw is not None and raw.startswith(b"{") else None
 
     def unrenewed(self, rank: int) -> float | None:
         """When asked (see the module's doc): whether ``rank``'s lease went unrenewed for the
@@ -188,12 +191,10 @@ class Lease:
         now = time.monotonic()
         if now < due:
             return None
+        lease = lease if lease is not None else self._lease_of(rank)
         if lease is None:
-            raw = sealed(self.store).read(f"{ALIVE}{rank}")
-            if raw is None or not raw.startswith(b"{"):  # not granted yet, expired already, or ended
-                self._watched[rank] = (None, now + 0.5, second_left)
-                return None
-            lease = int(json.loads(raw)["lease"])
+            self._watched[rank] = (None, now + 0.5, second_left)
+            return None
         asked_wall, left = time.time(), self.store.lease_left(lease)
         if left < 0:  # expired (the deletion proves it) or revoked: its next lease, if any, afresh
             self._watched[rank] = (None, now + 0.5, second_left)

@@ -86,15 +86,12 @@ class Attention(nn.Module):
         group = self.num_heads // self.num_kv_heads
         k, v = (z.repeat_interleave(group, dim=1) if group > 1 else z for z in (k, v))
         fused = self.fused and (gen is None or self.p == 0.0)
-        if fused and documents is None:  # the kernel masks by itself: no [t, t] mask is built
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-            return self.o_proj(y.transpose(1, 2).reshape(b, t, self.num_heads * self.head_dim))
         # Block-causal with documents: a token sees the earlier tokens of its own document only.
-        causal = causal_mask(t, x.device)
-        blocked = causal if documents is None else \
-            (causal | (documents[:, :, None] != documents[:, None, :]))[:, None]
-        if fused:
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=~blocked)
+        blocked = None if fused and documents is None else causal_mask(t, x.device) if documents is None else \
+            (causal_mask(t, x.device) | (documents[:, :, None] != documents[:, None, :]))[:, None]
+        if fused:  # without documents the kernel masks by itself: no [t, t] mask is built
+            y = (F.scaled_dot_product_attention(q, k, v, is_causal=True) if blocked is None else
+                 F.scaled_dot_product_attention(q, k, v, attn_mask=~blocked))
         else:
             att = (q @ k.transpose(-2, -1)) * self.head_dim ** -0.5
             att = att.masked_fill(blocked, float("-inf")).softmax(dim=-1, dtype=torch.float32)

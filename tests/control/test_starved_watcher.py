@@ -11,6 +11,8 @@ neighbour may be left out, and the run stays bit-identical to the reference.
   watchers on host 0 see it silent for the timeout, name it, and it is left out (exit 3 when it
   wakes, writing nothing). That is the only change: ranks 0, 1 and 3 train on.
 """
+import contextlib
+
 import pytest
 
 from elaswave.control.link import EXIT_EXCLUDED
@@ -30,7 +32,7 @@ def test_a_watcher_starved_for_3_s_evicts_no_healthy_neighbour(tmp_path, referen
     if reason:
         pytest.skip(reason)
     with netns.OtherHost() as host, \
-            (EtcdCluster(3, hosts=[host.here_store_ip] * 3) if backend == "etcd" else _Nothing()) as etcd:
+            (EtcdCluster(3, hosts=[host.here_store_ip] * 3) if backend == "etcd" else contextlib.nullcontext()) as etcd:
         rdzv = (["--rdzv-backend", "etcd", "--rdzv-endpoint", etcd.endpoints] if backend == "etcd" else
                 ["--rdzv-endpoint", f"{host.here_store_ip}:{free_port()}"])
 
@@ -56,10 +58,3 @@ def test_a_watcher_starved_for_3_s_evicts_no_healthy_neighbour(tmp_path, referen
         assert worlds[0] == 4 and worlds[-1] == 3, sorted(set(worlds))
         assert f"exited with code {EXIT_EXCLUDED}" in res1.stderr or "left out of epoch" in res1.stderr, res1.stderr[-2000:]
 
-
-class _Nothing:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False

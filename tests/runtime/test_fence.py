@@ -43,26 +43,17 @@ def test_a_paused_host_continued_after_the_job_went_on_writes_nothing_and_stops(
     with (EtcdCluster(3) if backend == "etcd" else contextlib.nullcontext()) as etcd:
         rdzv = (["--rdzv-backend", "etcd", "--rdzv-endpoint", etcd.endpoints] if etcd is not None else
                 ["--rdzv-endpoint", f"127.0.0.1:{free_port()}"])
-        res0, res1, paused, continued, gone, before = _pause_host(sets, rdzv, metrics, metrics1, ckpt)
-    _check(res0, res1, paused, continued, gone, before, ckpt, metrics1, tmp_path, steps)
-
-
-def _pause_host(sets, rdzv, metrics, metrics1, ckpt):
-    with _agent(sets, 0, rdzv, metrics) as host0, _agent(sets, 1, rdzv, metrics1) as host1:
-        host0.wait_for(r"step\s+12/", 180)
-        os.killpg(host1.proc.pid, signal.SIGSTOP)
-        paused = time.time()
-        time.sleep(PAUSE_S)
-        before = _files(ckpt)
-        continued = time.time()
-        os.killpg(host1.proc.pid, signal.SIGCONT)
-        res1 = host1.finish(60)
-        gone = time.time()
-        res0 = host0.finish(240)
-    return res0, res1, paused, continued, gone, before
-
-
-def _check(res0, res1, paused, continued, gone, before, ckpt, metrics1, tmp_path, steps):
+        with _agent(sets, 0, rdzv, metrics) as host0, _agent(sets, 1, rdzv, metrics1) as host1:
+            host0.wait_for(r"step\s+12/", 180)
+            os.killpg(host1.proc.pid, signal.SIGSTOP)
+            paused = time.time()
+            time.sleep(PAUSE_S)
+            before = _files(ckpt)
+            continued = time.time()
+            os.killpg(host1.proc.pid, signal.SIGCONT)
+            res1 = host1.finish(60)
+            gone = time.time()
+            res0 = host0.finish(240)
     changes = [(r['event'], r.get('epoch'), r.get('lost_ranks'), r.get('resume_step')) for r in res0.records
                if r['event'] in ('recovery', 'join')]
     assert res0.returncode == 0, res0.stderr
