@@ -44,6 +44,12 @@ REQUEST_TIMEOUT_S = 2.0
 """The longest one request may take before the member is taken as unable to serve (etcd itself
 gives up on a proposal after about 7 s without a leader; a healthy cluster answers in ms)."""
 
+RETRY_PAUSE_S = 0.05
+"""The least time a round of every member takes before it fails: with no route to the members
+(a host cut off) each answers ENETUNREACH in microseconds, and the callers' retries (the links',
+the watch stream's) made a tight loop -- measured, a cut-off host's two ranks took 60-70 % of a
+core each, and on a shared machine the other side's recovery waited for them."""
+
 _UNAVAILABLE_CODES = (4, 14)
 """gRPC's DeadlineExceeded and Unavailable: this member cannot serve now; another may."""
 _UNAVAILABLE = ("no leader", "request timed out", "leader changed", "not capable", "too many requests",
@@ -272,10 +278,12 @@ class EtcdStore(dist.Store):
             at = self._at
             while not halt.is_set():
                 host, port = self.endpoints[at]
+                began = time.monotonic()
                 try:
                     self._stream(host, port, prefix, resume, on_event, halt)
                 except (OSError, http.client.HTTPException, json.JSONDecodeError, ValueError):
                     at = (at + 1) % len(self.endpoints)
+                    halt.wait(max(0.0, began + RETRY_PAUSE_S / len(self.endpoints) - time.monotonic()))
         thread = threading.Thread(target=run, name=f"etcd-follow-{prefix}", daemon=True)
         thread.start()
         return thread
@@ -388,7 +396,7 @@ class EtcdStore(dist.Store):
     def _post(self, path: str, body: dict, auth: bool = True, timeout_s: float | None = None) -> dict:
         """One request, to each endpoint in turn until one serves it; ``DistNetworkError`` when
         none does (no quorum reachable from here)."""
-        errors = []
+        errors, began = [], time.monotonic()
         shut_out = 0  # new connections a member accepted, then closed or failed in TLS: a TLS mismatch
         for _ in range(len(self.endpoints)):
             host, port = self.endpoints[self._at]
@@ -431,6 +439,7 @@ class EtcdStore(dist.Store):
                    "to the job's client certificate)" if self.tls is None else
                    "it refused the TLS client certificate (ELASWAVE_ETCD_CERT, ELASWAVE_ETCD_KEY: one signed by the "
                    "CA it trusts?)"))
+        time.sleep(max(0.0, began + RETRY_PAUSE_S - time.monotonic()))
         raise dist.DistNetworkError("no etcd member served the request (" + "; ".join(errors) + ")")
 
     def _drop(self) -> None:

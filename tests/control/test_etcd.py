@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from elaswave.control.etcd import Credentials, EtcdAuthError, EtcdStore, Tls, parse_endpoints
+from elaswave.control.etcd import RETRY_PAUSE_S, Credentials, EtcdAuthError, EtcdStore, Tls, parse_endpoints
 from elaswave.control.link import StoreLink, StoreLost
 from elaswave.errors import ConfigError
 from tests.helpers.certs import Authority
@@ -130,6 +130,35 @@ def test_one_member_lost_or_frozen_costs_nothing_and_two_lost_leave_nobody_able_
         assert time.monotonic() - began < 15
         with pytest.raises(dist.DistNetworkError):
             store.clone().get("epoch")  # nor can it read: reads are linearizable
+
+
+class _Counting(EtcdStore):
+    """The real client, counting the connections it opens (one per member and round)."""
+    opened = 0
+
+    def _connection(self, host, port, timeout_s):
+        type(self).opened += 1
+        return super()._connection(host, port, timeout_s)
+
+
+def test_members_that_fail_at_once_are_not_asked_in_a_tight_loop():
+    # A member gone fails a connect in microseconds (refused here; ENETUNREACH on a host cut off by
+    # a blackhole route): a cut-off rank's link and watch stream retried that in a tight loop,
+    # 60-70 % of a core each.
+    with EtcdCluster(1) as etcd:
+        store = _Counting(parse_endpoints(etcd.endpoints), "/t/spin/", 10.0)
+        halt = threading.Event()
+        store.follow("/", lambda *event: None, halt)
+        time.sleep(0.5)
+        etcd.kill(0)
+        began, before = time.monotonic(), _Counting.opened
+        with pytest.raises(StoreLost):
+            StoreLink(store, None, timeout_s=10, grace_s=1.0).get("x")
+        spent = time.monotonic() - began
+        halt.set()
+    # The link's rounds and the stream's tries, each at most one per RETRY_PAUSE_S (and one more).
+    most = 2 * (spent / RETRY_PAUSE_S + 2)
+    assert _Counting.opened - before <= most, f"{_Counting.opened - before} connections in {spent:.2f} s"
 
 
 def _post(etcd, path, body, token=None):
