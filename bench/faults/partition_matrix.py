@@ -1,6 +1,6 @@
 """One run, never two: the partition matrix of issue 35, each case ``--runs`` times, on both backends.
 
-    python bench/faults/partition_matrix.py [--runs 20] [--cases all|NAME,NAME] [--steps 40]
+    python bench/faults/partition_matrix.py [--runs 20] [--cases all|NAME,NAME] [--steps 40] [--out NAME]
 
 Each case is a real deterministic job (dp=2 x pp=2, the tests' tiny GPT, 6 micro-batches) with a
 real fault after step 8; a *side* is what one agent's metrics file holds (the training steps, the
@@ -8,6 +8,9 @@ summary):
 
 - ``c10d_cut``: two agents around node 0's TCPStore; host 1 (a network namespace, ranks 2 and 3)
   goes silent (both links down: nothing refused, its processes alive). The store's side goes on.
+- ``c10d_cut_holder_silent``: the same cut seen from the other side: node 0, which holds the
+  TCPStore, runs in the namespace, so the host that goes silent is the store's. It goes on (half
+  the members, with the store); the other host stops.
 - ``c10d_holder_stopped``: one host; ``elaswave run`` (which holds the TCPStore) is SIGSTOPped.
   The store moves to a standby and the ranks train on; the launcher is continued after the end.
 - ``etcd_cut_majority_host0`` / ``etcd_cut_majority_host1``: two agents on a 3-member etcd
@@ -83,22 +86,26 @@ def _finish(jobs: list[Running], since: float, limit_s: float) -> list[tuple[int
     return [o or (None, None) for o in out]
 
 
-def _two_hosts(tmp: Path, steps: int, etcd_in_host1: int | None) -> list[dict]:
+def _two_hosts(tmp: Path, steps: int, etcd_in_host1: int | None, holder_silent: bool = False) -> list[dict]:
     """Two agents, host 1 in a namespace; ``etcd_in_host1``: None for the TCPStore, else how many
-    of the 3 etcd members run on host 1. Returns both sides (node 0's first)."""
+    of the 3 etcd members run on host 1. ``holder_silent`` (TCPStore): node 0, which holds the
+    store, runs in the namespace instead, so the host that goes silent is the store's. Returns both
+    sides (node 0's first)."""
     with netns.OtherHost() as host:
         members = None if etcd_in_host1 is None else EtcdCluster(
             3, hosts=[host.here_store_ip] * (3 - etcd_in_host1) + [host.store_ip] * etcd_in_host1,
             prefixes=[[]] * (3 - etcd_in_host1) + [host.prefix()] * etcd_in_host1)
         with members or _Nothing() as etcd:
             rdzv = (["--rdzv-backend", "etcd", "--rdzv-endpoint", etcd.endpoints] if members else
-                    ["--rdzv-endpoint", f"{host.here_store_ip}:{free_port()}"])
+                    ["--rdzv-endpoint", f"{host.store_ip if holder_silent else host.here_store_ip}:{free_port()}"])
 
             def agent(k: int, bind: str, prefix=()) -> Running:
                 return Running(_args([*_sets(steps), f"parallel.bind_address={bind}"], "--nnodes", "2", "--node-rank",
                                      str(k), *rdzv), tmp / f"m{k}.jsonl", env=ENV, prefix=list(prefix))
 
-            with agent(0, host.here_peer_ip) as a0, agent(1, host.peer_ip, host.prefix()) as a1:
+            here, there = (host.here_peer_ip, ()), (host.peer_ip, host.prefix())
+            node0, node1 = (there, here) if holder_silent else (here, there)
+            with agent(0, *node0) as a0, agent(1, *node1) as a1:
                 a0.wait_for(rf"step\s+{FAULT_STEP}/", 240)
                 host.silence()
                 wall, since = time.time(), time.monotonic()
@@ -173,6 +180,7 @@ def _has_summary(metrics: Path) -> bool:
 
 CASES = {
     "c10d_cut": lambda tmp, steps: _two_hosts(tmp, steps, None),
+    "c10d_cut_holder_silent": lambda tmp, steps: _two_hosts(tmp, steps, None, holder_silent=True),
     "c10d_holder_stopped": lambda tmp, steps: _one_host(tmp, steps, "holder_stopped"),
     "c10d_three_hosts_one_cut": lambda tmp, steps: _three_hosts(tmp, steps, False),
     "etcd_cut_majority_host0": lambda tmp, steps: _two_hosts(tmp, steps, 1),
@@ -236,6 +244,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--runs", type=int, default=20)
     ap.add_argument("--cases", default="all")
     ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--out", default="partition_matrix", help="the results' name under bench/results (a subset of the "
+                                                               "cases would replace the whole matrix's)")
     args = ap.parse_args(argv)
     names = list(CASES) if args.cases == "all" else [c.strip() for c in args.cases.split(",") if c.strip()]
     bad = [c for c in names if c not in CASES]
@@ -262,11 +272,12 @@ def main(argv: list[str] | None = None) -> int:
                   f"(codes {verdict['codes']}, stopped after {verdict['stopped_s']} s)", flush=True)
         out[name] = {"runs": runs, "passed": sum(r["passed"] for r in runs)}
     import torch
-    meta = (f"`python bench/faults/partition_matrix.py --runs {args.runs} --cases {args.cases} --steps {args.steps}` "
+    meta = (f"`python bench/faults/partition_matrix.py --runs {args.runs} --cases {args.cases} --steps {args.steps} "
+            f"--out {args.out}` "
             f"on {date.today()}, {platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}, "
             f"{time.perf_counter() - began:.0f} s; fault after step {FAULT_STEP} of {args.steps}.")
     doc = {"meta": meta, "cases": out}
-    write_results(RESULTS / "partition_matrix", doc, markdown(doc))
+    write_results(RESULTS / args.out, doc, markdown(doc))
     return 0 if all("skipped" in r or r["passed"] == len(r["runs"]) for r in out.values()) else 1
 
 

@@ -354,17 +354,18 @@ class Membership:
     def lease_expired(self, epoch: int, rank: int, last_wall: float, ttl_s: int) -> None:
         """``rank``'s etcd lease expired (:mod:`~elaswave.control.leases`): a death proven by the
         cluster's quorum, recorded with its last renewal (wall clock), and said to the members."""
+        # The stamp last: each write is a Raft commit, and only the recovery's record reads it.
         self.store.compare_set(f"{PREFIX}dead/{rank}", "", f"its etcd lease expired: no renewal for {ttl_s} s")
-        self.store.compare_set(f"{PREFIX}renewed/{rank}", "", repr(last_wall))
         self.alert(epoch, f"rank {rank}'s etcd lease expired (no renewal for {ttl_s} s)", [rank])
+        self.store.compare_set(f"{PREFIX}renewed/{rank}", "", repr(last_wall))
 
     def lease_unrenewed(self, epoch: int, rank: int, since_wall: float, for_s: int, watchers: int) -> None:
         """This watcher's evidence against ``rank`` on etcd: the leader says its lease went
         unrenewed for ``for_s`` s (:meth:`~elaswave.control.leases.Lease.unrenewed`), so since
         ``since_wall`` at the earliest. It is left out once all its watchers said so."""
-        self.store.compare_set(f"{PREFIX}renewed/{rank}", "", repr(since_wall))
         self.alert(epoch, f"rank {rank} renewed no etcd lease for {for_s} s (the leader, asked by rank "
                           f"{self.rank})", [rank], watchers=watchers)
+        self.store.compare_set(f"{PREFIX}renewed/{rank}", "", repr(since_wall))
 
     def last_beat_wall(self, rank: int) -> float | None:
         """When ``rank``'s last heartbeat was sent (wall clock), or None if it never beat here (see
