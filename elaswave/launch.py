@@ -26,11 +26,10 @@ import torch.distributed as dist
 
 from elaswave.config import JobConfig
 from elaswave.errors import ConfigError
-from elaswave.comm.backend import connect_store
 from elaswave.control import agents, failover, rendezvous, seal
 from elaswave.control.admission import JOIN_ENV, SPARE_ENV, STARTED_ENV, TOKEN_ENV, job_token, new_token, promote, Admission
 from elaswave.control.agents import NODE_RANK_ENV, NODES_ENV, AgentRefused, Node
-from elaswave.control.link import EXIT_EXCLUDED, EXIT_STORE_LOST, StoreLink, StoreLost
+from elaswave.control.link import EXIT_EXCLUDED, EXIT_STORE_LOST, StoreLink, StoreLost, client
 from elaswave.control.liveness import Prober
 from elaswave.control.membership import PREFIX, Membership
 
@@ -161,8 +160,14 @@ def _open_store(cfg: JobConfig, node: Node, host: str) -> tuple[dist.TCPStore | 
                                f"({type(exc).__name__}: {str(exc).splitlines()[0]})") from None
         return store, node.rdzv_endpoint
     try:
-        store = connect_store(node.rdzv_endpoint, cfg.parallel.timeout_s)
+        # client() gives the first ping as long again as the connect: both within the timeout, with
+        # a second left to ask whether etcd answers there instead.
+        store = client(ep_host, port, max(0.5, (cfg.parallel.timeout_s - 1) / 2), cfg.parallel.timeout_s)
     except (RuntimeError, OSError) as exc:  # torch raises DistStoreError (a RuntimeError) on a timeout
+        if rendezvous.is_etcd_member(ep_host, port):
+            raise AgentRefused(f"--rdzv-endpoint={node.rdzv_endpoint} is an etcd member, not a TCPStore: node 0's "
+                               "agent runs --rdzv-backend etcd; give every agent the same --rdzv-backend and "
+                               "--rdzv-endpoint") from None
         raise AgentRefused(f"--rdzv-endpoint={node.rdzv_endpoint}: no job's store answered within "
                            f"parallel.timeout_s={cfg.parallel.timeout_s:g} s ({type(exc).__name__}); is node 0's "
                            f"agent running there?") from None

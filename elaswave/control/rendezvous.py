@@ -14,6 +14,7 @@ in etcd) and points ``current`` at it; the other agents take the current run unl
 """
 from __future__ import annotations
 
+import http.client
 import os
 import time
 
@@ -21,7 +22,7 @@ import torch.distributed as dist
 
 from elaswave.comm.backend import connect_store
 from elaswave.control.etcd import Credentials, EtcdStore, Tls, parse_endpoints
-from elaswave.control.link import StoreLink
+from elaswave.control.link import StoreLink, client
 from elaswave.errors import ConfigError
 
 SCHEME = "etcd://"
@@ -85,8 +86,35 @@ def open_etcd_run(endpoints: str, job_id: str, node_rank: int, timeout_s: float)
         else:
             run = _open_run(job, timeout_s)
     except dist.DistNetworkError as exc:
+        if any(_is_tcpstore(h, p) for h, p in job.endpoints):
+            raise ConfigError(f"--rdzv-endpoint={endpoints!r} is a TCPStore, not etcd: node 0's agent runs "
+                              "--rdzv-backend c10d; give every agent the same --rdzv-backend") from None
         raise ConfigError(f"--rdzv-endpoint={endpoints!r}: no majority of the etcd cluster answered ({exc})") from None
     return EtcdStore(job.endpoints, f"{job.prefix}{run}/", timeout_s, job.credentials, tls=job.tls)
+
+
+def is_etcd_member(host: str, port: int, within_s: float = 1.0) -> bool:
+    """Whether an etcd member answers at ``host:port`` (its ``/version``; a member serving HTTPS
+    answers a plain request with an error that names itself too). Asked only after a TCPStore client
+    got nothing there: agents that disagree on the backend are then one line, not a timeout."""
+    conn = http.client.HTTPConnection(host, port, timeout=within_s)
+    try:
+        conn.request("GET", "/version")
+        body = conn.getresponse().read(4096)
+    except (OSError, http.client.HTTPException):
+        return False
+    finally:
+        conn.close()
+    return b"etcdserver" in body or b"HTTPS server" in body
+
+
+def _is_tcpstore(host: str, port: int, within_s: float = 1.0) -> bool:
+    """Whether a TCPStore answers at ``host:port`` (asked only after etcd's requests got nothing there)."""
+    try:
+        client(host, port, within_s, within_s)
+    except Exception:  # noqa: BLE001 - refused, timed out, or not a store: not a TCPStore
+        return False
+    return True
 
 
 def _open_run(job: EtcdStore, timeout_s: float) -> int:

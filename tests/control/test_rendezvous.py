@@ -2,6 +2,7 @@
 workers, a real 3-member cluster, real SIGKILLs. Losing a rank and an etcd member leaves the run
 bit-identical to the reference; losing the etcd majority stops every rank after it saved its part
 (no side can decide alone); bad rendezvous input is one line."""
+import contextlib
 import time
 
 import pytest
@@ -107,6 +108,28 @@ def test_bad_rendezvous_input_is_one_line(tmp_path, flags, needle):
     res = run_cli(job_args(2, 2, 4, True, EXTRA) + flags, tmp_path, timeout_s=120)
     assert res.returncode == 2 and needle in res.stderr and "Traceback" not in res.stderr, res.stderr
     assert time.monotonic() - began < 60
+
+
+@pytest.mark.parametrize("node0", ["c10d", "etcd"])
+def test_an_agent_on_the_other_backend_than_node_0_is_one_line(tmp_path, node0):
+    """Node 0's store is a TCPStore (resp. an etcd member) at the endpoint; this agent says etcd
+    (resp. c10d): one line naming the endpoint and the backend, within parallel.timeout_s."""
+    import torch.distributed as dist
+    port = free_port()
+    with EtcdCluster(1) if node0 == "etcd" else contextlib.nullcontext() as etcd:
+        store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False) if etcd is None else None
+        endpoint = f"127.0.0.1:{port}" if etcd is None else etcd.endpoints
+        backend = ["--rdzv-backend", "etcd"] if etcd is None else []
+        began = time.monotonic()
+        res = run_cli(job_args(2, 2, 4, True, [*EXTRA[:-1], "parallel.timeout_s=6"])
+                      + ["--nnodes", "2", "--node-rank", "1", *backend, "--rdzv-endpoint", endpoint], tmp_path,
+                      timeout_s=60, env={"ELASWAVE_TOKEN": "backends-test"})
+        took = time.monotonic() - began
+        del store
+    want = "is a TCPStore, not etcd" if node0 == "c10d" else "is an etcd member, not a TCPStore"
+    assert res.returncode == 2 and want in res.stderr and endpoint in res.stderr, res.stderr
+    assert len(res.stderr.strip().splitlines()) == 1 and res.left_behind == 0, res.stderr
+    assert took < 6 + 15, took  # the timeout, and the process's own start
 
 
 def test_two_hosts_cut_apart_on_etcd_make_one_run_not_two(tmp_path, reference):
