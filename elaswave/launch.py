@@ -138,6 +138,10 @@ class _Workers:
         return list(self.procs.values())
 
 
+REACH_ATTEMPT_S = 5.0
+"""The longest one attempt to reach node 0's store waits for its connect (and as long for its ping)."""
+
+
 def _open_store(cfg: JobConfig, node: Node, host: str) -> tuple[dist.TCPStore | StoreLink, str]:
     """The job's store: hosted here (one host, or node 0 of several) or reached at the endpoint
     (through a link that outlives a dropped connection). Returns it and the address the workers
@@ -159,20 +163,30 @@ def _open_store(cfg: JobConfig, node: Node, host: str) -> tuple[dist.TCPStore | 
             raise AgentRefused(f"--rdzv-endpoint={node.rdzv_endpoint}: node 0 cannot host the job's store there "
                                f"({type(exc).__name__}: {str(exc).splitlines()[0]})") from None
         return store, node.rdzv_endpoint
-    try:
-        # client() gives the first ping as long again as the connect: both within the timeout, with
-        # a second left to ask whether etcd answers there instead.
-        store = client(ep_host, port, max(0.5, (cfg.parallel.timeout_s - 1) / 2), cfg.parallel.timeout_s)
-    except (RuntimeError, OSError) as exc:  # torch raises DistStoreError (a RuntimeError) on a timeout
-        if rendezvous.is_etcd_member(ep_host, port):
-            raise AgentRefused(f"--rdzv-endpoint={node.rdzv_endpoint} is an etcd member, not a TCPStore: node 0's "
-                               "agent runs --rdzv-backend etcd; give every agent the same --rdzv-backend and "
-                               "--rdzv-endpoint") from None
-        raise AgentRefused(f"--rdzv-endpoint={node.rdzv_endpoint}: no job's store answered within "
-                           f"parallel.timeout_s={cfg.parallel.timeout_s:g} s ({type(exc).__name__}); is node 0's "
-                           f"agent running there?") from None
+    store = _reach_store(node, ep_host, port, cfg.parallel.timeout_s)
     return StoreLink(store, node.rdzv_endpoint, cfg.parallel.timeout_s, cfg.elastic.heartbeat_timeout_s), \
         node.rdzv_endpoint
+
+
+def _reach_store(node: Node, host: str, port: int, timeout_s: float) -> dist.Store:
+    """Node 0's TCPStore, waited for up to ``timeout_s`` (agents start in any order), in attempts
+    of a few seconds: a port that accepts but never answers a TCPStore's ping may be an etcd
+    member (an agent on the other backend), which is then said at once."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        left = deadline - time.monotonic()
+        try:
+            # client() gives the first ping as long again as the connect: both within what is left.
+            return client(host, port, max(0.25, min(REACH_ATTEMPT_S, left / 2)), timeout_s)
+        except (RuntimeError, OSError) as exc:  # torch raises DistStoreError (a RuntimeError) on a timeout
+            if rendezvous.is_etcd_member(host, port):
+                raise AgentRefused(f"--rdzv-endpoint={node.rdzv_endpoint} is an etcd member, not a TCPStore: node "
+                                   "0's agent runs --rdzv-backend etcd; give every agent the same --rdzv-backend "
+                                   "and --rdzv-endpoint") from None
+            if time.monotonic() >= deadline - 0.5:
+                raise AgentRefused(f"--rdzv-endpoint={node.rdzv_endpoint}: no job's store answered within "
+                                   f"parallel.timeout_s={timeout_s:g} s ({type(exc).__name__}); is node 0's agent "
+                                   "running there?") from None
 
 
 def _check_devices(cfg: JobConfig, node: Node) -> None:
