@@ -266,19 +266,27 @@ def main(argv: list[str] | None = None) -> int:
         runs = []
         for i in range(args.runs):
             with tempfile.TemporaryDirectory() as tmp:
-                verdict = judge(CASES[name](Path(tmp), args.steps), reference, args.steps)
+                try:
+                    verdict = judge(CASES[name](Path(tmp), args.steps), reference, args.steps)
+                except Exception as exc:  # noqa: BLE001 - a run that broke (its cluster, its namespace) is a failed run
+                    verdict = {"passed": False, "problems": [f"the run broke: {type(exc).__name__}: "
+                                                             f"{str(exc).splitlines()[0] if str(exc) else ''}"],
+                               "codes": [], "stopped_s": [], "steps_after_fault": []}
             runs.append(verdict)
             print(f"  {name} run {i}: {'pass' if verdict['passed'] else 'FAIL ' + '; '.join(verdict['problems'])} "
                   f"(codes {verdict['codes']}, stopped after {verdict['stopped_s']} s)", flush=True)
         out[name] = {"runs": runs, "passed": sum(r["passed"] for r in runs)}
+        _write(args, out, began)  # after each case: a long matrix cut short keeps what it measured
+    return 0 if all("skipped" in r or r["passed"] == len(r["runs"]) for r in out.values()) else 1
+
+
+def _write(args, out: dict, began: float) -> None:
     import torch
     meta = (f"`python bench/faults/partition_matrix.py --runs {args.runs} --cases {args.cases} --steps {args.steps} "
-            f"--out {args.out}` "
-            f"on {date.today()}, {platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}, "
-            f"{time.perf_counter() - began:.0f} s; fault after step {FAULT_STEP} of {args.steps}.")
+            f"--out {args.out}` on {date.today()}, {platform.machine()}, {os.cpu_count()} CPUs, torch "
+            f"{torch.__version__}, {time.perf_counter() - began:.0f} s; fault after step {FAULT_STEP} of {args.steps}.")
     doc = {"meta": meta, "cases": out}
     write_results(RESULTS / args.out, doc, markdown(doc))
-    return 0 if all("skipped" in r or r["passed"] == len(r["runs"]) for r in out.values()) else 1
 
 
 if __name__ == "__main__":
