@@ -30,6 +30,7 @@ of the fault and writes no summary, and nothing hangs. Results: ``bench/results/
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import platform
 import signal
@@ -95,7 +96,7 @@ def _two_hosts(tmp: Path, steps: int, etcd_in_host1: int | None, holder_silent: 
         members = None if etcd_in_host1 is None else EtcdCluster(
             3, hosts=[host.here_store_ip] * (3 - etcd_in_host1) + [host.store_ip] * etcd_in_host1,
             prefixes=[[]] * (3 - etcd_in_host1) + [host.prefix()] * etcd_in_host1)
-        with members or _Nothing() as etcd:
+        with members or contextlib.nullcontext() as etcd:
             rdzv = (["--rdzv-backend", "etcd", "--rdzv-endpoint", etcd.endpoints] if members else
                     ["--rdzv-endpoint", f"{host.store_ip if holder_silent else host.here_store_ip}:{free_port()}"])
 
@@ -121,7 +122,7 @@ def _three_hosts(tmp: Path, steps: int, etcd_per_host: bool) -> list[dict]:
     with netns.OtherHost(1) as h1, netns.OtherHost(2) as h2:
         members = EtcdCluster(3, hosts=[h1.here_store_ip, h1.store_ip, h2.store_ip],
                               prefixes=[[], h1.prefix(), h2.prefix()]) if etcd_per_host else None
-        with members or _Nothing() as etcd:
+        with members or contextlib.nullcontext() as etcd:
             rdzv = (["--rdzv-backend", "etcd", "--rdzv-endpoint", etcd.endpoints] if members else
                     ["--rdzv-endpoint", f"{h1.here_store_ip}:{free_port()}"])
 
@@ -140,19 +141,11 @@ def _three_hosts(tmp: Path, steps: int, etcd_per_host: bool) -> list[dict]:
     return sides
 
 
-class _Nothing:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False
-
-
 def _one_host(tmp: Path, steps: int, fault: str) -> list[dict]:
     """One host; ``fault``: holder_stopped (SIGSTOP the launcher), member_killed or member_stopped."""
     metrics = tmp / "run.jsonl"
     members = EtcdCluster(3) if fault.startswith("member") else None
-    with members or _Nothing() as etcd:
+    with members or contextlib.nullcontext() as etcd:
         rdzv = ["--rdzv-backend", "etcd", "--rdzv-endpoint", etcd.endpoints] if etcd else []
         with Running(_args(_sets(steps), *rdzv), metrics, env=ENV) as job:
             job.wait_for(rf"step\s+{FAULT_STEP}/", 240)

@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from elaswave.comm.backend import connect_store
 from elaswave.control.etcd import Credentials, EtcdStore, Tls, parse_endpoints
-from elaswave.control.link import StoreLink, client
+from elaswave.control.link import StoreLink
 from elaswave.errors import ConfigError
 
 SCHEME = "etcd://"
@@ -111,7 +111,7 @@ def is_etcd_member(host: str, port: int, within_s: float = 1.0) -> bool:
 def _is_tcpstore(host: str, port: int, within_s: float = 1.0) -> bool:
     """Whether a TCPStore answers at ``host:port`` (asked only after etcd's requests got nothing there)."""
     try:
-        client(host, port, within_s, within_s)
+        connect_store(f"{host}:{port}", within_s)
     except Exception:  # noqa: BLE001 - refused, timed out, or not a store: not a TCPStore
         return False
     return True

@@ -86,10 +86,12 @@ class Attention(nn.Module):
         group = self.num_heads // self.num_kv_heads
         k, v = (z.repeat_interleave(group, dim=1) if group > 1 else z for z in (k, v))
         fused = self.fused and (gen is None or self.p == 0.0)
-        # Block-causal with documents: a token sees the earlier tokens of its own document only.
-        blocked = None if fused and documents is None else causal_mask(t, x.device) if documents is None else \
-            (causal_mask(t, x.device) | (documents[:, :, None] != documents[:, None, :]))[:, None]
-        if fused:  # without documents the kernel masks by itself: no [t, t] mask is built
+        blocked = None  # fused, without documents: the kernel masks by itself, no [t, t] mask is built
+        if not fused or documents is not None:
+            blocked = causal_mask(t, x.device)
+            if documents is not None:  # block-causal: a token sees the earlier tokens of its own document only
+                blocked = (blocked | (documents[:, :, None] != documents[:, None, :]))[:, None]
+        if fused:
             y = (F.scaled_dot_product_attention(q, k, v, is_causal=True) if blocked is None else
                  F.scaled_dot_product_attention(q, k, v, attn_mask=~blocked))
         else:
