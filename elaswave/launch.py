@@ -170,23 +170,30 @@ def _open_store(cfg: JobConfig, node: Node, host: str) -> tuple[dist.TCPStore | 
 
 def _reach_store(node: Node, host: str, port: int, timeout_s: float) -> dist.Store:
     """Node 0's TCPStore, waited for up to ``timeout_s`` (agents start in any order), in attempts
-    of a few seconds: a port that accepts but never answers a TCPStore's ping may be an etcd
-    member (an agent on the other backend), which is then said at once."""
+    of a few seconds. An etcd member there (an agent on the other backend) is said at once: asked
+    before the first attempt, since a TCPStore client that meets an HTTP server prints c10d's retry
+    warnings with their stack frames, and after each failed one (the member may start later)."""
     deadline = time.monotonic() + timeout_s
+    # A TCPStore never answers the HTTP request: this first probe costs its 0.25 s on c10d.
+    _refuse_etcd_member(node, host, port, within_s=0.25)
     while True:
         left = deadline - time.monotonic()
         try:
             # client() gives the first ping as long again as the connect: both within what is left.
             return client(host, port, max(0.25, min(REACH_ATTEMPT_S, left / 2)), timeout_s)
         except (RuntimeError, OSError) as exc:  # torch raises DistStoreError (a RuntimeError) on a timeout
-            if rendezvous.is_etcd_member(host, port):
-                raise AgentRefused(f"--rdzv-endpoint={node.rdzv_endpoint} is an etcd member, not a TCPStore: node "
-                                   "0's agent runs --rdzv-backend etcd; give every agent the same --rdzv-backend "
-                                   "and --rdzv-endpoint") from None
+            _refuse_etcd_member(node, host, port, within_s=1.0)
             if time.monotonic() >= deadline - 0.5:
                 raise AgentRefused(f"--rdzv-endpoint={node.rdzv_endpoint}: no job's store answered within "
                                    f"parallel.timeout_s={timeout_s:g} s ({type(exc).__name__}); is node 0's agent "
                                    "running there?") from None
+
+
+def _refuse_etcd_member(node: Node, host: str, port: int, within_s: float) -> None:
+    if rendezvous.is_etcd_member(host, port, within_s):
+        raise AgentRefused(f"--rdzv-endpoint={node.rdzv_endpoint} is an etcd member, not a TCPStore: node 0's "
+                           "agent runs --rdzv-backend etcd; give every agent the same --rdzv-backend and "
+                           "--rdzv-endpoint")
 
 
 def _check_devices(cfg: JobConfig, node: Node) -> None:

@@ -95,8 +95,8 @@ def open_etcd_run(endpoints: str, job_id: str, node_rank: int, timeout_s: float)
 
 def is_etcd_member(host: str, port: int, within_s: float = 1.0) -> bool:
     """Whether an etcd member answers at ``host:port`` (its ``/version``; a member serving HTTPS
-    answers a plain request with an error that names itself too). Asked only after a TCPStore client
-    got nothing there: agents that disagree on the backend are then one line, not a timeout."""
+    answers a plain request with an error that names itself too): agents that disagree on the
+    backend are then one line, not a timeout."""
     conn = http.client.HTTPConnection(host, port, timeout=within_s)
     try:
         conn.request("GET", "/version")
