@@ -106,14 +106,19 @@ def check_deadlock_free(schedules: Sequence[Sequence[Action]]) -> None:
             raise DeadlockError(f"schedule deadlocks; stages waiting at {stuck}")
 
 
-def one_f_one_b_makespan(stage_s: Sequence[float], num_micro_batches: int, backward_factor: float = 2.0) -> float:
+def one_f_one_b_makespan(stage_s: Sequence[float], num_micro_batches: int, backward_factor: float = 2.0,
+                         sizes: Sequence[float] | None = None) -> float:
     """The time :func:`one_f_one_b` takes on stages of the given forward + backward time per
     micro-batch (split ``1 : backward_factor``): every stage runs its own schedule's forwards and
-    backwards in order, each as soon as its stage is free and its input has arrived.
+    backwards in order, each as soon as its stage is free and its input has arrived. ``sizes``:
+    each micro-batch's work as a share of a whole one's (reshaped micro-batches; default all 1).
 
     Exact for that order, unlike the bottleneck price ``(m + S - 1) x max`` (an upper bound, equal
     when every stage takes as long): a lighter stage shortens fill and drain by what it saves."""
     num_stages = len(stage_s)
+    if sizes is not None and len(sizes) != num_micro_batches:
+        raise ValueError(f"{len(sizes)} sizes for {num_micro_batches} micro-batches")
+    scale = list(sizes) if sizes is not None else [1.0] * num_micro_batches
     forward = [t / (1 + backward_factor) for t in stage_s]
     backward = [t - f for t, f in zip(stage_s, forward)]
     order = [[(a.op is Op.BACKWARD, a.micro_batch) for a in one_f_one_b(s, num_stages, range(num_micro_batches))
@@ -132,12 +137,12 @@ def one_f_one_b_makespan(stage_s: Sequence[float], num_micro_batches: int, backw
                     ready = f_end[s][mb] if s == num_stages - 1 else b_end[s + 1][mb]
                     if ready < 0:
                         break
-                    free[s] = b_end[s][mb] = max(free[s], ready) + backward[s]
+                    free[s] = b_end[s][mb] = max(free[s], ready) + backward[s] * scale[mb]
                 else:
                     ready = 0.0 if s == 0 else f_end[s - 1][mb]
                     if ready < 0:
                         break
-                    free[s] = f_end[s][mb] = max(free[s], ready) + forward[s]
+                    free[s] = f_end[s][mb] = max(free[s], ready) + forward[s] * scale[mb]
                 pos[s] += 1
                 left -= 1
                 progressed = True

@@ -1,8 +1,11 @@
-"""Which pipeline runs which micro-batches (pure).
+"""Which pipeline runs which micro-batches, and how large they are (pure).
 
-The global batch is always micro-batches ``0..M-1``; only their assignment changes. Counts follow
-each pipeline's speed (largest remainder), and each pipeline gets a contiguous id range so the
-assignment is easy to read in logs.
+The global batch is ``M`` micro-batches of ``k`` units each (a unit: the samples that are never
+split, one sample in the simulator). Whole micro-batches are dealt by :func:`balance`; with
+``k > 1``, :func:`reshape` deals units, so a pipeline may run micro-batches of different sizes
+and the pipelines finish a step together to within a unit's time, not a micro-batch's. The
+global batch -- its units, so its samples and its gradient scale -- is the same either way. Each
+pipeline gets a contiguous id range so the assignment is easy to read in logs.
 """
 from __future__ import annotations
 
@@ -66,3 +69,44 @@ def balance(num_micro_batches: int, bottleneck_s: Sequence[float], num_stages: S
         out.append(tuple(range(start, start + c)))
         start += c
     return out
+
+
+def reshape(num_micro_batches: int, units_per_micro_batch: int, bottleneck_s: Sequence[float],
+            num_stages: Sequence[int], fill_s: Sequence[float] | None = None,
+            ) -> tuple[list[tuple[int, ...]], tuple[int, ...]]:
+    """The global batch's ``num_micro_batches * units_per_micro_batch`` units dealt so the
+    pipelines finish together (``balance``'s minimax greedy, a unit at a time: pipeline ``d``
+    with ``n`` units takes ``fill_s[d] + n * bottleneck_s[d] / k``, ``bottleneck_s`` being a whole
+    micro-batch's), then packed into micro-batches of ``k`` units and one smaller remainder last:
+    never larger than configured (activation memory), never more small ones than needed (each
+    micro-batch has its fixed costs). Returns (micro-batch ids per pipeline, units of each id)."""
+    k = units_per_micro_batch
+    if k < 1:
+        raise ValueError(f"units per micro-batch must be >= 1, got {k}")
+    if not bottleneck_s or len(bottleneck_s) != len(num_stages):
+        raise ValueError(f"reshape needs one bottleneck time and stage count per pipeline, got "
+                         f"{list(bottleneck_s)} and {list(num_stages)}")
+    if any(t <= 0 for t in bottleneck_s) or any(s < 1 for s in num_stages):
+        raise ValueError(f"bottleneck times must be > 0 and stage counts >= 1, got {list(bottleneck_s)}, "
+                         f"{list(num_stages)}")
+    if num_micro_batches < len(bottleneck_s):
+        raise ValueError(
+            f"{num_micro_batches} micro-batches cannot give each of {len(bottleneck_s)} pipelines at least one")
+    if fill_s is None:
+        fill_s = [(s - 1) * t for t, s in zip(bottleneck_s, num_stages)]
+    unit_s = [t / k for t in bottleneck_s]
+    # Every pipeline starts at a whole micro-batch (as balance does), the rest by the unit.
+    counts = [k] * len(bottleneck_s)
+    heap = [(f + (k + 1) * u, d) for d, (u, f) in enumerate(zip(unit_s, fill_s))]
+    heapq.heapify(heap)
+    for _ in range(num_micro_batches * k - sum(counts)):
+        _, d = heapq.heappop(heap)
+        counts[d] += 1
+        heapq.heappush(heap, (fill_s[d] + (counts[d] + 1) * unit_s[d], d))
+    ids, units, start = [], [], 0
+    for n in counts:
+        sizes = [k] * (n // k) + ([n % k] if n % k else [])
+        ids.append(tuple(range(start, start + len(sizes))))
+        units += sizes
+        start += len(sizes)
+    return ids, tuple(units)

@@ -64,6 +64,11 @@ class Plan:
     snapshot_copies: int = 1
     """Peers that keep each rank's per-step snapshot (``elastic.snapshot_copies``): the next ones on
     the ring, fewer while the epoch has fewer other ranks."""
+    units_per_micro_batch: int = 1
+    """Units -- sample groups that are never split -- in a configured micro-batch. Above 1 elaswave
+    reshapes: it deals the global batch's units, not whole micro-batches (plan.microbatches)."""
+    micro_batch_units: tuple[int, ...] = ()
+    """micro_batch_units[id] = the units micro-batch ``id`` holds (empty: units_per_micro_batch each)."""
 
     def to_doc(self) -> dict:
         """JSON-ready: a joining rank reads the plan it joins from the store."""
@@ -127,6 +132,14 @@ class Plan:
         """Micro-batches in a step (the global batch, unless a baseline policy dropped some)."""
         return sum(len(m) for m in self.micro_batches)
 
+    def units_of(self, micro_batch: int) -> int:
+        return self.micro_batch_units[micro_batch] if self.micro_batch_units else self.units_per_micro_batch
+
+    @property
+    def batch_units(self) -> int:
+        """Units in a step: the global batch (unless a baseline dropped some), whatever its shape."""
+        return sum(self.units_of(mb) for m in self.micro_batches for mb in m)
+
     def position(self, rank: int) -> tuple[int, int]:
         """(pipeline, stage) of ``rank``."""
         try:
@@ -168,8 +181,11 @@ class Plan:
 def initial_plan(world_size: int, dp: int, pp: int, layer_costs: Sequence[float], num_micro_batches: int,
                  layer_numels: Sequence[int] = (), chunk_numel: int = 1, layer_memory: Sequence[float] = (),
                  stage_memory_limit: float = 0.0, ties: Sequence[tuple[int, int]] = (),
-                 memory: MemoryModel | None = None) -> Plan:
-    """Rank ``d * pp + s`` is stage ``s`` of pipeline ``d``: a pipeline's stages are neighbours."""
+                 memory: MemoryModel | None = None, units_per_micro_batch: int = 1) -> Plan:
+    """Rank ``d * pp + s`` is stage ``s`` of pipeline ``d``: a pipeline's stages are neighbours.
+    ``units_per_micro_batch`` > 1: re-plans reshape micro-batches in units (see Plan)."""
+    if units_per_micro_batch < 1:
+        raise ValueError(f"units_per_micro_batch={units_per_micro_batch} must be >= 1")
     if dp * pp != world_size:
         raise ValueError(f"dp={dp} x pp={pp} = {dp * pp} must equal the world size {world_size}")
     try:
@@ -190,6 +206,7 @@ def initial_plan(world_size: int, dp: int, pp: int, layer_costs: Sequence[float]
         memory=memory,
         depth=pp,
         ties=tuple(tuple(t) for t in ties),
+        units_per_micro_batch=units_per_micro_batch,
     )
     if layer_numels:
         plan = replace(plan, chunk_owners=round_robin_owners(plan.holder_groups(), layer_numels, chunk_numel))
@@ -303,12 +320,15 @@ def _split(prev: Plan, count: int, pipelines: int, num_micro_batches: int,
                            _stage_memory(prev.memory, count, pipelines, num_micro_batches)))
 
 
-def _build(prev: Plan, epoch: int, pipelines, ranges, mbs, freqs=(), routes=()) -> Plan:
+def _build(prev: Plan, epoch: int, pipelines, ranges, mbs, freqs=(), routes=(), units=None) -> Plan:
+    """``units``: each micro-batch id's units (None: ``prev``'s, whose ids ``mbs`` then are)."""
     plan = Plan(epoch=epoch, num_layers=prev.num_layers, pipelines=tuple(pipelines), layer_ranges=tuple(ranges),
                 micro_batches=tuple(mbs), layer_costs=prev.layer_costs, frequencies=tuple(freqs), routes=tuple(routes),
                 layer_memory=prev.layer_memory, stage_memory_limit=prev.stage_memory_limit, memory=prev.memory,
                 depth=prev.depth,
-                ties=prev.ties, ranks_per_node=prev.ranks_per_node, snapshot_copies=prev.snapshot_copies)
+                ties=prev.ties, ranks_per_node=prev.ranks_per_node, snapshot_copies=prev.snapshot_copies,
+                units_per_micro_batch=prev.units_per_micro_batch,
+                micro_batch_units=prev.micro_batch_units if units is None else tuple(units))
     owners = reassign_owners(prev.chunk_owners, plan.holder_groups())
     joined = set(plan.ranks) - set(prev.ranks)
     if joined:
@@ -350,14 +370,8 @@ def _elaswave(prev: Plan, epoch: int, pipelines, kept_ranges, kept, num_micro_ba
     if len(run) > num_micro_batches:
         raise PlanError(f"epoch {epoch}: {num_micro_batches} micro-batches cannot feed {len(run)} pipelines")
     stage_s = [[_cost(prev, i, j) / rate[r] for r, (i, j) in zip(pipelines[k], ranges[k])] for k in run]
-    if power is not None:
-        fp = plan_frequencies(stage_s, num_micro_batches, power, power_cap_w)
-        mbs, freqs = fp.micro_batches, fp.levels
-    else:
-        mbs = tuple(microbatches.balance(num_micro_batches, [max(p) for p in stage_s], [len(p) for p in stage_s],
-                                         [sum(p) - max(p) for p in stage_s]))
-        freqs = ()
-    at_levels = [[t / f for t, f in zip(p, fs)] for p, fs in zip(stage_s, freqs)] if freqs else stage_s
+    mbs, freqs, units, sizes, at_levels = _deal(stage_s, num_micro_batches, prev.units_per_micro_batch, power,
+                                                power_cap_w)
     run_mbs = mbs
     if standby:
         at = dict(zip(run, range(len(run))))
@@ -373,9 +387,44 @@ def _elaswave(prev: Plan, epoch: int, pipelines, kept_ranges, kept, num_micro_ba
         if routes is not None and sum(map(len, kept_mbs)) == num_micro_batches:
             forward = {r: _cost(prev, i, j) / rate[r] for pipe, rng in zip(pipelines, kept_ranges)
                        for r, (i, j) in zip(pipe, rng)}
-            if _detoured_step(pipelines, kept_mbs, routes, forward) < _step_s(at_levels, run_mbs) * (1 - 1e-3):
+            if _detoured_step(pipelines, kept_mbs, routes, forward) < _step_s(at_levels, run_mbs, sizes) * (1 - 1e-3):
                 return _build(prev, epoch, pipelines, kept_ranges, kept_mbs, routes=routes)
-    return _build(prev, epoch, pipelines, ranges, mbs, freqs)
+    return _build(prev, epoch, pipelines, ranges, mbs, freqs, units=units)
+
+
+def _deal(stage_s: Sequence[Sequence[float]], num_micro_batches: int, k: int, power: PowerModel | None,
+          power_cap_w: float | None):
+    """The pipelines' micro-batches, frequency levels, units (reshaped, ``k > 1``), sizes and stage
+    times at their levels. Reshaping deals units at the levels the frequency planner chose for
+    whole micro-batches; where that is slower than reshaping at nominal clocks (the planner
+    lowered stages that whole micro-batches left waiting, and units would have filled), the
+    nominal one is taken: it is within the cap whenever the cap is the live devices' nominal power."""
+    def whole(levels: bool):
+        if levels and power is not None:
+            fp = plan_frequencies(stage_s, num_micro_batches, power, power_cap_w)
+            mbs, freqs = fp.micro_batches, fp.levels
+        else:
+            mbs = tuple(microbatches.balance(num_micro_batches, [max(p) for p in stage_s], [len(p) for p in stage_s],
+                                             [sum(p) - max(p) for p in stage_s]))
+            freqs = ()
+        return mbs, freqs, [[t / f for t, f in zip(p, fs)] for p, fs in zip(stage_s, freqs)] if freqs else stage_s
+
+    def reshaped(levels: bool):
+        mbs, freqs, at = whole(levels)
+        if k == 1:
+            return mbs, freqs, (), None, at
+        ids, units = microbatches.reshape(num_micro_batches, k, [max(p) for p in at], [len(p) for p in at],
+                                          [sum(p) - max(p) for p in at])
+        return tuple(ids), freqs, units, [[units[i] / k for i in m] for m in ids], at
+
+    best = reshaped(True)
+    stages = sum(len(p) for p in stage_s)
+    nominal_ok = power is None or power_cap_w is None or power.power(1.0) * stages <= power_cap_w * (1 + 1e-9)
+    if k > 1 and power is not None and nominal_ok:
+        plain = reshaped(False)
+        if _step_s(plain[4], plain[0], plain[3]) < _step_s(best[4], best[0], best[3]) * (1 - 1e-9):
+            best = plain
+    return best
 
 
 def rebalance_gain(prev: Plan, speeds: Mapping[int, float], num_micro_batches: int,
@@ -407,12 +456,17 @@ def rebalance_gain(prev: Plan, speeds: Mapping[int, float], num_micro_batches: i
     return 1.0 - step_s(candidate) / now, candidate
 
 
-def _step_s(stage_s: Sequence[Sequence[float]], mbs) -> float:
+def _step_s(stage_s: Sequence[Sequence[float]], mbs, sizes: Sequence[Sequence[float]] | None = None) -> float:
     """The pipelines' step as the detoured one is timed: the runtime's 1F1B order up to the
-    routed schedule's size limit, the frequency planner's price (its upper bound) above it."""
+    routed schedule's size limit, the frequency planner's price (its upper bound) above it.
+    ``sizes``: each pipeline's micro-batches as shares of a whole one (reshaped)."""
     exact = sum(map(len, stage_s)) <= routed.EXACT_MAX_RANKS
-    return max((one_f_one_b_makespan(p, len(m)) if exact else pipeline_s(p, len(m)))
-               for p, m in zip(stage_s, mbs) if m)
+    if sizes is None:
+        sizes = [[1.0] * len(m) for m in mbs]
+    # Above the limit: fill and drain once at the first micro-batch's size (a whole one), then the
+    # slowest stage for the rest of the pipeline's work.
+    return max((one_f_one_b_makespan(p, len(m), sizes=z) if exact else sum(p) * z[0] + (sum(z) - z[0]) * max(p))
+               for p, m, z in zip(stage_s, mbs, sizes) if m)
 
 
 def _detoured_step(pipelines, mbs, routes, stage_s: Mapping[int, float]) -> float:

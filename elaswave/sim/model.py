@@ -85,8 +85,8 @@ class StepEstimate:
     step_s: float
     compute_s: float
     collective_s: float
-    samples: int
-    """Micro-batches in the step (the global batch, unless a baseline dropped some)."""
+    samples: float
+    """Micro-batches in the step, whole ones' worth (the global batch, unless a baseline dropped some)."""
     power_w: float
 
     @property
@@ -112,8 +112,8 @@ def step_time(plan: Plan, model: ClusterModel, list_schedule: bool = False) -> S
     collective = max((holder_collectives_s(model, holders, sum(model.layer_param_bytes[i] for i in layers))
                       for holders, layers in plan.holder_groups().items()), default=0.0) if model.layer_param_bytes else 0.0
     power = sum(model.power.power(plan.frequency(r)) for r in plan.ranks)
-    return StepEstimate(compute + collective + model.step_overhead_s, compute, collective, plan.num_micro_batches,
-                        power)
+    return StepEstimate(compute + collective + model.step_overhead_s, compute, collective,
+                        plan.batch_units / plan.units_per_micro_batch, power)
 
 
 def _analytic_compute(plan: Plan, stage: dict[int, float], backward_factor: float) -> float:
@@ -128,7 +128,8 @@ def _analytic_compute(plan: Plan, stage: dict[int, float], backward_factor: floa
             continue  # an idle pipeline (drop_replica), or one whose micro-batches take detours
         times = tuple(stage[r] for r in pipe)
         if not any(guests.get(r) for r in pipe):
-            compute = max(compute, _one_f_one_b(times, m, backward_factor))
+            sizes = tuple(plan.units_of(mb) / plan.units_per_micro_batch for mb in plan.micro_batches[d])
+            compute = max(compute, _one_f_one_b(times, sizes if plan.micro_batch_units else m, backward_factor))
             continue
         # A host of detours: fill and drain once, then the slowest stage sets the pace for its
         # own and its guests' micro-batches (a bound: the routed schedule prices it exactly).
@@ -138,8 +139,11 @@ def _analytic_compute(plan: Plan, stage: dict[int, float], backward_factor: floa
 
 
 @lru_cache(maxsize=4096)
-def _one_f_one_b(times: tuple[float, ...], m: int, backward_factor: float) -> float:
+def _one_f_one_b(times: tuple[float, ...], m: int | tuple[float, ...], backward_factor: float) -> float:
+    """``m``: the count of whole micro-batches, or each one's size (reshaped)."""
     # At 10^4+ devices most pipelines have the same stage times: each kind is timed once.
+    if isinstance(m, tuple):
+        return one_f_one_b_makespan(times, len(m), backward_factor, m)
     return one_f_one_b_makespan(times, m, backward_factor)
 
 

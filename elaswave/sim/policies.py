@@ -1,8 +1,13 @@
 """How each system answers a change of membership, as the simulator prices it (pure).
 
 Every policy turns the live devices into a plan with the runtime's own planner
-(:func:`~elaswave.plan.plan.replan` from the job's initial plan, which gives the layout for any set
-of losses) and says what the change costs. Assumptions, per system:
+(:func:`~elaswave.plan.plan.replan`, which gives the layout for any set of losses) and says what the
+change costs. Every policy starts from the same failure-free plan (:func:`failure_free`): with
+clocks planned, the frequency planner's levels on every device, so the rate before a failure is
+equal across policies and the ratios after it measure recovery alone. A baseline keeps the clock
+each stage (layer range) had in that plan -- no clock planner re-plans after a failure -- and a
+stage it builds anew runs at nominal. Every plan of every policy is priced alike
+(:func:`~elaswave.sim.engine.priced`). Assumptions, per system:
 
 - **elaswave**: broken pipelines re-partitioned over their survivors, micro-batches rebalanced,
   frequency levels planned within the live devices' nominal power; recovery is detection +
@@ -13,10 +18,11 @@ of losses) and says what the change costs. Assumptions, per system:
   store's host lost with a failure -- the floor (a restart from the last committed step, written on
   the way out: heartbeat timeout + checkpoint write + ``restart_s``) or failover (the ordinary
   recovery + heartbeat timeout + the store's move).
-- **elaswave_no_dvfs**: elaswave with every device at nominal frequency (the re-partition and
-  micro-batch balance alone): how much of elaswave's figures comes from clocks. With no level above
-  nominal (a device already at its sustained clock under its power limit) the planner can only
-  lower waiting stages, which saves energy but no time: its throughput is this row's.
+- **elaswave_no_dvfs**: elaswave without re-planning clocks after a change (the re-partition and
+  micro-batch balance alone; the failure-free clocks kept as the baselines keep them): how much of
+  elaswave's recovery comes from clocks. With no level above nominal (a device already at its
+  sustained clock under its power limit) the planner can only lower waiting stages, which saves
+  energy but no time: its throughput is this row's.
 - **restart** (TorchElastic): every change restarts the job from its last checkpoint: process
   start + checkpoint load (``restart_s``) and the work since the checkpoint is redone (on average
   half a checkpoint interval); the job runs with as many whole pipelines as the live devices fill,
@@ -35,9 +41,10 @@ of losses) and says what the change costs. Assumptions, per system:
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Sequence
 
+from elaswave.plan import microbatches
 from elaswave.plan.frequency import PowerModel
 from elaswave.plan.plan import Plan, PlanError, initial_plan, replan
 from elaswave.sim.control import Control, slot_events
@@ -76,16 +83,14 @@ class Change:
 
 
 class Policy:
-    """``layout(every device)`` is the failure-free plan the policy starts from."""
+    """``layout(every device)`` is the failure-free plan every policy starts from (``start``)."""
 
     name = ""
-    has_list_schedule = False
-    """Whether the system runs the routed list schedule (detours) after a failure, and so could have
-    run it on every device too (the engine then prices its failure-free plan with the better one)."""
 
     def __init__(self, initial: Plan, num_micro_batches: int, model: ClusterModel, costs: BaselineCosts,
-                 control: Control = Control()):
+                 control: Control = Control(), start: Plan | None = None):
         self.initial, self.m, self.model, self.costs, self.control = initial, num_micro_batches, model, costs, control
+        self.start = start if start is not None else initial
         self.devices = len(initial.ranks)
         self.spares = control.spares
         """Idle devices the job holds beside its layout (charged in ETTR over every device)."""
@@ -100,10 +105,17 @@ class Policy:
         join of its own (the runtime's: survivors recover first, the spare joins at a step boundary)."""
         return self.change(prev, live, event.kind != "fail", step_s)
 
+    deal = ""
+    """How the system deals its batch by its pipelines' speeds after a change (static_clocks)."""
+
     def layout(self, live: Sequence[int]) -> Plan:
         if len(live) == self.devices:
-            return self.initial
-        return replan(self.initial, live, 1, self.m, policy=self.name)
+            return self.start
+        return static_clocks(self.rebuild(live), self.start, self.deal)
+
+    def rebuild(self, live: Sequence[int]) -> Plan:
+        """The system's own layout on ``live`` (fewer than every device), before clocks."""
+        return replan(self.start, live, 1, self.m, policy=self.name)
 
     def change(self, prev: Plan | None, live: Sequence[int], joined: bool, step_s: float) -> Change:
         raise NotImplementedError
@@ -115,13 +127,48 @@ class Policy:
             return None
 
 
+def failure_free(initial: Plan, num_micro_batches: int, power: PowerModel | None) -> Plan:
+    """The plan every policy starts from: with ``power``, the frequency planner's levels within the
+    devices' nominal power (it evens out an uneven first partition); without, ``initial``."""
+    if power is None:
+        return initial
+    return replan(initial, initial.ranks, 1, num_micro_batches, policy="elaswave", power=power,
+                  power_cap_w=power.power(1.0) * len(initial.ranks))
+
+
+def static_clocks(plan: Plan, start: Plan, deal: str = "") -> Plan:
+    """``plan`` with each rank that kept its stage (its layers) at its level in ``start``, and every
+    other at nominal: the clocks of a system that sets them once and does not re-plan them.
+    ``deal``: how a system that balances its batch by pipeline speed then deals it at those clocks
+    -- ``micro_batches`` whole, ``units`` reshaped (:mod:`~elaswave.plan.microbatches`); else a
+    pipeline the failure-free plan boosted and gave more micro-batches would be dealt as if nominal."""
+    if not start.frequencies or plan.frequencies:
+        return plan
+
+    def level(r: int) -> float:
+        kept = r in start._where and start.layers_of(r) == plan.layers_of(r)
+        return start.frequency(r) if kept else 1.0
+    levels = tuple(tuple(level(r) for r in pipe) for pipe in plan.pipelines)
+    clocked = replace(plan, frequencies=levels)
+    run = [d for d, mbs in enumerate(plan.micro_batches) if mbs]
+    if not deal or plan.routes or not run:
+        return clocked
+    costs = plan.layer_costs or (1.0,) * plan.num_layers
+    stage_s = [[sum(costs[i:j]) / f for (i, j), f in zip(plan.layer_ranges[d], levels[d])] for d in run]
+    shape = [max(p) for p in stage_s], [len(p) for p in stage_s], [sum(p) - max(p) for p in stage_s]
+    whole = plan.batch_units // plan.units_per_micro_batch
+    if deal == "units" and plan.units_per_micro_batch > 1:
+        counts, units = microbatches.reshape(whole, plan.units_per_micro_batch, *shape)
+    else:
+        counts, units = microbatches.balance(whole, *shape), ()
+    dealt = dict(zip(run, counts))
+    return replace(clocked, micro_batches=tuple(dealt.get(d, ()) for d in range(len(plan.pipelines))),
+                   micro_batch_units=units)
+
+
 class Elaswave(Policy):
     name = "elaswave"
-    has_list_schedule = True
-
-    def __init__(self, initial, num_micro_batches, model, costs, control: Control = Control()):
-        super().__init__(initial, num_micro_batches, model, costs, control)
-        self._full: Plan | None = None
+    deal = "units"
 
     def respond(self, prev, live, event, step_s):
         ordinary = super().respond(prev, live, event, step_s)
@@ -137,26 +184,21 @@ class Elaswave(Policy):
                       ordinary.lost_work_s, store_lost=True)
 
     def layout(self, live: Sequence[int]) -> Plan:
-        # With every device live too: frequency planning evens out an uneven first partition, so
-        # the steady state before a failure is elaswave's own, and a change is measured against it.
+        if len(live) == self.devices or self.power is None:
+            return super().layout(live)
         # The cap is the live devices' nominal power (the runtime's default): a lost device's share
         # does not boost the survivors, so no failure can buy speed the job could not have had.
-        # That full layout is planned once (replan is pure): a spare's join returns to it after
-        # every failure, and at 10^4 devices a plan costs ~0.3 s.
-        full = len(live) == self.devices
-        if full and self._full is not None:
-            return self._full
         power = self.power
-        plan = replan(self.initial, live, 1, self.m, policy="elaswave", power=power,
-                      power_cap_w=power.power(1.0) * len(live) if power else None)
-        if full:
-            self._full = plan
-        return plan
+        return replan(self.start, live, 1, self.m, policy="elaswave", power=power,
+                      power_cap_w=power.power(1.0) * len(live))
+
+    def rebuild(self, live: Sequence[int]) -> Plan:
+        return replan(self.start, live, 1, self.m, policy="elaswave")
 
     @property
     def power(self) -> PowerModel | None:
-        """The frequency levels and power curve it plans with (None: no frequency planning)."""
-        return self.model.power
+        """The frequency levels and power curve it re-plans with after a change (None: none)."""
+        return self.model.power if self.start.frequencies else None
 
     def change(self, prev, live, joined, step_s):
         plan = self._try(live)
@@ -177,7 +219,7 @@ class ElaswaveNoDvfs(Elaswave):
 class Restart(Policy):
     name = "restart"
 
-    def layout(self, live: Sequence[int]) -> Plan:
+    def rebuild(self, live: Sequence[int]) -> Plan:
         pp = len(self.initial.pipelines[0])
         dp = len(live) // pp
         if dp < 1:
@@ -188,6 +230,14 @@ class Restart(Policy):
         rename = dict(enumerate(ranks))
         return Plan(0, base.num_layers, tuple(tuple(rename[r] for r in p) for p in base.pipelines),
                     base.layer_ranges, base.micro_batches, layer_costs=base.layer_costs)
+
+    def layout(self, live: Sequence[int]) -> Plan:
+        if len(live) == self.devices:
+            return self.start
+        # A restarted job plans its clocks as the failure-free job did, within the live devices' power.
+        plan = self.rebuild(live)
+        power = self.model.power if self.start.frequencies else None
+        return failure_free(plan, self.m, power) if power is not None else plan
 
     def change(self, prev, live, joined, step_s):
         c = self.costs
@@ -212,7 +262,6 @@ class DropReplica(Policy):
 
 class Reroute(Policy):
     name = "reroute"
-    has_list_schedule = True
 
     def change(self, prev, live, joined, step_s):
         m, c = self.model, self.costs
@@ -222,11 +271,13 @@ class Reroute(Policy):
 
 class Templates(Policy):
     name = "templates"
+    deal = "micro_batches"  # Oobleck deals the batch over its pipeline instances by their throughput
 
-    def layout(self, live: Sequence[int]) -> Plan:
-        if len(live) == self.devices:
-            return self.initial
-        return replan(self.initial, live, 1, self.m, policy="elaswave", detours=False)
+    def rebuild(self, live: Sequence[int]) -> Plan:
+        # Whole micro-batches: templates do not reshape.
+        whole = replace(self.start, units_per_micro_batch=1, micro_batch_units=())
+        plan = replan(whole, live, 1, self.m, policy="elaswave", detours=False)
+        return replace(plan, units_per_micro_batch=self.start.units_per_micro_batch)
 
     def change(self, prev, live, joined, step_s):
         m, c = self.model, self.costs
@@ -249,14 +300,17 @@ def _whole_layers_s(plan: Plan, ranks, model: ClusterModel) -> float:
 
 
 def make(name: str, initial: Plan, num_micro_batches: int, model: ClusterModel, costs: BaselineCosts,
-         control: Control | None = None) -> Policy:
+         control: Control | None = None, start: Plan | None = None) -> Policy:
     """``control``: the spares every policy may hold, and the store's host, which only elaswave's
-    policies model (the baselines' own stores are not)."""
+    policies model (the baselines' own stores are not). ``start``: the failure-free plan
+    (:func:`failure_free`; default: it with ``model.power``), the same for every policy."""
     kinds = {c.name: c for c in (Elaswave, ElaswaveNoDvfs, Restart, DropReplica, Reroute, Templates)}
     kind = kinds[name]
     control = control or Control()
     if control.store != "dedicated" and not issubclass(kind, Elaswave):
         raise ValueError(f"store={control.store!r} is invalid for policy {name}: only elaswave's policies "
                          "model the store's host; give the baselines store='dedicated'")
-    return kind(initial, num_micro_batches, model, costs, control)
+    if start is None:
+        start = failure_free(initial, num_micro_batches, model.power)
+    return kind(initial, num_micro_batches, model, costs, control, start)
 

@@ -9,7 +9,7 @@ from elaswave.errors import ConfigError
 from elaswave.plan.frequency import CLOCKS
 from elaswave.plan.memory import rank_bytes
 from elaswave.plan.plan import PlanError, initial_plan
-from elaswave.sim import control, policies, trace
+from elaswave.sim import control, engine, policies, trace
 from elaswave.sim.engine import PolicyResult, simulate
 from elaswave.sim.workload import MODELS, choose_layout, cluster, layer_numels
 
@@ -20,6 +20,11 @@ def add_arguments(ap) -> None:
     ap.add_argument("--pp", type=int, help="stages per pipeline")
     ap.add_argument("--model", default="gpt-13b", choices=sorted(MODELS), help="a model preset (model.preset): its shape and costs")
     ap.add_argument("--micro-batches", type=int, help="global batch in micro-batches (default 2 x pp per pipeline)")
+    ap.add_argument("--micro-batch-size", type=int, default=1,
+                    help="sequences per micro-batch (default 1); above 1 elaswave reshapes after a change: it deals "
+                         "the global batch's sequences, not whole micro-batches (plan/microbatches.py)")
+    ap.add_argument("--no-reshape", action="store_true",
+                    help="elaswave deals whole micro-batches, as before reshaping was built")
     ap.add_argument("--trace", help="a trace file (.jsonl or .csv: t_s, kind fail|join, device) or 'llama3': "
                                     "Poisson failures, one per 3 h across the job, repaired after 4 h")
     ap.add_argument("--hours", type=float, default=None, help="simulated time (default: 1 for a single failure, 24 for a trace)")
@@ -35,7 +40,7 @@ def add_arguments(ap) -> None:
                          "the live devices' nominal power) or sustained (0.6-1.0: nominal is the top clock under load)")
     ap.add_argument("--device-gib", type=float, default=0.0,
                     help="device memory: every plan, first and after each failure, keeps each device's modelled peak "
-                         "within it (elaswave/plan/memory.py, bf16, one sequence per micro-batch); 0: no limit")
+                         "within it (elaswave/plan/memory.py, bf16, --micro-batch-size sequences); 0: no limit")
     ap.add_argument("--checkpointing", default="none", help="activation checkpointing with --device-gib: none, full or every_N")
     ap.add_argument("--spares", type=int, default=0,
                     help="every row: idle devices beside the layout; one takes a failed device's place after the "
@@ -69,11 +74,11 @@ def _layout(args) -> tuple[int, int]:
 
 
 def _memory(args, micro_batches: int):
-    """The runtime's memory model of the job (bf16, one sequence per micro-batch)."""
+    """The runtime's memory model of the job (bf16, ``--micro-batch-size`` sequences a micro-batch)."""
     from elaswave.sim.memory import job_memory
     if args.device_gib < 0:
         raise ConfigError(f"--device-gib={args.device_gib} is invalid: must be >= 0 (0: no limit)")
-    return job_memory([f"model.preset={args.model}", "train.precision=bf16", "train.micro_batch_size=1",
+    return job_memory([f"model.preset={args.model}", "train.precision=bf16", f"train.micro_batch_size={args.micro_batch_size}",
                        f"train.num_micro_batches={micro_batches}", f"train.activation_checkpointing={args.checkpointing}",
                        f"parallel.chunk_numel={1 << 24}"])[2]
 
@@ -112,12 +117,17 @@ def run(args) -> int:
     m = args.micro_batches or 2 * pp * dp
     if m < dp:
         raise ConfigError(f"--micro-batches={m} is invalid: need at least one per pipeline ({dp})")
-    model = replace(cluster(m_cfg), power=CLOCKS[args.clocks or "boost"])
+    if args.micro_batch_size < 1:
+        raise ConfigError(f"--micro-batch-size={args.micro_batch_size} is invalid: sequences per micro-batch, >= 1")
+    if args.no_reshape and args.micro_batch_size == 1:
+        raise ConfigError("--no-reshape is invalid with --micro-batch-size=1: a micro-batch of one sequence is "
+                          "never reshaped; give a larger --micro-batch-size")
+    model = replace(cluster(m_cfg, args.micro_batch_size), power=CLOCKS[args.clocks or "boost"])
     memory = _memory(args, m) if args.device_gib else None
     try:
         plan = initial_plan(args.devices, dp, pp, [float(c) for c in model.layer_forward_s], m,
                             layer_numels(m_cfg), chunk_numel=1 << 24, stage_memory_limit=1024 * args.device_gib,
-                            memory=memory)
+                            memory=memory, units_per_micro_batch=1 if args.no_reshape else args.micro_batch_size)
     except PlanError as exc:
         raise ConfigError(f"--device-gib={args.device_gib:g}: {exc} (MiB)") from None
     single = not (args.trace or args.mtbf_h)
@@ -128,18 +138,22 @@ def run(args) -> int:
     except trace.TraceError as exc:
         raise ConfigError(str(exc)) from None
     costs = policies.BaselineCosts()
+    start = policies.failure_free(plan, m, None if args.no_dvfs else model.power)
+    clock_gain = engine.priced(plan, model)[1] / engine.priced(start, model)[1]
     results: dict[str, PolicyResult] = {}
     for name in names:
         try:
             row = ctl if name.startswith("elaswave") else replace(ctl, store="dedicated")
-            policy = policies.make(name, plan, m, model, costs, row)
+            policy = policies.make(name, plan, m, model, costs, row, start)
             results[name] = simulate(events, policy, model, duration_s)
         except PlanError as exc:
             raise ConfigError(f"policy {name}: {exc}") from None
     wall = time.perf_counter() - began
     config = {"devices": args.devices, "dp": dp, "pp": pp, "model": args.model, "micro_batches": m,
+              "micro_batch_size": args.micro_batch_size, "reshape": not args.no_reshape and args.micro_batch_size > 1,
               "device_gib": args.device_gib, "checkpointing": args.checkpointing, "dvfs": not args.no_dvfs,
               "clocks": None if args.no_dvfs else args.clocks or "boost",
+              "failure_free_clock_gain": clock_gain,
               "hours": duration_s / 3600, "failures": sum(e.kind == "fail" for e in events),
               "joins": sum(e.kind == "join" for e in events), "trace": args.trace or ("poisson" if args.mtbf_h else "single"),
               "spares": ctl.spares, "warm_spares": ctl.warm, "store": ctl.store,
@@ -156,8 +170,12 @@ def run(args) -> int:
                 for n, r in results.items()}
         print(json.dumps({"config": config, "policies": docs}))
         return 0
-    print(f"elaswave simulate: {args.devices} devices (dp={dp} x pp={pp}), {args.model}, {m} micro-batches per step, "
+    print(f"elaswave simulate: {args.devices} devices (dp={dp} x pp={pp}), {args.model}, {m} micro-batches of "
+          f"{args.micro_batch_size} per step{' (reshaped after a change)' if config['reshape'] else ''}, "
           f"{config['hours']:g} h, {config['failures']} failures, {config['joins']} joins; {wall:.1f} s")
+    if not args.no_dvfs:
+        print(f"failure-free clock plan ({config['clocks']} clocks): {clock_gain:.3f}x the throughput at nominal "
+              "clocks; every row starts from it, a baseline keeps each stage's clock after a change")
     if memory is not None:
         peak = max(rank_bytes(memory, plan, r)["total"] for r in plan.ranks) / 2 ** 30
         print(f"memory: modelled peak {peak:.1f} GiB of {args.device_gib:g} per device "
@@ -166,14 +184,15 @@ def run(args) -> int:
     if ctl.spares or ctl.store != "dedicated":
         print(f"{ctl.spares} {'warm' if ctl.warm else 'cold'} spares a row (join {ctl.join_s:g} s), store {ctl.store} "
               "(elaswave's rows); ETTR all: over the layout's and the idle spares' devices")
-    print(f"{'policy':<18}{'after/before':>14}{'after/best baseline':>21}{'ETTR':>8}{'ETTR all':>10}{'MTTR s':>9}"
+    print(f"{'policy':<18}{'after/before':>14}{'batch kept':>12}{'after/best baseline':>21}{'ETTR':>8}{'ETTR all':>10}{'MTTR s':>9}"
           f"{'lost s/failure':>16}{'store losses':>14}{'stalls':>8}")
     for n, r in results.items():
         ratio = "-" if r.throughput_after_over_before is None else f"{r.throughput_after_over_before:.3f}"
         vs = "-" if not best or r.throughput_after is None else f"{r.throughput_after / best:.3f}"
         mttr = "-" if r.mttr_s is None else f"{r.mttr_s:.1f}"
         lost = "-" if r.time_lost_per_failure_s is None else f"{r.time_lost_per_failure_s:.1f}"
-        print(f"{n:<18}{ratio:>14}{vs:>21}{r.ettr:>8.4f}{r.ettr_all_devices:>10.4f}{mttr:>9}{lost:>16}"
+        batch = "-" if r.batch_after_over_before is None else f"{r.batch_after_over_before:.4f}"
+        print(f"{n:<18}{ratio:>14}{batch:>12}{vs:>21}{r.ettr:>8.4f}{r.ettr_all_devices:>10.4f}{mttr:>9}{lost:>16}"
               f"{r.store_losses:>14}{r.stalls:>8}")
     if any(r.stalls for r in results.values()):
         print("stalls: failures after which the policy had no layout to train on until a repair "

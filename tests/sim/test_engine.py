@@ -58,6 +58,8 @@ def test_simulate_json_has_every_policy(capsys):
     (["--devices", "1"], "need at least 2"),
     (["--devices", "96", "--no-dvfs", "--policies", "elaswave,reroute"], "is invalid with --no-dvfs"),
     (["--devices", "96", "--no-dvfs", "--clocks", "boost"], "--clocks=boost is invalid with --no-dvfs"),
+    (["--devices", "96", "--micro-batch-size", "0"], "--micro-batch-size=0 is invalid"),
+    (["--devices", "96", "--no-reshape"], "--no-reshape is invalid with --micro-batch-size=1"),
 ])
 def test_bad_simulate_input_is_one_line(argv, needle, capsys):
     assert cli.main(["simulate", *argv]) == 2
@@ -72,13 +74,32 @@ def test_simulate_draws_its_plot(tmp_path, capsys):
     assert "elaswave" in capsys.readouterr().out
 
 
+def test_every_policy_starts_from_the_same_plan_and_the_clock_gain_is_its_own_row(capsys):
+    """The failure-free plan (clocks planned) is every row's: equal rates before the failure, the
+    clocks' failure-free gain reported once; after the failure only elaswave re-plans clocks."""
+    argv = ["simulate", "--devices", "96", "--dp", "2", "--pp", "48", "--model", "gpt-175b", "--json"]
+    assert cli.main(argv) == 0
+    out = json.loads(capsys.readouterr().out)
+    doc = out["policies"]
+    before = {p["throughput_before"] for p in doc.values()}
+    assert len(before) == 1, before
+    assert out["config"]["failure_free_clock_gain"] > 1.01  # gpt-175b's 96 layers + head over 48 stages: uneven
+    assert doc["elaswave"]["throughput_after"] > doc["elaswave_no_dvfs"]["throughput_after"]
+    assert cli.main([*argv, "--clocks", "sustained"]) == 0
+    sustained = json.loads(capsys.readouterr().out)
+    assert sustained["config"]["failure_free_clock_gain"] == pytest.approx(1.0)
+    assert cli.main([*argv, "--no-dvfs"]) == 0
+    nominal = json.loads(capsys.readouterr().out)
+    assert nominal["policies"]["templates"]["throughput_before"] == pytest.approx(
+        doc["templates"]["throughput_before"] / out["config"]["failure_free_clock_gain"])
+
+
 def test_dvfs_shows_apart_and_a_model_without_boost_buys_no_time(capsys):
     """elaswave with and without frequency planning, side by side; with no level above nominal the
     planner can only lower waiting stages: the throughput of no DVFS at all, before and after."""
     argv = ["simulate", "--devices", "96", "--dp", "2", "--pp", "48", "--model", "gpt-175b", "--json"]
     assert cli.main(argv) == 0
     doc = json.loads(capsys.readouterr().out)["policies"]
-    assert doc["elaswave"]["throughput_before"] > doc["elaswave_no_dvfs"]["throughput_before"]
     baselines = [p["throughput_after"] for n, p in doc.items() if not n.startswith("elaswave")]
     for p in doc.values():
         assert p["after_over_best_baseline_after"] == pytest.approx(p["throughput_after"] / max(baselines))
@@ -141,3 +162,22 @@ def test_a_rerouted_step_never_beats_the_whole_jobs_1f1b():
     for name in ("reroute", "elaswave_no_dvfs"):
         res = simulate(events, policies.make(name, plan, 192, model, policies.BaselineCosts()), model, 3600)
         assert res.throughput_after_over_before <= 1 + 1e-9, name
+
+
+def _after_over_before(capsys, *extra):
+    argv = ["simulate", "--devices", "16384", "--dp", "1024", "--pp", "16", "--model", "gpt-175b", "--clocks",
+            "sustained", "--policies", "elaswave,drop_replica", "--json", *extra]
+    assert cli.main(argv) == 0
+    doc = json.loads(capsys.readouterr().out)
+    return {n: p["throughput_after_over_before"] for n, p in doc["policies"].items()}, doc["config"]
+
+
+def test_reshaping_at_16384_devices_keeps_the_batch_and_catches_up_with_dropping_a_replica(capsys):
+    """One failure at 16,384 devices: dealing whole micro-batches, the pipelines that take the
+    broken one's extra micro-batches cost every pipeline a micro-batch's time (elaswave 0.984,
+    TorchFT's policy 0.999 with a smaller batch); dealing sequences, a sequence's time."""
+    whole, _ = _after_over_before(capsys, "--micro-batch-size", "16", "--no-reshape")
+    shaped, config = _after_over_before(capsys, "--micro-batch-size", "16")
+    assert config["reshape"] and config["micro_batch_size"] == 16
+    assert whole["elaswave"] < 0.99 < shaped["elaswave"] <= 1.0
+    assert shaped["elaswave"] >= shaped["drop_replica"] == pytest.approx(1023 / 1024)
