@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import time
+from dataclasses import replace
 from typing import Callable
 
 import torch
@@ -27,7 +28,13 @@ from elaswave.zero.reduce import GradAccumulator
 
 def train_reference(cfg: JobConfig, on_step: Callable[[dict], None] | None = None) -> dict:
     """Train ``cfg.train.steps`` steps; returns ``{"losses": [...], "eval_losses": {step: loss},
-    "params_sha256": ..., "state_sha256": ...}``."""
+    "params_sha256": ..., "state_sha256": ...}``.
+
+    With ``elastic.reshape`` each sequence is a micro-batch of its own: the units the runtime
+    computes alone in deterministic mode, whichever micro-batches it packs them into."""
+    if cfg.elastic.reshape:
+        t = cfg.train
+        cfg = replace(cfg, train=replace(t, micro_batch_size=1, num_micro_batches=t.num_micro_batches * t.micro_batch_size))
     t, m = cfg.train, model_for(cfg)
     torch.set_num_threads(1)  # the same kernels, hence the same bits, as a one-thread worker rank
     sampler = open_sampler(cfg, m)

@@ -53,6 +53,14 @@ class ElasticConfig:
     pipeline that lost a stage stands idle);
     reroute: a baseline for pipelines, as ReCycle does: the layout stays, and the broken pipeline's
     micro-batches pass through the same stage of the other pipelines in place of the lost one."""
+    reshape: bool = False
+    """elastic.policy=elaswave: after a change, deal the global batch's sequences, not whole
+    micro-batches (plan/microbatches.py), so a pipeline may run micro-batches of fewer sequences and
+    the pipelines finish a step together to within a sequence's time. The global batch and the
+    gradient scale stay exact. Deterministic mode computes each sequence alone (its forward,
+    backward and fixed-point gradient), so a run is bit-identical to the reference with
+    train.micro_batch_size=1 and train.num_micro_batches x micro_batch_size, however the sequences
+    are dealt; fast mode computes each micro-batch as one batch."""
     inject: tuple = ()
     """Faults to inject, e.g. "kill:rank=2,step=12,phase=reduce" or "stop:rank=1,step=5", and joins:
     "join:step=20,count=2" (the launcher starts two new ranks when the job reaches step 20)."""
@@ -83,6 +91,9 @@ class ElasticConfig:
             _fail("elastic.straggler_gain", self.straggler_gain, "must be in [0, 1) (0: never re-plan for stragglers)")
         if self.policy not in POLICIES:
             _fail("elastic.policy", self.policy, f"must be one of {', '.join(POLICIES)}")
+        if self.reshape and self.policy != "elaswave":
+            _fail("elastic.reshape", self.reshape, f"is only for elastic.policy=elaswave (got {self.policy}): the "
+                  "baselines keep their micro-batches whole")
         for text in self.inject:
             try:
                 faults.parse(text)

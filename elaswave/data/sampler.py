@@ -89,13 +89,15 @@ class Sampler:
             self._orders[source, epoch] = Permutation(self.num_windows[source], self.seed, self.purpose, source, epoch)
         return self._orders[source, epoch]
 
-    def samples(self, step: int, index: int) -> np.ndarray:
-        """The global sample numbers micro-batch ``(step, index)`` holds."""
-        first = (step * self.num_micro_batches + index) * self.micro_batch_size
-        return np.arange(first, first + self.micro_batch_size, dtype=np.int64)
+    def samples(self, step: int, index: int, rows: tuple[int, int] | None = None) -> np.ndarray:
+        """The global sample numbers micro-batch ``(step, index)`` holds; ``rows``: (first, count)
+        sequences of the step's global batch instead (a reshaped micro-batch, or one unit of it)."""
+        first, count = rows if rows is not None else (index * self.micro_batch_size, self.micro_batch_size)
+        first += step * self.num_micro_batches * self.micro_batch_size
+        return np.arange(first, first + count, dtype=np.int64)
 
-    def draw(self, step: int, index: int) -> Draw:
-        samples = self.samples(step, index)
+    def draw(self, step: int, index: int, rows: tuple[int, int] | None = None) -> Draw:
+        samples = self.samples(step, index, rows)
         if self.mixture is None:
             sources, ordinals = np.zeros_like(samples), samples
         else:
@@ -108,8 +110,9 @@ class Sampler:
             windows[here] = self._order(*key)(positions[here])
         return Draw(sources, epochs, windows)
 
-    def micro_batch(self, step: int, index: int) -> MicroBatch:
-        d = self.draw(step, index)
+    def micro_batch(self, step: int, index: int, rows: tuple[int, int] | None = None) -> MicroBatch:
+        """``rows``: see :meth:`samples` (``index`` then names the piece in the data trace)."""
+        d = self.draw(step, index, rows)
         if self.on_read is not None:
             self.on_read(step, index, d.windows if self.mixture is None else np.stack([d.sources, d.windows], 1))
         rows = np.stack([self.sources[s].read(int(w) * self.seq_len, self.seq_len + 1)

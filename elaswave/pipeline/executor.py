@@ -13,15 +13,26 @@ from elaswave.pipeline.schedule import Action, Op
 from elaswave.pipeline.stage import Stage
 
 
+Piece = tuple[int, "tuple[int, int] | None"]
+"""(key, rows): one computation of a micro-batch -- ``key`` names its dropout stream and its loss
+entry, ``rows`` its (first, count) sequences of the step's global batch (None: the configured
+micro-batch ``key`` itself)."""
+
+
 class Executor:
     """``on_backward`` is called after each micro-batch's backward (the gradient accumulator);
     ``before`` before every action (fault injection, and giving up early in a broken epoch);
-    ``emulated``: modelled compute time added to each forward and backward (``--emulate``)."""
+    ``emulated``: modelled compute time added to each forward and backward (``--emulate``).
+    ``pieces``: micro-batch id -> its computations (default: the micro-batch itself). A reshaped
+    micro-batch is one piece of its sequences in fast mode, one piece per unit in deterministic
+    mode: each unit's forward, backward and fixed-point gradient alone, as the reference computes
+    it, so the bits do not depend on how units were packed into micro-batches."""
 
     def __init__(self, stage: Stage, p2p: P2P, sampler: Sampler | None, global_tokens: Callable[[int], int],
                  on_backward: Callable[[], None], before: Callable[[int, Action], None] | None = None,
-                 emulated: EmulatedCompute | None = None):
+                 emulated: EmulatedCompute | None = None, pieces: Callable[[int], list[Piece]] | None = None):
         self.stage, self.p2p, self.sampler = stage, p2p, sampler
+        self.pieces = pieces or (lambda mb: [(mb, None)])
         self.global_tokens = global_tokens
         """Step -> the loss tokens of its whole global batch (what every micro-batch's loss is divided by)."""
         self.on_backward = on_backward
@@ -41,11 +52,11 @@ class Executor:
         }
 
     def run(self, actions: Sequence[Action], step: int) -> dict[int, tuple[float, int]]:
-        """Execute the actions; returns each micro-batch's summed token loss and its count of loss
-        tokens (last stage only)."""
+        """Execute the actions; returns each piece's (micro-batch's, unless reshaped) summed token
+        loss and its count of loss tokens, by its key (last stage only)."""
         self.step = step
         self.inputs: dict[int, torch.Tensor] = {}
-        self.outputs: dict[int, torch.Tensor] = {}
+        self.outputs: dict[int, list[torch.Tensor]] = {}
         self.grads: dict[int, torch.Tensor] = {}
         self.losses: dict[int, tuple[float, int]] = {}
         self.busy_s = 0.0
@@ -60,11 +71,11 @@ class Executor:
     def evaluate(self, actions: Sequence[Action], sampler: Sampler | None, batch: int,
                  before: Callable[[Action], None] | None = None) -> dict[int, tuple[float, int]]:
         """The forwards of ``actions`` (a step's schedule) on held-out batch ``batch`` read from
-        ``sampler``: no dropout, no graph, no gradients. Returns each micro-batch's summed token loss
-        and loss-token count (last stage only). Dropping the backwards leaves a schedule that cannot deadlock: it only
+        ``sampler``: no dropout, no graph, no gradients. Returns each piece's summed token loss
+        and loss-token count, by its key (last stage only). Dropping the backwards leaves a schedule that cannot deadlock: it only
         loses waits."""
         received: dict[int, torch.Tensor] = {}
-        outputs: dict[int, torch.Tensor] = {}
+        outputs: dict[int, list[torch.Tensor]] = {}
         losses: dict[int, tuple[float, int]] = {}
         with torch.no_grad():
             for a in actions:
@@ -74,48 +85,71 @@ class Executor:
                     before(a)
                 mb = a.micro_batch
                 if a.op is Op.RECV_ACT:
-                    received[mb] = self.p2p.recv_act(mb, a.peer)
+                    received[mb] = self.p2p.recv_act(mb, a.peer, self._rows(mb))
                 elif a.op is Op.SEND_ACT:
-                    self.p2p.send_act(outputs.pop(mb), mb, a.peer)
+                    self.p2p.send_act(_joined(outputs.pop(mb)), mb, a.peer)
                 else:
-                    data = sampler.micro_batch(batch, mb) if sampler is not None else None
-                    x = data.inputs.to(self.stage.device) if self.stage.is_first else received.pop(mb)
-                    out = self.stage.forward(x, batch, mb, train=False,
-                                             documents=data.documents if data is not None else None)
-                    if self.stage.is_last:
-                        losses[mb] = (float(self.stage.model.loss_sum(out, data.targets.to(self.stage.device))),
-                                      data.loss_tokens)
-                    else:
-                        outputs[mb] = out
+                    outs = []
+                    for key, x, data in self._inputs(mb, batch, sampler, received.pop(mb, None)):
+                        out = self.stage.forward(x, batch, key, train=False,
+                                                 documents=data.documents if data is not None else None)
+                        if self.stage.is_last:
+                            losses[key] = (float(self.stage.model.loss_sum(out, data.targets.to(self.stage.device))),
+                                           data.loss_tokens)
+                        outs.append(out)
+                    if not self.stage.is_last:
+                        outputs[mb] = outs
         self.p2p.drain()
         return losses
 
+    def _rows(self, mb: int) -> int | None:
+        """Sequences of micro-batch ``mb`` (None: the configured size)."""
+        pieces = self.pieces(mb)
+        if all(rows is None for _, rows in pieces):
+            return None
+        return sum(rows[1] for _, rows in pieces)
+
+    def _inputs(self, mb: int, step: int, sampler: Sampler | None, received: torch.Tensor | None):
+        """(key, input, data) of each piece of ``mb``: data read for it (if this stage reads),
+        the input its rows of what the previous stage sent (or its tokens on the first stage)."""
+        pieces, at = self.pieces(mb), 0
+        for key, rows in pieces:
+            data = sampler.micro_batch(step, key, rows) if sampler is not None else None
+            if self.stage.is_first:
+                x = data.inputs.to(self.stage.device)
+            elif len(pieces) == 1:
+                x = received
+            else:
+                x, at = received[at:at + rows[1]], at + rows[1]
+            yield key, x, data
+
     def _recv_act(self, a: Action) -> None:
-        self.inputs[a.micro_batch] = self.p2p.recv_act(a.micro_batch, a.peer).requires_grad_(True)
+        self.inputs[a.micro_batch] = self.p2p.recv_act(a.micro_batch, a.peer, self._rows(a.micro_batch)).requires_grad_(True)
 
     def _forward(self, a: Action) -> None:
         mb = a.micro_batch
         began = time.perf_counter()
-        batch = self.sampler.micro_batch(self.step, mb) if self.sampler is not None else None
-        x = batch.inputs.to(self.stage.device) if self.stage.is_first else self.inputs[mb]
-        out = self.stage.forward(x, self.step, mb, documents=batch.documents if batch is not None else None)
-        if self.stage.is_last:
-            loss_sum = self.stage.model.loss_sum(out, batch.targets.to(self.stage.device))
-            self.losses[mb] = (float(loss_sum.detach()), batch.loss_tokens)
-            # Scale by the *global* count of loss tokens: the gradient is the mean over the whole
-            # batch, whichever pipeline runs this micro-batch and however many pipelines are alive.
-            out = loss_sum / max(1, self.global_tokens(self.step))
-        self.outputs[mb] = out
+        outs = []
+        for key, x, batch in self._inputs(mb, self.step, self.sampler, self.inputs.get(mb)):
+            out = self.stage.forward(x, self.step, key, documents=batch.documents if batch is not None else None)
+            if self.stage.is_last:
+                loss_sum = self.stage.model.loss_sum(out, batch.targets.to(self.stage.device))
+                self.losses[key] = (float(loss_sum.detach()), batch.loss_tokens)
+                # Scale by the *global* count of loss tokens: the gradient is the mean over the whole
+                # batch, whichever pipeline runs this micro-batch and however many pipelines are alive.
+                out = loss_sum / max(1, self.global_tokens(self.step))
+            outs.append(out)
+        self.outputs[mb] = outs
         if self.emulated is not None:
             self.emulated.forward(began)
         self._straggle(began)
         self.busy_s += time.perf_counter() - began
 
     def _send_act(self, a: Action) -> None:
-        self.p2p.send_act(self.outputs[a.micro_batch], a.micro_batch, a.peer)
+        self.p2p.send_act(_joined(self.outputs[a.micro_batch]), a.micro_batch, a.peer)
 
     def _recv_grad(self, a: Action) -> None:
-        self.grads[a.micro_batch] = self.p2p.recv_grad(a.micro_batch, a.peer)
+        self.grads[a.micro_batch] = self.p2p.recv_grad(a.micro_batch, a.peer, self._rows(a.micro_batch))
 
     def _run_first_backward_hook(self) -> None:
         hook, self.first_backward = self.first_backward, None
@@ -126,12 +160,17 @@ class Executor:
         self._run_first_backward_hook()
         mb = a.micro_batch
         began = time.perf_counter()
-        out = self.outputs.pop(mb)
-        if self.stage.is_last:
-            out.backward()
-        else:
-            torch.autograd.backward(out, self.grads.pop(mb))
-        self.on_backward()
+        outs = self.outputs.pop(mb)
+        grad, at = None if self.stage.is_last else self.grads.pop(mb), 0
+        for out in outs:  # each piece's gradient folded alone (one piece unless reshaped, deterministic)
+            if grad is None:
+                out.backward()
+            elif len(outs) == 1:
+                torch.autograd.backward(out, grad)
+            else:
+                torch.autograd.backward(out, grad[at:at + out.shape[0]])
+                at += out.shape[0]
+            self.on_backward()
         if self.emulated is not None:
             self.emulated.backward(began)
         self._straggle(began)
@@ -143,3 +182,7 @@ class Executor:
 
     def _send_grad(self, a: Action) -> None:
         self.p2p.send_grad(self.inputs.pop(a.micro_batch).grad, a.micro_batch, a.peer)
+
+
+def _joined(outs: list[torch.Tensor]) -> torch.Tensor:
+    return outs[0] if len(outs) == 1 else torch.cat([o.detach() for o in outs])

@@ -25,8 +25,9 @@ class P2P:
         t = t.detach().to(self.dtype).contiguous()
         self.pending.append((self.group.isend(t, dst, tag), t))
 
-    def _recv(self, src: int, tag: int, what: str) -> torch.Tensor:
-        buf = torch.empty(self.shape, dtype=self.dtype, device=self.device)
+    def _recv(self, src: int, tag: int, what: str, rows: int | None = None) -> torch.Tensor:
+        shape = self.shape if rows is None else (rows, *self.shape[1:])
+        buf = torch.empty(shape, dtype=self.dtype, device=self.device)
         self.group.wait(self.group.irecv(buf, src, tag), f"{what} from rank {src}")
         return buf
 
@@ -37,11 +38,12 @@ class P2P:
     def send_grad(self, t: torch.Tensor, mb: int, peer: int | None = None) -> None:
         self._send(t, self.prev_rank if peer is None else peer, 2 * mb + 1)
 
-    def recv_act(self, mb: int, peer: int | None = None) -> torch.Tensor:
-        return self._recv(self.prev_rank if peer is None else peer, 2 * mb, f"activation of micro-batch {mb}")
+    # ``rows``: a reshaped micro-batch's sequences (default: the configured micro-batch size).
+    def recv_act(self, mb: int, peer: int | None = None, rows: int | None = None) -> torch.Tensor:
+        return self._recv(self.prev_rank if peer is None else peer, 2 * mb, f"activation of micro-batch {mb}", rows)
 
-    def recv_grad(self, mb: int, peer: int | None = None) -> torch.Tensor:
-        return self._recv(self.next_rank if peer is None else peer, 2 * mb + 1, f"gradient of micro-batch {mb}")
+    def recv_grad(self, mb: int, peer: int | None = None, rows: int | None = None) -> torch.Tensor:
+        return self._recv(self.next_rank if peer is None else peer, 2 * mb + 1, f"gradient of micro-batch {mb}", rows)
 
     def drain(self) -> None:
         for work, _ in self.pending:

@@ -135,6 +135,18 @@ class Plan:
     def units_of(self, micro_batch: int) -> int:
         return self.micro_batch_units[micro_batch] if self.micro_batch_units else self.units_per_micro_batch
 
+    @cached_property
+    def _unit_starts(self) -> tuple[int, ...]:
+        starts, at = [], 0
+        for u in self.micro_batch_units:
+            starts.append(at)
+            at += u
+        return tuple(starts)
+
+    def first_unit(self, micro_batch: int) -> int:
+        """The global batch's first unit micro-batch ``micro_batch`` holds (ids hold units in order)."""
+        return self._unit_starts[micro_batch] if self.micro_batch_units else micro_batch * self.units_per_micro_batch
+
     @property
     def batch_units(self) -> int:
         """Units in a step: the global batch (unless a baseline dropped some), whatever its shape."""

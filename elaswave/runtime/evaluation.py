@@ -34,7 +34,7 @@ class Evaluation:
         record. ``before(batch, action)`` runs before each action (faults, giving up in a broken epoch)."""
         t = self.cfg.train
         began = time.perf_counter()
-        M = t.num_micro_batches
+        M = t.num_micro_batches * st.plan.units_per_micro_batch  # one entry per unit (reshaped) or micro-batch
         reads = st.stage.is_first or st.stage.is_last or self.cfg.masks_documents
         sampler = self.sampler if reads else None
         # Each micro-batch's loss sum, then its loss-token count: one contributor per entry.

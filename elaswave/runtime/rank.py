@@ -80,11 +80,14 @@ def build_rank(cfg: JobConfig, plan: Plan, rank: int, stage: Stage, sampler: Sam
     dtype = compute_dtype(t.precision, device)
     for layer in stage.layers:
         layer.cast(dtype)
-    accumulator = GradAccumulator(stage.layers, t.deterministic, t.grad_fixed_point_bits, t.num_micro_batches)
+    k = plan.units_per_micro_batch
+    # One fold per unit when each is computed alone (deterministic reshaping): the reference's bound.
+    folds = t.num_micro_batches * (k if t.deterministic else 1)
+    accumulator = GradAccumulator(stage.layers, t.deterministic, t.grad_fixed_point_bits, folds)
     p2p = P2P(world, pipeline[s - 1] if s > 0 else None, pipeline[s + 1] if s < len(pipeline) - 1 else None,
               (t.micro_batch_size, model.seq_len, model.hidden_size), device, dtype)
     def step_tokens(step: int) -> int:
-        return sampler.loss_tokens(step, plan.num_micro_batches)
+        return sampler.loss_tokens(step, plan.batch_units // k)
     # With detours (the reroute baseline) no per-pipeline 1F1B fits; all ranks derive one schedule.
     schedule = (plan_schedules(plan, cfg.emulate.backward_factor).get(rank, []) if plan.routes
                 else one_f_one_b(s, len(pipeline), plan.micro_batches[d]))
@@ -95,9 +98,23 @@ def build_rank(cfg: JobConfig, plan: Plan, rank: int, stage: Stage, sampler: Sam
     return RankState(
         rank=rank, plan=plan, stage=stage,
         schedule=schedule,
-        executor=Executor(stage, p2p, sampler, step_tokens, accumulator.add_micro_batch, before, emulated),
+        executor=Executor(stage, p2p, sampler, step_tokens, accumulator.add_micro_batch, before, emulated,
+                          pieces_of(plan, t) if k > 1 else None),
         accumulator=accumulator, buckets=buckets, groups=groups, world=world,
         optimizer=optimizer,
         chunk_index=ChunkIndex.build(numels, par.chunk_numel), device=device, backend_name=backend_name,
         norm_needs_exchange=not (reduce_scatter_is_all_reduce(backend_name) and all(
             plan.layers_of(r) == (0, plan.num_layers) for r in plan.ranks)))
+
+
+def pieces_of(plan: Plan, t):
+    """A reshaped plan's micro-batch -> its computations (:class:`~elaswave.pipeline.executor.Executor`):
+    its sequences as one batch, or in deterministic mode each unit alone, keyed by the unit."""
+    rows = t.micro_batch_size // plan.units_per_micro_batch
+
+    def pieces(mb: int):
+        first, count = plan.first_unit(mb), plan.units_of(mb)
+        if t.deterministic:
+            return [(first + i, ((first + i) * rows, rows)) for i in range(count)]
+        return [(first, (first * rows, count * rows))]
+    return pieces

@@ -300,10 +300,12 @@ def _power_model(cfg: JobConfig) -> PowerModel | None:
 
 
 def _layout(plan: Plan) -> dict:
-    """The new plan as the metrics record it: who runs which layers, how many micro-batches, at what level."""
+    """The new plan as the metrics record it: who runs which layers, how many micro-batches (and the
+    units -- sequences when reshaped -- in each), at what level."""
     return {"pipelines": [list(p) for p in plan.pipelines],
             "layer_ranges": [[list(r) for r in rs] for rs in plan.layer_ranges],
             "micro_batches": [len(m) for m in plan.micro_batches],
+            "units": [[plan.units_of(mb) for mb in m] for m in plan.micro_batches],
             "frequencies": [list(f) for f in plan.frequencies] if plan.frequencies else None,
             "detours": len(plan.routes)}
 

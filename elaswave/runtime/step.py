@@ -79,7 +79,8 @@ def train_step(st: RankState, cfg: JobConfig, step: int, pool: SnapshotPool | No
     # admitted (everyone learns of a join in the same step), how many ranks lost the control
     # store, and every rank's speed.
     is_verified = pool.verify(st.world, step) if pool is not None else True
-    M = t.num_micro_batches
+    # One loss entry per unit of the global batch (a micro-batch when nothing is reshaped).
+    M = t.num_micro_batches * st.plan.units_per_micro_batch
     W = st.world.size
     exchange = torch.zeros(2 * M + 3 + W, dtype=torch.float64)
     for mb, (loss_sum, loss_tokens) in losses.items():
@@ -141,8 +142,13 @@ def train_step(st: RankState, cfg: JobConfig, step: int, pool: SnapshotPool | No
     speeds = dict(zip(st.world.members, exchange[M + 3:M + 3 + W].tolist()))
     return StepResult(loss=loss, grad_norm=norm, lr=lr, phases_s=lap.phases, joining=int(exchange[M].item()),
                       speeds=speeds, store_lost=exchange[M + 2].item() == st.world.size,
-                      tokens=st.plan.num_micro_batches * t.micro_batch_size * st.stage.model.seq_len,
+                      tokens=samples_of(st.plan, t) * st.stage.model.seq_len,
                       loss_tokens=loss_tokens)
+
+
+def samples_of(plan, t) -> int:
+    """Sequences the plan trains in a step (the global batch, unless a baseline dropped some)."""
+    return plan.batch_units * t.micro_batch_size // plan.units_per_micro_batch
 
 
 def gather_params(st: RankState) -> None:

@@ -41,7 +41,7 @@ from elaswave.runtime.memory import measure_peak
 from elaswave.runtime.metrics import MetricsWriter, StepJournal, print_error
 from elaswave.runtime.context import Context
 from elaswave.runtime.rank import build_rank
-from elaswave.runtime.step import gather_masters, gather_params, train_step
+from elaswave.runtime.step import gather_masters, gather_params, samples_of, train_step
 from elaswave.runtime.straggler import REBALANCE
 from elaswave.zero import digest
 from elaswave.zero.flat import params_sha256
@@ -128,7 +128,7 @@ def run(cfg: JobConfig, rank: int, world_size: int, metrics_out: str | None) -> 
                     # The median of the epoch's last steps; an idle rank (drop_replica) keeps its last figure.
                     ctx.speed = ctx.speeds.median(rank) or ctx.speed
                     journal.commit_before(step, writer)
-                    samples = st.plan.num_micro_batches * t.micro_batch_size
+                    samples = samples_of(st.plan, t)
                     journal.add({"event": "step", "step": step, "loss": result.loss, "grad_norm": result.grad_norm,
                                  "lr": result.lr, "num_samples": samples, "tokens": result.tokens,
                                  "loss_tokens": result.loss_tokens, "world_size": len(st.plan.ranks),
@@ -247,7 +247,8 @@ def _start(ctx: Context, world_size: int):
     plan = initial_plan(world_size, cfg.parallel.dp, cfg.parallel.pp,
                         [c.flops_per_token for c in model.layer_costs()], t.num_micro_batches,
                         numels, cfg.parallel.chunk_numel, stage_memory_limit=limit, ties=tie_pairs(model),
-                        memory=ctx.memory_model if limit else None)
+                        memory=ctx.memory_model if limit else None,
+                        units_per_micro_batch=t.micro_batch_size if cfg.elastic.reshape else 1)
     plan = replace(plan, snapshot_copies=cfg.elastic.snapshot_copies)
     # Under torchrun and several agents, ranks are numbered host-major, LOCAL_WORLD_SIZE to a host;
     # the one-host launcher's job is one host (its joiners' numbers say nothing about hosts).

@@ -24,7 +24,7 @@ def add_arguments(ap) -> None:
                     help="sequences per micro-batch (default 1); above 1 elaswave reshapes after a change: it deals "
                          "the global batch's sequences, not whole micro-batches (plan/microbatches.py)")
     ap.add_argument("--no-reshape", action="store_true",
-                    help="elaswave deals whole micro-batches, as before reshaping was built")
+                    help="elaswave deals whole micro-batches (the runtime without elastic.reshape)")
     ap.add_argument("--trace", help="a trace file (.jsonl or .csv: t_s, kind fail|join, device) or 'llama3': "
                                     "Poisson failures, one per 3 h across the job, repaired after 4 h")
     ap.add_argument("--hours", type=float, default=None, help="simulated time (default: 1 for a single failure, 24 for a trace)")
