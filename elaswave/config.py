@@ -310,6 +310,9 @@ class JobConfig:
             check_target(self.checkpoint.export_hf, self.checkpoint.overwrite,
                          keep={"model.init_from": self.model.init_from, "checkpoint.dir": self.checkpoint.dir,
                                "data.path": self.data.path, "data.mix": [p for p, _ in self.data.mixture]})
+        if self.elastic.reshape and self.train.micro_batch_size == 1:
+            _fail("elastic.reshape", self.elastic.reshape, "needs train.micro_batch_size > 1: a micro-batch of one "
+                  "sequence is never reshaped (raise the size, or leave elastic.reshape=false)")
         if self.train.num_micro_batches < self.parallel.dp:
             _fail("train.num_micro_batches", self.train.num_micro_batches,
                   f"must be >= parallel.dp={self.parallel.dp} so every pipeline has work")

@@ -4,9 +4,10 @@ Every policy turns the live devices into a plan with the runtime's own planner
 (:func:`~elaswave.plan.plan.replan`, which gives the layout for any set of losses) and says what the
 change costs. Every policy starts from the same failure-free plan (:func:`failure_free`): with
 clocks planned, the frequency planner's levels on every device, so the rate before a failure is
-equal across policies and the ratios after it measure recovery alone. A baseline keeps the clock
-each stage (layer range) had in that plan -- no clock planner re-plans after a failure -- and a
-stage it builds anew runs at nominal. Every plan of every policy is priced alike
+equal across policies and the ratios after it measure recovery alone. After a change only
+elaswave re-plans clocks: a baseline's device keeps its clock from that plan while it keeps its
+stage, and runs at nominal when given other layers (:func:`static_clocks`); a system that deals its
+batch by pipeline speed deals it at those clocks; a restarted job plans its clocks anew. Every plan of every policy is priced alike
 (:func:`~elaswave.sim.engine.priced`). Assumptions, per system:
 
 - **elaswave**: broken pipelines re-partitioned over their survivors, micro-batches rebalanced,

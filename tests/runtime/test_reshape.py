@@ -53,9 +53,11 @@ def test_a_reshaped_re_deal_through_a_kill_is_bit_identical(tmp_path, reference,
     assert evals and evals == {r["step"]: r["eval_loss"] for r in reference.records if r["event"] == "eval"}
 
 
-def test_reshaping_needs_elaswaves_policy(tmp_path):
-    res = run_cli(job_args(2, 1, 2, True, [*RESHAPE, "elastic.policy=drop_replica"]), tmp_path, timeout_s=60)
-    assert res.returncode == 2 and "elastic.reshape" in res.stderr and "drop_replica" in res.stderr, res.stderr
+@pytest.mark.parametrize("bad, needle", [("elastic.policy=drop_replica", "only for elastic.policy=elaswave"),
+                                         ("train.micro_batch_size=1", "needs train.micro_batch_size > 1")])
+def test_bad_reshape_settings_are_one_line(tmp_path, bad, needle):
+    res = run_cli(job_args(2, 1, 2, True, [*RESHAPE, bad]), tmp_path, timeout_s=60)
+    assert res.returncode == 2 and "elastic.reshape" in res.stderr and needle in res.stderr, res.stderr
     assert len(res.stderr.strip().splitlines()) == 1, res.stderr
 
 
