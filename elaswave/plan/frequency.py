@@ -58,7 +58,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Sequence
 
 import numpy as np
@@ -109,6 +109,10 @@ class FrequencyPlan:
     """Predicted step time: the slowest pipeline's :func:`pipeline_s` at its levels."""
     energy_j: float
     """Predicted energy of one step: every device at its power for the whole step."""
+    solver: str = "nominal"
+    """What chose the levels: ``exact`` (the covering knapsack's DP), ``greedy`` (its LP
+    relaxation, above EXACT_MAX_WORK: within one upgrade of the least power), or ``nominal`` (no
+    plan fits the cap, or the greedy one was no better than nominal clocks)."""
 
 
 def pipeline_s(stage_s: Sequence[float], num_micro_batches: int) -> float:
@@ -164,7 +168,7 @@ def plan_frequencies(stage_s: Sequence[Sequence[float]], num_micro_batches: int,
         plain = nominal_plan(stage_s, num_micro_batches, model)
         if plain.step_s < plan.step_s * (1 - _TOL) and plain.energy_j / plain.step_s <= cap * (1 + _TOL):
             return plain
-    return plan
+    return replace(plan, solver="exact" if choose is _exact else "greedy")
 
 
 @dataclass(frozen=True)

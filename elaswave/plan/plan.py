@@ -69,6 +69,8 @@ class Plan:
     reshapes: it deals the global batch's units, not whole micro-batches (plan.microbatches)."""
     micro_batch_units: tuple[int, ...] = ()
     """micro_batch_units[id] = the units micro-batch ``id`` holds (empty: units_per_micro_batch each)."""
+    frequency_solver: str = ""
+    """What chose ``frequencies`` (:class:`~elaswave.plan.frequency.FrequencyPlan`'s ``solver``; empty: none)."""
 
     def to_doc(self) -> dict:
         """JSON-ready: a joining rank reads the plan it joins from the store."""
@@ -332,7 +334,7 @@ def _split(prev: Plan, count: int, pipelines: int, num_micro_batches: int,
                            _stage_memory(prev.memory, count, pipelines, num_micro_batches)))
 
 
-def _build(prev: Plan, epoch: int, pipelines, ranges, mbs, freqs=(), routes=(), units=None) -> Plan:
+def _build(prev: Plan, epoch: int, pipelines, ranges, mbs, freqs=(), routes=(), units=None, solver="") -> Plan:
     """``units``: each micro-batch id's units (None: ``prev``'s, whose ids ``mbs`` then are)."""
     plan = Plan(epoch=epoch, num_layers=prev.num_layers, pipelines=tuple(pipelines), layer_ranges=tuple(ranges),
                 micro_batches=tuple(mbs), layer_costs=prev.layer_costs, frequencies=tuple(freqs), routes=tuple(routes),
@@ -340,7 +342,8 @@ def _build(prev: Plan, epoch: int, pipelines, ranges, mbs, freqs=(), routes=(), 
                 depth=prev.depth,
                 ties=prev.ties, ranks_per_node=prev.ranks_per_node, snapshot_copies=prev.snapshot_copies,
                 units_per_micro_batch=prev.units_per_micro_batch,
-                micro_batch_units=prev.micro_batch_units if units is None else tuple(units))
+                micro_batch_units=prev.micro_batch_units if units is None else tuple(units),
+                frequency_solver=solver if freqs else "")
     owners = reassign_owners(prev.chunk_owners, plan.holder_groups())
     joined = set(plan.ranks) - set(prev.ranks)
     if joined:
@@ -382,8 +385,8 @@ def _elaswave(prev: Plan, epoch: int, pipelines, kept_ranges, kept, num_micro_ba
     if len(run) > num_micro_batches:
         raise PlanError(f"epoch {epoch}: {num_micro_batches} micro-batches cannot feed {len(run)} pipelines")
     stage_s = [[_cost(prev, i, j) / rate[r] for r, (i, j) in zip(pipelines[k], ranges[k])] for k in run]
-    mbs, freqs, units, sizes, at_levels = _deal(stage_s, num_micro_batches, prev.units_per_micro_batch, power,
-                                                power_cap_w)
+    mbs, freqs, units, sizes, at_levels, solver = _deal(stage_s, num_micro_batches, prev.units_per_micro_batch,
+                                                        power, power_cap_w)
     run_mbs = mbs
     if standby:
         at = dict(zip(run, range(len(run))))
@@ -401,33 +404,33 @@ def _elaswave(prev: Plan, epoch: int, pipelines, kept_ranges, kept, num_micro_ba
                        for r, (i, j) in zip(pipe, rng)}
             if _detoured_step(pipelines, kept_mbs, routes, forward) < _step_s(at_levels, run_mbs, sizes) * (1 - 1e-3):
                 return _build(prev, epoch, pipelines, kept_ranges, kept_mbs, routes=routes)
-    return _build(prev, epoch, pipelines, ranges, mbs, freqs, units=units)
+    return _build(prev, epoch, pipelines, ranges, mbs, freqs, units=units, solver=solver)
 
 
 def _deal(stage_s: Sequence[Sequence[float]], num_micro_batches: int, k: int, power: PowerModel | None,
           power_cap_w: float | None):
-    """The pipelines' micro-batches, frequency levels, units (reshaped, ``k > 1``), sizes and stage
-    times at their levels. Reshaping deals units at the levels the frequency planner chose for
+    """The pipelines' micro-batches, frequency levels, units (reshaped, ``k > 1``), sizes, stage
+    times at their levels, and the frequency planner's solver. Reshaping deals units at the levels the frequency planner chose for
     whole micro-batches; where that is slower than reshaping at nominal clocks (the planner
     lowered stages that whole micro-batches left waiting, and units would have filled), the
     nominal one is taken: it is within the cap whenever the cap is the live devices' nominal power."""
     def whole(levels: bool):
         if levels and power is not None:
             fp = plan_frequencies(stage_s, num_micro_batches, power, power_cap_w)
-            mbs, freqs = fp.micro_batches, fp.levels
+            mbs, freqs, solver = fp.micro_batches, fp.levels, fp.solver
         else:
             mbs = tuple(microbatches.balance(num_micro_batches, [max(p) for p in stage_s], [len(p) for p in stage_s],
                                              [sum(p) - max(p) for p in stage_s]))
-            freqs = ()
-        return mbs, freqs, [[t / f for t, f in zip(p, fs)] for p, fs in zip(stage_s, freqs)] if freqs else stage_s
+            freqs, solver = (), ""
+        return mbs, freqs, [[t / f for t, f in zip(p, fs)] for p, fs in zip(stage_s, freqs)] if freqs else stage_s, solver
 
     def reshaped(levels: bool):
-        mbs, freqs, at = whole(levels)
+        mbs, freqs, at, solver = whole(levels)
         if k == 1:
-            return mbs, freqs, (), None, at
+            return mbs, freqs, (), None, at, solver
         ids, units = microbatches.reshape(num_micro_batches, k, [max(p) for p in at], [len(p) for p in at],
                                           [sum(p) - max(p) for p in at])
-        return tuple(ids), freqs, units, [[units[i] / k for i in m] for m in ids], at
+        return tuple(ids), freqs, units, [[units[i] / k for i in m] for m in ids], at, solver
 
     best = reshaped(True)
     stages = sum(len(p) for p in stage_s)

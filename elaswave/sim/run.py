@@ -153,7 +153,7 @@ def run(args) -> int:
               "micro_batch_size": args.micro_batch_size, "reshape": not args.no_reshape and args.micro_batch_size > 1,
               "device_gib": args.device_gib, "checkpointing": args.checkpointing, "dvfs": not args.no_dvfs,
               "clocks": None if args.no_dvfs else args.clocks or "boost",
-              "failure_free_clock_gain": clock_gain,
+              "failure_free_clock_gain": clock_gain, "frequency_solver": start.frequency_solver or None,
               "hours": duration_s / 3600, "failures": sum(e.kind == "fail" for e in events),
               "joins": sum(e.kind == "join" for e in events), "trace": args.trace or ("poisson" if args.mtbf_h else "single"),
               "spares": ctl.spares, "warm_spares": ctl.warm, "store": ctl.store,
@@ -174,8 +174,10 @@ def run(args) -> int:
           f"{args.micro_batch_size} per step{' (reshaped after a change)' if config['reshape'] else ''}, "
           f"{config['hours']:g} h, {config['failures']} failures, {config['joins']} joins; {wall:.1f} s")
     if not args.no_dvfs:
-        print(f"failure-free clock plan ({config['clocks']} clocks): {clock_gain:.3f}x the throughput at nominal "
-              "clocks; every row starts from it, a baseline keeps each stage's clock after a change")
+        solver = {"exact": "the exact DP", "greedy": "the greedy LP relaxation (within one level's upgrade of the "
+                  "least power)"}.get(start.frequency_solver, "none: nominal clocks")
+        print(f"failure-free clock plan ({config['clocks']} clocks, levels by {solver}): {clock_gain:.3f}x the "
+              "throughput at nominal clocks; every row starts from it, a baseline keeps each stage's clock after a change")
     if memory is not None:
         peak = max(rank_bytes(memory, plan, r)["total"] for r in plan.ranks) / 2 ** 30
         print(f"memory: modelled peak {peak:.1f} GiB of {args.device_gib:g} per device "
