@@ -9,11 +9,10 @@ from dataclasses import dataclass, fields, replace
 from functools import cached_property
 from typing import Mapping, Sequence
 
-from elaswave.pipeline import routed
 from elaswave.plan import microbatches
 from elaswave.plan.chunks import Owners, chunks_of, reassign_owners, rebalance_owners, round_robin_owners
-from elaswave.pipeline.schedule import one_f_one_b_makespan
-from elaswave.plan.frequency import PowerModel, pipeline_s, plan_frequencies
+from elaswave.plan.deal import deal, detoured_step_s, step_s
+from elaswave.plan.frequency import PowerModel
 from elaswave.plan.memory import MemoryModel
 from elaswave.plan.partition import PartitionError, partition
 
@@ -385,7 +384,7 @@ def _elaswave(prev: Plan, epoch: int, pipelines, kept_ranges, kept, num_micro_ba
     if len(run) > num_micro_batches:
         raise PlanError(f"epoch {epoch}: {num_micro_batches} micro-batches cannot feed {len(run)} pipelines")
     stage_s = [[_cost(prev, i, j) / rate[r] for r, (i, j) in zip(pipelines[k], ranges[k])] for k in run]
-    mbs, freqs, units, sizes, at_levels, solver = _deal(stage_s, num_micro_batches, prev.units_per_micro_batch,
+    mbs, freqs, units, sizes, at_levels, solver = deal(stage_s, num_micro_batches, prev.units_per_micro_batch,
                                                         power, power_cap_w)
     run_mbs = mbs
     if standby:
@@ -402,44 +401,9 @@ def _elaswave(prev: Plan, epoch: int, pipelines, kept_ranges, kept, num_micro_ba
         if routes is not None and sum(map(len, kept_mbs)) == num_micro_batches:
             forward = {r: _cost(prev, i, j) / rate[r] for pipe, rng in zip(pipelines, kept_ranges)
                        for r, (i, j) in zip(pipe, rng)}
-            if _detoured_step(pipelines, kept_mbs, routes, forward) < _step_s(at_levels, run_mbs, sizes) * (1 - 1e-3):
+            if detoured_step_s(pipelines, kept_mbs, routes, forward) < step_s(at_levels, run_mbs, sizes) * (1 - 1e-3):
                 return _build(prev, epoch, pipelines, kept_ranges, kept_mbs, routes=routes)
     return _build(prev, epoch, pipelines, ranges, mbs, freqs, units=units, solver=solver)
-
-
-def _deal(stage_s: Sequence[Sequence[float]], num_micro_batches: int, k: int, power: PowerModel | None,
-          power_cap_w: float | None):
-    """The pipelines' micro-batches, frequency levels, units (reshaped, ``k > 1``), sizes, stage
-    times at their levels, and the frequency planner's solver. Reshaping deals units at the levels the frequency planner chose for
-    whole micro-batches; where that is slower than reshaping at nominal clocks (the planner
-    lowered stages that whole micro-batches left waiting, and units would have filled), the
-    nominal one is taken: it is within the cap whenever the cap is the live devices' nominal power."""
-    def whole(levels: bool):
-        if levels and power is not None:
-            fp = plan_frequencies(stage_s, num_micro_batches, power, power_cap_w)
-            mbs, freqs, solver = fp.micro_batches, fp.levels, fp.solver
-        else:
-            mbs = tuple(microbatches.balance(num_micro_batches, [max(p) for p in stage_s], [len(p) for p in stage_s],
-                                             [sum(p) - max(p) for p in stage_s]))
-            freqs, solver = (), ""
-        return mbs, freqs, [[t / f for t, f in zip(p, fs)] for p, fs in zip(stage_s, freqs)] if freqs else stage_s, solver
-
-    def reshaped(levels: bool):
-        mbs, freqs, at, solver = whole(levels)
-        if k == 1:
-            return mbs, freqs, (), None, at, solver
-        ids, units = microbatches.reshape(num_micro_batches, k, [max(p) for p in at], [len(p) for p in at],
-                                          [sum(p) - max(p) for p in at])
-        return tuple(ids), freqs, units, [[units[i] / k for i in m] for m in ids], at, solver
-
-    best = reshaped(True)
-    stages = sum(len(p) for p in stage_s)
-    nominal_ok = power is None or power_cap_w is None or power.power(1.0) * stages <= power_cap_w * (1 + 1e-9)
-    if k > 1 and power is not None and nominal_ok:
-        plain = reshaped(False)
-        if _step_s(plain[4], plain[0], plain[3]) < _step_s(best[4], best[0], best[3]) * (1 - 1e-9):
-            best = plain
-    return best
 
 
 def rebalance_gain(prev: Plan, speeds: Mapping[int, float], num_micro_batches: int,
@@ -469,35 +433,6 @@ def rebalance_gain(prev: Plan, speeds: Mapping[int, float], num_micro_batches: i
         return bound, None
     candidate = replan(prev, prev.ranks, prev.epoch + 1, num_micro_batches, speeds, rebalance=True)
     return 1.0 - step_s(candidate) / now, candidate
-
-
-def _step_s(stage_s: Sequence[Sequence[float]], mbs, sizes: Sequence[Sequence[float]] | None = None) -> float:
-    """The pipelines' step as the detoured one is timed: the runtime's 1F1B order up to the
-    routed schedule's size limit, the frequency planner's price (its upper bound) above it.
-    ``sizes``: each pipeline's micro-batches as shares of a whole one (reshaped)."""
-    exact = sum(map(len, stage_s)) <= routed.EXACT_MAX_RANKS
-    if sizes is None:
-        sizes = [[1.0] * len(m) for m in mbs]
-    # Above the limit: fill and drain once at the first micro-batch's size (a whole one), then the
-    # slowest stage for the rest of the pipeline's work.
-    return max((one_f_one_b_makespan(p, len(m), sizes=z) if exact else sum(p) * z[0] + (sum(z) - z[0]) * max(p))
-               for p, m, z in zip(stage_s, mbs, sizes) if m)
-
-
-def _detoured_step(pipelines, mbs, routes, stage_s: Mapping[int, float]) -> float:
-    """Predicted compute of a plan with detours: its routed schedule's length (the schedule the
-    ranks would run; ``stage_s`` is forward + backward, split 1:2), or above
-    ``routed.EXACT_MAX_RANKS`` the busiest rank's micro-batches (own and guests') plus one fill."""
-    all_routes, home = routed.routes_of(pipelines, mbs, dict(routes))
-    if len(stage_s) <= routed.EXACT_MAX_RANKS:
-        _, makespan = routed.routed_schedules(all_routes, home, {r: t / 3.0 for r, t in stage_s.items()}, 2.0)
-        return makespan
-    count: dict[int, int] = {}
-    for route in all_routes.values():
-        for r in route:
-            count[r] = count.get(r, 0) + 1
-    depth = max(len(route) for route in all_routes.values())
-    return max(stage_s[r] * n for r, n in count.items()) + (depth - 1) * max(stage_s.values())
 
 
 def _covers(ranges: Sequence[tuple[int, int]], num_layers: int) -> bool:

@@ -1,0 +1,76 @@
+"""How a step's batch is dealt over pipelines of known stage times (pure): whole micro-batches or
+units (reshaped), with or without a frequency plan, and what the pipelines' step then takes."""
+from __future__ import annotations
+
+from typing import Mapping, Sequence
+
+from elaswave.pipeline import routed
+from elaswave.pipeline.schedule import one_f_one_b_makespan
+from elaswave.plan import microbatches
+from elaswave.plan.frequency import PowerModel, plan_frequencies
+
+
+def deal(stage_s: Sequence[Sequence[float]], num_micro_batches: int, k: int, power: PowerModel | None,
+         power_cap_w: float | None):
+    """The pipelines' micro-batches, frequency levels, units (reshaped, ``k > 1``), sizes, stage
+    times at their levels, and the frequency planner's solver.
+
+    Reshaping deals units at the levels the frequency planner chose for whole micro-batches; where
+    that is slower than reshaping at nominal clocks (the planner lowered stages that whole
+    micro-batches left waiting, and units would have filled), the nominal one is taken: it is
+    within the cap whenever the cap is the live devices' nominal power."""
+    def whole(levels: bool):
+        if levels and power is not None:
+            fp = plan_frequencies(stage_s, num_micro_batches, power, power_cap_w)
+            mbs, freqs, solver = fp.micro_batches, fp.levels, fp.solver
+        else:
+            mbs = tuple(microbatches.balance(num_micro_batches, [max(p) for p in stage_s], [len(p) for p in stage_s],
+                                             [sum(p) - max(p) for p in stage_s]))
+            freqs, solver = (), ""
+        return mbs, freqs, [[t / f for t, f in zip(p, fs)] for p, fs in zip(stage_s, freqs)] if freqs else stage_s, solver
+
+    def reshaped(levels: bool):
+        mbs, freqs, at, solver = whole(levels)
+        if k == 1:
+            return mbs, freqs, (), None, at, solver
+        ids, units = microbatches.reshape(num_micro_batches, k, [max(p) for p in at], [len(p) for p in at],
+                                          [sum(p) - max(p) for p in at])
+        return tuple(ids), freqs, units, [[units[i] / k for i in m] for m in ids], at, solver
+
+    best = reshaped(True)
+    stages = sum(len(p) for p in stage_s)
+    nominal_ok = power is None or power_cap_w is None or power.power(1.0) * stages <= power_cap_w * (1 + 1e-9)
+    if k > 1 and power is not None and nominal_ok:
+        plain = reshaped(False)
+        if step_s(plain[4], plain[0], plain[3]) < step_s(best[4], best[0], best[3]) * (1 - 1e-9):
+            best = plain
+    return best
+
+
+def step_s(stage_s: Sequence[Sequence[float]], mbs, sizes: Sequence[Sequence[float]] | None = None) -> float:
+    """The pipelines' step as a plan with detours is compared with: the runtime's 1F1B order up to the
+    routed schedule's size limit, the frequency planner's price (its upper bound) above it.
+    ``sizes``: each pipeline's micro-batches as shares of a whole one (reshaped)."""
+    exact = sum(map(len, stage_s)) <= routed.EXACT_MAX_RANKS
+    if sizes is None:
+        sizes = [[1.0] * len(m) for m in mbs]
+    # Above the limit: fill and drain once at the first micro-batch's size (a whole one), then the
+    # slowest stage for the rest of the pipeline's work.
+    return max((one_f_one_b_makespan(p, len(m), sizes=z) if exact else sum(p) * z[0] + (sum(z) - z[0]) * max(p))
+               for p, m, z in zip(stage_s, mbs, sizes) if m)
+
+
+def detoured_step_s(pipelines, mbs, routes, stage_s: Mapping[int, float]) -> float:
+    """Predicted compute of a plan with detours: its routed schedule's length (the schedule the
+    ranks would run; ``stage_s`` is forward + backward, split 1:2), or above
+    ``routed.EXACT_MAX_RANKS`` the busiest rank's micro-batches (own and guests') plus one fill."""
+    all_routes, home = routed.routes_of(pipelines, mbs, dict(routes))
+    if len(stage_s) <= routed.EXACT_MAX_RANKS:
+        _, makespan = routed.routed_schedules(all_routes, home, {r: t / 3.0 for r, t in stage_s.items()}, 2.0)
+        return makespan
+    count: dict[int, int] = {}
+    for route in all_routes.values():
+        for r in route:
+            count[r] = count.get(r, 0) + 1
+    depth = max(len(route) for route in all_routes.values())
+    return max(stage_s[r] * n for r, n in count.items()) + (depth - 1) * max(stage_s.values())
