@@ -46,24 +46,8 @@ def balance(num_micro_batches: int, bottleneck_s: Sequence[float], num_stages: S
     Minimax by greedy filling -- each next micro-batch goes to the pipeline that would finish it
     soonest (ties to the lower index) -- which is optimal because each pipeline's time only grows
     with its count. Ids stay contiguous per pipeline, in pipeline order."""
-    if not bottleneck_s or len(bottleneck_s) != len(num_stages):
-        raise ValueError(f"balance needs one bottleneck time and stage count per pipeline, got "
-                         f"{list(bottleneck_s)} and {list(num_stages)}")
-    if any(t <= 0 for t in bottleneck_s) or any(s < 1 for s in num_stages):
-        raise ValueError(f"bottleneck times must be > 0 and stage counts >= 1, got {list(bottleneck_s)}, "
-                         f"{list(num_stages)}")
-    if num_micro_batches < len(bottleneck_s):
-        raise ValueError(
-            f"{num_micro_batches} micro-batches cannot give each of {len(bottleneck_s)} pipelines at least one")
-    if fill_s is None:
-        fill_s = [(s - 1) * t for t, s in zip(bottleneck_s, num_stages)]
-    counts = [1] * len(bottleneck_s)
-    heap = [(f + 2 * t, d) for d, (t, f) in enumerate(zip(bottleneck_s, fill_s))]
-    heapq.heapify(heap)
-    for _ in range(num_micro_batches - len(counts)):
-        _, d = heapq.heappop(heap)
-        counts[d] += 1
-        heapq.heappush(heap, (fill_s[d] + (counts[d] + 1) * bottleneck_s[d], d))
+    fill_s = _checked_fill("balance", num_micro_batches, bottleneck_s, num_stages, fill_s)
+    counts = _fill(num_micro_batches, 1, bottleneck_s, fill_s)
     out, start = [], 0
     for c in counts:
         out.append(tuple(range(start, start + c)))
@@ -83,26 +67,9 @@ def reshape(num_micro_batches: int, units_per_micro_batch: int, bottleneck_s: Se
     k = units_per_micro_batch
     if k < 1:
         raise ValueError(f"units per micro-batch must be >= 1, got {k}")
-    if not bottleneck_s or len(bottleneck_s) != len(num_stages):
-        raise ValueError(f"reshape needs one bottleneck time and stage count per pipeline, got "
-                         f"{list(bottleneck_s)} and {list(num_stages)}")
-    if any(t <= 0 for t in bottleneck_s) or any(s < 1 for s in num_stages):
-        raise ValueError(f"bottleneck times must be > 0 and stage counts >= 1, got {list(bottleneck_s)}, "
-                         f"{list(num_stages)}")
-    if num_micro_batches < len(bottleneck_s):
-        raise ValueError(
-            f"{num_micro_batches} micro-batches cannot give each of {len(bottleneck_s)} pipelines at least one")
-    if fill_s is None:
-        fill_s = [(s - 1) * t for t, s in zip(bottleneck_s, num_stages)]
-    unit_s = [t / k for t in bottleneck_s]
+    fill_s = _checked_fill("reshape", num_micro_batches, bottleneck_s, num_stages, fill_s)
     # Every pipeline starts at a whole micro-batch (as balance does), the rest by the unit.
-    counts = [k] * len(bottleneck_s)
-    heap = [(f + (k + 1) * u, d) for d, (u, f) in enumerate(zip(unit_s, fill_s))]
-    heapq.heapify(heap)
-    for _ in range(num_micro_batches * k - sum(counts)):
-        _, d = heapq.heappop(heap)
-        counts[d] += 1
-        heapq.heappush(heap, (fill_s[d] + (counts[d] + 1) * unit_s[d], d))
+    counts = _fill(num_micro_batches * k, k, [t / k for t in bottleneck_s], fill_s)
     ids, units, start = [], [], 0
     for n in counts:
         sizes = [k] * (n // k) + ([n % k] if n % k else [])
@@ -110,3 +77,33 @@ def reshape(num_micro_batches: int, units_per_micro_batch: int, bottleneck_s: Se
         units += sizes
         start += len(sizes)
     return ids, tuple(units)
+
+
+def _checked_fill(what: str, num_micro_batches: int, bottleneck_s: Sequence[float], num_stages: Sequence[int],
+                  fill_s: Sequence[float] | None) -> Sequence[float]:
+    """The pipelines' fill and drain times (default ``(num_stages - 1) * bottleneck_s``), after
+    checking the shape the greedy needs."""
+    if not bottleneck_s or len(bottleneck_s) != len(num_stages):
+        raise ValueError(f"{what} needs one bottleneck time and stage count per pipeline, got "
+                         f"{list(bottleneck_s)} and {list(num_stages)}")
+    if any(t <= 0 for t in bottleneck_s) or any(s < 1 for s in num_stages):
+        raise ValueError(f"bottleneck times must be > 0 and stage counts >= 1, got {list(bottleneck_s)}, "
+                         f"{list(num_stages)}")
+    if num_micro_batches < len(bottleneck_s):
+        raise ValueError(
+            f"{num_micro_batches} micro-batches cannot give each of {len(bottleneck_s)} pipelines at least one")
+    return fill_s if fill_s is not None else [(s - 1) * t for t, s in zip(bottleneck_s, num_stages)]
+
+
+def _fill(total: int, first: int, each_s: Sequence[float], fill_s: Sequence[float]) -> list[int]:
+    """Minimax counts by greedy filling: every pipeline starts at ``first``, each next one goes to
+    the pipeline that would finish it soonest (``fill_s[d] + count * each_s[d]``, ties to the lower
+    index)."""
+    counts = [first] * len(each_s)
+    heap = [(f + (first + 1) * t, d) for d, (t, f) in enumerate(zip(each_s, fill_s))]
+    heapq.heapify(heap)
+    for _ in range(total - sum(counts)):
+        _, d = heapq.heappop(heap)
+        counts[d] += 1
+        heapq.heappush(heap, (fill_s[d] + (counts[d] + 1) * each_s[d], d))
+    return counts
