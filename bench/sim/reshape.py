@@ -4,9 +4,10 @@ Every row of ``elaswave simulate`` starts from one failure-free plan (clocks pla
 gain over nominal clocks its own column), so each ratio measures recovery alone. Three tables:
 
 - **96 devices**, one failure in the middle of pipeline 0, gpt-175b at every layout from 2x48 to
-  12x8, boost and sustained clocks: elaswave's throughput after the failure over each baseline's.
+  12x8, with clocks (the sourced model, and its band over the clock corners) and without:
+  elaswave's throughput after the failure over each baseline's.
 - **16,384 devices**, one failure, gpt-175b and llama3-70b at dp=1024 x pp=16, 1, 4 and 16
-  sequences a micro-batch: elaswave dealing whole micro-batches or reshaped (sequences), beside
+  sequences a micro-batch, each ratio with its band and the calibration error: elaswave dealing whole micro-batches or reshaped (sequences), beside
   drop_replica (TorchFT's policy: the batch shrinks), templates and reroute.
 - **16,384 devices under the llama3 trace** (24 h, 3 seeds), 16 sequences a micro-batch: the
   steady ratio after the first failure and the goodput, median (range).
@@ -30,45 +31,59 @@ BIG = ("gpt-175b", "llama3-70b")
 SIZES = (1, 4, 16)
 
 
+CALIBRATION = "bench/results/sim_calibration.json"
+"""The emulated-compute calibration: each rank its own compute, as on GPUs (the real-compute one
+shares 2 cores among 4 ranks, a contention the cluster model does not have)."""
+
+
 def at_96() -> list[dict]:
     rows = []
     for dp, pp in LAYOUTS_96:
-        for clocks in ("boost", "sustained"):
-            doc = simulate(["--devices", "96", "--dp", str(dp), "--pp", str(pp), "--model", "gpt-175b",
-                            "--clocks", clocks])
-            pol = doc["policies"]
-            after = {n: p["throughput_after"] for n, p in pol.items()}
-            rows.append({"dp": dp, "pp": pp, "clocks": clocks, "clock_gain": doc["config"]["failure_free_clock_gain"],
-                         "before": {n: p["throughput_before"] for n, p in pol.items()},
-                         "after_over_before": {n: p["throughput_after_over_before"] for n, p in pol.items()},
-                         "elaswave_over": {b: after["elaswave"] / after[b] for b in BASELINES},
-                         "no_dvfs_over_templates": after["elaswave_no_dvfs"] / after["templates"]})
-            print(f"  96 {dp}x{pp} {clocks}: elaswave/templates {rows[-1]['elaswave_over']['templates']:.3f}", flush=True)
+        argv = ["--devices", "96", "--dp", str(dp), "--pp", str(pp), "--model", "gpt-175b"]
+        doc = simulate([*argv, "--band", "--calibration", CALIBRATION])
+        plain = simulate([*argv, "--no-dvfs"])["policies"]
+        pol = doc["policies"]
+        after = {n: p["throughput_after"] for n, p in pol.items()}
+        rows.append({"dp": dp, "pp": pp, "clock_gain": doc["config"]["failure_free_clock_gain"],
+                     "clock_gain_band": doc["config"]["failure_free_clock_gain_band"],
+                     "calibration": doc["config"]["calibration"],
+                     "before": {n: p["throughput_before"] for n, p in pol.items()},
+                     "after_over_before": {n: p["throughput_after_over_before"] for n, p in pol.items()},
+                     "elaswave_over": {b: after["elaswave"] / after[b] for b in BASELINES},
+                     "elaswave_over_band": pol["elaswave"]["band"]["after_over"],
+                     "no_clocks_over": {b: plain["elaswave_no_dvfs"]["throughput_after"] / plain[b]["throughput_after"]
+                                        for b in BASELINES}})
+        print(f"  96 {dp}x{pp}: elaswave/templates {rows[-1]['elaswave_over']['templates']:.3f} "
+              f"{rows[-1]['elaswave_over_band']['templates']}", flush=True)
     return rows
 
 
-def _big(model: str, size: int, clocks: str, extra: list[str]) -> dict:
-    return simulate(["--devices", "16384", "--dp", "1024", "--pp", "16", "--model", model, "--clocks", clocks,
-                     "--micro-batch-size", str(size), *extra])
+def _big(model: str, size: int, extra: list[str]) -> dict:
+    return simulate(["--devices", "16384", "--dp", "1024", "--pp", "16", "--model", model,
+                     "--micro-batch-size", str(size), "--calibration", CALIBRATION, *extra])
 
 
 def one_failure_16k() -> list[dict]:
     rows = []
     for model in BIG:
-        for clocks in ("sustained", "boost"):
-            for size in SIZES:
-                doc = _big(model, size, clocks, ["--policies", "elaswave,drop_replica,templates,reroute"])
-                pol = doc["policies"]
-                row = {"model": model, "clocks": clocks, "size": size, "wall_s": doc["config"]["wall_s"],
-                       "clock_gain": doc["config"]["failure_free_clock_gain"],
-                       "step_s": doc["config"]["micro_batches"] / pol["elaswave"]["throughput_before"],
-                       "after_over_before": {n: p["throughput_after_over_before"] for n, p in pol.items()},
-                       "batch_kept": {n: p["batch_after_over_before"] for n, p in pol.items()}}
-                if size > 1:
-                    whole = _big(model, size, clocks, ["--policies", "elaswave", "--no-reshape"])["policies"]["elaswave"]
-                    row["after_over_before"]["elaswave_whole"] = whole["throughput_after_over_before"]
-                rows.append(row)
-                print(f"  16k {model} {clocks} b={size}: {row['after_over_before']}", flush=True)
+        for size in SIZES:
+            doc = _big(model, size, ["--policies", "elaswave,drop_replica,templates,reroute", "--band"])
+            pol = doc["policies"]
+            row = {"model": model, "size": size, "wall_s": doc["config"]["wall_s"],
+                   "clock_gain": doc["config"]["failure_free_clock_gain"],
+                   "clock_gain_band": doc["config"]["failure_free_clock_gain_band"],
+                   "calibration": doc["config"]["calibration"],
+                   "step_s": pol["elaswave"]["step_before_s"], "tokens_per_s": pol["elaswave"]["tokens_per_s_before"],
+                   "after_over_before": {n: p["throughput_after_over_before"] for n, p in pol.items()},
+                   "band": {n: p["band"]["after_over_before"] for n, p in pol.items()},
+                   "plus_minus": {n: p["plus_minus"]["after_over_before"] for n, p in pol.items()},
+                   "batch_kept": {n: p["batch_after_over_before"] for n, p in pol.items()}}
+            if size > 1:
+                whole = _big(model, size, ["--policies", "elaswave", "--no-reshape", "--band"])["policies"]["elaswave"]
+                row["after_over_before"]["elaswave_whole"] = whole["throughput_after_over_before"]
+                row["band"]["elaswave_whole"] = whole["band"]["after_over_before"]
+            rows.append(row)
+            print(f"  16k {model} b={size}: {row['after_over_before']} {row['band']}", flush=True)
     return rows
 
 
@@ -81,9 +96,9 @@ def trace_16k(seeds: int) -> list[dict]:
     for model in BIG:
         runs: dict[str, list[dict]] = {"elaswave": [], "elaswave_whole": [], "drop_replica": []}
         for seed in range(seeds):
-            flags = ["--trace", "llama3", "--seed", str(seed)]
-            pol = _big(model, 16, "sustained", [*flags, "--policies", "elaswave,drop_replica"])["policies"]
-            whole = _big(model, 16, "sustained", [*flags, "--policies", "elaswave", "--no-reshape"])["policies"]
+            flags = ["--trace", "llama3", "--seed", str(seed), "--band"]
+            pol = _big(model, 16, [*flags, "--policies", "elaswave,drop_replica"])["policies"]
+            whole = _big(model, 16, [*flags, "--policies", "elaswave", "--no-reshape"])["policies"]
             runs["elaswave"].append(pol["elaswave"])
             runs["drop_replica"].append(pol["drop_replica"])
             runs["elaswave_whole"].append(whole["elaswave"])
@@ -91,6 +106,8 @@ def trace_16k(seeds: int) -> list[dict]:
         for name, docs in runs.items():
             row[name] = {"after_over_before": spread([d["throughput_after_over_before"] for d in docs]),
                          "goodput": spread([d["goodput"] for d in docs]),
+                         "goodput_band": [min(d["band"]["goodput"][0] for d in docs),
+                                          max(d["band"]["goodput"][1] for d in docs)],
                          "failures": spread([d["failures"] for d in docs])}
         rows.append(row)
         print(f"  16k trace {model}: " + ", ".join(f"{n} {row[n]['goodput']['median']:.4f}" for n in runs), flush=True)
@@ -102,43 +119,60 @@ def fmt(s: dict, f: str = ".4f") -> str:
     return format(s["median"], f) + ("" if lo == hi else f" ({lo}-{hi})")
 
 
+def span(b, f: str = ".3f") -> str:
+    return "-" if not b else f"[{format(b[0], f)}-{format(b[1], f)}]"
+
+
 def report(cmd: str, small: list[dict], big: list[dict], traced: list[dict], wall: float) -> list[str]:
+    cal = small[0]["calibration"]
     md = ["# Recovery on fair terms: equal failure-free plans, reshaped micro-batches (simulated)", "",
           f"`{cmd}`; this machine, one process, {wall:.0f} s. Every policy starts from the same failure-free "
           "plan (with clocks planned: the frequency planner's levels on every device; `clock gain` is that plan "
           "over nominal clocks); after a change elaswave re-plans clocks, a baseline keeps each surviving stage's "
-          "clock and runs a stage it rebuilt at nominal. Clocks: `boost` (levels up to 1.2x nominal within the "
-          "devices' nominal power) or `sustained` (none above nominal; docs/frequency_model.md). The clock model "
-          "is assumed, not fitted to a GPU.", "",
+          "clock and runs a stage it rebuilt at nominal.", "",
+          "Clocks: the sourced model (docs/frequency_model.md: fitted to an A100's measured stage times and power, "
+          "0.78 of step time scaling with the clock), `boost` levels (up to 1.2x nominal within the devices' "
+          "nominal power). **[lo-hi]**: the range over the clock model's corners -- `sustained` (no level above "
+          "nominal) and `boost`, each at 50 % and 100 % of step time scaling with the clock -- and the sourced "
+          "figure. **Calibration error**: the simulator's largest held-out error against real runs "
+          f"({cal['source']}, emulated compute, {cal['runs']} runs): after/before +-{100 * cal['ratio']:.1f} %, step "
+          f"times +-{100 * cal['step']:.1f} %, measured at 4-16 ranks and carried to every figure here as it is.", "",
           "## 96 devices, gpt-175b, one failure (middle stage of pipeline 0)", "",
-          "elaswave's throughput after the failure over each baseline's after the same failure (equal before).", "",
-          "| layout | clocks | clock gain | elaswave after/before | over templates | over reroute | over drop_replica "
-          "| over restart | elaswave_no_dvfs over templates |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+          "elaswave's throughput after the failure over each baseline's after the same failure (equal before). "
+          "*with clocks*: elaswave re-plans them; *without*: every device at nominal, elaswave_no_dvfs.", "",
+          "| layout | clock gain | elaswave after/before | over templates | over reroute | over drop_replica "
+          "| over restart | without clocks: over templates | over reroute | over drop_replica | over restart |",
+          "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in small:
-        o = r["elaswave_over"]
-        md.append(f"| {r['dp']}x{r['pp']} | {r['clocks']} | {r['clock_gain']:.3f} | "
-                  f"{r['after_over_before']['elaswave']:.3f} | {o['templates']:.3f} | {o['reroute']:.3f} | "
-                  f"{o['drop_replica']:.3f} | {o['restart']:.3f} | {r['no_dvfs_over_templates']:.3f} |")
+        o, band, n = r["elaswave_over"], r["elaswave_over_band"], r["no_clocks_over"]
+        md.append(f"| {r['dp']}x{r['pp']} | {r['clock_gain']:.3f} {span(r['clock_gain_band'])} | "
+                  f"{r['after_over_before']['elaswave']:.3f} | "
+                  + " | ".join(f"{o[b]:.3f} {span(band[b])}" for b in BASELINES) + " | "
+                  + " | ".join(f"{n[b]:.3f}" for b in BASELINES) + " |")
     md += ["", "## 16,384 devices (dp=1024 x pp=16), one failure: after / before", "",
            "`b`: sequences a micro-batch (2 x pp = 32 micro-batches a pipeline). *whole*: elaswave dealing whole "
            "micro-batches (`--no-reshape`); *reshaped*: dealing sequences. drop_replica keeps 1023/1024 of the "
-           "batch; every other row keeps all of it.", "",
-           "| model | clocks | b | step s | elaswave whole | elaswave reshaped | drop_replica | templates | reroute |",
+           "batch; every other row keeps all of it. `step s` and `tokens/s`: the failure-free step (sourced clocks; "
+           "+- the calibration's step error).", "",
+           "| model | b | step s | tokens/s | elaswave whole | elaswave reshaped | drop_replica | templates | reroute |",
            "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in big:
-        a = r["after_over_before"]
-        whole = f"{a['elaswave_whole']:.5f}" if "elaswave_whole" in a else f"{a['elaswave']:.5f}"
-        shaped = f"{a['elaswave']:.5f}" if r["size"] > 1 else "- (b=1: nothing to reshape)"
-        md.append(f"| {r['model']} | {r['clocks']} | {r['size']} | {r['step_s']:.0f} | {whole} | {shaped} | "
-                  f"{a['drop_replica']:.5f} | {a['templates']:.5f} | {a['reroute']:.5f} |")
-    md += ["", f"## 16,384 devices under the llama3 trace (24 h, sustained clocks, b=16), seeds 0-{traced[0]['seeds'] - 1}",
-           "", "After / before: the steady rate after the first failure; goodput over the whole day. Median (range).", "",
-           "| model | policy | after/before | goodput | failures |", "| --- | --- | --- | --- | --- |"]
+        a, band = r["after_over_before"], r["band"]
+        whole = "elaswave_whole" if "elaswave_whole" in a else "elaswave"
+        shaped = f"{a['elaswave']:.5f} {span(band['elaswave'], '.5f')}" if r["size"] > 1 else "- (b=1: nothing to reshape)"
+        md.append(f"| {r['model']} | {r['size']} | {r['step_s']:.0f} +-{r['step_s'] * r['calibration']['step']:.0f} | "
+                  f"{r['tokens_per_s']:.3g} | {a[whole]:.5f} {span(band[whole], '.5f')} | {shaped} | "
+                  + " | ".join(f"{a[n]:.5f} {span(band[n], '.5f')}" for n in ("drop_replica", "templates", "reroute")) + " |")
+    md += ["", f"## 16,384 devices under the llama3 trace (24 h, b=16), seeds 0-{traced[0]['seeds'] - 1}",
+           "", "After / before: the steady rate after the first failure; goodput over the whole day. Median (range) "
+               "over seeds with the sourced clocks; [lo-hi]: the goodput over every seed and clock corner.", "",
+           "| model | policy | after/before | goodput | goodput over clock corners | failures |",
+           "| --- | --- | --- | --- | --- | --- |"]
     for r in traced:
         for name in ("elaswave", "elaswave_whole", "drop_replica"):
             s = r[name]
             md.append(f"| {r['model']} | {name} | {fmt(s['after_over_before'], '.5f')} | {fmt(s['goodput'])} | "
-                      f"{fmt(s['failures'], '.0f')} |")
+                      f"{span(s['goodput_band'], '.4f')} | {fmt(s['failures'], '.0f')} |")
     md += ["", "A reshaped micro-batch of u sequences is priced u/b of a whole one's stage time (the cluster model "
                "is linear in sequences, no fixed cost per micro-batch): on a GPU a small micro-batch runs at lower "
                "efficiency, so the reshaped rows are an upper bound of what reshaping buys there."]

@@ -27,7 +27,7 @@ def deal(stage_s: Sequence[Sequence[float]], num_micro_batches: int, k: int, pow
             mbs = tuple(microbatches.balance(num_micro_batches, [max(p) for p in stage_s], [len(p) for p in stage_s],
                                              [sum(p) - max(p) for p in stage_s]))
             freqs, solver = (), ""
-        return mbs, freqs, [[t / f for t, f in zip(p, fs)] for p, fs in zip(stage_s, freqs)] if freqs else stage_s, solver
+        return mbs, freqs, [[t / power.speed(f) for t, f in zip(p, fs)] for p, fs in zip(stage_s, freqs)] if freqs else stage_s, solver
 
     def reshaped(levels: bool):
         mbs, freqs, at, solver = whole(levels)

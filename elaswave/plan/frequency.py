@@ -1,13 +1,14 @@
 """Frequency (DVFS) planning (pure): the fastest step the power cap allows, and the least energy
 at that step time.
 
-A stage's compute time scales as ``1 / f`` with its device's relative frequency ``f`` (compute
-bound), and its power as ``static + dynamic * f**3``. A plan is a level for every stage and a
+A stage's compute time scales with its device's relative frequency ``f`` as
+:meth:`PowerModel.speed` says (``1 / f`` when all of it is clock-bound), and its power as
+``static + dynamic * f**exponent``. A plan is a level for every stage and a
 micro-batch split (every pipeline at least one, as :mod:`microbatches` requires); it must keep the
 power of all devices within the cap, and the step is the slowest pipeline.
 
-Pricing. Pipeline ``d`` with ``m`` micro-batches and stage times ``u_s = t_s / f_s`` (forward +
-backward at the stage's level) is priced ``sum_s u_s + (m - 1) max_s u_s`` (:func:`pipeline_s`):
+Pricing. Pipeline ``d`` with ``m`` micro-batches and stage times ``u_s = t_s / speed(f_s)`` (forward
++ backward at the stage's level) is priced ``sum_s u_s + (m - 1) max_s u_s`` (:func:`pipeline_s`):
 fill and drain from the real stage times, then the slowest stage sets the pace. That is the time
 of the runtime's 1F1B order (:func:`~elaswave.pipeline.schedule.one_f_one_b_makespan`) when the
 stages take as long as each other, and an upper bound on it otherwise (tests check it on random
@@ -80,24 +81,41 @@ class PowerModel:
     """Relative frequencies a device can be set to (1.0 = nominal, above it: boost)."""
     static_w: float = 0.3
     dynamic_w: float = 0.7
-    """Power at frequency f is ``static_w + dynamic_w * f**3`` (1.0 at nominal with the defaults)."""
+    exponent: float = 3.0
+    """Power at frequency f is ``static_w + dynamic_w * f**exponent`` (1.0 at nominal with the defaults)."""
+    clock_share: float = 1.0
+    """The share of a stage's time at nominal that scales with its clock: at ``f`` it takes
+    ``t * (clock_share / f + 1 - clock_share)``; the rest (memory-bound kernels, launches) does
+    not move. 1.0 is what the emulated actuator does (``emulate.*`` divides by ``f``)."""
 
     def __post_init__(self) -> None:
         if not self.levels or any(f <= 0 for f in self.levels) or 1.0 not in self.levels:
             raise ValueError(f"frequency levels must be > 0 and include the nominal 1.0, got {list(self.levels)}")
-        if self.static_w < 0 or self.dynamic_w < 0:
-            raise ValueError(f"power terms must be >= 0, got static_w={self.static_w}, dynamic_w={self.dynamic_w}")
+        if self.static_w < 0 or self.dynamic_w < 0 or self.exponent <= 0:
+            raise ValueError(f"power terms must be >= 0 and the exponent > 0, got static_w={self.static_w}, "
+                             f"dynamic_w={self.dynamic_w}, exponent={self.exponent}")
+        if not 0 < self.clock_share <= 1:
+            raise ValueError(f"clock_share={self.clock_share} is invalid: the share of step time that scales with "
+                             "the clock, in (0, 1]")
 
     def power(self, f: float) -> float:
-        return self.static_w + self.dynamic_w * f ** 3
+        return self.static_w + self.dynamic_w * f ** self.exponent
+
+    def speed(self, f: float) -> float:
+        """How much faster than at nominal a stage runs at frequency ``f``."""
+        return 1.0 / (self.clock_share / f + 1.0 - self.clock_share)
 
 
-CLOCKS = {"boost": PowerModel(), "sustained": PowerModel(levels=(0.6, 0.7, 0.8, 0.9, 1.0))}
+SOURCED = PowerModel(static_w=0.38, dynamic_w=0.62, exponent=3.5, clock_share=0.78)
+"""Fitted to an A100 SXM's measured GPT-3 175B stage profile at 855-1410 MHz (Perseus, SOSP 2024,
+its released data; docs/frequency_model.md, ``bench/sim/clock_fit.py`` refits it): power
+``0.38 + 0.62 f^3.5`` of the power at the top clock, time ``0.78 / f + 0.22`` of its time."""
+
+CLOCKS = {"boost": SOURCED, "sustained": replace(SOURCED, levels=(0.6, 0.7, 0.8, 0.9, 1.0))}
 """The simulator's frequency models (sources: docs/frequency_model.md). ``boost``: up to 1.2x
 nominal when lowered stages pay for it within the cap (devices power-capped below their top
 clock); ``sustained``: nominal is the top clock devices already hold under load, so a plan can
 only lower waiting stages: energy, never speed."""
-
 
 
 @dataclass(frozen=True)
@@ -133,9 +151,10 @@ def plan_frequencies(stage_s: Sequence[Sequence[float]], num_micro_batches: int,
             f"{num_micro_batches} micro-batches cannot give each of {len(stage_s)} pipelines at least one")
     cap = model.power(1.0) * sum(len(p) for p in stage_s) if power_cap_w is None else power_cap_w
     levels = tuple(sorted(model.levels))
+    speeds = tuple(model.speed(f) for f in levels)
     watts = tuple(model.power(f) for f in levels)
     kinds = _kinds(stage_s)
-    options = _all_options(kinds, levels, watts)
+    options = _all_options(kinds, levels, speeds, watts)
     # A pipeline never takes more than what the others leave it, one each.
     most = num_micro_batches - len(stage_s) + 1
     work = sum(len(k.members) * min(most, len(o.power)) for k, o in zip(kinds, options)) * (num_micro_batches + 1)
@@ -152,8 +171,8 @@ def plan_frequencies(stage_s: Sequence[Sequence[float]], num_micro_batches: int,
         got = least(step_s)
         return got is not None and got[0] <= cap * (1 + _TOL)
 
-    fast = _balanced_step(stage_s, num_micro_batches, levels[-1])
-    slow = _balanced_step(stage_s, num_micro_batches, levels[0])
+    fast = _balanced_step(stage_s, num_micro_batches, speeds[-1])
+    slow = _balanced_step(stage_s, num_micro_batches, speeds[0])
     if not fits(slow):
         # Not even every device at its lowest level fits: the nominal plan, as before.
         return nominal_plan(stage_s, num_micro_batches, model)
@@ -195,11 +214,12 @@ class _Options:
     """One kind's level assignments, cheapest first: ``shares[k][j][i]`` stages of time
     ``times[j]`` at level ``i``; their power, sum of stage times and slowest stage as arrays."""
 
-    def __init__(self, kind: _Kind, levels: Sequence[float], watts: Sequence[float], shares: np.ndarray):
+    def __init__(self, kind: _Kind, levels: Sequence[float], speeds: Sequence[float], watts: Sequence[float],
+                 shares: np.ndarray):
         # shares: (options, distinct times, levels) stage counts; each recovery plans on every
         # rank at once, so this is arrays, not a loop per option (repeats are harmless: equal
         # options make equal tiers).
-        per_stage = np.asarray(kind.times)[:, None] / np.asarray(levels)[None, :]
+        per_stage = np.asarray(kind.times)[:, None] / np.asarray(speeds)[None, :]
         power = (shares * np.asarray(watts)).sum(axis=(1, 2))
         total = (shares * per_stage).sum(axis=(1, 2))
         peak = np.where(shares > 0, per_stage, 0.0).max(axis=(1, 2))
@@ -234,7 +254,8 @@ class _Options:
         return tuple(self.levels[queue[t].pop(0)] for t in stage_s)
 
 
-def _all_options(kinds: Sequence[_Kind], levels: Sequence[float], watts: Sequence[float]) -> list[_Options]:
+def _all_options(kinds: Sequence[_Kind], levels: Sequence[float], speeds: Sequence[float],
+                 watts: Sequence[float]) -> list[_Options]:
     full = {i for i, k in enumerate(kinds) if _assignments(k, len(levels)) <= ENUMERATE_MAX}
     chained = sum(len(k.times) * len(levels) * k.num_stages * (len(levels) - 1)
                   for i, k in enumerate(kinds) if i not in full)
@@ -245,8 +266,8 @@ def _all_options(kinds: Sequence[_Kind], levels: Sequence[float], watts: Sequenc
             pick = np.indices([len(g) for g in groups]).reshape(len(groups), -1)
             shares = np.stack([g[at] for g, at in zip(groups, pick)], axis=1)
         else:
-            shares = np.array(_chains(k, levels, watts, floors_only=chained > CHAIN_MAX))
-        out.append(_Options(k, levels, watts, shares))
+            shares = np.array(_chains(k, speeds, watts, floors_only=chained > CHAIN_MAX))
+        out.append(_Options(k, levels, speeds, watts, shares))
     return out
 
 
@@ -264,28 +285,28 @@ def _multisets(count: int, num_levels: int) -> list[tuple[int, ...]]:
     return out
 
 
-def _chains(kind: _Kind, levels: Sequence[float], watts: Sequence[float], floors_only: bool) -> list[tuple]:
+def _chains(kind: _Kind, speeds: Sequence[float], watts: Sequence[float], floors_only: bool) -> list[tuple]:
     """Per slowest-stage bound: the lowest levels meeting it, then raises one stage one level at a
     time, cheapest watts per second saved first (or, ``floors_only``, every stage at least at each
     level in turn)."""
-    top = len(levels) - 1
+    top = len(speeds) - 1
     out = []
-    for bound in sorted({t / f for t in kind.times for f in levels}):
-        base = [next((i for i, f in enumerate(levels) if t / f <= bound * (1 + _TOL)), None) for t in kind.times]
+    for bound in sorted({t / f for t in kind.times for f in speeds}):
+        base = [next((i for i, f in enumerate(speeds) if t / f <= bound * (1 + _TOL)), None) for t in kind.times]
         if None in base:
             continue
         if floors_only:
-            for floor in range(len(levels)):
-                out.append(tuple(_at(c, max(b, floor), len(levels)) for c, b in zip(kind.counts, base)))
+            for floor in range(len(speeds)):
+                out.append(tuple(_at(c, max(b, floor), len(speeds)) for c, b in zip(kind.counts, base)))
             continue
-        counts = [list(_at(c, b, len(levels))) for c, b in zip(kind.counts, base)]
+        counts = [list(_at(c, b, len(speeds))) for c, b in zip(kind.counts, base)]
         out.append(tuple(tuple(c) for c in counts))
         while True:
             best = None
             for j, (t, row) in enumerate(zip(kind.times, counts)):
                 i = next(i for i, n in enumerate(row) if n)
                 if i < top:
-                    rate = (watts[i + 1] - watts[i]) / (t / levels[i] - t / levels[i + 1])
+                    rate = (watts[i + 1] - watts[i]) / (t / speeds[i] - t / speeds[i + 1])
                     if best is None or rate < best[0]:
                         best = (rate, j, i)
             if best is None:
@@ -374,9 +395,9 @@ def _lower_hull(points: Sequence[tuple[int, float]]) -> list[tuple[int, float]]:
     return hull
 
 
-def _balanced_step(stage_s: Sequence[Sequence[float]], num_micro_batches: int, f: float) -> float:
-    """Every stage at level ``f``, the micro-batches balanced: the step."""
-    times = [[t / f for t in p] for p in stage_s]
+def _balanced_step(stage_s: Sequence[Sequence[float]], num_micro_batches: int, speed: float) -> float:
+    """Every stage at the level of ``speed``, the micro-batches balanced: the step."""
+    times = [[t / speed for t in p] for p in stage_s]
     mbs = microbatches.balance(num_micro_batches, [max(p) for p in times], [len(p) for p in times],
                                [sum(p) - max(p) for p in times])
     return max(pipeline_s(p, len(m)) for p, m in zip(times, mbs))
@@ -409,7 +430,7 @@ def _build(stage_s: Sequence[Sequence[float]], kinds: Sequence[_Kind], options: 
             heapq.heappush(heap, (total[d] + counts[d] * peak[d], d))
     within = max(t + (m - 1) * x for t, x, m in zip(total, peak, counts))
     freqs = tuple(of[d].stage_levels(pick(d, m, within), p) for d, (p, m) in enumerate(zip(stage_s, counts)))
-    step = max(pipeline_s([t / f for t, f in zip(p, fs)], m) for p, fs, m in zip(stage_s, freqs, counts))
+    step = max(pipeline_s([t / model.speed(f) for t, f in zip(p, fs)], m) for p, fs, m in zip(stage_s, freqs, counts))
     mbs, start = [], 0
     for c in counts:
         mbs.append(tuple(range(start, start + c)))

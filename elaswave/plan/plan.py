@@ -361,7 +361,7 @@ def _elaswave(prev: Plan, epoch: int, pipelines, kept_ranges, kept, num_micro_ba
     a re-partitioned pipeline's bottleneck is a whole layer heavier, so micro-batches must move to
     other pipelines, each of which then takes a whole micro-batch more (+1/(m+S-1) of the step),
     while a host absorbs one guest in its slack."""
-    rate = _rank_rates(prev, speeds, [r for p in pipelines for r in p])
+    rate = _rank_rates(prev, speeds, [r for p in pipelines for r in p], power)
     ranges, standby, why = [], [], []
     for d, survivors, rng in zip(kept, pipelines, kept_ranges):
         if _covers(rng, prev.num_layers) and not rebalance:
@@ -475,15 +475,18 @@ def _cost(plan: Plan, start: int, end: int) -> float:
     return sum(_costs(plan)[start:end])
 
 
-def _rank_rates(prev: Plan, speeds: Mapping[int, float], ranks: Sequence[int] = ()) -> dict[int, float]:
+def _rank_rates(prev: Plan, speeds: Mapping[int, float], ranks: Sequence[int] = (),
+                power: PowerModel | None = None) -> dict[int, float]:
     """Layer cost per second each rank sustains at nominal frequency: its measured micro-batch rate
-    times the cost of the layers it ran, over the frequency level it ran at. Ranks that did not
-    measure (joiners among ``ranks``, or every rank before any step) count as the median one."""
+    times the cost of the layers it ran, over the speed its frequency level gave it (``power``'s;
+    in proportion without one). Ranks that did not measure (joiners among ``ranks``, or every rank
+    before any step) count as the median one."""
+    speed_at = power.speed if power is not None else float
     measured = {}
     for r in prev.ranks:
         i, j = prev.layers_of(r)
         speed = float(speeds.get(r, 0.0))
         if speed > 0:
-            measured[r] = speed * _cost(prev, i, j) / prev.frequency(r)
+            measured[r] = speed * _cost(prev, i, j) / speed_at(prev.frequency(r))
     typical = statistics.median(measured.values()) if measured else 1.0
     return {r: measured.get(r, typical) for r in (*prev.ranks, *ranks)}

@@ -82,18 +82,34 @@ class PolicyResult:
 
 
 @lru_cache(maxsize=16)
-def priced(plan, model: ClusterModel) -> tuple[float, float]:
+def priced(plan, model: ClusterModel, schedule: str = "runtime") -> tuple[float, float]:
     """(micro-batches per second, step seconds); no plan: nothing trains. Every plan of every
     policy is priced the same way: 1F1B, or the routed schedule the runtime runs where a plan has
     detours. Not the list schedule's spare micro-batches in flight: the planners choose clocks and
     counts for 1F1B, and pricing one side of a failure (or one policy) with it and the other not
     made a job look faster after losing a device than before (issue 19, and again when only the
     after-plans were priced with it: elaswave 1.004x at 4x8 gpt-175b). Every policy prices the
-    same failure-free plan: it is priced once."""
+    same failure-free plan: it is priced once. ``schedule``: how a plan with detours is priced
+    (:func:`~elaswave.sim.model.step_time`; the policy's ``schedule``)."""
     if plan is None:
         return 0.0, float("inf")
-    est = step_time(plan, model)
+    est = step_time(plan, model, schedule)
     return est.micro_batches_per_s, est.step_s
+
+
+def _priced_after(plan, full_plan, full: tuple[float, float], model: ClusterModel, schedule: str) -> tuple[float, float]:
+    """A plan after a change. ``lower_bound`` (a baseline whose schedule is not modelled): the
+    failure-free rate every policy shares, times the ratio of the two plans' lower bounds -- its
+    schedule taken to be as far from the bound after the change as 1F1B is before it (pricing only
+    the after-plan at the bound made reroute faster after a loss than before, on uneven stages).
+    Even so, where the bound does not grow -- the lost stage's micro-batches fit in its hosts'
+    bubbles -- the smaller holder group's gradient sum made the step shorter than before the
+    loss: the rate is capped at the failure-free one (ReCycle's best case, not a gain)."""
+    if schedule != "lower_bound" or plan is None:
+        return priced(plan, model)
+    rate = full[0] * priced(plan, model, schedule)[0] / priced(full_plan, model, schedule)[0]
+    rate = min(rate, full[0] * _whole(plan) / _whole(full_plan))
+    return rate, _whole(plan) / rate
 
 
 def _whole(plan) -> float:
@@ -122,7 +138,7 @@ def simulate(events: Sequence[Event], policy: Policy, model: ClusterModel, durat
         plan = change.plan
         useful = max(0.0, useful - before * change.lost_work_s)
         # Back on the full layout (a spare's join, a repair): its rate is known.
-        rate, step_s = full if plan is full_plan else priced(plan, model)
+        rate, step_s = full if plan is full_plan else _priced_after(plan, full_plan, full, model, policy.schedule)
         resume_at = max(resume_at, t + change.downtime_s)
         timeline += [(t, 0.0), (resume_at, rate)]
         if first_ratio is None and before > 0:

@@ -74,7 +74,7 @@ class ClusterModel:
     def stage_s(self, plan: Plan, rank: int, nxt: int | None, prev: int | None) -> float:
         """One micro-batch's forward + backward on ``rank``'s stage, with its sends."""
         i, j = plan.layers_of(rank)
-        compute = sum(self.layer_forward_s[i:j]) * (1 + self.backward_factor) / plan.frequency(rank)
+        compute = sum(self.layer_forward_s[i:j]) * (1 + self.backward_factor) / self.power.speed(plan.frequency(rank))
         comm = sum(self.transfer_s(self.activation_bytes, rank, peer) for peer in (nxt, prev)
                    if peer is not None and self.activation_bytes)
         return compute + self.per_microbatch_stage_s + comm
@@ -94,21 +94,28 @@ class StepEstimate:
         return self.samples / self.step_s
 
 
-def step_time(plan: Plan, model: ClusterModel, list_schedule: bool = False) -> StepEstimate:
-    """``list_schedule``: a plan without detours may also run the routed list schedule with its
-    spare micro-batches in flight (see :func:`best_before`); the shorter of it and 1F1B is taken."""
+SCHEDULES = ("runtime", "lower_bound")
+
+
+def step_time(plan: Plan, model: ClusterModel, schedule: str = "runtime") -> StepEstimate:
+    """``schedule``: ``runtime``, 1F1B, or for a plan with detours the routed schedule the runtime
+    runs (its bound above ``routed.EXACT_MAX_RANKS``); ``lower_bound``, what no schedule of the
+    plan's routes can beat (:func:`routed_lower_bound`): how a baseline whose own schedule is not
+    modelled is priced (:func:`~elaswave.sim.engine.simulate`)."""
+    if schedule not in SCHEDULES:
+        raise ValueError(f"schedule={schedule!r} is invalid: choose from {', '.join(SCHEDULES)}")
     if model.num_layers != plan.num_layers:
         raise ValueError(f"the cluster model has {model.num_layers} layers, the plan {plan.num_layers}")
     stage: dict[int, float] = {}
     for pipe in plan.pipelines:
         for s, r in enumerate(pipe):
             stage[r] = model.stage_s(plan, r, pipe[s + 1] if s + 1 < len(pipe) else None, pipe[s - 1] if s else None)
-    if plan.routes and len(plan.ranks) <= routed.EXACT_MAX_RANKS:
+    if schedule == "lower_bound":
+        compute = routed_lower_bound(plan, stage)
+    elif plan.routes and len(plan.ranks) <= routed.EXACT_MAX_RANKS:
         compute = _routed_compute(plan, stage, model.backward_factor)
     else:
         compute = _analytic_compute(plan, stage, model.backward_factor)
-        if list_schedule and len(plan.ranks) <= routed.EXACT_MAX_RANKS:
-            compute = min(compute, _routed_compute(plan, stage, model.backward_factor, routed.SPARE_IN_FLIGHT))
     collective = max((holder_collectives_s(model, holders, sum(model.layer_param_bytes[i] for i in layers))
                       for holders, layers in plan.holder_groups().items()), default=0.0) if model.layer_param_bytes else 0.0
     power = sum(model.power.power(plan.frequency(r)) for r in plan.ranks)
@@ -147,11 +154,32 @@ def _one_f_one_b(times: tuple[float, ...], m: int | tuple[float, ...], backward_
     return one_f_one_b_makespan(times, m, backward_factor)
 
 
-def _routed_compute(plan: Plan, stage: dict[int, float], backward_factor: float, spare: int | None = None) -> float:
+def _routed_compute(plan: Plan, stage: dict[int, float], backward_factor: float) -> float:
     routes, home = routed.routes_of(plan.pipelines, plan.micro_batches, plan.route_of)
     _, makespan = routed.routed_schedules(routes, home, {r: t / (1 + backward_factor) for r, t in stage.items()},
-                                   backward_factor, spare)
+                                          backward_factor)
     return makespan
+
+
+def routed_lower_bound(plan: Plan, stage: dict[int, float]) -> float:
+    """No schedule of the plan's routes finishes sooner: some rank must run every forward and
+    backward that passes through it (``stage[r]`` each), cannot start before the first of them has
+    come through the stages before it (their forwards), and after its last backward that one still
+    goes back through them (their backwards). A schedule that fills bubbles perfectly -- ReCycle's
+    decoupled backward passes aim at it -- reaches this; the runtime's greedy one runs above it."""
+    routes, _ = routed.routes_of(plan.pipelines, plan.micro_batches, plan.route_of)
+    work: dict[int, float] = {}
+    upstream: dict[int, float] = {}
+    for mb, route in routes.items():
+        size = plan.units_of(mb) / plan.units_per_micro_batch if plan.micro_batch_units else 1.0
+        before = 0.0
+        for r in route:
+            work[r] = work.get(r, 0.0) + stage[r] * size
+            upstream[r] = min(upstream.get(r, before), before)
+            before += stage[r] * size
+    # Fill (the forwards before r) and drain (the backwards before r), each at least the cheapest
+    # route's to r: together its whole upstream forward + backward.
+    return max(w + upstream[r] for r, w in work.items())
 
 
 def ring_s(n: int, nbytes: float, latency_s: float, bytes_per_s: float) -> float:

@@ -34,7 +34,11 @@ batch by pipeline speed deals it at those clocks; a restarted job plans its cloc
   transfer from a peer.
 - **reroute** (ReCycle): the layout stays; the broken pipeline's micro-batches pass through the
   same stage of the other pipelines; recovery is detection + a communicator built for the new
-  routes (``partial_rebuild_s``); no state moves.
+  routes (``partial_rebuild_s``); no state moves. Its steps are priced at the routes' lower bound
+  (:func:`~elaswave.sim.model.routed_lower_bound`: the busiest device's own and rerouted work plus
+  its fill and drain): ReCycle's decoupled-backward schedule, which fills the bubbles, is not
+  modelled, so it is given the best any schedule could do. elaswave's own detours are priced by the
+  schedule its runtime runs.
 - **templates** (Oobleck): pipelines re-instantiated from precomputed templates over the live
   devices -- the broken pipeline becomes a template one stage shorter -- without frequency
   planning; the re-instantiated pipeline's ranks copy all their layers' state from peers and every
@@ -108,11 +112,13 @@ class Policy:
 
     deal = ""
     """How the system deals its batch by its pipelines' speeds after a change (static_clocks)."""
+    schedule = "runtime"
+    """How a plan of it with detours is priced (:func:`~elaswave.sim.model.step_time`)."""
 
     def layout(self, live: Sequence[int]) -> Plan:
         if len(live) == self.devices:
             return self.start
-        return static_clocks(self.rebuild(live), self.start, self.deal)
+        return static_clocks(self.rebuild(live), self.start, self.deal, self.model.power)
 
     def rebuild(self, live: Sequence[int]) -> Plan:
         """The system's own layout on ``live`` (fewer than every device), before clocks."""
@@ -137,12 +143,13 @@ def failure_free(initial: Plan, num_micro_batches: int, power: PowerModel | None
                   power_cap_w=power.power(1.0) * len(initial.ranks))
 
 
-def static_clocks(plan: Plan, start: Plan, deal: str = "") -> Plan:
+def static_clocks(plan: Plan, start: Plan, deal: str = "", power: PowerModel | None = None) -> Plan:
     """``plan`` with each rank that kept its stage (its layers) at its level in ``start``, and every
     other at nominal: the clocks of a system that sets them once and does not re-plan them.
     ``deal``: how a system that balances its batch by pipeline speed then deals it at those clocks
     -- ``micro_batches`` whole, ``units`` reshaped (:mod:`~elaswave.plan.microbatches`); else a
-    pipeline the failure-free plan boosted and gave more micro-batches would be dealt as if nominal."""
+    pipeline the failure-free plan boosted and gave more micro-batches would be dealt as if nominal.
+    ``power``: how a level's clock speeds a stage (default: in proportion)."""
     if not start.frequencies or plan.frequencies:
         return plan
 
@@ -155,7 +162,8 @@ def static_clocks(plan: Plan, start: Plan, deal: str = "") -> Plan:
     if not deal or plan.routes or not run:
         return clocked
     costs = plan.layer_costs or (1.0,) * plan.num_layers
-    stage_s = [[sum(costs[i:j]) / f for (i, j), f in zip(plan.layer_ranges[d], levels[d])] for d in run]
+    speed = power.speed if power is not None else float
+    stage_s = [[sum(costs[i:j]) / speed(f) for (i, j), f in zip(plan.layer_ranges[d], levels[d])] for d in run]
     shape = [max(p) for p in stage_s], [len(p) for p in stage_s], [sum(p) - max(p) for p in stage_s]
     whole = plan.batch_units // plan.units_per_micro_batch
     if deal == "units" and plan.units_per_micro_batch > 1:
@@ -263,6 +271,7 @@ class DropReplica(Policy):
 
 class Reroute(Policy):
     name = "reroute"
+    schedule = "lower_bound"  # ReCycle's decoupled-backward schedule is not modelled: its best case
 
     def change(self, prev, live, joined, step_s):
         m, c = self.model, self.costs
@@ -300,13 +309,16 @@ def _whole_layers_s(plan: Plan, ranks, model: ClusterModel) -> float:
     return worst / model.inter_node_bytes_per_s
 
 
+def make_class(name: str) -> type[Policy]:
+    return {c.name: c for c in (Elaswave, ElaswaveNoDvfs, Restart, DropReplica, Reroute, Templates)}[name]
+
+
 def make(name: str, initial: Plan, num_micro_batches: int, model: ClusterModel, costs: BaselineCosts,
          control: Control | None = None, start: Plan | None = None) -> Policy:
     """``control``: the spares every policy may hold, and the store's host, which only elaswave's
     policies model (the baselines' own stores are not). ``start``: the failure-free plan
     (:func:`failure_free`; default: it with ``model.power``), the same for every policy."""
-    kinds = {c.name: c for c in (Elaswave, ElaswaveNoDvfs, Restart, DropReplica, Reroute, Templates)}
-    kind = kinds[name]
+    kind = make_class(name)
     control = control or Control()
     if control.store != "dedicated" and not issubclass(kind, Elaswave):
         raise ValueError(f"store={control.store!r} is invalid for policy {name}: only elaswave's policies "

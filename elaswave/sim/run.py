@@ -9,7 +9,7 @@ from elaswave.errors import ConfigError
 from elaswave.plan.frequency import CLOCKS
 from elaswave.plan.memory import rank_bytes
 from elaswave.plan.plan import PlanError, initial_plan
-from elaswave.sim import control, engine, policies, trace
+from elaswave.sim import control, engine, policies, trace, uncertainty
 from elaswave.sim.engine import PolicyResult, simulate
 from elaswave.sim.workload import MODELS, choose_layout, cluster, layer_numels
 
@@ -38,6 +38,15 @@ def add_arguments(ap) -> None:
     ap.add_argument("--clocks", choices=sorted(CLOCKS), default=None,
                     help="frequency model (docs/frequency_model.md): boost (default; levels 0.6-1.2 of nominal within "
                          "the live devices' nominal power) or sustained (0.6-1.0: nominal is the top clock under load)")
+    ap.add_argument("--clock-share", type=float, default=None,
+                    help="the share of a stage's time that scales with its clock, in (0, 1] (default: the sourced "
+                         f"model's {CLOCKS['boost'].clock_share:g}, docs/frequency_model.md)")
+    ap.add_argument("--band", nargs="?", const="0.5,1", metavar="LO,HI",
+                    help="also run every policy at the clock model's four corners (sustained and boost clocks, LO and "
+                         "HI of step time scaling with the clock; default 0.5,1) and print each ratio's range (5x the time)")
+    ap.add_argument("--calibration", metavar="FILE.json",
+                    help="a calibration results file (bench/results/sim_calibration.json): every ratio and step time "
+                         "also printed with its largest held-out prediction error")
     ap.add_argument("--device-gib", type=float, default=0.0,
                     help="device memory: every plan, first and after each failure, keeps each device's modelled peak "
                          "within it (elaswave/plan/memory.py, bf16, --micro-batch-size sequences); 0: no limit")
@@ -122,7 +131,21 @@ def run(args) -> int:
     if args.no_reshape and args.micro_batch_size == 1:
         raise ConfigError("--no-reshape is invalid with --micro-batch-size=1: a micro-batch of one sequence is "
                           "never reshaped; give a larger --micro-batch-size")
-    model = replace(cluster(m_cfg, args.micro_batch_size), power=CLOCKS[args.clocks or "boost"])
+    if args.clock_share is not None and not 0 < args.clock_share <= 1:
+        raise ConfigError(f"--clock-share={args.clock_share} is invalid: the share of step time that scales with the "
+                          "clock, in (0, 1]")
+    if args.no_dvfs and (args.band or args.clock_share is not None):
+        raise ConfigError(f"--{'band' if args.band else 'clock-share'} is invalid with --no-dvfs: every device stays "
+                          "at nominal, so no clock changes anything; drop one of them")
+    try:
+        calibration = uncertainty.calibration_error(args.calibration) if args.calibration else None
+        shares = uncertainty.parse_shares(args.band) if args.band else None
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    power = CLOCKS[args.clocks or "boost"]
+    if args.clock_share is not None:
+        power = replace(power, clock_share=args.clock_share)
+    model = replace(cluster(m_cfg, args.micro_batch_size), power=power)
     memory = _memory(args, m) if args.device_gib else None
     try:
         plan = initial_plan(args.devices, dp, pp, [float(c) for c in model.layer_forward_s], m,
@@ -138,22 +161,35 @@ def run(args) -> int:
     except trace.TraceError as exc:
         raise ConfigError(str(exc)) from None
     costs = policies.BaselineCosts()
-    start = policies.failure_free(plan, m, None if args.no_dvfs else model.power)
-    clock_gain = engine.priced(plan, model)[1] / engine.priced(start, model)[1]
-    results: dict[str, PolicyResult] = {}
-    for name in names:
-        try:
-            row = ctl if name.startswith("elaswave") else replace(ctl, store="dedicated")
-            policy = policies.make(name, plan, m, model, costs, row, start)
-            results[name] = simulate(events, policy, model, duration_s)
-        except PlanError as exc:
-            raise ConfigError(f"policy {name}: {exc}") from None
+
+    def rows(power):
+        """Every policy on the trace with ``power``'s clocks: (results, failure-free plan, its clock gain)."""
+        clocked = replace(model, power=power)
+        start = policies.failure_free(plan, m, None if args.no_dvfs else power)
+        gain = engine.priced(plan, clocked)[1] / engine.priced(start, clocked)[1]
+        out: dict[str, PolicyResult] = {}
+        for name in names:
+            try:
+                row = ctl if name.startswith("elaswave") else replace(ctl, store="dedicated")
+                out[name] = simulate(events, policies.make(name, plan, m, clocked, costs, row, start), clocked, duration_s)
+            except PlanError as exc:
+                raise ConfigError(f"policy {name}: {exc}") from None
+        return out, start, gain
+
+    results, start, clock_gain = rows(model.power)
+    corners = [rows(uncertainty.corner_power(c, s)) for c, s in uncertainty.corners(shares)] if shares else []
+    bands = _bands(results, corners)
+    gain_band = uncertainty.band([clock_gain] + [c[2] for c in corners]) if corners else None
     wall = time.perf_counter() - began
     config = {"devices": args.devices, "dp": dp, "pp": pp, "model": args.model, "micro_batches": m,
               "micro_batch_size": args.micro_batch_size, "reshape": not args.no_reshape and args.micro_batch_size > 1,
               "device_gib": args.device_gib, "checkpointing": args.checkpointing, "dvfs": not args.no_dvfs,
               "clocks": None if args.no_dvfs else args.clocks or "boost",
-              "failure_free_clock_gain": clock_gain, "frequency_solver": start.frequency_solver or None,
+              "clock_share": None if args.no_dvfs else model.power.clock_share, "seq_len": m_cfg.seq_len,
+              "failure_free_clock_gain": clock_gain, "failure_free_clock_gain_band": gain_band,
+              "band_corners": [list(c) for c in uncertainty.corners(shares)] if corners else None,
+              "calibration": asdict(calibration) if calibration else None,
+              "schedules": {n: policies.make_class(n).schedule for n in names}, "frequency_solver": start.frequency_solver or None,
               "hours": duration_s / 3600, "failures": sum(e.kind == "fail" for e in events),
               "joins": sum(e.kind == "join" for e in events), "trace": args.trace or ("poisson" if args.mtbf_h else "single"),
               "spares": ctl.spares, "warm_spares": ctl.warm, "store": ctl.store,
@@ -165,8 +201,10 @@ def run(args) -> int:
                       f"{config['joins']} repairs over {config['hours']:g} h", duration_s, args.plot)
     if args.json:
         best = _best_baseline_after(results)
+        tokens = args.micro_batch_size * m_cfg.seq_len
         docs = {n: {**r.to_doc(), "after_over_best_baseline_after":
-                    r.throughput_after / best if best and r.throughput_after is not None else None}
+                    r.throughput_after / best if best and r.throughput_after is not None else None,
+                    **_absolute(r, m, tokens), "band": bands.get(n), "plus_minus": _plus_minus(r, m, tokens, calibration)}
                 for n, r in results.items()}
         print(json.dumps({"config": config, "policies": docs}))
         return 0
@@ -176,8 +214,9 @@ def run(args) -> int:
     if not args.no_dvfs:
         solver = {"exact": "the exact DP", "greedy": "the greedy LP relaxation (within one level's upgrade of the "
                   "least power)"}.get(start.frequency_solver, "none: nominal clocks")
-        print(f"failure-free clock plan ({config['clocks']} clocks, levels by {solver}): {clock_gain:.3f}x the "
-              "throughput at nominal clocks; every row starts from it, a baseline keeps each stage's clock after a change")
+        print(f"failure-free clock plan ({config['clocks']} clocks, {model.power.clock_share:g} of step time scaling "
+              f"with the clock, levels by {solver}): {clock_gain:.3f}x the throughput at nominal clocks"
+              f"{_span(gain_band)}; every row starts from it, a baseline keeps each stage's clock after a change")
     if memory is not None:
         peak = max(rank_bytes(memory, plan, r)["total"] for r in plan.ranks) / 2 ** 30
         print(f"memory: modelled peak {peak:.1f} GiB of {args.device_gib:g} per device "
@@ -186,16 +225,33 @@ def run(args) -> int:
     if ctl.spares or ctl.store != "dedicated":
         print(f"{ctl.spares} {'warm' if ctl.warm else 'cold'} spares a row (join {ctl.join_s:g} s), store {ctl.store} "
               "(elaswave's rows); ETTR all: over the layout's and the idle spares' devices")
-    print(f"{'policy':<18}{'after/before':>14}{'batch kept':>12}{'after/best baseline':>21}{'ETTR':>8}{'ETTR all':>10}{'MTTR s':>9}"
-          f"{'lost s/failure':>16}{'store losses':>14}{'stalls':>8}")
+    tokens = args.micro_batch_size * m_cfg.seq_len
+    print(f"{'policy':<18}{'after/before':>14}{'batch kept':>12}{'after/best baseline':>21}{'step s after':>14}"
+          f"{'tokens/s after':>16}{'ETTR':>8}{'ETTR all':>10}{'MTTR s':>9}{'lost s/failure':>16}{'store losses':>14}{'stalls':>8}")
     for n, r in results.items():
         ratio = "-" if r.throughput_after_over_before is None else f"{r.throughput_after_over_before:.3f}"
         vs = "-" if not best or r.throughput_after is None else f"{r.throughput_after / best:.3f}"
         mttr = "-" if r.mttr_s is None else f"{r.mttr_s:.1f}"
         lost = "-" if r.time_lost_per_failure_s is None else f"{r.time_lost_per_failure_s:.1f}"
         batch = "-" if r.batch_after_over_before is None else f"{r.batch_after_over_before:.4f}"
-        print(f"{n:<18}{ratio:>14}{batch:>12}{vs:>21}{r.ettr:>8.4f}{r.ettr_all_devices:>10.4f}{mttr:>9}{lost:>16}"
-              f"{r.store_losses:>14}{r.stalls:>8}")
+        fig = _absolute(r, m, tokens)
+        step = "-" if fig["step_after_s"] is None else f"{fig['step_after_s']:.2f}"
+        rate = "-" if fig["tokens_per_s_after"] is None else f"{fig['tokens_per_s_after']:.4g}"
+        print(f"{n:<18}{ratio:>14}{batch:>12}{vs:>21}{step:>14}{rate:>16}{r.ettr:>8.4f}{r.ettr_all_devices:>10.4f}{mttr:>9}"
+              f"{lost:>16}{r.store_losses:>14}{r.stalls:>8}")
+    if corners:
+        print(f"band over the clock model's corners (sustained and boost clocks x {shares[0]:g} and {shares[1]:g} of step "
+              "time scaling with the clock, and the row above):")
+        for n in results:
+            b = bands.get(n) or {}
+            print(f"  {n:<16} after/before{_span(b.get('after_over_before'))}  after/best baseline"
+                  f"{_span(b.get('after_over_best_baseline_after'))}  goodput{_span(b.get('goodput'))}")
+    if calibration is not None:
+        print(f"calibration error ({calibration.source}, {calibration.runs} held-out runs): after/before +-"
+              f"{100 * calibration.ratio:.1f} %, step times +-{100 * calibration.step:.1f} %, as measured at 4-16 ranks")
+    if "reroute" in results:
+        print("reroute (ReCycle): its schedule is not modelled; priced at its routes' lower bound (the busiest "
+              "device's own and rerouted work plus its fill and drain), relative to the same bound before the failure")
     if any(r.stalls for r in results.values()):
         print("stalls: failures after which the policy had no layout to train on until a repair "
               "(e.g. no pipeline left whole for reroute and drop_replica)")
@@ -214,6 +270,56 @@ def _control(args, names: list[str]) -> control.Control:
     if args.cold_spares and not args.spares:
         raise ConfigError("--cold-spares is invalid with --spares=0: give the number of spares")
     return control.Control(spares=args.spares, warm=not args.cold_spares, store=args.store)
+
+
+def _absolute(r: PolicyResult, micro_batches: int, tokens_per_micro_batch: int) -> dict:
+    """Step seconds and tokens per second before and after the first change, beside the ratios
+    (the step after trains the batch the policy kept)."""
+    after = r.throughput_after
+    kept = r.batch_after_over_before if r.batch_after_over_before is not None else 1.0
+    return {"step_before_s": micro_batches / r.throughput_before,
+            "step_after_s": None if not after else micro_batches * kept / after,
+            "tokens_per_s_before": r.throughput_before * tokens_per_micro_batch,
+            "tokens_per_s_after": None if after is None else after * tokens_per_micro_batch}
+
+
+def _plus_minus(r: PolicyResult, micro_batches: int, tokens: int, cal) -> dict | None:
+    """Each figure's +- from the calibration's largest held-out relative error (None: no calibration)."""
+    if cal is None:
+        return None
+    fig = _absolute(r, micro_batches, tokens)
+    ratio = r.throughput_after_over_before
+    return {"after_over_before": None if ratio is None else ratio * cal.ratio,
+            **{k: None if v is None else v * cal.step for k, v in fig.items()}}
+
+
+def _bands(results: dict[str, PolicyResult], corners) -> dict:
+    """Each row's ratios over the clock corners and the printed model (empty without corners)."""
+    if not corners:
+        return {}
+    every = [results] + [c[0] for c in corners]
+    out = {}
+    for n in results:
+        ratio = [rs[n].throughput_after_over_before for rs in every]
+        vs = [rs[n].throughput_after / b if (b := _best_baseline_after(rs)) and rs[n].throughput_after is not None
+              else None for rs in every]
+        out[n] = {"after_over_before": uncertainty.band(ratio),
+                  "after_over_best_baseline_after": uncertainty.band(vs),
+                  "goodput": uncertainty.band(rs[n].goodput for rs in every)}
+        if n.startswith("elaswave"):  # over each baseline, corner by corner
+            out[n]["after_over"] = {b: uncertainty.band(_over(rs[n], rs[b]) for rs in every)
+                                    for b in results if not b.startswith("elaswave")}
+    return out
+
+
+def _over(r: PolicyResult, baseline: PolicyResult) -> float | None:
+    if r.throughput_after is None or not baseline.throughput_after:
+        return None
+    return r.throughput_after / baseline.throughput_after
+
+
+def _span(b) -> str:
+    return "" if not b else f" [{b[0]:.3f}-{b[1]:.3f}]"
 
 
 def _best_baseline_after(results: dict[str, PolicyResult]) -> float | None:

@@ -57,3 +57,29 @@ def test_migration_is_the_slowest_receiver_and_nothing_when_nothing_changes():
 def test_a_model_of_another_depth_is_refused():
     with pytest.raises(ValueError, match="the cluster model has 4 layers, the plan 8"):
         step_time(initial_plan(2, 1, 2, [1.0] * 8, 2), _model(layers=4))
+
+
+@pytest.mark.parametrize("dead", [0, 5, 6, 7, 13])
+def test_the_routed_lower_bound_is_below_every_schedule_and_tight_without_detours(dead):
+    """ReCycle's steps are priced at the routes' lower bound (its schedule is not modelled): the
+    bound must stay under the schedule the runtime runs for the same routes, and equal 1F1B where
+    no micro-batch takes a detour and the stages are even."""
+    import random
+
+    rng = random.Random(dead)
+    costs = [rng.uniform(0.5, 1.5) for _ in range(8)]
+    model = ClusterModel(layer_forward_s=tuple(0.01 * c for c in costs), intra_node_latency_s=0.0,
+                         inter_node_latency_s=0.0)
+    plan = initial_plan(16, 4, 4, costs, 32, [9] * 8, 4)
+    after = replan(plan, [r for r in plan.ranks if r != dead], 1, 32, policy="reroute")
+    assert after.routes
+    bound = step_time(after, model, "lower_bound").compute_s
+    ran = step_time(after, model).compute_s
+    assert 0 < bound <= ran * (1 + 1e-12)
+    # The busiest rank's work alone is a bound too: the lower bound is not looser than it.
+    assert bound >= max(len(m) for m in after.micro_batches) * min(
+        sum(model.layer_forward_s[i:j]) * 3 for i, j in after.layer_ranges[1])
+    even = initial_plan(8, 2, 4, [1.0] * 8, 16, [9] * 8, 4)
+    assert step_time(even, _model(), "lower_bound").compute_s == pytest.approx(step_time(even, _model()).compute_s)
+    with pytest.raises(ValueError, match="schedule='list' is invalid"):
+        step_time(even, _model(), "list")
