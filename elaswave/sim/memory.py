@@ -9,11 +9,13 @@ other pipelines carry the whole batch until ranks join -- or, with no other pipe
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from elaswave import config
 from elaswave.model.contract import counted_numels, tie_pairs
-from elaswave.plan.memory import MIB, rank_bytes
+from elaswave.plan.memory import MIB, MemoryModel, rank_bytes
 from elaswave.plan.plan import PlanError, initial_plan, replan
 from elaswave.runtime.memory import config_memory_model
 
@@ -61,3 +63,16 @@ def job_memory(sets: list[str], device: str = "cuda"):
 def _gpu_dtype(precision: str) -> torch.dtype:
     """The dtype the runtime computes in on a GPU with bfloat16 (what ``auto`` resolves to there)."""
     return torch.float32 if precision == "fp32" else torch.bfloat16
+
+
+def tp_shard(memory: MemoryModel, tp: int) -> MemoryModel:
+    """What one GPU of a TP group of ``tp`` holds (Megatron's split with sequence parallelism): a
+    ``1/tp`` share of every layer's values -- so of its gradients, optimizer state and snapshots --
+    and of every activation it keeps or sends. The norms' replicated weights are counted in the
+    share too (under 0.01 % of a block at these widths)."""
+    if tp == 1:
+        return memory
+    return replace(memory, layer_numels=tuple(-(-n // tp) for n in memory.layer_numels),
+                   tied_numels=tuple(-(-n // tp) for n in memory.tied_numels),
+                   layer_activation_bytes=tuple(b / tp for b in memory.layer_activation_bytes),
+                   boundary_bytes=memory.boundary_bytes / tp)

@@ -16,6 +16,9 @@ The same :class:`~elaswave.plan.plan.Plan` the runtime trains with is priced her
   with a whole all-reduce, twice that), plus a fixed per-step cost (norm, optimizer, launch).
 
 Devices are numbered node-major (``devices_per_node`` per node) as the launchers number ranks.
+With tensor parallelism a device of the plan is a TP group of GPUs inside a node
+(:func:`~elaswave.sim.workload.cluster`): its layers' times are a shard's, plus the group's
+all-reduces (``layer_tp_s``), and ``devices_per_node`` counts groups.
 """
 from __future__ import annotations
 
@@ -53,6 +56,9 @@ class ClusterModel:
     intra_node_latency_s: float = 5e-6
     inter_node_latency_s: float = 20e-6
     power: PowerModel = field(default_factory=PowerModel)
+    layer_tp_s: tuple[float, ...] = ()
+    """Tensor parallelism: each layer's all-reduces inside its TP group per micro-batch in the
+    forward (the backward has as many); not scaled by the clock. Empty: no TP."""
     # Recovery, in seconds (elaswave's measured phases; the baselines' own figures live with them).
     detect_s: float = 0.05
     agree_s: float = 0.01
@@ -75,6 +81,8 @@ class ClusterModel:
         """One micro-batch's forward + backward on ``rank``'s stage, with its sends."""
         i, j = plan.layers_of(rank)
         compute = sum(self.layer_forward_s[i:j]) * (1 + self.backward_factor) / self.power.speed(plan.frequency(rank))
+        if self.layer_tp_s:
+            compute += 2 * sum(self.layer_tp_s[i:j])
         comm = sum(self.transfer_s(self.activation_bytes, rank, peer) for peer in (nxt, prev)
                    if peer is not None and self.activation_bytes)
         return compute + self.per_microbatch_stage_s + comm

@@ -11,13 +11,19 @@ from elaswave.plan.memory import rank_bytes
 from elaswave.plan.plan import PlanError, initial_plan
 from elaswave.sim import control, engine, policies, trace, uncertainty
 from elaswave.sim.engine import PolicyResult, simulate
-from elaswave.sim.workload import MODELS, choose_layout, cluster, layer_numels
+from elaswave.sim.workload import MODELS, Hardware, choose_layout, cluster, layer_numels
 
 
 def add_arguments(ap) -> None:
-    ap.add_argument("--devices", type=int, required=True, help="devices in the job (each runs one stage)")
+    ap.add_argument("--devices", type=int, required=True,
+                    help="GPUs in the job (each runs one stage, or a TP shard of one with --tp)")
     ap.add_argument("--dp", type=int, help="pipelines (default: chosen with --pp, or both chosen)")
     ap.add_argument("--pp", type=int, help="stages per pipeline")
+    ap.add_argument("--tp", type=int, default=1,
+                    help="tensor parallelism: GPUs of one node that split each stage's layers (Megatron's split with "
+                         "sequence parallelism); dp x pp x tp = --devices; a GPU's failure takes its TP group")
+    ap.add_argument("--gpus-per-node", type=int, default=Hardware().devices_per_node,
+                    help="GPUs per node (default 8): the fast link, and what a TP group must fit in")
     ap.add_argument("--model", default="gpt-13b", choices=sorted(MODELS), help="a model preset (model.preset): its shape and costs")
     ap.add_argument("--micro-batches", type=int, help="global batch in micro-batches (default 2 x pp per pipeline)")
     ap.add_argument("--micro-batch-size", type=int, default=1,
@@ -65,40 +71,54 @@ def add_arguments(ap) -> None:
 
 
 def _layout(args) -> tuple[int, int]:
+    """(dp, pp) of the plan, whose devices are TP groups (``--devices / --tp`` of them)."""
     num_layers = MODELS[args.model].num_layers
+    if args.tp < 1 or args.gpus_per_node < 1 or args.gpus_per_node % args.tp or args.devices % args.tp:
+        raise ConfigError(f"--tp={args.tp} is invalid with --gpus-per-node={args.gpus_per_node} and --devices="
+                          f"{args.devices}: a TP group is GPUs of one node, so tp must divide both")
+    groups = args.devices // args.tp
     if args.dp and args.pp:
         dp, pp = args.dp, args.pp
     elif args.pp:
-        dp, pp = args.devices // args.pp, args.pp
+        dp, pp = groups // args.pp, args.pp
     elif args.dp:
-        dp, pp = args.dp, args.devices // args.dp
+        dp, pp = args.dp, groups // args.dp
     else:
-        dp, pp = choose_layout(args.devices, num_layers)
-    if dp < 1 or pp < 1 or dp * pp != args.devices:
-        raise ConfigError(f"--dp={args.dp} --pp={args.pp} is invalid for --devices={args.devices}: dp x pp must "
-                          "equal the devices")
+        dp, pp = choose_layout(groups, num_layers)
+    if dp < 1 or pp < 1 or dp * pp != groups:
+        raise ConfigError(f"--dp={args.dp} --pp={args.pp} is invalid for --devices={args.devices}"
+                          f"{f' and --tp={args.tp}' if args.tp > 1 else ''}: dp x pp x tp must equal the devices")
     if pp > num_layers:
         raise ConfigError(f"--pp={pp} is invalid: {args.model} has {num_layers} layers")
+    if dp * pp < 2:
+        raise ConfigError(f"--devices={args.devices} is invalid with --tp={args.tp}: need at least 2 TP groups")
     return dp, pp
 
 
 def _memory(args, micro_batches: int):
     """The runtime's memory model of the job (bf16, ``--micro-batch-size`` sequences a micro-batch)."""
-    from elaswave.sim.memory import job_memory
+    from elaswave.sim.memory import job_memory, tp_shard
     if args.device_gib < 0:
         raise ConfigError(f"--device-gib={args.device_gib} is invalid: must be >= 0 (0: no limit)")
-    return job_memory([f"model.preset={args.model}", "train.precision=bf16", f"train.micro_batch_size={args.micro_batch_size}",
-                       f"train.num_micro_batches={micro_batches}", f"train.activation_checkpointing={args.checkpointing}",
-                       f"parallel.chunk_numel={1 << 24}"])[2]
+    return tp_shard(job_memory([f"model.preset={args.model}", "train.precision=bf16",
+                                f"train.micro_batch_size={args.micro_batch_size}", f"train.num_micro_batches={micro_batches}",
+                                f"train.activation_checkpointing={args.checkpointing}",
+                                f"parallel.chunk_numel={1 << 24}"])[2], args.tp)
 
 
 def _events(args, plan, duration_s: float) -> list[trace.Event]:
+    """The plan's devices' events: a GPU trace seen by TP groups, or one failure of a plan device."""
     if args.trace == "llama3":
-        return trace.poisson(args.devices, 3.0 * args.devices, duration_s / 3600, args.repair_h, args.seed)
-    if args.trace:
-        return trace.load(args.trace, args.devices)
-    if args.mtbf_h:
-        return trace.poisson(args.devices, args.mtbf_h, duration_s / 3600, args.repair_h, args.seed)
+        gpus = trace.poisson(args.devices, 3.0 * args.devices, duration_s / 3600, args.repair_h, args.seed)
+    elif args.trace:
+        gpus = trace.load(args.trace, args.devices)
+    elif args.mtbf_h:
+        gpus = trace.poisson(args.devices, args.mtbf_h, duration_s / 3600, args.repair_h, args.seed)
+    else:
+        gpus = None
+    if gpus is not None:
+        trace.check(gpus, args.devices)
+        return trace.groups(gpus, args.tp)
     # One failure: the middle stage of the first pipeline, a tenth into the run.
     pipe = plan.pipelines[0]
     return trace.single_failure(pipe[len(pipe) // 2], duration_s / 10)
@@ -145,11 +165,13 @@ def run(args) -> int:
     power = CLOCKS[args.clocks or "boost"]
     if args.clock_share is not None:
         power = replace(power, clock_share=args.clock_share)
-    model = replace(cluster(m_cfg, args.micro_batch_size), power=power)
+    hw = replace(Hardware(), devices_per_node=args.gpus_per_node)
+    model = replace(cluster(m_cfg, args.micro_batch_size, hw, args.tp), power=power)
     memory = _memory(args, m) if args.device_gib else None
     try:
-        plan = initial_plan(args.devices, dp, pp, [float(c) for c in model.layer_forward_s], m,
-                            layer_numels(m_cfg), chunk_numel=1 << 24, stage_memory_limit=1024 * args.device_gib,
+        plan = initial_plan(dp * pp, dp, pp, [float(c) for c in model.layer_forward_s], m,
+                            [-(-n // args.tp) for n in layer_numels(m_cfg)], chunk_numel=1 << 24,
+                            stage_memory_limit=1024 * args.device_gib,
                             memory=memory, units_per_micro_batch=1 if args.no_reshape else args.micro_batch_size)
     except PlanError as exc:
         raise ConfigError(f"--device-gib={args.device_gib:g}: {exc} (MiB)") from None
@@ -157,7 +179,7 @@ def run(args) -> int:
     duration_s = 3600.0 * (args.hours if args.hours is not None else (1.0 if single else 24.0))
     try:
         events = _events(args, plan, duration_s)
-        trace.check(events, args.devices)
+        trace.check(events, dp * pp)
     except trace.TraceError as exc:
         raise ConfigError(str(exc)) from None
     costs = policies.BaselineCosts()
@@ -181,7 +203,8 @@ def run(args) -> int:
     bands = _bands(results, corners)
     gain_band = uncertainty.band([clock_gain] + [c[2] for c in corners]) if corners else None
     wall = time.perf_counter() - began
-    config = {"devices": args.devices, "dp": dp, "pp": pp, "model": args.model, "micro_batches": m,
+    config = {"devices": args.devices, "dp": dp, "pp": pp, "tp": args.tp, "gpus_per_node": args.gpus_per_node,
+              "model": args.model, "micro_batches": m,
               "micro_batch_size": args.micro_batch_size, "reshape": not args.no_reshape and args.micro_batch_size > 1,
               "device_gib": args.device_gib, "checkpointing": args.checkpointing, "dvfs": not args.no_dvfs,
               "clocks": None if args.no_dvfs else args.clocks or "boost",
@@ -208,7 +231,7 @@ def run(args) -> int:
                 for n, r in results.items()}
         print(json.dumps({"config": config, "policies": docs}))
         return 0
-    print(f"elaswave simulate: {args.devices} devices (dp={dp} x pp={pp}), {args.model}, {m} micro-batches of "
+    print(f"elaswave simulate: {args.devices} devices (dp={dp} x pp={pp}{f' x tp={args.tp}' if args.tp > 1 else ''}), {args.model}, {m} micro-batches of "
           f"{args.micro_batch_size} per step{' (reshaped after a change)' if config['reshape'] else ''}, "
           f"{config['hours']:g} h, {config['failures']} failures, {config['joins']} joins; {wall:.1f} s")
     if not args.no_dvfs:

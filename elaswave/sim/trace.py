@@ -105,3 +105,20 @@ def check(events: Sequence[Event], devices: int) -> None:
         (down.add if e.kind == "fail" else down.discard)(e.device)
     if len(down) >= devices:
         raise TraceError("the trace takes every device down at once")
+
+
+def groups(events: Sequence[Event], size: int) -> list[Event]:
+    """A GPU trace as its TP groups of ``size`` GPUs (GPU ``g`` in group ``g // size``) see it: a
+    group fails with the first of its GPUs and joins again when the last of them is back."""
+    if size == 1:
+        return list(events)
+    down: dict[int, set[int]] = {}
+    out = []
+    for e in events:
+        g = e.device // size
+        gone = down.setdefault(g, set())
+        was_up = not gone
+        (gone.add if e.kind == "fail" else gone.discard)(e.device)
+        if was_up != (not gone):
+            out.append(Event(e.t_s, e.kind, g))
+    return out

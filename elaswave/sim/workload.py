@@ -6,7 +6,7 @@ sizes. The named shapes are the model presets (``model.preset``): one source of 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from elaswave.model.config import PRESETS, ModelConfig, preset
 from elaswave.model.registry import family
@@ -31,17 +31,42 @@ def layer_numels(m: ModelConfig) -> list[int]:
     return [c.num_params for c in family(m).layer_costs()]
 
 
-def cluster(m: ModelConfig, micro_batch_size: int = 1, hw: Hardware = Hardware()) -> ClusterModel:
+def cluster(m: ModelConfig, micro_batch_size: int = 1, hw: Hardware = Hardware(), tp: int = 1) -> ClusterModel:
+    """The job on ``hw``; with ``tp`` > 1 each device of the plan is a tensor-parallel group of
+    ``tp`` GPUs in one node (:func:`tp_all_reduces`): Megatron's split with sequence parallelism,
+    so a layer's compute, parameters, gradients and the activation sent between stages are each
+    GPU's ``1/tp`` share, the groups' shards sum their gradients over data parallelism side by
+    side, and a node holds ``devices_per_node / tp`` groups."""
+    if tp < 1 or hw.devices_per_node % tp:
+        raise ValueError(f"tp={tp} is invalid: a TP group is GPUs of one node, so it must divide "
+                         f"the {hw.devices_per_node} GPUs per node")
     tokens = micro_batch_size * m.seq_len
     flops_s = hw.device_tflops * 1e12 * hw.efficiency
     costs = family(m).layer_costs()
-    forward = tuple(2.0 * c.flops_per_token * tokens / flops_s for c in costs)
-    return ClusterModel(
-        layer_forward_s=forward, backward_factor=2.0,
-        activation_bytes=float(tokens * m.d_model * hw.activation_bytes_per_value),
-        layer_param_bytes=tuple(4.0 * c.num_params for c in costs),
-        devices_per_node=hw.devices_per_node,
+    forward = tuple(2.0 * c.flops_per_token * tokens / flops_s / tp for c in costs)
+    activation = float(tokens * m.d_model * hw.activation_bytes_per_value)
+    model = ClusterModel(
+        layer_forward_s=forward, backward_factor=2.0, activation_bytes=activation / tp,
+        layer_param_bytes=tuple(4.0 * c.num_params / tp for c in costs),
+        devices_per_node=hw.devices_per_node // tp,
         intra_node_bytes_per_s=hw.intra_node_gb_s * 1e9, inter_node_bytes_per_s=hw.inter_node_gb_s * 1e9)
+    if tp == 1:
+        return model
+    ring = ring_all_reduce_s(tp, activation, model.intra_node_latency_s, model.intra_node_bytes_per_s)
+    return replace(model, layer_tp_s=tuple(ring * n for n in tp_all_reduces(len(costs))))
+
+
+def tp_all_reduces(num_layers: int) -> list[int]:
+    """All-reduces (with sequence parallelism: a reduce-scatter and an all-gather, the same bytes)
+    of one micro-batch's activation per layer in the forward, as Megatron splits them: the
+    vocabulary-parallel embedding's output, a block's attention and MLP outputs, and the head's
+    input (its vocabulary-parallel loss sums only per-token scalars)."""
+    return [1] + [2] * (num_layers - 2) + [1]
+
+
+def ring_all_reduce_s(n: int, nbytes: float, latency_s: float, bytes_per_s: float) -> float:
+    """A ring all-reduce of ``nbytes`` over ``n`` GPUs: ``2 (n - 1)`` hops of an ``n``-th each."""
+    return 2 * (n - 1) * (latency_s + nbytes / n / bytes_per_s) if n > 1 else 0.0
 
 
 def choose_layout(devices: int, num_layers: int) -> tuple[int, int]:

@@ -53,7 +53,7 @@ def test_simulate_json_has_every_policy(capsys):
 
 
 @pytest.mark.parametrize("argv,needle", [
-    (["--devices", "96", "--dp", "5"], "dp x pp must equal the devices"),
+    (["--devices", "96", "--dp", "5"], "dp x pp x tp must equal the devices"),
     (["--devices", "96", "--policies", "elaswave,magic"], "choose from"),
     (["--devices", "1"], "need at least 2"),
     (["--devices", "96", "--no-dvfs", "--policies", "elaswave,reroute"], "is invalid with --no-dvfs"),

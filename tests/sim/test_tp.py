@@ -1,0 +1,69 @@
+"""Tensor parallelism in the simulator: a plan's device is a TP group of GPUs in one node -- a
+shard's compute plus the group's all-reduces, a shard's memory, a GPU's failure its group's."""
+import json
+
+import pytest
+
+from elaswave import cli
+from elaswave.plan.plan import initial_plan
+from elaswave.sim import trace
+from elaswave.sim.model import step_time
+from elaswave.sim.workload import MODELS, cluster, layer_numels, ring_all_reduce_s
+
+
+def test_a_tp_group_computes_a_shard_and_pays_its_all_reduces():
+    m = MODELS["llama3-70b"]
+    whole, split = cluster(m, 1), cluster(m, 1, tp=8)
+    assert split.layer_forward_s == pytest.approx([t / 8 for t in whole.layer_forward_s])
+    assert split.activation_bytes == pytest.approx(whole.activation_bytes / 8)
+    assert split.layer_param_bytes == pytest.approx([b / 8 for b in whole.layer_param_bytes])
+    assert split.devices_per_node == 1 and not whole.layer_tp_s
+    ring = ring_all_reduce_s(8, m.seq_len * m.d_model * 2, split.intra_node_latency_s, split.intra_node_bytes_per_s)
+    assert split.layer_tp_s[0] == pytest.approx(ring) and split.layer_tp_s[1] == pytest.approx(2 * ring)
+    # The all-reduces are part of each stage's time: the same plan is slower with them than its shards alone.
+    plan = initial_plan(8, 2, 4, list(split.layer_forward_s), 16, layer_numels(m), 1 << 24)
+    from dataclasses import replace
+    assert step_time(plan, split).compute_s > step_time(plan, replace(split, layer_tp_s=())).compute_s
+    with pytest.raises(ValueError, match="tp=3 is invalid"):
+        cluster(m, 1, tp=3)
+
+
+def test_a_gpu_trace_is_seen_by_its_tp_groups():
+    gpus = [trace.Event(1.0, "fail", 3), trace.Event(2.0, "fail", 1), trace.Event(3.0, "fail", 9),
+            trace.Event(4.0, "join", 3), trace.Event(5.0, "join", 1), trace.Event(6.0, "join", 9)]
+    got = trace.groups(gpus, 8)
+    # Group 0 fails with GPU 3 and is back only when GPU 1 is too; group 1 with GPU 9.
+    assert got == [trace.Event(1.0, "fail", 0), trace.Event(3.0, "fail", 1), trace.Event(5.0, "join", 0),
+                   trace.Event(6.0, "join", 1)]
+    assert trace.groups(gpus, 1) == gpus
+
+
+def _simulate(capsys, *argv):
+    code = cli.main(["simulate", "--devices", "16384", "--model", "gpt-175b", "--device-gib", "80",
+                     "--checkpointing", "full", "--micro-batch-size", "16", "--policies", "elaswave,drop_replica",
+                     *argv])
+    out = capsys.readouterr()
+    return code, out
+
+
+def test_with_tp_the_16k_gpt_175b_layout_fits_80_gib(capsys):
+    code, out = _simulate(capsys, "--dp", "1024", "--pp", "16")
+    assert code == 2 and "does not fit" in out.err
+    code, out = _simulate(capsys, "--dp", "256", "--pp", "8", "--tp", "8", "--trace", "llama3", "--hours", "6", "--json")
+    assert code == 0, out.err
+    doc = json.loads(out.out)
+    assert (doc["config"]["dp"], doc["config"]["pp"], doc["config"]["tp"]) == (256, 8, 8)
+    assert doc["config"]["failures"] >= 1  # GPU failures, each taking its TP group
+    elaswave = doc["policies"]["elaswave"]
+    assert elaswave["batch_after_over_before"] == 1.0 and elaswave["throughput_after_over_before"] <= 1.0
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["--dp", "2", "--pp", "4", "--tp", "3"], "--tp=3 is invalid"),
+    (["--dp", "2", "--pp", "4", "--tp", "2"], "dp x pp x tp must equal the devices"),
+    (["--tp", "8"], "need at least 2 TP groups"),
+])
+def test_bad_tp_input_is_one_line(argv, needle, capsys):
+    assert cli.main(["simulate", "--devices", "8", "--model", "gpt-1.3b", *argv]) == 2
+    err = capsys.readouterr().err
+    assert needle in err and "Traceback" not in err
