@@ -6,10 +6,11 @@ gain over nominal clocks its own column), so each ratio measures recovery alone.
 - **96 devices**, one failure in the middle of pipeline 0, gpt-175b at every layout from 2x48 to
   12x8, with clocks (the sourced model, and its band over the clock corners) and without:
   elaswave's throughput after the failure over each baseline's.
-- **16,384 devices**, one failure, gpt-175b and llama3-70b at dp=1024 x pp=16, 1, 4 and 16
+- **16,384 GPUs** in TP groups of 8 on layouts that fit 80 GiB, one failure, gpt-175b
+  (256 x 8 x 8) and llama3-70b (128 x 16 x 8, 512 x 4 x 8), 1, 4 and 16
   sequences a micro-batch, each ratio with its band and the calibration error: elaswave dealing whole micro-batches or reshaped (sequences), beside
   drop_replica (TorchFT's policy: the batch shrinks), templates and reroute.
-- **16,384 devices under the llama3 trace** (24 h, 3 seeds), 16 sequences a micro-batch: the
+- **16,384 GPUs under the llama3 trace** (24 h, 3 seeds, the first two layouts), 16 sequences a micro-batch: the
   steady ratio after the first failure and the goodput, median (range).
 
     python bench/sim/reshape.py [--seeds 3]
@@ -27,7 +28,9 @@ from bench.sim.simulator import simulate  # noqa: E402  `elaswave simulate --jso
 
 LAYOUTS_96 = ((2, 48), (3, 32), (4, 24), (6, 16), (12, 8))
 BASELINES = ("templates", "reroute", "drop_replica", "restart")
-BIG = ("gpt-175b", "llama3-70b")
+BIG = (("gpt-175b", 256, 8), ("llama3-70b", 128, 16), ("llama3-70b", 512, 4))
+"""16,384 GPUs as (model, dp, pp) with tp=8: layouts that fit 80 GiB (full checkpointing) at every size."""
+TRACED = BIG[:2]
 SIZES = (1, 4, 16)
 
 
@@ -58,18 +61,20 @@ def at_96() -> list[dict]:
     return rows
 
 
-def _big(model: str, size: int, extra: list[str]) -> dict:
-    return simulate(["--devices", "16384", "--dp", "1024", "--pp", "16", "--model", model,
-                     "--micro-batch-size", str(size), "--calibration", CALIBRATION, *extra])
+def _big(layout: tuple[str, int, int], size: int, extra: list[str]) -> dict:
+    model, dp, pp = layout
+    return simulate(["--devices", "16384", "--dp", str(dp), "--pp", str(pp), "--tp", "8", "--model", model,
+                     "--device-gib", "80", "--checkpointing", "full", "--micro-batch-size", str(size),
+                     "--calibration", CALIBRATION, *extra])
 
 
 def one_failure_16k() -> list[dict]:
     rows = []
-    for model in BIG:
+    for layout in BIG:
         for size in SIZES:
-            doc = _big(model, size, ["--policies", "elaswave,drop_replica,templates,reroute", "--band"])
+            doc = _big(layout, size, ["--policies", "elaswave,drop_replica,templates,reroute", "--band"])
             pol = doc["policies"]
-            row = {"model": model, "size": size, "wall_s": doc["config"]["wall_s"],
+            row = {"model": layout[0], "dp": layout[1], "pp": layout[2], "size": size, "wall_s": doc["config"]["wall_s"],
                    "clock_gain": doc["config"]["failure_free_clock_gain"],
                    "clock_gain_band": doc["config"]["failure_free_clock_gain_band"],
                    "calibration": doc["config"]["calibration"],
@@ -79,11 +84,11 @@ def one_failure_16k() -> list[dict]:
                    "plus_minus": {n: p["plus_minus"]["after_over_before"] for n, p in pol.items()},
                    "batch_kept": {n: p["batch_after_over_before"] for n, p in pol.items()}}
             if size > 1:
-                whole = _big(model, size, ["--policies", "elaswave", "--no-reshape", "--band"])["policies"]["elaswave"]
+                whole = _big(layout, size, ["--policies", "elaswave", "--no-reshape", "--band"])["policies"]["elaswave"]
                 row["after_over_before"]["elaswave_whole"] = whole["throughput_after_over_before"]
                 row["band"]["elaswave_whole"] = whole["band"]["after_over_before"]
             rows.append(row)
-            print(f"  16k {model} b={size}: {row['after_over_before']} {row['band']}", flush=True)
+            print(f"  16k {layout} b={size}: {row['after_over_before']} {row['band']}", flush=True)
     return rows
 
 
@@ -93,16 +98,16 @@ def spread(values: list[float]) -> dict:
 
 def trace_16k(seeds: int) -> list[dict]:
     rows = []
-    for model in BIG:
+    for layout in TRACED:
         runs: dict[str, list[dict]] = {"elaswave": [], "elaswave_whole": [], "drop_replica": []}
         for seed in range(seeds):
             flags = ["--trace", "llama3", "--seed", str(seed), "--band"]
-            pol = _big(model, 16, [*flags, "--policies", "elaswave,drop_replica"])["policies"]
-            whole = _big(model, 16, [*flags, "--policies", "elaswave", "--no-reshape"])["policies"]
+            pol = _big(layout, 16, [*flags, "--policies", "elaswave,drop_replica"])["policies"]
+            whole = _big(layout, 16, [*flags, "--policies", "elaswave", "--no-reshape"])["policies"]
             runs["elaswave"].append(pol["elaswave"])
             runs["drop_replica"].append(pol["drop_replica"])
             runs["elaswave_whole"].append(whole["elaswave"])
-        row = {"model": model, "seeds": seeds, "runs": runs}
+        row = {"model": layout[0], "dp": layout[1], "pp": layout[2], "seeds": seeds, "runs": runs}
         for name, docs in runs.items():
             row[name] = {"after_over_before": spread([d["throughput_after_over_before"] for d in docs]),
                          "goodput": spread([d["goodput"] for d in docs]),
@@ -110,7 +115,7 @@ def trace_16k(seeds: int) -> list[dict]:
                                           max(d["band"]["goodput"][1] for d in docs)],
                          "failures": spread([d["failures"] for d in docs])}
         rows.append(row)
-        print(f"  16k trace {model}: " + ", ".join(f"{n} {row[n]['goodput']['median']:.4f}" for n in runs), flush=True)
+        print(f"  16k trace {layout}: " + ", ".join(f"{n} {row[n]['goodput']['median']:.4f}" for n in runs), flush=True)
     return rows
 
 
@@ -139,7 +144,8 @@ def report(cmd: str, small: list[dict], big: list[dict], traced: list[dict], wal
           f"times +-{100 * cal['step']:.1f} %, measured at 4-16 ranks and carried to every figure here as it is.", "",
           "## 96 devices, gpt-175b, one failure (middle stage of pipeline 0)", "",
           "elaswave's throughput after the failure over each baseline's after the same failure (equal before). "
-          "*with clocks*: elaswave re-plans them; *without*: every device at nominal, elaswave_no_dvfs.", "",
+          "*with clocks*: elaswave re-plans them; *without*: every device at nominal, elaswave_no_dvfs. These "
+          "layouts are priced without a memory limit (no TP: most would not fit 80 GiB).", "",
           "| layout | clock gain | elaswave after/before | over templates | over reroute | over drop_replica "
           "| over restart | without clocks: over templates | over reroute | over drop_replica | over restart |",
           "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
@@ -149,29 +155,31 @@ def report(cmd: str, small: list[dict], big: list[dict], traced: list[dict], wal
                   f"{r['after_over_before']['elaswave']:.3f} | "
                   + " | ".join(f"{o[b]:.3f} {span(band[b])}" for b in BASELINES) + " | "
                   + " | ".join(f"{n[b]:.3f}" for b in BASELINES) + " |")
-    md += ["", "## 16,384 devices (dp=1024 x pp=16), one failure: after / before", "",
-           "`b`: sequences a micro-batch (2 x pp = 32 micro-batches a pipeline). *whole*: elaswave dealing whole "
-           "micro-batches (`--no-reshape`); *reshaped*: dealing sequences. drop_replica keeps 1023/1024 of the "
-           "batch; every other row keeps all of it. `step s` and `tokens/s`: the failure-free step (sourced clocks; "
-           "+- the calibration's step error).", "",
-           "| model | b | step s | tokens/s | elaswave whole | elaswave reshaped | drop_replica | templates | reroute |",
-           "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    md += ["", "## 16,384 GPUs, tensor-parallel groups of 8, 80 GiB each: one failure, after / before", "",
+           "Every layout fits 80 GiB per GPU in the memory model (bf16, full activation checkpointing, "
+           "`--device-gib 80`; without TP, dp=1024 x pp=16 does not). `b`: sequences a micro-batch "
+           "(2 x pp x dp micro-batches a step). *whole*: elaswave dealing whole micro-batches (`--no-reshape`); "
+           "*reshaped*: dealing sequences. drop_replica keeps (dp-1)/dp of the batch; every other row keeps all "
+           "of it. A GPU's failure takes its TP group. `step s` and `tokens/s`: the failure-free step (sourced "
+           "clocks; +- the calibration's step error).", "",
+           "| model | layout | b | step s | tokens/s | elaswave whole | elaswave reshaped | drop_replica | templates | reroute |",
+           "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in big:
         a, band = r["after_over_before"], r["band"]
         whole = "elaswave_whole" if "elaswave_whole" in a else "elaswave"
         shaped = f"{a['elaswave']:.5f} {span(band['elaswave'], '.5f')}" if r["size"] > 1 else "- (b=1: nothing to reshape)"
-        md.append(f"| {r['model']} | {r['size']} | {r['step_s']:.0f} +-{r['step_s'] * r['calibration']['step']:.0f} | "
+        md.append(f"| {r['model']} | {r['dp']}x{r['pp']}x8 | {r['size']} | {r['step_s']:.0f} +-{r['step_s'] * r['calibration']['step']:.0f} | "
                   f"{r['tokens_per_s']:.3g} | {a[whole]:.5f} {span(band[whole], '.5f')} | {shaped} | "
                   + " | ".join(f"{a[n]:.5f} {span(band[n], '.5f')}" for n in ("drop_replica", "templates", "reroute")) + " |")
-    md += ["", f"## 16,384 devices under the llama3 trace (24 h, b=16), seeds 0-{traced[0]['seeds'] - 1}",
+    md += ["", f"## 16,384 GPUs (TP groups of 8) under the llama3 trace (24 h, b=16), seeds 0-{traced[0]['seeds'] - 1}",
            "", "After / before: the steady rate after the first failure; goodput over the whole day. Median (range) "
                "over seeds with the sourced clocks; [lo-hi]: the goodput over every seed and clock corner.", "",
-           "| model | policy | after/before | goodput | goodput over clock corners | failures |",
-           "| --- | --- | --- | --- | --- | --- |"]
+           "| model | layout | policy | after/before | goodput | goodput over clock corners | failures |",
+           "| --- | --- | --- | --- | --- | --- | --- |"]
     for r in traced:
         for name in ("elaswave", "elaswave_whole", "drop_replica"):
             s = r[name]
-            md.append(f"| {r['model']} | {name} | {fmt(s['after_over_before'], '.5f')} | {fmt(s['goodput'])} | "
+            md.append(f"| {r['model']} | {r['dp']}x{r['pp']}x8 | {name} | {fmt(s['after_over_before'], '.5f')} | {fmt(s['goodput'])} | "
                       f"{span(s['goodput_band'], '.4f')} | {fmt(s['failures'], '.0f')} |")
     md += ["", "A reshaped micro-batch of u sequences is priced u/b of a whole one's stage time (the cluster model "
                "is linear in sequences, no fixed cost per micro-batch): on a GPU a small micro-batch runs at lower "

@@ -36,6 +36,9 @@ def add_arguments(ap) -> None:
     ap.add_argument("--hours", type=float, default=None, help="simulated time (default: 1 for a single failure, 24 for a trace)")
     ap.add_argument("--mtbf-h", type=float, help="synthetic trace: mean hours between failures of one device")
     ap.add_argument("--repair-h", type=float, default=4.0, help="synthetic trace: hours until a failed device is back")
+    ap.add_argument("--node-failures", type=float, default=0.0, metavar="SHARE",
+                    help="synthetic trace: the share of failures that take the GPU's whole node (--gpus-per-node) down "
+                         "with it and back together (default 0)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--policies", default=",".join(policies.POLICIES),
                     help=f"comma-separated, from {', '.join(policies.POLICIES)}")
@@ -108,12 +111,16 @@ def _memory(args, micro_batches: int):
 
 def _events(args, plan, duration_s: float) -> list[trace.Event]:
     """The plan's devices' events: a GPU trace seen by TP groups, or one failure of a plan device."""
+    nodes = {"node_share": args.node_failures, "per_node": args.gpus_per_node}
+    if args.node_failures and not (args.trace == "llama3" or args.mtbf_h):
+        raise trace.TraceError(f"--node-failures={args.node_failures} is invalid without a synthetic trace "
+                               "(--trace llama3 or --mtbf-h): a trace file says itself which devices fail together")
     if args.trace == "llama3":
-        gpus = trace.poisson(args.devices, 3.0 * args.devices, duration_s / 3600, args.repair_h, args.seed)
+        gpus = trace.poisson(args.devices, 3.0 * args.devices, duration_s / 3600, args.repair_h, args.seed, **nodes)
     elif args.trace:
         gpus = trace.load(args.trace, args.devices)
     elif args.mtbf_h:
-        gpus = trace.poisson(args.devices, args.mtbf_h, duration_s / 3600, args.repair_h, args.seed)
+        gpus = trace.poisson(args.devices, args.mtbf_h, duration_s / 3600, args.repair_h, args.seed, **nodes)
     else:
         gpus = None
     if gpus is not None:
@@ -215,6 +222,7 @@ def run(args) -> int:
               "schedules": {n: policies.make_class(n).schedule for n in names}, "frequency_solver": start.frequency_solver or None,
               "hours": duration_s / 3600, "failures": sum(e.kind == "fail" for e in events),
               "joins": sum(e.kind == "join" for e in events), "trace": args.trace or ("poisson" if args.mtbf_h else "single"),
+              "node_failures": args.node_failures,
               "spares": ctl.spares, "warm_spares": ctl.warm, "store": ctl.store,
               "costs": asdict(costs), "control_costs": asdict(ctl.costs), "wall_s": wall}
     if args.plot:

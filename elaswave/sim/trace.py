@@ -27,12 +27,17 @@ class TraceError(ValueError):
     """A trace file or trace parameters are invalid; the message names what and where."""
 
 
-def poisson(devices: int, mtbf_device_h: float, hours: float, repair_h: float | None, seed: int) -> list[Event]:
+def poisson(devices: int, mtbf_device_h: float, hours: float, repair_h: float | None, seed: int,
+            node_share: float = 0.0, per_node: int = 8) -> list[Event]:
     """Failures of ``devices`` devices, each failing at rate 1/``mtbf_device_h`` while it is up, over
-    ``hours``; a failed device rejoins ``repair_h`` later (never, with None)."""
+    ``hours``; a failed device rejoins ``repair_h`` later (never, with None). ``node_share``: the
+    share of failures that take the device's whole node (``per_node`` devices, numbered
+    node-major) down with it -- a host's power, kernel or NIC -- and back together."""
     if devices < 1 or mtbf_device_h <= 0 or hours <= 0 or (repair_h is not None and repair_h < 0):
         raise TraceError(f"need devices >= 1, mtbf > 0, hours > 0 and repair >= 0; got devices={devices}, "
                          f"mtbf_device_h={mtbf_device_h}, hours={hours}, repair_h={repair_h}")
+    if not 0 <= node_share <= 1 or per_node < 1:
+        raise TraceError(f"node_share={node_share} is invalid: a share of failures, in [0, 1] (per_node={per_node})")
     r = random.Random(seed)
     end, t = hours * 3600.0, 0.0
     up = list(range(devices))
@@ -55,9 +60,16 @@ def poisson(devices: int, mtbf_device_h: float, hours: float, repair_h: float | 
             break
         t = t_next
         device = up.pop(r.randrange(len(up)))
-        events.append(Event(t, "fail", device))
-        if repair_h is not None:
-            returns.append(Event(t + repair_h * 3600.0, "join", device))
+        lost = [device]
+        # Drawn only when asked for, so a trace without node failures is the one it always was.
+        if node_share and r.random() < node_share:
+            node = device // per_node
+            lost += [d for d in up if d // per_node == node]
+            up = [d for d in up if d // per_node != node]
+        for d in sorted(lost):
+            events.append(Event(t, "fail", d))
+            if repair_h is not None:
+                returns.append(Event(t + repair_h * 3600.0, "join", d))
     return sorted(events)
 
 

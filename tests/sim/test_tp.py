@@ -58,7 +58,25 @@ def test_with_tp_the_16k_gpt_175b_layout_fits_80_gib(capsys):
     assert elaswave["batch_after_over_before"] == 1.0 and elaswave["throughput_after_over_before"] <= 1.0
 
 
+def test_a_node_failure_takes_every_gpu_of_the_node_and_its_groups_once():
+    plain = trace.poisson(64, 10.0, 24, 4.0, seed=3)
+    assert trace.poisson(64, 10.0, 24, 4.0, seed=3, node_share=0.0) == plain  # the old traces stay
+    nodes = trace.poisson(64, 10.0, 24, 4.0, seed=3, node_share=1.0, per_node=8)
+    trace.check(nodes, 64)
+    fails = [e for e in nodes if e.kind == "fail"]
+    at: dict[float, set[int]] = {}
+    for e in fails:
+        at.setdefault(e.t_s, set()).add(e.device // 8)
+    assert fails and all(len(n) == 1 for n in at.values())  # one node at a time ...
+    assert all(sum(e.t_s == t for e in fails) > 1 for t in at)  # ... and more than one GPU of it
+    groups = trace.groups(nodes, 8)
+    assert sum(e.kind == "fail" for e in groups) == len(at)  # with tp=8, a node is one group: one failure
+    with pytest.raises(trace.TraceError, match="node_share=1.5 is invalid"):
+        trace.poisson(64, 10.0, 24, 4.0, seed=3, node_share=1.5)
+
+
 @pytest.mark.parametrize("argv,needle", [
+    (["--dp", "2", "--pp", "4", "--node-failures", "0.5"], "--node-failures=0.5 is invalid without a synthetic trace"),
     (["--dp", "2", "--pp", "4", "--tp", "3"], "--tp=3 is invalid"),
     (["--dp", "2", "--pp", "4", "--tp", "2"], "dp x pp x tp must equal the devices"),
     (["--tp", "8"], "need at least 2 TP groups"),
