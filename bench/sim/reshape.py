@@ -168,7 +168,7 @@ def report(cmd: str, small: list[dict], big: list[dict], traced: list[dict], wal
         a, band = r["after_over_before"], r["band"]
         whole = "elaswave_whole" if "elaswave_whole" in a else "elaswave"
         shaped = f"{a['elaswave']:.5f} {span(band['elaswave'], '.5f')}" if r["size"] > 1 else "- (b=1: nothing to reshape)"
-        md.append(f"| {r['model']} | {r['dp']}x{r['pp']}x8 | {r['size']} | {r['step_s']:.0f} +-{r['step_s'] * r['calibration']['step']:.0f} | "
+        md.append(f"| {r['model']} | {r['dp']}x{r['pp']}x8 | {r['size']} | {r['step_s']:.3g} +-{r['step_s'] * r['calibration']['step']:.2g} | "
                   f"{r['tokens_per_s']:.3g} | {a[whole]:.5f} {span(band[whole], '.5f')} | {shaped} | "
                   + " | ".join(f"{a[n]:.5f} {span(band[n], '.5f')}" for n in ("drop_replica", "templates", "reroute")) + " |")
     md += ["", f"## 16,384 GPUs (TP groups of 8) under the llama3 trace (24 h, b=16), seeds 0-{traced[0]['seeds'] - 1}",
