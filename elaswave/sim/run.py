@@ -2,12 +2,14 @@
 from __future__ import annotations
 
 import json
+import math
 import time
 from dataclasses import asdict, replace
 
 from elaswave.errors import ConfigError
 from elaswave.plan.frequency import CLOCKS
 from elaswave.plan.memory import rank_bytes
+from elaswave.plan.partition import least_memory
 from elaswave.plan.plan import PlanError, initial_plan
 from elaswave.sim import control, engine, policies, trace, uncertainty
 from elaswave.sim.engine import PolicyResult, simulate
@@ -59,6 +61,9 @@ def add_arguments(ap) -> None:
     ap.add_argument("--device-gib", type=float, default=0.0,
                     help="device memory: every plan, first and after each failure, keeps each device's modelled peak "
                          "within it (elaswave/plan/memory.py, bf16, --micro-batch-size sequences); 0: no limit")
+    ap.add_argument("--reserve-gib", type=float, default=8.0,
+                    help="with --device-gib: memory no plan may use, for the CUDA context, NCCL's buffers and the "
+                         "allocator's fragmentation (default 8, an assumption: 10 %% of 80 GiB)")
     ap.add_argument("--checkpointing", default="none", help="activation checkpointing with --device-gib: none, full or every_N")
     ap.add_argument("--spares", type=int, default=0,
                     help="every row: idle devices beside the layout; one takes a failed device's place after the "
@@ -103,6 +108,9 @@ def _memory(args, micro_batches: int):
     from elaswave.sim.memory import job_memory, tp_shard
     if args.device_gib < 0:
         raise ConfigError(f"--device-gib={args.device_gib} is invalid: must be >= 0 (0: no limit)")
+    if not 0 <= args.reserve_gib < args.device_gib:
+        raise ConfigError(f"--reserve-gib={args.reserve_gib:g} is invalid with --device-gib={args.device_gib:g}: the "
+                          "reserve is a part of the device's memory, >= 0 and below it")
     return tp_shard(job_memory([f"model.preset={args.model}", "train.precision=bf16",
                                 f"train.micro_batch_size={args.micro_batch_size}", f"train.num_micro_batches={micro_batches}",
                                 f"train.activation_checkpointing={args.checkpointing}",
@@ -175,13 +183,23 @@ def run(args) -> int:
     hw = replace(Hardware(), devices_per_node=args.gpus_per_node)
     model = replace(cluster(m_cfg, args.micro_batch_size, hw, args.tp), power=power)
     memory = _memory(args, m) if args.device_gib else None
+    usable_gib = args.device_gib - args.reserve_gib if memory is not None else 0.0
     try:
         plan = initial_plan(dp * pp, dp, pp, [float(c) for c in model.layer_forward_s], m,
                             [-(-n // args.tp) for n in layer_numels(m_cfg)], chunk_numel=1 << 24,
-                            stage_memory_limit=1024 * args.device_gib,
+                            stage_memory_limit=1024 * usable_gib,
                             memory=memory, units_per_micro_batch=1 if args.no_reshape else args.micro_batch_size)
     except PlanError as exc:
-        raise ConfigError(f"--device-gib={args.device_gib:g}: {exc} (MiB)") from None
+        if memory is None:
+            raise ConfigError(f"the initial layout: {exc}") from None
+        need = least_memory(m_cfg.num_layers, pp, memory.stage_memory(pp, dp, m)) / 1024 + args.reserve_gib
+        other = ["more stages", "--tp"] + (["--checkpointing full"] if args.checkpointing != "full" else []) + (
+            ["fewer sequences a micro-batch"] if args.micro_batch_size > 1 else [])
+        raise ConfigError(f"--device-gib={args.device_gib:g} is too small for dp={dp} x pp={pp}"
+                          f"{f' x tp={args.tp}' if args.tp > 1 else ''} ({args.model}, {args.micro_batch_size} sequences a "
+                          f"micro-batch, checkpointing {args.checkpointing}): its best partition needs {need:.1f} GiB a "
+                          f"GPU with the {args.reserve_gib:g} GiB reserve; give --device-gib {math.ceil(need)} or more, "
+                          f"or {', '.join(other[:-1])} or {other[-1]}") from None
     single = not (args.trace or args.mtbf_h)
     duration_s = 3600.0 * (args.hours if args.hours is not None else (1.0 if single else 24.0))
     try:
@@ -213,7 +231,8 @@ def run(args) -> int:
     config = {"devices": args.devices, "dp": dp, "pp": pp, "tp": args.tp, "gpus_per_node": args.gpus_per_node,
               "model": args.model, "micro_batches": m,
               "micro_batch_size": args.micro_batch_size, "reshape": not args.no_reshape and args.micro_batch_size > 1,
-              "device_gib": args.device_gib, "checkpointing": args.checkpointing, "dvfs": not args.no_dvfs,
+              "device_gib": args.device_gib, "reserve_gib": args.reserve_gib if args.device_gib else None,
+              "checkpointing": args.checkpointing, "dvfs": not args.no_dvfs,
               "clocks": None if args.no_dvfs else args.clocks or "boost",
               "clock_share": None if args.no_dvfs else model.power.clock_share, "seq_len": m_cfg.seq_len,
               "failure_free_clock_gain": clock_gain, "failure_free_clock_gain_band": gain_band,
@@ -250,8 +269,9 @@ def run(args) -> int:
               f"{_span(gain_band)}; every row starts from it, a baseline keeps each stage's clock after a change")
     if memory is not None:
         peak = max(rank_bytes(memory, plan, r)["total"] for r in plan.ranks) / 2 ** 30
-        print(f"memory: modelled peak {peak:.1f} GiB of {args.device_gib:g} per device "
-              f"(bf16, checkpointing {args.checkpointing}); every re-plan keeps within it or stands survivors by")
+        print(f"memory: modelled peak {peak:.1f} GiB of {args.device_gib:g} per GPU, {args.reserve_gib:g} GiB of it kept "
+              f"in reserve (bf16, checkpointing {args.checkpointing}); every re-plan keeps within the rest or stands "
+              "survivors by")
     best = _best_baseline_after(results)
     if ctl.spares or ctl.store != "dedicated":
         print(f"{ctl.spares} {'warm' if ctl.warm else 'cold'} spares a row (join {ctl.join_s:g} s), store {ctl.store} "

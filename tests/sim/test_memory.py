@@ -20,6 +20,6 @@ def test_simulate_keeps_every_plan_within_the_device_memory(capsys):
     argv = ["simulate", "--devices", "16", "--dp", "2", "--pp", "8", "--model", "llama3-8b", "--checkpointing", "full"]
     assert cli.main(argv + ["--device-gib", "80"]) == 0
     assert "memory: modelled peak" in capsys.readouterr().out
-    assert cli.main(argv + ["--device-gib", "8"]) == 2
+    assert cli.main(argv + ["--device-gib", "10", "--reserve-gib", "2"]) == 2
     err = capsys.readouterr().err
-    assert "--device-gib=8" in err and "the least any needs is" in err
+    assert "--device-gib=10 is too small for dp=2 x pp=8" in err and "with the 2 GiB reserve" in err

@@ -1,6 +1,7 @@
 """Tensor parallelism in the simulator: a plan's device is a TP group of GPUs in one node -- a
 shard's compute plus the group's all-reduces, a shard's memory, a GPU's failure its group's."""
 import json
+import math
 
 import pytest
 
@@ -48,7 +49,12 @@ def _simulate(capsys, *argv):
 
 def test_with_tp_the_16k_gpt_175b_layout_fits_80_gib(capsys):
     code, out = _simulate(capsys, "--dp", "1024", "--pp", "16")
-    assert code == 2 and "does not fit" in out.err
+    # The smallest memory that would fit is named: the best partition's need plus the reserve.
+    assert code == 2 and "--device-gib=80 is too small for dp=1024 x pp=16" in out.err
+    need = float(out.err.split("partition needs ")[1].split(" GiB")[0])
+    assert need > 80 and f"give --device-gib {math.ceil(need)} or more" in out.err
+    code, out = _simulate(capsys, "--dp", "1024", "--pp", "16", "--device-gib", str(math.ceil(need)))
+    assert code == 0, out.err
     code, out = _simulate(capsys, "--dp", "256", "--pp", "8", "--tp", "8", "--trace", "llama3", "--hours", "6", "--json")
     assert code == 0, out.err
     doc = json.loads(out.out)
@@ -76,6 +82,7 @@ def test_a_node_failure_takes_every_gpu_of_the_node_and_its_groups_once():
 
 
 @pytest.mark.parametrize("argv,needle", [
+    (["--dp", "2", "--pp", "4", "--device-gib", "80", "--reserve-gib", "90"], "--reserve-gib=90 is invalid"),
     (["--dp", "2", "--pp", "4", "--node-failures", "0.5"], "--node-failures=0.5 is invalid without a synthetic trace"),
     (["--dp", "2", "--pp", "4", "--tp", "3"], "--tp=3 is invalid"),
     (["--dp", "2", "--pp", "4", "--tp", "2"], "dp x pp x tp must equal the devices"),
