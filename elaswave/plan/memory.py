@@ -151,6 +151,25 @@ class MemoryModel:
         return memory
 
 
+def bytes_per_parameter(model: MemoryModel, holders: int) -> dict[str, float]:
+    """What each parameter costs a rank that holds its layer, by what the bytes are for, when each
+    layer has ``holders`` holders (ZeRO shares its optimizer state among them; chunk padding
+    aside). Megatron's distributed optimizer, for comparison, keeps 2 + 4 + 12/dp: bf16 weights,
+    float32 gradients, and its share of the float32 master weights and two moments."""
+    kept = model.snapshot_copies * model.peer_copies() if model.snapshots else 0
+    return {
+        "weights": float(model.param_bytes),
+        "gradient": float(model.param_bytes),
+        "gradient sum": float(model.sum_bytes),
+        "weight-decay mask": 1.0,
+        "optimizer (master, moments)": STATE_BYTES / holders,
+        "optimizer, the generation before (a step can be redone)": STATE_BYTES / holders,
+        "optimizer's float32 decay mask": (OPTIMIZER_BYTES - 2 * STATE_BYTES) / holders,
+        "snapshot sent": (STATE_BYTES if model.snapshots else 0) / holders,
+        "snapshots kept for peers (on the device)": STATE_BYTES * kept / holders,
+    }
+
+
 def rank_bytes(model: MemoryModel, plan, rank: int) -> dict[str, float]:
     """The modelled peak of ``rank`` under ``plan`` (an elaswave Plan), by part, with chunk padding,
     the holder groups and snapshot pairing the plan really has."""

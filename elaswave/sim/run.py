@@ -8,7 +8,7 @@ from dataclasses import asdict, replace
 
 from elaswave.errors import ConfigError
 from elaswave.plan.frequency import CLOCKS
-from elaswave.plan.memory import rank_bytes
+from elaswave.plan.memory import bytes_per_parameter, rank_bytes
 from elaswave.plan.partition import least_memory
 from elaswave.plan.plan import PlanError, initial_plan
 from elaswave.sim import control, engine, policies, trace, uncertainty
@@ -232,6 +232,7 @@ def run(args) -> int:
               "model": args.model, "micro_batches": m,
               "micro_batch_size": args.micro_batch_size, "reshape": not args.no_reshape and args.micro_batch_size > 1,
               "device_gib": args.device_gib, "reserve_gib": args.reserve_gib if args.device_gib else None,
+              "bytes_per_parameter": bytes_per_parameter(memory, dp) if memory is not None else None,
               "checkpointing": args.checkpointing, "dvfs": not args.no_dvfs,
               "clocks": None if args.no_dvfs else args.clocks or "boost",
               "clock_share": None if args.no_dvfs else model.power.clock_share, "seq_len": m_cfg.seq_len,
@@ -272,6 +273,9 @@ def run(args) -> int:
         print(f"memory: modelled peak {peak:.1f} GiB of {args.device_gib:g} per GPU, {args.reserve_gib:g} GiB of it kept "
               f"in reserve (bf16, checkpointing {args.checkpointing}); every re-plan keeps within the rest or stands "
               "survivors by")
+        per_param = sum(bytes_per_parameter(memory, dp).values())
+        print(f"static bytes per parameter: {per_param:.2f} (Megatron's distributed optimizer: {6 + 12 / dp:.2f} at "
+              f"dp={dp}); what each is for: docs/memory.md")
     best = _best_baseline_after(results)
     if ctl.spares or ctl.store != "dedicated":
         print(f"{ctl.spares} {'warm' if ctl.warm else 'cold'} spares a row (join {ctl.join_s:g} s), store {ctl.store} "

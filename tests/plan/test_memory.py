@@ -117,3 +117,26 @@ def test_the_partitioners_activations_are_the_stages_exactly(seed):
                 for j in range(i + 1, n + 1):
                     want = m.activation_bytes(i, j, min(stages - s, 5), 5, i == 0, j == n)
                     assert fn(s, i, j) * MIB == pytest.approx(want), (s, i, j)
+
+
+@pytest.mark.parametrize("holders", [1, 2, 4])
+def test_the_bytes_per_parameter_table_adds_up_to_what_a_rank_holds(holders):
+    """plan/memory.bytes_per_parameter, the table of what each byte is for, against rank_bytes on a
+    real plan: a rank's layers, optimizer and snapshots are its held values times the table's
+    per-parameter bytes (one chunk a layer, no padding)."""
+    from elaswave.plan.memory import MemoryModel, bytes_per_parameter, rank_bytes
+    from elaswave.plan.plan import initial_plan
+
+    numel = 1 << 12
+    model = MemoryModel(layer_numels=(numel,) * 4, layer_activation_bytes=(0.0,) * 4, boundary_bytes=0.0,
+                        param_bytes=2, sum_bytes=4, chunk_numel=numel // holders, snapshot_copies=1)
+    plan = initial_plan(2 * holders, holders, 2, [1.0] * 4, 2 * holders, [numel] * 4, numel // holders)
+    table = bytes_per_parameter(model, holders)
+    got = rank_bytes(model, plan, plan.pipelines[0][0])
+    held = 2 * numel  # two layers a stage
+    parts = {"layers": ("weights", "gradient", "gradient sum", "weight-decay mask"),
+             "optimizer": ("optimizer (master, moments)", "optimizer, the generation before (a step can be redone)",
+                           "optimizer's float32 decay mask"),
+             "snapshots": ("snapshot sent", "snapshots kept for peers (on the device)")}
+    for part, rows in parts.items():
+        assert got[part] == pytest.approx(held * sum(table[r] for r in rows)), part
