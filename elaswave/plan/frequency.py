@@ -32,7 +32,7 @@ Why search the step time. Fixing the step time ``T`` makes everything else local
 Options. A pipeline's stages with equal times are interchangeable, so an option is a count of
 stages per level for each distinct time. Up to ``ENUMERATE_MAX`` such options they are all tried:
 the plan is then exact (brute force over every level of every stage agrees, in tests). Above it
-(a 48-stage pipeline has millions), for every slowest-stage bound ``B`` (a stage time over a level)
+(a 48-stage pipeline has millions), for every slowest-stage bound ``B`` (a stage time over a level's speed)
 every stage starts at the lowest level that meets ``B``, and stages are raised one level at a time,
 the cheapest watts per second of fill saved first: the LP relaxation's chain, so each option on it
 is the least power for its sum up to one stage's raise. Above ``CHAIN_MAX`` options in all (10^5
@@ -112,10 +112,11 @@ its released data; docs/frequency_model.md, ``bench/sim/clock_fit.py`` refits it
 ``0.38 + 0.62 f^3.5`` of the power at the top clock, time ``0.78 / f + 0.22`` of its time."""
 
 CLOCKS = {"boost": SOURCED, "sustained": replace(SOURCED, levels=(0.6, 0.7, 0.8, 0.9, 1.0))}
-"""The simulator's frequency models (sources: docs/frequency_model.md). ``boost``: up to 1.2x
-nominal when lowered stages pay for it within the cap (devices power-capped below their top
-clock); ``sustained``: nominal is the top clock devices already hold under load, so a plan can
-only lower waiting stages: energy, never speed."""
+"""The simulator's frequency models (sources: docs/frequency_model.md). ``sustained``: nominal is
+the top clock devices already hold under load (the fit's 1.0), so a plan can only lower waiting
+stages: energy, never speed. ``boost``: levels up to 1.2x nominal when lowered stages pay for it
+within the cap, for devices power-capped below their top clock -- the fitted curves carried past
+1.0, where nothing was measured (power 1.55 at 1.2 is an extrapolation)."""
 
 
 @dataclass(frozen=True)

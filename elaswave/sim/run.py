@@ -204,9 +204,13 @@ def run(args) -> int:
     duration_s = 3600.0 * (args.hours if args.hours is not None else (1.0 if single else 24.0))
     try:
         events = _events(args, plan, duration_s)
-        trace.check(events, dp * pp)
     except trace.TraceError as exc:
         raise ConfigError(str(exc)) from None
+    try:
+        trace.check(events, dp * pp)
+    except trace.TraceError as exc:
+        seen = f" (as its TP groups of {args.tp} GPUs see it: a group is down while any of its GPUs is)" if args.tp > 1 else ""
+        raise ConfigError(f"{exc}{seen}") from None
     costs = policies.BaselineCosts()
 
     def rows(power):
@@ -303,7 +307,8 @@ def run(args) -> int:
                   f"{_span(b.get('after_over_best_baseline_after'))}  goodput{_span(b.get('goodput'))}")
     if calibration is not None:
         print(f"calibration error ({calibration.source}, {calibration.runs} held-out runs): after/before +-"
-              f"{100 * calibration.ratio:.1f} %, step times +-{100 * calibration.step:.1f} %, as measured at 4-16 ranks")
+              f"{100 * calibration.ratio:.1f} %, step times +-{100 * calibration.step:.1f} %, as measured at 4-16 ranks; "
+              "not for reroute, whose lower bound was never checked against a run")
     if "reroute" in results:
         print("reroute (ReCycle): its schedule is not modelled; priced at its routes' lower bound (the busiest "
               "device's own and rerouted work plus its fill and drain), relative to the same bound before the failure")
@@ -339,8 +344,10 @@ def _absolute(r: PolicyResult, micro_batches: int, tokens_per_micro_batch: int) 
 
 
 def _plus_minus(r: PolicyResult, micro_batches: int, tokens: int, cal) -> dict | None:
-    """Each figure's +- from the calibration's largest held-out relative error (None: no calibration)."""
-    if cal is None:
+    """Each figure's +- from the calibration's largest held-out relative error (None: no
+    calibration, or a policy priced at its lower bound: the calibration checked the schedules the
+    runtime runs, not the bound)."""
+    if cal is None or policies.make_class(r.policy).schedule == "lower_bound":
         return None
     fig = _absolute(r, micro_batches, tokens)
     ratio = r.throughput_after_over_before

@@ -56,12 +56,13 @@ def cluster(m: ModelConfig, micro_batch_size: int = 1, hw: Hardware = Hardware()
     return replace(model, layer_tp_s=tuple(ring * n for n in tp_all_reduces(len(costs))))
 
 
-def tp_all_reduces(num_layers: int) -> list[int]:
-    """All-reduces (with sequence parallelism: a reduce-scatter and an all-gather, the same bytes)
-    of one micro-batch's activation per layer in the forward, as Megatron splits them: the
-    vocabulary-parallel embedding's output, a block's attention and MLP outputs, and the head's
-    input (its vocabulary-parallel loss sums only per-token scalars)."""
-    return [1] + [2] * (num_layers - 2) + [1]
+def tp_all_reduces(num_layers: int) -> list[float]:
+    """One micro-batch's activation moved inside the TP group per layer in the forward, in
+    all-reduces' worth, as Megatron splits layers with sequence parallelism (a reduce-scatter or
+    an all-gather moves half an all-reduce's bytes): the embedding's output reduce-scattered (1/2),
+    a block's attention and MLP each gathering their input and reduce-scattering their output (2),
+    the head gathering its input (1/2; its vocabulary-parallel loss sums only per-token scalars)."""
+    return [0.5] + [2.0] * (num_layers - 2) + [0.5]
 
 
 def ring_all_reduce_s(n: int, nbytes: float, latency_s: float, bytes_per_s: float) -> float:
