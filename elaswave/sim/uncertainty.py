@@ -54,7 +54,7 @@ def band(values) -> tuple[float, float] | None:
 
 
 @dataclass(frozen=True)
-class CalibrationError:
+class HeldOutErrors:
     ratio: float
     """The largest held-out relative error of the predicted after/before ratio."""
     step: float
@@ -64,7 +64,7 @@ class CalibrationError:
     """Held-out runs the errors come from."""
 
 
-def calibration_error(path: str) -> CalibrationError:
+def calibration_error(path: str) -> HeldOutErrors:
     """The held-out errors in a calibration results file (``bench/results/sim_calibration*.json``):
     rows fitted on (``fit``, ``(fit)``) and link runs are left out. Raises ValueError naming what
     is wrong with the file."""
@@ -81,4 +81,4 @@ def calibration_error(path: str) -> CalibrationError:
     step = [abs(q[k]["error"]) for q in held.values() for k in ("step_before_s", "step_after_s") if k in q]
     if not ratio or not step:
         raise ValueError(f"--calibration={path} holds no held-out after_over_before and step-time errors")
-    return CalibrationError(max(ratio), max(step), str(path), len(held))
+    return HeldOutErrors(max(ratio), max(step), str(path), len(held))

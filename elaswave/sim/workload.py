@@ -10,7 +10,7 @@ from dataclasses import dataclass, replace
 
 from elaswave.model.config import PRESETS, ModelConfig, preset
 from elaswave.model.registry import family
-from elaswave.sim.model import ClusterModel
+from elaswave.sim.model import ClusterModel, ring_s
 
 MODELS: dict[str, ModelConfig] = {name: preset(name) for name in PRESETS}
 
@@ -52,7 +52,8 @@ def cluster(m: ModelConfig, micro_batch_size: int = 1, hw: Hardware = Hardware()
         intra_node_bytes_per_s=hw.intra_node_gb_s * 1e9, inter_node_bytes_per_s=hw.inter_node_gb_s * 1e9)
     if tp == 1:
         return model
-    ring = ring_all_reduce_s(tp, activation, model.intra_node_latency_s, model.intra_node_bytes_per_s)
+    # An all-reduce is a ring reduce-scatter and a ring all-gather.
+    ring = 2 * ring_s(tp, activation, model.intra_node_latency_s, model.intra_node_bytes_per_s)
     return replace(model, layer_tp_s=tuple(ring * n for n in tp_all_reduces(len(costs))))
 
 
@@ -64,10 +65,6 @@ def tp_all_reduces(num_layers: int) -> list[float]:
     the head gathering its input (1/2; its vocabulary-parallel loss sums only per-token scalars)."""
     return [0.5] + [2.0] * (num_layers - 2) + [0.5]
 
-
-def ring_all_reduce_s(n: int, nbytes: float, latency_s: float, bytes_per_s: float) -> float:
-    """A ring all-reduce of ``nbytes`` over ``n`` GPUs: ``2 (n - 1)`` hops of an ``n``-th each."""
-    return 2 * (n - 1) * (latency_s + nbytes / n / bytes_per_s) if n > 1 else 0.0
 
 
 def choose_layout(devices: int, num_layers: int) -> tuple[int, int]:

@@ -9,7 +9,8 @@ from elaswave import cli
 from elaswave.plan.plan import initial_plan
 from elaswave.sim import trace
 from elaswave.sim.model import step_time
-from elaswave.sim.workload import MODELS, cluster, layer_numels, ring_all_reduce_s
+from elaswave.sim.model import ring_s
+from elaswave.sim.workload import MODELS, cluster, layer_numels
 
 
 def test_a_tp_group_computes_a_shard_and_pays_its_all_reduces():
@@ -19,7 +20,7 @@ def test_a_tp_group_computes_a_shard_and_pays_its_all_reduces():
     assert split.activation_bytes == pytest.approx(whole.activation_bytes / 8)
     assert split.layer_param_bytes == pytest.approx([b / 8 for b in whole.layer_param_bytes])
     assert split.devices_per_node == 1 and not whole.layer_tp_s
-    ring = ring_all_reduce_s(8, m.seq_len * m.d_model * 2, split.intra_node_latency_s, split.intra_node_bytes_per_s)
+    ring = 2 * ring_s(8, m.seq_len * m.d_model * 2, split.intra_node_latency_s, split.intra_node_bytes_per_s)
     assert split.layer_tp_s[0] == pytest.approx(ring / 2) and split.layer_tp_s[1] == pytest.approx(2 * ring)
     # The all-reduces are part of each stage's time: the same plan is slower with them than its shards alone.
     plan = initial_plan(8, 2, 4, list(split.layer_forward_s), 16, layer_numels(m), 1 << 24)
