@@ -5,10 +5,11 @@ table:    the default job (the tiny Llama) in three layouts and modes, as real r
           the step's start plus the CPU allocator's peak through torch.profiler) beside the memory
           model's prediction by part; and, in bf16, the optimizer-state bytes each rank holds
           against 12 bytes x its ZeRO share (goal: equal, padding included).
-survival: llama3-70b in bf16 on 80 GiB devices (the model's shapes on the meta device, activations
-          priced as the fused attention kernel keeps them; no allowance for the CUDA context, NCCL
-          or fragmentation): which dp x pp layouts start, and what losing each stage of a pipeline
-          leads to (re-partitions / stands by / stops), by activation checkpointing.
+survival: llama3-70b in bf16 on 80 GiB devices, 8 GiB of them kept for the CUDA context, NCCL and
+          fragmentation as the simulator's --reserve-gib does (the model's shapes on the meta device,
+          activations priced as the fused attention kernel keeps them): which dp x pp layouts start,
+          and what losing each stage of a pipeline leads to (re-partitions / stands by / stops), by
+          activation checkpointing.
 Results: bench/results/memory_{table,survival}.json.
 """
 from __future__ import annotations
@@ -18,6 +19,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository: bench.common
 from bench.common import bench_args, run_job, write_named  # noqa: E402
+from elaswave.plan.memory import OPTIMIZER_BYTES, STATE_BYTES  # noqa: E402
 
 LAYOUTS = [
     ("2x2 fp32 fast", ["parallel.dp=2", "parallel.pp=2"], False),
@@ -25,6 +27,10 @@ LAYOUTS = [
      ["parallel.dp=1", "parallel.pp=3", "train.precision=bf16", "train.activation_checkpointing=full"], True),
     ("4x1 bf16 fast, every_2", ["parallel.dp=4", "parallel.pp=1", "train.precision=bf16",
                                 "train.activation_checkpointing=every_2"], False),
+    # Wide enough that chunk padding is a small part of a rank's bytes: its bytes per parameter
+    # are the table's (docs/memory.md, on a CPU).
+    ("4x1 bf16 fast, d_model=256", ["parallel.dp=4", "parallel.pp=1", "train.precision=bf16", "model.d_model=256",
+                                    "model.ffn_dim=1024", "train.activation_checkpointing=full"], False),
 ]
 COMMON = ["train.steps=5", "train.measure_memory_step=3", "data.max_corpus_bytes=100000"]
 SURVIVAL = ["model.preset=llama3-70b", "train.precision=bf16", "train.micro_batch_size=1",
@@ -44,10 +50,19 @@ def table() -> dict:
                          "measured_at_step_start_bytes": measured["before_bytes"],
                          "ratio": p["total"] / measured["peak_bytes"],
                          # One generation of master + moments against 12 B x the ZeRO slot (what the model counts).
-                         "state_bytes_measured": state + master, "state_bytes_predicted": p["optimizer"] * 12 / 28})
+                         "state_bytes_measured": state + master,
+                         "state_bytes_predicted": p["optimizer"] * STATE_BYTES / OPTIMIZER_BYTES,
+                         # Static bytes per held parameter: what is alive at the step's start less
+                         # the corpus, against the model's layers + optimizer + snapshots.
+                         "static_bytes_per_parameter_measured": (measured["before_bytes"] - p["data"])
+                         / measured["held_values"],
+                         "static_bytes_per_parameter_predicted": (p["layers"] + p["optimizer"] + p["snapshots"])
+                         / measured["held_values"]})
             print(f"{name:45s} rank {rank}: predicted {p['total'] / 2**20:6.2f} MiB (activations "
                   f"{p['activations'] / 2**20:5.2f}), measured {measured['peak_bytes'] / 2**20:6.2f} MiB, "
-                  f"ratio {rows[-1]['ratio']:.3f}", flush=True)
+                  f"ratio {rows[-1]['ratio']:.3f}; static bytes per parameter predicted "
+                  f"{rows[-1]['static_bytes_per_parameter_predicted']:.2f}, measured "
+                  f"{rows[-1]['static_bytes_per_parameter_measured']:.2f}", flush=True)
     worst = max(abs(r["ratio"] - 1) for r in rows)
     print(f"table: worst |predicted/measured - 1| = {100 * worst:.1f} % over {len(rows)} ranks (goal <= 15 %)")
     return {"rows": rows, "worst_abs_error": worst, "within_15_percent": worst <= 0.15}
@@ -57,7 +72,7 @@ def survival() -> dict:
     from elaswave.sim.memory import survival as survive
     out = {}
     for ac in ("none", "every_2", "full"):
-        rows = survive([*SURVIVAL, f"train.activation_checkpointing={ac}"], SURVIVAL_LAYOUTS, 80 * 1024)
+        rows = survive([*SURVIVAL, f"train.activation_checkpointing={ac}"], SURVIVAL_LAYOUTS, (80 - 8) * 1024)
         out[ac] = rows
         for r in rows:
             what = (f"peak {r['peak_gib']:.1f} GiB; after losing one stage: {r['after_loss']}"

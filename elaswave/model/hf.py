@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import contextlib
 import json
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable
+from typing import Callable, Iterable
 
 import torch
 from torch import nn
@@ -55,14 +56,19 @@ class HFWeights:
         with torch.device("meta"):
             for i in range(model.num_layers):
                 skip = {t.user_param for t in model.ties if t.user == i}
-                self._visit(model.build_layer(i, 0, init=False), i, model.num_layers, skip, load=False)
+                cut = model.hf_cut if hasattr(model, "hf_cut") else None  # a tensor-parallel shard's part
+                self._visit(model.build_layer(i, 0, init=False), i, model.num_layers, skip, load=False, cut=cut)
 
-    def load_layer(self, layer: nn.Module, index: int, num_layers: int, skip: Iterable[str] = ()) -> None:
-        """Copy this layer's tensors from disk into ``layer`` (its own tensors only)."""
+    def load_layer(self, layer: nn.Module, index: int, num_layers: int, skip: Iterable[str] = (),
+                   cut: Callable[[str, tuple[int, ...]], Cut | None] | None = None) -> None:
+        """Copy this layer's tensors from disk into ``layer`` (its own tensors only). ``cut(name,
+        shape on disk)``: the part of a tensor ``layer`` holds (a tensor-parallel shard), read from
+        the file as that slice alone."""
         with torch.no_grad():
-            self._visit(layer, index, num_layers, set(skip), load=True)
+            self._visit(layer, index, num_layers, set(skip), load=True, cut=cut)
 
-    def _visit(self, layer: nn.Module, index: int, num_layers: int, skip: set[str], load: bool) -> None:
+    def _visit(self, layer: nn.Module, index: int, num_layers: int, skip: set[str], load: bool,
+               cut: Callable[[str, tuple[int, ...]], Cut | None] | None = None) -> None:
         """Each of the layer's parameters (but ``skip``) found on disk with its shape, and copied in
         with ``load``; one file opened once for all the tensors it holds."""
         where = f"model.init_from={str(self.path)!r}"
@@ -73,20 +79,50 @@ class HFWeights:
             key = hf_name(index, num_layers, name)
             if key not in self.files:
                 raise HFError(f"{where}: tensor {key} (layer {index}) is missing")
-            by_file.setdefault(self.files[key], []).append((key, p))
+            by_file.setdefault(self.files[key], []).append((key, name, p))
         for f, items in by_file.items():
             if not f.is_file():
                 raise HFError(f"{where}: {f.name}, named in {INDEX}, does not exist")
             with _opened(f, str(self.path)) as fh:
-                for key, p in items:
+                for key, name, p in items:
                     shape = tuple(fh.get_slice(key).get_shape())
-                    if shape != tuple(p.shape):
-                        raise HFError(f"{where}: tensor {key} has shape {list(shape)}, the model expects {list(p.shape)}")
+                    part = cut(name, shape) if cut is not None else None
+                    held = shape if part is None else part.shape(shape)
+                    if held != tuple(p.shape):
+                        split = f" (cut {part.ways} ways: {list(held)})" if part is not None else ""
+                        raise HFError(f"{where}: tensor {key} has shape {list(shape)}{split}, the model expects "
+                                      f"{list(p.shape)}")
                     if load:
                         try:
-                            p.copy_(fh.get_tensor(key).to(p.dtype))
+                            p.copy_((fh.get_tensor(key) if part is None else part.read(fh.get_slice(key), shape))
+                                    .to(p.dtype))
                         except Exception as exc:  # safetensors' own errors: a file cut short after its header
                             raise HFError(f"{where}: {f.name} cannot be read ({exc}); is it truncated?") from None
+
+
+@dataclass(frozen=True)
+class Cut:
+    """Rows or columns [start, end) of a tensor along ``dim``, zero rows past its end up to
+    ``end`` (a padded vocabulary), taken ``ways`` ways (a tensor-parallel shard)."""
+    dim: int
+    start: int
+    end: int
+    ways: int
+
+    def shape(self, whole: tuple[int, ...]) -> tuple[int, ...]:
+        out = list(whole)
+        out[self.dim] = self.end - self.start
+        return tuple(out)
+
+    def read(self, sliced, whole: tuple[int, ...]) -> torch.Tensor:
+        """This part from a ``safe_open`` slice: only its own bytes are read."""
+        stop = min(self.end, whole[self.dim])
+        index = tuple([slice(None)] * self.dim + [slice(self.start, stop)])
+        t = sliced[index] if stop > self.start else torch.zeros(self.shape(whole)[:self.dim] + (0,) + whole[self.dim + 1:])
+        pad = self.end - max(stop, self.start)
+        if pad:
+            t = torch.cat([t, t.new_zeros(*t.shape[:self.dim], pad, *t.shape[self.dim + 1:])], dim=self.dim)
+        return t
 
 
 @contextlib.contextmanager

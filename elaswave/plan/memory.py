@@ -3,16 +3,21 @@
 What a rank holds, and why each term has the size it has:
 
 - *layers*: every layer it holds (its stage's range and tie owners) as one flat vector in the
-  compute dtype, its flat gradient of the same dtype, a gradient sum (deterministic mode: int64
-  fixed point; a bfloat16 layer in fast mode: float32; a float32 layer in fast mode sums into its
-  gradient), a one-byte weight-decay mask, and a gradient for each tied use of another layer's tensor.
+  compute dtype, its gradient sum (deterministic mode: int64 fixed point beside a flat gradient of
+  the compute dtype; fast mode: float32 -- a bfloat16 layer's gradients are added into it as
+  autograd writes them, no bfloat16 flat gradient kept; a float32 layer's sum is its gradient),
+  and a gradient for each tied use of another layer's tensor where a flat gradient is kept.
 - *optimizer*: its ZeRO share of each holder group it is in -- float32 master, exp_avg and
-  exp_avg_sq (12 bytes a value), twice (the generation before is kept to redo a step), and the
-  float32 weight-decay mask: 28 bytes per value of its slot, chunk padding included.
+  exp_avg_sq (12 bytes a value), twice (the generation before is kept to redo a step; on a GPU in
+  pinned host memory), and a one-byte weight-decay mask: 25 bytes per value of its slot (13 on a
+  GPU's device), chunk padding included.
 - *snapshots*: its own outgoing message (its state, 12 bytes a value) and, of each rank whose
   snapshot it keeps, the generation at rest, the next one arriving and a spare buffer (3 x 12; on
   a GPU the ones kept go to host memory, and the device holds only the one arriving).
 - *data*: the token corpus, on the first and the last stage (they read the inputs and the targets).
+- *update*: after the backward, the reduce's copy of the sums, the reduced gradient and Adam's
+  temporaries, the all-gather's bucket (:meth:`MemoryModel.update_bytes`); the activations are
+  gone by then, so the peak is the larger of the two.
 - *activations*: under 1F1B, stage ``s`` of ``S`` has ``min(S - s, M)`` micro-batches between their
   forward and their backward; each keeps what autograd saved of every layer (measured by the model
   contract), or only its input for a layer that is recomputed; the micro-batch in its backward holds
@@ -30,7 +35,8 @@ from typing import Callable, Mapping, Sequence
 
 MIB = 2 ** 20
 STATE_BYTES = 12  # float32 master, exp_avg, exp_avg_sq
-OPTIMIZER_BYTES = 2 * STATE_BYTES + 4  # two generations and the float32 decay mask
+MASK_BYTES = 1  # the optimizer slot's weight-decay mask (bool)
+OPTIMIZER_BYTES = 2 * STATE_BYTES + MASK_BYTES  # two generations and the decay mask
 SNAPSHOT_COPIES = 3  # a peer's generation at rest, the next one arriving, a spare buffer
 
 
@@ -58,6 +64,13 @@ class MemoryModel:
     one arriving only."""
     data_bytes: float = 0.0
     """The token corpus, in memory on a stage that reads batches (the first and the last)."""
+    grad_bytes: int | None = None
+    """Bytes per value of the flat gradient kept beside the sum: 0 where autograd's gradients go
+    straight into the sum (fast mode, bfloat16); None: ``param_bytes``."""
+    reduce_whole: bool = False
+    """gloo: the reduce-scatter is an all-reduce, so every holder gets the whole reduced bucket."""
+    generation_before_to_host: bool = False
+    """On a GPU the optimizer's generation before waits in pinned host memory: not on the device."""
 
     def to_doc(self) -> dict:
         doc = {f.name: getattr(self, f.name) for f in fields(self)}
@@ -71,6 +84,34 @@ class MemoryModel:
         out["recomputed"] = frozenset(doc["recomputed"])
         return MemoryModel(**out)
 
+    @property
+    def gradient_bytes(self) -> int:
+        return self.param_bytes if self.grad_bytes is None else self.grad_bytes
+
+    @property
+    def value_bytes(self) -> int:
+        """Bytes a held layer's value costs: weight, flat gradient, gradient sum."""
+        return self.param_bytes + self.gradient_bytes + self.sum_bytes
+
+    def update_bytes(self, held: float, slot: float) -> float:
+        """Bytes alive beside the static state after the backward (the activations gone), for
+        ``held`` layer values and an optimizer slot of ``slot``, at the most of its phases: the
+        reduce (the sums packed into the bucket's layout: a copy; a reduce-scatter's slot out; in
+        deterministic mode the int64 result turned float through float64), the update (the
+        float32 reduced gradient kept, Adam's two slot-sized temporaries), the all-gather (the
+        bucket of parameters in the compute dtype and the shard cast to it)."""
+        summed = self.sum_bytes or self.param_bytes  # a float32 layer's sum is its gradient
+        reduced = held if self.reduce_whole else slot  # gloo: every holder gets the whole bucket
+        reduce = summed * held + (0 if self.reduce_whole else summed * slot)
+        if self.sum_bytes == 8:
+            reduce += (8 + 4) * reduced
+        return max(reduce, 4 * reduced + 8 * slot, self.param_bytes * (held + slot))
+
+    @property
+    def optimizer_bytes(self) -> int:
+        """Bytes per value of an optimizer slot on the device."""
+        return OPTIMIZER_BYTES - (STATE_BYTES if self.generation_before_to_host else 0)
+
     def peer_copies(self) -> int:
         """Buffers of the peer's snapshot this rank's device holds."""
         return 1 if self.snapshots_to_host else SNAPSHOT_COPIES
@@ -79,9 +120,9 @@ class MemoryModel:
         return sorted(set(range(start, end)) | {o for o, u in self.ties if start <= u < end})
 
     def layer_bytes(self, start: int, end: int) -> float:
-        per_value = 2 * self.param_bytes + self.sum_bytes + 1
         uses = sum(n for (o, u), n in zip(self.ties, self.tied_numels) if start <= u < end)
-        return per_value * sum(self.layer_numels[i] for i in self.held_layers(start, end)) + self.param_bytes * uses
+        return (self.value_bytes * sum(self.layer_numels[i] for i in self.held_layers(start, end))
+                + self.gradient_bytes * uses)
 
     def activation_bytes(self, start: int, end: int, in_flight: int, micro_batches: int, first: bool,
                          last: bool) -> float:
@@ -110,9 +151,9 @@ class MemoryModel:
         ``num_micro_batches``, its pipeline an even share of them (rounded up)."""
         n = len(self.layer_numels)
         micro_batches = -(-num_micro_batches // holders)
-        per_value = 2 * self.param_bytes + self.sum_bytes + 1
+        per_value = self.value_bytes
         kept = 1 + self.snapshot_copies * self.peer_copies()
-        share = (OPTIMIZER_BYTES + (kept * STATE_BYTES if self.snapshots else 0)) / holders
+        share = (self.optimizer_bytes + (kept * STATE_BYTES if self.snapshots else 0)) / holders
         kept = [self.boundary_bytes if i in self.recomputed else self.layer_activation_bytes[i] for i in range(n)]
         values, acts = [0.0], [0.0]
         for i in range(n):
@@ -145,9 +186,10 @@ class MemoryModel:
             sent = micro_batches * self.boundary_bytes * ((end < n) + (start > 0))
             in_flight = min(num_stages - stage, num_micro_batches)
             data = self.data_bytes if start == 0 or end == n else 0.0
-            return (held * per_value + shared * share + self.param_bytes * uses + data
-                    + (in_flight - 1) * (acts[end] - acts[start]) + sent
-                    + max(acts[end], recompute_peak(start, end)) - acts[start]) / MIB
+            activations = ((in_flight - 1) * (acts[end] - acts[start]) + sent
+                           + max(acts[end], recompute_peak(start, end)) - acts[start])
+            return (held * per_value + shared * share + self.gradient_bytes * uses + data
+                    + max(activations, self.update_bytes(held, shared / holders))) / MIB
         return memory
 
 
@@ -159,12 +201,12 @@ def bytes_per_parameter(model: MemoryModel, holders: int) -> dict[str, float]:
     kept = model.snapshot_copies * model.peer_copies() if model.snapshots else 0
     return {
         "weights": float(model.param_bytes),
-        "gradient": float(model.param_bytes),
+        "gradient": float(model.gradient_bytes),
         "gradient sum": float(model.sum_bytes),
-        "weight-decay mask": 1.0,
         "optimizer (master, moments)": STATE_BYTES / holders,
-        "optimizer, the generation before (a step can be redone)": STATE_BYTES / holders,
-        "optimizer's float32 decay mask": (OPTIMIZER_BYTES - 2 * STATE_BYTES) / holders,
+        "optimizer, the generation before (a step can be redone)": (
+            0.0 if model.generation_before_to_host else STATE_BYTES) / holders,
+        "optimizer's decay mask": MASK_BYTES / holders,
         "snapshot sent": (STATE_BYTES if model.snapshots else 0) / holders,
         "snapshots kept for peers (on the device)": STATE_BYTES * kept / holders,
     }
@@ -178,7 +220,7 @@ def rank_bytes(model: MemoryModel, plan, rank: int) -> dict[str, float]:
     depth = len(plan.pipelines[d])
     mbs = len(plan.micro_batches[d])
     out = {"layers": model.layer_bytes(start, end)}
-    out["optimizer"] = OPTIMIZER_BYTES * _slot_values(model, plan, rank)
+    out["optimizer"] = model.optimizer_bytes * _slot_values(model, plan, rank)
     if model.snapshots and len(plan.ranks) > 1:
         peers = sum(len(plan.chunks_of(owner)) for owner in plan.snapshot_owners(rank))
         out["snapshots"] = STATE_BYTES * model.chunk_numel * (len(plan.chunks_of(rank)) + model.peer_copies() * peers)
@@ -187,7 +229,11 @@ def rank_bytes(model: MemoryModel, plan, rank: int) -> dict[str, float]:
     out["data"] = model.data_bytes if s in (0, depth - 1) else 0.0
     out["activations"] = (model.activation_bytes(start, end, min(depth - s, mbs), mbs, s == 0, s == depth - 1)
                           if mbs else 0.0)
-    out["total"] = sum(out.values())
+    # After the backward the activations are gone and the reduce packs the sums: one or the other.
+    out["update"] = model.update_bytes(sum(model.layer_numels[i] for i in model.held_layers(start, end)),
+                                       _slot_values(model, plan, rank))
+    out["total"] = sum(v for k, v in out.items() if k not in ("activations", "update")) + max(
+        out["activations"], out["update"])
     return out
 
 

@@ -43,10 +43,13 @@ def job_memory_model(cfg: JobConfig, model: Model, dtype: torch.dtype, device: t
         layer_activation_bytes=tuple(float(b) for b in saved_activation_bytes(model, t.micro_batch_size, dtype, fused)),
         boundary_bytes=float(t.micro_batch_size * model.seq_len * model.hidden_size * itemsize),
         param_bytes=itemsize, sum_bytes=sums, chunk_numel=cfg.parallel.chunk_numel,
+        grad_bytes=0 if sums == 4 else itemsize,  # fast bfloat16: gradients go straight into the sum
         ties=ties, tied_numels=tuple(shapes[p] for p in ties),
         recomputed=frozenset(i for i in range(model.num_layers) if t.checkpointed(i, model.num_layers)),
         snapshots=cfg.elastic.enabled and cfg.elastic.snapshots, snapshot_copies=cfg.elastic.snapshot_copies,
         snapshots_to_host=device.type == "cuda",
+        generation_before_to_host=device.type == "cuda",
+        reduce_whole=device.type != "cuda",  # gloo off a GPU: the reduce-scatter is an all-reduce
         data_bytes=float(corpus_bytes(cfg.data)))
 
 

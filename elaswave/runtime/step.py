@@ -126,6 +126,7 @@ def train_step(st: RankState, cfg: JobConfig, step: int, pool: SnapshotPool | No
     st.optimizer.step(grads, step, lr, coef)
     fault(step, "optimizer")
     lap("optimizer")
+    reduced = grads = None  # not alive beside the all-gather's bucket
     gather_params(st)
     lap("gather")
 
@@ -157,8 +158,7 @@ def gather_params(st: RankState) -> None:
     by_index = {l.index: l for l in st.stage.layers}
     with torch.no_grad():
         for b, g, shard in zip(st.buckets, st.groups, st.optimizer.params):
-            for i, flat in zip(b.layers, reduce.all_gather(b, shard.to(by_index[b.layers[0]].flat.dtype), g)):
-                by_index[i].flat.copy_(flat)
+            reduce.all_gather(b, shard.to(by_index[b.layers[0]].flat.dtype), g, [by_index[i].flat for i in b.layers])
 
 
 def gather_masters(st: RankState) -> None:

@@ -118,7 +118,8 @@ def run(cfg: JobConfig, rank: int, world_size: int, metrics_out: str | None) -> 
                     if step == t.measure_memory_step:
                         result, before, peak = measure_peak(one_step, device)
                         ctx.measured_memory = {"step": step, "before_bytes": before, "peak_bytes": peak,
-                                               "predicted": rank_bytes(ctx.memory_model, st.plan, rank)}
+                                               "predicted": rank_bytes(ctx.memory_model, st.plan, rank),
+                                               "held_values": sum(layer.numel for layer in st.stage.layers)}
                     else:
                         result = one_step()
                     for what in ctx.injector.flips(step):

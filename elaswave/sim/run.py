@@ -15,6 +15,8 @@ from elaswave.sim import control, engine, policies, trace, uncertainty
 from elaswave.sim.engine import PolicyResult, simulate
 from elaswave.sim.workload import MODELS, Hardware, choose_layout, cluster, layer_numels
 
+DEVICE_GIB = 80.0  # every GPU preset's device (H100, A100 80 GB): what a plan must fit unless told otherwise
+
 
 def add_arguments(ap) -> None:
     ap.add_argument("--devices", type=int, required=True,
@@ -58,9 +60,10 @@ def add_arguments(ap) -> None:
     ap.add_argument("--calibration", metavar="FILE.json",
                     help="a calibration results file (bench/results/sim_calibration.json): every ratio and step time "
                          "also printed with its largest held-out prediction error")
-    ap.add_argument("--device-gib", type=float, default=0.0,
+    ap.add_argument("--device-gib", type=float, default=DEVICE_GIB,
                     help="device memory: every plan, first and after each failure, keeps each device's modelled peak "
-                         "within it (elaswave/plan/memory.py, bf16, --micro-batch-size sequences); 0: no limit")
+                         "within it (elaswave/plan/memory.py, bf16, --micro-batch-size sequences); without --dp and "
+                         f"--pp the layout is the first that fits (default {DEVICE_GIB:g}: an H100/A100's; 0: no limit)")
     ap.add_argument("--reserve-gib", type=float, default=8.0,
                     help="with --device-gib: memory no plan may use, for the CUDA context, NCCL's buffers and the "
                          "allocator's fragmentation (default 8, an assumption: 10 %% of 80 GiB)")
@@ -78,8 +81,10 @@ def add_arguments(ap) -> None:
     ap.add_argument("--plot", metavar="FILE.png", help="also draw throughput over time, goodput and time lost per failure")
 
 
-def _layout(args) -> tuple[int, int]:
-    """(dp, pp) of the plan, whose devices are TP groups (``--devices / --tp`` of them)."""
+def _layouts(args) -> list[tuple[int, int]]:
+    """(dp, pp) of the plan, whose devices are TP groups (``--devices / --tp`` of them): the one
+    asked for, or -- neither --dp nor --pp given -- the preferred layout (workload.choose_layout)
+    followed by the deeper pipelines that also divide the groups, for when it does not fit."""
     num_layers = MODELS[args.model].num_layers
     if args.tp < 1 or args.gpus_per_node < 1 or args.gpus_per_node % args.tp or args.devices % args.tp:
         raise ConfigError(f"--tp={args.tp} is invalid with --gpus-per-node={args.gpus_per_node} and --devices="
@@ -100,7 +105,9 @@ def _layout(args) -> tuple[int, int]:
         raise ConfigError(f"--pp={pp} is invalid: {args.model} has {num_layers} layers")
     if dp * pp < 2:
         raise ConfigError(f"--devices={args.devices} is invalid with --tp={args.tp}: need at least 2 TP groups")
-    return dp, pp
+    if args.dp or args.pp:
+        return [(dp, pp)]
+    return [(dp, pp)] + [(groups // d, d) for d in range(pp + 1, min(num_layers, groups // 2) + 1) if groups % d == 0]
 
 
 def _memory(args, micro_batches: int):
@@ -156,9 +163,10 @@ def run(args) -> int:
                               "name elaswave_no_dvfs, or drop --no-dvfs")
         names = list(dict.fromkeys(n for n in names if n != "elaswave"))
     ctl = _control(args, names)
-    dp, pp = _layout(args)
+    layouts = _layouts(args)
+    dp, pp = layouts[0]
     m_cfg = MODELS[args.model]
-    m = args.micro_batches or 2 * pp * dp
+    m = args.micro_batches or 2 * pp * dp  # the same for every candidate layout: dp x pp is the groups
     if m < dp:
         raise ConfigError(f"--micro-batches={m} is invalid: need at least one per pipeline ({dp})")
     if args.micro_batch_size < 1:
@@ -184,22 +192,36 @@ def run(args) -> int:
     model = replace(cluster(m_cfg, args.micro_batch_size, hw, args.tp), power=power)
     memory = _memory(args, m) if args.device_gib else None
     usable_gib = args.device_gib - args.reserve_gib if memory is not None else 0.0
-    try:
-        plan = initial_plan(dp * pp, dp, pp, [float(c) for c in model.layer_forward_s], m,
-                            [-(-n // args.tp) for n in layer_numels(m_cfg)], chunk_numel=1 << 24,
-                            stage_memory_limit=1024 * usable_gib,
-                            memory=memory, units_per_micro_batch=1 if args.no_reshape else args.micro_batch_size)
-    except PlanError as exc:
-        if memory is None:
-            raise ConfigError(f"the initial layout: {exc}") from None
-        need = least_memory(m_cfg.num_layers, pp, memory.stage_memory(pp, dp, m)) / 1024 + args.reserve_gib
-        other = ["more stages", "--tp"] + (["--checkpointing full"] if args.checkpointing != "full" else []) + (
+    for dp, pp in layouts:  # the first that fits
+        try:
+            plan = initial_plan(dp * pp, dp, pp, [float(c) for c in model.layer_forward_s], m,
+                                [-(-n // args.tp) for n in layer_numels(m_cfg)], chunk_numel=1 << 24,
+                                stage_memory_limit=1024 * usable_gib, memory=memory,
+                                units_per_micro_batch=1 if args.no_reshape else args.micro_batch_size)
+            break
+        except PlanError as exc:
+            if memory is None:
+                raise ConfigError(f"the initial layout: {exc}") from None
+            if (dp, pp) == layouts[0]:
+                failure = exc
+            continue
+    else:
+        # The layout that needs least (the deepest, mostly) is what the message names.
+        need, dp, pp = min((least_memory(m_cfg.num_layers, p, memory.stage_memory(p, d, m)) / 1024 + args.reserve_gib,
+                            d, p) for d, p in layouts)
+        if need <= args.device_gib:  # not memory: the preferred layout failed for its own reason
+            raise ConfigError(f"the initial layout: {failure}") from None
+        other = (["more stages"] if len(layouts) == 1 else []) + ["--tp"] + (
+            ["--checkpointing full"] if args.checkpointing != "full" else []) + (
             ["fewer sequences a micro-batch"] if args.micro_batch_size > 1 else [])
+        tried = (f" (of the layouts tried, pp={', '.join(str(p) for _, p in layouts)}, the one that needs least)"
+                 if len(layouts) > 1 else "")
+        ways = other[0] if len(other) == 1 else f"{', '.join(other[:-1])} or {other[-1]}"
         raise ConfigError(f"--device-gib={args.device_gib:g} is too small for dp={dp} x pp={pp}"
-                          f"{f' x tp={args.tp}' if args.tp > 1 else ''} ({args.model}, {args.micro_batch_size} sequences a "
-                          f"micro-batch, checkpointing {args.checkpointing}): its best partition needs {need:.1f} GiB a "
-                          f"GPU with the {args.reserve_gib:g} GiB reserve; give --device-gib {math.ceil(need)} or more, "
-                          f"or {', '.join(other[:-1])} or {other[-1]}") from None
+                          f"{f' x tp={args.tp}' if args.tp > 1 else ''}{tried} ({args.model}, {args.micro_batch_size} "
+                          f"sequence{'s' if args.micro_batch_size > 1 else ''} a micro-batch, checkpointing "
+                          f"{args.checkpointing}): its best partition needs {need:.1f} GiB a GPU with the "
+                          f"{args.reserve_gib:g} GiB reserve; give --device-gib {math.ceil(need)} or more, or {ways}") from None
     single = not (args.trace or args.mtbf_h)
     duration_s = 3600.0 * (args.hours if args.hours is not None else (1.0 if single else 24.0))
     try:
@@ -232,7 +254,7 @@ def run(args) -> int:
     bands = _bands(results, corners)
     gain_band = uncertainty.band([clock_gain] + [c[2] for c in corners]) if corners else None
     wall = time.perf_counter() - began
-    config = {"devices": args.devices, "dp": dp, "pp": pp, "tp": args.tp, "gpus_per_node": args.gpus_per_node,
+    config = {"devices": args.devices, "dp": dp, "pp": pp, "preferred_layout": list(layouts[0]), "tp": args.tp, "gpus_per_node": args.gpus_per_node,
               "model": args.model, "micro_batches": m,
               "micro_batch_size": args.micro_batch_size, "reshape": not args.no_reshape and args.micro_batch_size > 1,
               "device_gib": args.device_gib, "reserve_gib": args.reserve_gib if args.device_gib else None,
@@ -274,9 +296,12 @@ def run(args) -> int:
               f"{_span(gain_band)}; every row starts from it, a baseline keeps each stage's clock after a change")
     if memory is not None:
         peak = max(rank_bytes(memory, plan, r)["total"] for r in plan.ranks) / 2 ** 30
-        print(f"memory: modelled peak {peak:.1f} GiB of {args.device_gib:g} per GPU, {args.reserve_gib:g} GiB of it kept "
-              f"in reserve (bf16, checkpointing {args.checkpointing}); every re-plan keeps within the rest or stands "
-              "survivors by")
+        said = " (the default for GPU presets; --device-gib)" if args.device_gib == DEVICE_GIB else ""
+        moved = (f"; pp={pp}: the first layout that fits, from pp={layouts[0][1]} to deeper pipelines"
+                 if (dp, pp) != layouts[0] else "")
+        print(f"memory: modelled peak {peak:.1f} GiB of {args.device_gib:g}{said} per GPU, {args.reserve_gib:g} GiB of it "
+              f"kept in reserve (bf16, checkpointing {args.checkpointing}); every re-plan keeps within the rest or stands "
+              f"survivors by{moved}")
         per_param = sum(bytes_per_parameter(memory, dp).values())
         print(f"static bytes per parameter: {per_param:.2f} (Megatron's distributed optimizer: {6 + 12 / dp:.2f} at "
               f"dp={dp}); what each is for: docs/memory.md")

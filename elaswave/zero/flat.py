@@ -27,22 +27,51 @@ class FlatLayer:
         """Tied uses of this layer's tensors in other layers: (alias, offset in ``flat``). An alias
         shares the storage (so it always reads the current values) but has its own gradient, which
         the accumulator folds into this layer's sum as a gradient of its own."""
-        # Weight decay only on matrices (embeddings, linear weights), as GPT training does.
-        self.decay_mask = torch.cat([
-            torch.full((p.numel(),), p.dim() >= 2, dtype=torch.bool, device=p.device) for p in self.params])
+        # Weight decay only on matrices (embeddings, linear weights), as GPT training does: a rule
+        # per tensor, kept as (offset, numel) spans rather than a byte per value.
+        self.decay_spans = [(offset, p.numel()) for p, offset in zip(self.params, self.offsets.values())
+                            if p.dim() >= 2]
+        self._sum: torch.Tensor | None = None
         self._place(torch.cat([p.detach().reshape(-1) for p in self.params]))
 
     def _place(self, flat: torch.Tensor) -> None:
         """Make ``flat`` the storage of every parameter and tied use, with a zeroed flat gradient
-        of its dtype: autograd accumulates into the gradient views in place."""
+        of its dtype (autograd accumulates into the gradient views in place) -- or none, when the
+        gradients go straight into a sum (:meth:`sum_gradients_into`)."""
         self.flat = flat
-        self.grad = torch.zeros_like(flat)
+        self.grad = None if self._sum is not None else torch.zeros_like(flat)
         for p, offset in zip(self.params, self.offsets.values()):
             p.data = flat[offset:offset + p.numel()].view_as(p)
-            p.grad = self.grad[offset:offset + p.numel()].view_as(p)
+            p.grad = None if self.grad is None else self.grad[offset:offset + p.numel()].view_as(p)
         for alias, offset in self.uses:
             alias.data = flat[offset:offset + alias.numel()].view_as(alias)
-            alias.grad = torch.zeros_like(alias)
+            alias.grad = None if self.grad is None else torch.zeros_like(alias)
+
+    def sum_gradients_into(self, into: torch.Tensor) -> None:
+        """From now on each parameter's (and tied use's) gradient is added into its place in
+        ``into`` (the layer's float32 sum) as soon as autograd has written it, and freed: no flat
+        gradient of the compute dtype is kept, only one tensor's for a moment (Megatron's
+        ``main_grad``). Called again, it only changes the target (a new epoch's sums)."""
+        first = self._sum is None
+        self._sum = into
+        if first:
+            # The hooks hold only the sum's holder, never the layer: a hook on a parameter that
+            # reached back to its layer would be a cycle the garbage collector cannot see, and a
+            # layer dropped by a re-partition would stay in memory for good.
+            self._sink = sink = [into]
+            for p, offset in [*zip(self.params, self.offsets.values()), *self.uses]:
+                p.register_post_accumulate_grad_hook(_adder(sink, offset))
+        self._sink[0] = into
+        self._place(self.flat)
+
+    def decay_of(self, start: int, end: int) -> torch.Tensor:
+        """Which values of ``flat[start:end]`` decay (bool), from the rule per tensor."""
+        mask = torch.zeros(end - start, dtype=torch.bool, device=self.flat.device)
+        for offset, numel in self.decay_spans:
+            lo, hi = max(start, offset), min(end, offset + numel)
+            if lo < hi:
+                mask[lo - start:hi - start] = True
+        return mask
 
     def cast(self, dtype: torch.dtype) -> None:
         """Hold and compute in ``dtype`` (values rounded to it; gradients zeroed)."""
@@ -53,7 +82,10 @@ class FlatLayer:
         """A new use of parameter ``name`` elsewhere: a leaf aliasing it, with its own gradient."""
         p = dict(self.module.named_parameters())[name]
         alias = p.detach().requires_grad_(True)
-        alias.grad = torch.zeros_like(alias)
+        if self._sum is None:
+            alias.grad = torch.zeros_like(alias)
+        else:
+            alias.register_post_accumulate_grad_hook(_adder(self._sink, self.offsets[name]))
         self.uses.append((alias, self.offsets[name]))
         return alias
 
@@ -62,6 +94,15 @@ class FlatLayer:
         if flat.dtype == torch.bfloat16:  # numpy has no bfloat16; the bytes are the same
             flat = flat.view(torch.int16)
         return hashlib.sha256(flat.numpy().tobytes()).digest()
+
+
+def _adder(sink: list[torch.Tensor], offset: int):
+    """A post-accumulate-grad hook: the gradient autograd just wrote, added into ``sink[0]`` at
+    ``offset``, then freed."""
+    def add(t: torch.Tensor) -> None:
+        sink[0][offset:offset + t.numel()].add_(t.grad.reshape(-1))
+        t.grad = None
+    return add
 
 
 def params_sha256(layer_digests: list[bytes]) -> str:

@@ -34,6 +34,10 @@ def clip_coef(chunk_sumsq: Sequence[float], max_norm: float) -> tuple[float, flo
     return norm, min(1.0, max_norm / (norm + 1e-6))
 
 
+NORM_BLOCK = 1 << 18
+"""Values of a slot squared in float64 at once by the fast-mode norm (4 MiB of float64)."""
+
+
 class ShardedAdamW:
     """Owns, per bucket, this rank's slot as one float32 ``[3, slot_numel]`` tensor: master parameter
     shard, exp_avg, exp_avg_sq. It keeps two *generations* -- the state at the start of step ``gen`` and of the step
@@ -57,8 +61,15 @@ class ShardedAdamW:
                 if chunks is not None and (oc.layer, oc.chunk) in chunks:
                     state[:, oc.slot_offset:oc.slot_offset + b.chunk_numel] = chunks[(oc.layer, oc.chunk)]
             self.state.append(state)
-            self.decay.append(b.my_part(b.pack([by_index[i].decay_mask for i in b.layers], fill=False)).float())
-        self.prev = [torch.empty_like(s) for s in self.state]
+            # Which values of the slot decay, from each layer's rule per tensor (padding: none).
+            masks = [by_index[i].decay_of(0, by_index[i].numel) for i in b.layers]
+            self.decay.append(b.my_part(b.pack(masks, fill=False)).clone())
+        # The generation before is read only by a recovery: on a GPU it waits in pinned host
+        # memory (copied there on the compute stream, which the update then follows).
+        on_gpu = bool(self.state) and self.state[0].device.type == "cuda"
+        self.prev = [torch.empty(s.shape, dtype=s.dtype, pin_memory=True) if on_gpu else torch.empty_like(s)
+                     for s in self.state]
+        self._prev_copied = None
         self.prev_gen: int | None = None
         self._arriving: list[tuple[Callable[[], None], list[ChunkKey], torch.Tensor]] = []
 
@@ -112,9 +123,12 @@ class ShardedAdamW:
                     if (owned_only and slot != b.my_slot) or not owned:
                         continue
                     base = slot * b.slot_numel if whole else 0
-                    rows = g[base:base + len(owned) * b.chunk_numel].view(len(owned), b.chunk_numel).double()
+                    rows = g[base:base + len(owned) * b.chunk_numel].view(len(owned), b.chunk_numel)
                     keys.extend(index.offsets[oc.layer] + oc.chunk for oc in owned)
-                    sums.append(rows.pow(2).sum(dim=1))
+                    # In float64 a block of rows at a time: the slot's float64 square is not
+                    # allocated whole (16 bytes a value, more than the step's other transients).
+                    step = max(1, NORM_BLOCK // b.chunk_numel)
+                    sums.extend(rows[i:i + step].double().pow(2).sum(dim=1) for i in range(0, len(owned), step))
             return dict(zip(keys, torch.cat(sums).tolist())) if sums else {}
         for b, g in zip(self.buckets, grads):
             whole = g.numel() > b.slot_numel
@@ -135,14 +149,17 @@ class ShardedAdamW:
         if step != self.gen:
             raise RuntimeError(f"optimizer state is at step {self.gen}, cannot apply step {step}")
         for prev, state in zip(self.prev, self.state):
-            prev.copy_(state)
+            prev.copy_(state, non_blocking=True)
+        if self.state and self.state[0].device.type == "cuda":
+            self._prev_copied = torch.cuda.Event()
+            self._prev_copied.record()
         self.prev_gen = self.gen
         c = self.cfg
         t = step + 1
         bc1, bc2 = 1.0 - c.beta1 ** t, 1.0 - c.beta2 ** t
         for p, g, m, v, decay in zip(self.params, grads, self.exp_avg, self.exp_avg_sq, self.decay):
             if coef != 1.0:
-                g = g * coef
+                g.mul_(coef)  # in place: the reduced gradient is the step's own, read no more
             p.addcmul_(p, decay, value=-lr * c.weight_decay)
             m.mul_(c.beta1).add_(g, alpha=1.0 - c.beta1)
             v.mul_(c.beta2).addcmul_(g, g, value=1.0 - c.beta2)
@@ -168,10 +185,12 @@ class ShardedAdamW:
         source = self.state if gen == self.gen else self.prev if gen == self.prev_gen else None
         if source is None:
             raise KeyError(f"generation {gen} of chunk {key} is not here (have {self.gen}, {self.prev_gen})")
-        for b, s in zip(self.buckets, source):
+        if source is self.prev and self._prev_copied is not None:
+            self._prev_copied.synchronize()
+        for b, s, here in zip(self.buckets, source, self.state):
             for oc in b.owned:
                 if (oc.layer, oc.chunk) == key:
-                    return s[:, oc.slot_offset:oc.slot_offset + b.chunk_numel].clone()
+                    return s[:, oc.slot_offset:oc.slot_offset + b.chunk_numel].to(here.device, copy=True)
         raise KeyError(f"chunk {key} is not owned here")
 
     def payload(self, out: torch.Tensor | None = None) -> torch.Tensor:

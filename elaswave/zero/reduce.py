@@ -31,17 +31,25 @@ class GradAccumulator:
         # tied tensor per micro-batch.
         self.max_abs = float(2 ** (62 - fixed_point_bits)) / (2 * num_micro_batches)
         # Fast mode lets autograd add each micro-batch into a float32 layer's flat gradient buffer;
-        # a bfloat16 layer's gradient is added into a float32 sum after each micro-batch instead.
+        # a bfloat16 layer's gradients go into a float32 sum as autograd writes them, one tensor at
+        # a time, so no bfloat16 flat gradient is kept (FlatLayer.sum_gradients_into).
         self.sums = {l.index: torch.zeros(l.numel, dtype=torch.int64, device=l.flat.device) if deterministic
-                     else l.grad if l.grad.dtype == torch.float32
+                     else l.grad if l.grad is not None and l.grad.dtype == torch.float32
                      else torch.zeros(l.numel, dtype=torch.float32, device=l.flat.device) for l in self.layers}
+        for layer in self.layers:
+            if self.sums[layer.index] is not layer.grad and not deterministic:
+                layer.sum_gradients_into(self.sums[layer.index])
 
     def zero(self) -> None:
         for layer in self.layers:
-            layer.grad.zero_()
             self.sums[layer.index].zero_()
-            for alias, _ in layer.uses:
-                alias.grad.zero_()
+            if layer.grad is not None:
+                layer.grad.zero_()
+                for alias, _ in layer.uses:
+                    alias.grad.zero_()
+            else:  # a backward cut short (a failure mid-step) may have left a gradient not yet added
+                for t in [*layer.params, *(alias for alias, _ in layer.uses)]:
+                    t.grad = None
 
     def add_micro_batch(self) -> None:
         """Fold the gradient of the micro-batch just back-propagated into the sums.
@@ -49,18 +57,15 @@ class GradAccumulator:
         A tied tensor's uses elsewhere (``layer.uses``) are folded in as gradients of their own:
         each use is rounded alone, whether or not the other use ran on this rank, so the integer
         sum is the same wherever the uses sit."""
+        if not self.deterministic:  # autograd added them already: into the flat gradient or the sum
+            for layer in self.layers:
+                if layer.grad is not None:  # float32: only the tied uses elsewhere are left
+                    for alias, offset in layer.uses:
+                        layer.grad[offset:offset + alias.numel()].add_(alias.grad.view(-1))
+                        alias.grad.zero_()
+            return
         for layer in self.layers:
-            g = layer.grad
-            if not self.deterministic:
-                into = self.sums[layer.index]
-                if into is not g:  # bfloat16: into the float32 sum
-                    into.add_(g)
-                    g.zero_()
-                for alias, offset in layer.uses:  # autograd already added this layer's own use
-                    into[offset:offset + alias.numel()].add_(alias.grad.view(-1))
-                    alias.grad.zero_()
-                continue
-            self._fold(layer.index, g, self.sums[layer.index])
+            self._fold(layer.index, layer.grad, self.sums[layer.index])
             for alias, offset in layer.uses:
                 self._fold(layer.index, alias.grad.view(-1), self.sums[layer.index][offset:offset + alias.numel()])
 
@@ -94,10 +99,11 @@ def reduce(bucket: Bucket, sums: dict[int, torch.Tensor], group: Group, whole: b
     return out
 
 
-def all_gather(bucket: Bucket, shard: torch.Tensor, group: Group | None) -> list[torch.Tensor]:
-    """Every holder's updated chunks -> the full per-layer parameter vectors."""
+def all_gather(bucket: Bucket, shard: torch.Tensor, group: Group | None, into: list[torch.Tensor]) -> None:
+    """Every holder's updated chunks -> ``into``, the per-layer parameter vectors."""
     if bucket.num_holders == 1:
-        return bucket.unpack(shard)
+        bucket.unpack_into(shard, into)
+        return
     packed = torch.empty(bucket.num_holders * bucket.slot_numel, dtype=shard.dtype, device=shard.device)
     group.all_gather(packed, shard.contiguous(), "parameter all-gather")
-    return bucket.unpack(packed)
+    bucket.unpack_into(packed, into)

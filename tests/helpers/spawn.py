@@ -67,6 +67,36 @@ def _run(cmd: list[str], timeout_s: float, env: dict | None = None) -> tuple[int
     return proc.returncode, out, err, left
 
 
+def run_group(target: str, size: int, tmp_path: Path, timeout_s: float = 120.0, **args) -> list:
+    """``size`` real processes in one gloo group, each running ``target`` (``module:function``, called
+    with its :class:`~elaswave.comm.groups.Group` and ``args``); what each returned, in rank order.
+    Every process is in its own session and killed afterwards, whatever happened."""
+    import json
+    import torch
+    port = free_port()
+    procs = [subprocess.Popen([sys.executable, "-m", "tests.helpers.group_rank", target, str(r), str(size), str(port),
+                               str(tmp_path / f"rank{r}.pt"), json.dumps(args)], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, start_new_session=True,
+                              env=dict(os.environ, OMP_NUM_THREADS="1")) for r in range(size)]
+    deadline, failed = time.monotonic() + timeout_s, []
+    try:
+        for r, proc in enumerate(procs):
+            try:
+                out, err = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                raise AssertionError(f"rank {r} of {target} did not finish in {timeout_s}s") from None
+            if proc.returncode:
+                failed.append(f"rank {r} exited {proc.returncode}:\n{err[-3000:]}")
+    finally:
+        for proc in procs:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    assert not failed, "\n".join(failed)
+    return [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(size)]
+
+
 def run_cli(args: list[str], tmp_path: Path, timeout_s: float = 240.0, metrics: Path | None = None,
             env: dict | None = None) -> Result:
     """Run ``elaswave ARGS`` with ``--metrics-out`` (a new file in ``tmp_path`` unless ``metrics``

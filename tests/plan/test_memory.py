@@ -62,8 +62,9 @@ def test_the_partitioner_sees_what_rank_bytes_predicts():
             for r in plan.ranks:
                 d, s = plan.position(r)
                 i, j = plan.layer_ranges[d][s]
-                # Equal but for chunk padding (the partitioner divides values evenly).
-                assert fn(s, i, j) * MIB == pytest.approx(rank_bytes(m, plan, r)["total"], rel=0.12), (kw, dp, pp, r)
+                # Equal but for chunk padding (the partitioner divides values evenly; 16-value
+                # chunks of 64-value layers make it a large share here).
+                assert fn(s, i, j) * MIB == pytest.approx(rank_bytes(m, plan, r)["total"], rel=0.15), (kw, dp, pp, r)
 
 
 @pytest.mark.parametrize("seed", range(20))
@@ -119,8 +120,9 @@ def test_the_partitioners_activations_are_the_stages_exactly(seed):
                     assert fn(s, i, j) * MIB == pytest.approx(want), (s, i, j)
 
 
+@pytest.mark.parametrize("on_gpu", [False, True])
 @pytest.mark.parametrize("holders", [1, 2, 4])
-def test_the_bytes_per_parameter_table_adds_up_to_what_a_rank_holds(holders):
+def test_the_bytes_per_parameter_table_adds_up_to_what_a_rank_holds(holders, on_gpu):
     """plan/memory.bytes_per_parameter, the table of what each byte is for, against rank_bytes on a
     real plan: a rank's layers, optimizer and snapshots are its held values times the table's
     per-parameter bytes (one chunk a layer, no padding)."""
@@ -129,14 +131,19 @@ def test_the_bytes_per_parameter_table_adds_up_to_what_a_rank_holds(holders):
 
     numel = 1 << 12
     model = MemoryModel(layer_numels=(numel,) * 4, layer_activation_bytes=(0.0,) * 4, boundary_bytes=0.0,
-                        param_bytes=2, sum_bytes=4, chunk_numel=numel // holders, snapshot_copies=1)
+                        param_bytes=2, sum_bytes=4, chunk_numel=numel // holders, snapshot_copies=1,
+                        grad_bytes=0, snapshots_to_host=on_gpu, generation_before_to_host=on_gpu)
     plan = initial_plan(2 * holders, holders, 2, [1.0] * 4, 2 * holders, [numel] * 4, numel // holders)
     table = bytes_per_parameter(model, holders)
     got = rank_bytes(model, plan, plan.pipelines[0][0])
     held = 2 * numel  # two layers a stage
-    parts = {"layers": ("weights", "gradient", "gradient sum", "weight-decay mask"),
+    parts = {"layers": ("weights", "gradient", "gradient sum"),
              "optimizer": ("optimizer (master, moments)", "optimizer, the generation before (a step can be redone)",
-                           "optimizer's float32 decay mask"),
+                           "optimizer's decay mask"),
              "snapshots": ("snapshot sent", "snapshots kept for peers (on the device)")}
     for part, rows in parts.items():
         assert got[part] == pytest.approx(held * sum(table[r] for r in rows)), part
+    # bf16 fast mode: Megatron's 2 + 4 + 12/dp, plus the decay mask and elasticity's own bytes
+    # (on a GPU: the snapshot sent and the one arriving; the rest waits in host memory).
+    elastic = (1 + 12 + 12 * (1 if on_gpu else 3)) / holders + (0 if on_gpu else 12 / holders)
+    assert sum(table.values()) == pytest.approx(2 + 4 + 12 / holders + elastic)

@@ -27,11 +27,12 @@ def test_the_memory_model_predicts_each_ranks_measured_peak_within_15_percent(tm
 def test_a_memory_limit_no_layout_meets_names_the_least_that_would(tmp_path):
     sets = [*TINY, *SHAPE, "parallel.dp=2", "parallel.pp=2"]
     least = least_stage_memory_mb(config.load(None, sets), 2, 2)
-    args = ["run", "--set", f"parallel.stage_memory_mb={least * 0.9:.3f}", "--set", "train.steps=1"]
+    limit = float(f"{least * 0.9:.3f}")  # as the config parses and the error prints it
+    args = ["run", "--set", f"parallel.stage_memory_mb={limit}", "--set", "train.steps=1"]
     res = run_cli(args + [x for s in sets for x in ("--set", s)], tmp_path, timeout_s=120)
     assert res.returncode == 2
     lines = [line for line in res.stderr.splitlines() if line.strip()]
-    assert len(lines) == 1 and f"parallel.stage_memory_mb={least * 0.9:.3f} is invalid" in lines[0], res.stderr
+    assert len(lines) == 1 and f"parallel.stage_memory_mb={limit} is invalid" in lines[0], res.stderr
     assert f"the least any needs is {least:.4g}" in lines[0]
     fits = run_cli(["run", "--set", f"parallel.stage_memory_mb={least * 1.001:.3f}", "--set", "train.steps=1"]
                    + [x for s in sets for x in ("--set", s)], tmp_path, timeout_s=120)

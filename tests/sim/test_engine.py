@@ -43,7 +43,9 @@ def test_a_repair_brings_the_full_rate_back():
 
 
 def test_simulate_json_has_every_policy(capsys):
-    assert cli.main(["simulate", "--devices", "96", "--dp", "3", "--pp", "32", "--model", "gpt-175b", "--json"]) == 0
+    # Memory unmodelled (--device-gib 0): gpt-175b fits 80 GiB only with tensor parallelism.
+    assert cli.main(["simulate", "--devices", "96", "--dp", "3", "--pp", "32", "--model", "gpt-175b", "--json",
+                     "--device-gib", "0"]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert doc["config"]["dp"] == 3 and doc["config"]["failures"] == 1
     assert set(doc["policies"]) == set(policies.POLICIES)
@@ -77,7 +79,7 @@ def test_simulate_draws_its_plot(tmp_path, capsys):
 def test_every_policy_starts_from_the_same_plan_and_the_clock_gain_is_its_own_row(capsys):
     """The failure-free plan (clocks planned) is every row's: equal rates before the failure, the
     clocks' failure-free gain reported once; after the failure only elaswave re-plans clocks."""
-    argv = ["simulate", "--devices", "96", "--dp", "2", "--pp", "48", "--model", "gpt-175b", "--json"]
+    argv = ["simulate", "--devices", "96", "--dp", "2", "--pp", "48", "--model", "gpt-175b", "--json", "--device-gib", "0"]
     assert cli.main(argv) == 0
     out = json.loads(capsys.readouterr().out)
     doc = out["policies"]
@@ -98,7 +100,7 @@ def test_every_policy_starts_from_the_same_plan_and_the_clock_gain_is_its_own_ro
 def test_dvfs_shows_apart_and_a_model_without_boost_buys_no_time(capsys):
     """elaswave with and without frequency planning, side by side; with no level above nominal the
     planner can only lower waiting stages: the throughput of no DVFS at all, before and after."""
-    argv = ["simulate", "--devices", "96", "--dp", "2", "--pp", "48", "--model", "gpt-175b", "--json"]
+    argv = ["simulate", "--devices", "96", "--dp", "2", "--pp", "48", "--model", "gpt-175b", "--json", "--device-gib", "0"]
     assert cli.main(argv) == 0
     doc = json.loads(capsys.readouterr().out)["policies"]
     baselines = [p["throughput_after"] for n, p in doc.items() if not n.startswith("elaswave")]
@@ -167,7 +169,7 @@ def test_a_rerouted_step_never_beats_the_whole_jobs_1f1b():
 
 def _after_over_before(capsys, *extra):
     argv = ["simulate", "--devices", "16384", "--dp", "1024", "--pp", "16", "--model", "gpt-175b", "--clocks",
-            "sustained", "--policies", "elaswave,drop_replica", "--json", *extra]
+            "sustained", "--policies", "elaswave,drop_replica", "--json", "--device-gib", "0", *extra]
     assert cli.main(argv) == 0
     doc = json.loads(capsys.readouterr().out)
     return {n: p["throughput_after_over_before"] for n, p in doc["policies"].items()}, doc["config"]

@@ -98,3 +98,16 @@ def test_moments_still_arriving_are_in_place_before_the_update_and_not_offered_a
     assert waited == [True]
     assert torch.equal(whole.state[0], arriving.state[0])
     assert arriving.holding() == {4: keys, 3: keys}
+
+
+def test_pack_and_unpack_into_keep_every_value_and_no_copy_of_the_bucket_in_between():
+    from elaswave.runtime.memory import measure_peak
+    numels = [4096 * 3 + 5, 4096 * 2, 7]
+    b = Bucket((0, 1, 2), [0, 1, 2], numels, 4096, me=1)
+    flats = [torch.randn(n) for n in numels]
+    packed, before, peak = measure_peak(lambda: b.pack(flats), torch.device("cpu"))
+    assert peak - before <= packed.numel() * 4  # the bucket, no padded copy staged first
+    into = [torch.zeros(n) for n in numels]
+    b.unpack_into(packed, into)
+    assert all(torch.equal(x, y) for x, y in zip(into, flats))
+    assert all(torch.equal(x, y) for x, y in zip(b.unpack(packed), flats))

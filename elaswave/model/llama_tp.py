@@ -1,0 +1,220 @@
+"""The Llama family cut across a tensor-parallel group: each rank's shard of every layer.
+
+A shard has the layer's module and parameter names with the cut shapes (:mod:`elaswave.tensor.split`
+says where): q/k/v and gate/up hold a block of output rows, o and down the matching input columns,
+the embedding and the head a block of vocabulary rows (padded to whole canonical blocks), norms
+and o's bias whole. Its forward runs the cut products of :mod:`elaswave.tensor.ops`: in fast
+mode Megatron's (one all-reduce per product), in deterministic mode canonical blocks summed
+exactly, so the logits, the loss and every gradient have the same bits at every degree -- the
+whole model on one rank (degree 1) included, which is the reference of a tensor-parallel job.
+
+A shard is cut from the whole layer as :class:`~elaswave.model.llama.Llama` builds it (its keyed
+init or its Hugging Face tensors), so every degree starts from the same values.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from elaswave import rng
+from elaswave.comm.groups import Group
+from elaswave.model.config import ModelConfig
+from elaswave.model.contract import LayerCost, counted_numels
+from elaswave.model.hf import Cut
+from elaswave.model.llama import Llama, RMSNorm, inverse_frequencies, rotate_half
+from elaswave.model.masks import causal_mask
+from elaswave.tensor import ops
+from elaswave.tensor.split import BLOCKS, TensorSplit, check, padded_vocab
+
+
+class _Cut:
+    """What every shard module needs: the split, the group, and the mode."""
+
+    def __init__(self, m: ModelConfig, split: TensorSplit, group: Group | None, exact: bool):
+        self.m, self.split, self.group, self.exact = m, split, group, exact
+
+    def blocks(self, local: int) -> int:
+        return local if self.exact else 0
+
+
+class Attention(nn.Module):
+    def __init__(self, cut: _Cut):
+        super().__init__()
+        m, self.cut = cut.m, cut
+        self.heads, self.kv = m.num_heads // cut.split.degree, m.kv_heads // cut.split.degree
+        self.first_head = cut.split.block(m.num_heads)[0]
+        hd = self.head_dim = m.head_width
+        bias, out_bias = m.attention_bias, m.attention_bias and not m.qkv_bias_only
+        self.q_proj = nn.Linear(m.d_model, self.heads * hd, bias=bias)
+        self.k_proj = nn.Linear(m.d_model, self.kv * hd, bias=bias)
+        self.v_proj = nn.Linear(m.d_model, self.kv * hd, bias=bias)
+        self.o_proj = nn.Linear(self.heads * hd, m.d_model, bias=out_bias)
+        freqs = torch.outer(torch.arange(m.seq_len).float(), inverse_frequencies(m))
+        angles = torch.cat((freqs, freqs), dim=-1)
+        self.register_buffer("cos", angles.cos(), persistent=False)
+        self.register_buffer("sin", angles.sin(), persistent=False)
+
+    def forward(self, x: torch.Tensor, gen: torch.Generator | None, documents: torch.Tensor | None = None):
+        c, m = self.cut, self.cut.m
+        b, t, _ = x.shape
+        q = ops.column(x, self.q_proj.weight, self.q_proj.bias, c.blocks(self.heads), c.group, m.num_heads)
+        k = ops.column(x, self.k_proj.weight, self.k_proj.bias, c.blocks(self.kv), c.group, m.kv_heads)
+        v = ops.column(x, self.v_proj.weight, self.v_proj.bias, c.blocks(self.kv), c.group, m.kv_heads)
+        q = q.view(b, t, self.heads, self.head_dim).transpose(1, 2)
+        k = k.view(b, t, self.kv, self.head_dim).transpose(1, 2)
+        v = v.view(b, t, self.kv, self.head_dim).transpose(1, 2)
+        cos, sin = self.cos[:t].to(x.dtype), self.sin[:t].to(x.dtype)
+        q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+        group = self.heads // self.kv
+        k, v = (z.repeat_interleave(group, dim=1) if group > 1 else z for z in (k, v))
+        blocked = causal_mask(t, x.device)
+        if documents is not None:
+            blocked = (blocked | (documents[:, :, None] != documents[:, None, :]))[:, None]
+        keep = None
+        if gen is not None and m.dropout > 0.0:  # the whole model's draw, this rank's heads of it
+            drawn = torch.rand((b, m.num_heads, t, t), generator=gen, device=x.device)
+            keep = drawn[:, self.first_head:self.first_head + self.heads] >= m.dropout
+        if not c.exact and keep is None:
+            y = (F.scaled_dot_product_attention(q, k, v, is_causal=True) if documents is None else
+                 F.scaled_dot_product_attention(q, k, v, attn_mask=~blocked))
+        else:
+            # Deterministic: one head at a time, the same kernel on the same shape at every degree.
+            heads = [slice(h, h + 1) for h in range(self.heads)] if c.exact else [slice(0, self.heads)]
+            outs = []
+            for hs in heads:
+                att = (q[:, hs] @ k[:, hs].transpose(-2, -1)) * self.head_dim ** -0.5
+                att = att.masked_fill(blocked, float("-inf")).softmax(dim=-1, dtype=torch.float32).to(q.dtype)
+                if keep is not None:
+                    att = att * keep[:, hs] / (1.0 - m.dropout)
+                outs.append(att @ v[:, hs])
+            y = torch.cat(outs, dim=1)
+        y = ops.row(y.transpose(1, 2).reshape(b, t, self.heads * self.head_dim), self.o_proj.weight,
+                    c.blocks(self.heads), c.group, m.num_heads)
+        return y if self.o_proj.bias is None else y + self.o_proj.bias
+
+
+class MLP(nn.Module):
+    def __init__(self, cut: _Cut):
+        super().__init__()
+        m, self.cut = cut.m, cut
+        width = m.ffn_width // cut.split.degree
+        self.local_blocks = BLOCKS // cut.split.degree
+        self.gate_proj = nn.Linear(m.d_model, width, bias=m.mlp_bias)
+        self.up_proj = nn.Linear(m.d_model, width, bias=m.mlp_bias)
+        self.down_proj = nn.Linear(width, m.d_model, bias=m.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        c, n = self.cut, self.cut.blocks(self.local_blocks)
+        gate = ops.column(x, self.gate_proj.weight, self.gate_proj.bias, n, c.group, BLOCKS)
+        up = ops.column(x, self.up_proj.weight, self.up_proj.bias, n, c.group, BLOCKS)
+        y = ops.row(F.silu(gate) * up, self.down_proj.weight, n, c.group, BLOCKS)
+        return y if self.down_proj.bias is None else y + self.down_proj.bias
+
+
+class Embedding(nn.Module):
+    def __init__(self, cut: _Cut):
+        super().__init__()
+        self.cut = cut
+        self.start, end = cut.split.block(padded_vocab(cut.m.vocab_size))
+        self.embed_tokens = nn.Embedding(end - self.start, cut.m.d_model)
+
+    def forward(self, idx, gen, documents=None):
+        return ops.embed(idx, self.embed_tokens.weight, self.start, self.cut.group)
+
+
+class Block(nn.Module):
+    def __init__(self, cut: _Cut):
+        super().__init__()
+        m = cut.m
+        self.input_layernorm = RMSNorm(m.d_model, m.norm_eps)
+        self.self_attn = Attention(cut)
+        self.post_attention_layernorm = RMSNorm(m.d_model, m.norm_eps)
+        self.mlp = MLP(cut)
+
+    def forward(self, x, gen, documents=None):
+        x = x + self.self_attn(self.input_layernorm(x), gen, documents)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Head(nn.Module):
+    """The final norm and this rank's vocabulary columns of the logits (padding columns included;
+    the loss masks them)."""
+
+    def __init__(self, cut: _Cut):
+        super().__init__()
+        self.cut = cut
+        self.start, end = cut.split.block(padded_vocab(cut.m.vocab_size))
+        self.norm = RMSNorm(cut.m.d_model, cut.m.norm_eps)
+        self.lm_head = nn.Linear(cut.m.d_model, end - self.start, bias=False)
+
+    def forward(self, x, gen, documents=None):
+        c = self.cut
+        return ops.column(self.norm(x), self.lm_head.weight, None, c.blocks(BLOCKS // c.split.degree), c.group,
+                          BLOCKS)
+
+
+# Where each parameter of a whole layer is cut: the dimension, and how many canonical units it has.
+_ROWS, _COLS = 0, 1
+
+
+def _cut_dim(name: str) -> int | None:
+    if name.endswith(("q_proj.weight", "k_proj.weight", "v_proj.weight", "q_proj.bias", "k_proj.bias",
+                      "v_proj.bias", "gate_proj.weight", "up_proj.weight", "gate_proj.bias", "up_proj.bias",
+                      "embed_tokens.weight", "lm_head.weight")):
+        return _ROWS
+    if name.endswith(("o_proj.weight", "down_proj.weight")):
+        return _COLS
+    return None  # norms, o's and down's bias: whole on every rank
+
+
+class TensorParallelLlama(Llama):
+    """The model contract for one rank of a tensor-parallel group: :meth:`build_layer` gives its
+    shard. ``group``: the rank's tensor-parallel group (None: degree 1, the reference)."""
+
+    def __init__(self, cfg: ModelConfig, split: TensorSplit, group: Group | None, exact: bool,
+                 fused_attention: bool = False, weights=None):
+        check(cfg, split.degree)
+        super().__init__(cfg, fused_attention, weights)
+        self.split, self.cut = split, _Cut(cfg, split, group, exact)
+
+    def build_layer(self, index: int, seed: int, init: bool = True) -> nn.Module:
+        if not 0 <= index < self.num_layers:
+            raise ValueError(f"layer index {index} out of range 0..{self.num_layers - 1}")
+        cls = Embedding if index == 0 else Head if index == self.num_layers - 1 else Block
+        shard = cls(self.cut)
+        if init and self.weights is not None:  # only this rank's slices are read from the files
+            skip = {t.user_param for t in self.ties if t.user == index}
+            self.weights.load_layer(shard, index, self.num_layers, skip, cut=self.hf_cut)
+        elif init:  # the whole layer's keyed init, cut: the same values at every degree
+            mine = dict(shard.named_parameters())
+            with torch.no_grad():
+                for name, p in super().build_layer(index, seed).named_parameters():
+                    if name in mine:
+                        mine[name].copy_(self.cut_tensor(name, p))
+        return shard
+
+    def hf_cut(self, name: str, whole: tuple[int, ...]) -> Cut | None:
+        """The part of parameter ``name`` (whole shape ``whole``) this rank holds; None: all of it."""
+        dim = _cut_dim(name)
+        if dim is None:
+            return None
+        size = padded_vocab(whole[0]) if name.endswith(("embed_tokens.weight", "lm_head.weight")) else whole[dim]
+        start, end = self.split.block(size)
+        return Cut(dim, start, end, self.split.degree)
+
+    def cut_tensor(self, name: str, whole: torch.Tensor) -> torch.Tensor:
+        """This rank's part of parameter ``name`` of a whole layer (vocabulary rows padded with zeros)."""
+        part = self.hf_cut(name, tuple(whole.shape))
+        return whole if part is None else part.read(whole, tuple(whole.shape))
+
+    def layer_costs(self) -> list[LayerCost]:
+        """A shard's: its share of the multiply-adds, the parameters it holds."""
+        return [LayerCost(c.flops_per_token / self.split.degree, n)
+                for c, n in zip(super().layer_costs(), counted_numels(self))]
+
+    def loss_sum(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        c = self.cut
+        start = c.split.block(padded_vocab(self.vocab_size))[0]
+        return ops.vocab_loss_sum(logits, targets, start, self.vocab_size, c.blocks(BLOCKS // c.split.degree),
+                                  c.group, BLOCKS)

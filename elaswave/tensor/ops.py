@@ -1,0 +1,179 @@
+"""The products a tensor-parallel group computes between its ranks, and their communication.
+
+``group``: this rank's tensor-parallel :class:`~elaswave.comm.groups.Group` (``None``: the whole
+tensor on one rank -- the reference, or degree 1). ``blocks``: this rank's canonical blocks of the
+cut dimension (:mod:`elaswave.tensor.split`), or 0 in fast mode.
+
+Fast mode is Megatron's: one product on the shard and one float all-reduce. Deterministic mode
+computes each canonical block's product alone and sums blocks with :func:`exact_sum`: each
+partial turned into int64 fixed point at one scale that every rank derives from the same peak,
+the integers summed -- on one rank or across ranks alike, in any order -- and turned back once. So
+the bits do not depend on the degree. What it costs: the sum keeps 62 - log2(blocks) bits below
+the largest partial's magnitude, so a value more than ~2^-50 below the tensor's largest is
+rounded away (float32 keeps 24 bits of each value, however small).
+"""
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+
+from elaswave.comm.groups import Group
+
+
+def exact_sum(parts: Sequence[torch.Tensor], group: Group | None, total_parts: int) -> torch.Tensor:
+    """The sum of every rank's ``parts`` (``total_parts`` in the group), the same bits whichever
+    rank holds which part."""
+    peak = torch.stack([p.detach().abs().max().float() for p in parts]).max().reshape(1)
+    if group is not None and group.size > 1:
+        peaks = torch.empty(group.size, dtype=peak.dtype, device=peak.device)
+        group.all_gather(peaks, peak, "tensor-parallel peak")
+        peak = peaks.max()
+    top = float(peak)
+    if not math.isfinite(top):
+        raise FloatingPointError(f"a tensor-parallel partial sum is not finite (peak {top})")
+    like = parts[0]
+    if top == 0.0:
+        total = torch.zeros_like(like)
+    else:
+        # Each partial below 2**e; their sum below 2**62 however many there are.
+        _, e = math.frexp(top)
+        scale = 2.0 ** (62 - e - max(1, math.ceil(math.log2(total_parts))))
+        acc = torch.round(parts[0].double() * scale).to(torch.int64)
+        for p in parts[1:]:
+            acc += torch.round(p.double() * scale).to(torch.int64)
+        if group is not None and group.size > 1:
+            group.all_reduce(acc, "tensor-parallel sum")
+        total = (acc.double() / scale).to(like.dtype)
+    return total
+
+
+def _all_reduce(t: torch.Tensor, group: Group | None, what: str) -> torch.Tensor:
+    if group is not None and group.size > 1:
+        group.all_reduce(t, what)
+    return t
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    return t.reshape(-1, t.shape[-1])
+
+
+class _Column(torch.autograd.Function):
+    """``x`` whole on every rank, ``weight`` this rank's rows: its columns of ``x @ weight.T + bias``;
+    the input's gradient is summed over the group."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, blocks: int, group: Group | None, total: int):
+        ctx.save_for_backward(x, weight)
+        ctx.blocks, ctx.group, ctx.total, ctx.has_bias = blocks, group, total, bias is not None
+        if not blocks:
+            return F.linear(x, weight, bias)
+        biases = bias.chunk(blocks) if bias is not None else [None] * blocks
+        return torch.cat([F.linear(x, w, b) for w, b in zip(weight.chunk(blocks), biases)], dim=-1)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight = ctx.saved_tensors
+        n = max(1, ctx.blocks)
+        dys, ws = dy.chunk(n, dim=-1), weight.chunk(n)
+        d_weight = torch.cat([_rows(d).T @ _rows(x) for d in dys])
+        d_bias = torch.cat([_rows(d).sum(0) for d in dys]) if ctx.has_bias else None
+        if not ctx.blocks:
+            d_x = _all_reduce(dy @ weight, ctx.group, "tensor-parallel input gradient")
+        else:
+            d_x = exact_sum([d @ w for d, w in zip(dys, ws)], ctx.group, ctx.total)
+        return d_x, d_weight, d_bias, None, None, None
+
+
+class _Row(torch.autograd.Function):
+    """``x`` this rank's columns, ``weight`` the matching columns: ``x @ weight.T`` summed over the group."""
+
+    @staticmethod
+    def forward(ctx, x, weight, blocks: int, group: Group | None, total: int):
+        ctx.save_for_backward(x, weight)
+        ctx.blocks = blocks
+        if not blocks:
+            return _all_reduce(F.linear(x, weight), group, "tensor-parallel output")
+        return exact_sum([F.linear(xb, wb) for xb, wb in zip(x.chunk(blocks, dim=-1), weight.chunk(blocks, dim=1))],
+                         group, total)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight = ctx.saved_tensors
+        n = max(1, ctx.blocks)
+        xs, ws = x.chunk(n, dim=-1), weight.chunk(n, dim=1)
+        d_x = torch.cat([dy @ w for w in ws], dim=-1)
+        d_weight = torch.cat([_rows(dy).T @ _rows(xb) for xb in xs], dim=1)
+        return d_x, d_weight, None, None, None
+
+
+def column(x, weight, bias, blocks: int, group: Group | None, total: int) -> torch.Tensor:
+    return _Column.apply(x, weight, bias, blocks, group, total)
+
+
+def row(x, weight, blocks: int, group: Group | None, total: int) -> torch.Tensor:
+    return _Row.apply(x, weight, blocks, group, total)
+
+
+class _Gather(torch.autograd.Function):
+    """Every rank's piece summed (exact: all but one rank's piece is zero): the embedding's rows."""
+
+    @staticmethod
+    def forward(ctx, x, group: Group | None):
+        return _all_reduce(x.clone(), group, "tensor-parallel embedding")
+
+    @staticmethod
+    def backward(ctx, dy):
+        return dy, None
+
+
+def embed(ids: torch.Tensor, weight: torch.Tensor, start: int, group: Group | None) -> torch.Tensor:
+    """Vocabulary-parallel lookup: this rank's rows [start, start + len(weight)), the others' zero."""
+    local = ids - start
+    outside = (local < 0) | (local >= weight.shape[0])
+    out = F.embedding(local.masked_fill(outside, 0), weight)
+    return _Gather.apply(out.masked_fill(outside[..., None], 0.0), group)
+
+
+class _VocabLoss(torch.autograd.Function):
+    """Cross-entropy summed over tokens from vocabulary-parallel logits: no rank holds a whole row."""
+
+    @staticmethod
+    def forward(ctx, logits, targets, start: int, valid: int, blocks: int, group: Group | None, total: int):
+        z = logits.float()
+        cols = torch.arange(start, start + z.shape[-1], device=z.device)
+        z = z.masked_fill(cols >= valid, float("-inf"))  # vocabulary padding: never a class
+        peak = z.detach().max(dim=-1).values
+        if group is not None and group.size > 1:  # max is exact in any order
+            peaks = torch.empty(group.size * peak.numel(), dtype=peak.dtype, device=peak.device)
+            group.all_gather(peaks, peak.reshape(-1).contiguous(), "tensor-parallel logit peak")
+            peak = peaks.view(group.size, *peak.shape).max(dim=0).values
+        e = torch.exp(z - peak[..., None])
+        if blocks:
+            sums = exact_sum([b.sum(-1) for b in e.chunk(blocks, dim=-1)], group, total)
+        else:
+            sums = _all_reduce(e.sum(-1), group, "tensor-parallel softmax sum")
+        local = targets - start
+        mine = (local >= 0) & (local < z.shape[-1])
+        picked = torch.where(mine, z.gather(-1, local.clamp(0, z.shape[-1] - 1)[..., None])[..., 0], 0.0)
+        picked = _all_reduce(picked, group, "tensor-parallel target logit")  # one rank's, the rest zero
+        keep = targets != -100
+        ctx.save_for_backward(e, sums, local, mine & keep, keep)
+        ctx.dtype = logits.dtype
+        return ((torch.log(sums) + peak - picked) * keep).sum()
+
+    @staticmethod
+    def backward(ctx, dloss):
+        e, sums, local, mine, keep = ctx.saved_tensors
+        grad = e / sums[..., None] * keep[..., None]
+        rows = mine.nonzero(as_tuple=True)
+        grad[rows + (local[rows],)] -= 1.0
+        return (grad * dloss).to(ctx.dtype), None, None, None, None, None, None
+
+
+def vocab_loss_sum(logits, targets, start: int, valid: int, blocks: int, group: Group | None, total: int):
+    """The summed token loss of this rank's vocabulary columns [start, start + width) of the
+    logits (``valid``: the real vocabulary; targets of -100 are not loss tokens)."""
+    return _VocabLoss.apply(logits, targets, start, valid, blocks, group, total)

@@ -1,0 +1,61 @@
+"""Where a Llama layer's tensors are cut across a tensor-parallel group (pure: no process groups).
+
+Megatron's split: attention by heads and the SwiGLU MLP by its hidden width, column-parallel in
+(q/k/v, gate/up: a rank holds a block of output rows) and row-parallel out (o, down: the matching
+block of input columns), the embedding and the head by vocabulary rows; norms (and a row-parallel
+layer's bias) are whole on every rank.
+
+Deterministic mode computes every cut product as *canonical blocks* that do not depend on the
+degree: one block per attention head, :data:`BLOCKS` blocks of the MLP's hidden width and of the
+(padded) vocabulary. A rank holds whole blocks, so any degree dividing the blocks runs the same
+block products on the same shapes, and sums across blocks are exact (:mod:`elaswave.tensor.ops`).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from elaswave.errors import ConfigError
+from elaswave.model.config import ModelConfig
+
+BLOCKS = 8
+"""Canonical blocks of the MLP's hidden width and of the vocabulary: the largest degree is 8 (a node)."""
+
+
+class SplitError(ConfigError):
+    """A model that this tensor-parallel degree cannot cut; one line saying why and what would do."""
+
+
+@dataclass(frozen=True)
+class TensorSplit:
+    degree: int
+    rank: int
+    """This rank's place in its tensor-parallel group, 0..degree-1."""
+
+    def block(self, total: int) -> tuple[int, int]:
+        """[start, end) of this rank's share of ``total`` units (``degree`` divides ``total``)."""
+        share = total // self.degree
+        return self.rank * share, (self.rank + 1) * share
+
+
+def padded_vocab(vocab_size: int) -> int:
+    """The vocabulary rounded up to whole canonical blocks: rows past ``vocab_size`` are padding
+    that no token looks up and no loss, gradient, digest or export sees."""
+    return -(-vocab_size // BLOCKS) * BLOCKS
+
+
+def check(m: ModelConfig, degree: int) -> None:
+    """One :class:`SplitError` if ``m`` cannot be cut ``degree`` ways."""
+    where = f"a tensor-parallel degree of {degree}"
+    if degree < 1 or BLOCKS % degree:
+        raise SplitError(f"{where} is invalid: the degree must divide {BLOCKS} (1, 2, 4 or 8: the GPUs of a node)")
+    if m.arch != "llama" or m.factory:
+        raise SplitError(f"{where} is invalid for model {m.factory or m.arch}: tensor parallelism needs a split of "
+                         "each layer's tensors, which the Llama family has (model.arch=llama); a model.factory "
+                         "model would need to declare one")
+    if m.num_heads % degree:
+        raise SplitError(f"{where} is invalid: it must divide the attention heads ({m.num_heads})")
+    if m.kv_heads % degree:
+        raise SplitError(f"{where} is invalid: it must divide the key-value heads ({m.kv_heads}); replicating "
+                         "key-value heads across ranks is not built yet")
+    if m.ffn_width % BLOCKS:
+        raise SplitError(f"{where} is invalid: the MLP width {m.ffn_width} must be a multiple of {BLOCKS}")
