@@ -48,7 +48,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository: bench.common, tests.helpers
 from bench.common import bench_args, cli_argv, run_job, write_results  # noqa: E402
 from elaswave.runtime.metrics import read_jsonl  # noqa: E402
-from tests.helpers.spawn import alive, children, free_port, steps_written  # noqa: E402
+from tests.helpers.spawn import alive, children, free_port, kill_session, steps_written  # noqa: E402
 
 STEPS = 60
 JOB = [f"train.steps={STEPS}", "train.deterministic=true", "parallel.timeout_s=60"]
@@ -120,10 +120,7 @@ def host_run(tmp: Path, kill_at: int, whole: bool) -> dict:
         err = agents[1].stderr.read()
     finally:
         for a in agents:
-            try:
-                os.killpg(a.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+            kill_session(a.pid)
     records = read_jsonl(str(metrics))
     recovery = next((r for r in records if r["event"] == "recovery"), None)
     summary = next((r for r in records if r["event"] == "summary"), None)

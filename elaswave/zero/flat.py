@@ -31,7 +31,8 @@ class FlatLayer:
         # per tensor, kept as (offset, numel) spans rather than a byte per value.
         self.decay_spans = [(offset, p.numel()) for p, offset in zip(self.params, self.offsets.values())
                             if p.dim() >= 2]
-        self._sum: torch.Tensor | None = None
+        self._sink: list[torch.Tensor] | None = None
+        """``[the float32 sum]`` once gradients go straight into it (:meth:`sum_gradients_into`)."""
         self._place(torch.cat([p.detach().reshape(-1) for p in self.params]))
 
     def _place(self, flat: torch.Tensor) -> None:
@@ -39,7 +40,7 @@ class FlatLayer:
         of its dtype (autograd accumulates into the gradient views in place) -- or none, when the
         gradients go straight into a sum (:meth:`sum_gradients_into`)."""
         self.flat = flat
-        self.grad = None if self._sum is not None else torch.zeros_like(flat)
+        self.grad = None if self._sink is not None else torch.zeros_like(flat)
         for p, offset in zip(self.params, self.offsets.values()):
             p.data = flat[offset:offset + p.numel()].view_as(p)
             p.grad = None if self.grad is None else self.grad[offset:offset + p.numel()].view_as(p)
@@ -52,15 +53,13 @@ class FlatLayer:
         ``into`` (the layer's float32 sum) as soon as autograd has written it, and freed: no flat
         gradient of the compute dtype is kept, only one tensor's for a moment (Megatron's
         ``main_grad``). Called again, it only changes the target (a new epoch's sums)."""
-        first = self._sum is None
-        self._sum = into
-        if first:
+        if self._sink is None:
             # The hooks hold only the sum's holder, never the layer: a hook on a parameter that
             # reached back to its layer would be a cycle the garbage collector cannot see, and a
             # layer dropped by a re-partition would stay in memory for good.
-            self._sink = sink = [into]
+            self._sink = [into]
             for p, offset in [*zip(self.params, self.offsets.values()), *self.uses]:
-                p.register_post_accumulate_grad_hook(_adder(sink, offset))
+                p.register_post_accumulate_grad_hook(_adder(self._sink, offset))
         self._sink[0] = into
         self._place(self.flat)
 
@@ -82,7 +81,7 @@ class FlatLayer:
         """A new use of parameter ``name`` elsewhere: a leaf aliasing it, with its own gradient."""
         p = dict(self.module.named_parameters())[name]
         alias = p.detach().requires_grad_(True)
-        if self._sum is None:
+        if self._sink is None:
             alias.grad = torch.zeros_like(alias)
         else:
             alias.register_post_accumulate_grad_hook(_adder(self._sink, self.offsets[name]))

@@ -47,6 +47,14 @@ class Result:
         return [r["loss"] for r in self.steps]
 
 
+def kill_session(pid: int) -> None:
+    """SIGKILL every process of the session ``pid`` leads (gone already: nothing to do)."""
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
 def _run(cmd: list[str], timeout_s: float, env: dict | None = None) -> tuple[int, str, str, int]:
     """Run ``cmd`` in its own session; on return (or timeout) kill whatever it left behind."""
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -60,10 +68,7 @@ def _run(cmd: list[str], timeout_s: float, env: dict | None = None) -> tuple[int
     else:
         left = len([p for p in session_members(proc.pid) if p != proc.pid])
     finally:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)  # any worker the launcher failed to reap
-        except ProcessLookupError:
-            pass
+        kill_session(proc.pid)  # any worker the launcher failed to reap
     return proc.returncode, out, err, left
 
 
@@ -89,10 +94,7 @@ def run_group(target: str, size: int, tmp_path: Path, timeout_s: float = 120.0, 
                 failed.append(f"rank {r} exited {proc.returncode}:\n{err[-3000:]}")
     finally:
         for proc in procs:
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+            kill_session(proc.pid)
     assert not failed, "\n".join(failed)
     return [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(size)]
 
@@ -160,10 +162,7 @@ class Running:
         return self
 
     def __exit__(self, *exc) -> None:
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+        kill_session(self.proc.pid)
         self.proc.wait()
 
 
@@ -210,10 +209,7 @@ class TorchrunNode:
 
     def kill(self) -> None:
         for pid in [self.proc.pid, *self.workers()]:
-            try:
-                os.killpg(pid, signal.SIGKILL)  # each is its session's leader
-            except ProcessLookupError:
-                pass
+            kill_session(pid)  # each is its session's leader
         self.proc.wait()
 
     def __enter__(self) -> "TorchrunNode":
