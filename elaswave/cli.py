@@ -47,7 +47,14 @@ def cmd_run(args: argparse.Namespace) -> int:
     cfg = _load(args)
     if args.nproc is not None and args.nproc != cfg.world_size:
         raise ConfigError(f"--nproc={args.nproc} is invalid: parallel.dp={cfg.parallel.dp} x "
-                          f"parallel.pp={cfg.parallel.pp} needs {cfg.world_size} ranks")
+                          f"parallel.pp={cfg.parallel.pp} x parallel.tp={cfg.parallel.tp} needs {cfg.world_size} ranks")
+    if args.nproc_per_node and cfg.parallel.tp > args.nproc_per_node:
+        raise ConfigError(f"parallel.tp={cfg.parallel.tp} is invalid with --nproc-per-node={args.nproc_per_node}: a "
+                          "tensor-parallel group's ranks must share a host (its products all-reduce every layer); "
+                          f"use parallel.tp <= {args.nproc_per_node}")
+    if args.nproc_per_node and args.nproc_per_node % cfg.parallel.tp:
+        raise ConfigError(f"--nproc-per-node={args.nproc_per_node} is invalid with parallel.tp={cfg.parallel.tp}: a "
+                          "host must hold whole tensor-parallel groups; use a multiple of parallel.tp")
     preflight.check(cfg)
     from elaswave.control.admission import job_token
     from elaswave.control.agents import Node
@@ -269,7 +276,7 @@ def main(argv: list[str] | None = None) -> int:
     hosts = run.add_argument_group("several hosts: one `elaswave run` (an agent) per host, torchrun's flag names")
     hosts.add_argument("--nnodes", type=int, default=1, help="hosts in the job")
     hosts.add_argument("--node-rank", type=int, default=0, help="this host's number, 0..nnodes-1 (0 hosts the store)")
-    hosts.add_argument("--nproc-per-node", type=int, default=None, help="workers on each host (default: dp x pp / nnodes)")
+    hosts.add_argument("--nproc-per-node", type=int, default=None, help="workers on each host (default: dp x pp x tp / nnodes)")
     hosts.add_argument("--rdzv-backend", default="c10d", metavar="c10d|etcd",
                        help="c10d: node 0's agent holds the job's store (a TCPStore); etcd: an etcd cluster holds "
                             "it, and a majority of its members decides (any value is checked: one line if invalid)")

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from elaswave.checkpoint.target import EXPORT_DTYPES, check_target
+from elaswave.comm.config import BACKENDS, ParallelConfig  # noqa: F401 - importable here as before
 from elaswave.control import faults
 from elaswave.control.config import ElasticConfig
 from elaswave.data.config import DataConfig
@@ -22,6 +23,7 @@ from elaswave.errors import ConfigError, fail as _fail
 from elaswave.model.config import ModelConfig, resolve as resolve_model
 from elaswave.plan.frequency import PowerModel
 from elaswave.precision import PRECISIONS
+from elaswave.tensor.split import check_job as check_tensor_parallel_job
 
 __all__ = ["ConfigError", "TrainConfig", "ParallelConfig", "CheckpointConfig", "EmulateConfig", "FrequencyConfig",
            "JobConfig", "load", "from_dict"]  # ConfigError lives in elaswave.errors; importable here as before
@@ -131,44 +133,6 @@ class TrainConfig:
             _fail("train.activation_checkpointing", ac, "must be none, full or every_N with N >= 1 (e.g. every_2)")
 
 
-BACKENDS = ("auto", "gloo", "nccl")
-
-
-@dataclass
-class ParallelConfig:
-    dp: int = 2
-    """Pipelines (data-parallel replicas)."""
-    pp: int = 2
-    """Stages per pipeline."""
-    backend: str = "auto"
-    """auto: nccl when CUDA is available, else gloo."""
-    chunk_numel: int = 4096
-    """ZeRO-1 chunk size in elements; chunk c of a layer is owned by holder c mod n."""
-    timeout_s: float = 120.0
-    """Bound on every collective and p2p wait."""
-    stage_memory_mb: float = 0.0
-    """Most memory (MiB) one rank may hold at its peak in a step, as elaswave/plan/memory.py models
-    it (layers, gradients, optimizer share, snapshots, activations in flight under 1F1B); every
-    partition -- at the start, after a loss, at a join -- keeps within it or says why none can,
-    naming the least that would do. 0: no limit."""
-    bind_address: str = ""
-    """The address gloo's transfers bind to. Empty: loopback under `elaswave run` (one host), the
-    host's own name under torchrun (GLOO_SOCKET_IFNAME picks an interface there)."""
-
-    def validate(self) -> None:
-        for name in ("dp", "pp"):
-            if getattr(self, name) < 1:
-                _fail(f"parallel.{name}", getattr(self, name), "must be >= 1")
-        if self.backend not in BACKENDS:
-            _fail("parallel.backend", self.backend, f"must be one of {', '.join(BACKENDS)}")
-        if self.chunk_numel < 64:
-            _fail("parallel.chunk_numel", self.chunk_numel, "must be >= 64")
-        if self.timeout_s <= 0:
-            _fail("parallel.timeout_s", self.timeout_s, "must be > 0")
-        if self.stage_memory_mb < 0:
-            _fail("parallel.stage_memory_mb", self.stage_memory_mb, "must be >= 0 (0: no limit)")
-
-
 @dataclass
 class CheckpointConfig:
     """Disk checkpoints (torch.distributed.checkpoint): for whole-job restarts, and the fallback when
@@ -268,7 +232,7 @@ class JobConfig:
 
     @property
     def world_size(self) -> int:
-        return self.parallel.dp * self.parallel.pp
+        return self.parallel.dp * self.parallel.pp * self.parallel.tp
 
     def validate(self) -> "JobConfig":
         self.model.validate()
@@ -299,6 +263,8 @@ class JobConfig:
             _fail("parallel.pp", self.parallel.pp,
                   f"must be <= the model's {self.model.num_layers} layers "
                   f"(model.num_blocks={self.model.num_blocks} + embedding + head)")
+        if self.parallel.tp > 1:
+            check_tensor_parallel_job(self)
         if self.checkpoint.export_hf and (self.model.arch != "llama" or self.model.factory):
             _fail("checkpoint.export_hf", self.checkpoint.export_hf,
                   f"needs model.arch=llama (Hugging Face's Llama layout); this job's model is "

@@ -22,7 +22,8 @@ from elaswave.plan.chunks import ChunkIndex
 from elaswave.zero.bucket import Bucket
 from elaswave.zero.digest import owned_state_sum, state_sha256
 from elaswave.zero.flat import params_sha256
-from elaswave.zero.optimizer import ShardedAdamW, clip_coef, lr_at
+from elaswave.tensor.shards import TensorShards
+from elaswave.zero.optimizer import ShardedAdamW, clip_coef, clip_of_norm, lr_at
 from elaswave.zero.reduce import GradAccumulator
 
 
@@ -42,6 +43,9 @@ def train_reference(cfg: JobConfig, on_step: Callable[[dict], None] | None = Non
     layers = stage.layers
     bucket = Bucket((0,), [l.index for l in layers], [l.numel for l in layers], cfg.parallel.chunk_numel, me=0)
     optimizer = ShardedAdamW([bucket], layers, t)  # the float32 masters, before the layers are rounded
+    # A tensor-parallel job's reference: the whole model in the same canonical blocks, its norm
+    # and digests counted per value of the whole model as the job's shards count them.
+    shards = TensorShards(m, layers, [bucket], None) if cfg.parallel.tp > 1 else None
     dtype = job_dtype(t.precision, cfg.parallel.backend)  # auto: what the job's own ranks would run
     for layer in layers:
         layer.cast(dtype)
@@ -70,8 +74,12 @@ def train_reference(cfg: JobConfig, on_step: Callable[[dict], None] | None = Non
             (loss_sum / max(1, global_tokens)).backward()
             accumulator.add_micro_batch()
         grad = accumulator.to_float(bucket.pack([accumulator.sums[l.index] for l in layers]))
-        norm, coef = clip_coef(list(optimizer.chunk_sumsq([grad], index, owned_only=True,
-                                                          exact_layout=t.deterministic).values()), t.grad_clip)
+        if shards is not None:
+            norm, coef = clip_of_norm(shards.norm([grad], None, t.grad_fixed_point_bits if t.deterministic else None),
+                                      t.grad_clip)
+        else:
+            norm, coef = clip_coef(list(optimizer.chunk_sumsq([grad], index, owned_only=True,
+                                                              exact_layout=t.deterministic).values()), t.grad_clip)
         optimizer.step([grad], step, lr_at(step, t), coef)
         with torch.no_grad():
             for layer, flat in zip(layers, bucket.unpack(optimizer.params[0])):
@@ -89,8 +97,15 @@ def train_reference(cfg: JobConfig, on_step: Callable[[dict], None] | None = Non
     if cfg.checkpoint.export_hf:
         from elaswave.checkpoint import export
         export.write_layers(export.Target.of_job(cfg), cfg.model, layers, m.num_layers)
-    return {"losses": losses, "eval_losses": eval_losses, "params_sha256": params_sha256([l.digest() for l in layers]),
-            "state_sha256": state_sha256(optimizer.gen, [owned_state_sum(optimizer)]), "precision": name(dtype)}
+    if shards is not None:
+        digests = shards.layer_digests(layers)
+        params = params_sha256([bytes.fromhex(digests[str(i)]) for i in range(m.num_layers)])
+        state = state_sha256(optimizer.gen, [shards.state_sum(optimizer, layers)])
+    else:
+        params = params_sha256([l.digest() for l in layers])
+        state = state_sha256(optimizer.gen, [owned_state_sum(optimizer)])
+    return {"losses": losses, "eval_losses": eval_losses, "params_sha256": params, "state_sha256": state,
+            "precision": name(dtype)}
 
 
 def _evaluate(cfg: JobConfig, stage: Stage, sampler: Sampler) -> tuple[float, int]:

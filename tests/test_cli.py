@@ -6,7 +6,7 @@ from tests.helpers.spawn import TINY, run_cli
 
 @pytest.mark.parametrize("args,expected", [
     (["run", "--set", "parallel.pp=9"], "parallel.pp=9 is invalid"),
-    (["run", "--nproc", "3"], "--nproc=3 is invalid: parallel.dp=2 x parallel.pp=2 needs 4 ranks"),
+    (["run", "--nproc", "3"], "--nproc=3 is invalid: parallel.dp=2 x parallel.pp=2 x parallel.tp=1 needs 4 ranks"),
     (["run", "--set", "parallel.sp=2"], "parallel.sp='2' is invalid: unknown key"),
     (["run", "--set", "train.steps=-5"], "train.steps=-5 is invalid: must be >= 0"),
     (["run", "--set", "data.source=bin", "--set", "data.path=/missing/tokens.bin"], "no such file or folder"),

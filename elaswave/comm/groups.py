@@ -30,6 +30,9 @@ class Group:
         self.epoch, self.timeout_s, self.interrupt = epoch, timeout_s, interrupt
         self.size = len(self.members)
         self.group_rank = self.members.index(me)
+        self.payload_bytes = 0
+        """Bytes of the tensors this rank gave the group's collectives (a ring all-reduce moves
+        2 (n - 1) / n of them each way): what a step's communication is measured by."""
         self.inflight: list[dist.Work] = []
         """Operations not known to be complete. They live as long as the group: destroying a gloo
         operation that waits on a hung peer blocks until the group's timeout, so when an epoch
@@ -54,7 +57,10 @@ class Group:
         return work
 
     def all_reduce_async(self, t: torch.Tensor) -> dist.Work | None:
-        return None if self.size == 1 else self._call(backend.all_reduce, t)
+        if self.size == 1:
+            return None
+        self.payload_bytes += t.numel() * t.element_size()
+        return self._call(backend.all_reduce, t)
 
     def all_reduce(self, t: torch.Tensor, what: str = "all-reduce") -> None:
         work = self.all_reduce_async(t)
@@ -65,12 +71,14 @@ class Group:
         if self.size == 1:
             out.copy_(inp)
             return
+        self.payload_bytes += inp.numel() * inp.element_size()
         self.wait(self._call(backend.all_gather, out, inp), what)
 
     def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, what: str = "reduce-scatter") -> None:
         if self.size == 1:
             out.copy_(inp)
             return
+        self.payload_bytes += inp.numel() * inp.element_size()
         self.wait(self._call(backend.reduce_scatter, out, inp), what)
 
     def isend(self, t: torch.Tensor, dst: int, tag: int) -> dist.Work:

@@ -58,9 +58,10 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, gen: torch.Generator | None, documents: torch.Tensor | None = None):
         c, m = self.cut, self.cut.m
         b, t, _ = x.shape
-        q = ops.column(x, self.q_proj.weight, self.q_proj.bias, c.blocks(self.heads), c.group, m.num_heads)
-        k = ops.column(x, self.k_proj.weight, self.k_proj.bias, c.blocks(self.kv), c.group, m.kv_heads)
-        v = ops.column(x, self.v_proj.weight, self.v_proj.bias, c.blocks(self.kv), c.group, m.kv_heads)
+        q, k, v = ops.columns(x, [(self.q_proj.weight, self.q_proj.bias, c.blocks(self.heads)),
+                                  (self.k_proj.weight, self.k_proj.bias, c.blocks(self.kv)),
+                                  (self.v_proj.weight, self.v_proj.bias, c.blocks(self.kv))],
+                              c.group, m.num_heads + 2 * m.kv_heads)
         q = q.view(b, t, self.heads, self.head_dim).transpose(1, 2)
         k = k.view(b, t, self.kv, self.head_dim).transpose(1, 2)
         v = v.view(b, t, self.kv, self.head_dim).transpose(1, 2)
@@ -106,8 +107,8 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         c, n = self.cut, self.cut.blocks(self.local_blocks)
-        gate = ops.column(x, self.gate_proj.weight, self.gate_proj.bias, n, c.group, BLOCKS)
-        up = ops.column(x, self.up_proj.weight, self.up_proj.bias, n, c.group, BLOCKS)
+        gate, up = ops.columns(x, [(self.gate_proj.weight, self.gate_proj.bias, n),
+                                   (self.up_proj.weight, self.up_proj.bias, n)], c.group, 2 * BLOCKS)
         y = ops.row(F.silu(gate) * up, self.down_proj.weight, n, c.group, BLOCKS)
         return y if self.down_proj.bias is None else y + self.down_proj.bias
 
@@ -207,6 +208,50 @@ class TensorParallelLlama(Llama):
         """This rank's part of parameter ``name`` of a whole layer (vocabulary rows padded with zeros)."""
         part = self.hf_cut(name, tuple(whole.shape))
         return whole if part is None else part.read(whole, tuple(whole.shape))
+
+    def positions(self, layer) -> torch.Tensor:
+        """Where each value of this rank's shard of ``layer`` (a FlatLayer) sits in the whole
+        layer's flat vector, padding rows left out; -1 for a value that is not this shard's to
+        count: a vocabulary padding row, or a tensor every shard holds whole (the first shard
+        counts it). What norms and state digests count, so that every degree counts the same."""
+        degree, me = self.split.degree, self.split.rank
+        out, at = [], 0
+        for (name, _), p in zip(layer.offsets.items(), layer.params):
+            rows, dim = p.shape[0], _cut_dim(name)
+            cols = p.numel() // rows if rows else 0
+            if dim is None:
+                pos = torch.arange(p.numel()) + at if me == 0 else torch.full((p.numel(),), -1)
+                at += p.numel()
+            elif dim == _ROWS:
+                real = self._real_rows(name, rows * degree)
+                whole_row = torch.arange(rows) + me * rows
+                pos = at + whole_row[:, None] * cols + torch.arange(cols)[None, :]
+                pos[whole_row >= real] = -1
+                at += real * cols
+            else:
+                pos = at + torch.arange(rows)[:, None] * (cols * degree) + me * cols + torch.arange(cols)[None, :]
+                at += rows * cols * degree
+            out.append(pos.reshape(-1))
+        return torch.cat(out).to(layer.flat.device)
+
+    def whole_flat(self, layer, parts: list[torch.Tensor]) -> torch.Tensor:
+        """The whole layer's flat vector (padding rows left out) from every shard's flat vector of
+        it, in shard order: what its digest and an export read."""
+        out = []
+        for (name, offset), p in zip(layer.offsets.items(), layer.params):
+            pieces = [part[offset:offset + p.numel()].view(p.shape) for part in parts]
+            dim = _cut_dim(name)
+            if dim is None:
+                whole = pieces[0]
+            else:
+                whole = torch.cat(pieces, dim=dim)
+                if dim == _ROWS:
+                    whole = whole[:self._real_rows(name, whole.shape[0])]
+            out.append(whole.reshape(-1))
+        return torch.cat(out)
+
+    def _real_rows(self, name: str, rows: int) -> int:
+        return self.vocab_size if name.endswith(("embed_tokens.weight", "lm_head.weight")) else rows
 
     def layer_costs(self) -> list[LayerCost]:
         """A shard's: its share of the multiply-adds, the parameters it holds."""

@@ -13,11 +13,20 @@ from elaswave.errors import ConfigError
 from elaswave.model.contract import Model, ModelContractError, check
 from elaswave.model.gpt import GPT
 from elaswave.model.llama import Llama
+from elaswave.model.llama_tp import TensorParallelLlama
+from elaswave.tensor.split import TensorSplit
 
 
-def model_for(cfg) -> "Model":
-    """The job's model (``cfg`` is a JobConfig): the built-in families, or ``model.factory``'s."""
+def model_for(cfg, shard: int | None = None) -> "Model":
+    """The job's model (``cfg`` is a JobConfig): the built-in families, or ``model.factory``'s.
+    With ``parallel.tp`` > 1: shard ``shard`` of a tensor-parallel group (its group is set before
+    it runs), or for ``shard`` None the whole model computed in the same canonical blocks (the
+    reference of a tensor-parallel job)."""
     m = cfg.model
+    if cfg.parallel.tp > 1:
+        split = TensorSplit(cfg.parallel.tp, shard) if shard is not None else TensorSplit(1, 0)
+        return TensorParallelLlama(m, split, None, exact=cfg.train.deterministic,
+                                   fused_attention=not cfg.train.deterministic)
     if m.factory:
         where = f"model.factory={m.factory!r}"
         try:

@@ -37,6 +37,7 @@ from elaswave.runtime.evaluation import Evaluation
 from elaswave.runtime.memory import job_memory_model
 from elaswave.runtime.straggler import SpeedWindow
 from elaswave.snapshot.pool import SnapshotPool
+from elaswave.tensor.layout import shard_of
 
 
 class Context:
@@ -48,8 +49,9 @@ class Context:
         store = seal.open_job(store, job_token(), found=bool(os.environ.get(JOIN_ENV)))
         self.store = store
         self.cfg, self.rank, self.device, self.backend_name = cfg, rank, device, backend_name
-        self.model = model_for(cfg)
-        """The model contract every stage, plan and recovery of this rank goes through."""
+        self.model = model_for(cfg, shard_of(rank, cfg.parallel.tp))
+        """The model contract every stage, plan and recovery of this rank goes through (with
+        parallel.tp: this rank's shard of it)."""
         self.interrupt = Interrupt()
         bind = backend.bind_address(cfg.parallel.bind_address, os.environ.get("ELASWAVE_STORE"))
         # Registered before anything else: from now on a peer can prove this process dead.

@@ -23,6 +23,7 @@ from elaswave.plan.chunks import ChunkIndex, ChunkKey
 from elaswave.plan.plan import Plan
 from elaswave.precision import compute_dtype
 from elaswave.runtime.actuator import Actuator
+from elaswave.tensor.shards import TensorShards
 from elaswave.zero.bucket import Bucket
 from elaswave.zero.optimizer import ShardedAdamW
 from elaswave.zero.reduce import GradAccumulator
@@ -47,6 +48,8 @@ class RankState:
     norm_needs_exchange: bool
     """Decided from the plan, the same on every rank: with pipelines of different depths some ranks
     hold every layer and others do not, yet all must take part in the exchange."""
+    shards: TensorShards | None = None
+    """A tensor-parallel rank's view of the whole model (its norm and digests); None without tp."""
 
     @property
     def epoch(self) -> int:
@@ -95,8 +98,9 @@ def build_rank(cfg: JobConfig, plan: Plan, rank: int, stage: Stage, sampler: Sam
     if cfg.emulate.enabled:
         emulated = EmulatedCompute(layer_forward_s(cfg, model), cfg.emulate.backward_factor, (stage.start, stage.end),
                                    actuator or Actuator())
+    shards = TensorShards(model, stage.layers, buckets, model.cut.group) if par.tp > 1 else None
     return RankState(
-        rank=rank, plan=plan, stage=stage,
+        rank=rank, plan=plan, stage=stage, shards=shards,
         schedule=schedule,
         executor=Executor(stage, p2p, sampler, step_tokens, accumulator.add_micro_batch, before, emulated,
                           pieces_of(plan, t) if k > 1 else None),

@@ -14,7 +14,7 @@ from elaswave.pipeline.schedule import Op
 from elaswave.runtime.rank import RankState
 from elaswave.snapshot.pool import SnapshotPool
 from elaswave.zero import reduce
-from elaswave.zero.optimizer import clip_coef, lr_at
+from elaswave.zero.optimizer import clip_coef, clip_of_norm, lr_at
 
 
 @dataclass
@@ -36,6 +36,8 @@ class StepResult:
     """Target tokens of the global batch."""
     loss_tokens: int = 0
     """Of them, the ones trained (all, unless the corpus has a loss mask): the loss is their mean."""
+    tp_bytes: int = 0
+    """Bytes this rank gave its tensor-parallel group's collectives in the step (0 without tp)."""
 
 
 class _Laps:
@@ -59,6 +61,22 @@ def _exchange_exact(st: RankState, values: dict[int, float], size: int) -> list[
     return vec.cpu().tolist()
 
 
+def _norm(st: RankState, reduced: list[torch.Tensor], t) -> tuple[float, float]:
+    """(global norm, clip factor), summed per chunk in chunk order. When every rank saw every chunk,
+    each computes it alone; otherwise owners exchange their chunks' squares exactly. A tensor-
+    parallel rank counts each value where it sits in the whole model (the same at every degree)."""
+    if st.shards is not None:
+        owned = [b.my_part(g) if g.numel() > b.slot_numel else g for b, g in zip(st.buckets, reduced)]
+        norm = st.shards.norm(owned, st.world, t.grad_fixed_point_bits if t.deterministic else None)
+        return clip_of_norm(norm, t.grad_clip)
+    if not st.norm_needs_exchange:
+        sumsq = st.optimizer.chunk_sumsq(reduced, st.chunk_index, owned_only=False, exact_layout=t.deterministic)
+    else:
+        owned = st.optimizer.chunk_sumsq(reduced, st.chunk_index, owned_only=True, exact_layout=t.deterministic)
+        sumsq = dict(enumerate(_exchange_exact(st, owned, st.chunk_index.total)))
+    return clip_coef(list(sumsq.values()), t.grad_clip)
+
+
 def train_step(st: RankState, cfg: JobConfig, step: int, pool: SnapshotPool | None,
                fault: Callable[[int, str], None], admit: Callable[[RankState], int] | None = None,
                corrupts: Callable[[int], bool] | None = None,
@@ -69,6 +87,7 @@ def train_step(st: RankState, cfg: JobConfig, step: int, pool: SnapshotPool | No
     when it is every rank, all stop after the same step."""
     t = cfg.train
     lap = _Laps()
+    tp_sent = _tp_sent(st)
     # 1. Forward and backward of this pipeline's micro-batches (1F1B); each micro-batch's gradient
     #    is folded into the sums as soon as its backward ends (fixed point in deterministic mode).
     st.accumulator.zero()
@@ -103,14 +122,8 @@ def train_step(st: RankState, cfg: JobConfig, step: int, pool: SnapshotPool | No
                for b, g in zip(st.buckets, st.groups)]
     lap("reduce")
 
-    # 3. Global norm for clipping, summed per chunk in chunk order. When every rank saw every chunk,
-    #    each computes it alone; otherwise owners exchange their chunks' squares exactly.
-    if not st.norm_needs_exchange:
-        sumsq = st.optimizer.chunk_sumsq(reduced, st.chunk_index, owned_only=False, exact_layout=t.deterministic)
-    else:
-        owned = st.optimizer.chunk_sumsq(reduced, st.chunk_index, owned_only=True, exact_layout=t.deterministic)
-        sumsq = dict(enumerate(_exchange_exact(st, owned, st.chunk_index.total)))
-    norm, coef = clip_coef(list(sumsq.values()), t.grad_clip)
+    # 3. Global norm for clipping (see _norm).
+    norm, coef = _norm(st, reduced, t)
     if exchange_work is not None:
         st.world.wait(exchange_work, "loss exchange")
     exchange = exchange.cpu()
@@ -144,7 +157,13 @@ def train_step(st: RankState, cfg: JobConfig, step: int, pool: SnapshotPool | No
     return StepResult(loss=loss, grad_norm=norm, lr=lr, phases_s=lap.phases, joining=int(exchange[M].item()),
                       speeds=speeds, store_lost=exchange[M + 2].item() == st.world.size,
                       tokens=samples_of(st.plan, t) * st.stage.model.seq_len,
-                      loss_tokens=loss_tokens)
+                      loss_tokens=loss_tokens,
+                      tp_bytes=_tp_sent(st) - tp_sent)
+
+
+def _tp_sent(st: RankState) -> int:
+    group = st.shards.group if st.shards is not None else None
+    return group.payload_bytes if group is not None else 0
 
 
 def samples_of(plan, t) -> int:

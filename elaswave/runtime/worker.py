@@ -42,6 +42,8 @@ from elaswave.runtime.metrics import MetricsWriter, StepJournal, print_error
 from elaswave.runtime.context import Context
 from elaswave.runtime.rank import build_rank
 from elaswave.runtime.step import gather_masters, gather_params, samples_of, train_step
+from elaswave.tensor import layout
+from elaswave.tensor.shards import state_total
 from elaswave.runtime.straggler import REBALANCE
 from elaswave.zero import digest
 from elaswave.zero.flat import params_sha256
@@ -63,8 +65,8 @@ def run(cfg: JobConfig, rank: int, world_size: int, metrics_out: str | None) -> 
     torch.set_num_threads(1)  # many ranks share a few cores; one thread each also fixes kernel order
     joining = bool(os.environ.get(JOIN_ENV))
     if cfg.world_size != world_size and not joining:
-        raise ConfigError(f"parallel.dp={cfg.parallel.dp} x parallel.pp={cfg.parallel.pp} = {cfg.world_size} "
-                          f"is invalid: the job has {world_size} ranks")
+        raise ConfigError(f"parallel.dp={cfg.parallel.dp} x parallel.pp={cfg.parallel.pp} x parallel.tp="
+                          f"{cfg.parallel.tp} = {cfg.world_size} is invalid: the job has {world_size} ranks")
     name, device = backend.choose(cfg.parallel.backend)
     compute_dtype(t.precision, device)  # bf16 on a device without it: say so before connecting
     pin_kernels(t.deterministic, device)
@@ -135,7 +137,8 @@ def run(cfg: JobConfig, rank: int, world_size: int, metrics_out: str | None) -> 
                                  "loss_tokens": result.loss_tokens, "world_size": len(st.plan.ranks),
                                  "epoch": st.epoch, "step_time_s": took, "tokens_per_s": samples * ctx.model.seq_len / took,
                                  "wall_time": time.time(), "phases_s": result.phases_s,
-                                 "modelled_power_w": _modelled_power(st.plan), **ctx.source_tokens(step)})
+                                 "modelled_power_w": _modelled_power(st.plan), **ctx.source_tokens(step),
+                                 **({"tp_bytes": result.tp_bytes} if cfg.parallel.tp > 1 else {})})
                     if pending is not None:  # (a no-op writer on ranks that do not write)
                         writer.write({**pending.record(time.time(), took, evaluation_s),
                                       "spares_standing": _spares_standing(ctx)})
@@ -206,24 +209,28 @@ def run(cfg: JobConfig, rank: int, world_size: int, metrics_out: str | None) -> 
             ctx.watcher.stop()
         return code
     wall = time.perf_counter() - began
-    if rank == st.plan.ranks[0]:
-        # Every holder's copy of a layer is the same (checked in _finish): take any.
-        digests = {i: h for part in summary.values() for i, h in part["layer_copies"].items()}
+    if rank == st.plan.ranks[0] and layout.shard_of(rank, cfg.parallel.tp) == 0:
+        ranks = sorted(summary)
+        # Every holder's copy of a layer is the same (checked in _finish): take any. With
+        # parallel.tp, the whole layers gathered from their shards.
+        digests = {i: h for part in summary.values() for i, h in (part["whole_layers"] or part["layer_copies"]).items()}
+        sums = [int(summary[r]["state_sum"], 16) for r in ranks]
         writer.write({"event": "summary", "steps": t.steps, "final_loss": result.loss if result else None,
                       "params_sha256": params_sha256([bytes.fromhex(digests[str(i)]) for i in range(ctx.model.num_layers)]),
                       "state_sha256": digest.state_sha256(summary[rank]["step_counter"],
-                                                          [int(summary[r]["state_sum"], 16) for r in st.plan.ranks]),
-                      "wall_s": wall, "world_size": len(st.plan.ranks), "dp": cfg.parallel.dp, "pp": cfg.parallel.pp,
-                      "epoch": st.epoch, "run": ctx.run, "ranks": list(st.plan.ranks), "deterministic": t.deterministic,
+                                                          [state_total(sums)] if cfg.parallel.tp > 1 else sums),
+                      "wall_s": wall, "world_size": len(ranks), "dp": cfg.parallel.dp, "pp": cfg.parallel.pp,
+                      "tp": cfg.parallel.tp,
+                      "epoch": st.epoch, "run": ctx.run, "ranks": ranks, "deterministic": t.deterministic,
                       "precision": precision_name(compute_dtype(t.precision, device)),
-                      "optimizer_state_bytes_per_rank": [summary[r]["state_bytes"] for r in st.plan.ranks],
-                      "master_bytes_per_rank": [summary[r]["master_bytes"] for r in st.plan.ranks],
-                      "snapshot_bytes_held_per_rank": [summary[r]["snapshot_bytes"] for r in st.plan.ranks],
-                      "snapshot_buffer_bytes_per_rank": [summary[r]["snapshot_buffer_bytes"] for r in st.plan.ranks],
-                      "peak_rss_bytes_per_rank": [summary[r]["peak_rss_bytes"] for r in st.plan.ranks],
-                      "memory_predicted_per_rank": [summary[r]["memory_predicted"] for r in st.plan.ranks],
-                      "memory_measured_per_rank": [summary[r]["memory_measured"] for r in st.plan.ranks],
-                      "cpu_s_per_rank": [summary[r]["cpu_s"] for r in st.plan.ranks]})
+                      "optimizer_state_bytes_per_rank": [summary[r]["state_bytes"] for r in ranks],
+                      "master_bytes_per_rank": [summary[r]["master_bytes"] for r in ranks],
+                      "snapshot_bytes_held_per_rank": [summary[r]["snapshot_bytes"] for r in ranks],
+                      "snapshot_buffer_bytes_per_rank": [summary[r]["snapshot_buffer_bytes"] for r in ranks],
+                      "peak_rss_bytes_per_rank": [summary[r]["peak_rss_bytes"] for r in ranks],
+                      "memory_predicted_per_rank": [summary[r]["memory_predicted"] for r in ranks],
+                      "memory_measured_per_rank": [summary[r]["memory_measured"] for r in ranks],
+                      "cpu_s_per_rank": [summary[r]["cpu_s"] for r in ranks]})
         try:
             ctx.membership.stamp("done")
         except StoreLost:  # the training is over and checked: nobody is left to tell
@@ -242,10 +249,11 @@ def run(cfg: JobConfig, rank: int, world_size: int, metrics_out: str | None) -> 
 def _start(ctx: Context, world_size: int):
     """The founding ranks' first epoch: the initial plan, from scratch or from a disk checkpoint."""
     cfg, rank, device = ctx.cfg, ctx.rank, ctx.device
-    t, model = cfg.train, ctx.model
+    t, model, tp = cfg.train, ctx.model, cfg.parallel.tp
     numels = counted_numels(model)
     limit = cfg.parallel.stage_memory_mb
-    plan = initial_plan(world_size, cfg.parallel.dp, cfg.parallel.pp,
+    # The plan is of devices (a device: tp ranks); each rank runs it on its slice (tensor.layout).
+    plan = initial_plan(world_size // tp, cfg.parallel.dp, cfg.parallel.pp,
                         [c.flops_per_token for c in model.layer_costs()], t.num_micro_batches,
                         numels, cfg.parallel.chunk_numel, stage_memory_limit=limit, ties=tie_pairs(model),
                         memory=ctx.memory_model if limit else None,
@@ -255,9 +263,11 @@ def _start(ctx: Context, world_size: int):
     # the one-host launcher's job is one host (its joiners' numbers say nothing about hosts).
     if not os.environ.get("ELASWAVE_STORE") or os.environ.get(NODES_ENV, "1") != "1":
         plan = replace(plan, ranks_per_node=int(os.environ.get("LOCAL_WORLD_SIZE", "0")))
-    ctx.plan = plan
+    ctx.plan = plan = layout.on_slice(plan, layout.shard_of(rank, tp), tp)
     stage = Stage(cfg, plan.layers_of(rank), device, model)
     world = ctx.comm.group(plan.ranks, plan.epoch)
+    if tp > 1:
+        model.cut.group = ctx.comm.group(layout.tensor_group(rank, tp), plan.epoch)
     # Before the barrier below, so before any rank of this run has written there.
     ctx.set_run(disk.next_run(cfg.checkpoint.dir or rescue.RESCUE_DIR))
     resumed = _resume_point(cfg, plan, rank)
@@ -352,8 +362,12 @@ def _finish(ctx: Context, st, cfg: JobConfig) -> tuple[dict[int, dict], Path | N
     usage = resource.getrusage(resource.RUSAGE_SELF)
     target = export.Target.of_job(cfg) if cfg.checkpoint.export_hf else None
     exported = export.write_my_shards(target, plan, st.rank, st.stage.layers) if target else None
+    shards = st.shards
     doc = {"layer_copies": digest.layer_digests(st.stage.layers),
-           "state_sum": f"{digest.owned_state_sum(st.optimizer):x}", "step_counter": st.optimizer.gen,
+           "whole_layers": shards.layer_digests(st.stage.layers) if shards is not None else None,
+           # Summed over ranks into state_sha256; a tp job's counts each value of the whole model once.
+           "state_sum": f"{shards.state_sum(st.optimizer, st.stage.layers) if shards else digest.owned_state_sum(st.optimizer):x}",
+           "step_counter": st.optimizer.gen,
            "master_problems": digest.masters_mismatches(st.optimizer, st.stage.layers, st.rank),
            "export": exported,
            "state_bytes": st.optimizer.state_bytes(), "master_bytes": st.optimizer.master_bytes(),
@@ -364,10 +378,12 @@ def _finish(ctx: Context, st, cfg: JobConfig) -> tuple[dict[int, dict], Path | N
            "memory_measured": ctx.measured_memory}
     ctx.membership.post(plan.epoch, "final", doc)
     st.world.all_reduce(torch.zeros(1, device=st.device), "final barrier")
-    if st.rank != plan.ranks[0]:
+    tp = cfg.parallel.tp
+    if st.rank != plan.ranks[0] or layout.shard_of(st.rank, tp) != 0:
         return {}, None
-    parts = ctx.membership.gather(plan.epoch, "final", plan.ranks, cfg.parallel.timeout_s)
-    _check_replicas(parts)
+    parts = ctx.membership.gather(plan.epoch, "final", layout.every_rank(plan, tp), cfg.parallel.timeout_s)
+    for shard in range(tp):  # the copies of one shard of a layer are compared, across its slice
+        _check_replicas({r: doc for r, doc in parts.items() if layout.shard_of(r, tp) == shard})
     # The fence of the export and the summary: nothing of an epoch the job has left reaches them.
     if (now := ctx.membership.current_epoch()) != plan.epoch:
         raise recovery.Excluded(f"rank {st.rank} finished epoch {plan.epoch} but the job is in epoch {now}: "

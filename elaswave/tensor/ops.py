@@ -60,31 +60,51 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1, t.shape[-1])
 
 
-class _Column(torch.autograd.Function):
-    """``x`` whole on every rank, ``weight`` this rank's rows: its columns of ``x @ weight.T + bias``;
-    the input's gradient is summed over the group."""
+class _Columns(torch.autograd.Function):
+    """``x`` whole on every rank; per product a ``weight`` of this rank's rows (and its bias): its
+    columns of ``x @ weight.T + bias``. Products of one input (q, k and v; gate and up) share one
+    sum of the input's gradient over the group, as Megatron's fused projections do."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, blocks: int, group: Group | None, total: int):
-        ctx.save_for_backward(x, weight)
-        ctx.blocks, ctx.group, ctx.total, ctx.has_bias = blocks, group, total, bias is not None
-        if not blocks:
-            return F.linear(x, weight, bias)
-        biases = bias.chunk(blocks) if bias is not None else [None] * blocks
-        return torch.cat([F.linear(x, w, b) for w, b in zip(weight.chunk(blocks), biases)], dim=-1)
+    def forward(ctx, x, spec, group: Group | None, total: int, *params):
+        weights, biases = _weights_and_biases(spec, params)
+        ctx.save_for_backward(x, *weights)
+        ctx.spec, ctx.group, ctx.total = spec, group, total
+        outs = []
+        for (blocks, _), w, b in zip(spec, weights, biases):
+            if not blocks:
+                outs.append(F.linear(x, w, b))
+            else:
+                bs = b.chunk(blocks) if b is not None else [None] * blocks
+                outs.append(torch.cat([F.linear(x, wb, bb) for wb, bb in zip(w.chunk(blocks), bs)], dim=-1))
+        return tuple(outs)
 
     @staticmethod
-    def backward(ctx, dy):
-        x, weight = ctx.saved_tensors
-        n = max(1, ctx.blocks)
-        dys, ws = dy.chunk(n, dim=-1), weight.chunk(n)
-        d_weight = torch.cat([_rows(d).T @ _rows(x) for d in dys])
-        d_bias = torch.cat([_rows(d).sum(0) for d in dys]) if ctx.has_bias else None
-        if not ctx.blocks:
-            d_x = _all_reduce(dy @ weight, ctx.group, "tensor-parallel input gradient")
+    def backward(ctx, *dys):
+        x, *weights = ctx.saved_tensors
+        grads, partials = [], []
+        for (blocks, has_bias), w, dy in zip(ctx.spec, weights, dys):
+            n = max(1, blocks)
+            dyc, wc = dy.chunk(n, dim=-1), w.chunk(n)
+            grads.append(torch.cat([_rows(d).T @ _rows(x) for d in dyc]))
+            if has_bias:
+                grads.append(torch.cat([_rows(d).sum(0) for d in dyc]))
+            partials.extend(d @ wb for d, wb in zip(dyc, wc))
+        if not ctx.spec[0][0]:
+            d_x = _all_reduce(torch.stack(partials).sum(0) if len(partials) > 1 else partials[0], ctx.group,
+                              "tensor-parallel input gradient")
         else:
-            d_x = exact_sum([d @ w for d, w in zip(dys, ws)], ctx.group, ctx.total)
-        return d_x, d_weight, d_bias, None, None, None
+            d_x = exact_sum(partials, ctx.group, ctx.total)
+        return (d_x, None, None, None, *grads)
+
+
+def _weights_and_biases(spec, params):
+    weights, biases, at = [], [], 0
+    for _, has_bias in spec:
+        weights.append(params[at])
+        biases.append(params[at + 1] if has_bias else None)
+        at += 2 if has_bias else 1
+    return weights, biases
 
 
 class _Row(torch.autograd.Function):
@@ -109,8 +129,16 @@ class _Row(torch.autograd.Function):
         return d_x, d_weight, None, None, None
 
 
+def columns(x, products, group: Group | None, total: int) -> tuple[torch.Tensor, ...]:
+    """Column-parallel products of one input: ``products`` is (weight, bias or None, this rank's
+    blocks of it) each; ``total``: the canonical blocks of all of them in the group."""
+    spec = tuple((blocks, bias is not None) for _, bias, blocks in products)
+    params = [t for weight, bias, _ in products for t in ((weight, bias) if bias is not None else (weight,))]
+    return _Columns.apply(x, spec, group, total, *params)
+
+
 def column(x, weight, bias, blocks: int, group: Group | None, total: int) -> torch.Tensor:
-    return _Column.apply(x, weight, bias, blocks, group, total)
+    return columns(x, [(weight, bias, blocks)], group, total)[0]
 
 
 def row(x, weight, blocks: int, group: Group | None, total: int) -> torch.Tensor:

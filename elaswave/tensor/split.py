@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from elaswave.errors import ConfigError
+from elaswave.errors import ConfigError, fail
 from elaswave.model.config import ModelConfig
 
 BLOCKS = 8
@@ -43,9 +43,10 @@ def padded_vocab(vocab_size: int) -> int:
     return -(-vocab_size // BLOCKS) * BLOCKS
 
 
-def check(m: ModelConfig, degree: int) -> None:
-    """One :class:`SplitError` if ``m`` cannot be cut ``degree`` ways."""
-    where = f"a tensor-parallel degree of {degree}"
+def check(m: ModelConfig, degree: int, where: str = "") -> None:
+    """One :class:`SplitError` if ``m`` cannot be cut ``degree`` ways (``where``: the setting named
+    in the message)."""
+    where = where or f"a tensor-parallel degree of {degree}"
     if degree < 1 or BLOCKS % degree:
         raise SplitError(f"{where} is invalid: the degree must divide {BLOCKS} (1, 2, 4 or 8: the GPUs of a node)")
     if m.arch != "llama" or m.factory:
@@ -59,3 +60,26 @@ def check(m: ModelConfig, degree: int) -> None:
                          "key-value heads across ranks is not built yet")
     if m.ffn_width % BLOCKS:
         raise SplitError(f"{where} is invalid: the MLP width {m.ffn_width} must be a multiple of {BLOCKS}")
+
+
+def check_job(job) -> None:
+    """What a tensor-parallel job (a JobConfig with parallel.tp > 1) needs, and what is not built
+    for one yet: one line each."""
+    tp = job.parallel.tp
+    check(job.model, tp, where=f"parallel.tp={tp!r}")
+    not_yet = {"elastic.enabled": (job.elastic.enabled, job.elastic.enabled,
+                                   "recovering a lost rank of a tensor-parallel group is not built yet; set "
+                                   "elastic.enabled=false"),
+               "checkpoint.dir": (job.checkpoint.dir, bool(job.checkpoint.dir),
+                                  "disk checkpoints of tensor-parallel shards are not built yet"),
+               "checkpoint.export_hf": (job.checkpoint.export_hf, bool(job.checkpoint.export_hf),
+                                        "an export from tensor-parallel shards is not built yet"),
+               "parallel.stage_memory_mb": (job.parallel.stage_memory_mb, job.parallel.stage_memory_mb > 0,
+                                            "the memory model of tensor-parallel shards is not built yet"),
+               "train.measure_memory_step": (job.train.measure_memory_step, job.train.measure_memory_step >= 0,
+                                             "the memory model of tensor-parallel shards is not built yet"),
+               "emulate.enabled": (job.emulate.enabled, job.emulate.enabled,
+                                   "emulated compute prices whole layers, not tensor-parallel shards")}
+    for key, (value, on, why) in not_yet.items():
+        if on:
+            fail(key, value, f"with parallel.tp={tp}: {why} (parallel.tp=1 has it)")

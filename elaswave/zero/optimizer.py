@@ -28,7 +28,11 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
 
 def clip_coef(chunk_sumsq: Sequence[float], max_norm: float) -> tuple[float, float]:
     """(global norm, factor); the norm sums per-chunk squares in chunk order, exactly (fsum)."""
-    norm = math.sqrt(math.fsum(chunk_sumsq))
+    return clip_of_norm(math.sqrt(math.fsum(chunk_sumsq)), max_norm)
+
+
+def clip_of_norm(norm: float, max_norm: float) -> tuple[float, float]:
+    """(``norm``, the factor that clips a gradient of that norm to ``max_norm``)."""
     if max_norm <= 0 or not math.isfinite(norm):
         return norm, 1.0
     return norm, min(1.0, max_norm / (norm + 1e-6))
