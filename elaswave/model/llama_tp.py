@@ -250,6 +250,11 @@ class TensorParallelLlama(Llama):
             out.append(whole.reshape(-1))
         return torch.cat(out)
 
+    def whole_module(self, index: int) -> nn.Module:
+        """Layer ``index`` whole, as the Llama family builds it (values not set): what a whole
+        layer gathered from the shards is exported through (:meth:`whole_flat` is its order)."""
+        return Llama.build_layer(self, index, 0, init=False)
+
     def _real_rows(self, name: str, rows: int) -> int:
         return self.vocab_size if name.endswith(("embed_tokens.weight", "lm_head.weight")) else rows
 

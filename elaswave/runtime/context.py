@@ -37,7 +37,7 @@ from elaswave.runtime.evaluation import Evaluation
 from elaswave.runtime.memory import job_memory_model
 from elaswave.runtime.straggler import SpeedWindow
 from elaswave.snapshot.pool import SnapshotPool
-from elaswave.tensor.layout import shard_of
+from elaswave.tensor.layout import every_rank, shard_of
 
 
 class Context:
@@ -58,7 +58,9 @@ class Context:
         self.liveness = LivenessPort(bind) if e.enabled else None
         if self.liveness is not None:
             self.liveness.register(store, rank)
-        self.standby = failover.Standby(bind, cfg.parallel.timeout_s) if e.enabled and e.store_failover else None
+        # With tp the store does not move (elastic.store_failover is not built for slices yet).
+        self.standby = (failover.Standby(bind, cfg.parallel.timeout_s)
+                        if e.enabled and e.store_failover and cfg.parallel.tp == 1 else None)
         if self.standby is not None:
             self.standby.register(store, rank)
         self.prober = Prober() if e.enabled else None
@@ -197,8 +199,9 @@ class Context:
         return True
 
     def _view(self):
+        """(epoch, the ranks whose heartbeats this rank watches): every rank of the job, every slice's."""
         plan = self.plan
-        return (plan.epoch, plan.ranks) if plan is not None else (0, ())
+        return (plan.epoch, every_rank(plan, self.cfg.parallel.tp)) if plan is not None else (0, ())
 
     def before_action(self, step: int, action: Action) -> None:
         if action.op == Op.FORWARD and action.micro_batch == self._first_mb:

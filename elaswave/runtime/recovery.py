@@ -26,6 +26,7 @@ from elaswave.plan.plan import Plan, PlanError, replan
 from elaswave.plan.recovery import Holding, Restore, plan_restore
 from elaswave.runtime.rank import RankState, build_rank
 from elaswave.runtime.step import gather_params
+from elaswave.tensor import layout
 from elaswave.zero.flat import FlatLayer
 
 TAG_RESTORE = 2_000_000
@@ -33,6 +34,11 @@ TAG_RESTORE = 2_000_000
 
 class Excluded(RuntimeError):
     """This rank was left out of the next epoch (it checked in too late)."""
+
+
+class GroupLost(RuntimeError):
+    """This rank lives, but its tensor-parallel group lost a rank: the group's layers are re-
+    partitioned away and this rank leaves the job (it holds a shard of layers no one else cuts)."""
 
 
 class CutOff(Excluded):
@@ -133,12 +139,13 @@ def recover(ctx, st: RankState | None, cause: Disruption | None, noticed_wall: f
     and the next one is agreed among its members, from the state of the last epoch that trained."""
     cfg: JobConfig = ctx.cfg
     old = st.plan if st is not None else prev
+    tp, shard = cfg.parallel.tp, layout.shard_of(ctx.rank, cfg.parallel.tp)
     # The epoch after the newest one this rank agreed on: a failure during a recovery gives up
     # the epoch being built. (The store's counter cannot tell: others may be a phase ahead.)
     epoch = max(old.epoch, ctx.agreed_epoch) + 1
     # Who must check in: the members of the newest agreed epoch (the one that was being built, after
     # a failure during a recovery), and whoever the leader admitted into this one.
-    expected = ctx.membership.members_of(epoch - 1) if epoch - 1 > old.epoch else old.ranks
+    expected = ctx.membership.members_of(epoch - 1) if epoch - 1 > old.epoch else layout.every_rank(old, tp)
     joining = tuple(sorted(set(joining) | set(ctx.admission.joining(epoch))))
     expected = tuple(sorted(set(expected) | set(joining)))
     t = time.perf_counter()
@@ -169,15 +176,25 @@ def recover(ctx, st: RankState | None, cause: Disruption | None, noticed_wall: f
             raise CutOff(f"rank {ctx.rank} was left out of epoch {epoch} (members {list(members)}): "
                          f"{partition.describe(ctx.rank, cut[ctx.rank])}")
         raise Excluded(f"rank {ctx.rank} was left out of epoch {epoch} (members {list(members)})")
-    lost = sorted(set(old.ranks) - set(members))
-    joined = sorted(set(members) - set(old.ranks))
+    # With tp: the devices whose every shard lives go on (each slice re-plans them alike); the
+    # survivors of a device that lost a shard leave (see GroupLost).
+    members, orphans = layout.whole_devices(members, tp)
+    if ctx.rank in orphans:
+        raise GroupLost(f"rank {ctx.rank} leaves the job at epoch {epoch}: its tensor-parallel group "
+                        f"{list(layout.tensor_group(ctx.rank, tp))} lost a rank, and its layers go to the other stages")
+    lost = sorted(set(layout.every_rank(old, tp)) - set(members))
+    joined = sorted(set(members) - set(layout.every_rank(old, tp)))
+    everyone, members = members, layout.on_shard(members, shard, tp)
     holding = (Holding(ctx.rank, st.optimizer.holding(), ctx.pool.holding() if ctx.pool else {})
                if st is not None else Holding(ctx.rank, {}, {}))
     ctx.membership.post(epoch, "state", {"holding": holding.to_doc(), "speed": ctx.speed,
                                          "standby_ready": ctx.comm.standby_ready(members),
                                          "disk_step": _readable_checkpoint(ctx)})
-    reports = ctx.membership.gather(epoch, "state", members, cfg.parallel.timeout_s,
+    reports = ctx.membership.gather(epoch, "state", everyone, cfg.parallel.timeout_s,
                                     broken=lambda: ctx.interrupt.is_broken(epoch))
+    speeds = layout.device_speeds({r: doc["speed"] for r, doc in reports.items() if r in layout.every_rank(old, tp)},
+                                  shard, tp)
+    reports = {r: doc for r, doc in reports.items() if r in members}  # this slice's: its chunks and groups
     disk_steps = [doc["disk_step"] for doc in reports.values()]
     # The newest checkpoint every survivor saw complete (they may have looked at different moments).
     disk_step = None if None in disk_steps else min(disk_steps)
@@ -191,7 +208,7 @@ def recover(ctx, st: RankState | None, cause: Disruption | None, noticed_wall: f
     holdings = [Holding.from_doc(r, doc["holding"]) for r, doc in reports.items()]
     try:
         plan = replan(old, members, epoch, cfg.train.num_micro_batches,
-                      {r: doc["speed"] for r, doc in reports.items() if r in old.ranks}, cfg.elastic.policy, power,
+                      {r: v for r, v in speeds.items() if r in old.ranks}, cfg.elastic.policy, power,
                       (cfg.frequency.power_cap_w or power.power(1.0) * len(members)) if power else None,
                       detours=cfg.elastic.detours, rebalance=rebalance and not (set(members) ^ set(old.ranks)))
     except PlanError as exc:
@@ -219,6 +236,8 @@ def recover(ctx, st: RankState | None, cause: Disruption | None, noticed_wall: f
     # their parameters from the chunk owners, who hold the same layers in the other pipelines.
     stage = (st.stage if st is not None and (st.stage.start, st.stage.end) == layers
              else Stage(cfg, layers, ctx.device, ctx.model))
+    if tp > 1:  # the group's collectives start afresh in the new epoch (the old ones may be cut mid-way)
+        ctx.model.cut.group = ctx.comm.group(layout.tensor_group(ctx.rank, tp), epoch)
     new = build_rank(cfg, plan, ctx.rank, stage, ctx.sampler_for(stage), world, ctx.comm, ctx.device,
                      ctx.backend_name, gen=restore.resume_step, chunks=chunks, before=ctx.before_action,
                      actuator=ctx.actuator)

@@ -54,6 +54,10 @@ def save_and_stop(ctx, st: RankState | None, reason: str, noticed_at: float, wri
         print(f"elaswave: rank {ctx.rank}: {reason}; it had not joined the training, so it has nothing "
               "to save", file=sys.stderr, flush=True)
         return EXIT_STORE_LOST
+    if cfg.parallel.tp > 1:  # the slices' chunks share their keys: a checkpoint per shard is not built yet
+        print(f"elaswave: rank {ctx.rank}: {reason}; a tensor-parallel job's state cannot be saved on disk yet, "
+              "so it stops without saving", file=sys.stderr, flush=True)
+        return EXIT_STORE_LOST
     began = time.perf_counter()
     checkpointer = ctx.checkpointer or disk.Checkpointer(root, ctx.rank, 0, cfg.checkpoint.keep,
                                                          cfg.model_identity(), cfg.parallel.chunk_numel, ctx.run,

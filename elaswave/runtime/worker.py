@@ -43,7 +43,7 @@ from elaswave.runtime.context import Context
 from elaswave.runtime.rank import build_rank
 from elaswave.runtime.step import gather_masters, gather_params, samples_of, train_step
 from elaswave.tensor import layout
-from elaswave.tensor.shards import state_total
+from elaswave.tensor.shards import layer_digests, state_total
 from elaswave.runtime.straggler import REBALANCE
 from elaswave.zero import digest
 from elaswave.zero.flat import params_sha256
@@ -155,7 +155,9 @@ def run(cfg: JobConfig, rank: int, world_size: int, metrics_out: str | None) -> 
                     if result.joining:  # admitted during this step: the job grows at its end
                         cause = join.GROW
                         break
-                    gain = ctx.speeds.straggles(st.plan, t.num_micro_batches, cfg.elastic.straggler_gain)
+                    # (Each slice sees its own ranks' speeds: a tp job does not re-plan for stragglers.)
+                    gain = (ctx.speeds.straggles(st.plan, t.num_micro_batches, cfg.elastic.straggler_gain)
+                            if cfg.parallel.tp == 1 else 0.0)
                     if gain and cfg.elastic.enabled and step < t.steps:
                         if rank == st.plan.ranks[0]:
                             slowest = min(st.plan.ranks, key=ctx.speeds.median)
@@ -182,6 +184,10 @@ def run(cfg: JobConfig, rank: int, world_size: int, metrics_out: str | None) -> 
                 if stop.saved_step is not None:  # the steps the saved state has seen happened: record them
                     journal.commit_before(stop.saved_step, writer)
                 raise
+            except recovery.GroupLost as out:  # alive, but its shard's layers went to other stages
+                print(f"elaswave: {out}", file=sys.stderr, flush=True)
+                writer.close()
+                return 0
             except recovery.Excluded as out:
                 print_error(str(out))
                 writer.close()
@@ -192,7 +198,8 @@ def run(cfg: JobConfig, rank: int, world_size: int, metrics_out: str | None) -> 
             ctx.learn_standbys()
             step, evaluation_s = pending.resume_step, 0.0
             journal.discard_from(step)
-            if rank == st.plan.ranks[0] and writer.fh is None and metrics_out:
+            if (rank == st.plan.ranks[0] and layout.shard_of(rank, cfg.parallel.tp) == 0 and writer.fh is None
+                    and metrics_out):
                 writer = MetricsWriter(metrics_out, show_progress=True, total_steps=t.steps, append=True)
                 journal.replay(writer)
             journal.commit_before(step, writer)
@@ -278,7 +285,7 @@ def _start(ctx: Context, world_size: int):
     if resumed:
         gather_params(st)
     ctx.comm.prepare_standbys(plan.ranks, plan.epoch)
-    if cfg.checkpoint.export_hf and rank == plan.ranks[0]:
+    if cfg.checkpoint.export_hf and rank == plan.ranks[0] and layout.shard_of(rank, tp) == 0:
         hf_folder.clear_staging(cfg.checkpoint.export_hf)  # before the barrier: no rank has written yet
     world.all_reduce(torch.zeros(1, device=device), "start-up barrier")
     return st, resumed
@@ -361,10 +368,16 @@ def _finish(ctx: Context, st, cfg: JobConfig) -> tuple[dict[int, dict], Path | N
         gather_masters(st)
     usage = resource.getrusage(resource.RUSAGE_SELF)
     target = export.Target.of_job(cfg) if cfg.checkpoint.export_hf else None
-    exported = export.write_my_shards(target, plan, st.rank, st.stage.layers) if target else None
     shards = st.shards
+    # A tp job's whole layers, gathered from their shards: their digests, and what shard 0 exports.
+    wholes = shards.whole_flats(st.stage.layers) if shards is not None else None
+    written = st.stage.layers
+    if shards is not None:
+        first = [i for i in wholes if plan.holders(i)[0] == st.rank] if layout.shard_of(st.rank, cfg.parallel.tp) == 0 else []
+        written = shards.whole_layers(wholes, first) if target else []
+    exported = export.write_my_shards(target, plan, st.rank, written) if target else None
     doc = {"layer_copies": digest.layer_digests(st.stage.layers),
-           "whole_layers": shards.layer_digests(st.stage.layers) if shards is not None else None,
+           "whole_layers": layer_digests(wholes) if wholes is not None else None,
            # Summed over ranks into state_sha256; a tp job's counts each value of the whole model once.
            "state_sum": f"{shards.state_sum(st.optimizer, st.stage.layers) if shards else digest.owned_state_sum(st.optimizer):x}",
            "step_counter": st.optimizer.gen,

@@ -46,3 +46,26 @@ def on_slice(plan: Plan, shard: int, tp: int) -> Plan:
 def every_rank(plan: Plan, tp: int) -> tuple[int, ...]:
     """Every rank of the job whose slice runs ``plan`` (the plan's ranks with every shard index)."""
     return tuple(sorted(r - r % tp + t for r in plan.ranks for t in range(tp)))
+
+
+def whole_devices(ranks, tp: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(the ranks of devices every one of whose ``tp`` ranks is in ``ranks``, the rest): a device
+    that lost a rank has lost its layers' shard, and its survivors leave with it."""
+    ranks = set(ranks)
+    whole = {r for r in ranks if all(m in ranks for m in tensor_group(r, tp))}
+    return tuple(sorted(whole)), tuple(sorted(ranks - whole))
+
+
+def on_shard(ranks, shard: int, tp: int) -> tuple[int, ...]:
+    """The ranks of slice ``shard`` among ``ranks``."""
+    return tuple(sorted(r for r in ranks if r % tp == shard))
+
+
+def device_speeds(speeds: dict[int, float], shard: int, tp: int) -> dict[int, float]:
+    """Each device's speed (its slowest shard's: the group waits for it) under its rank of slice
+    ``shard``: every slice re-plans from the same figures, so all make the same plan."""
+    out: dict[int, float] = {}
+    for r, v in speeds.items():
+        mine = r - r % tp + shard
+        out[mine] = min(v, out.get(mine, v))
+    return out

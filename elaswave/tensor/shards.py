@@ -11,7 +11,8 @@ holds whole counts on the first shard), padding never:
   16-bit limbs in int64 and exchanged as integers; the same bits at every layout and degree;
 - the state digest adds one 128-bit mix per value of (layer, whole position, master, exp_avg,
   exp_avg_sq) modulo 2**128, so any split of the values over ranks gives the same total;
-- a layer's digest is the sha256 of the whole layer gathered from its shards.
+- a layer's digest is the sha256 of the whole layer gathered from its shards, and an export
+  writes the whole layers as the Llama family lays them out.
 """
 from __future__ import annotations
 
@@ -22,6 +23,8 @@ from typing import Sequence
 import torch
 
 from elaswave.comm.groups import Group
+from elaswave.model.contract import untie
+from elaswave.zero.flat import FlatLayer
 
 _LIMB, _LIMBS = 16, 4
 _DIGIT = 62
@@ -66,8 +69,9 @@ class TensorShards:
             total += _mixed_sum(keys[keep], bits)
         return total % (1 << 128)
 
-    def layer_digests(self, layers: Sequence) -> dict[str, str]:
-        """Each whole layer's sha256 (every shard of the group calls this; the first gets them)."""
+    def whole_flats(self, layers: Sequence) -> dict[int, torch.Tensor]:
+        """Each layer's whole flat vector, gathered from its shards (every shard of the group calls
+        this, for the same layers: its device's)."""
         out = {}
         for layer in layers:
             flat = layer.flat.detach()
@@ -77,9 +81,24 @@ class TensorShards:
                 parts = list(parts.view(self.group.size, -1))
             else:
                 parts = [flat]
-            whole = self.model.whole_flat(layer, parts).cpu().contiguous()
-            out[str(layer.index)] = hashlib.sha256(whole.numpy().tobytes()).hexdigest()
+            out[layer.index] = self.model.whole_flat(layer, parts)
         return out
+
+    def whole_layers(self, wholes: dict[int, torch.Tensor], indices) -> list[FlatLayer]:
+        """Layers ``indices`` whole, as the Llama family lays them out (for an export)."""
+        out = []
+        for i in sorted(indices):
+            module = self.model.whole_module(i)
+            untie(self.model, module, i)
+            layer = FlatLayer(module, i)
+            layer.flat.copy_(wholes[i])
+            out.append(layer)
+        return out
+
+
+def layer_digests(wholes: dict[int, torch.Tensor]) -> dict[str, str]:
+    """Each whole layer's sha256 (its float values' bytes, as FlatLayer.digest hashes them)."""
+    return {str(i): hashlib.sha256(flat.cpu().contiguous().numpy().tobytes()).hexdigest() for i, flat in wholes.items()}
 
 
 def state_total(sums: Sequence[int]) -> int:

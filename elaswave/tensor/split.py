@@ -67,13 +67,13 @@ def check_job(job) -> None:
     for one yet: one line each."""
     tp = job.parallel.tp
     check(job.model, tp, where=f"parallel.tp={tp!r}")
-    not_yet = {"elastic.enabled": (job.elastic.enabled, job.elastic.enabled,
-                                   "recovering a lost rank of a tensor-parallel group is not built yet; set "
-                                   "elastic.enabled=false"),
+    elastic = job.elastic
+    not_yet = {"elastic.spares": (elastic.spares, elastic.enabled and elastic.spares > 0,
+                                  "a spare taking a lost shard's place is not built yet"),
+               "elastic.inject": (";".join(elastic.inject), elastic.enabled and any("join" in f for f in elastic.inject),
+                                  "ranks joining a tensor-parallel job are not built yet"),
                "checkpoint.dir": (job.checkpoint.dir, bool(job.checkpoint.dir),
                                   "disk checkpoints of tensor-parallel shards are not built yet"),
-               "checkpoint.export_hf": (job.checkpoint.export_hf, bool(job.checkpoint.export_hf),
-                                        "an export from tensor-parallel shards is not built yet"),
                "parallel.stage_memory_mb": (job.parallel.stage_memory_mb, job.parallel.stage_memory_mb > 0,
                                             "the memory model of tensor-parallel shards is not built yet"),
                "train.measure_memory_step": (job.train.measure_memory_step, job.train.measure_memory_step >= 0,
@@ -83,3 +83,8 @@ def check_job(job) -> None:
     for key, (value, on, why) in not_yet.items():
         if on:
             fail(key, value, f"with parallel.tp={tp}: {why} (parallel.tp=1 has it)")
+    devices = job.parallel.dp * job.parallel.pp
+    if elastic.enabled and elastic.snapshots and elastic.snapshot_copies > max(1, devices - 1):
+        fail("elastic.snapshot_copies", elastic.snapshot_copies,
+             f"must be <= {max(1, devices - 1)} with parallel.tp={tp}: a rank's snapshot is kept by ranks of "
+             f"its own shard index, {devices} of them")

@@ -31,6 +31,29 @@ def test_every_layout_is_bit_identical_to_the_reference(tmp_path, reference, dp,
     assert res.losses[-1] < res.losses[0] - 0.2, "the loss should visibly fall"
 
 
+# Each SIGKILL takes a rank of a tensor-parallel group: its device's layers go to the other stages
+# (or its pipeline's micro-batches to the other pipeline), its group's survivors leave, and each
+# slice restores the lost chunks from its own snapshot ring.
+KILLS = [
+    (2, 1, ["kill:rank=3,step=3,phase=reduce"], [2, 3]),
+    (2, 1, ["kill:rank=1,step=2,phase=backward"], [0, 1]),  # the metrics' writer leaves with its group
+    (1, 2, ["kill:rank=2,step=3,phase=forward"], [2, 3]),  # a pipeline's second stage: re-partitioned
+    (2, 1, ["kill:rank=2,step=4,phase=forward", "kill:rank=3,step=4,phase=forward"], [2, 3]),  # a whole group
+]
+
+
+@pytest.mark.parametrize("dp,pp,kills,lost", KILLS)
+def test_a_killed_tensor_parallel_rank_is_one_recovery_bit_identical(tmp_path, reference, dp, pp, kills, lost):
+    res = run_job(tmp_path, dp, pp, STEPS, deterministic=True,
+                  extra=[*TP, "parallel.tp=2", "elastic.enabled=true", "elastic.inject=" + ";".join(kills)])
+    recoveries = [r for r in res.records if r["event"] == "recovery"]
+    assert [r["lost_ranks"] for r in recoveries] == [lost]
+    assert res.losses == reference.losses
+    assert res.summary["params_sha256"] == reference.summary["params_sha256"]
+    assert res.summary["state_sha256"] == reference.summary["state_sha256"]
+    assert res.summary["world_size"] == dp * pp * 2 - 2
+
+
 def test_the_blocked_reference_is_another_computation_of_the_same_training(tmp_path, reference):
     # The canonical blocks are what make every degree agree: without them the bits differ,
     # the training does not.
@@ -53,7 +76,7 @@ def test_fast_mode_follows_the_whole_model(tmp_path):
     (["parallel.tp=2", "model.preset=gpt-tiny"], [], "parallel.tp=2 is invalid for model gpt"),
     (["parallel.tp=2", "model.factory=tests.runtime.test_tensor_parallel:nothing"], [],
      "a model.factory model would need to declare one"),
-    (["parallel.tp=2", "elastic.enabled=true"], [], "elastic.enabled=True is invalid with parallel.tp=2"[:22]),
+    (["parallel.tp=2", "elastic.enabled=true", "elastic.spares=1"], [], "elastic.spares=1 is invalid: with parallel.tp=2"),
     (["parallel.tp=4"], ["--nnodes", "2", "--node-rank", "0", "--nproc-per-node", "2"],
      "parallel.tp=4 is invalid with --nproc-per-node=2"),
 ])
@@ -66,3 +89,56 @@ def test_bad_tensor_parallel_input_is_one_line(tmp_path, sets, cli, says):
     assert res.returncode == 2, res.stderr
     lines = [l for l in res.stderr.strip().splitlines() if l]
     assert len(lines) == 1 and says in lines[0], res.stderr
+
+
+HF = dict(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+          num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=True, rms_norm_eps=1e-5)
+HF_JOB = ["model.seq_len=32", "data.source=stdlib", "train.micro_batch_size=2", f"train.num_micro_batches={MBS}",
+          "parallel.timeout_s=60", "parallel.tp=2"]
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory):
+    """A Hugging Face folder whose vocabulary (300) tp=2 pads to whole blocks (304), tied, GQA."""
+    transformers = pytest.importorskip("transformers")
+    import torch
+    path = tmp_path_factory.mktemp("hf")
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(transformers.LlamaConfig(**HF)).save_pretrained(path)
+    return path
+
+
+def _hf_run(tmp_path, command: str, sets: list[str]):
+    args = [command] + [x for s in sets for x in ("--set", s)] + ["--deterministic"]
+    res = run_cli(args, tmp_path)
+    assert res.returncode == 0, res.stderr
+    return res
+
+
+def _tensors(path):
+    from safetensors.torch import load_file
+    out = {}
+    for f in sorted(path.glob("*.safetensors")):
+        out.update(load_file(f))
+    return out
+
+
+def test_an_export_from_shards_gives_back_the_folder_it_loaded(tmp_path, hf_dir):
+    out = tmp_path / "out"
+    _hf_run(tmp_path, "run", [*HF_JOB, "parallel.dp=1", "parallel.pp=2", "train.steps=0", f"model.init_from={hf_dir}",
+                              f"checkpoint.export_hf={out}"])
+    a, b = _tensors(hf_dir), _tensors(out)
+    assert sorted(a) == sorted(b) and b["model.embed_tokens.weight"].shape[0] == 300  # no padding row
+    assert all(a[k].equal(b[k]) for k in a)
+
+
+def test_a_trained_export_from_shards_equals_the_reference_export(tmp_path, hf_dir):
+    import torch
+    sets = [*HF_JOB, f"model.init_from={hf_dir}", f"train.steps={STEPS}"]
+    ref = _hf_run(tmp_path, "reference", [*sets, f"checkpoint.export_hf={tmp_path / 'ref'}"])
+    res = _hf_run(tmp_path, "run", [*sets, "parallel.dp=2", "parallel.pp=1", f"checkpoint.export_hf={tmp_path / 'run'}",
+                                    "elastic.inject=kill:rank=3,step=3,phase=backward"])
+    assert res.losses == ref.losses
+    a, b, before = _tensors(tmp_path / "ref"), _tensors(tmp_path / "run"), _tensors(hf_dir)
+    assert sorted(a) == sorted(b) and all(a[k].equal(b[k]) for k in a)
+    assert not torch.equal(a["model.layers.0.mlp.down_proj.weight"], before["model.layers.0.mlp.down_proj.weight"])
