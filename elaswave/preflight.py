@@ -20,7 +20,10 @@ def check_resume(cfg: JobConfig) -> None:
         return
     from elaswave.checkpoint import disk
 
-    manifest = disk.latest(c.dir)
+    from elaswave.tensor import checkpoints
+
+    checkpoints.check_degree(c.dir, cfg.parallel.tp)
+    manifest = checkpoints.latest(c.dir, 0, cfg.parallel.tp)
     if manifest is not None:
         try:
             manifest.check_data(cfg.data_identity())

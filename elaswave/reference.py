@@ -22,7 +22,7 @@ from elaswave.plan.chunks import ChunkIndex
 from elaswave.zero.bucket import Bucket
 from elaswave.zero.digest import owned_state_sum, state_sha256
 from elaswave.zero.flat import params_sha256
-from elaswave.tensor.shards import TensorShards, layer_digests
+from elaswave.tensor.shards import TensorShards, whole_digest
 from elaswave.zero.optimizer import ShardedAdamW, clip_coef, clip_of_norm, lr_at
 from elaswave.zero.reduce import GradAccumulator
 
@@ -94,14 +94,13 @@ def train_reference(cfg: JobConfig, on_step: Callable[[dict], None] | None = Non
     for layer, flat in zip(layers, bucket.unpack(optimizer.params[0])):  # the masters, for digest and export
         layer.cast(torch.float32)
         layer.flat.copy_(flat)
-    wholes = shards.whole_flats(layers) if shards is not None else None
+    wholes = dict(shards.each_whole(layers)) if shards is not None else None
     if cfg.checkpoint.export_hf:
         from elaswave.checkpoint import export
         written = shards.whole_layers(wholes, wholes) if shards is not None else layers
         export.write_layers(export.Target.of_job(cfg), cfg.model, written, m.num_layers)
     if shards is not None:
-        digests = layer_digests(wholes)
-        params = params_sha256([bytes.fromhex(digests[str(i)]) for i in range(m.num_layers)])
+        params = params_sha256([bytes.fromhex(whole_digest(wholes[i])) for i in range(m.num_layers)])
         state = state_sha256(optimizer.gen, [shards.state_sum(optimizer, layers)])
     else:
         params = params_sha256([l.digest() for l in layers])

@@ -55,7 +55,7 @@ def step(runs: int) -> dict:
     return {"job": STEP_JOB, "pairs": pairs, "median_ratio": statistics.median(p["ratio"] for p in pairs)}
 
 
-def _big_hf_dir(path: Path) -> int:
+def big_hf_dir(path: Path) -> int:
     import torch
     import transformers
     torch.manual_seed(0)
@@ -68,13 +68,13 @@ def _big_hf_dir(path: Path) -> int:
 def rss() -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         hf = Path(tmp) / "hf"
-        size = _big_hf_dir(hf)
+        size = big_hf_dir(hf)
         out = {"hf_dir_bytes": size}
         for pp in (1, 4):
             began = time.perf_counter()
             records = run_job([f"model.init_from={hf}", "model.seq_len=16", "train.steps=0", "parallel.dp=1",
                                f"parallel.pp={pp}", "train.num_micro_batches=1", "train.micro_batch_size=1",
-                               "data.max_corpus_bytes=100000"])
+                               "data.max_corpus_bytes=100000", "data.source=stdlib"])
             summary = next(r for r in records if r["event"] == "summary")
             out[f"pp{pp}"] = {"peak_rss_bytes_per_rank": summary["peak_rss_bytes_per_rank"],
                               "wall_s": time.perf_counter() - began}

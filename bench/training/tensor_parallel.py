@@ -1,6 +1,6 @@
-"""Tensor parallelism on this CPU: ``python bench/training/tensor_parallel.py [--runs N]``.
+"""Tensor parallelism on this CPU: ``python bench/training/tensor_parallel.py step|memory|all [--runs N]``.
 
-For the default job's model (llama-tiny) and a wider one, fast mode, one pipeline of one stage:
+step: for the default job's model (llama-tiny) and a wider one, fast mode, one pipeline of one stage:
 the median step time at tp=2 (two ranks cutting every layer) over tp=1 (one rank), runs
 alternated; and the bytes each tp=2 rank gave its tensor-parallel group's collectives per step,
 measured by the runtime (the step records' ``tp_bytes``), against the prediction from the
@@ -8,6 +8,10 @@ simulator's pricing of TP (elaswave.sim.workload.tp_all_reduces: a micro-batch's
 all-reduces' worth per layer, forward and backward). The first 3 steps are warm-up. Two ranks on
 two cores: tp=2 has twice the cores of tp=1, so the ratio is what splitting buys here, not a GPU
 figure. Results: bench/results/tensor_parallel.json|md.
+memory: a 1.2 GB Hugging Face folder (bench/training/llama.py's, random weights) trained 2 steps at
+dp=1 x pp=1 x tp=1, 2, 4: each rank's peak in step 1 as the memory model predicts it and as
+torch's profiler measures it (``train.measure_memory_step``), and its peak RSS. Results:
+bench/results/tensor_parallel_memory.json.
 """
 from __future__ import annotations
 
@@ -17,7 +21,8 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parents[1]))  # the repository: bench.common
-from bench.common import bench_args, in_turn, median_step_s, run_job, step_records, write_results  # noqa: E402
+from bench.common import (bench_args, in_turn, median_step_s, run_job, step_records, write_json,  # noqa: E402
+                          write_results, RESULTS)
 
 BASE = ["elastic.enabled=false", "parallel.dp=1", "parallel.pp=1", "train.steps=12", "data.max_corpus_bytes=400000",
         "model.dropout=0"]
@@ -60,8 +65,36 @@ def measure(sets: list[str], runs: int) -> dict:
             "measured_over_predicted": tp_bytes / predicted}
 
 
+def memory() -> dict:
+    import tempfile
+    from bench.training.llama import big_hf_dir
+    with tempfile.TemporaryDirectory() as tmp:
+        hf = Path(tmp) / "hf"
+        out = {"hf_dir_bytes": big_hf_dir(hf)}
+        for tp in (1, 2, 4):
+            records = run_job([f"model.init_from={hf}", "model.seq_len=16", "train.steps=2", "parallel.dp=1",
+                               "parallel.pp=1", f"parallel.tp={tp}", "train.num_micro_batches=1",
+                               "train.micro_batch_size=1", "train.measure_memory_step=1", "elastic.enabled=false", "data.source=stdlib",
+                               "data.max_corpus_bytes=100000"])
+            s = next(r for r in records if r["event"] == "summary")
+            rows = [{"predicted_bytes": p["total"], "measured_peak_bytes": m["peak_bytes"],
+                     "predicted_static_bytes": p["layers"] + p["optimizer"] + p["snapshots"] + p["data"],
+                     "measured_before_bytes": m["before_bytes"], "peak_rss_bytes": rss}
+                    for p, m, rss in zip(s["memory_predicted_per_rank"], s["memory_measured_per_rank"],
+                                         s["peak_rss_bytes_per_rank"])]
+            out[f"tp{tp}"] = rows
+            print(f"memory: tp={tp} per rank (MiB) predicted/measured "
+                  f"{[(round(r['predicted_bytes'] / 2 ** 20), round(r['measured_peak_bytes'] / 2 ** 20)) for r in rows]}"
+                  f", peak RSS {[round(r['peak_rss_bytes'] / 2 ** 20) for r in rows]}", flush=True)
+    return out
+
+
 def main() -> None:
-    args = bench_args(__doc__, out="tensor_parallel", runs=3).parse_args()
+    args = bench_args(__doc__, out="tensor_parallel", runs=3, parts=("step", "memory")).parse_args()
+    if args.what in ("memory", "all"):
+        write_json(RESULTS / "tensor_parallel_memory.json", memory())
+    if args.what not in ("step", "all"):
+        return
     doc = {name: measure(sets, args.runs) for name, sets in MODELS.items()}
     lines = ["| model | step s tp=1 | step s tp=2 | tp=2 / tp=1 | TP bytes/step/rank measured | predicted | ratio |",
              "|---|---|---|---|---|---|---|"]

@@ -37,6 +37,7 @@ from elaswave.runtime.evaluation import Evaluation
 from elaswave.runtime.memory import job_memory_model
 from elaswave.runtime.straggler import SpeedWindow
 from elaswave.snapshot.pool import SnapshotPool
+from elaswave.tensor import checkpoints
 from elaswave.tensor.layout import every_rank, shard_of
 
 
@@ -78,7 +79,9 @@ class Context:
         first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
         self.injector = FaultInjector(cfg.elastic.faults if first_attempt else [], rank, self.membership)
         c = cfg.checkpoint
-        self.checkpointer = disk.Checkpointer(c.dir, rank, c.every_steps, c.keep, cfg.model_identity(),
+        self.checkpoint_root = checkpoints.shard_root(c.dir, shard_of(rank, cfg.parallel.tp), cfg.parallel.tp)
+        """Where this rank's slice keeps its disk checkpoints (checkpoint.dir itself without tp)."""
+        self.checkpointer = disk.Checkpointer(self.checkpoint_root, rank, c.every_steps, c.keep, cfg.model_identity(),
                                               cfg.parallel.chunk_numel, source=cfg.sources(),
                                               data=cfg.data_identity()) if c.dir else None
         self.run = 0

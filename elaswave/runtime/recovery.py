@@ -26,7 +26,7 @@ from elaswave.plan.plan import Plan, PlanError, replan
 from elaswave.plan.recovery import Holding, Restore, plan_restore
 from elaswave.runtime.rank import RankState, build_rank
 from elaswave.runtime.step import gather_params
-from elaswave.tensor import layout
+from elaswave.tensor import checkpoints, layout
 from elaswave.zero.flat import FlatLayer
 
 TAG_RESTORE = 2_000_000
@@ -194,8 +194,8 @@ def recover(ctx, st: RankState | None, cause: Disruption | None, noticed_wall: f
                                     broken=lambda: ctx.interrupt.is_broken(epoch))
     speeds = layout.device_speeds({r: doc["speed"] for r, doc in reports.items() if r in layout.every_rank(old, tp)},
                                   shard, tp)
-    reports = {r: doc for r, doc in reports.items() if r in members}  # this slice's: its chunks and groups
     disk_steps = [doc["disk_step"] for doc in reports.values()]
+    reports = {r: doc for r, doc in reports.items() if r in members}  # this slice's: its chunks and groups
     # The newest checkpoint every survivor saw complete (they may have looked at different moments).
     disk_step = None if None in disk_steps else min(disk_steps)
     lap("agree")
@@ -221,7 +221,7 @@ def recover(ctx, st: RankState | None, cause: Disruption | None, noticed_wall: f
                       "pipelines run the whole batch, until ranks join", file=sys.stderr, flush=True)
     restore = plan_restore(old.chunk_owners, plan.chunk_owners, holdings, disk_step)
     if restore.is_fallback and ctx.rank == members[0]:
-        source = (f"the disk checkpoint in {disk.step_dir(cfg.checkpoint.dir, disk_step)}"
+        source = (f"the disk checkpoint in {disk.step_dir(ctx.checkpoint_root, disk_step)}"
                   if restore.resume_step == disk_step and disk_step else
                   "the keyed initial state (no disk checkpoint: set checkpoint.dir and checkpoint.every_steps)")
         print(f"elaswave: WARNING: the ZeRO chunks of ranks {list(restore.unrecoverable_owners)} died with "
@@ -287,7 +287,7 @@ def _stop_with_state(ctx, st: RankState | None, old: Plan, members, holdings, di
     restore = plan_restore(old.chunk_owners, old.chunk_owners, holdings, disk_step)
     if st is None or ctx.checkpointer is None or restore.is_fallback:
         where = ("set checkpoint.dir to keep the state in such a case" if ctx.checkpointer is None else
-                 f"the newest checkpoint in {cfg.checkpoint.dir} is where a restart resumes")
+                 f"the newest checkpoint in {ctx.checkpoint_root} is where a restart resumes")
         raise PlanError(f"{exc}. The job stops; {where}") from None
     gen = restore.resume_step
     mine = sorted(k for k, (src, _) in restore.sources.items() if src == ctx.rank)
@@ -300,7 +300,7 @@ def _stop_with_state(ctx, st: RankState | None, old: Plan, members, holdings, di
                               epoch=old.epoch)
         ctx.checkpointer.wait()
     stop = PlanError(f"{exc}. The job stops; its state at step {gen} is saved in "
-                     f"{disk.step_dir(cfg.checkpoint.dir, gen)}: run it again with more ranks and it resumes there")
+                     f"{disk.step_dir(ctx.checkpoint_root, gen)}: run it again with more ranks and it resumes there")
     stop.saved_step = gen
     raise stop from None
 
@@ -385,7 +385,7 @@ def _restore_chunks(ctx, st: RankState, world, new_owners, restore: Restore):
         elif src is None:
             chunks[key] = _initial_chunk(ctx, key, fresh)
     if from_disk:
-        manifest = disk.at_step(ctx.cfg.checkpoint.dir, gen)
+        manifest = disk.at_step(ctx.checkpoint_root, gen)
         chunks.update({k: v.to(ctx.device) for k, v in disk.load_chunks(manifest, from_disk).items()})
     return chunks, received, arriving
 
@@ -398,8 +398,8 @@ def _readable_checkpoint(ctx) -> int | None:
         ctx.checkpointer.wait()
     except disk.CheckpointError as exc:
         print(f"elaswave: WARNING: rank {ctx.rank}: {exc}", file=sys.stderr, flush=True)
-    newest = disk.latest(ctx.cfg.checkpoint.dir)
-    return newest.step if newest is not None else None
+    # With tp: the newest step every slice completed (a fallback must go back alike in all).
+    return checkpoints.common_step(ctx.cfg.checkpoint.dir, ctx.cfg.parallel.tp)
 
 
 def _initial_chunk(ctx, key: ChunkKey, cache: dict) -> torch.Tensor:

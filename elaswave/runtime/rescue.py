@@ -23,6 +23,8 @@ from elaswave.checkpoint import disk
 from elaswave.control import failover
 from elaswave.control.link import EXIT_STORE_LOST
 from elaswave.runtime.rank import RankState
+from elaswave.tensor import checkpoints
+from elaswave.tensor.layout import shard_of
 
 RESCUE_DIR = "elaswave-rescue"
 """Where the state goes when the job has no ``checkpoint.dir``: progress is not thrown away."""
@@ -38,7 +40,8 @@ def left_out(ctx, st: RankState | None) -> str | None:
     now = failover.epoch_now(ctx.store, ctx.cfg.elastic.heartbeat_timeout_s / 2)
     if now is not None and now[0] > st.epoch and now[1] is not None and ctx.rank not in now[1]:
         return f"the job went on without it (epoch {now[0]}, members {list(now[1])})"
-    root = ctx.cfg.checkpoint.dir or RESCUE_DIR
+    cfg = ctx.cfg
+    root = checkpoints.shard_root(cfg.checkpoint.dir or RESCUE_DIR, shard_of(ctx.rank, cfg.parallel.tp), cfg.parallel.tp)
     newest, mine = disk.newest_fence(root), disk.Fence(ctx.run, st.epoch)
     if newest is not None and newest > mine:
         return f"{root} holds a newer checkpoint ({newest.name}) than its own {mine.name}: the job went on without it"
@@ -49,14 +52,10 @@ def save_and_stop(ctx, st: RankState | None, reason: str, noticed_at: float, wri
     """Save this rank's part and say what happened; returns the exit code. ``writer``: the metrics
     writer, on the rank that writes them (a ``store_lost`` record)."""
     cfg = ctx.cfg
-    root = cfg.checkpoint.dir or RESCUE_DIR
+    root = checkpoints.shard_root(cfg.checkpoint.dir or RESCUE_DIR, shard_of(ctx.rank, cfg.parallel.tp), cfg.parallel.tp)
     if st is None:
         print(f"elaswave: rank {ctx.rank}: {reason}; it had not joined the training, so it has nothing "
               "to save", file=sys.stderr, flush=True)
-        return EXIT_STORE_LOST
-    if cfg.parallel.tp > 1:  # the slices' chunks share their keys: a checkpoint per shard is not built yet
-        print(f"elaswave: rank {ctx.rank}: {reason}; a tensor-parallel job's state cannot be saved on disk yet, "
-              "so it stops without saving", file=sys.stderr, flush=True)
         return EXIT_STORE_LOST
     began = time.perf_counter()
     checkpointer = ctx.checkpointer or disk.Checkpointer(root, ctx.rank, 0, cfg.checkpoint.keep,
@@ -86,7 +85,7 @@ def save_and_stop(ctx, st: RankState | None, reason: str, noticed_at: float, wri
                       "noticed_wall": noticed_at, "save_s": took, "generations_saved": saved,
                       "wall_time": time.time()})
     if ctx.rank == plan.ranks[0]:
-        again = "the same command" + ("" if cfg.checkpoint.dir else f" with --set checkpoint.dir={root}")
+        again = "the same command" + ("" if cfg.checkpoint.dir else f" with --set checkpoint.dir={RESCUE_DIR}")
         print(f"elaswave: {reason}. Without it the job cannot change its membership, so every rank "
               f"stopped and saved its state: the job is at step {newest} in {disk.step_dir(root, newest)}. "
               f"Run {again} (checkpoint.resume is on by default) to continue from step {newest}.",

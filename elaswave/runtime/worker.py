@@ -42,8 +42,8 @@ from elaswave.runtime.metrics import MetricsWriter, StepJournal, print_error
 from elaswave.runtime.context import Context
 from elaswave.runtime.rank import build_rank
 from elaswave.runtime.step import gather_masters, gather_params, samples_of, train_step
-from elaswave.tensor import layout
-from elaswave.tensor.shards import layer_digests, state_total
+from elaswave.tensor import checkpoints, layout
+from elaswave.tensor.shards import state_total, whole_digest
 from elaswave.runtime.straggler import REBALANCE
 from elaswave.zero import digest
 from elaswave.zero.flat import params_sha256
@@ -276,7 +276,7 @@ def _start(ctx: Context, world_size: int):
     if tp > 1:
         model.cut.group = ctx.comm.group(layout.tensor_group(rank, tp), plan.epoch)
     # Before the barrier below, so before any rank of this run has written there.
-    ctx.set_run(disk.next_run(cfg.checkpoint.dir or rescue.RESCUE_DIR))
+    ctx.set_run(checkpoints.next_run(cfg.checkpoint.dir or rescue.RESCUE_DIR, tp))
     resumed = _resume_point(cfg, plan, rank)
     gen, chunks = (resumed.manifest.step, resumed.chunks) if resumed else (0, None)
     st = build_rank(cfg, plan, rank, stage, ctx.sampler_for(stage), world, ctx.comm, device, ctx.backend_name,
@@ -345,7 +345,9 @@ def _resume_point(cfg: JobConfig, plan, rank: int) -> ResumePoint | None:
     if not (c.dir and c.resume):
         return None
     began = time.perf_counter()
-    manifest = disk.latest(c.dir)
+    tp = cfg.parallel.tp
+    checkpoints.check_degree(c.dir, tp)
+    manifest = checkpoints.latest(c.dir, layout.shard_of(rank, tp), tp)
     if manifest is None:
         return None
     manifest.check_fits(cfg.model_identity(), cfg.parallel.chunk_numel, plan.chunk_owners)
@@ -369,15 +371,19 @@ def _finish(ctx: Context, st, cfg: JobConfig) -> tuple[dict[int, dict], Path | N
     usage = resource.getrusage(resource.RUSAGE_SELF)
     target = export.Target.of_job(cfg) if cfg.checkpoint.export_hf else None
     shards = st.shards
-    # A tp job's whole layers, gathered from their shards: their digests, and what shard 0 exports.
-    wholes = shards.whole_flats(st.stage.layers) if shards is not None else None
-    written = st.stage.layers
+    # A tp job's whole layers, gathered from their shards a layer at a time: their digests, and
+    # the layers shard 0 of their first holder exports.
+    wholes, kept, written = None, {}, st.stage.layers
     if shards is not None:
-        first = [i for i in wholes if plan.holders(i)[0] == st.rank] if layout.shard_of(st.rank, cfg.parallel.tp) == 0 else []
-        written = shards.whole_layers(wholes, first) if target else []
+        writes = target is not None and layout.shard_of(st.rank, cfg.parallel.tp) == 0
+        wholes = {}
+        for i, flat in shards.each_whole(st.stage.layers):
+            wholes[str(i)] = whole_digest(flat)
+            if writes and plan.holders(i)[0] == st.rank:
+                kept[i] = flat
+        written = shards.whole_layers(kept, kept)
     exported = export.write_my_shards(target, plan, st.rank, written) if target else None
-    doc = {"layer_copies": digest.layer_digests(st.stage.layers),
-           "whole_layers": layer_digests(wholes) if wholes is not None else None,
+    doc = {"layer_copies": digest.layer_digests(st.stage.layers), "whole_layers": wholes,
            # Summed over ranks into state_sha256; a tp job's counts each value of the whole model once.
            "state_sum": f"{shards.state_sum(st.optimizer, st.stage.layers) if shards else digest.owned_state_sum(st.optimizer):x}",
            "step_counter": st.optimizer.gen,

@@ -116,6 +116,18 @@ def _whole(plan) -> float:
     return plan.batch_units / plan.units_per_micro_batch
 
 
+def _together(events: Sequence[Event]) -> list[list[Event]]:
+    """The events in order, failures at the same instant as one batch: a node's TP groups lost
+    with it are one recovery (the runtime agrees once on every rank lost), not one per group."""
+    out: list[list[Event]] = []
+    for e in events:
+        if out and e.kind == "fail" and out[-1][0].kind == "fail" and out[-1][0].t_s == e.t_s:
+            out[-1].append(e)
+        else:
+            out.append([e])
+    return out
+
+
 def simulate(events: Sequence[Event], policy: Policy, model: ClusterModel, duration_s: float) -> PolicyResult:
     live = set(policy.initial.ranks)
     plan = full_plan = policy.layout(sorted(live))
@@ -126,13 +138,15 @@ def simulate(events: Sequence[Event], policy: Policy, model: ClusterModel, durat
     first_ratio = first_after = first_batch = None
     mttrs, lost = [], []
     failures = joins = stalls = store_losses = 0
-    for e in policy.slot_events(events):
+    for batch in _together(policy.slot_events(events)):
+        e = batch[0]
         if e.t_s >= duration_s:
             break
         useful += rate * max(0.0, e.t_s - max(t, resume_at))
         t = e.t_s
         joined = e.kind != "fail"  # a join, or a spare taking a failed device's place
-        (live.add if joined else live.discard)(e.device)
+        for each in batch:
+            (live.add if joined else live.discard)(each.device)
         before = rate
         change = policy.respond(plan, sorted(live), e, step_s)
         plan = change.plan

@@ -30,8 +30,9 @@ _LIMB, _LIMBS = 16, 4
 _DIGIT = 62
 """Exchanged integers travel as base-2**62 digits in int64 (one contributor per entry: exact)."""
 _DIGITS = 6
-_BLOCK = 1 << 22
-"""Values squared at once: each limb product is below 2**34, so a block's sums stay in int64."""
+_BLOCK = 1 << 17
+"""Values squared at once (a few int64 or float64 copies of a block: a few MiB beside the step's
+other transients; each limb product is below 2**32, so a block's sums stay in int64)."""
 _POSITION_BITS = 40
 """A value's key is its layer << 40 | its place in the whole layer (layers below 2**40 values)."""
 
@@ -58,21 +59,30 @@ class TensorShards:
         return math.sqrt(total) / 2.0 ** exact_bits
 
     def state_sum(self, optimizer, layers: Sequence) -> int:
-        """This rank's part of the state digest: its owned values' mixes, summed modulo 2**128."""
+        """This rank's part of the state digest: its owned values' mixes, summed modulo 2**128
+        (a layer at a time, a block of values at a time: a few bytes a value beside the state)."""
         optimizer.settle()
         by_index = {l.index: l for l in layers}
         total = 0
         for b, state in zip(optimizer.buckets, optimizer.state):
-            keys = b.my_part(b.pack([_keys(self.model, by_index[i]) for i in b.layers], fill=-1))
-            keep = keys >= 0
-            bits = state.detach()[:, keep].contiguous().view(torch.int32).to(torch.int64)
-            total += _mixed_sum(keys[keep], bits)
+            per_layer: dict[int, list] = {}
+            for oc in b.owned:
+                per_layer.setdefault(oc.layer, []).append(oc)
+            for index, chunks in per_layer.items():
+                keys = _keys(self.model, by_index[index])
+                slot = torch.cat([torch.arange(oc.slot_offset, oc.slot_offset + oc.numel) for oc in chunks])
+                where = torch.cat([torch.arange(oc.chunk * b.chunk_numel, oc.chunk * b.chunk_numel + oc.numel)
+                                   for oc in chunks])
+                for i in range(0, slot.numel(), _BLOCK):
+                    k = keys[where[i:i + _BLOCK]]
+                    keep = k >= 0
+                    values = state.detach()[:, slot[i:i + _BLOCK].to(state.device)][:, keep.to(state.device)]
+                    total += _mixed_sum(k[keep], values.cpu().contiguous().view(torch.int32).to(torch.int64))
         return total % (1 << 128)
 
-    def whole_flats(self, layers: Sequence) -> dict[int, torch.Tensor]:
-        """Each layer's whole flat vector, gathered from its shards (every shard of the group calls
-        this, for the same layers: its device's)."""
-        out = {}
+    def each_whole(self, layers: Sequence):
+        """(index, the layer's whole flat vector gathered from its shards), a layer at a time
+        (every shard of the group calls this, for the same layers: its device's)."""
         for layer in layers:
             flat = layer.flat.detach()
             if self.group is not None and self.group.size > 1:
@@ -81,8 +91,7 @@ class TensorShards:
                 parts = list(parts.view(self.group.size, -1))
             else:
                 parts = [flat]
-            out[layer.index] = self.model.whole_flat(layer, parts)
-        return out
+            yield layer.index, self.model.whole_flat(layer, parts)
 
     def whole_layers(self, wholes: dict[int, torch.Tensor], indices) -> list[FlatLayer]:
         """Layers ``indices`` whole, as the Llama family lays them out (for an export)."""
@@ -96,9 +105,9 @@ class TensorShards:
         return out
 
 
-def layer_digests(wholes: dict[int, torch.Tensor]) -> dict[str, str]:
-    """Each whole layer's sha256 (its float values' bytes, as FlatLayer.digest hashes them)."""
-    return {str(i): hashlib.sha256(flat.cpu().contiguous().numpy().tobytes()).hexdigest() for i, flat in wholes.items()}
+def whole_digest(flat: torch.Tensor) -> str:
+    """A whole layer's sha256 (its float values' bytes, as FlatLayer.digest hashes them)."""
+    return hashlib.sha256(flat.cpu().contiguous().numpy().tobytes()).hexdigest()
 
 
 def state_total(sums: Sequence[int]) -> int:

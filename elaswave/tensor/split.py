@@ -72,12 +72,6 @@ def check_job(job) -> None:
                                   "a spare taking a lost shard's place is not built yet"),
                "elastic.inject": (";".join(elastic.inject), elastic.enabled and any("join" in f for f in elastic.inject),
                                   "ranks joining a tensor-parallel job are not built yet"),
-               "checkpoint.dir": (job.checkpoint.dir, bool(job.checkpoint.dir),
-                                  "disk checkpoints of tensor-parallel shards are not built yet"),
-               "parallel.stage_memory_mb": (job.parallel.stage_memory_mb, job.parallel.stage_memory_mb > 0,
-                                            "the memory model of tensor-parallel shards is not built yet"),
-               "train.measure_memory_step": (job.train.measure_memory_step, job.train.measure_memory_step >= 0,
-                                             "the memory model of tensor-parallel shards is not built yet"),
                "emulate.enabled": (job.emulate.enabled, job.emulate.enabled,
                                    "emulated compute prices whole layers, not tensor-parallel shards")}
     for key, (value, on, why) in not_yet.items():

@@ -2,7 +2,7 @@
 single-process reference (the whole model in the same canonical blocks), bit for bit."""
 import pytest
 
-from tests.helpers.spawn import run_cli, run_job, run_reference
+from tests.helpers.spawn import job_args, run_cli, run_job, run_reference
 
 STEPS = 6
 MBS = 4
@@ -52,6 +52,36 @@ def test_a_killed_tensor_parallel_rank_is_one_recovery_bit_identical(tmp_path, r
     assert res.summary["params_sha256"] == reference.summary["params_sha256"]
     assert res.summary["state_sha256"] == reference.summary["state_sha256"]
     assert res.summary["world_size"] == dp * pp * 2 - 2
+
+
+def test_a_tensor_parallel_job_resumes_from_its_shards_checkpoints(tmp_path, reference):
+    ck = tmp_path / "ck"
+    sets = [*TP, "parallel.tp=2", f"checkpoint.dir={ck}", "checkpoint.every_steps=2"]
+    run_job(tmp_path, 2, 1, 4, deterministic=True, extra=sets)
+    assert sorted(p.name for p in ck.iterdir()) == ["shard-0-of-2", "shard-1-of-2"]
+    res = run_job(tmp_path, 2, 1, STEPS, deterministic=True, extra=sets)
+    assert [s["step"] for s in res.steps] == list(range(4, STEPS))
+    assert res.losses == reference.losses[4:]
+    assert res.summary["params_sha256"] == reference.summary["params_sha256"]
+    assert res.summary["state_sha256"] == reference.summary["state_sha256"]
+    other = run_cli(job_args(1, 1, STEPS + 2, True, [*sets[:-3], "parallel.tp=4", f"checkpoint.dir={ck}"]), tmp_path)
+    assert other.returncode == 2 and "it holds checkpoints written at parallel.tp=2" in other.stderr
+
+
+def test_a_loss_beyond_the_snapshots_goes_back_to_the_shards_checkpoint(tmp_path, reference):
+    # Two devices of three at once: a lost rank's snapshot was on the other (in each slice alike),
+    # so every slice goes back to the step all of them saved, and trains on to the same bits.
+    res = run_job(tmp_path, 3, 1, STEPS, deterministic=True,
+                  extra=[*TP, "parallel.tp=2", f"checkpoint.dir={tmp_path / 'ck'}", "checkpoint.every_steps=3",
+                         "elastic.enabled=true", "elastic.snapshot_copies=1",
+                         "elastic.inject=kill:rank=2,step=5,phase=forward;kill:rank=4,step=5,phase=forward"])
+    recoveries = [r for r in res.records if r["event"] == "recovery"]
+    assert len(recoveries) == 1 and recoveries[0]["is_fallback"] and recoveries[0]["resume_step"] == 3
+    assert recoveries[0]["lost_ranks"] == [2, 3, 4, 5]
+    by_step = {s["step"]: s["loss"] for s in res.steps}
+    assert [by_step[i] for i in range(STEPS)] == reference.losses
+    assert res.summary["params_sha256"] == reference.summary["params_sha256"]
+    assert res.summary["state_sha256"] == reference.summary["state_sha256"]
 
 
 def test_the_blocked_reference_is_another_computation_of_the_same_training(tmp_path, reference):

@@ -82,6 +82,20 @@ def test_a_node_failure_takes_every_gpu_of_the_node_and_its_groups_once():
         trace.poisson(64, 10.0, 24, 4.0, seed=3, node_share=1.5)
 
 
+def test_a_node_lost_with_several_tp_groups_is_one_recovery(capsys):
+    # Nodes of 8 GPUs, every failure a whole node: at tp=4 each failure takes two groups at once,
+    # at tp=8 one; the job recovers once per node either way.
+    seen = {}
+    for tp in (4, 8):
+        assert cli.main(["simulate", "--devices", "128", "--model", "gpt-1.3b", "--tp", str(tp), "--gpus-per-node", "8",
+                         "--mtbf-h", "20", "--node-failures", "1.0", "--policies", "elaswave", "--seed", "1",
+                         "--json"]) == 0
+        doc = json.loads(capsys.readouterr().out)
+        seen[tp] = (doc["config"]["failures"], doc["policies"]["elaswave"]["failures"])
+    assert seen[4][0] == 2 * seen[8][0] > 0  # the groups' failures in the trace ...
+    assert seen[4][1] == seen[8][1] == seen[8][0]  # ... are one recovery per node
+
+
 @pytest.mark.parametrize("argv,needle", [
     (["--dp", "2", "--pp", "4", "--device-gib", "80", "--reserve-gib", "90"], "--reserve-gib=90 is invalid"),
     (["--dp", "2", "--pp", "4", "--node-failures", "0.5"], "--node-failures=0.5 is invalid without a synthetic trace"),
