@@ -140,7 +140,8 @@ class Context:
     def admit(self, st) -> int:
         """On the epoch's leader: answer join requests (see :mod:`elaswave.runtime.join`); not in
         the last step, after which there is nothing left to grow for."""
-        if not self.cfg.elastic.enabled or st.rank != st.plan.ranks[0] or self.step >= self.cfg.train.steps - 1:
+        if (not self.cfg.elastic.enabled or st.rank != st.plan.ranks[0] or shard_of(st.rank, self.cfg.parallel.tp)
+                or self.step >= self.cfg.train.steps - 1):
             return 0
         try:
             return join.admit(self, st)

@@ -45,8 +45,14 @@ def admit(ctx, st: RankState) -> int:
             _decide(ctx, f"refusing rank {req.rank}: {why}")
             ctx.admission.refuse(req.rank, why)
         return 0
-    genuine = [req.rank for req in pending]
     cfg = ctx.cfg
+    if cfg.parallel.tp > 1:  # each slice learns of an admission in its own exchange: not built for slices
+        why = f"a job with parallel.tp={cfg.parallel.tp} admits no joins yet"
+        for req in pending:
+            _decide(ctx, f"refusing rank {req.rank}: {why}")
+            ctx.admission.refuse(req.rank, why)
+        return 0
+    genuine = [req.rank for req in pending]
     try:
         replan(st.plan, st.plan.ranks + tuple(genuine), epoch, cfg.train.num_micro_batches, {}, cfg.elastic.policy)
     except PlanError as exc:

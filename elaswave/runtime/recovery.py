@@ -262,7 +262,8 @@ def recover(ctx, st: RankState | None, cause: Disruption | None, noticed_wall: f
     fault_wall, fault_from = _fault_start(ctx, lost, noticed_wall)
     return new, Recovery(epoch, lost, restore.resume_step, fault_wall,
                          noticed_wall, phases, ctx.comm.last_source, restore.is_fallback, received,
-                         _layout(plan), joined, evidence=ctx.membership.death_evidence(lost, epoch),
+                         _layout(plan), joined, evidence={**ctx.membership.death_evidence(lost, epoch),
+                                   **{r: "left with its tensor-parallel group, which lost a rank" for r in orphans}},
                          fault_from=fault_from)
 
 

@@ -72,6 +72,8 @@ def check_job(job) -> None:
                                   "a spare taking a lost shard's place is not built yet"),
                "elastic.inject": (";".join(elastic.inject), elastic.enabled and any("join" in f for f in elastic.inject),
                                   "ranks joining a tensor-parallel job are not built yet"),
+               "elastic.respawn_after_s": (elastic.respawn_after_s, elastic.enabled and elastic.respawn_after_s >= 0,
+                                           "a replacement joins, and joins are not built for tensor parallelism yet"),
                "emulate.enabled": (job.emulate.enabled, job.emulate.enabled,
                                    "emulated compute prices whole layers, not tensor-parallel shards")}
     for key, (value, on, why) in not_yet.items():

@@ -31,6 +31,13 @@ def test_every_layout_is_bit_identical_to_the_reference(tmp_path, reference, dp,
     assert res.losses[-1] < res.losses[0] - 0.2, "the loss should visibly fall"
 
 
+def test_recomputed_activations_run_the_group_s_collectives_again_to_the_same_bits(tmp_path, reference):
+    res = run_job(tmp_path, 1, 2, STEPS, deterministic=True,
+                  extra=[*TP, "parallel.tp=2", "train.activation_checkpointing=full"])
+    assert res.losses == reference.losses
+    assert res.summary["params_sha256"] == reference.summary["params_sha256"]
+
+
 # Each SIGKILL takes a rank of a tensor-parallel group: its device's layers go to the other stages
 # (or its pipeline's micro-batches to the other pipeline), its group's survivors leave, and each
 # slice restores the lost chunks from its own snapshot ring.
