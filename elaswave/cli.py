@@ -52,9 +52,10 @@ def cmd_run(args: argparse.Namespace) -> int:
         raise ConfigError(f"parallel.tp={cfg.parallel.tp} is invalid with --nproc-per-node={args.nproc_per_node}: a "
                           "tensor-parallel group's ranks must share a host (its products all-reduce every layer); "
                           f"use parallel.tp <= {args.nproc_per_node}")
-    if args.nproc_per_node and args.nproc_per_node % cfg.parallel.tp:
-        raise ConfigError(f"--nproc-per-node={args.nproc_per_node} is invalid with parallel.tp={cfg.parallel.tp}: a "
-                          "host must hold whole tensor-parallel groups; use a multiple of parallel.tp")
+    per_host = args.nproc_per_node or (cfg.world_size // args.nnodes if args.nnodes else cfg.world_size)
+    if per_host % cfg.parallel.tp:
+        raise ConfigError(f"--nproc-per-node={per_host} is invalid with parallel.tp={cfg.parallel.tp}: a host must hold "
+                          "whole tensor-parallel groups; use a multiple of parallel.tp")
     preflight.check(cfg)
     from elaswave.control.admission import job_token
     from elaswave.control.agents import Node
@@ -69,7 +70,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         os.environ[TENSORBOARD_ENV] = args.tensorboard
     where = (f", this host node {node.node_rank} of {node.nnodes} (ranks {node.founding_ranks(cfg.world_size).start}-"
              f"{node.founding_ranks(cfg.world_size).stop - 1})" if node.is_multi_host else "")
-    print(f"elaswave: dp={cfg.parallel.dp} pp={cfg.parallel.pp} ({cfg.world_size} ranks{where}), "
+    tp = f" tp={cfg.parallel.tp}" if cfg.parallel.tp > 1 else ""
+    print(f"elaswave: dp={cfg.parallel.dp} pp={cfg.parallel.pp}{tp} ({cfg.world_size} ranks{where}), "
           f"{cfg.model.num_layers} layers, global batch {cfg.train.num_micro_batches} x "
           f"{cfg.train.micro_batch_size} sequences, {'deterministic' if cfg.train.deterministic else 'fast'} mode",
           flush=True)

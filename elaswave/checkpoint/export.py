@@ -85,6 +85,11 @@ def export_checkpoint(ckpt: str, out: str, max_shard_bytes: int = int(DEFAULT_MA
     directory: each layer rebuilt from its chunks' parameter rows. ``source``: the folder whose
     config.json and tokenizer files to carry (default: the run's ``model.init_from`` if it still exists)."""
     path = Path(ckpt)
+    from elaswave.tensor.checkpoints import degree_of
+    if (tp := degree_of(ckpt)) is not None:
+        raise ConfigError(f"CHECKPOINT_DIR={ckpt!r} is invalid: it was written at parallel.tp={tp}, and an export from "
+                          "tensor-parallel shards' checkpoints is not built yet; export in the run with "
+                          "checkpoint.export_hf")
     manifest = disk.named(path)
     if manifest is None:
         raise ConfigError(f"CHECKPOINT_DIR={ckpt!r} is invalid: no complete checkpoint there (a folder "

@@ -98,7 +98,7 @@ class Node:
                                                 self.nproc_per_node * self.nnodes != world_size):
             raise ConfigError(f"--nnodes={self.nnodes} x --nproc-per-node={self.nproc_per_node} = "
                               f"{self.nnodes * (self.nproc_per_node or 0)} ranks is invalid: parallel.dp x "
-                              f"parallel.pp needs {world_size}")
+                              f"parallel.pp x parallel.tp needs {world_size}")
         if self.nnodes > 1 and not token:
             raise ConfigError("ELASWAVE_TOKEN is not set: with --nnodes > 1 every host's agent needs the same "
                               "secret, so that only this job's replacements join it")

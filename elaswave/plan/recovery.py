@@ -58,21 +58,38 @@ class Restore:
         return out
 
 
-def plan_restore(old_owners: Owners, new_owners: Owners, holdings: Sequence[Holding],
-                 disk_step: int | None = None) -> Restore:
-    """``disk_step``: the generation of the newest disk checkpoint every survivor can read, if any."""
+def _have(holdings: Sequence[Holding]) -> dict[ChunkKey, dict[int, list[tuple[int, str]]]]:
     have: dict[ChunkKey, dict[int, list[tuple[int, str]]]] = {}
     for h in sorted(holdings, key=lambda h: h.rank):
         for kind, part in (("own", h.own), ("held", h.held)):
             for gen, keys in part.items():
                 for key in keys:
                     have.setdefault(key, {}).setdefault(gen, []).append((h.rank, kind))
-    keys = [(layer, c) for layer, row in enumerate(old_owners) for c in range(len(row))]
+    return have
+
+
+def restorable(old_owners: Owners, holdings: Sequence[Holding], disk_step: int | None = None) -> set[int]:
+    """The generations every chunk can be restored at: from a holder, the disk, or the start."""
+    have = _have(holdings)
     everywhere = {0} | ({disk_step} if disk_step is not None else set())
     common: set[int] | None = None
-    for key in keys:
-        gens = set(have.get(key, {})) | everywhere
-        common = gens if common is None else common & gens
+    for layer, row in enumerate(old_owners):
+        for c in range(len(row)):
+            gens = set(have.get((layer, c), {})) | everywhere
+            common = gens if common is None else common & gens
+    return common if common is not None else everywhere
+
+
+def plan_restore(old_owners: Owners, new_owners: Owners, holdings: Sequence[Holding],
+                 disk_step: int | None = None, within: set[int] | None = None) -> Restore:
+    """``disk_step``: the generation of the newest disk checkpoint every survivor can read, if any;
+    ``within``: generations others must be able to resume at too (a tensor-parallel job's slices
+    resume at one step): the newest of them that every chunk here can be restored at."""
+    have = _have(holdings)
+    keys = [(layer, c) for layer, row in enumerate(old_owners) for c in range(len(row))]
+    common = restorable(old_owners, holdings, disk_step)
+    if within is not None:
+        common &= within
     resume = max(common) if common else 0
     newest_own = max((g for h in holdings for g in h.own), default=0)
     sources: dict[ChunkKey, tuple[int | None, str]] = {}

@@ -23,7 +23,7 @@ from elaswave.pipeline.stage import Stage
 from elaswave.plan.chunks import ChunkKey, chunk_range
 from elaswave.plan.frequency import PowerModel
 from elaswave.plan.plan import Plan, PlanError, replan
-from elaswave.plan.recovery import Holding, Restore, plan_restore
+from elaswave.plan.recovery import Holding, Restore, plan_restore, restorable
 from elaswave.runtime.rank import RankState, build_rank
 from elaswave.runtime.step import gather_params
 from elaswave.tensor import checkpoints, layout
@@ -179,6 +179,11 @@ def recover(ctx, st: RankState | None, cause: Disruption | None, noticed_wall: f
     # With tp: the devices whose every shard lives go on (each slice re-plans them alike); the
     # survivors of a device that lost a shard leave (see GroupLost).
     members, orphans = layout.whole_devices(members, tp)
+    if not members:
+        raise PlanError(f"no tensor-parallel group of the job is whole after losing ranks "
+                        f"{sorted(set(layout.every_rank(old, tp)) - set(orphans))}: the job stops; "
+                        + (f"the newest checkpoint in {cfg.checkpoint.dir} is where a restart resumes"
+                           if cfg.checkpoint.dir else "set checkpoint.dir to keep the state in such a case"))
     if ctx.rank in orphans:
         raise GroupLost(f"rank {ctx.rank} leaves the job at epoch {epoch}: its tensor-parallel group "
                         f"{list(layout.tensor_group(ctx.rank, tp))} lost a rank, and its layers go to the other stages")
@@ -195,9 +200,11 @@ def recover(ctx, st: RankState | None, cause: Disruption | None, noticed_wall: f
     speeds = layout.device_speeds({r: doc["speed"] for r, doc in reports.items() if r in layout.every_rank(old, tp)},
                                   shard, tp)
     disk_steps = [doc["disk_step"] for doc in reports.values()]
-    reports = {r: doc for r, doc in reports.items() if r in members}  # this slice's: its chunks and groups
     # The newest checkpoint every survivor saw complete (they may have looked at different moments).
     disk_step = None if None in disk_steps else min(disk_steps)
+    # Every slice resumes at one step: the newest that each slice can restore all its chunks at.
+    within = _slices_restorable(old, reports, disk_step, tp) if tp > 1 else None
+    reports = {r: doc for r, doc in reports.items() if r in members}  # this slice's: its chunks and groups
     lap("agree")
 
     ctx.comm.park_before(epoch)  # the old epoch's groups, and any of an epoch given up during this change
@@ -219,7 +226,7 @@ def recover(ctx, st: RankState | None, cause: Disruption | None, noticed_wall: f
                 print(f"elaswave: ranks {list(pipe)} cannot hold the whole model within parallel.stage_memory_mb="
                       f"{cfg.parallel.stage_memory_mb}: they stand by with their layers and chunks, and the other "
                       "pipelines run the whole batch, until ranks join", file=sys.stderr, flush=True)
-    restore = plan_restore(old.chunk_owners, plan.chunk_owners, holdings, disk_step)
+    restore = plan_restore(old.chunk_owners, plan.chunk_owners, holdings, disk_step, within)
     if restore.is_fallback and ctx.rank == members[0]:
         source = (f"the disk checkpoint in {disk.step_dir(ctx.checkpoint_root, disk_step)}"
                   if restore.resume_step == disk_step and disk_step else
@@ -265,6 +272,18 @@ def recover(ctx, st: RankState | None, cause: Disruption | None, noticed_wall: f
                          _layout(plan), joined, evidence={**ctx.membership.death_evidence(lost, epoch),
                                    **{r: "left with its tensor-parallel group, which lost a rank" for r in orphans}},
                          fault_from=fault_from)
+
+
+def _slices_restorable(old: Plan, reports: dict, disk_step: int | None, tp: int) -> set[int]:
+    """The generations every slice of a tensor-parallel job can restore all its chunks at (each
+    slice's chunks, owners and holdings are its own; the slices' plans are one plan of devices)."""
+    common: set[int] | None = None
+    for s in range(tp):
+        owners = tuple(tuple(r - r % tp + s for r in row) for row in old.chunk_owners)
+        holdings = [Holding.from_doc(r, doc["holding"]) for r, doc in reports.items() if r % tp == s]
+        gens = restorable(owners, holdings, disk_step)
+        common = gens if common is None else common & gens
+    return common or {0}
 
 
 def _fault_start(ctx, lost: list[int], noticed_wall: float) -> tuple[float | None, str]:

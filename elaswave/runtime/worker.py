@@ -259,6 +259,10 @@ def _start(ctx: Context, world_size: int):
     t, model, tp = cfg.train, ctx.model, cfg.parallel.tp
     numels = counted_numels(model)
     limit = cfg.parallel.stage_memory_mb
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "0"))
+    if tp > 1 and local % tp:  # under torchrun: a tensor-parallel group must not span hosts
+        raise ConfigError(f"parallel.tp={tp} is invalid with {local} ranks on this host (LOCAL_WORLD_SIZE): a host "
+                          "must hold whole tensor-parallel groups; use --nproc-per-node a multiple of parallel.tp")
     # The plan is of devices (a device: tp ranks); each rank runs it on its slice (tensor.layout).
     plan = initial_plan(world_size // tp, cfg.parallel.dp, cfg.parallel.pp,
                         [c.flops_per_token for c in model.layer_costs()], t.num_micro_batches,
@@ -285,6 +289,9 @@ def _start(ctx: Context, world_size: int):
     if resumed:
         gather_params(st)
     ctx.comm.prepare_standbys(plan.ranks, plan.epoch)
+    if tp > 1 and rank == 0 and cfg.elastic.enabled and (cfg.elastic.store_failover or cfg.elastic.straggler_gain):
+        print(f"elaswave: with parallel.tp={tp} the control store does not move to a standby and stragglers are not "
+              "re-planned (neither is built for tensor-parallel slices yet)", file=sys.stderr, flush=True)
     if cfg.checkpoint.export_hf and rank == plan.ranks[0] and layout.shard_of(rank, tp) == 0:
         hf_folder.clear_staging(cfg.checkpoint.export_hf)  # before the barrier: no rank has written yet
     world.all_reduce(torch.zeros(1, device=device), "start-up barrier")
@@ -380,7 +387,7 @@ def _finish(ctx: Context, st, cfg: JobConfig) -> tuple[dict[int, dict], Path | N
         for i, flat in shards.each_whole(st.stage.layers):
             wholes[str(i)] = whole_digest(flat)
             if writes and plan.holders(i)[0] == st.rank:
-                kept[i] = flat
+                kept[i] = flat.cpu()  # written from the host: the device keeps no whole layers
         written = shards.whole_layers(kept, kept)
     exported = export.write_my_shards(target, plan, st.rank, written) if target else None
     doc = {"layer_copies": digest.layer_digests(st.stage.layers), "whole_layers": wholes,

@@ -52,9 +52,26 @@ def common_step(root: str, tp: int) -> int | None:
 
 
 def latest(root: str, shard: int, tp: int) -> disk.Manifest | None:
-    """This slice's checkpoint of the newest step every slice completed."""
+    """This slice's checkpoint of the newest step every slice completed; one line if the slices
+    saved steps but none in common (a resume would otherwise start afresh beside them)."""
     step = common_step(root, tp)
+    if step is None and tp > 1:
+        saved = {t: sorted(m.step for m in disk.complete_steps(r)) for t, r in enumerate(shard_roots(root, tp))}
+        if any(saved.values()):
+            raise ConfigError(f"checkpoint.dir={root!r} is invalid: its slices completed no step in common (steps by "
+                              f"shard: {saved}); resume from a directory whose slices all saved a step")
     return None if step is None else disk.at_step(shard_root(root, shard, tp), step)
+
+
+def degree_of(path: str) -> int | None:
+    """The tensor-parallel degree a checkpoint directory (or one of its slices) was written at, or
+    None for a checkpoint without tensor parallelism."""
+    p = Path(path).resolve()
+    for part in (p, *list(p.parents)[:3]):  # a slice's folder, or a step or fence inside one
+        if (m := _SHARD.fullmatch(part.name)) is not None:
+            return int(m.group(2))
+    found = [int(m.group(2)) for d in (p.iterdir() if p.is_dir() else ()) if (m := _SHARD.fullmatch(d.name))]
+    return max(found) if found else None
 
 
 def next_run(root: str, tp: int) -> int:

@@ -44,18 +44,25 @@ class TensorShards:
     def __init__(self, model, layers: Sequence, buckets: Sequence, group: Group | None):
         self.model, self.group = model, group
         by_index = {l.index: l for l in layers}
-        self.counted = []
-        for b in buckets:
-            keys = [_keys(model, by_index[i]) for i in b.layers]
-            self.counted.append(b.my_part(b.pack([k >= 0 for k in keys], fill=False)).clone())
+        self.device = layers[0].flat.device if layers else torch.device("cpu")
+        self.counted = [b.my_part(b.pack([model.positions(by_index[i]) >= 0 for i in b.layers], fill=False)).clone()
+                        for b in buckets]
+
+    def all_of(self, flag: bool) -> bool:
+        """Whether ``flag`` holds on every shard of the group (a decision the slices must share)."""
+        if self.group is None or self.group.size == 1:
+            return flag
+        vec = torch.tensor([1.0 if flag else 0.0], dtype=torch.float64, device=self.device)
+        self.group.all_reduce(vec, "tensor-parallel vote")
+        return int(vec.item()) == self.group.size
 
     def norm(self, grads: Sequence[torch.Tensor], world: Group, exact_bits: int | None) -> float:
         """The global norm of the reduced gradients (this rank's slots of each bucket)."""
         if exact_bits is None:
             local = math.fsum(_blocks_sumsq(g, c) for g, c in zip(grads, self.counted))
-            return math.sqrt(_sum_floats(_sum_floats(local, world), self.group))
+            return math.sqrt(_sum_floats(_sum_floats(local, world, self.device), self.group, self.device))
         local = sum(_exact_sumsq(g, c, exact_bits) for g, c in zip(grads, self.counted))
-        total = _sum_ints(_sum_ints(local, world), self.group)
+        total = _sum_ints(_sum_ints(local, world, self.device), self.group, self.device)
         return math.sqrt(total) / 2.0 ** exact_bits
 
     def state_sum(self, optimizer, layers: Sequence) -> int:
@@ -69,7 +76,7 @@ class TensorShards:
             for oc in b.owned:
                 per_layer.setdefault(oc.layer, []).append(oc)
             for index, chunks in per_layer.items():
-                keys = _keys(self.model, by_index[index])
+                keys = _keys(self.model, by_index[index]).cpu()
                 slot = torch.cat([torch.arange(oc.slot_offset, oc.slot_offset + oc.numel) for oc in chunks])
                 where = torch.cat([torch.arange(oc.chunk * b.chunk_numel, oc.chunk * b.chunk_numel + oc.numel)
                                    for oc in chunks])
@@ -77,7 +84,7 @@ class TensorShards:
                     k = keys[where[i:i + _BLOCK]]
                     keep = k >= 0
                     values = state.detach()[:, slot[i:i + _BLOCK].to(state.device)][:, keep.to(state.device)]
-                    total += _mixed_sum(k[keep], values.cpu().contiguous().view(torch.int32).to(torch.int64))
+                    total += _mixed_sum(k[keep].cpu(), values.cpu().contiguous().view(torch.int32).to(torch.int64))
         return total % (1 << 128)
 
     def each_whole(self, layers: Sequence):
@@ -138,24 +145,25 @@ def _exact_sumsq(g: torch.Tensor, counted: torch.Tensor, bits: int) -> int:
     return total
 
 
-def _sum_ints(value: int, group: Group | None) -> int:
-    """The sum over ``group`` of every member's non-negative integer, exactly."""
+def _sum_ints(value: int, group: Group | None, device: torch.device) -> int:
+    """The sum over ``group`` of every member's non-negative integer, exactly (below 2**372:
+    squares of at most 2**62 a value, for fewer than 2**248 values)."""
     if group is None or group.size == 1:
         return value
     vec = torch.zeros(group.size, _DIGITS, dtype=torch.int64)
     for k in range(_DIGITS):
         vec[group.group_rank, k] = (value >> (_DIGIT * k)) & ((1 << _DIGIT) - 1)
-    if value >> (_DIGIT * _DIGITS):
-        raise OverflowError(f"a sum of squares of {value.bit_length()} bits does not fit the exchange")
+    vec = vec.to(device)
     group.all_reduce(vec, "exact norm exchange")
     return sum(int(d) << (_DIGIT * k) for row in vec.tolist() for k, d in enumerate(row))
 
 
-def _sum_floats(value: float, group: Group | None) -> float:
+def _sum_floats(value: float, group: Group | None, device: torch.device) -> float:
     if group is None or group.size == 1:
         return value
     vec = torch.zeros(group.size, dtype=torch.float64)
     vec[group.group_rank] = value
+    vec = vec.to(device)
     group.all_reduce(vec, "norm exchange")
     return math.fsum(vec.tolist())
 

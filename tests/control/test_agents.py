@@ -19,7 +19,7 @@ def test_each_host_starts_its_own_share_of_the_founding_ranks():
     (Node(2, 1, None, "h"), 4, "t", "--rdzv-endpoint='h' is invalid"),
     (Node(2, 1, None, "h:70000"), 4, "t", "port in 1..65535"),
     (Node(3, 1, None, "h:1"), 4, "t", "the job's 4 ranks do not divide evenly"),
-    (Node(2, 1, 3, "h:1"), 4, "t", "--nnodes=2 x --nproc-per-node=3 = 6 ranks is invalid: parallel.dp x parallel.pp needs 4"),
+    (Node(2, 1, 3, "h:1"), 4, "t", "--nnodes=2 x --nproc-per-node=3 = 6 ranks is invalid: parallel.dp x parallel.pp x parallel.tp needs 4"),
     (Node(2, 1, None, "h:1"), 4, None, "ELASWAVE_TOKEN is not set"),
 ])
 def test_a_node_that_cannot_take_part_is_one_line(node, world, token, says):

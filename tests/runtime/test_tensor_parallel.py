@@ -91,6 +91,14 @@ def test_a_loss_beyond_the_snapshots_goes_back_to_the_shards_checkpoint(tmp_path
     assert res.summary["state_sha256"] == reference.summary["state_sha256"]
 
 
+def test_losing_every_whole_group_stops_the_job_in_one_line(tmp_path):
+    res = run_cli(job_args(1, 1, STEPS, True, [*TP, "parallel.tp=2", "elastic.enabled=true",
+                                                "elastic.inject=kill:rank=1,step=2,phase=forward"]), tmp_path)
+    assert res.returncode != 0
+    assert "no tensor-parallel group of the job is whole after losing ranks [1]" in res.stderr, res.stderr
+    assert not any(r["event"] == "summary" for r in res.records)
+
+
 def test_the_blocked_reference_is_another_computation_of_the_same_training(tmp_path, reference):
     # The canonical blocks are what make every degree agree: without them the bits differ,
     # the training does not.
@@ -116,6 +124,10 @@ def test_fast_mode_follows_the_whole_model(tmp_path):
     (["parallel.tp=2", "elastic.enabled=true", "elastic.spares=1"], [], "elastic.spares=1 is invalid: with parallel.tp=2"),
     (["parallel.tp=4"], ["--nnodes", "2", "--node-rank", "0", "--nproc-per-node", "2"],
      "parallel.tp=4 is invalid with --nproc-per-node=2"),
+    (["parallel.tp=2", "parallel.dp=3"], ["--nnodes", "2", "--node-rank", "0"],
+     "--nproc-per-node=3 is invalid with parallel.tp=2: a host must hold whole tensor-parallel groups"),
+    (["parallel.tp=2", "elastic.enabled=true", "elastic.respawn_after_s=0"], [],
+     "elastic.respawn_after_s=0.0 is invalid: with parallel.tp=2"),
 ])
 def test_bad_tensor_parallel_input_is_one_line(tmp_path, sets, cli, says):
     base = ["parallel.dp=1", "parallel.pp=1", "elastic.enabled=false", "model.num_heads=8", "model.num_kv_heads=4"]
