@@ -140,12 +140,14 @@ def recover(ctx, st: RankState | None, cause: Disruption | None, noticed_wall: f
     cfg: JobConfig = ctx.cfg
     old = st.plan if st is not None else prev
     tp, shard = cfg.parallel.tp, layout.shard_of(ctx.rank, cfg.parallel.tp)
+    old_ranks = layout.every_rank(old, tp)  # every slice's
+    was = set(old_ranks)
     # The epoch after the newest one this rank agreed on: a failure during a recovery gives up
     # the epoch being built. (The store's counter cannot tell: others may be a phase ahead.)
     epoch = max(old.epoch, ctx.agreed_epoch) + 1
     # Who must check in: the members of the newest agreed epoch (the one that was being built, after
     # a failure during a recovery), and whoever the leader admitted into this one.
-    expected = ctx.membership.members_of(epoch - 1) if epoch - 1 > old.epoch else layout.every_rank(old, tp)
+    expected = ctx.membership.members_of(epoch - 1) if epoch - 1 > old.epoch else old_ranks
     joining = tuple(sorted(set(joining) | set(ctx.admission.joining(epoch))))
     expected = tuple(sorted(set(expected) | set(joining)))
     t = time.perf_counter()
@@ -181,14 +183,14 @@ def recover(ctx, st: RankState | None, cause: Disruption | None, noticed_wall: f
     members, orphans = layout.whole_devices(members, tp)
     if not members:
         raise PlanError(f"no tensor-parallel group of the job is whole after losing ranks "
-                        f"{sorted(set(layout.every_rank(old, tp)) - set(orphans))}: the job stops; "
+                        f"{sorted(was - set(orphans))}: the job stops; "
                         + (f"the newest checkpoint in {cfg.checkpoint.dir} is where a restart resumes"
                            if cfg.checkpoint.dir else "set checkpoint.dir to keep the state in such a case"))
     if ctx.rank in orphans:
         raise GroupLost(f"rank {ctx.rank} leaves the job at epoch {epoch}: its tensor-parallel group "
                         f"{list(layout.tensor_group(ctx.rank, tp))} lost a rank, and its layers go to the other stages")
-    lost = sorted(set(layout.every_rank(old, tp)) - set(members))
-    joined = sorted(set(members) - set(layout.every_rank(old, tp)))
+    lost = sorted(was - set(members))
+    joined = sorted(set(members) - was)
     everyone, members = members, layout.on_shard(members, shard, tp)
     holding = (Holding(ctx.rank, st.optimizer.holding(), ctx.pool.holding() if ctx.pool else {})
                if st is not None else Holding(ctx.rank, {}, {}))
@@ -197,8 +199,7 @@ def recover(ctx, st: RankState | None, cause: Disruption | None, noticed_wall: f
                                          "disk_step": _readable_checkpoint(ctx)})
     reports = ctx.membership.gather(epoch, "state", everyone, cfg.parallel.timeout_s,
                                     broken=lambda: ctx.interrupt.is_broken(epoch))
-    speeds = layout.device_speeds({r: doc["speed"] for r, doc in reports.items() if r in layout.every_rank(old, tp)},
-                                  shard, tp)
+    speeds = layout.device_speeds({r: doc["speed"] for r, doc in reports.items() if r in was}, shard, tp)
     disk_steps = [doc["disk_step"] for doc in reports.values()]
     # The newest checkpoint every survivor saw complete (they may have looked at different moments).
     disk_step = None if None in disk_steps else min(disk_steps)
@@ -279,7 +280,7 @@ def _slices_restorable(old: Plan, reports: dict, disk_step: int | None, tp: int)
     slice's chunks, owners and holdings are its own; the slices' plans are one plan of devices)."""
     common: set[int] | None = None
     for s in range(tp):
-        owners = tuple(tuple(r - r % tp + s for r in row) for row in old.chunk_owners)
+        owners = tuple(tuple(layout.on_shard_of(r, s, tp) for r in row) for row in old.chunk_owners)
         holdings = [Holding.from_doc(r, doc["holding"]) for r, doc in reports.items() if r % tp == s]
         gens = restorable(owners, holdings, disk_step)
         common = gens if common is None else common & gens

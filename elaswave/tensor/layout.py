@@ -25,6 +25,11 @@ def device_of(rank: int, tp: int) -> int:
     return rank // tp
 
 
+def on_shard_of(rank: int, shard: int, tp: int) -> int:
+    """The rank of ``rank``'s device that holds shard ``shard``."""
+    return rank - rank % tp + shard
+
+
 def tensor_group(rank: int, tp: int) -> tuple[int, ...]:
     """The ranks that cut the same layers as ``rank``: its device's."""
     first = rank - rank % tp
@@ -45,7 +50,7 @@ def on_slice(plan: Plan, shard: int, tp: int) -> Plan:
 
 def every_rank(plan: Plan, tp: int) -> tuple[int, ...]:
     """Every rank of the job whose slice runs ``plan`` (the plan's ranks with every shard index)."""
-    return tuple(sorted(r - r % tp + t for r in plan.ranks for t in range(tp)))
+    return tuple(sorted(on_shard_of(r, t, tp) for r in plan.ranks for t in range(tp)))
 
 
 def whole_devices(ranks, tp: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -66,6 +71,6 @@ def device_speeds(speeds: dict[int, float], shard: int, tp: int) -> dict[int, fl
     ``shard``: every slice re-plans from the same figures, so all make the same plan."""
     out: dict[int, float] = {}
     for r, v in speeds.items():
-        mine = r - r % tp + shard
+        mine = on_shard_of(r, shard, tp)
         out[mine] = min(v, out.get(mine, v))
     return out
