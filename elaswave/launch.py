@@ -29,7 +29,7 @@ from elaswave.errors import ConfigError
 from elaswave.control import agents, failover, rendezvous, seal
 from elaswave.control.admission import JOIN_ENV, SPARE_ENV, STARTED_ENV, TOKEN_ENV, job_token, new_token, promote, Admission
 from elaswave.control.agents import NODE_RANK_ENV, NODES_ENV, AgentRefused, Node
-from elaswave.control.link import EXIT_EXCLUDED, EXIT_STORE_LOST, StoreLink, StoreLost, client
+from elaswave.control.link import EXIT_EXCLUDED, EXIT_GROUP_LEFT, EXIT_STORE_LOST, StoreLink, StoreLost, client
 from elaswave.control.liveness import Prober
 from elaswave.control.membership import PREFIX, Membership
 
@@ -330,6 +330,14 @@ def _watch(cfg: JobConfig, workers: _Workers, store: dist.TCPStore, membership: 
                 continue
             if code == EXIT_STORE_LOST:  # it saved its state and said so: nothing to report or replace
                 continue
+            if code == EXIT_GROUP_LEFT:  # alive, its tensor-parallel group broken: a spare takes its device
+                spare = workers.promote() if done_at is None else None
+                if spare is not None:
+                    print(f"elaswave: spare rank {spare} replaces rank {rank}, which left with its tensor-parallel "
+                          "group", file=sys.stderr, flush=True)
+                elif cfg.elastic.respawn_after_s >= 0 and done_at is None:
+                    respawns.append(time.monotonic() + cfg.elastic.respawn_after_s)
+                continue
             if workers.lost_spare(rank):
                 print(f"elaswave: spare rank {rank} {_describe(code)}; starting another", file=sys.stderr, flush=True)
                 if done_at is None:
@@ -357,9 +365,9 @@ def _watch(cfg: JobConfig, workers: _Workers, store: dist.TCPStore, membership: 
         if done_at is None:
             _start_joiners(workers, joins if asks else [], respawns, membership)
         if all(c is not None for c in codes.values()) and not (done_at is None and others and others.training()):
-            if done_at is not None or all(c == 0 for c in codes.values()):
+            if done_at is not None or all(c in (0, EXIT_GROUP_LEFT) for c in codes.values()):
                 return 0
-            first = next(c for c in codes.values() if c not in (None, 0))
+            first = next(c for c in codes.values() if c not in (None, 0, EXIT_GROUP_LEFT))
             return first if first > 0 else 1
         members = _final_members(store, membership, cfg.world_size) if done_at is not None else ()
         members_exited = done_at is not None and all(codes.get(r, 0) is not None for r in members)  # (a rank joined from elsewhere is not ours to wait for)

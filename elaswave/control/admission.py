@@ -72,6 +72,9 @@ class Verdict:
     admitted_wall: float
     run: int = 0
     """The run of the checkpoint directory the job is (its writes' fence)."""
+    devices: tuple = ()
+    """With tensor parallelism: the ranks of each of the job's devices at ``prev_plan``
+    (:class:`elaswave.tensor.layout.Devices`); the joiners make new ones, ``tp`` at a time."""
 
 
 class Admission:
@@ -133,7 +136,8 @@ class Admission:
         doc = json.loads(self.store.get(key))
         if not doc["admitted"]:
             raise Refused(f"rank {self.rank} was refused by the job: {doc['why']}")
-        return Verdict(doc["epoch"], tuple(doc["joining"]), doc["prev_plan"], doc["admitted_wall"], doc.get("run", 0))
+        return Verdict(doc["epoch"], tuple(doc["joining"]), doc["prev_plan"], doc["admitted_wall"], doc.get("run", 0),
+                       tuple(tuple(g) for g in doc.get("devices", ())))
 
     # -- the leader's side -------------------------------------------------------------------
     def pending(self, members: tuple[int, ...]) -> list[Request]:
@@ -169,12 +173,13 @@ class Admission:
         self.refused.add(rank)
         self._answer(rank, {"admitted": False, "why": why})
 
-    def admit(self, ranks: list[int], epoch: int, prev_plan: dict, run: int = 0) -> None:
+    def admit(self, ranks: list[int], epoch: int, prev_plan: dict, run: int = 0, devices: list | None = None) -> None:
+        """``ranks`` in the order that makes devices of them (tensor parallelism: ``tp`` at a time)."""
         self.store.set(f"{PREFIX}ep/{epoch}/joining", json.dumps(ranks))
         for rank in ranks:
             self.admitted_at[rank] = time.time()
             self._answer(rank, {"admitted": True, "epoch": epoch, "joining": ranks, "prev_plan": prev_plan,
-                                "admitted_wall": self.admitted_at[rank], "run": run})
+                                "admitted_wall": self.admitted_at[rank], "run": run, "devices": devices or []})
 
     def walls(self, ranks) -> dict[str, float]:
         """When the joiners started, first asked and were admitted, as this leader saw it; empty on
@@ -186,6 +191,7 @@ class Admission:
                 "admitted": max(self.admitted_at[r] for r in ranks)}
 
     def joining(self, epoch: int) -> tuple[int, ...]:
+        """The ranks admitted into ``epoch``, in the order :meth:`admit` was given them."""
         raw = self.store.read(f"{PREFIX}ep/{epoch}/joining")
         return () if raw is None else tuple(json.loads(raw))
 

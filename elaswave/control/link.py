@@ -39,6 +39,10 @@ then: FACTS.md), and a false "lost" moves the store for nothing."""
 
 EXIT_STORE_LOST = 4
 """A worker's exit code when it stopped because the control store was gone (having saved its state)."""
+EXIT_GROUP_LEFT = 5
+"""A worker's exit code, under elaswave's own launcher or ``elaswave join``, when it left alive with
+its tensor-parallel group (the group lost a rank): its device is free for a spare, which the
+launcher promotes (under torchrun it exits 0: a non-zero code would restart the job)."""
 EXIT_EXCLUDED = 3
 """A worker's exit code when the job went on without it (left out of an epoch, or paused past the
 heartbeat timeout and continued): it writes nothing."""

@@ -38,7 +38,7 @@ from elaswave.runtime.memory import job_memory_model
 from elaswave.runtime.straggler import SpeedWindow
 from elaswave.snapshot.pool import SnapshotPool
 from elaswave.tensor import checkpoints
-from elaswave.tensor.layout import every_rank, shard_of
+from elaswave.tensor.layout import Devices
 
 
 class Context:
@@ -50,9 +50,9 @@ class Context:
         store = seal.open_job(store, job_token(), found=bool(os.environ.get(JOIN_ENV)))
         self.store = store
         self.cfg, self.rank, self.device, self.backend_name = cfg, rank, device, backend_name
-        self.model = model_for(cfg, shard_of(rank, cfg.parallel.tp))
-        """The model contract every stage, plan and recovery of this rank goes through (with
-        parallel.tp: this rank's shard of it)."""
+        self._placed = (None, Devices.founding(cfg.world_size, cfg.parallel.tp))
+        """(the plan of the epoch this rank is in, the job's devices then): one value, read at once
+        by the watcher's thread."""
         self.interrupt = Interrupt()
         bind = backend.bind_address(cfg.parallel.bind_address, os.environ.get("ELASWAVE_STORE"))
         # Registered before anything else: from now on a peer can prove this process dead.
@@ -78,12 +78,6 @@ class Context:
         # A fault is an event in the run's life: a job restarted by torchrun does not meet it again.
         first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
         self.injector = FaultInjector(cfg.elastic.faults if first_attempt else [], rank, self.membership)
-        c = cfg.checkpoint
-        self.checkpoint_root = checkpoints.shard_root(c.dir, shard_of(rank, cfg.parallel.tp), cfg.parallel.tp)
-        """Where this rank's slice keeps its disk checkpoints (checkpoint.dir itself without tp)."""
-        self.checkpointer = disk.Checkpointer(self.checkpoint_root, rank, c.every_steps, c.keep, cfg.model_identity(),
-                                              cfg.parallel.chunk_numel, source=cfg.sources(),
-                                              data=cfg.data_identity()) if c.dir else None
         self.run = 0
         """Which run of the checkpoint directory this job is: with the epoch, the fence of what it writes there."""
         self.actuator = actuator.make(cfg.actuator, device)
@@ -93,7 +87,6 @@ class Context:
         """Micro-batches per second of this rank's own forward and backward time, measured at its
         frequency level (median of the epoch's last steps); the re-plan balances by it."""
         self.speeds = SpeedWindow()
-        self.plan = None
         self.agreed_epoch = 0
         self.agree_grace_s = 0.0
         """Extra time the next agreement waits for silent members (after the store moved from a recovery)."""
@@ -106,7 +99,43 @@ class Context:
             lease = self.watcher.lease
             self.admission.counted = lambda: lease.counts[seal.PREFIX + "join_seq"]
         self._sampler = None
+        # A joiner learns its shard when it is admitted (its device is decided then): see place().
+        self.place(0 if os.environ.get(JOIN_ENV) else self.devices.shard_of(rank))
+
+    def place(self, shard: int) -> None:
+        """This rank holds shard ``shard`` of its device's layers (always 0 without tp): the model
+        it builds, its evaluation and the slice's checkpoint directory follow."""
+        cfg, c = self.cfg, self.cfg.checkpoint
+        self.shard = shard
+        self.model = model_for(cfg, shard)
+        """The model contract every stage, plan and recovery of this rank goes through (with
+        parallel.tp: this rank's shard of it)."""
+        self.checkpoint_root = checkpoints.shard_root(c.dir, shard, cfg.parallel.tp)
+        """Where this rank's slice keeps its disk checkpoints (checkpoint.dir itself without tp)."""
+        self.checkpointer = disk.Checkpointer(self.checkpoint_root, self.rank, c.every_steps, c.keep,
+                                              cfg.model_identity(), cfg.parallel.chunk_numel, source=cfg.sources(),
+                                              data=cfg.data_identity()) if c.dir else None
+        if self.checkpointer is not None:
+            self.checkpointer.run = self.run
         self.evaluation = Evaluation(cfg, self.model)
+        self.__dict__.pop("memory_model", None)
+
+    @property
+    def plan(self):
+        return self._placed[0]
+
+    @plan.setter
+    def plan(self, plan) -> None:
+        self._placed = (plan, self._placed[1])
+
+    @property
+    def devices(self) -> Devices:
+        """The job's devices in this rank's epoch (:mod:`elaswave.tensor.layout`)."""
+        return self._placed[1]
+
+    def settle(self, plan, devices: Devices) -> None:
+        """This rank is now in ``plan``'s epoch, whose devices are ``devices``."""
+        self._placed = (plan, devices)
 
     @cached_property
     def memory_model(self) -> MemoryModel:
@@ -140,7 +169,7 @@ class Context:
     def admit(self, st) -> int:
         """On the epoch's leader: answer join requests (see :mod:`elaswave.runtime.join`); not in
         the last step, after which there is nothing left to grow for."""
-        if (not self.cfg.elastic.enabled or st.rank != st.plan.ranks[0] or shard_of(st.rank, self.cfg.parallel.tp)
+        if (not self.cfg.elastic.enabled or st.rank != st.plan.ranks[0] or self.shard
                 or self.step >= self.cfg.train.steps - 1):
             return 0
         try:
@@ -204,8 +233,8 @@ class Context:
 
     def _view(self):
         """(epoch, the ranks whose heartbeats this rank watches): every rank of the job, every slice's."""
-        plan = self.plan
-        return (plan.epoch, every_rank(plan, self.cfg.parallel.tp)) if plan is not None else (0, ())
+        plan, devices = self._placed
+        return (plan.epoch, devices.every_rank(plan)) if plan is not None else (0, ())
 
     def before_action(self, step: int, action: Action) -> None:
         if action.op == Op.FORWARD and action.micro_batch == self._first_mb:

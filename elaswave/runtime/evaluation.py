@@ -49,5 +49,6 @@ class Evaluation:
         sums = sums.cpu().tolist()
         tokens = int(sum(sums[t.eval_batches * M:]))
         return {"event": "eval", "step": step, "eval_loss": math.fsum(sums[:t.eval_batches * M]) / max(1, tokens),
-                "eval_tokens": tokens, "eval_s": time.perf_counter() - began, "world_size": len(st.plan.ranks),
+                "eval_tokens": tokens, "eval_s": time.perf_counter() - began,
+                "world_size": len(st.plan.ranks) * self.cfg.parallel.tp,
                 "epoch": st.epoch, "wall_time": time.time()}

@@ -20,6 +20,7 @@ from elaswave.plan.plan import Plan, PlanError, replan
 from elaswave.runtime import recovery
 from elaswave.runtime.rank import RankState
 from elaswave.runtime.straggler import REBALANCE
+from elaswave.tensor.layout import Devices
 
 class StoodDown(Exception):
     """A spare or joiner that the job finished without: it ends with nothing to do (its message,
@@ -36,7 +37,7 @@ def admit(ctx, st: RankState) -> int:
     without a token, or one that no plan can take; admit the rest into the next epoch. Returns
     how many."""
     epoch = st.plan.epoch + 1
-    pending = ctx.admission.pending(st.plan.ranks)
+    pending = ctx.admission.pending(ctx.devices.every_rank(st.plan))  # with tp: every slice's ranks
     if not pending or ctx.admission.joining(epoch):
         return 0
     if not ctx.admission.proves_tokens:
@@ -45,24 +46,37 @@ def admit(ctx, st: RankState) -> int:
             _decide(ctx, f"refusing rank {req.rank}: {why}")
             ctx.admission.refuse(req.rank, why)
         return 0
-    cfg = ctx.cfg
-    if cfg.parallel.tp > 1:  # each slice learns of an admission in its own exchange: not built for slices
-        why = f"a job with parallel.tp={cfg.parallel.tp} admits no joins yet"
-        for req in pending:
-            _decide(ctx, f"refusing rank {req.rank}: {why}")
-            ctx.admission.refuse(req.rank, why)
-        return 0
+    cfg, tp = ctx.cfg, ctx.cfg.parallel.tp
     genuine = [req.rank for req in pending]
+    if tp > 1:
+        genuine = whole_devices(genuine, ctx.membership.hosts(genuine), tp)
+    if not genuine:
+        return 0
     try:
-        replan(st.plan, st.plan.ranks + tuple(genuine), epoch, cfg.train.num_micro_batches, {}, cfg.elastic.policy)
+        replan(st.plan, st.plan.ranks + tuple(genuine[::tp]), epoch, cfg.train.num_micro_batches, {}, cfg.elastic.policy)
     except PlanError as exc:
         for r in genuine:
             _decide(ctx, f"refusing rank {r}: {exc}")
             ctx.admission.refuse(r, str(exc))
         return 0
-    _decide(ctx, f"admitting ranks {genuine} into epoch {epoch}; the job grows at the end of this step")
-    ctx.admission.admit(genuine, epoch, st.plan.to_doc(), ctx.run)
+    devices = ctx.devices.joined(genuine)
+    _decide(ctx, f"admitting ranks {genuine} into epoch {epoch}"
+                 + (f" as devices {[list(devices.tensor_group(r)) for r in genuine[::tp]]}" if tp > 1 else "")
+                 + "; the job grows at the end of this step")
+    ctx.admission.admit(genuine, epoch, st.plan.to_doc(), ctx.run, ctx.devices.to_doc())
     return len(genuine)
+
+
+def whole_devices(ranks: list[int], hosts: dict[int, str], tp: int) -> list[int]:
+    """The joiners a tensor-parallel job admits now, in the order that makes devices of them: the
+    job grows by whole devices, ``tp`` joiners of one host each (a group's collectives stay inside
+    a node), shard by order; the rest wait for more of their host. (The leader runs slice 0, whose
+    plan is the plan of devices, each named by its shard 0's rank.)"""
+    out: list[int] = []
+    for host in sorted({hosts.get(r, "") for r in ranks}):
+        mine = [r for r in ranks if hosts.get(r, "") == host]
+        out += mine[:len(mine) // tp * tp]
+    return out
 
 
 def join(ctx) -> tuple[RankState, recovery.Recovery]:
@@ -83,11 +97,23 @@ def join(ctx) -> tuple[RankState, recovery.Recovery]:
     ctx.admission.request(started)
     attempt = 1
     while True:
-        verdict = ctx.admission.wait_verdict(attempt, ctx.cfg.parallel.timeout_s)
+        try:
+            verdict = ctx.admission.wait_verdict(attempt, ctx.cfg.parallel.timeout_s)
+        except TimeoutError as exc:
+            tp = ctx.cfg.parallel.tp
+            if tp > 1:  # a lone joiner waits for the rest of a device
+                raise TimeoutError(f"{exc}; a job with parallel.tp={tp} admits joiners {tp} at a time, as whole "
+                                   f"devices: start {tp} together") from None
+            raise
         if verdict is None:
             raise StoodDown(f"rank {ctx.rank}: the job finished before it was admitted; nothing to do")
         prev = Plan.from_doc(verdict.prev_plan)
-        ctx.plan = prev  # the watcher beats and listens for alerts from now on
+        devices = Devices.from_doc(ctx.cfg.parallel.tp, verdict.devices)
+        # With tp, its place in its device is decided now: it builds that shard of the model.
+        shard = devices.joined(verdict.joining).shard_of(ctx.rank)
+        if shard != ctx.shard:
+            ctx.place(shard)
+        ctx.settle(prev, devices)  # the watcher beats and listens for alerts from now on
         ctx.set_run(verdict.run)
         if ctx.watcher is not None and not ctx.watcher.is_alive():
             ctx.watcher.start()

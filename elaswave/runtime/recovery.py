@@ -139,12 +139,18 @@ def recover(ctx, st: RankState | None, cause: Disruption | None, noticed_wall: f
     and the next one is agreed among its members, from the state of the last epoch that trained."""
     cfg: JobConfig = ctx.cfg
     old = st.plan if st is not None else prev
-    tp, shard = cfg.parallel.tp, layout.shard_of(ctx.rank, cfg.parallel.tp)
-    old_ranks = layout.every_rank(old, tp)  # every slice's
+    tp = cfg.parallel.tp
+    old_ranks = ctx.devices.every_rank(old)  # every slice's
     was = set(old_ranks)
     # The epoch after the newest one this rank agreed on: a failure during a recovery gives up
     # the epoch being built. (The store's counter cannot tell: others may be a phase ahead.)
     epoch = max(old.epoch, ctx.agreed_epoch) + 1
+    # The devices of the old epoch and those admitted since (whole devices, in admission order).
+    full = ctx.devices
+    for e in range(old.epoch + 1, epoch + 1) if tp > 1 else ():
+        full = full.joined(ctx.admission.joining(e))
+    shard = full.shard_of(ctx.rank)
+    old = full.on_slice(old, shard)  # a joiner's ``prev`` is the plan as the leader's slice ran it
     # Who must check in: the members of the newest agreed epoch (the one that was being built, after
     # a failure during a recovery), and whoever the leader admitted into this one.
     expected = ctx.membership.members_of(epoch - 1) if epoch - 1 > old.epoch else old_ranks
@@ -180,7 +186,7 @@ def recover(ctx, st: RankState | None, cause: Disruption | None, noticed_wall: f
         raise Excluded(f"rank {ctx.rank} was left out of epoch {epoch} (members {list(members)})")
     # With tp: the devices whose every shard lives go on (each slice re-plans them alike); the
     # survivors of a device that lost a shard leave (see GroupLost).
-    members, orphans = layout.whole_devices(members, tp)
+    members, orphans = full.whole(members)
     if not members:
         raise PlanError(f"no tensor-parallel group of the job is whole after losing ranks "
                         f"{sorted(was - set(orphans))}: the job stops; "
@@ -188,10 +194,11 @@ def recover(ctx, st: RankState | None, cause: Disruption | None, noticed_wall: f
                            if cfg.checkpoint.dir else "set checkpoint.dir to keep the state in such a case"))
     if ctx.rank in orphans:
         raise GroupLost(f"rank {ctx.rank} leaves the job at epoch {epoch}: its tensor-parallel group "
-                        f"{list(layout.tensor_group(ctx.rank, tp))} lost a rank, and its layers go to the other stages")
+                        f"{list(full.tensor_group(ctx.rank))} lost a rank, and its layers go to the other stages")
     lost = sorted(was - set(members))
     joined = sorted(set(members) - was)
-    everyone, members = members, layout.on_shard(members, shard, tp)
+    devices = full.keeping(members)
+    everyone, members = members, devices.on_shard(members, shard)
     holding = (Holding(ctx.rank, st.optimizer.holding(), ctx.pool.holding() if ctx.pool else {})
                if st is not None else Holding(ctx.rank, {}, {}))
     ctx.membership.post(epoch, "state", {"holding": holding.to_doc(), "speed": ctx.speed,
@@ -199,12 +206,13 @@ def recover(ctx, st: RankState | None, cause: Disruption | None, noticed_wall: f
                                          "disk_step": _readable_checkpoint(ctx)})
     reports = ctx.membership.gather(epoch, "state", everyone, cfg.parallel.timeout_s,
                                     broken=lambda: ctx.interrupt.is_broken(epoch))
-    speeds = layout.device_speeds({r: doc["speed"] for r, doc in reports.items() if r in was}, shard, tp)
+    # By device (its head): every slice plans the plan of devices alike, and runs it on its ranks.
+    speeds = devices.device_speeds({r: doc["speed"] for r, doc in reports.items() if r in was})
     disk_steps = [doc["disk_step"] for doc in reports.values()]
     # The newest checkpoint every survivor saw complete (they may have looked at different moments).
     disk_step = None if None in disk_steps else min(disk_steps)
     # Every slice resumes at one step: the newest that each slice can restore all its chunks at.
-    within = _slices_restorable(old, reports, disk_step, tp) if tp > 1 else None
+    within = _slices_restorable(full, old, reports, disk_step) if tp > 1 else None
     reports = {r: doc for r, doc in reports.items() if r in members}  # this slice's: its chunks and groups
     lap("agree")
 
@@ -214,11 +222,13 @@ def recover(ctx, st: RankState | None, cause: Disruption | None, noticed_wall: f
 
     power = _power_model(cfg)
     holdings = [Holding.from_doc(r, doc["holding"]) for r, doc in reports.items()]
+    old_devices, heads = full.on_slice(old, 0), devices.on_shard(everyone, 0)
     try:
-        plan = replan(old, members, epoch, cfg.train.num_micro_batches,
-                      {r: v for r, v in speeds.items() if r in old.ranks}, cfg.elastic.policy, power,
-                      (cfg.frequency.power_cap_w or power.power(1.0) * len(members)) if power else None,
-                      detours=cfg.elastic.detours, rebalance=rebalance and not (set(members) ^ set(old.ranks)))
+        plan = devices.on_slice(replan(old_devices, heads, epoch, cfg.train.num_micro_batches,
+                                       {r: v for r, v in speeds.items() if r in old_devices.ranks}, cfg.elastic.policy,
+                                       power, (cfg.frequency.power_cap_w or power.power(1.0) * len(heads)) if power else None,
+                                       detours=cfg.elastic.detours,
+                                       rebalance=rebalance and not (set(heads) ^ set(old_devices.ranks))), shard)
     except PlanError as exc:
         _stop_with_state(ctx, st, old, members, holdings, disk_step, exc)
     if ctx.rank == members[0]:
@@ -245,7 +255,7 @@ def recover(ctx, st: RankState | None, cause: Disruption | None, noticed_wall: f
     stage = (st.stage if st is not None and (st.stage.start, st.stage.end) == layers
              else Stage(cfg, layers, ctx.device, ctx.model))
     if tp > 1:  # the group's collectives start afresh in the new epoch (the old ones may be cut mid-way)
-        ctx.model.cut.group = ctx.comm.group(layout.tensor_group(ctx.rank, tp), epoch)
+        ctx.model.cut.group = ctx.comm.group(devices.tensor_group(ctx.rank), epoch)
     new = build_rank(cfg, plan, ctx.rank, stage, ctx.sampler_for(stage), world, ctx.comm, ctx.device,
                      ctx.backend_name, gen=restore.resume_step, chunks=chunks, before=ctx.before_action,
                      actuator=ctx.actuator)
@@ -266,6 +276,7 @@ def recover(ctx, st: RankState | None, cause: Disruption | None, noticed_wall: f
             snapshot()
         pool.expect(world, plan, new.device)
     ctx.comm.prepare_standbys(members, epoch)
+    ctx.settle(plan, devices)
     lap("state")
     fault_wall, fault_from = _fault_start(ctx, lost, noticed_wall)
     return new, Recovery(epoch, lost, restore.resume_step, fault_wall,
@@ -275,13 +286,13 @@ def recover(ctx, st: RankState | None, cause: Disruption | None, noticed_wall: f
                          fault_from=fault_from)
 
 
-def _slices_restorable(old: Plan, reports: dict, disk_step: int | None, tp: int) -> set[int]:
+def _slices_restorable(devices: layout.Devices, old: Plan, reports: dict, disk_step: int | None) -> set[int]:
     """The generations every slice of a tensor-parallel job can restore all its chunks at (each
     slice's chunks, owners and holdings are its own; the slices' plans are one plan of devices)."""
     common: set[int] | None = None
-    for s in range(tp):
-        owners = tuple(tuple(layout.on_shard_of(r, s, tp) for r in row) for row in old.chunk_owners)
-        holdings = [Holding.from_doc(r, doc["holding"]) for r, doc in reports.items() if r % tp == s]
+    for s in range(devices.tp):
+        owners = devices.on_slice(old, s).chunk_owners
+        holdings = [Holding.from_doc(r, doc["holding"]) for r, doc in reports.items() if devices.shard_of(r) == s]
         gens = restorable(owners, holdings, disk_step)
         common = gens if common is None else common & gens
     return common or {0}

@@ -24,7 +24,6 @@ from elaswave.control import failover
 from elaswave.control.link import EXIT_STORE_LOST
 from elaswave.runtime.rank import RankState
 from elaswave.tensor import checkpoints
-from elaswave.tensor.layout import shard_of
 
 RESCUE_DIR = "elaswave-rescue"
 """Where the state goes when the job has no ``checkpoint.dir``: progress is not thrown away."""
@@ -41,7 +40,7 @@ def left_out(ctx, st: RankState | None) -> str | None:
     if now is not None and now[0] > st.epoch and now[1] is not None and ctx.rank not in now[1]:
         return f"the job went on without it (epoch {now[0]}, members {list(now[1])})"
     cfg = ctx.cfg
-    root = checkpoints.shard_root(cfg.checkpoint.dir or RESCUE_DIR, shard_of(ctx.rank, cfg.parallel.tp), cfg.parallel.tp)
+    root = checkpoints.shard_root(cfg.checkpoint.dir or RESCUE_DIR, ctx.shard, cfg.parallel.tp)
     newest, mine = disk.newest_fence(root), disk.Fence(ctx.run, st.epoch)
     if newest is not None and newest > mine:
         return f"{root} holds a newer checkpoint ({newest.name}) than its own {mine.name}: the job went on without it"
@@ -52,7 +51,7 @@ def save_and_stop(ctx, st: RankState | None, reason: str, noticed_at: float, wri
     """Save this rank's part and say what happened; returns the exit code. ``writer``: the metrics
     writer, on the rank that writes them (a ``store_lost`` record)."""
     cfg = ctx.cfg
-    root = checkpoints.shard_root(cfg.checkpoint.dir or RESCUE_DIR, shard_of(ctx.rank, cfg.parallel.tp), cfg.parallel.tp)
+    root = checkpoints.shard_root(cfg.checkpoint.dir or RESCUE_DIR, ctx.shard, cfg.parallel.tp)
     if st is None:
         print(f"elaswave: rank {ctx.rank}: {reason}; it had not joined the training, so it has nothing "
               "to save", file=sys.stderr, flush=True)

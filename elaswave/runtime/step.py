@@ -152,12 +152,13 @@ def train_step(st: RankState, cfg: JobConfig, step: int, pool: SnapshotPool | No
     lap("snapshot")
 
     store_gone = exchange[M + 2].item() == st.world.size
-    if st.shards is not None:  # every slice stops after the same step, or none does
-        store_gone = st.shards.all_of(store_gone)
+    joining = int(exchange[M].item())
+    if st.shards is not None:  # every slice stops, or grows, after the same step, or none does
+        store_gone, joining = st.shards.vote(store_gone, joining)
     loss_tokens = int(exchange[M + 3 + W:].sum().item())
     loss = math.fsum(exchange[:M].tolist()) / max(1, loss_tokens)
     speeds = dict(zip(st.world.members, exchange[M + 3:M + 3 + W].tolist()))
-    return StepResult(loss=loss, grad_norm=norm, lr=lr, phases_s=lap.phases, joining=int(exchange[M].item()),
+    return StepResult(loss=loss, grad_norm=norm, lr=lr, phases_s=lap.phases, joining=joining,
                       speeds=speeds, store_lost=store_gone,
                       tokens=samples_of(st.plan, t) * st.stage.model.seq_len,
                       loss_tokens=loss_tokens,

@@ -27,7 +27,7 @@ from elaswave.errors import ConfigError
 from elaswave.control.admission import JOIN_ENV, Refused
 from elaswave.control.agents import NODE_RANK_ENV, NODES_ENV
 from elaswave.control import failover, rendezvous
-from elaswave.control.link import EXIT_EXCLUDED, EXIT_STORE_LOST, StoreLink, StoreLost
+from elaswave.control.link import EXIT_EXCLUDED, EXIT_GROUP_LEFT, EXIT_STORE_LOST, StoreLink, StoreLost
 from elaswave.interrupt import Disruption
 from elaswave.model.contract import counted_numels, tie_pairs
 from elaswave.pipeline.stage import Stage
@@ -134,7 +134,7 @@ def run(cfg: JobConfig, rank: int, world_size: int, metrics_out: str | None) -> 
                     samples = samples_of(st.plan, t)
                     journal.add({"event": "step", "step": step, "loss": result.loss, "grad_norm": result.grad_norm,
                                  "lr": result.lr, "num_samples": samples, "tokens": result.tokens,
-                                 "loss_tokens": result.loss_tokens, "world_size": len(st.plan.ranks),
+                                 "loss_tokens": result.loss_tokens, "world_size": len(st.plan.ranks) * cfg.parallel.tp,
                                  "epoch": st.epoch, "step_time_s": took, "tokens_per_s": samples * ctx.model.seq_len / took,
                                  "wall_time": time.time(), "phases_s": result.phases_s,
                                  "modelled_power_w": _modelled_power(st.plan), **ctx.source_tokens(step),
@@ -187,7 +187,8 @@ def run(cfg: JobConfig, rank: int, world_size: int, metrics_out: str | None) -> 
             except recovery.GroupLost as out:  # alive, but its shard's layers went to other stages
                 print(f"elaswave: {out}", file=sys.stderr, flush=True)
                 writer.close()
-                return 0
+                # Its launcher starts a spare's join in its place (torchrun would restart the job on a non-zero code).
+                return EXIT_GROUP_LEFT if os.environ.get("ELASWAVE_STORE") else 0
             except recovery.Excluded as out:
                 print_error(str(out))
                 writer.close()
@@ -198,8 +199,8 @@ def run(cfg: JobConfig, rank: int, world_size: int, metrics_out: str | None) -> 
             ctx.learn_standbys()
             step, evaluation_s = pending.resume_step, 0.0
             journal.discard_from(step)
-            if (rank == st.plan.ranks[0] and layout.shard_of(rank, cfg.parallel.tp) == 0 and writer.fh is None
-                    and metrics_out):
+            # The new leader takes over the metrics and the progress line (rank 0 may be gone).
+            if rank == st.plan.ranks[0] and ctx.shard == 0 and not writer.show_progress:
                 writer = MetricsWriter(metrics_out, show_progress=True, total_steps=t.steps, append=True)
                 journal.replay(writer)
             journal.commit_before(step, writer)
@@ -216,7 +217,7 @@ def run(cfg: JobConfig, rank: int, world_size: int, metrics_out: str | None) -> 
             ctx.watcher.stop()
         return code
     wall = time.perf_counter() - began
-    if rank == st.plan.ranks[0] and layout.shard_of(rank, cfg.parallel.tp) == 0:
+    if rank == st.plan.ranks[0] and ctx.shard == 0:
         ranks = sorted(summary)
         # Every holder's copy of a layer is the same (checked in _finish): take any. With
         # parallel.tp, the whole layers gathered from their shards.
@@ -274,14 +275,14 @@ def _start(ctx: Context, world_size: int):
     # the one-host launcher's job is one host (its joiners' numbers say nothing about hosts).
     if not os.environ.get("ELASWAVE_STORE") or os.environ.get(NODES_ENV, "1") != "1":
         plan = replace(plan, ranks_per_node=int(os.environ.get("LOCAL_WORLD_SIZE", "0")))
-    ctx.plan = plan = layout.on_slice(plan, layout.shard_of(rank, tp), tp)
+    ctx.plan = plan = layout.founding_slice(plan, ctx.shard, tp)
     stage = Stage(cfg, plan.layers_of(rank), device, model)
     world = ctx.comm.group(plan.ranks, plan.epoch)
     if tp > 1:
-        model.cut.group = ctx.comm.group(layout.tensor_group(rank, tp), plan.epoch)
+        model.cut.group = ctx.comm.group(ctx.devices.tensor_group(rank), plan.epoch)
     # Before the barrier below, so before any rank of this run has written there.
     ctx.set_run(checkpoints.next_run(cfg.checkpoint.dir or rescue.RESCUE_DIR, tp))
-    resumed = _resume_point(cfg, plan, rank)
+    resumed = _resume_point(cfg, plan, rank, ctx.shard)
     gen, chunks = (resumed.manifest.step, resumed.chunks) if resumed else (0, None)
     st = build_rank(cfg, plan, rank, stage, ctx.sampler_for(stage), world, ctx.comm, device, ctx.backend_name,
                     gen=gen, chunks=chunks, before=ctx.before_action, actuator=ctx.actuator)
@@ -292,7 +293,7 @@ def _start(ctx: Context, world_size: int):
     if tp > 1 and rank == 0 and cfg.elastic.enabled and (cfg.elastic.store_failover or cfg.elastic.straggler_gain):
         print(f"elaswave: with parallel.tp={tp} the control store does not move to a standby and stragglers are not "
               "re-planned (neither is built for tensor-parallel slices yet)", file=sys.stderr, flush=True)
-    if cfg.checkpoint.export_hf and rank == plan.ranks[0] and layout.shard_of(rank, tp) == 0:
+    if cfg.checkpoint.export_hf and rank == plan.ranks[0] and ctx.shard == 0:
         hf_folder.clear_staging(cfg.checkpoint.export_hf)  # before the barrier: no rank has written yet
     world.all_reduce(torch.zeros(1, device=device), "start-up barrier")
     return st, resumed
@@ -346,7 +347,7 @@ class ResumePoint(NamedTuple):
     load_s: float
 
 
-def _resume_point(cfg: JobConfig, plan, rank: int) -> ResumePoint | None:
+def _resume_point(cfg: JobConfig, plan, rank: int, shard: int) -> ResumePoint | None:
     """Where to continue from: the newest complete checkpoint, or None."""
     c = cfg.checkpoint
     if not (c.dir and c.resume):
@@ -354,7 +355,7 @@ def _resume_point(cfg: JobConfig, plan, rank: int) -> ResumePoint | None:
     began = time.perf_counter()
     tp = cfg.parallel.tp
     checkpoints.check_degree(c.dir, tp)
-    manifest = checkpoints.latest(c.dir, layout.shard_of(rank, tp), tp)
+    manifest = checkpoints.latest(c.dir, shard, tp)
     if manifest is None:
         return None
     manifest.check_fits(cfg.model_identity(), cfg.parallel.chunk_numel, plan.chunk_owners)
@@ -382,7 +383,7 @@ def _finish(ctx: Context, st, cfg: JobConfig) -> tuple[dict[int, dict], Path | N
     # the layers shard 0 of their first holder exports.
     wholes, kept, written = None, {}, st.stage.layers
     if shards is not None:
-        writes = target is not None and layout.shard_of(st.rank, cfg.parallel.tp) == 0
+        writes = target is not None and ctx.shard == 0
         wholes = {}
         for i, flat in shards.each_whole(st.stage.layers):
             wholes[str(i)] = whole_digest(flat)
@@ -405,11 +406,11 @@ def _finish(ctx: Context, st, cfg: JobConfig) -> tuple[dict[int, dict], Path | N
     ctx.membership.post(plan.epoch, "final", doc)
     st.world.all_reduce(torch.zeros(1, device=st.device), "final barrier")
     tp = cfg.parallel.tp
-    if st.rank != plan.ranks[0] or layout.shard_of(st.rank, tp) != 0:
+    if st.rank != plan.ranks[0] or ctx.shard != 0:
         return {}, None
-    parts = ctx.membership.gather(plan.epoch, "final", layout.every_rank(plan, tp), cfg.parallel.timeout_s)
+    parts = ctx.membership.gather(plan.epoch, "final", ctx.devices.every_rank(plan), cfg.parallel.timeout_s)
     for shard in range(tp):  # the copies of one shard of a layer are compared, across its slice
-        _check_replicas({r: doc for r, doc in parts.items() if layout.shard_of(r, tp) == shard})
+        _check_replicas({r: doc for r, doc in parts.items() if ctx.devices.shard_of(r) == shard})
     # The fence of the export and the summary: nothing of an epoch the job has left reaches them.
     if (now := ctx.membership.current_epoch()) != plan.epoch:
         raise recovery.Excluded(f"rank {st.rank} finished epoch {plan.epoch} but the job is in epoch {now}: "
@@ -447,6 +448,9 @@ def main(argv: list[str] | None = None) -> int:
         if str(idle):
             print(f"elaswave: {idle}", flush=True)
         code = 0  # a spare or joiner the job finished without
+    except recovery.GroupLost as out:  # a joiner whose device lost a rank while it joined
+        print(f"elaswave: {out}", file=sys.stderr, flush=True)
+        code = EXIT_GROUP_LEFT if os.environ.get("ELASWAVE_STORE") else 0
     except recovery.Excluded as out:  # a joiner that never got in
         print_error(str(out))
         code = EXIT_EXCLUDED

@@ -50,11 +50,17 @@ class TensorShards:
 
     def all_of(self, flag: bool) -> bool:
         """Whether ``flag`` holds on every shard of the group (a decision the slices must share)."""
+        return self.vote(flag, 0)[0]
+
+    def vote(self, flag: bool, count: int) -> tuple[bool, int]:
+        """(whether ``flag`` holds on every shard of the group, the sum of ``count`` over them), in
+        one exchange: the decisions the slices must share after a step (the store lost on every
+        rank; how many ranks slice 0's leader admitted -- only slice 0's ranks count them)."""
         if self.group is None or self.group.size == 1:
-            return flag
-        vec = torch.tensor([1.0 if flag else 0.0], dtype=torch.float64, device=self.device)
+            return flag, count
+        vec = torch.tensor([1.0 if flag else 0.0, float(count)], dtype=torch.float64, device=self.device)
         self.group.all_reduce(vec, "tensor-parallel vote")
-        return int(vec.item()) == self.group.size
+        return int(vec[0].item()) == self.group.size, int(vec[1].item())
 
     def norm(self, grads: Sequence[torch.Tensor], world: Group, exact_bits: int | None) -> float:
         """The global norm of the reduced gradients (this rank's slots of each bucket)."""

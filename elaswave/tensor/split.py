@@ -68,17 +68,15 @@ def check_job(job) -> None:
     tp = job.parallel.tp
     check(job.model, tp, where=f"parallel.tp={tp!r}")
     elastic = job.elastic
-    not_yet = {"elastic.spares": (elastic.spares, elastic.enabled and elastic.spares > 0,
-                                  "a spare taking a lost shard's place is not built yet"),
-               "elastic.inject": (";".join(elastic.inject), elastic.enabled and any("join" in f for f in elastic.inject),
-                                  "ranks joining a tensor-parallel job are not built yet"),
-               "elastic.respawn_after_s": (elastic.respawn_after_s, elastic.enabled and elastic.respawn_after_s >= 0,
-                                           "a replacement joins, and joins are not built for tensor parallelism yet"),
-               "emulate.enabled": (job.emulate.enabled, job.emulate.enabled,
-                                   "emulated compute prices whole layers, not tensor-parallel shards")}
-    for key, (value, on, why) in not_yet.items():
-        if on:
-            fail(key, value, f"with parallel.tp={tp}: {why} (parallel.tp=1 has it)")
+    if job.emulate.enabled:
+        fail("emulate.enabled", True, f"with parallel.tp={tp}: emulated compute prices whole layers, not "
+                                      "tensor-parallel shards (parallel.tp=1 has it)")
+    # The job grows by whole devices: joins asked for must make them.
+    for fault in elastic.faults if elastic.enabled else ():
+        if fault.kind == "join" and fault.count % tp:
+            fail("elastic.inject", ";".join(elastic.inject),
+                 f"join:step={fault.step},count={fault.count} must add whole devices with parallel.tp={tp}: "
+                 f"a count that is a multiple of {tp}")
     devices = job.parallel.dp * job.parallel.pp
     if elastic.enabled and elastic.snapshots and elastic.snapshot_copies > max(1, devices - 1):
         fail("elastic.snapshot_copies", elastic.snapshot_copies,

@@ -2,6 +2,8 @@
 another shell with and without the job's token. Every run equals the failure-free reference bit
 for bit (deterministic mode)."""
 import pytest
+
+from elaswave.runtime.join import whole_devices
 from tests.helpers.memory import limit_between
 from tests.helpers.spawn import Running, assert_same_run, job_args, reference_fixture, run_job
 
@@ -106,3 +108,10 @@ def test_survivors_that_cannot_hold_the_model_stand_by_until_a_replacement_joins
     assert f"ranks [0] cannot hold the whole model within parallel.stage_memory_mb={limit}" in res.stderr
     (join,) = _events(res, "join")
     assert join["plan"]["pipelines"] == [[0, 4], [2, 3]] and all(join["plan"]["micro_batches"])
+
+
+def test_joiners_make_devices_of_one_host_each():
+    hosts = {8: "node 0", 9: "node 1", 10: "node 0", 11: "node 1", 12: "node 1"}
+    # Each host's joiners pair among themselves; node 1's third waits for a partner.
+    assert whole_devices([8, 9, 10, 11, 12], hosts, 2) == [8, 10, 9, 11]
+    assert whole_devices([8, 9], hosts, 2) == []

@@ -63,6 +63,63 @@ def test_a_killed_tensor_parallel_rank_is_one_recovery_bit_identical(tmp_path, r
     assert res.summary["world_size"] == dp * pp * 2 - 2
 
 
+# Long enough for a spare's join (its request, admission at a step boundary, the state it receives).
+GROW_STEPS = 40
+
+
+@pytest.fixture(scope="module")
+def long_reference(tmp_path_factory):
+    return run_reference(tmp_path_factory.mktemp("ref"), GROW_STEPS, deterministic=True, num_micro_batches=MBS,
+                         extra=[*TP, "parallel.tp=2"])
+
+
+def _same_run(res, reference):
+    by_step = {s["step"]: s["loss"] for s in res.steps}  # the last record of a step redone
+    assert [by_step[i] for i in range(GROW_STEPS)] == reference.losses
+    assert res.summary["params_sha256"] == reference.summary["params_sha256"]
+    assert res.summary["state_sha256"] == reference.summary["state_sha256"]
+
+
+def test_warm_spares_take_a_lost_ranks_device_bit_identical(tmp_path, long_reference):
+    # Rank 1 dies: spare 4 is promoted in its place; its group's survivor (rank 0) leaves, and
+    # the launcher promotes spare 5 in its place. The two join as one device at a step boundary,
+    # each building the shard its place in the device gives it, and receive their layers and
+    # ZeRO chunks from the other device, slice by slice. Then the other founding device loses
+    # rank 3, and the next two spares (6, 7) replace it beside the joined one.
+    res = run_job(tmp_path, 2, 1, GROW_STEPS, deterministic=True,
+                  extra=[*TP, "parallel.tp=2", "elastic.enabled=true", "elastic.spares=2",
+                         "elastic.inject=kill:rank=1,step=3,phase=backward;kill:rank=3,step=22,phase=reduce"])
+    _same_run(res, long_reference)
+    recs = [r for r in res.records if r["event"] == "recovery"]
+    joins = [r for r in res.records if r["event"] == "join"]
+    assert [r["lost_ranks"] for r in recs] == [[0, 1], [2, 3]], recs
+    assert "left with its tensor-parallel group" in recs[0]["evidence"]["0"]
+    assert [j["joined_ranks"] for j in joins] == [[4, 5], [6, 7]], joins
+    assert joins[0]["plan"]["pipelines"] == [[2], [4]] and joins[1]["plan"]["pipelines"] == [[4], [6]]
+    assert "spare rank 4 replaces rank 1" in res.stderr
+    assert "spare rank 5 replaces rank 0, which left with its tensor-parallel group" in res.stderr
+    assert res.summary["ranks"] == [4, 5, 6, 7] and res.summary["world_size"] == 4
+    assert all(s["world_size"] == 4 for s in res.steps if s["step"] >= joins[-1]["resume_step"])
+    assert res.left_behind == 0  # the spares never needed went with the job
+
+
+# Cold processes (their start-up on the path): ranks asked to join, and replacements of a dead
+# rank and of its group's survivor.
+GROWTHS = [(1, ["elastic.inject=join:step=1,count=2"], [], [2, 3], [0, 1, 2, 3]),
+           (2, ["elastic.inject=kill:rank=3,step=2,phase=forward"], ["--respawn-after", "0.2"], [4, 5], [0, 1, 4, 5])]
+
+
+@pytest.mark.slow  # the default run keeps the warm spares' case of the same path
+@pytest.mark.parametrize("dp,sets,cli,joined,ranks", GROWTHS)
+def test_ranks_joining_a_tensor_parallel_job_grow_it_by_a_device(tmp_path, long_reference, dp, sets, cli, joined, ranks):
+    res = run_job(tmp_path, dp, 1, GROW_STEPS, deterministic=True,
+                  extra=[*TP, "parallel.tp=2", "elastic.enabled=true", *sets], cli=cli)
+    _same_run(res, long_reference)
+    (join,) = [r for r in res.records if r["event"] == "join"]
+    assert join["joined_ranks"] == joined and len(join["plan"]["pipelines"]) == 2
+    assert res.summary["ranks"] == ranks
+
+
 def test_a_tensor_parallel_job_resumes_from_its_shards_checkpoints(tmp_path, reference):
     ck = tmp_path / "ck"
     sets = [*TP, "parallel.tp=2", f"checkpoint.dir={ck}", "checkpoint.every_steps=2"]
@@ -123,13 +180,13 @@ def test_fast_mode_follows_the_whole_model(tmp_path):
     (["parallel.tp=2", "model.preset=gpt-tiny"], [], "parallel.tp=2 is invalid for model gpt"),
     (["parallel.tp=2", "model.factory=tests.runtime.test_tensor_parallel:nothing"], [],
      "a model.factory model would need to declare one"),
-    (["parallel.tp=2", "elastic.enabled=true", "elastic.spares=1"], [], "elastic.spares=1 is invalid: with parallel.tp=2"),
+    (["parallel.tp=2", "elastic.enabled=true", "elastic.inject=join:step=2,count=3"], [],
+     "join:step=2,count=3 must add whole devices with parallel.tp=2"),
     (["parallel.tp=4"], ["--nnodes", "2", "--node-rank", "0", "--nproc-per-node", "2"],
      "parallel.tp=4 is invalid with --nproc-per-node=2"),
     (["parallel.tp=2", "parallel.dp=3"], ["--nnodes", "2", "--node-rank", "0"],
      "--nproc-per-node=3 is invalid with parallel.tp=2: a host must hold whole tensor-parallel groups"),
-    (["parallel.tp=2", "elastic.enabled=true", "elastic.respawn_after_s=0"], [],
-     "elastic.respawn_after_s=0.0 is invalid: with parallel.tp=2"),
+    (["parallel.tp=2", "emulate.enabled=true"], [], "emulate.enabled=True is invalid: with parallel.tp=2"),
 ])
 def test_bad_tensor_parallel_input_is_one_line(tmp_path, sets, cli, says):
     base = ["parallel.dp=1", "parallel.pp=1", "elastic.enabled=false", "model.num_heads=8", "model.num_kv_heads=4"]
