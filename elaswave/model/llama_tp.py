@@ -42,8 +42,12 @@ class Attention(nn.Module):
     def __init__(self, cut: _Cut):
         super().__init__()
         m, self.cut = cut.m, cut
-        self.heads, self.kv = m.num_heads // cut.split.degree, m.kv_heads // cut.split.degree
+        self.heads = m.num_heads // cut.split.degree
         self.first_head = cut.split.block(m.num_heads)[0]
+        # Fewer key-value heads than ranks: each rank holds the one its query heads attend to.
+        self.first_kv, end = cut.split.kv_block(m.kv_heads)
+        self.kv = end - self.first_kv
+        self.counts_kv = cut.split.counts_kv(m.kv_heads)
         hd = self.head_dim = m.head_width
         bias, out_bias = m.attention_bias, m.attention_bias and not m.qkv_bias_only
         self.q_proj = nn.Linear(m.d_model, self.heads * hd, bias=bias)
@@ -59,16 +63,17 @@ class Attention(nn.Module):
         c, m = self.cut, self.cut.m
         b, t, _ = x.shape
         q, k, v = ops.columns(x, [(self.q_proj.weight, self.q_proj.bias, c.blocks(self.heads)),
-                                  (self.k_proj.weight, self.k_proj.bias, c.blocks(self.kv)),
-                                  (self.v_proj.weight, self.v_proj.bias, c.blocks(self.kv))],
+                                  (self.k_proj.weight, self.k_proj.bias, c.blocks(self.kv), self.counts_kv),
+                                  (self.v_proj.weight, self.v_proj.bias, c.blocks(self.kv), self.counts_kv)],
                               c.group, m.num_heads + 2 * m.kv_heads)
         q = q.view(b, t, self.heads, self.head_dim).transpose(1, 2)
         k = k.view(b, t, self.kv, self.head_dim).transpose(1, 2)
         v = v.view(b, t, self.kv, self.head_dim).transpose(1, 2)
         cos, sin = self.cos[:t].to(x.dtype), self.sin[:t].to(x.dtype)
         q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
-        group = self.heads // self.kv
-        k, v = (z.repeat_interleave(group, dim=1) if group > 1 else z for z in (k, v))
+        if m.num_heads > m.kv_heads:  # GQA: a key-value head's gradient summed alike at every degree
+            k, v = ops.shared_kv(k, v, self.heads // self.kv, self.first_kv, m.kv_heads, m.num_heads // m.kv_heads,
+                                 c.exact, c.split.kv_replicas(m.kv_heads) > 1, c.group)
         blocked = causal_mask(t, x.device)
         if documents is not None:
             blocked = (blocked | (documents[:, :, None] != documents[:, None, :]))[:, None]
@@ -157,6 +162,7 @@ class Head(nn.Module):
 
 # Where each parameter of a whole layer is cut: the dimension, and how many canonical units it has.
 _ROWS, _COLS = 0, 1
+_KV = ("k_proj.weight", "v_proj.weight", "k_proj.bias", "v_proj.bias")
 
 
 def _cut_dim(name: str) -> int | None:
@@ -201,8 +207,28 @@ class TensorParallelLlama(Llama):
         if dim is None:
             return None
         size = padded_vocab(whole[0]) if name.endswith(("embed_tokens.weight", "lm_head.weight")) else whole[dim]
-        start, end = self.split.block(size)
+        start, end = self._rows_held(name, size) if dim == _ROWS else self.split.block(size)
         return Cut(dim, start, end, self.split.degree)
+
+    def _rows_held(self, name: str, rows: int) -> tuple[int, int]:
+        """[start, end) of the ``rows`` rows of a row-cut tensor this rank holds (a key-value
+        tensor: its key-value heads' rows, replicated where there are fewer heads than ranks)."""
+        if name.endswith(_KV):
+            first, end = self.split.kv_block(self.cut.m.kv_heads)
+            width = rows // self.cut.m.kv_heads
+            return first * width, end * width
+        return self.split.block(rows)
+
+    def _whole_rows(self, name: str, held: int) -> int:
+        """The whole (padded) tensor's rows, from the ``held`` rows of this rank's part."""
+        if name.endswith(_KV):
+            first, end = self.split.kv_block(self.cut.m.kv_heads)
+            return held // (end - first) * self.cut.m.kv_heads
+        return held * self.split.degree
+
+    def _counts(self, name: str) -> bool:
+        """Whether this rank's copy of ``name`` counts (a replicated key-value head's: its first holder's)."""
+        return not name.endswith(_KV) or self.split.counts_kv(self.cut.m.kv_heads)
 
     def cut_tensor(self, name: str, whole: torch.Tensor) -> torch.Tensor:
         """This rank's part of parameter ``name`` of a whole layer (vocabulary rows padded with zeros)."""
@@ -223,10 +249,13 @@ class TensorParallelLlama(Llama):
                 pos = torch.arange(p.numel()) + at if me == 0 else torch.full((p.numel(),), -1)
                 at += p.numel()
             elif dim == _ROWS:
-                real = self._real_rows(name, rows * degree)
-                whole_row = torch.arange(rows) + me * rows
+                whole_rows = self._whole_rows(name, rows)
+                real = self._real_rows(name, whole_rows)
+                whole_row = torch.arange(rows) + self._rows_held(name, whole_rows)[0]
                 pos = at + whole_row[:, None] * cols + torch.arange(cols)[None, :]
                 pos[whole_row >= real] = -1
+                if not self._counts(name):
+                    pos[:] = -1
                 at += real * cols
             else:
                 pos = at + torch.arange(rows)[:, None] * (cols * degree) + me * cols + torch.arange(cols)[None, :]
@@ -244,6 +273,8 @@ class TensorParallelLlama(Llama):
             if dim is None:
                 whole = pieces[0]
             else:
+                if name.endswith(_KV):  # a replicated head once, from its first holder
+                    pieces = pieces[::self.split.kv_replicas(self.cut.m.kv_heads)]
                 whole = torch.cat(pieces, dim=dim)
                 if dim == _ROWS:
                     whole = whole[:self._real_rows(name, whole.shape[0])]

@@ -73,7 +73,7 @@ class _Columns(torch.autograd.Function):
         ctx.save_for_backward(x, *weights)
         ctx.spec, ctx.group, ctx.total = spec, group, total
         outs = []
-        for (blocks, _), w, b in zip(spec, weights, biases):
+        for (blocks, _, _), w, b in zip(spec, weights, biases):
             if not blocks:
                 outs.append(F.linear(x, w, b))
             else:
@@ -85,13 +85,14 @@ class _Columns(torch.autograd.Function):
     def backward(ctx, *dys):
         x, *weights = ctx.saved_tensors
         grads, partials = [], []
-        for (blocks, has_bias), w, dy in zip(ctx.spec, weights, dys):
+        for (blocks, has_bias, counted), w, dy in zip(ctx.spec, weights, dys):
             n = max(1, blocks)
             dyc, wc = dy.chunk(n, dim=-1), w.chunk(n)
             grads.append(torch.cat([_rows(d).T @ _rows(x) for d in dyc]))
             if has_bias:
                 grads.append(torch.cat([_rows(d).sum(0) for d in dyc]))
-            partials.extend(d @ wb for d, wb in zip(dyc, wc))
+            if counted:  # a replicated product's share of the input's gradient counts on one holder
+                partials.extend(d @ wb for d, wb in zip(dyc, wc))
         if not ctx.spec[0][0]:
             d_x = _all_reduce(torch.stack(partials).sum(0) if len(partials) > 1 else partials[0], ctx.group,
                               "tensor-parallel input gradient")
@@ -102,7 +103,7 @@ class _Columns(torch.autograd.Function):
 
 def _weights_and_biases(spec, params):
     weights, biases, at = [], [], 0
-    for _, has_bias in spec:
+    for _, has_bias, _ in spec:
         weights.append(params[at])
         biases.append(params[at + 1] if has_bias else None)
         at += 2 if has_bias else 1
@@ -133,14 +134,83 @@ class _Row(torch.autograd.Function):
 
 def columns(x, products, group: Group | None, total: int) -> tuple[torch.Tensor, ...]:
     """Column-parallel products of one input: ``products`` is (weight, bias or None, this rank's
-    blocks of it) each; ``total``: the canonical blocks of all of them in the group."""
-    spec = tuple((blocks, bias is not None) for _, bias, blocks in products)
-    params = [t for weight, bias, _ in products for t in ((weight, bias) if bias is not None else (weight,))]
+    blocks of it[, counted]) each -- ``counted`` False on a rank whose rows another rank also holds
+    (a replicated key-value head), whose share of the input's gradient that one gives; ``total``:
+    the canonical blocks of all of them in the group, each counted once."""
+    spec = tuple((p[2], p[1] is not None, p[3] if len(p) > 3 else True) for p in products)
+    params = [t for weight, bias, *_ in products for t in ((weight, bias) if bias is not None else (weight,))]
     return _Columns.apply(x, spec, group, total, *params)
 
 
 def column(x, weight, bias, blocks: int, group: Group | None, total: int) -> torch.Tensor:
     return columns(x, [(weight, bias, blocks)], group, total)[0]
+
+
+class _SharedKV(torch.autograd.Function):
+    """Key-value heads repeated for the query heads that attend to them (GQA). The backward sums a
+    key-value head's gradient over its query heads: in deterministic mode exactly, at one scale per
+    key-value head (from the peak over all its query heads, wherever they are), so the bits do not
+    depend on how the query heads are spread over ranks; a head replicated on several ranks (fewer
+    key-value heads than ranks) has its sum completed across the group."""
+
+    @staticmethod
+    def forward(ctx, k, v, per: int, first: int, total: int, queries: int, exact: bool, shared: bool,
+                group: Group | None):
+        ctx.args = (per, first, total, queries, exact, shared, group)
+        return k.repeat_interleave(per, dim=1), v.repeat_interleave(per, dim=1)
+
+    @staticmethod
+    def backward(ctx, dk, dv):
+        per, first, total, queries, exact, shared, group = ctx.args
+        d = torch.stack([dk, dv])
+        two, b, heads, t, width = d.shape
+        d = d.reshape(two, b, heads // per, per, t, width)
+        mine = slice(first, first + heads // per)
+        if not exact:
+            acc = d.sum(3)
+            if shared:
+                acc = _completed(acc, group, total, mine)
+            return acc[0], acc[1], *(None,) * 7
+        if d.device.type == "meta":
+            return dk.new_empty(b, heads // per, t, width), dv.new_empty(b, heads // per, t, width), *(None,) * 7
+        peak = d.detach().abs().amax(dim=(1, 3, 4, 5)).float()  # (k or v, this rank's key-value heads)
+        if shared:  # every holder's query heads of a head: its peak is the largest of theirs
+            peak = _completed(peak, group, total, mine, gather=True)
+        if not torch.isfinite(peak).all():
+            raise FloatingPointError(f"a key-value head's gradient is not finite (peak {peak.max().item()})")
+        # As exact_sum: each part below 2**e, the sum over the head's query heads below 2**62.
+        e = torch.frexp(peak).exponent.double()
+        scale = torch.where(peak > 0, torch.pow(2.0, 62 - e - max(1, math.ceil(math.log2(queries)))),
+                            torch.ones_like(e))[:, None, :, None, None, None]
+        acc = torch.round(d.double() * scale).to(torch.int64).sum(3)
+        if shared:
+            acc = _completed(acc, group, total, mine)
+        out = (acc.double() / scale[:, :, :, 0]).to(dk.dtype)
+        return out[0], out[1], *(None,) * 7
+
+
+def _completed(part: torch.Tensor, group: Group | None, total: int, mine: slice, gather: bool = False):
+    """Each key-value head's sum (or, ``gather``, largest value) over every rank holding it: this
+    rank's heads placed among all ``total`` (dim 1 of a (k, v, ...) pair, dim 2 of a gradient's)."""
+    dim = 1 if gather else 2
+    shape = list(part.shape)
+    shape[dim] = total
+    full = part.new_zeros(shape)
+    full.narrow(dim, mine.start, mine.stop - mine.start).copy_(part)
+    if gather:
+        every = torch.empty(group.size * full.numel(), dtype=full.dtype, device=full.device)
+        group.all_gather(every, full.reshape(-1).contiguous(), "shared key-value peaks")
+        full = every.view(group.size, *full.shape).amax(dim=0)
+    else:
+        group.all_reduce(full, "shared key-value gradient")
+    return full.narrow(dim, mine.start, mine.stop - mine.start)
+
+
+def shared_kv(k, v, per: int, first: int, total: int, queries: int, exact: bool, shared: bool, group: Group | None):
+    """``k`` and ``v`` (batch, this rank's key-value heads from ``first`` of ``total``, time, width)
+    repeated ``per`` times each for this rank's query heads; ``queries``: the query heads of one
+    key-value head in the whole layer; ``shared``: each head is held by several ranks."""
+    return _SharedKV.apply(k, v, per, first, total, queries, exact, shared, group)
 
 
 def row(x, weight, blocks: int, group: Group | None, total: int) -> torch.Tensor:

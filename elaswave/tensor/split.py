@@ -36,6 +36,23 @@ class TensorSplit:
         share = total // self.degree
         return self.rank * share, (self.rank + 1) * share
 
+    def kv_block(self, kv_heads: int) -> tuple[int, int]:
+        """[first, end) of the key-value heads this rank holds: its share, or -- with fewer heads
+        than ranks -- the one head its query heads attend to, replicated on :meth:`kv_replicas` ranks."""
+        if kv_heads >= self.degree:
+            return self.block(kv_heads)
+        head = self.rank // self.kv_replicas(kv_heads)
+        return head, head + 1
+
+    def kv_replicas(self, kv_heads: int) -> int:
+        """How many ranks hold each key-value head (1 unless there are fewer heads than ranks)."""
+        return max(1, self.degree // kv_heads)
+
+    def counts_kv(self, kv_heads: int) -> bool:
+        """Whether this rank is the first of its key-value head's holders: the one whose copy counts
+        (in the input's gradient, the norm, digests and exports) -- the others hold the same values."""
+        return self.rank % self.kv_replicas(kv_heads) == 0
+
 
 def padded_vocab(vocab_size: int) -> int:
     """The vocabulary rounded up to whole canonical blocks: rows past ``vocab_size`` are padding
@@ -55,9 +72,9 @@ def check(m: ModelConfig, degree: int, where: str = "") -> None:
                          "model would need to declare one")
     if m.num_heads % degree:
         raise SplitError(f"{where} is invalid: it must divide the attention heads ({m.num_heads})")
-    if m.kv_heads % degree:
-        raise SplitError(f"{where} is invalid: it must divide the key-value heads ({m.kv_heads}); replicating "
-                         "key-value heads across ranks is not built yet")
+    if m.kv_heads % degree and degree % m.kv_heads:
+        raise SplitError(f"{where} is invalid: it must divide the key-value heads ({m.kv_heads}) or be a multiple "
+                         "of them (fewer key-value heads than ranks are replicated, each on degree / heads ranks)")
     if m.ffn_width % BLOCKS:
         raise SplitError(f"{where} is invalid: the MLP width {m.ffn_width} must be a multiple of {BLOCKS}")
 

@@ -15,10 +15,11 @@ from elaswave.tensor.split import SplitError, TensorSplit, check, padded_vocab  
 from tests.helpers.spawn import run_group  # noqa: E402
 
 ME = "tests.model.test_llama_tp"
-# Vocabularies no degree divides: the padding rows are there at every degree.
+# Vocabularies no degree divides: the padding rows are there at every degree. GQA's 2 key-value
+# heads are cut at degree 2 and replicated at degree 4 (each on 2 ranks).
 SHAPES = {
     "gqa_tied": dict(vocab_size=250, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                     num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=16,
+                     num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=16,
                      tie_word_embeddings=True),
     "qwen2_bias": dict(vocab_size=259, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                        num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=16,
@@ -107,11 +108,16 @@ def exact_rank(group, hf_dir: str):
         loss.backward()
         grads = _grads(model, layers)
         if degree > 1:  # the whole tensors, from every rank's cut
-            from elaswave.model.llama_tp import _cut_dim
+            from elaswave.model.llama_tp import _KV, _cut_dim
+            replicas = model.split.kv_replicas(model.cut.m.kv_heads)
             for name, g in grads.items():
                 dim = _cut_dim(name)
                 if dim is not None:
                     grads[name] = _gathered(group, g, dim)
+                if name.endswith(_KV) and replicas > 1:  # a replicated head's copies agree; counted once
+                    pieces = grads[name].chunk(degree, dim)
+                    assert all(torch.equal(p, pieces[i - i % replicas]) for i, p in enumerate(pieces)), name
+                    grads[name] = torch.cat(pieces[::replicas], dim)
             x = _gathered(group, x.detach(), -1)
         out[degree] = {"loss": loss.detach(), "logits": x.detach()[..., :model.vocab_size],
                        "pad_logits": x.detach()[..., model.vocab_size:],
@@ -149,8 +155,11 @@ def test_cuts_that_do_not_fit_are_one_line_errors():
     check(base, 2)
     with pytest.raises(SplitError, match=r"degree of 3 is invalid: the degree must divide 8"):
         check(base, 3)
-    with pytest.raises(SplitError, match=r"must divide the key-value heads \(2\)"):
-        check(base, 4)
+    check(base, 4)  # 2 key-value heads, each replicated on 2 ranks
+    odd = config.load(None, ["model.preset=llama-tiny", "model.d_model=48", "model.num_heads=6",
+                             "model.num_kv_heads=3"]).model
+    with pytest.raises(SplitError, match=r"must divide the key-value heads \(3\) or be a multiple of them"):
+        check(odd, 2)
     gpt = config.load(None, ["model.preset=gpt-tiny"]).model
     with pytest.raises(SplitError, match="needs a split of each layer's tensors"):
         check(gpt, 2)

@@ -33,6 +33,18 @@ def test_every_layout_is_bit_identical_to_the_reference(tmp_path, reference, dp,
     assert res.losses[-1] < res.losses[0] - 0.2, "the loss should visibly fall"
 
 
+def test_a_key_value_head_replicated_on_its_group_s_ranks_is_bit_identical(tmp_path):
+    # One key-value head (MQA) on both ranks of each group: its gradient summed over every query
+    # head of the group exactly, its copy counted once in the norm and the digests.
+    sets = [*TP, "model.num_kv_heads=1", "parallel.tp=2"]
+    ref = run_reference(tmp_path, STEPS, deterministic=True, num_micro_batches=MBS, extra=sets)
+    res = run_job(tmp_path, 2, 1, STEPS, deterministic=True, extra=sets)
+    assert res.losses == ref.losses
+    assert [s["grad_norm"] for s in res.steps] == [s["grad_norm"] for s in ref.steps]
+    assert res.summary["params_sha256"] == ref.summary["params_sha256"]
+    assert res.summary["state_sha256"] == ref.summary["state_sha256"]
+
+
 def test_recomputed_activations_run_the_group_s_collectives_again_to_the_same_bits(tmp_path, reference):
     res = run_job(tmp_path, 1, 2, STEPS, deterministic=True,
                   extra=[*TP, "parallel.tp=2", "train.activation_checkpointing=full"])
@@ -231,10 +243,12 @@ def _tensors(path):
     return out
 
 
-def test_an_export_from_shards_gives_back_the_folder_it_loaded(tmp_path, hf_dir):
+# At tp=4 each of the folder's 2 key-value heads is replicated on 2 ranks: exported once.
+@pytest.mark.parametrize("pp,tp", [(2, 2), (1, 4)])
+def test_an_export_from_shards_gives_back_the_folder_it_loaded(tmp_path, hf_dir, pp, tp):
     out = tmp_path / "out"
-    _hf_run(tmp_path, "run", [*HF_JOB, "parallel.dp=1", "parallel.pp=2", "train.steps=0", f"model.init_from={hf_dir}",
-                              f"checkpoint.export_hf={out}"])
+    _hf_run(tmp_path, "run", [*HF_JOB, "parallel.dp=1", f"parallel.pp={pp}", f"parallel.tp={tp}", "train.steps=0",
+                              f"model.init_from={hf_dir}", f"checkpoint.export_hf={out}"])
     a, b = _tensors(hf_dir), _tensors(out)
     assert sorted(a) == sorted(b) and b["model.embed_tokens.weight"].shape[0] == 300  # no padding row
     assert all(a[k].equal(b[k]) for k in a)
