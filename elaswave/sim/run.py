@@ -13,7 +13,7 @@ from elaswave.plan.partition import least_memory
 from elaswave.plan.plan import PlanError, initial_plan
 from elaswave.sim import control, engine, policies, trace, uncertainty
 from elaswave.sim.engine import PolicyResult, simulate
-from elaswave.sim.workload import MODELS, Hardware, choose_layout, cluster, layer_numels
+from elaswave.sim.workload import HARDWARE, MODELS, Hardware, choose_layout, cluster, layer_numels, model_flops_per_micro_batch
 
 DEVICE_GIB = 80.0  # every GPU preset's device (H100, A100 80 GB): what a plan must fit unless told otherwise
 
@@ -28,6 +28,9 @@ def add_arguments(ap) -> None:
                          "sequence parallelism); dp x pp x tp = --devices; a GPU's failure takes its TP group")
     ap.add_argument("--gpus-per-node", type=int, default=Hardware().devices_per_node,
                     help="GPUs per node (default 8): the fast link, and what a TP group must fit in")
+    ap.add_argument("--hardware", default="generic", choices=sorted(HARDWARE),
+                    help="the device and links: generic (300 TFLOP/s at 40 %%, the default) or h100 (sourced: "
+                         "elaswave/sim/workload.py)")
     ap.add_argument("--model", default="gpt-13b", choices=sorted(MODELS), help="a model preset (model.preset): its shape and costs")
     ap.add_argument("--micro-batches", type=int, help="global batch in micro-batches (default 2 x pp per pipeline)")
     ap.add_argument("--micro-batch-size", type=int, default=1,
@@ -188,7 +191,7 @@ def run(args) -> int:
     power = CLOCKS[args.clocks or "boost"]
     if args.clock_share is not None:
         power = replace(power, clock_share=args.clock_share)
-    hw = replace(Hardware(), devices_per_node=args.gpus_per_node)
+    hw = replace(HARDWARE[args.hardware], devices_per_node=args.gpus_per_node)
     model = replace(cluster(m_cfg, args.micro_batch_size, hw, args.tp), power=power)
     memory = _memory(args, m) if args.device_gib else None
     usable_gib = args.device_gib - args.reserve_gib if memory is not None else 0.0
@@ -254,7 +257,12 @@ def run(args) -> int:
     bands = _bands(results, corners)
     gain_band = uncertainty.band([clock_gain] + [c[2] for c in corners]) if corners else None
     wall = time.perf_counter() - began
-    config = {"devices": args.devices, "dp": dp, "pp": pp, "preferred_layout": list(layouts[0]), "tp": args.tp, "gpus_per_node": args.gpus_per_node,
+    # The failure-free plan as MFU counts it (every row starts from the same plan).
+    step_s = m / next(iter(results.values())).throughput_before
+    gpus = dp * pp * args.tp
+    tflops = m * model_flops_per_micro_batch(m_cfg, args.micro_batch_size) / step_s / gpus / 1e12
+    failure_free = {"step_s": step_s, "model_tflops_per_gpu": tflops, "mfu": tflops / hw.device_tflops}
+    config = {"hardware": {"name": args.hardware, **asdict(hw)}, "failure_free": failure_free,"devices": args.devices, "dp": dp, "pp": pp, "preferred_layout": list(layouts[0]), "tp": args.tp, "gpus_per_node": args.gpus_per_node,
               "model": args.model, "micro_batches": m,
               "micro_batch_size": args.micro_batch_size, "reshape": not args.no_reshape and args.micro_batch_size > 1,
               "device_gib": args.device_gib, "reserve_gib": args.reserve_gib if args.device_gib else None,
@@ -288,6 +296,8 @@ def run(args) -> int:
     print(f"elaswave simulate: {args.devices} devices (dp={dp} x pp={pp}{f' x tp={args.tp}' if args.tp > 1 else ''}), {args.model}, {m} micro-batches of "
           f"{args.micro_batch_size} per step{' (reshaped after a change)' if config['reshape'] else ''}, "
           f"{config['hours']:g} h, {config['failures']} failures, {config['joins']} joins; {wall:.1f} s")
+    print(f"failure-free: step {step_s:.2f} s, {tflops:.0f} model TFLOP/s per GPU, MFU {100 * tflops / hw.device_tflops:.1f} % "
+          f"of {hw.device_tflops:g} ({args.hardware} hardware, {hw.efficiency:g} of the peak in a layer's compute)")
     if not args.no_dvfs:
         solver = {"exact": "the exact DP", "greedy": "the greedy LP relaxation (within one level's upgrade of the "
                   "least power)"}.get(start.frequency_solver, "none: nominal clocks")

@@ -27,6 +27,29 @@ class Hardware:
     activation_bytes_per_value: int = 2
 
 
+HARDWARE: dict[str, Hardware] = {
+    "generic": Hardware(),
+    # H100 SXM 80 GB from published measurements, none fitted to a training run's throughput:
+    # - 989 TFLOP/s: the dense bf16 peak.
+    # - efficiency 0.75: cuBLAS bf16 GEMMs on an H100 SXM reach 741 TFLOP/s at 6144^3 and 798 at
+    #   8192^3 (github.com/pranjalssh/fast.cu, README, kernel 0 = cuBLAS); FlashAttention-3 reaches
+    #   661 TFLOP/s forward at head dim 128 (arXiv:2407.08608, table 2; "80-90 %" for GEMMs, §1).
+    #   One share for a layer's matrix products and attention alike: 0.75, between the two.
+    # - 370 GB/s in a node: NCCL's effective ring bandwidth over NVLink 4 (450 GB/s line rate a
+    #   direction, ~20 % protocol overhead; NCCL's maintainer in NVIDIA/nccl-tests issue 212).
+    # - 50 GB/s between nodes: 400 Gb/s a GPU (Llama 3's RoCE and InfiniBand clusters,
+    #   arXiv:2407.21783 §3.3.1), at line rate -- no achieved figure was found published.
+    "h100": Hardware(device_tflops=989.0, efficiency=0.75, intra_node_gb_s=370.0, inter_node_gb_s=50.0),
+}
+"""``elaswave simulate --hardware``: the device and links every layer time and transfer is priced on."""
+
+
+def model_flops_per_micro_batch(m: ModelConfig, micro_batch_size: int) -> float:
+    """A micro-batch's forward and backward floating-point operations as MFU counts them (two per
+    multiply-add, the backward twice the forward; attention over the whole sequence)."""
+    return 6.0 * sum(c.flops_per_token for c in family(m).layer_costs()) * micro_batch_size * m.seq_len
+
+
 def layer_numels(m: ModelConfig) -> list[int]:
     return [c.num_params for c in family(m).layer_costs()]
 

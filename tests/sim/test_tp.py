@@ -65,6 +65,23 @@ def test_with_tp_the_16k_gpt_175b_layout_fits_80_gib(capsys):
     assert elaswave["batch_after_over_before"] == 1.0 and elaswave["throughput_after_over_before"] <= 1.0
 
 
+def test_llama3_405b_on_16k_h100s_fits_and_trains_no_faster_than_its_schedule_allows(capsys):
+    # Llama 3's own layout (arXiv:2407.21783, table 4): TP 8, PP 16, DP 128, 16 sequences of 8,192
+    # tokens a pipeline; the sourced H100 preset, nominal clocks.
+    code = cli.main(["simulate", "--devices", "16384", "--tp", "8", "--dp", "128", "--pp", "16", "--model",
+                     "llama3-405b", "--micro-batches", "2048", "--hardware", "h100", "--no-dvfs", "--policies",
+                     "elaswave_no_dvfs", "--json"])
+    out = capsys.readouterr()
+    assert code == 0, out.err
+    doc = json.loads(out.out)["config"]
+    free, hw = doc["failure_free"], doc["hardware"]
+    assert hw["name"] == "h100" and doc["device_gib"] == 80  # it fits the default 80 GiB
+    m, pp = 16, 16
+    # No better than every GPU computing at the preset's share of the peak through 1F1B's fill and drain.
+    assert 0 < free["mfu"] < hw["efficiency"] * m / (m + pp - 1)
+    assert free["model_tflops_per_gpu"] == pytest.approx(free["mfu"] * hw["device_tflops"])
+
+
 def test_a_node_failure_takes_every_gpu_of_the_node_and_its_groups_once():
     plain = trace.poisson(64, 10.0, 24, 4.0, seed=3)
     assert trace.poisson(64, 10.0, 24, 4.0, seed=3, node_share=0.0) == plain  # the old traces stay
