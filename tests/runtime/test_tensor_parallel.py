@@ -188,7 +188,8 @@ def test_fast_mode_follows_the_whole_model(tmp_path):
 
 @pytest.mark.parametrize("sets,cli,says", [
     (["parallel.tp=3"], [], "parallel.tp=3 is invalid: the degree must divide 8"),
-    (["parallel.tp=8"], [], "parallel.tp=8 is invalid: it must divide the attention heads (8)"[:40]),
+    (["parallel.tp=8", "model.num_heads=4", "model.num_kv_heads=2"], [],
+     "parallel.tp=8 is invalid: it must divide the attention heads (4)"),
     (["parallel.tp=2", "model.preset=gpt-tiny"], [], "parallel.tp=2 is invalid for model gpt"),
     (["parallel.tp=2", "model.factory=tests.runtime.test_tensor_parallel:nothing"], [],
      "a model.factory model would need to declare one"),
