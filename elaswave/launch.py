@@ -331,12 +331,8 @@ def _watch(cfg: JobConfig, workers: _Workers, store: dist.TCPStore, membership: 
             if code == EXIT_STORE_LOST:  # it saved its state and said so: nothing to report or replace
                 continue
             if code == EXIT_GROUP_LEFT:  # alive, its tensor-parallel group broken: a spare takes its device
-                spare = workers.promote() if done_at is None else None
-                if spare is not None:
-                    print(f"elaswave: spare rank {spare} replaces rank {rank}, which left with its tensor-parallel "
-                          "group", file=sys.stderr, flush=True)
-                elif cfg.elastic.respawn_after_s >= 0 and done_at is None:
-                    respawns.append(time.monotonic() + cfg.elastic.respawn_after_s)
+                if done_at is None:
+                    _replace(cfg, workers, respawns, rank, ", which left with its tensor-parallel group")
                 continue
             if workers.lost_spare(rank):
                 print(f"elaswave: spare rank {rank} {_describe(code)}; starting another", file=sys.stderr, flush=True)
@@ -349,11 +345,8 @@ def _watch(cfg: JobConfig, workers: _Workers, store: dist.TCPStore, membership: 
                 return code if code > 0 else 1
             if cfg.elastic.launcher_reports_deaths:
                 membership.report_dead(rank, _describe(code), alert=_is_member(cfg, store, membership, rank))
-            spare = workers.promote() if done_at is None else None
-            if spare is not None:
-                print(f"elaswave: spare rank {spare} replaces rank {rank}", file=sys.stderr, flush=True)
-            elif cfg.elastic.respawn_after_s >= 0 and done_at is None:
-                respawns.append(time.monotonic() + cfg.elastic.respawn_after_s)
+            if done_at is None:
+                _replace(cfg, workers, respawns, rank)
         # The children are polled every loop (a death is reported at once); the store only every
         # STORE_POLL_S: on etcd each read is a request through the cluster's leader, and at the
         # loop's pace the agent alone kept the members busier than the whole job's control plane.
@@ -383,6 +376,16 @@ def _watch(cfg: JobConfig, workers: _Workers, store: dist.TCPStore, membership: 
             _stop(workers.all())
             return 124
         time.sleep(0.005)
+
+
+def _replace(cfg: JobConfig, workers: _Workers, respawns: list[float], rank: int, why: str = "") -> None:
+    """``rank`` is gone from the training: the oldest warm spare asks in for it, or without one a
+    replacement starts after ``elastic.respawn_after_s`` (if set)."""
+    spare = workers.promote()
+    if spare is not None:
+        print(f"elaswave: spare rank {spare} replaces rank {rank}{why}", file=sys.stderr, flush=True)
+    elif cfg.elastic.respawn_after_s >= 0:
+        respawns.append(time.monotonic() + cfg.elastic.respawn_after_s)
 
 
 def _follow(cfg: JobConfig, workers: _Workers, store, watching: _Watching, lost: StoreLost) -> bool:

@@ -187,8 +187,7 @@ def run(cfg: JobConfig, rank: int, world_size: int, metrics_out: str | None) -> 
             except recovery.GroupLost as out:  # alive, but its shard's layers went to other stages
                 print(f"elaswave: {out}", file=sys.stderr, flush=True)
                 writer.close()
-                # Its launcher starts a spare's join in its place (torchrun would restart the job on a non-zero code).
-                return EXIT_GROUP_LEFT if os.environ.get("ELASWAVE_STORE") else 0
+                return _group_left_code()
             except recovery.Excluded as out:
                 print_error(str(out))
                 writer.close()
@@ -297,6 +296,12 @@ def _start(ctx: Context, world_size: int):
         hf_folder.clear_staging(cfg.checkpoint.export_hf)  # before the barrier: no rank has written yet
     world.all_reduce(torch.zeros(1, device=device), "start-up barrier")
     return st, resumed
+
+
+def _group_left_code() -> int:
+    """A rank that left with its broken tensor-parallel group: its launcher starts a spare's join
+    in its place; under torchrun it exits 0 (a non-zero code would restart the job)."""
+    return EXIT_GROUP_LEFT if os.environ.get("ELASWAVE_STORE") else 0
 
 
 def _stamp_step(ctx: Context, step: int) -> None:
@@ -450,7 +455,7 @@ def main(argv: list[str] | None = None) -> int:
         code = 0  # a spare or joiner the job finished without
     except recovery.GroupLost as out:  # a joiner whose device lost a rank while it joined
         print(f"elaswave: {out}", file=sys.stderr, flush=True)
-        code = EXIT_GROUP_LEFT if os.environ.get("ELASWAVE_STORE") else 0
+        code = _group_left_code()
     except recovery.Excluded as out:  # a joiner that never got in
         print_error(str(out))
         code = EXIT_EXCLUDED

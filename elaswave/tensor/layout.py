@@ -44,7 +44,7 @@ class Devices:
     _where: dict = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self):
-        object.__setattr__(self, "_where", {r: (g[0], t) for g in self.groups for t, r in enumerate(g)})
+        object.__setattr__(self, "_where", {r: (g, t) for g in self.groups for t, r in enumerate(g)})
 
     @classmethod
     def founding(cls, world_size: int, tp: int) -> "Devices":
@@ -57,7 +57,8 @@ class Devices:
     def from_doc(cls, tp: int, doc) -> "Devices":
         return cls(tp, tuple(tuple(g) for g in doc or ()))
 
-    def _at(self, rank: int) -> tuple[int, int]:
+    def _at(self, rank: int) -> tuple[tuple[int, ...], int]:
+        """(``rank``'s device, by shard; its shard)."""
         try:
             return self._where[rank]
         except KeyError:
@@ -69,7 +70,7 @@ class Devices:
 
     def head_of(self, rank: int) -> int:
         """The device's name in the plan of devices: its shard 0's rank."""
-        return self._at(rank)[0] if self.tp > 1 else rank
+        return self._at(rank)[0][0] if self.tp > 1 else rank
 
     def on_shard_of(self, rank: int, shard: int) -> int:
         """The rank of ``rank``'s device that holds shard ``shard``."""
@@ -79,10 +80,7 @@ class Devices:
 
     def tensor_group(self, rank: int) -> tuple[int, ...]:
         """The ranks that cut the same layers as ``rank``: its device's, by shard."""
-        if self.tp == 1:
-            return (rank,)
-        head = self._at(rank)[0]
-        return next(g for g in self.groups if g[0] == head)
+        return self._at(rank)[0] if self.tp > 1 else (rank,)
 
     def on_slice(self, plan: Plan, shard: int) -> Plan:
         """``plan`` (as any slice runs it) as slice ``shard`` runs it; shard 0: the plan of devices."""

@@ -48,10 +48,6 @@ class TensorShards:
         self.counted = [b.my_part(b.pack([model.positions(by_index[i]) >= 0 for i in b.layers], fill=False)).clone()
                         for b in buckets]
 
-    def all_of(self, flag: bool) -> bool:
-        """Whether ``flag`` holds on every shard of the group (a decision the slices must share)."""
-        return self.vote(flag, 0)[0]
-
     def vote(self, flag: bool, count: int) -> tuple[bool, int]:
         """(whether ``flag`` holds on every shard of the group, the sum of ``count`` over them), in
         one exchange: the decisions the slices must share after a step (the store lost on every
