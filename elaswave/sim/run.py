@@ -262,7 +262,8 @@ def run(args) -> int:
     gpus = dp * pp * args.tp
     tflops = m * model_flops_per_micro_batch(m_cfg, args.micro_batch_size) / step_s / gpus / 1e12
     failure_free = {"step_s": step_s, "model_tflops_per_gpu": tflops, "mfu": tflops / hw.device_tflops}
-    config = {"hardware": {"name": args.hardware, **asdict(hw)}, "failure_free": failure_free,"devices": args.devices, "dp": dp, "pp": pp, "preferred_layout": list(layouts[0]), "tp": args.tp, "gpus_per_node": args.gpus_per_node,
+    config = {"hardware": {"name": args.hardware, **asdict(hw)}, "failure_free": failure_free,
+              "devices": args.devices, "dp": dp, "pp": pp, "preferred_layout": list(layouts[0]), "tp": args.tp, "gpus_per_node": args.gpus_per_node,
               "model": args.model, "micro_batches": m,
               "micro_batch_size": args.micro_batch_size, "reshape": not args.no_reshape and args.micro_batch_size > 1,
               "device_gib": args.device_gib, "reserve_gib": args.reserve_gib if args.device_gib else None,
