@@ -30,7 +30,7 @@ at every re-partition and join), and the simulator prices a cluster with the sam
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from typing import Callable, Mapping, Sequence
+from typing import Callable, Sequence
 
 
 MIB = 2 ** 20
@@ -238,15 +238,5 @@ def rank_bytes(model: MemoryModel, plan, rank: int) -> dict[str, float]:
 
 
 def _slot_values(model: MemoryModel, plan, rank: int) -> int:
-    """Values of ``rank``'s optimizer slots: per holder group it is in, its most-loaded holder's
-    chunk count (every slot of a bucket has that size), times the chunk size."""
-    total = 0
-    for holders, layers in plan.holder_groups().items():
-        if rank not in holders:
-            continue
-        counts: Mapping[int, int] = {}
-        for layer in layers:
-            for owner in plan.chunk_owners[layer]:
-                counts[owner] = counts.get(owner, 0) + 1
-        total += max(counts.values()) * model.chunk_numel
-    return total
+    """Values of ``rank``'s optimizer slots (Plan.slot_chunks) times the chunk size."""
+    return plan.slot_chunks(rank) * model.chunk_numel

@@ -10,7 +10,7 @@ from functools import cached_property
 from typing import Mapping, Sequence
 
 from elaswave.plan import microbatches
-from elaswave.plan.chunks import Owners, chunks_of, reassign_owners, rebalance_owners, round_robin_owners
+from elaswave.plan.chunks import Owners, reassign_owners, rebalance_owners, round_robin_owners
 from elaswave.plan.deal import deal, detoured_step_s, step_s
 from elaswave.plan.frequency import PowerModel
 from elaswave.plan.memory import MemoryModel
@@ -170,13 +170,44 @@ class Plan:
 
     def holder_groups(self) -> dict[tuple[int, ...], tuple[int, ...]]:
         """Distinct holder sets -> the layers they hold together (one gradient bucket each)."""
+        return dict(self._holder_groups)
+
+    @cached_property
+    def _holder_groups(self) -> dict[tuple[int, ...], tuple[int, ...]]:
         groups: dict[tuple[int, ...], list[int]] = {}
         for layer, holders in enumerate(self._holders):
             groups.setdefault(holders, []).append(layer)
         return {h: tuple(ls) for h, ls in sorted(groups.items())}
 
-    def chunks_of(self, rank: int):
-        return chunks_of(self.chunk_owners, rank)
+    def chunks_of(self, rank: int) -> tuple[tuple[int, int], ...]:
+        """The (layer, chunk) keys ``rank`` owns, in canonical order."""
+        return self._chunks_by_rank.get(rank, ())
+
+    @cached_property
+    def _chunks_by_rank(self) -> dict[int, tuple[tuple[int, int], ...]]:
+        out: dict[int, list[tuple[int, int]]] = {}
+        for layer, row in enumerate(self.chunk_owners):
+            for c, owner in enumerate(row):
+                out.setdefault(owner, []).append((layer, c))
+        return {r: tuple(keys) for r, keys in out.items()}
+
+    def slot_chunks(self, rank: int) -> int:
+        """Chunks in ``rank``'s optimizer slots: per holder group it is in, the most-loaded holder's
+        chunk count (every slot of a bucket has that size)."""
+        return self._slot_chunks.get(rank, 0)
+
+    @cached_property
+    def _slot_chunks(self) -> dict[int, int]:
+        out: dict[int, int] = {}
+        for holders, layers in self._holder_groups.items():
+            counts: dict[int, int] = {}
+            for layer in layers:
+                for owner in self.chunk_owners[layer] if layer < len(self.chunk_owners) else ():
+                    counts[owner] = counts.get(owner, 0) + 1
+            if counts:
+                for r in holders:
+                    out[r] = out.get(r, 0) + max(counts.values())
+        return out
 
     def snapshot_holders(self, rank: int) -> tuple[int, ...]:
         """Who keeps ``rank``'s snapshot: the next ``snapshot_copies`` ranks on the ring (none when alone)."""
