@@ -347,6 +347,8 @@ def _coerce(key: str, raw: Any, default: Any) -> Any:
     kind = type(default)
     if kind is str and isinstance(raw, bool):  # a TOML true/false for a key that also takes auto
         return str(raw).lower()
+    if kind is str and isinstance(raw, (int, float)):  # a TOML number for a key that also takes auto
+        return str(raw)
     if kind is tuple:  # a list in TOML/JSON, or ';'-separated items from --set
         items = raw.split(";") if isinstance(raw, str) else raw
         if not isinstance(items, (list, tuple)) or not all(isinstance(x, str) for x in items):

@@ -64,8 +64,9 @@ def check_tokenizer(cfg: JobConfig) -> None:
 
 
 def check_memory(cfg: JobConfig) -> None:
-    """A memory limit no layout meets: said here once, before any rank starts."""
-    limit = cfg.parallel.stage_memory_mb
+    """A configured memory limit no layout meets: said here once, before any rank starts (``auto``
+    is agreed by the ranks, which check it: elaswave.runtime.device_memory)."""
+    limit = cfg.parallel.stage_memory_limit_mb
     if not limit:
         return
     from elaswave.comm import backend
@@ -73,7 +74,7 @@ def check_memory(cfg: JobConfig) -> None:
 
     least = least_stage_memory_mb(cfg, cfg.parallel.pp, cfg.parallel.dp, backend.choose(cfg.parallel.backend)[1])
     if least > limit:
-        raise ConfigError(f"parallel.stage_memory_mb={limit} is invalid: no partition of the model into "
+        raise ConfigError(f"parallel.stage_memory_mb={cfg.parallel.stage_memory_mb} is invalid: no partition of the model into "
                           f"{cfg.parallel.pp} stages fits it at dp={cfg.parallel.dp}; the least any needs is "
                           f"{least:.4g} (MiB per rank, as elaswave/plan/memory.py models it)")
 

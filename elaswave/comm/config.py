@@ -24,14 +24,38 @@ class ParallelConfig:
     """ZeRO-1 chunk size in elements; chunk c of a layer is owned by holder c mod n."""
     timeout_s: float = 120.0
     """Bound on every collective and p2p wait."""
-    stage_memory_mb: float = 0.0
+    stage_memory_mb: str = "auto"
     """Most memory (MiB) one rank may hold at its peak in a step, as elaswave/plan/memory.py models
     it (layers, gradients, optimizer share, snapshots, activations in flight under 1F1B); every
     partition -- at the start, after a loss, at a join -- keeps within it or says why none can,
-    naming the least that would do. 0: no limit."""
+    naming the least that would do. ``auto``: the smallest GPU's memory in the job less
+    ``memory_reserve_mb``, agreed through the store at the start and carried in the plan (a joiner
+    takes the job's); CPU ranks have no device memory of their own, so ``auto`` plans without a
+    limit there. ``off`` (or 0): no limit. A number: that many MiB."""
+    memory_reserve_mb: float = 8192.0
+    """Under ``stage_memory_mb=auto``: what each GPU keeps outside the plan -- the CUDA context,
+    NCCL's buffers, the allocator's fragmentation (an assumption, as the simulator's --reserve-gib)."""
     bind_address: str = ""
     """The address gloo's transfers bind to. Empty: loopback under `elaswave run` (one host), the
     host's own name under torchrun (GLOO_SOCKET_IFNAME picks an interface there)."""
+
+    @property
+    def stage_memory_limit_mb(self) -> float | None:
+        """The configured limit: MiB, 0.0 for none, None for ``auto`` (agreed by the ranks at the start)."""
+        text = str(self.stage_memory_mb).strip().lower()
+        if text == "auto":
+            return None
+        if text == "off":
+            return 0.0
+        try:
+            value = float(text)
+        except ValueError:
+            value = -1.0
+        if not value >= 0 or value == float("inf"):
+            _fail("parallel.stage_memory_mb", self.stage_memory_mb,
+                  "must be auto (the smallest GPU's memory less parallel.memory_reserve_mb), off (or 0: no limit), "
+                  "or a number of MiB > 0")
+        return value
 
     def validate(self) -> None:
         for name in ("dp", "pp", "tp"):
@@ -43,5 +67,6 @@ class ParallelConfig:
             _fail("parallel.chunk_numel", self.chunk_numel, "must be >= 64")
         if self.timeout_s <= 0:
             _fail("parallel.timeout_s", self.timeout_s, "must be > 0")
-        if self.stage_memory_mb < 0:
-            _fail("parallel.stage_memory_mb", self.stage_memory_mb, "must be >= 0 (0: no limit)")
+        _ = self.stage_memory_limit_mb  # says what is wrong with a bad value
+        if self.memory_reserve_mb < 0:
+            _fail("parallel.memory_reserve_mb", self.memory_reserve_mb, "must be >= 0")

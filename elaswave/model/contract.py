@@ -191,6 +191,6 @@ def saved_activation_bytes(model: "Model", micro_batch_size: int, dtype: torch.d
         except Exception as exc:  # the user's layer: its failure in one line
             raise ModelContractError(f"layer {i} ({type(layer).__name__}) cannot run on the meta device, which "
                                      f"measures its activation memory ({type(exc).__name__}: {exc}); "
-                                     "set parallel.stage_memory_mb=0 to plan without it") from None
+                                     "set parallel.stage_memory_mb=off to plan without it") from None
         out.append(sum(seen.values()))
     return out

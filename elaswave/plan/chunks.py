@@ -100,6 +100,30 @@ def chunks_of(owners: Owners, rank: int) -> tuple[ChunkKey, ...]:
     return tuple((layer, c) for layer, row in enumerate(owners) for c, o in enumerate(row) if o == rank)
 
 
+def chunks_by_rank(owners: Owners) -> dict[int, tuple[ChunkKey, ...]]:
+    """Each owner's chunks, in canonical order (one pass: a plan indexes them once)."""
+    out: dict[int, list[ChunkKey]] = {}
+    for layer, row in enumerate(owners):
+        for c, owner in enumerate(row):
+            out.setdefault(owner, []).append((layer, c))
+    return {r: tuple(keys) for r, keys in out.items()}
+
+
+def slot_chunks(owners: Owners, holder_groups: Mapping[tuple[int, ...], Sequence[int]]) -> dict[int, int]:
+    """Chunks in each rank's optimizer slots: per holder group it is in, the most-loaded holder's
+    chunk count (every slot of a group's bucket has that size)."""
+    out: dict[int, int] = {}
+    for holders, layers in holder_groups.items():
+        counts: dict[int, int] = {}
+        for layer in layers:
+            for owner in owners[layer] if layer < len(owners) else ():
+                counts[owner] = counts.get(owner, 0) + 1
+        if counts:
+            for r in holders:
+                out[r] = out.get(r, 0) + max(counts.values())
+    return out
+
+
 @dataclass(frozen=True)
 class ChunkIndex:
     """Global chunk numbering in canonical layer order: what clipping norms are summed over."""

@@ -7,10 +7,11 @@ from __future__ import annotations
 import statistics
 from dataclasses import dataclass, fields, replace
 from functools import cached_property
+from itertools import accumulate
 from typing import Mapping, Sequence
 
 from elaswave.plan import microbatches
-from elaswave.plan.chunks import Owners, reassign_owners, rebalance_owners, round_robin_owners
+from elaswave.plan.chunks import Owners, chunks_by_rank, reassign_owners, rebalance_owners, round_robin_owners, slot_chunks
 from elaswave.plan.deal import deal, detoured_step_s, step_s
 from elaswave.plan.frequency import PowerModel
 from elaswave.plan.memory import MemoryModel
@@ -138,11 +139,7 @@ class Plan:
 
     @cached_property
     def _unit_starts(self) -> tuple[int, ...]:
-        starts, at = [], 0
-        for u in self.micro_batch_units:
-            starts.append(at)
-            at += u
-        return tuple(starts)
+        return tuple(accumulate(self.micro_batch_units[:-1], initial=0)) if self.micro_batch_units else ()
 
     def first_unit(self, micro_batch: int) -> int:
         """The global batch's first unit micro-batch ``micro_batch`` holds (ids hold units in order)."""
@@ -170,44 +167,24 @@ class Plan:
 
     def holder_groups(self) -> dict[tuple[int, ...], tuple[int, ...]]:
         """Distinct holder sets -> the layers they hold together (one gradient bucket each)."""
-        return dict(self._holder_groups)
-
-    @cached_property
-    def _holder_groups(self) -> dict[tuple[int, ...], tuple[int, ...]]:
-        groups: dict[tuple[int, ...], list[int]] = {}
-        for layer, holders in enumerate(self._holders):
-            groups.setdefault(holders, []).append(layer)
-        return {h: tuple(ls) for h, ls in sorted(groups.items())}
+        return dict(self._indexed[0])
 
     def chunks_of(self, rank: int) -> tuple[tuple[int, int], ...]:
         """The (layer, chunk) keys ``rank`` owns, in canonical order."""
-        return self._chunks_by_rank.get(rank, ())
-
-    @cached_property
-    def _chunks_by_rank(self) -> dict[int, tuple[tuple[int, int], ...]]:
-        out: dict[int, list[tuple[int, int]]] = {}
-        for layer, row in enumerate(self.chunk_owners):
-            for c, owner in enumerate(row):
-                out.setdefault(owner, []).append((layer, c))
-        return {r: tuple(keys) for r, keys in out.items()}
+        return self._indexed[1].get(rank, ())
 
     def slot_chunks(self, rank: int) -> int:
-        """Chunks in ``rank``'s optimizer slots: per holder group it is in, the most-loaded holder's
-        chunk count (every slot of a bucket has that size)."""
-        return self._slot_chunks.get(rank, 0)
+        """Chunks in ``rank``'s optimizer slots (chunks.slot_chunks)."""
+        return self._indexed[2].get(rank, 0)
 
     @cached_property
-    def _slot_chunks(self) -> dict[int, int]:
-        out: dict[int, int] = {}
-        for holders, layers in self._holder_groups.items():
-            counts: dict[int, int] = {}
-            for layer in layers:
-                for owner in self.chunk_owners[layer] if layer < len(self.chunk_owners) else ():
-                    counts[owner] = counts.get(owner, 0) + 1
-            if counts:
-                for r in holders:
-                    out[r] = out.get(r, 0) + max(counts.values())
-        return out
+    def _indexed(self) -> tuple[dict, dict, dict]:
+        """Holder groups, each rank's chunks, each rank's slot size: the memory model asks for every rank's."""
+        groups: dict[tuple[int, ...], list[int]] = {}
+        for layer, holders in enumerate(self._holders):
+            groups.setdefault(holders, []).append(layer)
+        by_holders = {h: tuple(ls) for h, ls in sorted(groups.items())}
+        return by_holders, chunks_by_rank(self.chunk_owners), slot_chunks(self.chunk_owners, by_holders)
 
     def snapshot_holders(self, rank: int) -> tuple[int, ...]:
         """Who keeps ``rank``'s snapshot: the next ``snapshot_copies`` ranks on the ring (none when alone)."""
@@ -467,12 +444,8 @@ def rebalance_gain(prev: Plan, speeds: Mapping[int, float], num_micro_batches: i
 
 
 def _covers(ranges: Sequence[tuple[int, int]], num_layers: int) -> bool:
-    at = 0
-    for i, j in ranges:
-        if i != at:
-            return False
-        at = j
-    return at == num_layers
+    ends = [0, *(j for _, j in ranges)]
+    return all(i == at for (i, _), at in zip(ranges, ends)) and ends[-1] == num_layers
 
 
 def _detours(prev: Plan, pipelines, ranges, complete, mbs, epoch: int) -> tuple[tuple[int, tuple[int, ...]], ...]:

@@ -49,6 +49,8 @@ class Context:
         # Every control record this rank writes is sealed with the job's key, every one it reads verified.
         store = seal.open_job(store, job_token(), found=bool(os.environ.get(JOIN_ENV)))
         self.store = store
+        self.memory_limit: dict | None = None
+        """Where the plans' memory limit came from (``runtime.device_memory``): the job's first record says."""
         self.cfg, self.rank, self.device, self.backend_name = cfg, rank, device, backend_name
         self._placed = (None, Devices.founding(cfg.world_size, cfg.parallel.tp))
         """(the plan of the epoch this rank is in, the job's devices then): one value, read at once

@@ -17,7 +17,7 @@ from elaswave.control.link import StoreLost
 from elaswave.control.membership import NoMajority
 from elaswave.interrupt import Disruption
 from elaswave.plan.plan import Plan, PlanError, replan
-from elaswave.runtime import recovery
+from elaswave.runtime import device_memory, recovery
 from elaswave.runtime.rank import RankState
 from elaswave.runtime.straggler import REBALANCE
 from elaswave.tensor.layout import Devices
@@ -108,6 +108,8 @@ def join(ctx) -> tuple[RankState, recovery.Recovery]:
         if verdict is None:
             raise StoodDown(f"rank {ctx.rank}: the job finished before it was admitted; nothing to do")
         prev = Plan.from_doc(verdict.prev_plan)
+        ctx.memory_limit = {"source": "plan", "limit_mb": prev.stage_memory_limit}
+        device_memory.check_joiner(ctx.cfg, ctx.rank, ctx.device, prev.stage_memory_limit)
         devices = Devices.from_doc(ctx.cfg.parallel.tp, verdict.devices)
         # With tp, its place in its device is decided now: it builds that shard of the model.
         shard = devices.joined(verdict.joining).shard_of(ctx.rank)

@@ -33,9 +33,10 @@ from elaswave.model.contract import counted_numels, tie_pairs
 from elaswave.pipeline.stage import Stage
 from elaswave.plan.frequency import PowerModel
 from elaswave.plan.memory import rank_bytes
+from elaswave.plan.partition import least_memory
 from elaswave.plan.plan import PlanError, initial_plan
 from elaswave.precision import compute_dtype, name as precision_name, pin_kernels
-from elaswave.runtime import join, recovery, rescue
+from elaswave.runtime import device_memory, join, recovery, rescue
 from elaswave.runtime.actuator import ActuatorError
 from elaswave.runtime.memory import measure_peak
 from elaswave.runtime.metrics import MetricsWriter, StepJournal, print_error
@@ -72,7 +73,7 @@ def run(cfg: JobConfig, rank: int, world_size: int, metrics_out: str | None) -> 
     pin_kernels(t.deterministic, device)
     store, rank, world_size = _connect(cfg, rank, world_size)
     ctx = Context(cfg, rank, store, name, device)
-    if _models_memory(cfg):
+    if _models_memory(cfg, device):
         ctx.memory_model  # a model the meta device cannot run: one line now, not at the step measured
     if joining:
         st, pending = join.join(ctx)
@@ -89,7 +90,8 @@ def run(cfg: JobConfig, rank: int, world_size: int, metrics_out: str | None) -> 
     writer = MetricsWriter(metrics_out if rank == 0 else None, show_progress=rank == 0, total_steps=t.steps,
                            append=resumed is not None)
     # The job as configured, first: reports and the simulator's calibration read the run from it.
-    writer.write({"event": "job", "config": cfg.to_dict(), "world_size": world_size, "wall_time": time.time()})
+    writer.write({"event": "job", "config": cfg.to_dict(), "world_size": world_size, "wall_time": time.time(),
+                  "memory_limit": ctx.memory_limit})
     if resumed:
         writer.write({"event": "resume", "step": step, "checkpoint": str(resumed.manifest.path),
                       "load_s": resumed.load_s, "wall_time": time.time()})
@@ -258,17 +260,30 @@ def _start(ctx: Context, world_size: int):
     cfg, rank, device = ctx.cfg, ctx.rank, ctx.device
     t, model, tp = cfg.train, ctx.model, cfg.parallel.tp
     numels = counted_numels(model)
-    limit = cfg.parallel.stage_memory_mb
+    limit, ctx.memory_limit = device_memory.stage_limit_mb(cfg, ctx.store, rank, world_size,
+                                                                device_memory.own_mib(device))
     local = int(os.environ.get("LOCAL_WORLD_SIZE", "0"))
     if tp > 1 and local % tp:  # under torchrun: a tensor-parallel group must not span hosts
         raise ConfigError(f"parallel.tp={tp} is invalid with {local} ranks on this host (LOCAL_WORLD_SIZE): a host "
                           "must hold whole tensor-parallel groups; use --nproc-per-node a multiple of parallel.tp")
     # The plan is of devices (a device: tp ranks); each rank runs it on its slice (tensor.layout).
-    plan = initial_plan(world_size // tp, cfg.parallel.dp, cfg.parallel.pp,
-                        [c.flops_per_token for c in model.layer_costs()], t.num_micro_batches,
-                        numels, cfg.parallel.chunk_numel, stage_memory_limit=limit, ties=tie_pairs(model),
-                        memory=ctx.memory_model if limit else None,
-                        units_per_micro_batch=t.micro_batch_size if cfg.elastic.reshape else 1)
+    try:
+        plan = initial_plan(world_size // tp, cfg.parallel.dp, cfg.parallel.pp,
+                            [c.flops_per_token for c in model.layer_costs()], t.num_micro_batches,
+                            numels, cfg.parallel.chunk_numel, stage_memory_limit=limit, ties=tie_pairs(model),
+                            memory=ctx.memory_model if limit else None,
+                            units_per_micro_batch=t.micro_batch_size if cfg.elastic.reshape else 1)
+    except PlanError:
+        if ctx.memory_limit["source"] != "auto":
+            raise
+        # Preflight checks a configured limit; the agreed one is known only now.
+        least = least_memory(model.num_layers, cfg.parallel.pp,
+                             ctx.memory_model.stage_memory(cfg.parallel.pp, cfg.parallel.dp, t.num_micro_batches))
+        raise ConfigError(f"parallel.stage_memory_mb=auto is invalid for this layout: no partition of the model into "
+                          f"{cfg.parallel.pp} stages at dp={cfg.parallel.dp} fits the {limit:.0f} MiB a rank the "
+                          f"job's GPUs leave (the smallest's {ctx.memory_limit['smallest_device_mb']:.0f} MiB less "
+                          f"parallel.memory_reserve_mb); the least any needs is {least:.0f} MiB: use more stages, "
+                          "a smaller micro-batch or activation checkpointing") from None
     plan = replace(plan, snapshot_copies=cfg.elastic.snapshot_copies)
     # Under torchrun and several agents, ranks are numbered host-major, LOCAL_WORLD_SIZE to a host;
     # the one-host launcher's job is one host (its joiners' numbers say nothing about hosts).
@@ -333,9 +348,11 @@ def _flip_low_bit(st, what: str) -> None:
     bits ^= 1
 
 
-def _models_memory(cfg: JobConfig) -> bool:
-    """Whether the job uses its memory model (building it runs every layer once on the meta device)."""
-    return bool(cfg.parallel.stage_memory_mb) or cfg.train.measure_memory_step >= 0
+def _models_memory(cfg: JobConfig, device: torch.device) -> bool:
+    """Whether the job uses its memory model (building it runs every layer once on the meta device):
+    under a memory limit (``auto`` has one on a GPU), or to measure a step against it."""
+    limit = cfg.parallel.stage_memory_limit_mb
+    return bool(limit) or (limit is None and device.type == "cuda") or cfg.train.measure_memory_step >= 0
 
 
 def _modelled_power(plan) -> float:
@@ -406,7 +423,7 @@ def _finish(ctx: Context, st, cfg: JobConfig) -> tuple[dict[int, dict], Path | N
            "snapshot_bytes": ctx.pool.bytes_held() if ctx.pool else 0,
            "snapshot_buffer_bytes": ctx.pool.bytes_buffered() if ctx.pool else 0,
            "peak_rss_bytes": usage.ru_maxrss * 1024, "cpu_s": usage.ru_utime + usage.ru_stime,
-           "memory_predicted": rank_bytes(ctx.memory_model, plan, st.rank) if _models_memory(cfg) else None,
+           "memory_predicted": rank_bytes(ctx.memory_model, plan, st.rank) if _models_memory(cfg, st.device) else None,
            "memory_measured": ctx.measured_memory}
     ctx.membership.post(plan.epoch, "final", doc)
     st.world.all_reduce(torch.zeros(1, device=st.device), "final barrier")

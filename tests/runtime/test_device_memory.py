@@ -1,0 +1,80 @@
+"""The device memory a job plans within: ``parallel.stage_memory_mb`` auto / off / MiB, and the
+founding ranks' agreement on the smallest GPU through a real store."""
+import threading
+from datetime import timedelta
+
+import pytest
+import torch.distributed as dist
+
+from elaswave import config
+from elaswave.errors import ConfigError
+from elaswave.runtime import device_memory
+from tests.helpers.spawn import run_job
+
+GPUS_MIB = [81559.0, 40960.0, 81559.0, 97871.0]  # H100 80GB, A100 40GB, H100, H200: what CUDA reports
+
+
+def _agree_all(values, cfg, port_store):
+    """Every rank's (limit, record) from ``stage_limit_mb``, each rank a thread with its own client."""
+    out, errors = {}, []
+
+    def rank(r):
+        try:
+            store = dist.TCPStore("127.0.0.1", port_store.port, is_master=False, timeout=timedelta(seconds=20))
+            out[r] = device_memory.stage_limit_mb(cfg, store, r, len(values), values[r])
+        except Exception as exc:  # noqa: BLE001 - said by the assert below
+            errors.append(exc)
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(len(values))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert not any(t.is_alive() for t in threads)
+    return out, errors
+
+
+@pytest.fixture
+def store():
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=20), wait_for_workers=False)
+    yield server
+
+
+def test_every_rank_plans_within_the_smallest_gpu_less_the_reserve(store):
+    cfg = config.load(None, ["parallel.memory_reserve_mb=4096"])
+    out, errors = _agree_all(GPUS_MIB, cfg, store)
+    assert not errors, errors
+    assert {limit for limit, _ in out.values()} == {40960.0 - 4096.0}
+    assert all(doc["smallest_device_mb"] == 40960.0 and doc["source"] == "auto" for _, doc in out.values())
+
+
+def test_a_reserve_the_smallest_gpu_cannot_keep_is_one_line(store):
+    cfg = config.load(None, ["parallel.memory_reserve_mb=50000"])
+    _, errors = _agree_all(GPUS_MIB, cfg, store)
+    assert errors and all(isinstance(e, ConfigError) for e in errors)
+    assert "parallel.memory_reserve_mb=50000 is invalid" in str(errors[0]) and "40960 MiB" in str(errors[0])
+
+
+def test_a_configured_limit_or_off_needs_no_agreement_and_cpu_ranks_have_none():
+    for value, limit, source in (("off", 0.0, "off"), ("0", 0.0, "off"), ("1234.5", 1234.5, "configured")):
+        cfg = config.load(None, [f"parallel.stage_memory_mb={value}"])
+        assert device_memory.stage_limit_mb(cfg, None, 0, 4, 81559.0) == (limit, {"source": source, "limit_mb": limit})
+    got, doc = device_memory.stage_limit_mb(config.load(None, []), None, 0, 4, None)
+    assert got == 0.0 and doc["source"] == "auto" and "CPU" in doc["why"]
+
+
+@pytest.mark.parametrize("value", ["lots", "-5", "inf", "nan"])
+def test_a_bad_stage_memory_is_one_line_naming_what_is_valid(value):
+    with pytest.raises(ConfigError, match=rf"parallel.stage_memory_mb='{value}' is invalid.*auto.*off"):
+        config.load(None, [f"parallel.stage_memory_mb={value}"])
+
+
+def test_a_toml_number_is_a_limit(tmp_path):
+    path = tmp_path / "job.toml"
+    path.write_text("[parallel]\nstage_memory_mb = 512\n")
+    assert config.load(str(path), []).parallel.stage_memory_limit_mb == 512.0
+
+
+def test_the_default_cpu_job_records_where_its_limit_came_from(tmp_path):
+    res = run_job(tmp_path, 2, 1, 1, False)
+    job = next(r for r in res.records if r["event"] == "job")
+    assert job["memory_limit"]["source"] == "auto" and job["memory_limit"]["limit_mb"] == 0.0
