@@ -109,19 +109,18 @@ def chunks_by_rank(owners: Owners) -> dict[int, tuple[ChunkKey, ...]]:
     return {r: tuple(keys) for r, keys in out.items()}
 
 
-def slot_chunks(owners: Owners, holder_groups: Mapping[tuple[int, ...], Sequence[int]]) -> dict[int, int]:
-    """Chunks in each rank's optimizer slots: per holder group it is in, the most-loaded holder's
-    chunk count (every slot of a group's bucket has that size)."""
-    out: dict[int, int] = {}
+def slot_chunks(owners: Owners, holder_groups: Mapping[tuple[int, ...], Sequence[int]]) -> dict[int, tuple[int, ...]]:
+    """Chunks in each rank's optimizer slot of each holder group it is in (``holder_groups``'
+    order): the group's most-loaded holder's chunk count, as every slot of a bucket has that size."""
+    out: dict[int, list[int]] = {}
     for holders, layers in holder_groups.items():
         counts: dict[int, int] = {}
         for layer in layers:
             for owner in owners[layer] if layer < len(owners) else ():
                 counts[owner] = counts.get(owner, 0) + 1
-        if counts:
-            for r in holders:
-                out[r] = out.get(r, 0) + max(counts.values())
-    return out
+        for r in holders:
+            out.setdefault(r, []).append(max(counts.values(), default=0))
+    return {r: tuple(sizes) for r, sizes in out.items()}
 
 
 @dataclass(frozen=True)

@@ -11,9 +11,10 @@ What a rank holds, and why each term has the size it has:
   exp_avg_sq (12 bytes a value), twice (the generation before is kept to redo a step; on a GPU in
   pinned host memory), and a one-byte weight-decay mask: 25 bytes per value of its slot (13 on a
   GPU's device), chunk padding included.
-- *snapshots*: its own outgoing message (its state, 12 bytes a value) and, of each rank whose
-  snapshot it keeps, the generation at rest, the next one arriving and a spare buffer (3 x 12; on
-  a GPU the ones kept go to host memory, and the device holds only the one arriving).
+- *snapshots*: of each rank whose snapshot it keeps, the generation at rest, the next one arriving
+  and a spare buffer (3 x 12 bytes a value of the owner's slots; on a GPU the ones kept go to host
+  memory, and the device holds only the one arriving). Its own snapshot is sent straight from its
+  optimizer state: no copy.
 - *data*: the token corpus, on the first and the last stage (they read the inputs and the targets).
 - *update*: after the backward, the reduce's copy of the sums, the reduced gradient and Adam's
   temporaries, the all-gather's bucket (:meth:`MemoryModel.update_bytes`); the activations are
@@ -152,7 +153,7 @@ class MemoryModel:
         n = len(self.layer_numels)
         micro_batches = -(-num_micro_batches // holders)
         per_value = self.value_bytes
-        kept = 1 + self.snapshot_copies * self.peer_copies()
+        kept = self.snapshot_copies * self.peer_copies()
         share = (self.optimizer_bytes + (kept * STATE_BYTES if self.snapshots else 0)) / holders
         kept = [self.boundary_bytes if i in self.recomputed else self.layer_activation_bytes[i] for i in range(n)]
         values, acts = [0.0], [0.0]
@@ -207,7 +208,6 @@ def bytes_per_parameter(model: MemoryModel, holders: int) -> dict[str, float]:
         "optimizer, the generation before (a step can be redone)": (
             0.0 if model.generation_before_to_host else STATE_BYTES) / holders,
         "optimizer's decay mask": MASK_BYTES / holders,
-        "snapshot sent": (STATE_BYTES if model.snapshots else 0) / holders,
         "snapshots kept for peers (on the device)": STATE_BYTES * kept / holders,
     }
 
@@ -222,8 +222,8 @@ def rank_bytes(model: MemoryModel, plan, rank: int) -> dict[str, float]:
     out = {"layers": model.layer_bytes(start, end)}
     out["optimizer"] = model.optimizer_bytes * _slot_values(model, plan, rank)
     if model.snapshots and len(plan.ranks) > 1:
-        peers = sum(len(plan.chunks_of(owner)) for owner in plan.snapshot_owners(rank))
-        out["snapshots"] = STATE_BYTES * model.chunk_numel * (len(plan.chunks_of(rank)) + model.peer_copies() * peers)
+        peers = sum(sum(plan.slot_chunks(owner)) for owner in plan.snapshot_owners(rank))
+        out["snapshots"] = STATE_BYTES * model.chunk_numel * model.peer_copies() * peers
     else:
         out["snapshots"] = 0.0
     out["data"] = model.data_bytes if s in (0, depth - 1) else 0.0
@@ -238,5 +238,5 @@ def rank_bytes(model: MemoryModel, plan, rank: int) -> dict[str, float]:
 
 
 def _slot_values(model: MemoryModel, plan, rank: int) -> int:
-    """Values of ``rank``'s optimizer slots (Plan.slot_chunks) times the chunk size."""
-    return plan.slot_chunks(rank) * model.chunk_numel
+    """Values of ``rank``'s optimizer slots (Plan.slot_chunks)."""
+    return sum(plan.slot_chunks(rank)) * model.chunk_numel

@@ -173,9 +173,9 @@ class Plan:
         """The (layer, chunk) keys ``rank`` owns, in canonical order."""
         return self._indexed[1].get(rank, ())
 
-    def slot_chunks(self, rank: int) -> int:
-        """Chunks in ``rank``'s optimizer slots (chunks.slot_chunks)."""
-        return self._indexed[2].get(rank, 0)
+    def slot_chunks(self, rank: int) -> tuple[int, ...]:
+        """Chunks in ``rank``'s optimizer slot of each holder group it is in (chunks.slot_chunks)."""
+        return self._indexed[2].get(rank, ())
 
     @cached_property
     def _indexed(self) -> tuple[dict, dict, dict]:

@@ -268,7 +268,7 @@ def recover(ctx, st: RankState | None, cause: Disruption | None, noticed_wall: f
         pool = ctx.pool
 
         def snapshot() -> None:  # the new ring's first snapshot: whole chunks, so moments included
-            pool.send(world, plan, new.optimizer.gen, new.optimizer.keys(), new.optimizer.payload, new.device)
+            pool.send(world, plan, new.optimizer.gen, new.optimizer.snapshot_slots(), new.device)
 
         if arriving:  # sent once the moments are in, early in the first step (see Executor.first_backward)
             new.executor.first_backward = snapshot

@@ -145,7 +145,7 @@ def train_step(st: RankState, cfg: JobConfig, step: int, pool: SnapshotPool | No
 
     # 5. Snapshot: the new state of this rank's chunks goes to its holder while the next step computes.
     if pool is not None:
-        pool.send(st.world, st.plan, st.optimizer.gen, st.optimizer.keys(), st.optimizer.payload, st.device,
+        pool.send(st.world, st.plan, st.optimizer.gen, st.optimizer.snapshot_slots(), st.device,
                   corrupt=corrupts is not None and corrupts(step))
         pool.expect(st.world, st.plan, st.device)
     fault(step, "snapshot")

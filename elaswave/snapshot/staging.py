@@ -26,6 +26,20 @@ def checksum(payload: torch.Tensor) -> torch.Tensor:
     return word_sum(payload)
 
 
+def checksum_of(parts: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """The checksum of ``parts`` (uint8, each a multiple of 4 bytes) laid end to end -- what the
+    holder computes over the payload it receives -- without laying them end to end."""
+    if device.type == "cpu":
+        crc = 0
+        for p in parts:
+            crc = zlib.crc32(p.detach().contiguous().numpy(), crc)
+        return torch.tensor([crc], dtype=torch.int64)
+    total = torch.zeros(1, dtype=torch.int64, device=device)
+    for p in parts:
+        total += word_sum(p)
+    return total
+
+
 def word_sum(payload: torch.Tensor) -> torch.Tensor:
     return payload.view(torch.int32).sum(dtype=torch.int64).reshape(1)
 

@@ -197,6 +197,12 @@ class ShardedAdamW:
                     return s[:, oc.slot_offset:oc.slot_offset + b.chunk_numel].to(here.device, copy=True)
         raise KeyError(f"chunk {key} is not owned here")
 
+    def snapshot_slots(self) -> list[tuple[list[ChunkKey], torch.Tensor]]:
+        """Per bucket, the chunks owned in slot order and the ``[3, slot_numel]`` state itself: what
+        a snapshot sends (no copy: the state is next written by the update, after the sends)."""
+        self.settle()
+        return [([(oc.layer, oc.chunk) for oc in b.owned], s) for b, s in zip(self.buckets, self.state)]
+
     def payload(self, out: torch.Tensor | None = None) -> torch.Tensor:
         """Every owned chunk's current state, ``[num_owned, 3, chunk_numel]`` in :meth:`keys` order
         (written into ``out`` when given)."""

@@ -47,9 +47,10 @@ def test_the_optimizer_share_is_per_holder_with_chunk_padding_and_two_generation
     assert sum(-(-n // 16) for n in NUMELS) == 40  # chunks over 3 holders: 14, 13, 13; every slot is 14
     assert {rank_bytes(m, plan, r)["optimizer"] for r in plan.ranks} == {OPTIMIZER_BYTES * 14 * 16}
     snap = _model(snapshots=True)
-    # Its own outgoing state (14 chunks) and three buffers of rank 2's (13), whose snapshot it keeps.
+    # Three buffers of rank 2's slot (13 chunks owned, 14 with the slot's padding), whose snapshot
+    # it keeps; its own is sent from its state.
     assert plan.snapshot_owners(0)[0] == 2
-    assert rank_bytes(snap, plan, 0)["snapshots"] == STATE_BYTES * 16 * (14 + 3 * 13)
+    assert rank_bytes(snap, plan, 0)["snapshots"] == STATE_BYTES * 16 * 3 * 14
 
 
 def test_the_partitioner_sees_what_rank_bytes_predicts():
@@ -140,10 +141,10 @@ def test_the_bytes_per_parameter_table_adds_up_to_what_a_rank_holds(holders, on_
     parts = {"layers": ("weights", "gradient", "gradient sum"),
              "optimizer": ("optimizer (master, moments)", "optimizer, the generation before (a step can be redone)",
                            "optimizer's decay mask"),
-             "snapshots": ("snapshot sent", "snapshots kept for peers (on the device)")}
+             "snapshots": ("snapshots kept for peers (on the device)",)}
     for part, rows in parts.items():
         assert got[part] == pytest.approx(held * sum(table[r] for r in rows)), part
     # bf16 fast mode: Megatron's 2 + 4 + 12/dp, plus the decay mask and elasticity's own bytes
-    # (on a GPU: the snapshot sent and the one arriving; the rest waits in host memory).
-    elastic = (1 + 12 + 12 * (1 if on_gpu else 3)) / holders + (0 if on_gpu else 12 / holders)
+    # (on a GPU: the snapshot arriving -- its own is sent from its state; the rest waits in host memory).
+    elastic = (1 + 12 * (1 if on_gpu else 3)) / holders + (0 if on_gpu else 12 / holders)
     assert sum(table.values()) == pytest.approx(2 + 4 + 12 / holders + elastic)

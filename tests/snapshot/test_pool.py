@@ -37,15 +37,20 @@ def _run_pair(body):
     return out
 
 
+def _slots(plan, r, value):
+    """Rank ``r``'s optimizer slots as the plan lays them out, every value ``value``."""
+    owned = [[k for k in plan.chunks_of(r) if k[0] in layers] for h, layers in plan.holder_groups().items() if r in h]
+    return [(keys, torch.full((3, n * CHUNK), float(value))) for keys, n in zip(owned, plan.slot_chunks(r))]
+
+
 def test_snapshot_travels_round_the_ring_and_keeps_one_generation_once_committed():
     def body(r, group, plan):
         pool = SnapshotPool(r, CHUNK)
         keys = list(plan.chunks_of(r))
         kept = []
         for gen in (1, 2, 3):
-            payload = torch.full((len(keys), 3, CHUNK), float(10 * r + gen))
             pool.expect(group, plan, torch.device("cpu"))
-            pool.send(group, plan, gen, keys, lambda out: out.copy_(payload), torch.device("cpu"))
+            pool.send(group, plan, gen, _slots(plan, r, 10 * r + gen), torch.device("cpu"))
             assert pool.verify(group, gen)
             pool.wait_sends(group)
             kept.append(sorted(pool.holding()))
@@ -65,7 +70,7 @@ def test_a_snapshot_for_the_wrong_step_is_refused():
         pool = SnapshotPool(r, CHUNK)
         keys = list(plan.chunks_of(r))
         pool.expect(group, plan, torch.device("cpu"))
-        pool.send(group, plan, 5, keys, lambda out: out.zero_(), torch.device("cpu"))
+        pool.send(group, plan, 5, _slots(plan, r, 0), torch.device("cpu"))
         ok = pool.verify(group, 6)
         pool.wait_sends(group)
         return ok, pool.holding()
@@ -78,9 +83,11 @@ def test_a_damaged_snapshot_is_refused_and_not_kept():
         pool = SnapshotPool(r, CHUNK)
         keys = list(plan.chunks_of(r))
         pool.expect(group, plan, torch.device("cpu"))
-        pool.send(group, plan, 5, keys, lambda out: out.fill_(1.5), torch.device("cpu"), corrupt=r == 0)
+        slots = _slots(plan, r, 1.5)
+        pool.send(group, plan, 5, slots, torch.device("cpu"), corrupt=r == 0)
         ok = pool.verify(group, 5)
         pool.wait_sends(group)
+        assert all((state == 1.5).all() for _, state in slots)  # the damage was done to a copy
         return ok, sorted(pool.holding())
 
     out = _run_pair(body)
