@@ -82,8 +82,12 @@ def load(path: str, devices: int) -> list[Event]:
         raise TraceError(f"--trace {path}: {exc.strerror}") from None
     rows: list[dict] = []
     if path.endswith(".csv"):
-        rows = [dict(t_s=row[0], kind=row[1], device=row[2]) for row in csv.reader(text.splitlines())
-                if row and not row[0].startswith("#") and row[0] != "t_s"]
+        for n, row in enumerate(csv.reader(text.splitlines()), 1):
+            if not row or row[0].startswith("#") or row[0] == "t_s":
+                continue
+            if len(row) != 3:
+                raise TraceError(f"--trace {path}:{n}: {row} has {len(row)} columns, not 3: t_s,kind,device")
+            rows.append(dict(t_s=row[0], kind=row[1], device=row[2]))
     else:
         for n, line in enumerate(text.splitlines(), 1):
             if line.strip():

@@ -33,3 +33,11 @@ def test_files_replay_and_bad_ones_are_named(tmp_path):
         trace.load(str(tmp_path / "none.jsonl"), 8)
     with pytest.raises(trace.TraceError, match="device 3 is up"):
         trace.check([trace.Event(1.0, "join", 3)], 8)
+    short = tmp_path / "short.csv"
+    short.write_text("t_s,kind,device\n5,fail,1\n7,fail\n")
+    with pytest.raises(trace.TraceError, match=r"short.csv:3: \['7', 'fail'\] has 2 columns, not 3"):
+        trace.load(str(short), 8)
+    word = tmp_path / "word.csv"
+    word.write_text("soon,fail,1\n")
+    with pytest.raises(trace.TraceError, match="needs t_s \\(number\\)"):
+        trace.load(str(word), 8)
