@@ -34,12 +34,15 @@ def test_without_a_layout_simulate_takes_the_first_that_fits_80_gib_by_default(c
     assert cli.main(base + ["--device-gib", "0"]) == 0  # no limit: the preferred layout
     config = json.loads(capsys.readouterr().out)["config"]
     assert (config["dp"], config["pp"]) == (6, 16) == tuple(config["preferred_layout"])
-    assert cli.main(["simulate", "--devices", "96", "--dp", "6", "--pp", "16", "--model", "llama3-70b",
-                     "--checkpointing", "full"]) == 2  # 80 GiB less the 8 GiB reserve: 16 stages do not fit
-    assert "--device-gib=80 is too small for dp=6 x pp=16" in capsys.readouterr().err
-    assert cli.main(base) == 0
+    assert cli.main(base) == 0  # 80 GiB by default; 16 stages fit it
     config = json.loads(capsys.readouterr().out)["config"]
-    assert config["device_gib"] == 80 and config["pp"] > 16 and config["dp"] * config["pp"] == 96
+    assert config["device_gib"] == 80 and (config["dp"], config["pp"]) == (6, 16)
+    assert cli.main(["simulate", "--devices", "96", "--dp", "6", "--pp", "16", "--model", "llama3-70b",
+                     "--checkpointing", "full", "--device-gib", "76"]) == 2  # less the 8 GiB reserve: they do not
+    assert "--device-gib=76 is too small for dp=6 x pp=16" in capsys.readouterr().err
+    assert cli.main(base + ["--device-gib", "76"]) == 0
+    config = json.loads(capsys.readouterr().out)["config"]
+    assert config["device_gib"] == 76 and config["pp"] > 16 and config["dp"] * config["pp"] == 96
     assert cli.main(base[:-1] + ["--checkpointing", "none"]) == 2  # no layout fits without checkpointing
     err = capsys.readouterr().err
     assert "--device-gib=80 is too small" in err and "of the layouts tried, pp=16, 24, 32, 48" in err
