@@ -9,8 +9,8 @@ What a rank holds, and why each term has the size it has:
   and a gradient for each tied use of another layer's tensor where a flat gradient is kept.
 - *optimizer*: its ZeRO share of each holder group it is in -- float32 master, exp_avg and
   exp_avg_sq (12 bytes a value), twice (the generation before is kept to redo a step; on a GPU in
-  pinned host memory), and a one-byte weight-decay mask: 25 bytes per value of its slot (13 on a
-  GPU's device), chunk padding included.
+  pinned host memory): 24 bytes per value of its slot (12 on a GPU's device), chunk padding
+  included. Which values decay is kept as runs, a few per tensor.
 - *snapshots*: of each rank whose snapshot it keeps, the generation at rest, the next one arriving
   and a spare buffer (3 x 12 bytes a value of the owner's slots; on a GPU the ones kept go to host
   memory, and the device holds only the one arriving). Its own snapshot is sent straight from its
@@ -36,8 +36,7 @@ from typing import Callable, Sequence
 
 MIB = 2 ** 20
 STATE_BYTES = 12  # float32 master, exp_avg, exp_avg_sq
-MASK_BYTES = 1  # the optimizer slot's weight-decay mask (bool)
-OPTIMIZER_BYTES = 2 * STATE_BYTES + MASK_BYTES  # two generations and the decay mask
+OPTIMIZER_BYTES = 2 * STATE_BYTES  # two generations (which values decay is a few runs a tensor: no bytes a value)
 SNAPSHOT_COPIES = 3  # a peer's generation at rest, the next one arriving, a spare buffer
 
 
@@ -207,7 +206,6 @@ def bytes_per_parameter(model: MemoryModel, holders: int) -> dict[str, float]:
         "optimizer (master, moments)": STATE_BYTES / holders,
         "optimizer, the generation before (a step can be redone)": (
             0.0 if model.generation_before_to_host else STATE_BYTES) / holders,
-        "optimizer's decay mask": MASK_BYTES / holders,
         "snapshots kept for peers (on the device)": STATE_BYTES * kept / holders,
     }
 

@@ -65,15 +65,17 @@ class ShardedAdamW:
                 if chunks is not None and (oc.layer, oc.chunk) in chunks:
                     state[:, oc.slot_offset:oc.slot_offset + b.chunk_numel] = chunks[(oc.layer, oc.chunk)]
             self.state.append(state)
-            # Which values of the slot decay, from each layer's rule per tensor (padding: none).
+            # Which values of the slot decay, from each layer's rule per tensor (padding: none), as
+            # runs (start, end): a few per tensor the slot holds, not a byte per value.
             masks = [by_index[i].decay_of(0, by_index[i].numel) for i in b.layers]
-            self.decay.append(b.my_part(b.pack(masks, fill=False)).clone())
+            self.decay.append(_runs(b.my_part(b.pack(masks, fill=False))))
         # The generation before is read only by a recovery: on a GPU it waits in pinned host
         # memory (copied there on the compute stream, which the update then follows).
         on_gpu = bool(self.state) and self.state[0].device.type == "cuda"
         self.prev = [torch.empty(s.shape, dtype=s.dtype, pin_memory=True) if on_gpu else torch.empty_like(s)
                      for s in self.state]
         self._prev_copied = None
+        self._one = torch.ones((), dtype=torch.float32, device=self.state[0].device if self.state else "cpu")
         self.prev_gen: int | None = None
         self._arriving: list[tuple[Callable[[], None], list[ChunkKey], torch.Tensor]] = []
 
@@ -164,7 +166,8 @@ class ShardedAdamW:
         for p, g, m, v, decay in zip(self.params, grads, self.exp_avg, self.exp_avg_sq, self.decay):
             if coef != 1.0:
                 g.mul_(coef)  # in place: the reduced gradient is the step's own, read no more
-            p.addcmul_(p, decay, value=-lr * c.weight_decay)
+            for lo, hi in decay:
+                p[lo:hi].addcmul_(p[lo:hi], self._one, value=-lr * c.weight_decay)
             m.mul_(c.beta1).add_(g, alpha=1.0 - c.beta1)
             v.mul_(c.beta2).addcmul_(g, g, value=1.0 - c.beta2)
             denom = (v.sqrt() / math.sqrt(bc2)).add_(c.eps)
@@ -221,3 +224,10 @@ class ShardedAdamW:
     def master_bytes(self) -> int:
         """Bytes of this rank's float32 master parameter shard (padding included)."""
         return sum(p.numel() * p.element_size() for p in self.params)
+
+
+def _runs(mask: torch.Tensor) -> list[tuple[int, int]]:
+    """The (start, end) runs of True in a 1-D bool ``mask``."""
+    edges = torch.diff(mask.to(torch.int8), prepend=mask.new_zeros(1, dtype=torch.int8),
+                       append=mask.new_zeros(1, dtype=torch.int8)).nonzero().flatten().tolist()
+    return list(zip(edges[0::2], edges[1::2]))

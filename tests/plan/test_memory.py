@@ -139,12 +139,11 @@ def test_the_bytes_per_parameter_table_adds_up_to_what_a_rank_holds(holders, on_
     got = rank_bytes(model, plan, plan.pipelines[0][0])
     held = 2 * numel  # two layers a stage
     parts = {"layers": ("weights", "gradient", "gradient sum"),
-             "optimizer": ("optimizer (master, moments)", "optimizer, the generation before (a step can be redone)",
-                           "optimizer's decay mask"),
+             "optimizer": ("optimizer (master, moments)", "optimizer, the generation before (a step can be redone)"),
              "snapshots": ("snapshots kept for peers (on the device)",)}
     for part, rows in parts.items():
         assert got[part] == pytest.approx(held * sum(table[r] for r in rows)), part
-    # bf16 fast mode: Megatron's 2 + 4 + 12/dp, plus the decay mask and elasticity's own bytes
-    # (on a GPU: the snapshot arriving -- its own is sent from its state; the rest waits in host memory).
-    elastic = (1 + 12 * (1 if on_gpu else 3)) / holders + (0 if on_gpu else 12 / holders)
+    # bf16 fast mode: Megatron's 2 + 4 + 12/dp, plus elasticity's own bytes (on a GPU: the
+    # snapshot arriving -- its own is sent from its state; the rest waits in host memory).
+    elastic = 12 * (1 if on_gpu else 3) / holders + (0 if on_gpu else 12 / holders)
     assert sum(table.values()) == pytest.approx(2 + 4 + 12 / holders + elastic)
