@@ -177,9 +177,9 @@ def main() -> None:
            f"{', '.join(f'{x:.3f}' for x in o['pair_ratios'])}); CPU time {o['cpu_on_over_off']:.3f}x; "
            f"median step {o['median_step_s']['on'] * 1e3:.1f} ms on, {o['median_step_s']['off'] * 1e3:.1f} ms off; peak RSS per rank {o['peak_rss_bytes']['on'] / 2**20:.0f} MiB on vs "
            f"{o['peak_rss_bytes']['off'] / 2**20:.0f} MiB off; snapshot bytes held per rank "
-           f"{o['snapshot_bytes_held_per_rank']} (one peer's shard: parameter slice + exp_avg + exp_avg_sq) and "
-           f"transfer buffers {o['snapshot_buffer_bytes_per_rank']} (the outgoing message and one receive "
-           f"buffer); own optimizer state (moments) {o['optimizer_state_bytes_per_rank']}."]
+           f"{o['snapshot_bytes_held_per_rank']} (one peer's optimizer slots, padding included: master + exp_avg + exp_avg_sq) and "
+           f"transfer buffers {o['snapshot_buffer_bytes_per_rank']} (the header sent and the receive "
+           f"buffers); own optimizer state (moments) {o['optimizer_state_bytes_per_rank']}."]
     write_results(args.out, result, md)
 
 

@@ -60,8 +60,8 @@ class MemoryModel:
     snapshot_copies: int = 1
     """Peers keeping each rank's snapshot, so snapshots of as many owners kept on each rank."""
     snapshots_to_host: bool = False
-    """On a GPU a kept snapshot moves to host memory: the device holds the outgoing message and the
-    one arriving only."""
+    """On a GPU a kept snapshot moves to host memory: the device holds only the one arriving (a
+    rank's own is sent from its optimizer state)."""
     data_bytes: float = 0.0
     """The token corpus, in memory on a stage that reads batches (the first and the last)."""
     grad_bytes: int | None = None

@@ -127,6 +127,8 @@ def run(cfg: JobConfig, rank: int, world_size: int, metrics_out: str | None) -> 
                     else:
                         result = one_step()
                     for what in ctx.injector.flips(step):
+                        if ctx.pool is not None:  # the step's snapshot is sent from the state: let it go first
+                            ctx.pool.wait_sends(st.world)
                         _flip_low_bit(st, what)
                     took = time.perf_counter() - started
                     ctx.speeds.add(st.epoch, result.speeds)

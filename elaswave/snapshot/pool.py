@@ -50,8 +50,9 @@ class SnapshotPool:
         self._sends: list[tuple[list, int]] = []
         self._out: list[torch.Tensor] = []
         """What the sends in flight read (the header, a damaged copy): alive until they are done."""
-        self._incoming: list[tuple[list, torch.Tensor, int, tuple[int, ...], int]] = []
-        """(receives, buffer, chunk count, slot sizes, owner) per owner whose next snapshot is expected."""
+        self._incoming: list[tuple[list, torch.Tensor, tuple[ChunkKey, ...], tuple[int, ...], int]] = []
+        """(receives, buffer, the chunks the plan says the owner owns, its slot sizes, owner) per owner
+        whose next snapshot is expected."""
         self._spare: list[torch.Tensor] = []
         self._staging: HostStaging | None = None
 
@@ -100,23 +101,23 @@ class SnapshotPool:
     def expect(self, group: Group, plan: Plan, device: torch.device) -> None:
         """Post the receives of the owners' next snapshots, laid out as the plan says their slots are."""
         owners = plan.snapshot_owners(self.rank)
-        shapes = [(len(plan.chunks_of(o)), plan.slot_chunks(o)) for o in owners]
-        sizes = [sum(_sizes(k, slots, self.chunk_numel)) for k, slots in shapes]
+        shapes = [(plan.chunks_of(o), plan.slot_chunks(o)) for o in owners]
+        sizes = [sum(_sizes(len(keys), slots, self.chunk_numel)) for keys, slots in shapes]
         # Buffers of another size (owners of another epoch) are not kept for later.
         spare = [b for b in self._spare if b.device == device and b.numel() in sizes]
         self._incoming = []
-        for owner, size, (k, slots) in zip(owners, sizes, shapes):
+        for owner, size, (keys, slots) in zip(owners, sizes, shapes):
             fits = [b for b in spare if b.numel() == size]
             buf = fits[0] if fits else torch.empty(size, dtype=torch.uint8, device=device)
             spare = [b for b in spare if b is not buf]
-            at = _sizes(k, slots, self.chunk_numel)[0]
+            at = _sizes(len(keys), slots, self.chunk_numel)[0]
             parts = [buf[:at].view(torch.int64)]
             for n in slots:
                 if n:
                     parts.append(buf[at:at + 12 * n * self.chunk_numel].view(torch.float32).view(3, -1))
                     at += 12 * n * self.chunk_numel
             works = [group.irecv(t, owner, TAG_SNAPSHOT + i) for i, t in enumerate(parts)]
-            self._incoming.append((works, buf, k, slots, owner))
+            self._incoming.append((works, buf, keys, slots, owner))
         self._spare = spare
 
     def verify(self, group: Group, gen: int) -> bool:
@@ -124,25 +125,30 @@ class SnapshotPool:
         True when every one was."""
         incoming, self._incoming = self._incoming, []
         staged = []
-        for works, buf, k, slots, owner in incoming:
+        for works, buf, keys, slots, owner in incoming:
             # Waited for here, on this thread: it was sent a whole step ago and is almost always
             # in, and no helper thread waking mid-step competes with the compute for the GIL. A
             # dead owner fails the wait at once; a hung one within verify_wait_s.
             for work in works:
                 group.wait_direct(work, f"snapshot from rank {owner}", self.verify_wait_s)
-            hbytes = _sizes(k, slots, self.chunk_numel)[0]
-            staged.append((self._staging_on(buf.device).start(buf, hbytes), buf, k, slots, owner))
+            hbytes = _sizes(len(keys), slots, self.chunk_numel)[0]
+            staged.append((self._staging_on(buf.device).start(buf, hbytes), buf, keys, slots, owner))
         return all([self._verify_one(gen, *item) for item in staged])
 
-    def _verify_one(self, gen: int, staged: Staged, buf: torch.Tensor, k: int, slots: tuple[int, ...],
-                    owner: int) -> bool:
+    def _verify_one(self, gen: int, staged: Staged, buf: torch.Tensor, expected: tuple[ChunkKey, ...],
+                    slots: tuple[int, ...], owner: int) -> bool:
         kept = staged.wait()
         if kept is not buf:  # on a GPU: the receive buffer is free for the next snapshot
             self._spare.append(buf)
+        k, nb = len(expected), len(slots)
         hbytes, pbytes = _sizes(k, slots, self.chunk_numel)
         h = kept[:hbytes].view(torch.int64).tolist()
-        nb = len(slots)
-        if h[0] != gen or h[2] != k or h[3] != nb or tuple(h[4:4 + nb]) != slots or h[1] != staged.check.item():
+        owned = h[4 + nb:4 + 2 * nb]
+        # The checksum covers the payload; the header's layout must be the one the plan says.
+        keys = list(zip(h[4 + 2 * nb::2], h[5 + 2 * nb::2]))
+        if (h[0] != gen or h[2] != k or h[3] != nb or tuple(h[4:4 + nb]) != slots or h[1] != staged.check.item()
+                or any(not 0 <= o <= n for o, n in zip(owned, slots)) or sum(owned) != k
+                or set(keys) != set(expected)):
             self._recycle(kept)
             # Not fatal: the owner is alive and holds this state itself. Until a snapshot of it
             # verifies, its chunks are recoverable only from the generation held before.
@@ -152,12 +158,11 @@ class SnapshotPool:
                   f"generation this step (kept here: {older or 'none'}); the next step's snapshot replaces it",
                   file=sys.stderr, flush=True)
             return False
-        keys = iter(zip(h[4 + 2 * nb::2], h[5 + 2 * nb::2]))
-        chunks, at, cn = {}, hbytes, self.chunk_numel
-        for n, owned in zip(slots, h[4 + nb:4 + 2 * nb]):
+        chunks, at, cn, each = {}, hbytes, self.chunk_numel, iter(keys)
+        for n, count in zip(slots, owned):
             state = kept[at:at + 12 * n * cn].view(torch.float32).view(3, n * cn)
-            for i in range(owned):
-                chunks[next(keys)] = state[:, i * cn:(i + 1) * cn]
+            for i in range(count):
+                chunks[next(each)] = state[:, i * cn:(i + 1) * cn]
             at += 12 * n * cn
         self.held[(owner, gen)] = (chunks, kept, pbytes)
         self._drop_before(gen - 1, owner)

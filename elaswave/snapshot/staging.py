@@ -6,7 +6,7 @@ only the messages in flight: a verified snapshot is kept in pinned host memory, 
 stream, so the copy neither waits for the compute stream nor delays it, and the device memory of
 each peer's snapshot is one receive buffer (the memory model's ``snapshots_to_host``). A CRC would
 need the payload on the host first -- on the owner, a read-back that waits for the step's whole
-compute stream -- so on a GPU the checksum is the int64 sum of the payload's 32-bit words, computed
+compute stream -- so on a GPU the checksum is the sum, modulo 2^64, of the payload's 64-bit words, computed
 on the device by the owner (on its compute stream, after the state is written) and by the holder
 (on the side stream, beside the copy). Integer addition is associative, so both sums agree
 whatever order the kernels add in, and one flipped bit changes it. Both ends of a message are on the
@@ -20,14 +20,14 @@ import torch
 
 
 def checksum(payload: torch.Tensor) -> torch.Tensor:
-    """The checksum of a message's payload bytes (uint8, a multiple of 4), as one int64 on their device."""
+    """The checksum of a message's payload bytes (uint8, a multiple of 8), as one int64 on their device."""
     if payload.device.type == "cpu":
         return torch.tensor([zlib.crc32(payload.detach().contiguous().numpy())], dtype=torch.int64)
     return word_sum(payload)
 
 
 def checksum_of(parts: list[torch.Tensor], device: torch.device) -> torch.Tensor:
-    """The checksum of ``parts`` (uint8, each a multiple of 4 bytes) laid end to end -- what the
+    """The checksum of ``parts`` (uint8, each a multiple of 8 bytes) laid end to end -- what the
     holder computes over the payload it receives -- without laying them end to end."""
     if device.type == "cpu":
         crc = 0
@@ -41,7 +41,9 @@ def checksum_of(parts: list[torch.Tensor], device: torch.device) -> torch.Tensor
 
 
 def word_sum(payload: torch.Tensor) -> torch.Tensor:
-    return payload.view(torch.int32).sum(dtype=torch.int64).reshape(1)
+    """The sum of ``payload``'s 64-bit words (its bytes a multiple of 8, as every snapshot part's
+    are), wrapping: summing 32-bit words into int64 would first copy them all to int64 on the device."""
+    return payload.view(torch.int64).sum().reshape(1)
 
 
 class Staged:

@@ -75,7 +75,6 @@ class ShardedAdamW:
         self.prev = [torch.empty(s.shape, dtype=s.dtype, pin_memory=True) if on_gpu else torch.empty_like(s)
                      for s in self.state]
         self._prev_copied = None
-        self._one = torch.ones((), dtype=torch.float32, device=self.state[0].device if self.state else "cpu")
         self.prev_gen: int | None = None
         self._arriving: list[tuple[Callable[[], None], list[ChunkKey], torch.Tensor]] = []
 
@@ -166,8 +165,7 @@ class ShardedAdamW:
         for p, g, m, v, decay in zip(self.params, grads, self.exp_avg, self.exp_avg_sq, self.decay):
             if coef != 1.0:
                 g.mul_(coef)  # in place: the reduced gradient is the step's own, read no more
-            for lo, hi in decay:
-                p[lo:hi].addcmul_(p[lo:hi], self._one, value=-lr * c.weight_decay)
+            decay_runs(p, decay, -lr * c.weight_decay)
             m.mul_(c.beta1).add_(g, alpha=1.0 - c.beta1)
             v.mul_(c.beta2).addcmul_(g, g, value=1.0 - c.beta2)
             denom = (v.sqrt() / math.sqrt(bc2)).add_(c.eps)
@@ -231,3 +229,12 @@ def _runs(mask: torch.Tensor) -> list[tuple[int, int]]:
     edges = torch.diff(mask.to(torch.int8), prepend=mask.new_zeros(1, dtype=torch.int8),
                        append=mask.new_zeros(1, dtype=torch.int8)).nonzero().flatten().tolist()
     return list(zip(edges[0::2], edges[1::2]))
+
+
+def decay_runs(p: torch.Tensor, runs: Sequence[tuple[int, int]], factor: float) -> None:
+    """``p += factor * p`` on each run. A product rounded on its own, then a sum: nothing a compiler
+    could fuse into one rounding in some loops (a run's vector body) and not in others (its tail),
+    which would make a value's bits depend on where a layout put the run's ends."""
+    for lo, hi in runs:
+        run = p[lo:hi]
+        run.add_(run * factor)

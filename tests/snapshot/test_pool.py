@@ -93,3 +93,26 @@ def test_a_damaged_snapshot_is_refused_and_not_kept():
     out = _run_pair(body)
     assert out[1] == (False, [])  # rank 1 holds rank 0's snapshot, damaged after its checksum
     assert out[0] == (True, [5])
+
+
+def test_the_holders_layout_is_the_one_the_optimizers_buckets_send():
+    """What a holder expects (the plan's slot sizes and chunks) against what an owner's buckets hold,
+    built as a rank builds them: tied layers, uneven ownership after a loss, a slot whose holder
+    owns nothing in it."""
+    from elaswave.plan.plan import replan
+    from elaswave.zero.bucket import Bucket
+
+    numels = [300, 64, 700, 64, 300]
+    first = initial_plan(6, 3, 2, [1.0] * 5, 6, numels, 64, ties=((0, 4),))
+    seen = set()
+    for plan in (first, replan(first, [0, 1, 2, 3, 5], 1, 6)):
+        for rank in plan.ranks:
+            buckets = [Bucket(h, layers, [numels[i] for i in layers], 64, rank,
+                              owners=[plan.chunk_owners[i] for i in layers])
+                       for h, layers in plan.holder_groups().items() if rank in h]
+            assert [b.slot_chunks for b in buckets] == list(plan.slot_chunks(rank)), (plan.epoch, rank)
+            sent = [(oc.layer, oc.chunk) for b in buckets for oc in b.owned]
+            assert sorted(sent) == sorted(plan.chunks_of(rank)), (plan.epoch, rank)
+            # The cases the test is for: a non-empty slot its holder owns nothing in, uneven slots.
+            seen.update((b.slot_chunks, len(b.owned)) for b in buckets)
+    assert any(size > 0 and not owned for size, owned in seen) and any(0 < owned < size for size, owned in seen)

@@ -3,7 +3,7 @@ import torch
 from elaswave.config import TrainConfig
 from elaswave.zero.bucket import Bucket
 from elaswave.zero.flat import FlatLayer
-from elaswave.zero.optimizer import ShardedAdamW, clip_coef, lr_at
+from elaswave.zero.optimizer import ShardedAdamW, _runs, clip_coef, decay_runs, lr_at
 
 
 def test_bucket_pack_unpack_and_ownership():
@@ -111,3 +111,18 @@ def test_pack_and_unpack_into_keep_every_value_and_no_copy_of_the_bucket_in_betw
     b.unpack_into(packed, into)
     assert all(torch.equal(x, y) for x, y in zip(into, flats))
     assert all(torch.equal(x, y) for x, y in zip(b.unpack(packed), flats))
+
+
+def test_weight_decay_bits_do_not_depend_on_where_a_layout_ends_a_run():
+    """A value decays to the same bits whether its run is whole or cut at odd places (another
+    layout's chunk ends): vector bodies and tails of the kernels round alike."""
+    p = torch.randn(4099, generator=torch.Generator().manual_seed(1))
+    mask = torch.ones(4099, dtype=torch.bool)
+    mask[[5, 1000, 1001, 3000]] = False
+    whole, cut = p.clone(), p.clone()
+    decay_runs(whole, _runs(mask), -3e-4 * 0.1)
+    decay_runs(cut, [(a, b) for lo, hi in _runs(mask) for a, b in ((lo, lo + (hi - lo) // 3), (lo + (hi - lo) // 3, hi))],
+               -3e-4 * 0.1)
+    assert torch.equal(whole.view(torch.int32), cut.view(torch.int32))
+    assert torch.equal(whole[~mask], p[~mask]) and not torch.equal(whole[mask], p[mask])
+    assert _runs(mask) == [(0, 5), (6, 1000), (1002, 3000), (3001, 4099)]
