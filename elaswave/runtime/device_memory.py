@@ -18,6 +18,7 @@ from datetime import timedelta
 
 import torch
 
+from elaswave.control.link import StoreLost
 from elaswave.control.seal import PREFIX
 from elaswave.errors import ConfigError
 
@@ -42,9 +43,22 @@ def agree(store, rank: int, world_size: int, mine: float, timeout_s: float) -> f
     within = timedelta(seconds=timeout_s)
     if rank == 0:
         names = [f"{POSTED}{r}" for r in range(world_size)]
-        store.wait(names, within)
+        try:
+            store.wait(names, within)
+        except StoreLost:
+            raise
+        except Exception:  # the store's timeout: say who is missing, in one line
+            missing = [r for r, name in enumerate(names) if not store.check([name])]
+            raise TimeoutError(f"rank 0 waited {timeout_s:g} s (parallel.timeout_s) for every founding rank's "
+                               f"device memory; ranks {missing} never posted theirs (dead, or never started)") from None
         store.set(AGREED, repr(min(float(v) for v in store.multi_get(names))))
-    store.wait([AGREED], within)
+    try:
+        store.wait([AGREED], within)
+    except StoreLost:
+        raise
+    except Exception:
+        raise TimeoutError(f"rank {rank} waited {timeout_s:g} s (parallel.timeout_s) for the device memory every "
+                           "founding rank agrees on, which rank 0 publishes once all have posted theirs") from None
     return float(store.get(AGREED))
 
 

@@ -14,7 +14,7 @@ from tests.helpers.spawn import run_job
 GPUS_MIB = [81559.0, 40960.0, 81559.0, 97871.0]  # H100 80GB, A100 40GB, H100, H200: what CUDA reports
 
 
-def _agree_all(values, cfg, port_store):
+def _agree_all(values, cfg, port_store, ranks=None):
     """Every rank's (limit, record) from ``stage_limit_mb``, each rank a thread with its own client."""
     out, errors = {}, []
 
@@ -24,7 +24,7 @@ def _agree_all(values, cfg, port_store):
             out[r] = device_memory.stage_limit_mb(cfg, store, r, len(values), values[r])
         except Exception as exc:  # noqa: BLE001 - said by the assert below
             errors.append(exc)
-    threads = [threading.Thread(target=rank, args=(r,)) for r in range(len(values))]
+    threads = [threading.Thread(target=rank, args=(r,)) for r in (range(len(values)) if ranks is None else ranks)]
     for t in threads:
         t.start()
     for t in threads:
@@ -52,6 +52,14 @@ def test_a_reserve_the_smallest_gpu_cannot_keep_is_one_line(store):
     _, errors = _agree_all(GPUS_MIB, cfg, store)
     assert errors and all(isinstance(e, ConfigError) for e in errors)
     assert "parallel.memory_reserve_mb=50000 is invalid" in str(errors[0]) and "40960 MiB" in str(errors[0])
+
+
+def test_a_founding_rank_that_never_posts_is_named_not_waited_for_forever(store):
+    cfg = config.load(None, ["parallel.timeout_s=1"])
+    _, errors = _agree_all(GPUS_MIB, cfg, store, ranks=[0, 1, 2])  # rank 3 died before posting
+    said = sorted(str(e) for e in errors)
+    assert len(said) == 3 and all(isinstance(e, TimeoutError) for e in errors)
+    assert any("ranks [3] never posted theirs" in s for s in said), said
 
 
 def test_a_configured_limit_or_off_needs_no_agreement_and_cpu_ranks_have_none():
