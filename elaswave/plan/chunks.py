@@ -97,7 +97,7 @@ def rebalance_owners(owners: Owners, holder_groups: Mapping[tuple[int, ...], Seq
 
 
 def chunks_of(owners: Owners, rank: int) -> tuple[ChunkKey, ...]:
-    return tuple((layer, c) for layer, row in enumerate(owners) for c, o in enumerate(row) if o == rank)
+    return chunks_by_rank(owners).get(rank, ())
 
 
 def chunks_by_rank(owners: Owners) -> dict[int, tuple[ChunkKey, ...]]:

@@ -21,6 +21,7 @@ import torch
 from elaswave.control.link import StoreLost
 from elaswave.control.seal import PREFIX
 from elaswave.errors import ConfigError
+from elaswave.plan.partition import least_memory
 
 MIB = 2 ** 20
 POSTED = PREFIX + "device_mib/"
@@ -34,6 +35,12 @@ def own_mib(device: torch.device) -> float | None:
     if device.type != "cuda":
         return None
     return torch.cuda.get_device_properties(device).total_memory / MIB
+
+
+def plans_within_a_limit(cfg, device: torch.device) -> bool:
+    """Whether this job's plans keep within a memory limit: a configured one, or ``auto`` on GPUs."""
+    configured = cfg.parallel.stage_memory_limit_mb
+    return bool(configured) if configured is not None else device.type == "cuda"
 
 
 def agree(store, rank: int, world_size: int, mine: float, timeout_s: float) -> float:
@@ -82,6 +89,18 @@ def stage_limit_mb(cfg, store, rank: int, world_size: int, mine: float | None) -
               "without a limit)", file=sys.stderr, flush=True)
     return limit, {"source": "auto", "limit_mb": limit, "smallest_device_mb": smallest,
                    "reserve_mb": p.memory_reserve_mb}
+
+
+def unfit(cfg, agreed: dict, num_layers: int, memory) -> ConfigError:
+    """The error for a layout the agreed memory cannot hold, naming the least it needs (``memory``:
+    the job's MemoryModel)."""
+    p = cfg.parallel
+    least = least_memory(num_layers, p.pp, memory.stage_memory(p.pp, p.dp, cfg.train.num_micro_batches))
+    return ConfigError(f"parallel.stage_memory_mb=auto is invalid for this layout: no partition of the model into "
+                       f"{p.pp} stages at dp={p.dp} fits the {agreed['limit_mb']:.0f} MiB a rank the job's GPUs "
+                       f"leave (the smallest's {agreed['smallest_device_mb']:.0f} MiB less parallel.memory_reserve_mb); "
+                       f"the least any needs is {least:.0f} MiB: use more stages, a smaller micro-batch or activation "
+                       "checkpointing")
 
 
 def check_joiner(cfg, rank: int, device: torch.device, limit_mb: float) -> None:

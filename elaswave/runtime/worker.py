@@ -33,7 +33,6 @@ from elaswave.model.contract import counted_numels, tie_pairs
 from elaswave.pipeline.stage import Stage
 from elaswave.plan.frequency import PowerModel
 from elaswave.plan.memory import rank_bytes
-from elaswave.plan.partition import least_memory
 from elaswave.plan.plan import PlanError, initial_plan
 from elaswave.precision import compute_dtype, name as precision_name, pin_kernels
 from elaswave.runtime import device_memory, join, recovery, rescue
@@ -279,13 +278,7 @@ def _start(ctx: Context, world_size: int):
         if ctx.memory_limit["source"] != "auto":
             raise
         # Preflight checks a configured limit; the agreed one is known only now.
-        least = least_memory(model.num_layers, cfg.parallel.pp,
-                             ctx.memory_model.stage_memory(cfg.parallel.pp, cfg.parallel.dp, t.num_micro_batches))
-        raise ConfigError(f"parallel.stage_memory_mb=auto is invalid for this layout: no partition of the model into "
-                          f"{cfg.parallel.pp} stages at dp={cfg.parallel.dp} fits the {limit:.0f} MiB a rank the "
-                          f"job's GPUs leave (the smallest's {ctx.memory_limit['smallest_device_mb']:.0f} MiB less "
-                          f"parallel.memory_reserve_mb); the least any needs is {least:.0f} MiB: use more stages, "
-                          "a smaller micro-batch or activation checkpointing") from None
+        raise device_memory.unfit(cfg, ctx.memory_limit, model.num_layers, ctx.memory_model) from None
     plan = replace(plan, snapshot_copies=cfg.elastic.snapshot_copies)
     # Under torchrun and several agents, ranks are numbered host-major, LOCAL_WORLD_SIZE to a host;
     # the one-host launcher's job is one host (its joiners' numbers say nothing about hosts).
@@ -353,8 +346,7 @@ def _flip_low_bit(st, what: str) -> None:
 def _models_memory(cfg: JobConfig, device: torch.device) -> bool:
     """Whether the job uses its memory model (building it runs every layer once on the meta device):
     under a memory limit (``auto`` has one on a GPU), or to measure a step against it."""
-    limit = cfg.parallel.stage_memory_limit_mb
-    return bool(limit) or (limit is None and device.type == "cuda") or cfg.train.measure_memory_step >= 0
+    return device_memory.plans_within_a_limit(cfg, device) or cfg.train.measure_memory_step >= 0
 
 
 def _modelled_power(plan) -> float:

@@ -21,9 +21,7 @@ import torch
 
 def checksum(payload: torch.Tensor) -> torch.Tensor:
     """The checksum of a message's payload bytes (uint8, a multiple of 8), as one int64 on their device."""
-    if payload.device.type == "cpu":
-        return torch.tensor([zlib.crc32(payload.detach().contiguous().numpy())], dtype=torch.int64)
-    return word_sum(payload)
+    return checksum_of([payload], payload.device)
 
 
 def checksum_of(parts: list[torch.Tensor], device: torch.device) -> torch.Tensor:

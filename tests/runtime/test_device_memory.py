@@ -86,3 +86,16 @@ def test_the_default_cpu_job_records_where_its_limit_came_from(tmp_path):
     res = run_job(tmp_path, 2, 1, 1, False)
     job = next(r for r in res.records if r["event"] == "job")
     assert job["memory_limit"]["source"] == "auto" and job["memory_limit"]["limit_mb"] == 0.0
+
+
+def test_a_layout_the_agreed_memory_cannot_hold_names_the_least_it_needs():
+    import torch
+
+    from elaswave.runtime.memory import config_memory_model, least_stage_memory_mb
+    cfg = config.load(None, [])
+    model, memory = config_memory_model(cfg, torch.device("cpu"))
+    least = least_stage_memory_mb(cfg, cfg.parallel.pp, cfg.parallel.dp)
+    err = device_memory.unfit(cfg, {"limit_mb": least / 2, "smallest_device_mb": least / 2 + 8192},
+                              model.num_layers, memory)
+    assert isinstance(err, ConfigError) and f"the least any needs is {least:.0f} MiB" in str(err)
+    assert f"fits the {least / 2:.0f} MiB a rank" in str(err)
