@@ -38,6 +38,7 @@ import queue
 import threading
 import time
 
+from elaswave.control.etcd import REQUEST_TIMEOUT_S
 from elaswave.control.seal import PREFIX, opened, seal, sealed
 
 ALIVE = PREFIX + "alive/"
@@ -47,6 +48,11 @@ RENEWALS_PER_TTL = 4
 """Renewals per TTL: a rank is suspected only after two or three renewals in a row were missed."""
 CLOSE_READ_S = 0.05
 """How often a watcher asks about a lease with under two seconds left."""
+LATE_S = 3 * REQUEST_TIMEOUT_S
+"""How late a live rank may check in after an alert: its watch stream waits out one request
+deadline on a member that went silent before it moves on to the next, its watcher's first request
+to that member another, and its check-in a third. An agreement waits this much longer (once, not
+per rank) while a member it misses still renews its lease."""
 
 
 def supported(store) -> bool:
@@ -178,9 +184,21 @@ class Lease:
         lease = self._lease_of(rank)
         return lease is not None and self.store.lease_left(lease) >= self.ttl_s - 1
 
-    def _lease_of(self, rank: int) -> int | None:
+    def lives(self, rank: int, store=None) -> bool | None:
+        """Whether ``rank``'s lease is renewed: it has a second or more left, which a lease
+        unrenewed for the timeout no longer has. None when the store cannot be asked now.
+        ``store``: the caller's own link (default: the watcher's), so that a main thread asking
+        neither waits behind the watcher's requests nor holds them up."""
+        store = store or self.store
+        try:
+            lease = self._lease_of(rank, store)
+            return lease is not None and store.lease_left(lease) >= 1
+        except Exception:  # noqa: BLE001 - the store does not answer: no evidence either way
+            return None
+
+    def _lease_of(self, rank: int, store=None) -> int | None:
         """``rank``'s lease, from its record; None before it granted one, or once it expired or ended."""
-        raw = sealed(self.store).read(f"{ALIVE}{rank}")
+        raw = sealed(store or self.store).read(f"{ALIVE}{rank}")
         return int(json.loads(raw)["lease"]) if raw is not None and raw.startswith(b"{") else None
 
     def unrenewed(self, rank: int) -> float | None:

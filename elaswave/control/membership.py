@@ -31,6 +31,8 @@ from elaswave.control.link import StoreLost
 from elaswave.control.seal import PREFIX, sealed
 from elaswave.interrupt import EpochBroken
 
+LIVES_EVERY_S = 0.25
+"""How often an agreement asks again whether a member it misses still lives (on etcd: two requests)."""
 WATCHERS = 2
 """Watchers per rank (:mod:`~elaswave.control.heartbeat`): a suspect both named is left out at
 once; one alone only makes the agreement wait for it."""
@@ -38,19 +40,23 @@ once; one alone only makes the agreement wait for it."""
 
 def decide(prev_members: Sequence[int], checked_in: Collection[int], known_dead: set[int], waited_s: float,
            agree_timeout_s: float, proven_dead: set[int] = frozenset(),
-           unreachable: Mapping[int, Sequence[int]] = {}) -> tuple[int, ...] | None:  # noqa: B006 - read only
+           unreachable: Mapping[int, Sequence[int]] = {},  # noqa: B006 - read only
+           alive: Collection[int] = frozenset(), alive_wait_s: float = 0.0) -> tuple[int, ...] | None:
     """The next epoch's members, or None while it is still too early to tell.
 
     Every previous member must have checked in or be known dead, unless ``agree_timeout_s`` has
-    passed: then whoever has not checked in is presumed gone (a hung rank never checks in). A rank
+    passed: then whoever has not checked in is presumed gone (a hung rank never checks in) --
+    except a member shown ``alive`` (on etcd: its lease is renewed), which is waited for
+    ``alive_wait_s`` longer: silence is no evidence against a rank the store says lives. A rank
     *proven* dead (reaped by its launcher, or its port refusing) is left out even if it checked in
     before it died: it would never post its state, and the epoch would wait for it. Of the ranks
     left, those cut off from the others by the network (``unreachable``, each rank's check-in
     report; see :mod:`~elaswave.control.partition`) are left out too."""
     live = live_members(prev_members, checked_in, proven_dead)
-    settled = all(r in checked_in or r in known_dead for r in prev_members)
+    missing = [r for r in prev_members if r not in checked_in and r not in known_dead]
+    timed_out = waited_s >= agree_timeout_s + (alive_wait_s if any(r in alive for r in missing) else 0.0)
     reported = all(unreachable.get(r, ()) is not None for r in live)
-    if (settled or waited_s >= agree_timeout_s) and (reported or waited_s >= agree_timeout_s + partition.REACH_TIMEOUT_S):
+    if (not missing or timed_out) and (reported or waited_s >= agree_timeout_s + partition.REACH_TIMEOUT_S):
         out = partition.cut(live, unreachable)
         return tuple(r for r in live if r not in out)
     return None
@@ -267,14 +273,23 @@ class Membership:
 
     def agree(self, prev_members: Sequence[int], epoch: int, agree_timeout_s: float,
               timeout_s: float, poll_s: float = 0.002, probe_every_s: float = 0.02,
-              alerts_since: int = 0) -> tuple[int, ...]:
+              alerts_since: int = 0, lives: Callable[[int], bool | None] | None = None,
+              alive_wait_s: float = 0.0) -> tuple[int, ...]:
         """Block until epoch ``epoch``'s members are decided; returns them (maybe without us).
-        ``alerts_since``: the epoch whose alerts (and later ones') can name a suspect dead."""
+        ``alerts_since``: the epoch whose alerts (and later ones') can name a suspect dead.
+        ``lives(rank)``: whether the store shows ``rank`` alive (on etcd, its lease; None: cannot
+        tell now); asked about the members still missing once ``agree_timeout_s`` has passed,
+        every :data:`LIVES_EVERY_S`: while one is shown alive the decision waits up to
+        ``alive_wait_s`` longer (see :func:`decide`), never past ``timeout_s``."""
         key = f"{PREFIX}ep/{epoch}/members"
         start = self.clock()
         seen_in, dead, proven = -1, set(), set()
         checked: dict[int, list[int] | None] = {}
         probed_at = None
+        alive: set[int] = set()
+        asked_at: dict[int, float] = {}
+        # Decided before ``timeout_s``: a late member is left out, never the agreement failed.
+        alive_wait_s = max(0.0, min(alive_wait_s, timeout_s - agree_timeout_s - 4 * LIVES_EVERY_S))
         while True:
             decided = self.members_of(epoch)
             if decided is not None:
@@ -289,7 +304,16 @@ class Membership:
                 probed_at = self.clock()
                 shown = self._probe_silent(prev_members, checked, dead)
                 proven, dead = proven | shown, dead | shown
-            members = decide(prev_members, checked, dead, waited, agree_timeout_s, proven, checked)
+            if lives is not None and alive_wait_s and waited >= agree_timeout_s:
+                # A live rank's lease stays renewed while it comes; one that stops is no longer waited for.
+                for r in prev_members:
+                    if r not in checked and r not in dead and self.clock() - asked_at.get(r, -LIVES_EVERY_S) >= LIVES_EVERY_S:
+                        answer = lives(r)
+                        if answer is not None:
+                            asked_at[r] = self.clock()
+                            (alive.add if answer else alive.discard)(r)
+            members = decide(prev_members, checked, dead, waited, agree_timeout_s, proven, checked,
+                             alive, alive_wait_s)
             if members is not None and self.requires_majority and self.members_of(epoch) is None \
                     and not has_majority(members, prev_members, proven, holds_store=self.holds_store):
                 raise NoMajority(f"epoch {epoch} would have ranks {list(members)}: not a majority of epoch "

@@ -16,7 +16,7 @@ import torch
 
 from elaswave.checkpoint import disk
 from elaswave.config import JobConfig
-from elaswave.control import partition
+from elaswave.control import leases, partition
 from elaswave.interrupt import CommError, Disruption
 from elaswave.model.contract import untie
 from elaswave.pipeline.stage import Stage
@@ -175,7 +175,10 @@ def recover(ctx, st: RankState | None, cause: Disruption | None, noticed_wall: f
         ctx.membership.check_in(epoch)
     # A join waits for members still finishing the step; their deaths are reported, not timed out.
     agree_s = (cfg.elastic.agree_timeout_s if cause is not None else cfg.parallel.timeout_s) + ctx.agree_grace_s
-    members = ctx.membership.agree(expected, epoch, agree_s, cfg.parallel.timeout_s, alerts_since=old.epoch)
+    lease = ctx.watcher.lease if ctx.watcher is not None else None
+    members = ctx.membership.agree(expected, epoch, agree_s, cfg.parallel.timeout_s, alerts_since=old.epoch,
+                                   lives=(lambda r: lease.lives(r, ctx.store)) if lease is not None else None,
+                                   alive_wait_s=leases.LATE_S)
     ctx.agree_grace_s = 0.0
     ctx.agreed_epoch = epoch
     if ctx.rank not in members:

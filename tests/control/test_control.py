@@ -20,6 +20,16 @@ def test_decide_waits_for_every_member_or_the_timeout():
     assert decide([0, 1, 2, 3], {0, 1, 2, 3}, {2}, 0.1, 1.0, proven_dead={2}) == (0, 1, 3)
 
 
+def test_decide_waits_longer_for_a_late_member_the_store_shows_alive():
+    """On etcd a member whose lease is renewed is alive: its late check-in (a starved watcher, a
+    watch stream stuck on a silent member) is waited for, not taken as its death."""
+    assert decide([0, 1, 2, 3], {0, 3}, {2}, 1.5, 1.0, alive={1}, alive_wait_s=6.0) is None
+    assert decide([0, 1, 2, 3], {0, 1, 3}, {2}, 1.5, 1.0, alive={1}, alive_wait_s=6.0) == (0, 1, 3)
+    assert decide([0, 1, 2, 3], {0, 3}, {2}, 7.5, 1.0, alive={1}, alive_wait_s=6.0) == (0, 3)  # bounded
+    assert decide([0, 1, 2, 3], {0, 3}, set(), 1.5, 1.0, alive={2}, alive_wait_s=6.0) is None
+    assert decide([0, 1, 2, 3], {0, 3}, set(), 1.5, 1.0, alive=set(), alive_wait_s=6.0) == (0, 3)  # silent, unrenewed
+
+
 def test_is_stale():
     assert not is_stale(10.0, 11.0, 2.0)
     assert is_stale(10.0, 12.5, 2.0)
@@ -90,6 +100,31 @@ def test_agreement_over_a_real_store(store):
     assert time.monotonic() - start < 2.0  # the death notice settles it; no waiting for the timeout
     assert json.loads(store.get("ew/ep/1/members")) == [0, 1, 3]
     assert clients[0].current_epoch() == 1
+
+
+@pytest.mark.parametrize("lives, late_s, timeout_s, want", [
+    (lambda r: True, 1.2, 10.0, (0, 1, 3)),   # alive and late: waited for
+    (lambda r: False, 1.2, 10.0, (0, 3)),     # not renewed: left out at the timeout, as before
+    (lambda r: None, 1.2, 10.0, (0, 3)),      # the store cannot tell: no evidence either way
+    (lambda r: True, 2.5, 1.5, (0, 3)),       # never past parallel.timeout_s: decided, not failed
+])
+def test_an_agreement_waits_for_a_late_member_while_it_lives(store, lives, late_s, timeout_s, want):
+    """Rank 1 checks in ``late_s`` after rank 0 began to agree; rank 2 is reported dead."""
+    def member(r):
+        return Membership(dist.TCPStore("127.0.0.1", store.port, is_master=False, timeout=timedelta(seconds=10)), r)
+    Membership(store, -1).report_dead(2, "was killed by SIGKILL")
+    late = threading.Timer(late_s, lambda: member(1).check_in(1))
+    m = member(0)
+    m.check_in(1)
+    member(3).check_in(1)
+    began = time.monotonic()
+    late.start()
+    try:
+        got = m.agree([0, 1, 2, 3], 1, agree_timeout_s=0.3, timeout_s=timeout_s, lives=lives, alive_wait_s=6.0)
+    finally:
+        late.cancel()
+        late.join()
+    assert got == want and time.monotonic() - began < timeout_s, (got, time.monotonic() - began)
 
 
 def test_concurrent_agreement_moves_the_epoch_once(store):

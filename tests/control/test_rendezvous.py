@@ -132,16 +132,24 @@ def test_an_agent_on_the_other_backend_than_node_0_is_one_line(tmp_path, node0):
     assert took < 6 + 15, took  # the timeout, and the process's own start
 
 
+CUT_AT = 6
+
+
 def test_two_hosts_cut_apart_on_etcd_make_one_run_not_two(tmp_path, reference):
     """Host 1 (ranks 2, 3 and one of the three etcd members, in a network namespace) goes silent
     mid-run: both its links down, its processes alive, nothing refused. Host 0 holds the etcd
     majority: it leaves ranks 2 and 3 out and trains on, bit-identical to the reference. Host 1
     cannot commit anything to etcd: its ranks save their part and stop, and write no step, no
-    summary (on the embedded store it moved the store to itself and trained on alone)."""
+    summary (on the embedded store it moved the store to itself and trained on alone).
+
+    Rank 1's watcher is held back for 5 s at the cut, so it checks in seconds after rank 0 (as
+    when its watch stream sits on the member that went silent: CI's failure on stop 51). Its
+    lease is renewed meanwhile: it is waited for, not left out alive."""
     reason = netns.unavailable()
     if reason:
         pytest.skip(reason)
-    sets = [*EXTRA, "parallel.dp=2", "parallel.pp=2", "train.deterministic=true", "elastic.respawn_after_s=-1"]
+    sets = [*EXTRA, "parallel.dp=2", "parallel.pp=2", "train.deterministic=true", "elastic.respawn_after_s=-1",
+            f"elastic.inject=starve:rank=1,step={CUT_AT},seconds=5"]
     with netns.OtherHost() as host, \
             EtcdCluster(3, hosts=[host.here_store_ip, host.here_store_ip, host.store_ip],
                         prefixes=[[], [], host.prefix()]) as etcd:
@@ -149,13 +157,15 @@ def test_two_hosts_cut_apart_on_etcd_make_one_run_not_two(tmp_path, reference):
             args = job_args(2, 2, STEPS, True, [*sets, f"parallel.bind_address={bind}"])
             args += ["--nnodes", "2", "--node-rank", str(k), "--rdzv-backend", "etcd", "--rdzv-endpoint", etcd.endpoints]
             return Running(args, tmp_path / f"m{k}.jsonl", env={"ELASWAVE_TOKEN": "two-hosts"}, prefix=list(prefix))
-        cut_wall, results = fault_mid_run([agent(0, host.here_peer_ip), agent(1, host.peer_ip, host.prefix())], 6,
-                                          host.silence)
+        cut_wall, results = fault_mid_run([agent(0, host.here_peer_ip), agent(1, host.peer_ip, host.prefix())],
+                                          CUT_AT, host.silence)
     assert results[0].returncode == 0, results[0].stderr
     assert results[1].returncode == EXIT_STORE_LOST, results[1].stderr
     res = results[0]
     worlds = [r["world_size"] for r in res.steps]
-    assert worlds[0] == 4 and worlds[-1] == 2, worlds
+    recoveries = [{k: r.get(k) for k in ("lost_ranks", "evidence", "resume_step", "mttr_s")}
+                  for r in res.records if r["event"] == "recovery"]
+    assert worlds[0] == 4 and worlds[-1] == 2, (worlds, recoveries, res.stderr[-4000:])
     assert_same_run(res, reference, STEPS)
     assert not (tmp_path / "m1.jsonl").exists() or not [
         r for r in read_jsonl(str(tmp_path / "m1.jsonl")) if r["event"] in ("step", "summary")]
