@@ -25,6 +25,7 @@ exist; a save cut short by a death is simply never complete, and loading takes t
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import pickle
@@ -37,7 +38,6 @@ from pathlib import Path
 from typing import NamedTuple, Sequence
 
 import torch
-import torch.distributed.checkpoint as dcp
 
 from elaswave.plan.chunks import ChunkKey, Owners
 
@@ -238,10 +238,10 @@ def load_chunks(manifest: Manifest, keys: Sequence[ChunkKey]) -> dict[ChunkKey, 
     out: dict[ChunkKey, torch.Tensor] = {}
     for owner, mine in sorted(by_owner.items()):
         state = {_name(k): torch.empty(3, manifest.chunk_numel) for k in mine}
-        reader = _SafeReader(manifest.part(owner))
+        reader = _safe_reader()(manifest.part(owner))
         reader.read_metadata()  # its refusal as our own error (inside dcp.load it is wrapped and retried)
         with _single_process():
-            dcp.load(state, storage_reader=reader, no_dist=True)
+            _dcp().load(state, storage_reader=reader, no_dist=True)
         out.update({k: state[_name(k)] for k in mine})
     return out
 
@@ -264,16 +264,27 @@ _METADATA_NAMES = {("torch.serialization", "_get_layout"), ("pathlib", "PosixPat
                    ("pathlib", "WindowsPath"), ("pathlib", "PureWindowsPath"), ("collections", "OrderedDict")}
 
 
-class _SafeReader(dcp.FileSystemReader):
-    def read_metadata(self, *args, **kwargs):
-        with open(Path(self.path) / ".metadata", "rb") as fh:
-            metadata = _MetadataUnpickler(fh).load()
-        if hasattr(metadata, "storage_meta"):  # as the base class does (torch >= 2.4)
-            from torch.distributed.checkpoint.metadata import StorageMeta
+def _dcp():
+    """torch.distributed.checkpoint, imported on first use: it pulls in DTensor's operators and
+    sympy, about 1 s of a rank's start-up (measured), which a job without checkpoint.dir never needs."""
+    import torch.distributed.checkpoint as dcp
+    return dcp
 
-            metadata.storage_meta = metadata.storage_meta or StorageMeta()
-            metadata.storage_meta.load_id = getattr(self, "load_id", None)
-        return metadata
+
+@functools.cache
+def _safe_reader() -> type:
+    """DCP's file-system reader, reading its metadata with :class:`_MetadataUnpickler`."""
+    class SafeReader(_dcp().FileSystemReader):
+        def read_metadata(self, *args, **kwargs):
+            with open(Path(self.path) / ".metadata", "rb") as fh:
+                metadata = _MetadataUnpickler(fh).load()
+            if hasattr(metadata, "storage_meta"):  # as the base class does (torch >= 2.4)
+                from torch.distributed.checkpoint.metadata import StorageMeta
+
+                metadata.storage_meta = metadata.storage_meta or StorageMeta()
+                metadata.storage_meta.load_id = getattr(self, "load_id", None)
+            return metadata
+    return SafeReader
 
 
 class Checkpointer:
@@ -330,7 +341,7 @@ class Checkpointer:
                 part = folder / f"rank_{self.rank}"
                 part.mkdir(parents=True, exist_ok=True)
                 with _single_process():
-                    dcp.save(state, checkpoint_id=str(part), no_dist=True)
+                    _dcp().save(state, checkpoint_id=str(part), no_dist=True)
                 newer = self._newer_than(fence)
             if newer is not None:
                 self.fenced_off.append((gen, fence, newer))

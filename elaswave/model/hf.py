@@ -18,6 +18,7 @@ from torch import nn
 
 from elaswave.errors import ConfigError
 from elaswave.model.config import ModelConfig
+from elaswave.model.contract import on_meta
 
 INDEX = "model.safetensors.index.json"
 
@@ -53,7 +54,7 @@ class HFWeights:
 
     def check(self, model) -> None:
         """Every tensor the model's layers need is there with its shape (read from headers only)."""
-        with torch.device("meta"):
+        with on_meta():
             for i in range(model.num_layers):
                 skip = {t.user_param for t in model.ties if t.user == i}
                 cut = model.hf_cut if hasattr(model, "hf_cut") else None  # a tensor-parallel shard's part

@@ -70,10 +70,14 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(m.d_model, m.kv_heads * m.head_width, bias=bias)
         self.v_proj = nn.Linear(m.d_model, m.kv_heads * m.head_width, bias=bias)
         self.o_proj = nn.Linear(m.num_heads * m.head_width, m.d_model, bias=out_bias)
-        freqs = torch.outer(torch.arange(m.seq_len).float(), inverse_frequencies(m))
-        angles = torch.cat((freqs, freqs), dim=-1)
-        self.register_buffer("cos", angles.cos(), persistent=False)
-        self.register_buffer("sin", angles.sin(), persistent=False)
+        # Built on the meta device (counted, not run), the table is computed on the CPU: arithmetic
+        # on meta tensors runs Python references that import torch._dynamo (2.6 s a rank).
+        here = torch.get_default_device()
+        with torch.device("cpu" if here.type == "meta" else here):
+            freqs = torch.outer(torch.arange(m.seq_len).float(), inverse_frequencies(m))
+            angles = torch.cat((freqs, freqs), dim=-1)
+        self.register_buffer("cos", angles.cos().to(here), persistent=False)
+        self.register_buffer("sin", angles.sin().to(here), persistent=False)
 
     def forward(self, x: torch.Tensor, gen: torch.Generator | None, documents: torch.Tensor | None = None) -> torch.Tensor:
         b, t, _ = x.shape

@@ -19,7 +19,7 @@ import torch
 
 from elaswave.config import JobConfig
 from elaswave.data.corpus import corpus_bytes
-from elaswave.model.contract import Model, counted_numels, saved_activation_bytes, tie_pairs
+from elaswave.model.contract import Model, counted_numels, on_meta, saved_activation_bytes, tie_pairs
 from elaswave.model.registry import model_for
 from elaswave.plan.memory import MemoryModel
 from elaswave.plan.partition import least_memory
@@ -34,7 +34,7 @@ def job_memory_model(cfg: JobConfig, model: Model, dtype: torch.dtype, device: t
     itemsize = torch.empty(0, dtype=dtype).element_size()
     ties = tie_pairs(model)
     shapes = {}
-    with torch.device("meta"):
+    with on_meta():
         for tie in model.ties:
             layer = model.build_layer(tie.owner, 0, init=False)
             shapes[(tie.owner, tie.user)] = dict(layer.named_parameters())[tie.owner_param].numel()
