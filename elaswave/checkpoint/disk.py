@@ -300,6 +300,8 @@ class Checkpointer:
         self.error: BaseException | None = None
         self.fenced_off: list[tuple[int, Fence, Fence]] = []
         """(generation, its fence, the newer one found) of each save not written."""
+        # Imported now, at start-up: on the first save's thread it would take a second of the step.
+        _dcp()
 
     def due(self, gen: int) -> bool:
         return self.every > 0 and gen > 0 and gen % self.every == 0
