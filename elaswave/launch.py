@@ -439,7 +439,8 @@ class _OtherHosts:
         if time.monotonic() - self._checked >= self.every_s:
             self._checked = time.monotonic()
             ranks = [r for r in range(self.store.add(PREFIX + "next_rank", 0)) if r not in self.workers.procs]
-            self._answer = any(self.prober.is_alive(r, self.store) for r in ranks)
+            dead = self.workers.membership.proven_dead(ranks)  # by their agents (a port on another host proves nothing)
+            self._answer = any(self.prober.is_alive(r, self.store) for r in ranks if r not in dead)
         return self._answer
 
 

@@ -297,14 +297,19 @@ def test_a_rank_that_reaches_the_store_but_not_its_peers_is_left_out_at_once(tmp
     assert_same_run(res, run_reference(tmp_path, steps, deterministic=True), steps)
 
 
-def test_two_hosts_cut_apart_around_one_store_make_one_run_not_two(tmp_path):
-    """Node 0's agent holds the TCPStore; host 1 (ranks 2, 3) is a network namespace that goes
-    silent mid-run: both links down, processes alive, nothing refused. Host 1's ranks lose the store
-    and their peers; two of four members, none proven dead, is no majority without the store, so
-    they neither move the store to a standby of theirs nor agree: they save their part and stop.
-    Host 0 (exactly half, with the store) leaves them out and trains on, bit-identical to the
-    reference -- one run, where host 1 used to elect its own store and train on alone."""
-    reason = netns.unavailable()
+@pytest.mark.parametrize("cut", ["silence", "refuse"])
+def test_two_hosts_cut_apart_around_one_store_make_one_run_not_two(tmp_path, cut):
+    """Node 0's agent holds the TCPStore; host 1 (ranks 2, 3) is a network namespace cut off
+    mid-run, its processes alive: ``silence``, both links down (nothing refused); ``refuse``, a
+    firewall's REJECT between the hosts (every connect either way refused, every connection reset:
+    what a dead process's kernel says, from a live host). Host 1's ranks lose the store and their
+    peers; two of four members, none proven dead -- a refusal from another host is no proof -- is
+    no majority without the store, so they neither move the store to a standby of theirs nor
+    agree: they save their part and stop. Host 0 (exactly half, with the store) leaves them out and
+    trains on, bit-identical to the reference -- one run. Before, host 1 elected its own store and
+    trained on alone (silence, until issue 35), or both sides counted the other's refusals as
+    deaths and both trained to the end (refuse, until issue 58)."""
+    reason = netns.unavailable() if cut == "silence" else netns.firewall_unavailable()
     if reason:
         pytest.skip(reason)
     steps = 60
@@ -318,10 +323,10 @@ def test_two_hosts_cut_apart_around_one_store_make_one_run_not_two(tmp_path):
                          prefix=host.prefix())]
         try:
             agents[0].wait_for(r"step\s+8/", 240)
-            host.silence()
-            cut = time.monotonic()
+            getattr(host, cut)()
+            cut_at = time.monotonic()
             results = [agents[1].finish(120)]
-            cut_to_stop_s = time.monotonic() - cut
+            cut_to_stop_s = time.monotonic() - cut_at
             results.insert(0, agents[0].finish(240))
         finally:
             for a in agents:

@@ -16,6 +16,8 @@ are sealed. A difference refuses the agent naming the value.
 from __future__ import annotations
 
 import json
+import os
+import socket
 import time
 from dataclasses import dataclass
 
@@ -29,6 +31,14 @@ NODE_RANK_ENV = "ELASWAVE_NODE_RANK"
 """Set in each worker an agent starts: its host's node rank."""
 SETTINGS = PREFIX + "agents/settings"
 FINISHED = PREFIX + "agents/finished"
+
+
+def host_name(node_rank: int | None = None) -> str:
+    """This process's host, as the job names its hosts (``ew/host/<rank>``): its agent's node rank
+    (``elaswave run --node-rank``, passed to workers as ELASWAVE_NODE_RANK; torchrun's GROUP_RANK),
+    else the machine's name. Refusals prove deaths only between ranks of one host."""
+    node = node_rank if node_rank is not None else os.environ.get(NODE_RANK_ENV) or os.environ.get("GROUP_RANK")
+    return f"node {node}" if node is not None else socket.gethostname()
 
 
 class AgentRefused(ConfigError):

@@ -38,7 +38,7 @@ from typing import Callable, Sequence
 
 import torch.distributed as dist
 
-from elaswave.control import agents
+from elaswave.control import agents, liveness
 from elaswave.control.link import StoreLink, StoreLost, check_listening, client
 from elaswave.control.membership import PREFIX, Membership, NoMajority, has_majority
 from elaswave.control.seal import JOB, Sealed, sealed
@@ -92,14 +92,15 @@ def answers(addr: str) -> bool:
 
 
 def reach(addr: str) -> str:
-    """``answers``; ``refused`` (a live kernel says nobody listens: the rank is proven dead); or
-    ``silent`` (a dead host, or one cut off: it proves nothing)."""
+    """``answers``; ``refused`` (this machine's own kernel says nobody listens: the rank is proven
+    dead); or ``silent`` (a dead host, one cut off, or a refusal from another machine -- a
+    firewall's REJECT in front of a live one: it proves nothing)."""
     host, port = addr.rsplit(":", 1)
     try:
         check_listening(host, int(port), CONNECT_S)
         return "answers"
     except ConnectionRefusedError:
-        return "refused"
+        return "refused" if liveness.refusal_proves(host) else "silent"
     except OSError:
         return "silent"
 

@@ -10,10 +10,20 @@ heartbeat's to find). No data ever crosses the port; nothing is read from it.
 
 The port is registered in the store under ``ew/live/<rank>``; a probe that cannot reach the host at
 all (a host powered off drops packets instead of refusing) proves nothing and says so (None).
+
+A refusal is the kernel's word only when it is the dead rank's own kernel that speaks, and a
+prober knows that only for an address of its own machine (loopback, or an address of its own
+network namespace): :func:`is_own_address`. From across a network, a firewall that rejects
+(``reject with tcp reset``) in front of a live host refuses exactly as a dead process's kernel
+would, and a partition that rejects would then look like death from both sides -- each side "the
+majority" of the living, two runs (issue 58). So a refusal from another machine is silence
+(None); deaths across machines are proven by the dead rank's own agent (a reaped child) or by its
+heartbeats.
 """
 from __future__ import annotations
 
 import errno
+import functools
 import selectors
 import socket
 import threading
@@ -65,8 +75,9 @@ class LivenessPort:
 
 
 def probe(address: str, timeout_s: float = PROBE_TIMEOUT_S) -> bool | None:
-    """True: the process answers (alive, perhaps hung); False: its host refused (it is gone);
-    None: no answer within ``timeout_s`` or no route (nothing proven)."""
+    """True: the process answers (alive, perhaps hung); False: this machine's own kernel refused
+    (it is gone); None: no answer within ``timeout_s``, no route, or a refusal from another machine
+    (nothing proven)."""
     return probe_all({0: address}, timeout_s)[0]
 
 
@@ -86,9 +97,9 @@ def probe_all(addresses: dict[int, str], timeout_s: float) -> dict[int, bool | N
         sock.setblocking(False)
         code = sock.connect_ex(where)
         if code == errno.EINPROGRESS:
-            waiting.register(sock, selectors.EVENT_WRITE, key)
+            waiting.register(sock, selectors.EVENT_WRITE, (key, where[0]))
             continue
-        out[key] = _answer(code)
+        out[key] = _answer(code, where[0])
         sock.close()
     deadline = time.monotonic() + timeout_s
     while waiting.get_map():
@@ -99,26 +110,53 @@ def probe_all(addresses: dict[int, str], timeout_s: float) -> dict[int, bool | N
         if not ready_now and left == 0.0:
             break
         for ready, _ in ready_now:
-            out[ready.data] = _answer(ready.fileobj.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR))
+            key, ip = ready.data
+            out[key] = _answer(ready.fileobj.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR), ip)
             waiting.unregister(ready.fileobj)
             ready.fileobj.close()
     for pending in list(waiting.get_map().values()):  # no answer in time
-        out[pending.data] = None
+        out[pending.data[0]] = None
         pending.fileobj.close()
     waiting.close()
     return out
 
 
-def _answer(code: int) -> bool | None:
-    return True if code == 0 else False if code == errno.ECONNREFUSED else None
+def _answer(code: int, ip: str) -> bool | None:
+    if code == errno.ECONNREFUSED:
+        return False if is_own_address(ip) else None
+    return True if code == 0 else None
+
+
+def refusal_proves(host: str) -> bool:
+    """Whether a refused connect to ``host`` (a name or an address) proves that nothing listens
+    there: it is this machine's own (:func:`is_own_address`)."""
+    try:
+        ip = socket.getaddrinfo(host.strip("[]"), None, type=socket.SOCK_STREAM)[0][4][0]
+    except OSError:
+        return False
+    return is_own_address(ip)
+
+
+@functools.lru_cache(maxsize=1024)
+def is_own_address(ip: str) -> bool:
+    """Whether ``ip`` is this machine's own (loopback, or an address of one of its interfaces in
+    this network namespace): a connect there is answered by this kernel, so its refusal proves
+    that nothing listens. Told by binding to it, which only an own address allows."""
+    try:
+        family = socket.AF_INET6 if ":" in ip else socket.AF_INET
+        with socket.socket(family, socket.SOCK_STREAM) as sock:
+            sock.bind((ip.split("%")[0], 0))
+        return True
+    except OSError:  # EADDRNOTAVAIL: another machine's
+        return False
 
 
 class Prober:
     """Probes ranks by the addresses they registered; an address is read from the store once.
 
-    A refusal proves death only from a port this prober has reached before: a firewall that
-    rejects instead of dropping, or a port on an address others cannot reach, refuses a live rank
-    too. Each watcher learns the next members in ring order when its view changes (a few connects
+    A refusal proves death only from a port this prober has reached before (a port on an address
+    others cannot reach refuses a live rank too), and only on this machine (:func:`is_own_address`;
+    across a network a firewall's REJECT refuses a live rank too). Each watcher learns the next members in ring order when its view changes (a few connects
     per epoch, off the recovery path), so every rank is known to the ranks just before it."""
 
     def __init__(self):
@@ -160,7 +198,8 @@ class Prober:
     def unreachable(self, ranks, store, timeout_s: float = REACH_TIMEOUT_S, reached_only: bool = True) -> list[int]:
         """Those of ``ranks`` whose port does not answer at all within ``timeout_s`` (all probed at
         once): alive or not, this rank cannot reach them over the network its collectives use.
-        A refusal is not counted (the rank is gone: that is the death evidence's to say), nor is a
+        A refusal on this machine is not counted (the rank is gone: that is the death evidence's
+        to say; one from another machine is silence, :func:`probe`), nor is a
         rank that never registered a port, nor -- with ``reached_only`` -- one whose port this
         prober never reached: an address that never worked (a host name that does not resolve
         here) says nothing about the network, only about the address."""

@@ -216,7 +216,8 @@ class Membership:
         raw = self.store.read(f"{PREFIX}ep/{epoch}/cut")
         return {} if raw is None else {int(r): peers for r, peers in json.loads(raw).items()}
 
-    def _proven_dead(self, ranks: Sequence[int]) -> set[int]:
+    def proven_dead(self, ranks: Sequence[int]) -> set[int]:
+        """Those of ``ranks`` whose death is recorded (by their agent, or a refusal on their host)."""
         return set(self._per_rank("dead", ranks))
 
     def known_dead(self, prev: Sequence[int], since_epoch: int = 0) -> tuple[set[int], set[int]]:
@@ -225,7 +226,7 @@ class Membership:
         had fewer: see :mod:`~elaswave.control.heartbeat`; an older alert was answered already).
         A suspect one watcher alone named is waited for until ``agree_timeout_s``: alive, it
         checks in and stays."""
-        proven = self._proven_dead(prev)
+        proven = self.proven_dead(prev)
         named: dict[int, set[str]] = {}
         need: dict[int, int] = {}
         for n in range(1, self.alert_count() + 1):

@@ -4,7 +4,6 @@ part in (:mod:`elaswave.control.failover`)."""
 from __future__ import annotations
 
 import os
-import socket
 import sys
 import time
 from functools import cached_property
@@ -16,7 +15,7 @@ from elaswave.comm import backend
 from elaswave.comm.groups import Communicator
 from elaswave.config import JobConfig
 from elaswave.control import failover, rendezvous, seal
-from elaswave.control.agents import NODE_RANK_ENV, NODES_ENV
+from elaswave.control.agents import NODES_ENV, host_name
 from elaswave.control.admission import JOIN_ENV, Admission, job_token
 from elaswave.control.faults import FaultInjector
 from elaswave.control.heartbeat import Watcher
@@ -70,7 +69,7 @@ class Context:
         # Hosts can be cut apart around one TCPStore: a side must hold a majority to decide (on
         # etcd, etcd's own majority is that arbiter; on one host there is nothing to cut).
         self.membership = Membership(store, rank, prober=self.prober, requires_majority=_hosts_around_a_tcpstore())
-        self.membership.announce_host(_host())
+        self.membership.announce_host(host_name())
         self.admission = Admission(store, rank)
         self.stamps_steps = any(f.kind == "join" for f in cfg.elastic.faults)
         self.comm = Communicator(store, rank, backend_name, device, cfg.parallel.timeout_s, self.interrupt,
@@ -256,13 +255,6 @@ class Context:
     def _first_mb(self) -> int:
         d, _ = self.plan.position(self.rank)
         return self.plan.micro_batches[d][0]
-
-
-def _host() -> str:
-    """This rank's host, as the job knows its hosts: the agent's node rank (``elaswave run
-    --node-rank``, torchrun's GROUP_RANK), else the machine's name."""
-    node = os.environ.get(NODE_RANK_ENV) or os.environ.get("GROUP_RANK")
-    return f"node {node}" if node is not None else socket.gethostname()
 
 
 def _hosts_around_a_tcpstore() -> bool:

@@ -1,11 +1,16 @@
 """The liveness port against real processes: accepted while a process lives (stopped too),
-refused once it is gone."""
+refused once it is gone -- proof only from this machine's own kernel."""
 import signal
+import socket
 import subprocess
 import sys
 import time
 
-from elaswave.control.liveness import LivenessPort, Prober, probe
+import pytest
+
+from elaswave.control import failover
+from elaswave.control.liveness import LivenessPort, Prober, is_own_address, probe
+from tests.helpers import netns
 
 SERVE = """
 import sys, time
@@ -59,3 +64,26 @@ def test_a_refusal_from_a_port_never_reached_proves_nothing():
     prober.learn([8], None)
     port.close()
     assert prober.is_gone(8, None) is True
+
+
+def test_a_refusal_proves_a_death_only_from_this_machines_own_kernel():
+    """A closed port on loopback (or on an address of this machine) is refused by this kernel:
+    proof. The same closed port on another host (a network namespace, its own kernel) is refused
+    too -- exactly as a firewall's REJECT in front of a live rank would be -- and proves nothing."""
+    reason = netns.unavailable()
+    if reason:
+        pytest.skip(reason)
+    closed = socket.socket()
+    closed.bind(("0.0.0.0", 0))
+    port = closed.getsockname()[1]
+    closed.close()
+    with netns.OtherHost() as host:
+        assert is_own_address("127.0.0.1") and is_own_address(host.here_peer_ip)
+        assert not is_own_address(host.peer_ip)
+        assert probe(f"127.0.0.1:{port}") is False and probe(f"{host.here_peer_ip}:{port}") is False
+        # Nothing listens in the namespace either: its kernel resets the connect, which is no proof here.
+        began = time.monotonic()
+        assert probe(f"{host.peer_ip}:{port}") is None
+        assert time.monotonic() - began < 0.5  # answered at once: a refusal, read as silence
+        assert failover.reach(f"{host.peer_ip}:{port}") == "silent"
+        assert failover.reach(f"127.0.0.1:{port}") == "refused"

@@ -6,6 +6,8 @@ one: the *store link* (its agent and workers reach the job's store over it) and 
 (gloo and the liveness ports bind to its addresses). Taking the peer link down is a partition as a
 real fabric has one: packets dropped, no reset, new connects failing -- while the store link still
 carries every store call. Needs root and iproute2; :func:`unavailable` says why not otherwise.
+A firewall's cut (:meth:`OtherHost.refuse`, :meth:`OtherHost.drop_incoming`) needs nftables too
+(``scripts/install_test_tools.sh``): :func:`firewall_unavailable`.
 """
 from __future__ import annotations
 
@@ -39,6 +41,32 @@ def unavailable() -> str | None:
         return f"`ip netns add` failed: {made.stderr.strip()}"
     _ip("netns", "del", probe)
     return None
+
+
+def firewall_unavailable() -> str | None:
+    """Why no firewall cut can be made here (None: it can). Under CI (``CI`` set) nftables is
+    required, as etcd is: ``.ci/run`` installs it, and a skip would hide the cut's test."""
+    if unavailable() or shutil.which("nft"):
+        return unavailable()
+    if os.environ.get("CI"):
+        raise AssertionError("nftables is not installed: .ci/run runs scripts/install_test_tools.sh first")
+    return "nftables' `nft` is not installed (sh scripts/install_test_tools.sh)"
+
+
+# Rules in the other host's namespace: everything but its own loopback traffic. A reset or an ICMP
+# error the input chain makes goes out through the output chain, which must let it pass.
+REFUSE = """table inet ewcut {
+  chain input { type filter hook input priority 0; policy accept; iifname "lo" accept;
+                meta l4proto tcp reject with tcp reset; reject with icmpx admin-prohibited; }
+  chain output { type filter hook output priority 0; policy accept; oifname "lo" accept;
+                 tcp flags & rst == rst accept; meta l4proto { icmp, ipv6-icmp } accept;
+                 meta l4proto tcp reject with tcp reset; reject with icmpx admin-prohibited; }
+}
+"""
+DROP_INCOMING = """table inet ewcut {
+  chain input { type filter hook input priority 0; policy accept; iifname "lo" accept; drop; }
+}
+"""
 
 
 def forward() -> None:
@@ -102,6 +130,24 @@ class OtherHost:
         other; from outside, every packet to it is dropped and nothing is refused."""
         for _, there in self._links.values():
             self._run("link", "set", there, "down", netns=self.name)
+
+    def refuse(self) -> None:
+        """A firewall that REJECTs between this host and every other, both links: each connect
+        either way is refused (a TCP reset), each open connection reset at its next packet. Its
+        processes live on and reach each other -- from outside, a live host that refuses exactly
+        as a dead process's kernel would."""
+        self._nft(REFUSE)
+
+    def drop_incoming(self) -> None:
+        """A one-way cut, both links: every packet from another host to this one is dropped, while
+        this host's packets still arrive (a request of its may land; no answer comes back)."""
+        self._nft(DROP_INCOMING)
+
+    def _nft(self, rules: str) -> None:
+        done = subprocess.run([*self.prefix(), "nft", "-f", "-"], input=rules, capture_output=True, text=True,
+                              timeout=10)
+        if done.returncode != 0:
+            raise RuntimeError(f"nft in {self.name}: {done.stderr.strip()}")
 
     @staticmethod
     def _run(*args: str, netns: str | None = None) -> None:
