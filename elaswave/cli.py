@@ -88,10 +88,9 @@ def cmd_join(args: argparse.Namespace) -> int:
     import subprocess
     import tempfile
 
-    from elaswave.control import rendezvous, seal
+    from elaswave.control import rank_numbers, rendezvous, seal
     from elaswave.control.admission import JOIN_ENV, STARTED_ENV, TOKEN_ENV
     from elaswave.control.membership import PREFIX
-    from elaswave.launch import next_rank
 
     if ":" not in args.store:
         raise ConfigError(f"--store={args.store!r} is invalid: use HOST:PORT, as `elaswave run` prints it")
@@ -105,11 +104,12 @@ def cmd_join(args: argparse.Namespace) -> int:
         raise
     except Exception as exc:  # noqa: BLE001 - one line for the user
         raise ConfigError(f"--store={args.store!r}: no elaswave job answers there ({type(exc).__name__}: {exc})") from None
-    rank = next_rank(store)
+    rank, claim = rank_numbers.claim(store)
     with tempfile.NamedTemporaryFile("w", suffix=".json", prefix="elaswave-join-", delete=False) as fh:
         json.dump(doc, fh)
     env = dict(os.environ, RANK=str(rank), WORLD_SIZE="0", LOCAL_RANK="0", ELASWAVE_STORE=args.store,
-               OMP_NUM_THREADS="1", **{JOIN_ENV: "1", STARTED_ENV: repr(__import__("time").time())})
+               OMP_NUM_THREADS="1", **{JOIN_ENV: "1", STARTED_ENV: repr(__import__("time").time()),
+                                       rank_numbers.CLAIM_ENV: claim})
     env.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
     print(f"elaswave: joining the job at {args.store} as rank {rank}", flush=True)
     cmd = [sys.executable, "-m", "elaswave.runtime.worker", "--config", fh.name]

@@ -20,16 +20,15 @@ import sys
 import tempfile
 import threading
 import time
-from datetime import timedelta
 
 import torch.distributed as dist
 
 from elaswave.config import JobConfig
 from elaswave.errors import ConfigError
-from elaswave.control import agents, failover, rendezvous, seal
+from elaswave.control import agents, failover, rank_numbers, rendezvous, seal
 from elaswave.control.admission import JOIN_ENV, SPARE_ENV, STARTED_ENV, TOKEN_ENV, job_token, new_token, promote, Admission
 from elaswave.control.agents import NODE_RANK_ENV, NODES_ENV, AgentRefused, Node
-from elaswave.control.link import EXIT_EXCLUDED, EXIT_GROUP_LEFT, EXIT_STORE_LOST, StoreLink, StoreLost, client
+from elaswave.control.link import EXIT_EXCLUDED, EXIT_GROUP_LEFT, EXIT_STORE_LOST, StoreLink, StoreLost, client, serve
 from elaswave.control.liveness import Prober
 from elaswave.control.membership import PREFIX, Membership
 
@@ -81,7 +80,20 @@ class _Workers:
         """rank -> its LOCAL_RANK on this host."""
         self.standing: list[int] = []
         """Warm spares of this host standing by, oldest first."""
+        self.claims: dict[int, str] = {}
+        """joiner's rank -> the id of the claim on its number (:mod:`elaswave.control.rank_numbers`)."""
         self.membership = membership
+
+    def reclaim(self) -> None:
+        """After following the store: this host's joiners' numbers are theirs on it too. One the new
+        store handed to another process before this agent got there started on the old store and
+        could never be admitted: it stops."""
+        for rank, claim in self.claims.items():
+            proc = self.procs[rank]
+            if proc.poll() is None and not rank_numbers.reclaim(self.store, rank, claim):
+                print(f"elaswave: rank number {rank} was handed out again by the moved store; its joiner, "
+                      "started on the old one, stops", file=sys.stderr, flush=True)
+                _stop([proc], grace_s=1.0)
 
     def spawn_spare(self) -> int:
         rank = self.spawn(joining=True, spare=True)
@@ -111,7 +123,7 @@ class _Workers:
     def spawn(self, joining: bool = False, spare: bool = False) -> int:
         world_size = self.cfg.world_size
         founding = self.node.founding_ranks(world_size)
-        rank = next_rank(self.store) if joining else founding[len(self.procs)]
+        rank, claim = rank_numbers.claim(self.store) if joining else (founding[len(self.procs)], "")
         # The lowest local slot (a GPU under NCCL) no live worker of this host has: a replacement
         # takes the dead one's device.
         taken = {self.slots[r] for r, p in self.procs.items() if p.poll() is None}
@@ -120,7 +132,8 @@ class _Workers:
                    LOCAL_WORLD_SIZE=str(len(founding)), ELASWAVE_STORE=self.store_addr, OMP_NUM_THREADS="1")
         env[TOKEN_ENV], env[NODES_ENV], env[NODE_RANK_ENV] = self.token, str(self.node.nnodes), str(self.node.node_rank)
         if joining:
-            env[JOIN_ENV], env[STARTED_ENV] = "1", repr(time.time())
+            env[JOIN_ENV], env[STARTED_ENV], env[rank_numbers.CLAIM_ENV] = "1", repr(time.time()), claim
+            self.claims[rank] = claim
         if spare:
             env[SPARE_ENV] = "1"
         # The watchers' store waits time out every heartbeat interval by design; keep c10d quiet.
@@ -146,19 +159,18 @@ def _open_store(cfg: JobConfig, node: Node, host: str) -> tuple[dist.TCPStore | 
     """The job's store: hosted here (one host, or node 0 of several) or reached at the endpoint
     (through a link that outlives a dropped connection). Returns it and the address the workers
     connect to."""
-    timeout = timedelta(seconds=cfg.parallel.timeout_s)
     if node.rdzv_backend == "etcd":
         store = rendezvous.open_etcd_run(node.rdzv_endpoint, node.rdzv_id, node.node_rank, cfg.parallel.timeout_s)
         return StoreLink(store, None, cfg.parallel.timeout_s, cfg.elastic.heartbeat_timeout_s), \
             rendezvous.etcd_address(store)
+    # The store listens at its address alone (one host: loopback), never on every interface.
     if node.rdzv_endpoint is None:
-        store = dist.TCPStore(host, 0, world_size=None, is_master=True, wait_for_workers=False, timeout=timeout)
+        store = serve(host, 0, cfg.parallel.timeout_s)
         return store, f"{host}:{store.port}"
     ep_host, port = node.endpoint()
     if node.node_rank == 0:
         try:
-            store = dist.TCPStore(ep_host, port, world_size=None, is_master=True, wait_for_workers=False,
-                                  timeout=timeout)
+            store = serve(ep_host, port, cfg.parallel.timeout_s)
         except (RuntimeError, OSError) as exc:
             raise AgentRefused(f"--rdzv-endpoint={node.rdzv_endpoint}: node 0 cannot host the job's store there "
                                f"({type(exc).__name__}: {str(exc).splitlines()[0]})") from None
@@ -235,7 +247,7 @@ def launch(cfg: JobConfig, metrics_out: str | None = None, host: str = "127.0.0.
                            f"settings within parallel.timeout_s={cfg.parallel.timeout_s:g} s") from None
     if node.node_rank == 0:
         # What `elaswave join` needs to add a rank from elsewhere: the job's config and a rank number.
-        store.add(PREFIX + "next_rank", cfg.world_size)
+        rank_numbers.set_floor(store, cfg.world_size)  # the founding ranks' numbers are taken
         store.set(PREFIX + "config", json.dumps(cfg.to_dict()))
         if node.is_multi_host:
             agents.publish(store, node, cfg.world_size, cfg.to_dict())
@@ -353,7 +365,7 @@ def _watch(cfg: JobConfig, workers: _Workers, store: dist.TCPStore, membership: 
         asks = time.monotonic() - asked_at >= STORE_POLL_S or all(c is not None for c in codes.values())
         if asks:
             asked_at = time.monotonic()
-        if asks and done_at is None and store.check([PREFIX + "done"]):
+        if asks and done_at is None and membership.read_stamp("done") is not None:  # sealed: a forged one ends nothing
             done_at, watching.done = time.monotonic(), True
         if done_at is None:
             _start_joiners(workers, joins if asks else [], respawns, membership)
@@ -398,6 +410,7 @@ def _follow(cfg: JobConfig, workers: _Workers, store, watching: _Watching, lost:
     if addr is None:
         return False
     workers.store_addr = addr  # the replacements and spares it starts from now on
+    workers.reclaim()
     failover.followed(store, workers.node.node_rank)
     workers.membership.spares_standing(len(workers.standing))
     print(f"elaswave: {lost}; the job's store moved to {addr}, and this agent follows it", file=sys.stderr, flush=True)
@@ -434,11 +447,13 @@ class _OtherHosts:
     def __init__(self, store: dist.TCPStore, workers: _Workers, every_s: float = 0.5):
         self.store, self.workers, self.every_s = store, workers, every_s
         self.prober, self._checked, self._answer = Prober(), 0.0, True
+        self._ranks = 0
 
     def training(self) -> bool:
         if time.monotonic() - self._checked >= self.every_s:
             self._checked = time.monotonic()
-            ranks = [r for r in range(self.store.add(PREFIX + "next_rank", 0)) if r not in self.workers.procs]
+            self._ranks = rank_numbers.count(self.store, self._ranks)
+            ranks = [r for r in range(self._ranks) if r not in self.workers.procs]
             dead = self.workers.membership.proven_dead(ranks)  # by their agents (a port on another host proves nothing)
             self._answer = any(self.prober.is_alive(r, self.store) for r in ranks if r not in dead)
         return self._answer
@@ -487,11 +502,6 @@ def _is_member(cfg: JobConfig, store: dist.TCPStore, membership: Membership, ran
     epoch = membership.current_epoch()
     members = (membership.members_of(epoch) if epoch else None) or tuple(range(cfg.world_size))
     return rank in members or rank in Admission(store, -1).joining(epoch + 1)
-
-
-def next_rank(store: dist.Store) -> int:
-    """A rank number no process of this job has had (joiners get one each)."""
-    return store.add(PREFIX + "next_rank", 1) - 1
 
 
 def _final_members(store: dist.TCPStore, membership: Membership, world_size: int) -> tuple[int, ...]:

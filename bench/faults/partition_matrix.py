@@ -21,6 +21,15 @@ summary):
 - ``c10d_three_hosts_one_cut`` / ``etcd_three_hosts_one_cut``: three agents (dp=3 x pp=2, two ranks
   a host; hosts 1 and 2 namespaces that reach each other through this one), around node 0's
   TCPStore (resp. one etcd member per host); host 2 goes silent. Hosts 0 and 1 go on.
+- ``c10d_refusing_cut`` / ``etcd_refusing_cut``: as ``c10d_cut`` / ``etcd_cut_majority_host0``, but
+  the cut is a firewall's REJECT (nftables ``reject with tcp reset`` in host 1's namespace, both
+  ways): every connect refused, every connection reset, both sides alive (issue 58).
+- ``c10d_one_way_cut`` / ``etcd_one_way_cut``: the same hosts; every packet from host 0 to host 1
+  is dropped while host 1's packets still reach host 0.
+- ``c10d_store_host_alone`` / ``etcd_node0_host_alone``: three agents, node 0 (which holds the
+  TCPStore, resp. one of three etcd members) in a namespace of its own; node 0's host goes silent
+  alone. Hosts 1 and 2 go on (the store moves to a standby of theirs); every process of node 0's
+  side -- its agent too -- exits non-zero.
 
 A run *passes* when at most one side writes a step after the fault, that side's run is bit-identical
 to the reference (every step once, the losses, the final parameters and optimizer state), the other
@@ -87,11 +96,13 @@ def _finish(jobs: list[Running], since: float, limit_s: float) -> list[tuple[int
     return [o or (None, None) for o in out]
 
 
-def _two_hosts(tmp: Path, steps: int, etcd_in_host1: int | None, holder_silent: bool = False) -> list[dict]:
+def _two_hosts(tmp: Path, steps: int, etcd_in_host1: int | None, holder_silent: bool = False,
+               cut: str = "silence") -> list[dict]:
     """Two agents, host 1 in a namespace; ``etcd_in_host1``: None for the TCPStore, else how many
     of the 3 etcd members run on host 1. ``holder_silent`` (TCPStore): node 0, which holds the
-    store, runs in the namespace instead, so the host that goes silent is the store's. Returns both
-    sides (node 0's first)."""
+    store, runs in the namespace instead, so the host that goes silent is the store's. ``cut``:
+    how the namespace is cut off (``silence``, ``refuse``, ``drop_incoming``: netns.OtherHost).
+    Returns both sides (node 0's first)."""
     with netns.OtherHost() as host:
         members = None if etcd_in_host1 is None else EtcdCluster(
             3, hosts=[host.here_store_ip] * (3 - etcd_in_host1) + [host.store_ip] * etcd_in_host1,
@@ -108,7 +119,7 @@ def _two_hosts(tmp: Path, steps: int, etcd_in_host1: int | None, holder_silent: 
             node0, node1 = (there, here) if holder_silent else (here, there)
             with agent(0, *node0) as a0, agent(1, *node1) as a1:
                 a0.wait_for(rf"step\s+{FAULT_STEP}/", 240)
-                host.silence()
+                getattr(host, cut)()
                 wall, since = time.time(), time.monotonic()
                 done = _finish([a0, a1], since, STOP_WITHIN_S + 150)
     return [_side(tmp / f"m{k}.jsonl", code, wall, s) for k, (code, s) in enumerate(done)]
@@ -120,25 +131,45 @@ def _three_hosts(tmp: Path, steps: int, etcd_per_host: bool) -> list[dict]:
     each host (else node 0's TCPStore). Hosts 0 and 1 hold 4 of the 6 ranks (and 2 of 3 members)."""
     netns.forward()
     with netns.OtherHost(1) as h1, netns.OtherHost(2) as h2:
-        members = EtcdCluster(3, hosts=[h1.here_store_ip, h1.store_ip, h2.store_ip],
-                              prefixes=[[], h1.prefix(), h2.prefix()]) if etcd_per_host else None
-        with members or contextlib.nullcontext() as etcd:
-            rdzv = (["--rdzv-backend", "etcd", "--rdzv-endpoint", etcd.endpoints] if members else
-                    ["--rdzv-endpoint", f"{h1.here_store_ip}:{free_port()}"])
-
-            def agent(k: int, bind: str, prefix=()) -> Running:
-                return Running(_args([*_sets(steps, dp=3), f"parallel.bind_address={bind}"], "--nnodes", "3",
-                                     "--node-rank", str(k), *rdzv), tmp / f"m{k}.jsonl", env=ENV, prefix=list(prefix))
-
-            with agent(0, h1.here_peer_ip) as a0, agent(1, h1.peer_ip, h1.prefix()) as a1, \
-                    agent(2, h2.peer_ip, h2.prefix()) as a2:
-                a0.wait_for(rf"step\s+{FAULT_STEP}/", 300)
-                h2.silence()
-                wall, since = time.time(), time.monotonic()
-                done = _finish([a0, a1, a2], since, STOP_WITHIN_S + 150)
-    sides = [_side(tmp / f"m{k}.jsonl", code, wall, s) for k, (code, s) in enumerate(done)]
+        sides = _three_agents(tmp, steps, etcd_per_host, [(h1.here_store_ip, h1.here_peer_ip, ()),
+                                                          (h1.store_ip, h1.peer_ip, h1.prefix()),
+                                                          (h2.store_ip, h2.peer_ip, h2.prefix())], h2)
     sides[1]["partner"] = True  # host 1 goes on with host 0, whose leader writes the run's metrics
     return sides
+
+
+def _node0_alone(tmp: Path, steps: int, etcd_per_host: bool) -> list[dict]:
+    """Three agents, each host a namespace (node 0 in a third one, with the TCPStore or one of the
+    three etcd members); node 0's host goes silent alone. Hosts 1 and 2 go on without it."""
+    netns.forward()
+    with netns.OtherHost(1) as h1, netns.OtherHost(2) as h2, netns.OtherHost(3) as h0:
+        sides = _three_agents(tmp, steps, etcd_per_host, [(h0.store_ip, h0.peer_ip, h0.prefix()),
+                                                          (h1.store_ip, h1.peer_ip, h1.prefix()),
+                                                          (h2.store_ip, h2.peer_ip, h2.prefix())], h0)
+    # Host 1's leader writes the run's metrics after the cut; host 2 ends with it.
+    sides[2]["partner"] = True
+    return sides
+
+
+def _three_agents(tmp: Path, steps: int, etcd_per_host: bool, hosts: list[tuple], cut) -> list[dict]:
+    """Node k at ``hosts[k]`` = (its store-link address, its peer address, its command prefix): one
+    etcd member on each (``etcd_per_host``), else node 0 holds the TCPStore; ``cut`` goes silent
+    after step FAULT_STEP."""
+    members = EtcdCluster(3, hosts=[h[0] for h in hosts], prefixes=[list(h[2]) for h in hosts]) if etcd_per_host else None
+    with members or contextlib.nullcontext() as etcd:
+        rdzv = (["--rdzv-backend", "etcd", "--rdzv-endpoint", etcd.endpoints] if members else
+                ["--rdzv-endpoint", f"{hosts[0][0]}:{free_port()}"])
+
+        def agent(k: int) -> Running:
+            return Running(_args([*_sets(steps, dp=3), f"parallel.bind_address={hosts[k][1]}"], "--nnodes", "3",
+                                 "--node-rank", str(k), *rdzv), tmp / f"m{k}.jsonl", env=ENV, prefix=list(hosts[k][2]))
+
+        with agent(0) as a0, agent(1) as a1, agent(2) as a2:
+            a0.wait_for(rf"step\s+{FAULT_STEP}/", 300)
+            cut.silence()
+            wall, since = time.time(), time.monotonic()
+            done = _finish([a0, a1, a2], since, STOP_WITHIN_S + 150)
+    return [_side(tmp / f"m{k}.jsonl", code, wall, s) for k, (code, s) in enumerate(done)]
 
 
 def _one_host(tmp: Path, steps: int, fault: str) -> list[dict]:
@@ -181,7 +212,15 @@ CASES = {
     "etcd_member_killed": lambda tmp, steps: _one_host(tmp, steps, "member_killed"),
     "etcd_member_stopped": lambda tmp, steps: _one_host(tmp, steps, "member_stopped"),
     "etcd_three_hosts_one_cut": lambda tmp, steps: _three_hosts(tmp, steps, True),
+    "c10d_refusing_cut": lambda tmp, steps: _two_hosts(tmp, steps, None, cut="refuse"),
+    "etcd_refusing_cut": lambda tmp, steps: _two_hosts(tmp, steps, 1, cut="refuse"),
+    "c10d_one_way_cut": lambda tmp, steps: _two_hosts(tmp, steps, None, cut="drop_incoming"),
+    "etcd_one_way_cut": lambda tmp, steps: _two_hosts(tmp, steps, 1, cut="drop_incoming"),
+    "c10d_store_host_alone": lambda tmp, steps: _node0_alone(tmp, steps, False),
+    "etcd_node0_host_alone": lambda tmp, steps: _node0_alone(tmp, steps, True),
 }
+FIREWALL = ("refusing", "one_way")
+"""Cases that need nftables."""
 
 
 def judge(sides: list[dict], reference: dict, steps: int) -> dict:
@@ -253,8 +292,10 @@ def main(argv: list[str] | None = None) -> int:
                  "state_sha256": ref.summary["state_sha256"]}
     out: dict = {}
     for name in names:
-        if reason and ("cut" in name):  # (the three-host cases too)
-            out[name] = {"skipped": reason}
+        why = (netns.firewall_unavailable() if any(f in name for f in FIREWALL) else reason) \
+            if ("cut" in name or "alone" in name) else None
+        if why:
+            out[name] = {"skipped": why}
             continue
         runs = []
         for i in range(args.runs):

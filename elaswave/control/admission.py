@@ -4,9 +4,10 @@ A joining process (a replacement the launcher respawns, or extra capacity starte
 ``elaswave join``) posts a *request* ``ew/join/<n>``, sealed like every control record
 (:mod:`elaswave.control.seal`): an HMAC of the request and its number ``n`` under the job's key,
 which only a holder of the job's token (``ELASWAVE_TOKEN``, never in the store) can derive from
-the job's nonce. The number is the challenge: it is drawn from the job's counter and a seal for
-one number or one job proves nothing for another, so a request read off the store cannot be
-replayed. A request that is not sealed is not the job's and is not answered. The epoch's leader (its
+the job's nonce. The number is the challenge: the request is the next record of a sealed sequence
+(:mod:`elaswave.control.sequence`; no counter says how many there are), and a seal for one number,
+one store generation or one job proves nothing for another, so a request read off the store
+cannot be replayed. A request that is not sealed is not the job's and is not answered. The epoch's leader (its
 lowest rank) reads new requests once per step, before the step's loss exchange, and either
 *refuses* one (wrong token, or no plan can take it: a clear verdict the joiner prints) or *admits*
 it into the next epoch: it writes the joining ranks and the plan they join, and counts them into
@@ -26,6 +27,7 @@ from typing import Callable
 
 import torch.distributed as dist
 
+from elaswave.control import sequence
 from elaswave.control.seal import PREFIX, sealed
 
 TOKEN_ENV = "ELASWAVE_TOKEN"
@@ -35,9 +37,7 @@ STARTED_ENV = "ELASWAVE_STARTED"
 """Wall time at which the launcher started a joining process (its start-up is part of a join's time)."""
 SPARE_ENV = "ELASWAVE_SPARE"
 """Set (to 1) in a warm spare: a joiner that stands by, started up, until its agent promotes it."""
-REQUEST_GAP_S = 10.0
-"""How long a drawn request number may stay without its request before the leader passes over it
-(its writer died in between)."""
+REQUESTS = PREFIX + "join/"
 
 
 def promote(store: dist.Store, rank: int) -> None:
@@ -85,12 +85,12 @@ class Admission:
         self.seen = 0
         self.requests: dict[int, Request] = {}
         self.refused: set[int] = set()
+        self._told: set[int] = set()
         self.admitted_at: dict[int, float] = {}
         self.counted: Callable[[], int | None] | None = None
         """The number of join requests as a watch stream last saw it (on etcd,
         :class:`~elaswave.control.leases.Lease`), so that the leader's check in every step reads
-        the store only when there is something new; None: read the counter."""
-        self._gap_since: dict[int, float] = {}
+        the store only when there is something new; None: look for the next one in the store."""
 
     # -- the joiner's side -------------------------------------------------------------------
     def stand_by(self, poll_s: float = 0.5) -> float | None:
@@ -100,7 +100,7 @@ class Admission:
         return float(self.store.get(key)) if self._wait_unless_done(key, None, poll_s) else None
 
     def job_done(self) -> bool:
-        return self.store.check([PREFIX + "done"])
+        return self.store.read(PREFIX + "done") is not None  # sealed: a forged "done" stops no joiner
 
     def _wait_unless_done(self, key: str, timeout_s: float | None, poll_s: float = 0.5) -> bool:
         """Wait for ``key``: True once it is set, False as soon as the job is done (each wait is one
@@ -120,20 +120,25 @@ class Admission:
 
     def request(self, started_wall: float) -> None:
         doc = {"rank": self.rank, "started_wall": started_wall, "requested_wall": time.time()}
-        n = self.store.add(PREFIX + "join_seq", 1)
-        self.store.set(f"{PREFIX}join/{n}", json.dumps(doc))
+        sequence.append(self.store, REQUESTS, json.dumps(doc))  # (a rank's request is unlike any other's)
 
     def wait_verdict(self, attempt: int, timeout_s: float) -> Verdict | None:
         """The leader's answer to this rank's request (``attempt`` 1, or later ones after a failure
         kept it out), or None if the job finished first; raises :class:`Refused` or TimeoutError."""
         key = f"{PREFIX}join/{self.rank}/verdict/{attempt}"
-        try:
-            if not self._wait_unless_done(key, timeout_s):
-                return None
-        except TimeoutError:
-            raise TimeoutError(f"rank {self.rank}: no answer to the join request within {timeout_s}s "
-                               "(is the job still running?)") from None
-        doc = json.loads(self.store.get(key))
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                if not self._wait_unless_done(key, max(0.0, deadline - time.monotonic())):
+                    return None
+            except TimeoutError:
+                raise TimeoutError(f"rank {self.rank}: no answer to the join request within {timeout_s}s "
+                                   "(is the job still running?)") from None
+            raw = self.store.read(key)
+            if raw is not None:
+                break
+            time.sleep(0.1)  # forged: the leader's verdict replaces it
+        doc = json.loads(sequence.body(raw))
         if not doc["admitted"]:
             raise Refused(f"rank {self.rank} was refused by the job: {doc['why']}")
         return Verdict(doc["epoch"], tuple(doc["joining"]), doc["prev_plan"], doc["admitted_wall"], doc.get("run", 0),
@@ -143,22 +148,16 @@ class Admission:
     def pending(self, members: tuple[int, ...]) -> list[Request]:
         """Requests not yet answered for good: not refused, and not members already."""
         count = self.counted() if self.counted is not None else None
-        if count is None:
-            count = self.store.add(PREFIX + "join_seq", 0)
-        while self.seen < count:
+        while count is None or self.seen < count:
             n = self.seen + 1
-            if not self.store.check([f"{PREFIX}join/{n}"]):
-                # Its writer drew the number and has not written the request yet -- or died in between.
-                if time.monotonic() - self._gap_since.setdefault(n, time.monotonic()) < REQUEST_GAP_S:
-                    break
-                self.seen = n
-                continue
+            raw = self.store.read(f"{REQUESTS}{n}")
+            if raw is None:
+                if self.store.key is not None and self.store.raw.check([f"{REQUESTS}{n}"]) and n not in self._told:
+                    self._told.add(n)  # the next real request replaces it
+                    print(f"elaswave: join request {n} is not sealed with the job's token: not answered",
+                          file=sys.stderr, flush=True)
+                break
             self.seen = n
-            raw = self.store.read(f"{PREFIX}join/{n}")
-            if raw is None:  # forged
-                print(f"elaswave: join request {n} is not sealed with the job's token: not answered",
-                      file=sys.stderr, flush=True)
-                continue
             doc = json.loads(raw)
             self.requests[doc["rank"]] = Request(doc["rank"], doc["started_wall"], doc["requested_wall"])
         return [r for k, r in sorted(self.requests.items()) if k not in members and k not in self.refused
@@ -196,5 +195,6 @@ class Admission:
         return () if raw is None else tuple(json.loads(raw))
 
     def _answer(self, rank: int, doc: dict) -> None:
-        attempt = self.store.add(f"{PREFIX}join/{rank}/attempts", 1)
-        self.store.set(f"{PREFIX}join/{rank}/verdict/{attempt}", json.dumps(doc))
+        """The rank's next verdict (its attempts are a sealed sequence: no count an outsider raised
+        can make the leader answer where the joiner does not look)."""
+        sequence.append(self.store, f"{PREFIX}join/{rank}/verdict/", sequence.unique(json.dumps(doc)))

@@ -22,7 +22,9 @@ import time
 from dataclasses import dataclass
 
 from elaswave.control.etcd import parse_endpoints
+from elaswave.control import sequence
 from elaswave.control.membership import PREFIX
+from elaswave.control.seal import sealed
 from elaswave.errors import ConfigError
 
 NODES_ENV = "ELASWAVE_NNODES"
@@ -149,7 +151,8 @@ def check_in(store, node: Node, world_size: int, config: dict) -> None:
             shown = f"is {ours.get(key, '(unset)')!r} here and {theirs.get(key, '(unset)')!r} on node 0"
             raise AgentRefused(f"{key.removeprefix('config.')} {shown}: every agent of a job must be started "
                                f"with the same settings")
-    if store.add(f"{PREFIX}agents/node/{node.node_rank}", 1) != 1:
+    mine = sequence.unique(f"node {node.node_rank}")  # a claim, sealed: no count says it is taken
+    if bytes(store.compare_set(f"{PREFIX}agents/node/{node.node_rank}", "", mine)) != mine.encode():
         raise AgentRefused(f"--node-rank={node.node_rank} is taken: another agent of this job has it")
 
 
@@ -157,7 +160,10 @@ def finished(store, node_rank: int) -> None:
     """An agent whose workers are done says so: node 0 keeps the store up until every agent has
     (and, after the store moved, the member holding it: :mod:`~elaswave.control.failover`)."""
     store.set(f"{FINISHED}/{node_rank}", "1")
-    store.add(FINISHED, 1)
+
+
+def has_finished(store, node_rank: int) -> bool:
+    return sealed(store).read(f"{FINISHED}/{node_rank}") is not None
 
 
 def wait_for_others(store, node: Node, grace_s: float) -> int:
@@ -165,7 +171,7 @@ def wait_for_others(store, node: Node, grace_s: float) -> int:
     say they finished (a host lost whole never will)."""
     deadline = time.monotonic() + grace_s
     while True:
-        missing = node.nnodes - 1 - store.add(FINISHED, 0)
-        if missing <= 0 or time.monotonic() > deadline:
-            return max(0, missing)
+        missing = [n for n in range(1, node.nnodes) if not has_finished(store, n)]
+        if not missing or time.monotonic() > deadline:
+            return len(missing)
         time.sleep(0.05)

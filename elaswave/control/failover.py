@@ -33,19 +33,16 @@ import json
 import socket
 import threading
 import time
-from datetime import timedelta
 from typing import Callable, Sequence
 
 import torch.distributed as dist
 
-from elaswave.control import agents, liveness
-from elaswave.control.link import StoreLink, StoreLost, check_listening, client
-from elaswave.control.membership import PREFIX, Membership, NoMajority, has_majority
-from elaswave.control.seal import JOB, Sealed, sealed
+from elaswave.control import agents, liveness, rank_numbers
+from elaswave.control.link import StoreLink, StoreLost, check_listening, client, serve
+from elaswave.control.membership import EPOCH_FLOOR, PREFIX, Membership, NoMajority, has_majority
+from elaswave.control.seal import JOB, Sealed, announce_generation, sealed, store_generation
 
 STANDBY = PREFIX + "standby/"
-GENERATION = PREFIX + "store/generation"
-"""How many times the job's store has moved; set on the new store once it is ready."""
 FOLLOWS = PREFIX + "agents/follows/"
 CONNECT_S = 0.25
 """The longest one connection attempt to a standby may take."""
@@ -57,21 +54,21 @@ class Standby:
 
     def __init__(self, bind: str | None, timeout_s: float):
         host = bind or socket.gethostname()
-        self.server = dist.TCPStore(host, 0, world_size=None, is_master=True, wait_for_workers=False,
-                                    timeout=timedelta(seconds=timeout_s))
+        self.server = serve(host, 0, timeout_s)  # on that address alone, never every interface
         self.addr = f"{host}:{self.server.port}"
         self.known: dict[int, str] = {}
-        self.generation = 0
-        """The generation of the store the members last read (0: never moved)."""
+        self.ranks = 0
+        """How many rank numbers the job had handed out when this rank last looked (a store that
+        moves here hands out none of them again)."""
 
     def register(self, store, rank: int) -> None:
         store.set(f"{STANDBY}{rank}", self.addr)
         self.known[rank] = self.addr
 
     def learn(self, store, ranks: Sequence[int]) -> None:
-        """The standby addresses of ``ranks`` this rank does not know yet, and the store's generation."""
+        """The standby addresses of ``ranks`` this rank does not know yet, and the rank numbers handed out."""
         self.known.update(_standbys(store, [r for r in ranks if r not in self.known]))
-        self.generation = _generation(store)
+        self.ranks = rank_numbers.count(store, self.ranks)
 
 
 def successor(members: Sequence[int], known: dict[int, str],
@@ -100,7 +97,7 @@ def reach(addr: str) -> str:
         check_listening(host, int(port), CONNECT_S)
         return "answers"
     except ConnectionRefusedError:
-        return "refused" if liveness.refusal_proves(host) else "silent"
+        return "refused" if liveness.is_own_host(host) else "silent"
     except OSError:
         return "silent"
 
@@ -154,13 +151,13 @@ def move(link: StoreLink, standby: Standby, rank: int, epoch: int, members: Sequ
     if requires_majority and prober is not None:
         check_majority(members, standby.known)
     leader, addr = successor(members, standby.known, answers if prober is not None else None)
-    link.move(addr)
+    link.move(addr, link.generation + 1)  # records are sealed for the new store's generation from here on
     # From a recovery every survivor seeds (the same values; the successor may still be stuck in
     # a collective with the dead, until its watcher follows the store here).
     if rank == leader or prober is not None:
-        # Counters only ever grow: a rank number handed out before the move must not come again.
-        raise_to(link, PREFIX + "next_rank", max(standby.known) + 1)
-        raise_to(link, PREFIX + "epoch", epoch)
+        # A rank number handed out before the move must not come again; the epoch goes on from here.
+        rank_numbers.set_floor(link, max(max(standby.known) + 1, standby.ranks))
+        link.compare_set(EPOCH_FLOOR, "", str(epoch))
         link.set(PREFIX + "config", json.dumps(config))
         if getattr(link, "job_record", None):  # a joiner that comes after the move checks its token here
             link.compare_set(JOB, "", link.job_record)
@@ -173,11 +170,10 @@ def move(link: StoreLink, standby: Standby, rank: int, epoch: int, members: Sequ
     return leader, addr
 
 
-def announce(link: StoreLink, standby: Standby) -> None:
+def announce(link: StoreLink) -> None:
     """The new store is ready for the agents and ranks that follow (after the barrier, on the
     successor; from a recovery, on every survivor, with the same value)."""
-    standby.generation += 1
-    link.set(GENERATION, str(standby.generation))
+    announce_generation(sealed(link), link.generation)
 
 
 def hold_for_agents(link: StoreLink, nnodes: int, own_node: int, within_s: float) -> None:
@@ -187,8 +183,8 @@ def hold_for_agents(link: StoreLink, nnodes: int, own_node: int, within_s: float
     deadline = time.monotonic() + within_s
     try:
         while time.monotonic() < deadline:
-            others = [n for n in range(nnodes) if n != own_node and link.check([f"{FOLLOWS}{n}"])]
-            if all(link.check([f"{agents.FINISHED}/{n}"]) for n in others):
+            others = [n for n in range(nnodes) if n != own_node and sealed(link).read(f"{FOLLOWS}{n}") is not None]
+            if all(agents.has_finished(link, n) for n in others):
                 return
             time.sleep(0.05)
     except StoreLost:
@@ -200,13 +196,6 @@ def followed(link: StoreLink, node_rank: int) -> None:
     link.set(f"{FOLLOWS}{node_rank}", "1")
 
 
-def raise_to(store, key: str, value: int) -> None:
-    """A counter at least ``value`` (two raising it at once may overshoot: it only needs to be new)."""
-    now = store.add(key, 0)
-    if now < value:
-        store.add(key, value - now)
-
-
 class Directory:
     """An agent's view of the members' standby stores, refreshed while the job's store is up,
     to follow the store when it moves."""
@@ -215,15 +204,15 @@ class Directory:
         self.every_s, self.at = every_s, 0.0
         self.known: dict[int, str] = {}
         self.generation = 0
-        self.next_rank = 0
+        self.ranks = 0
         self.clients: dict[str, dist.Store] = {}
 
     def refresh(self, store) -> None:
         if time.monotonic() - self.at < self.every_s:
             return
         self.at = time.monotonic()
-        self.next_rank = store.add(PREFIX + "next_rank", 0)
-        self.known.update(_standbys(store, [r for r in range(self.next_rank) if r not in self.known]))
+        self.ranks = rank_numbers.count(store, self.ranks)
+        self.known.update(_standbys(store, [r for r in range(self.ranks) if r not in self.known]))
         self.generation = _generation(store)
 
     def follow(self, link: StoreLink, within_s: float, timeout_s: float,
@@ -236,7 +225,6 @@ class Directory:
             moved = follow_once(link, self.known, self.generation, timeout_s, self.clients)
             if moved is not None:
                 addr, self.generation = moved
-                raise_to(link, PREFIX + "next_rank", self.next_rank)
                 return addr
             time.sleep(0.05)
         return None
@@ -256,7 +244,7 @@ def follow_once(link: StoreLink, known: dict[int, str], generation: int, timeout
             clients.pop(addr, None)
             continue
         if newer > generation:
-            link.move(addr)
+            link.move(addr, newer)
             return addr, newer
     return None
 
@@ -268,8 +256,7 @@ def _client(addr: str, timeout_s: float) -> dist.Store:
 
 
 def _generation(store) -> int:
-    raw = sealed(store).read(GENERATION)
-    return 0 if raw is None else int(raw)
+    return store_generation(sealed(store))
 
 
 def _standbys(store, ranks: Sequence[int]) -> dict[int, str]:

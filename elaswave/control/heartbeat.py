@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from elaswave.control import leases
 from elaswave.control.link import StoreLost
-from elaswave.control.membership import PREFIX, WATCHERS, Membership, is_stale
+from elaswave.control.membership import ALERTS, PREFIX, WATCHERS, Membership, is_stale
 from elaswave.interrupt import Interrupt
 
 
@@ -151,7 +151,7 @@ class Watcher(threading.Thread):
         return silent_since
 
     def _wait_for_alert(self, epoch: int) -> None:
-        key = f"{PREFIX}alert/{self.seen_alerts + 1}"
+        key = f"{ALERTS}{self.seen_alerts + 1}"
         if self.lease is not None:  # on etcd the watch stream says when (no request per interval)
             if not self.lease.alert_posted(self.seen_alerts + 1, min(self.interval_s, self.lease.next_read_in())):
                 return
@@ -160,10 +160,13 @@ class Watcher(threading.Thread):
                 self.store.wait([key], timedelta(seconds=self.interval_s))
             except Exception:  # timed out: no alert this interval
                 return
-        self.seen_alerts += 1
-        alert = self.membership.read_alert(self.seen_alerts)
-        if alert is None:  # forged: not the job's (elaswave.control.seal)
+        alert = self.membership.read_alert(self.seen_alerts + 1)
+        if alert is None:
+            # Forged (elaswave.control.seal): the next real alert replaces it in this slot. Not a
+            # busy wait on a key that is there: this turn ends, the beats go on.
+            time.sleep(self.interval_s if self.lease is None else 0.0)
             return
+        self.seen_alerts += 1
         broken = self._broken_by(alert) if alert.epoch >= epoch else None
         if broken is not None:
             # Check in first: the others may be waiting for us to decide the next epoch.

@@ -38,12 +38,12 @@ import queue
 import threading
 import time
 
+from elaswave.control import sequence
 from elaswave.control.etcd import REQUEST_TIMEOUT_S
 from elaswave.control.seal import PREFIX, opened, seal, sealed
 
 ALIVE = PREFIX + "alive/"
-COUNTED = (PREFIX + "join_seq",)
-"""Counters the stream keeps: the leader's check for join requests in every step reads this, not the store."""
+ALERTS, REQUESTS = PREFIX + "alert/", PREFIX + "join/"
 RENEWALS_PER_TTL = 4
 """Renewals per TTL: a rank is suspected only after two or three renewals in a row were missed."""
 CLOSE_READ_S = 0.05
@@ -53,6 +53,10 @@ LATE_S = 3 * REQUEST_TIMEOUT_S
 deadline on a member that went silent before it moves on to the next, its watcher's first request
 to that member another, and its check-in a third. An agreement waits this much longer (once, not
 per rank) while a member it misses still renews its lease."""
+
+
+def _numbered(name: str, prefix: str) -> bool:
+    return name.startswith(prefix) and name[len(prefix):].isdigit()
 
 
 def supported(store) -> bool:
@@ -79,9 +83,10 @@ class Lease:
         """This rank's lease expired before it renewed it: the job holds it dead (it will be left out)."""
         self.renewed_at = 0.0
         self.alert_seen = 0
-        self.counts: dict[str, int | None] = {name: None for name in COUNTED}
-        """Counters as the stream last saw them (None: not yet known)."""
-        """The highest alert number whose record the stream has seen put."""
+        """The highest alert number whose (sealed) record the stream has seen put."""
+        self.requests_seen: int | None = None
+        """The highest join request number whose sealed record the stream has seen put (None: not
+        yet known): the leader's check for join requests in every step reads this, not the store."""
         self._deletions: queue.SimpleQueue = queue.SimpleQueue()
         self._changed = threading.Condition()
         self._halt = threading.Event()
@@ -93,8 +98,9 @@ class Lease:
         """Start following the job's records (before the watcher reads how many alerts there are:
         every alert numbered after that is then seen put)."""
         self._follower = self.store.clone().follow(PREFIX, self._on_event, self._halt)
-        for name in self.counts:  # the counts before the stream began (a count only grows)
-            self.counts[name] = max(self.counts[name] or 0, int(self.store.add(name, 0)))
+        # The requests put before the stream began (they only grow).
+        counted = sequence.count(sealed(self.store), REQUESTS, 0)
+        self.requests_seen = max(self.requests_seen or 0, counted)
 
     def beat(self) -> None:
         """Grant the lease and start renewing it (on the first call)."""
@@ -149,13 +155,17 @@ class Lease:
             self._deletions.put((int(name[len(ALIVE):]), int(prev["lease"]), prev.get("value"), time.time()))
             with self._changed:  # the watcher waiting for an alert looks at once, not at its next beat
                 self._changed.notify_all()
-        elif kind == "PUT" and name in self.counts and value is not None and value.isdigit():
-            self.counts[name] = max(self.counts[name] or 0, int(value))
-        elif kind == "PUT" and name.startswith(PREFIX + "alert/"):
+        elif kind == "PUT" and _numbered(name, REQUESTS) and self._sealed_here(name, value):
+            self.requests_seen = max(self.requests_seen or 0, int(name[len(REQUESTS):]))
+        elif kind == "PUT" and _numbered(name, ALERTS) and self._sealed_here(name, value):
             with self._changed:
-                number = name.rsplit("/", 1)[1]
-                self.alert_seen = max(self.alert_seen, int(number) if number.isdigit() else 0)
+                self.alert_seen = max(self.alert_seen, int(name[len(ALERTS):]))
                 self._changed.notify_all()
+
+    def _sealed_here(self, name: str, value: bytes | None) -> bool:
+        """Whether a record put is the job's: a forged one numbered far ahead must not count."""
+        key = getattr(self.store, "key", None)
+        return value is not None and (key is None or opened(key, name, value) is not None)
 
     def expired(self) -> list[tuple[int, float, int]]:
         """The ranks whose lease expired since the last call: (rank, wall time of its last renewal, TTL)."""

@@ -12,12 +12,13 @@ process follow; see :mod:`elaswave.control.failover`) or the rank saves what it 
 
 A call repeated after a dropped connection may have reached the store before the drop. That is
 harmless for every call elaswave makes except an ``add`` that counts: such an add may count
-twice. The protocol's counters tolerate it (heartbeats only need to move; ``next_rank`` only
-needs to be new); an alert sequence number counted twice leaves a gap that the agreement skips
-(it checks each alert key) and that a watcher waiting on the gap's key sees as "no alert".
+twice. The protocol's counters tolerate it (heartbeats only need to move; nothing else is
+counted: numbered records are claimed, :mod:`elaswave.control.sequence`, and a repeated claim
+finds its own record).
 """
 from __future__ import annotations
 
+import errno
 import queue
 import socket
 import threading
@@ -25,6 +26,7 @@ import time
 from concurrent import futures
 from datetime import timedelta
 
+import torch
 import torch.distributed as dist
 
 
@@ -79,13 +81,20 @@ class StoreLink:
 
     @property
     def generation(self) -> int:
-        """How many times the job's store has moved (0: it is where the job started it)."""
+        """The generation of the job's store this link reaches: how many times it has moved (0: it
+        is where the job started it). Seals bind it (:mod:`elaswave.control.seal`)."""
         return self._lost.generation
 
-    def move(self, addr: str) -> None:
+    def adopt(self, generation: int) -> None:
+        """The store this process connected to is of ``generation`` (a process that started after a
+        move): no move of its own, nothing to reconnect."""
+        self._lost.generation = self._generation = generation
+
+    def move(self, addr: str, generation: int | None = None) -> None:
         """Every link of this process goes to the TCPStore at ``addr`` from now on: the job's store
-        moved there (:mod:`elaswave.control.failover`). Connects this link at once."""
-        self._lost.move(addr)
+        moved there (:mod:`elaswave.control.failover`), its ``generation`` (default: the next).
+        Connects this link at once."""
+        self._lost.move(addr, self._lost.generation + 1 if generation is None else generation)
         self._follow()
 
     def separate(self) -> "StoreLink":
@@ -242,6 +251,39 @@ def client(host: str, port: int, within_s: float, timeout_s: float) -> dist.Stor
     return made["store"]
 
 
+class CannotListen(OSError):
+    """A store cannot listen at the address it was given (not an address of this host, or taken)."""
+
+
+def serve(host: str, port: int, timeout_s: float) -> dist.TCPStore:
+    """A TCPStore server that listens at ``host`` alone (``port`` 0: a free one). torch binds its
+    server to every interface whatever host it is given (measured: reachable through any of the
+    host's addresses), so anyone on any network the host is on could write the job's counters.
+    Handed a socket already bound (``master_listen_fd``), it listens there only, and owns it."""
+    try:
+        family, kind, proto, _, where = socket.getaddrinfo(host.strip("[]"), port, type=socket.SOCK_STREAM)[0]
+    except OSError as exc:
+        raise CannotListen(f"{host!r} does not resolve here ({exc.strerror or exc})") from None
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(where)
+        sock.listen(socket.SOMAXCONN)
+    except OSError as exc:
+        sock.close()
+        why = "not an address of this host" if exc.errno == errno.EADDRNOTAVAIL else exc.strerror or str(exc)
+        raise CannotListen(f"cannot listen at {host}:{port}: {why}") from None
+    bound = sock.getsockname()[1]
+    return dist.TCPStore(host, bound, world_size=None, is_master=True, wait_for_workers=False,
+                         timeout=timedelta(seconds=timeout_s), master_listen_fd=sock.detach(),
+                         use_libuv=_LIBUV_TAKES_A_SOCKET)
+
+
+# torch's libuv server listens on a socket it is handed from torch 2.8 (pytorch PR 150215); before,
+# it never accepted on one, and the older server, which always could, is the one to use.
+_LIBUV_TAKES_A_SOCKET = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 8)
+
+
 def check_listening(host: str, port: int, timeout_s: float) -> None:
     """Raises ConnectionRefusedError unless something listens at ``host:port``. A connect to a
     loopback port nobody listens on can meet itself (TCP's simultaneous open, when the kernel
@@ -268,9 +310,9 @@ class _Endpoint:
             self.reason, self.wall = reason, time.time()
             self.event.set()
 
-    def move(self, addr: str) -> None:
+    def move(self, addr: str, generation: int) -> None:
         self.answered_at = time.monotonic()
-        self.addr, self.generation = addr, self.generation + 1
+        self.addr, self.generation = addr, generation
         self.reason, self.wall = "", None
         self.event.clear()
 

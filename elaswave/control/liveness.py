@@ -127,9 +127,9 @@ def _answer(code: int, ip: str) -> bool | None:
     return True if code == 0 else None
 
 
-def refusal_proves(host: str) -> bool:
-    """Whether a refused connect to ``host`` (a name or an address) proves that nothing listens
-    there: it is this machine's own (:func:`is_own_address`)."""
+def is_own_host(host: str) -> bool:
+    """Whether ``host`` (a name or an address) is this machine's own (:func:`is_own_address`): a
+    refused connect there proves that nothing listens, and a listener can bind there."""
     try:
         ip = socket.getaddrinfo(host.strip("[]"), None, type=socket.SOCK_STREAM)[0][4][0]
     except OSError:

@@ -26,11 +26,14 @@ from typing import Callable, Collection, Mapping, Sequence
 
 import torch.distributed as dist
 
-from elaswave.control import partition
+from elaswave.control import partition, sequence
 from elaswave.control.link import StoreLost
 from elaswave.control.seal import PREFIX, sealed
 from elaswave.interrupt import EpochBroken
 
+ALERTS = PREFIX + "alert/"
+EPOCH_FLOOR = PREFIX + "epoch_floor"
+"""On a store the job moved to: the epoch it moved in (the epochs before were decided elsewhere)."""
 LIVES_EVERY_S = 0.25
 """How often an agreement asks again whether a member it misses still lives (on etcd: two requests)."""
 WATCHERS = 2
@@ -117,6 +120,8 @@ class Membership:
         """A job on several hosts around one TCPStore: an agreement needs :func:`has_majority`."""
         self._alerts: dict[tuple[int, int], Alert] = {}
         """(the store's generation, n) -> alert n, as read there."""
+        self._counted: tuple[int, int, int] = (-1, 0, 0)
+        """(the store's generation, alerts counted there, the newest epoch decided there) as last read."""
         self.holds_store = True
         """Whether the store agreed on is the one the last epoch was agreed on (half of the members
         may decide there). False after this side elected a successor from a recovery, until the
@@ -125,11 +130,11 @@ class Membership:
     # -- alerts -----------------------------------------------------------------------------
     def alert(self, epoch: int, reason: str, ranks: Sequence[int] = (), network: bool = False,
               watchers: int = 1) -> None:
-        n = self.store.add(PREFIX + "alert_seq", 1)
+        """Post an alert: the next record of the sealed sequence (:mod:`~elaswave.control.sequence`)."""
         by = "launcher" if self.rank < 0 else f"rank {self.rank}"
-        self.store.set(f"{PREFIX}alert/{n}", json.dumps(
-            {"epoch": epoch, "by": by, "reason": reason, "ranks": list(ranks), "network": network,
-             "watchers": watchers}))
+        doc = json.dumps({"epoch": epoch, "by": by, "reason": reason, "ranks": list(ranks), "network": network,
+                          "watchers": watchers})
+        sequence.append(self.store, ALERTS, sequence.unique(doc), self.alert_count())
 
     def report_dead(self, rank: int, how: str, alert: bool = True) -> None:
         """Record a death; ``alert``: tell the members too (not for a rank that never joined them)."""
@@ -137,19 +142,28 @@ class Membership:
         if alert:
             self.alert(self.current_epoch(), f"rank {rank} {how}", [rank])
 
+    def _known(self) -> tuple[int, int]:
+        """(alerts, newest decided epoch) counted on this store so far (a moved store starts afresh)."""
+        generation, alerts, epoch = self._counted
+        return (alerts, epoch) if generation == self.store.generation else (0, 0)
+
     def alert_count(self) -> int:
-        return self.store.add(PREFIX + "alert_seq", 0)
+        """How many alerts the store holds: the unbroken run of sealed ones (no counter says it)."""
+        alerts, epoch = self._known()
+        alerts = sequence.count(self.store, ALERTS, alerts)
+        self._counted = (self.store.generation, alerts, epoch)
+        return alerts
 
     def read_alert(self, n: int) -> Alert | None:
         """Alert ``n``; None when it is absent or forged. A genuine alert is never rewritten: read
         once (an agreement rescans the alerts every poll; on etcd each read is a request)."""
-        key = (getattr(self.store, "generation", 0), n)
+        key = (self.store.generation, n)
         if key in self._alerts:
             return self._alerts[key]
-        raw = self.store.read(f"{PREFIX}alert/{n}")
+        raw = self.store.read(f"{ALERTS}{n}")
         if raw is None:
             return None
-        doc = json.loads(raw)
+        doc = json.loads(sequence.body(raw))
         self._alerts[key] = Alert(doc["epoch"], doc["by"], doc["reason"], tuple(doc["ranks"]),
                                   doc.get("network", False), doc.get("watchers", 1))
         return self._alerts[key]
@@ -159,28 +173,21 @@ class Membership:
         return any((a := self.read_alert(n)) is not None and a.network and a.epoch == epoch
                    for n in range(self.alert_count(), 0, -1))
 
-    def current_epoch(self, scan: int = 64) -> int:
-        """The newest epoch with a decision: the counter, unless nobody with the job's token
-        decided that epoch (a counter carries no seal; an outsider may have raised it)."""
-        counter = int(self.store.add(PREFIX + "epoch", 0))
-        if self.store.key is None:  # nothing is sealed: nothing to tell a forged count by
-            return counter
-        for epoch in range(counter, max(0, counter - scan), -1):
-            if self.members_of(epoch) is not None:
-                return epoch
-        return 0 if counter < scan else counter
+    def current_epoch(self) -> int:
+        """The newest decided epoch, read from sealed decisions only: from the newest this process
+        knows of on this store (or the epoch the job moved here in), forward while the next one is
+        decided. No count says it: an outsider's raised count once kept a job from finishing."""
+        alerts, known = self._known()
+        epoch = known or int(self.store.read(EPOCH_FLOOR) or 0)
+        while self.members_of(epoch + 1) is not None:
+            epoch += 1
+        self._counted = (self.store.generation, alerts, epoch)
+        return epoch
 
     def members_of(self, epoch: int) -> tuple[int, ...] | None:
         """The agreed members of ``epoch``, once decided."""
         raw = self.store.read(f"{PREFIX}ep/{epoch}/members")
         return None if raw is None else tuple(json.loads(raw))
-
-    def _advance_epoch(self, epoch: int) -> None:
-        # Every agreeing rank calls this at once: a read-then-add would count the epoch once per
-        # rank, so move the counter forward by compare-and-set, never past ``epoch``.
-        current = str(self.store.add(PREFIX + "epoch", 0)).encode()
-        while int(current) < epoch:
-            current = self.store.compare_set(PREFIX + "epoch", current.decode(), str(epoch))
 
     # -- agreement --------------------------------------------------------------------------
     def check_in(self, epoch: int, unreachable: Sequence[int] | None = (), keep: bool = False) -> None:
@@ -326,7 +333,6 @@ class Membership:
                     self.store.compare_set(f"{PREFIX}ep/{epoch}/cut", "", json.dumps(partition.cut(live, checked)))
                 stored = self.store.compare_set(key, "", json.dumps(list(members)))
                 won = json.loads(stored)
-                self._advance_epoch(epoch)
                 self.holds_store = True
                 return tuple(won)
             if waited > timeout_s:

@@ -10,15 +10,20 @@ decision in the way of a real one is replaced by it (:meth:`Sealed.compare_set`)
 
 The job's key is ``HMAC(token, nonce)``: the token is ``ELASWAVE_TOKEN`` (never stored), the
 nonce a random value the job's first process draws and publishes as ``ew/job``, sealed under the
-token alone. A record of one job does not verify in another started with the same token, and
-the key names of each record (a request's number, an alert's number, a rank) make a record of
-one place worthless in another: nothing in the store can be replayed to effect.
+token alone. A record of one job -- or of an earlier run of the same job, which draws a new
+nonce -- does not verify in another started with the same token, and the key names of each
+record (a request's number, an alert's number, a rank) make a record of one place worthless in
+another. A seal also binds the *generation* of the store the record was written to (how many
+times the job's store has moved: :mod:`elaswave.control.failover`), because a moved store numbers
+its alerts and requests afresh: alert 3 of the store before a move, copied into the one after
+it, does not open there. Nothing in the store can be replayed to effect.
 
-Counters (``add``: the epoch, the sequence numbers, heartbeats) cannot carry a seal. A forged
-count can delay the job or make it do needless work, never decide for it: readers take the epoch
-from sealed decisions (:meth:`elaswave.control.membership.Membership.current_epoch`), a
-heartbeat only delays an eviction. What is left to an outsider is denial of service (deleting
-keys, flooding the store), as with any unauthenticated transport: see docs/control-plane.md.
+Counters (``add``) cannot carry a seal, so nothing is decided from one: the epoch is read from
+sealed decisions (:meth:`elaswave.control.membership.Membership.current_epoch`), alerts, join
+requests, verdicts and rank numbers are sealed sequences (:mod:`elaswave.control.sequence`), and
+a heartbeat counter only says that a rank moved (a forged beat can delay an eviction by the
+heartbeat, never cause one). What is left to an outsider is denial of service (deleting keys,
+flooding the store), as with any unauthenticated transport: see docs/control-plane.md.
 """
 from __future__ import annotations
 
@@ -33,6 +38,10 @@ PREFIX = "ew/"
 JOB = PREFIX + "job"
 """The job's nonce, sealed under the token alone: from it and the token, every process of the job
 derives the job's key."""
+GENERATION = PREFIX + "store/generation"
+"""How many times the job's store has moved, set on each new store once it is ready. Sealed for
+its own generation (:func:`store_generation`): a process that connects to a moved store learns
+from it which generation its seals carry."""
 TAG = b"\n#hmac-sha256:"
 REPLACE_TRIES = 8
 """How often a claim replaces a forged record in its way before giving up (a writer racing it)."""
@@ -46,19 +55,21 @@ class TokenMismatch(ConfigError):
     """This process's ELASWAVE_TOKEN is not the job's (or the job has none)."""
 
 
-def _mac(key: bytes, name: str, value: bytes) -> bytes:
-    return hmac.new(key, name.encode() + b"\0" + value, hashlib.sha256).hexdigest().encode()
+def _mac(key: bytes, name: str, value: bytes, generation: int) -> bytes:
+    where = name.encode() if not generation else f"{generation}\0{name}".encode()
+    return hmac.new(key, where + b"\0" + value, hashlib.sha256).hexdigest().encode()
 
 
-def seal(key: bytes, name: str, value) -> bytes:
+def seal(key: bytes, name: str, value, generation: int = 0) -> bytes:
+    """``value`` with its seal for ``name`` on a store of ``generation`` (0: where the job began)."""
     value = value.encode() if isinstance(value, str) else bytes(value)
-    return value + TAG + _mac(key, name, value)
+    return value + TAG + _mac(key, name, value, generation)
 
 
-def opened(key: bytes, name: str, raw: bytes) -> bytes | None:
-    """The value of a record sealed under ``key`` at ``name``; None if it is not."""
+def opened(key: bytes, name: str, raw: bytes, generation: int = 0) -> bytes | None:
+    """The value of a record sealed under ``key`` at ``name`` on a store of ``generation``; None if it is not."""
     value, tag, mac = bytes(raw).rpartition(TAG)
-    return value if tag and hmac.compare_digest(mac, _mac(key, name, value)) else None
+    return value if tag and hmac.compare_digest(mac, _mac(key, name, value, generation)) else None
 
 
 def open_job(store, token: str | None, found: bool = False, wait: bool = False) -> "Sealed":
@@ -80,7 +91,29 @@ def open_job(store, token: str | None, found: bool = False, wait: bool = False) 
     if nonce is None:
         raise TokenMismatch("ELASWAVE_TOKEN differs from the job's: the job's record in its store is not sealed "
                             "with this token")
-    return Sealed(store, hmac.new(by_token, b"elaswave-job/" + nonce, hashlib.sha256).digest(), bytes(raw))
+    job = Sealed(store, hmac.new(by_token, b"elaswave-job/" + nonce, hashlib.sha256).digest(), bytes(raw))
+    generation = store_generation(job)
+    if generation and hasattr(store, "adopt"):  # a store the job moved to before this process came
+        store.adopt(generation)
+    return job
+
+
+def store_generation(store: "Sealed") -> int:
+    """The generation the store says it is (0: never moved, or no seal verifies it). The record is
+    sealed for the generation it names, so a reader that does not know it yet can check it; an old
+    store's record copied here names an older generation, which no reader takes for newer."""
+    if not store.raw.check([GENERATION]):
+        return 0
+    raw = store.raw.get(GENERATION)
+    if store.key is None:
+        return int(raw)
+    value = bytes(raw).rpartition(TAG)[0]
+    return int(value) if value.isdigit() and opened(store.key, GENERATION, raw, int(value)) is not None else 0
+
+
+def announce_generation(store: "Sealed", generation: int) -> None:
+    """Say on a new store which generation it is (:func:`store_generation`)."""
+    store.raw.set(GENERATION, seal(store.key, GENERATION, str(generation), generation) if store.key else str(generation))
 
 
 class Sealed:
@@ -96,14 +129,23 @@ class Sealed:
     def __getattr__(self, name):
         return getattr(self.raw, name)
 
+    @property
+    def generation(self) -> int:
+        """The generation of the store ``raw`` reaches now (a link's follows the store's moves)."""
+        return getattr(self.raw, "generation", 0)
+
     def _sealed(self, name: str) -> bool:
-        return self.key is not None and name.startswith(PREFIX) and name != JOB
+        # (Both are sealed otherwise: the job's record under the token, the generation for itself.)
+        return self.key is not None and name.startswith(PREFIX) and name not in (JOB, GENERATION)
 
     def _open(self, name: str, raw: bytes) -> bytes | None:
-        return opened(self.key, name, raw) if self._sealed(name) else raw
+        return opened(self.key, name, raw, self.generation) if self._sealed(name) else raw
+
+    def _seal(self, name: str, value) -> bytes:
+        return seal(self.key, name, value, self.generation)
 
     def set(self, name: str, value) -> None:
-        self.raw.set(name, seal(self.key, name, value) if self._sealed(name) else value)
+        self.raw.set(name, self._seal(name, value) if self._sealed(name) else value)
 
     def get(self, name: str) -> bytes:
         value = self._open(name, self.raw.get(name))
@@ -138,10 +180,10 @@ class Sealed:
         pre-empt a decision. From a value (a counter's), the raw call."""
         if expected != "" or not self._sealed(name):
             return self.raw.compare_set(name, expected, desired)
-        want = seal(self.key, name, desired)
+        want = self._seal(name, desired)
         held = self.raw.compare_set(name, "", want)
         for _ in range(REPLACE_TRIES):
-            value = opened(self.key, name, held)
+            value = self._open(name, held)
             if value is not None:
                 return value
             held = self.raw.compare_set(name, held, want)

@@ -14,9 +14,9 @@ from elaswave.checkpoint import disk
 from elaswave.comm import backend
 from elaswave.comm.groups import Communicator
 from elaswave.config import JobConfig
-from elaswave.control import failover, rendezvous, seal
+from elaswave.control import failover, rank_numbers, rendezvous, seal
 from elaswave.control.agents import NODES_ENV, host_name
-from elaswave.control.admission import JOIN_ENV, Admission, job_token
+from elaswave.control.admission import JOIN_ENV, Admission, Refused, job_token
 from elaswave.control.faults import FaultInjector
 from elaswave.control.heartbeat import Watcher
 from elaswave.control.link import StoreLink, StoreLost
@@ -47,6 +47,10 @@ class Context:
         e = cfg.elastic
         # Every control record this rank writes is sealed with the job's key, every one it reads verified.
         store = seal.open_job(store, job_token(), found=bool(os.environ.get(JOIN_ENV)))
+        claim = os.environ.get(rank_numbers.CLAIM_ENV)
+        if claim and not rank_numbers.reclaim(store, rank, claim):
+            raise Refused(f"rank number {rank} is another process's on the job's store at {store.addr} (it moved "
+                          "while this one started): this one stops")
         self.store = store
         self.memory_limit: dict | None = None
         """Where the plans' memory limit came from (``runtime.device_memory``): the job's first record says."""
@@ -98,7 +102,7 @@ class Context:
                                e.heartbeat_interval_s, e.heartbeat_timeout_s, self.prober) if e.enabled else None
         if self.watcher is not None and self.watcher.lease is not None:
             lease = self.watcher.lease
-            self.admission.counted = lambda: lease.counts[seal.PREFIX + "join_seq"]
+            self.admission.counted = lambda: lease.requests_seen
         self._sampler = None
         # A joiner learns its shard when it is admitted (its device is decided then): see place().
         self.place(0 if os.environ.get(JOIN_ENV) else self.devices.shard_of(rank))
@@ -197,7 +201,7 @@ class Context:
                                      self.cfg.to_dict(), self.liveness)
         st.world.all_reduce(torch.zeros(1, device=st.device), "store moved barrier")
         if self.rank == leader:
-            failover.announce(self.store, self.standby)
+            failover.announce(self.store)
             print(f"elaswave: the control store at {old} was lost; it moved to rank {leader}'s standby at {addr} "
                   f"after step {step - 1}, and training goes on", file=sys.stderr, flush=True)
         return {"event": "store_moved", "step": step, "from": old, "to": addr, "to_rank": leader,
@@ -224,7 +228,7 @@ class Context:
         # A survivor still waiting in a collective with the dead comes when its watcher gives up on
         # the lost store (the heartbeat timeout after its links did): wait for it that much longer.
         self.agree_grace_s = 2 * self.cfg.elastic.heartbeat_timeout_s
-        failover.announce(self.store, self.standby)
+        failover.announce(self.store)
         self.membership.alert(st.plan.epoch, f"rank {self.rank}: the control store was lost with members; "
                                              f"it moved to {addr}")
         if self.rank == leader:

@@ -43,11 +43,13 @@ def test_only_a_request_sealed_with_the_jobs_key_is_read(store):
     # a request read off a store proves nothing anywhere else.
     other = open_job(dist.TCPStore("127.0.0.1", 0, world_size=None, is_master=True, wait_for_workers=False), TOKEN)
     doc = '{"rank": 7, "started_wall": 1.0, "requested_wall": 1.0}'
-    n = store.add("ew/join_seq", 1)
-    store.set(f"ew/join/{n}", seal(other.key, f"ew/join/{n}", doc))
-    n = store.add("ew/join_seq", 1)
-    store.set(f"ew/join/{n}", seal(leader.store.key, f"ew/join/{n - 1}", doc))
+    store.add("ew/join_seq", 10)  # (no count says how many requests there are)
+    store.set("ew/join/3", seal(other.key, "ew/join/3", doc))
+    store.set("ew/join/4", seal(leader.store.key, "ew/join/2", doc))
     assert [r.rank for r in leader.pending(members=(0, 1, 2, 3))] == [4]
+    # The next real request takes the first slot that holds none (the unsealed one's), and is read.
+    _client(store, 8).request(started_wall=1.0)
+    assert [r.rank for r in leader.pending(members=(0, 1, 2, 3))] == [4, 8]
     assert leader.proves_tokens and not Admission(_raw(store), 0).proves_tokens  # no token: admits nobody
     assert TOKEN not in str(store.get("ew/join/1"))  # the token never enters the store
 
@@ -78,10 +80,11 @@ def test_verdicts_reach_the_joiner_and_answered_requests_are_not_pending(store):
 def test_a_joiner_waiting_for_its_verdict_sees_the_end_of_the_job_at_once(store):
     # It waits on the job's events: the end of the job ends its wait within one poll, not after
     # parallel.timeout_s (under load a late joiner used to outlive the job by that timeout).
-    _leader(store)
+    leader = _leader(store)
     joiner = _client(store, 4)
     joiner.request(started_wall=1.0)
-    timer = threading.Timer(0.3, lambda: store.set("ew/done", "1"))
+    store.set("ew/done", "1")  # an outsider's "done" (unsealed) ends no wait
+    timer = threading.Timer(0.3, lambda: Membership(leader.store, -1).stamp("done"))
     timer.start()
     began = time.monotonic()
     assert joiner.wait_verdict(1, timeout_s=60) is None

@@ -127,23 +127,32 @@ def test_an_agreement_waits_for_a_late_member_while_it_lives(store, lives, late_
     assert got == want and time.monotonic() - began < timeout_s, (got, time.monotonic() - began)
 
 
-def test_concurrent_agreement_moves_the_epoch_once(store):
-    # Every member that agrees advances the epoch at the same moment; it must count once.
+def test_concurrent_alerts_take_a_slot_each_with_no_gap_and_epochs_are_read_from_decisions(store):
+    # Alerts are a sealed sequence, not a counter: eight writers at once, five alerts each, get forty
+    # slots, one each, with no gap (a reader counts the unbroken run).
     clients = [Membership(dist.TCPStore("127.0.0.1", store.port, is_master=False,
                                         timeout=timedelta(seconds=10)), r) for r in range(8)]
-    for epoch in range(1, 11):
-        barrier = threading.Barrier(len(clients))
+    barrier = threading.Barrier(len(clients))
 
-        def advance(m, epoch=epoch, barrier=barrier):
-            barrier.wait(5)
-            m._advance_epoch(epoch)
+    def post(m):
+        barrier.wait(5)
+        for k in range(5):
+            m.alert(0, f"alert {k} of rank {m.rank}")
 
-        threads = [threading.Thread(target=advance, args=(m,)) for m in clients]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(10)
-        assert clients[0].current_epoch() == epoch
+    threads = [threading.Thread(target=post, args=(m,)) for m in clients]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(20)
+    reader = Membership(store, -1)
+    assert reader.alert_count() == 40
+    assert sorted(reader.read_alert(n).reason for n in range(1, 41)) == sorted(
+        f"alert {k} of rank {r}" for r in range(8) for k in range(5))
+    # The epoch is the newest decision, found by walking them: published members, not a count.
+    for epoch in range(1, 4):
+        store.set(f"ew/ep/{epoch}/members", "[0, 1]")
+        assert reader.current_epoch() == epoch
+    assert Membership(store, -1).current_epoch() == 3
 
 
 def test_an_alert_breaks_the_epochs_that_hold_the_rank_it_names(store):

@@ -6,9 +6,10 @@ from datetime import timedelta
 import pytest
 import torch.distributed as dist
 
-from elaswave.control import failover
+from elaswave.control import failover, rank_numbers
 from elaswave.control.link import StoreLink, StoreLost
-from elaswave.control.membership import PREFIX
+from elaswave.control.membership import PREFIX, Membership
+from elaswave.control.seal import GENERATION, sealed, store_generation
 from tests.helpers.spawn import Running, assert_same_run, job_args, reference_fixture, sigkill_launcher, wait_gone
 
 STEPS, MBS = 40, 4
@@ -76,14 +77,14 @@ def test_the_successor_seeds_what_the_protocol_reads_and_counters_only_grow():
     for rank in (5, 1):  # the follower first: it connects to a standby that is already listening
         leader, addr = failover.move(links[rank], standbys[rank], rank, 3, (1, 5), {"model": {"d": 8}})
         assert (leader, addr) == (1, standbys[1].addr)
-    failover.announce(links[1], standbys[1])
+    failover.announce(links[1])
     seeded = standbys[1].server
-    assert seeded.get(PREFIX + "ep/3/members") == b"[1, 5]" and seeded.add(PREFIX + "epoch", 0) == 3
-    assert seeded.add(PREFIX + "next_rank", 0) == 6  # past every rank whose standby was known
+    assert seeded.get(PREFIX + "ep/3/members") == b"[1, 5]" and Membership(seeded, -1).current_epoch() == 3
+    assert rank_numbers.count(seeded) == 6  # past every rank whose standby was known
     assert seeded.get(failover.STANDBY + "5") == standbys[5].addr.encode()
-    assert seeded.get(failover.GENERATION) == b"1"
-    failover.raise_to(seeded, PREFIX + "next_rank", 4)
-    assert seeded.add(PREFIX + "next_rank", 0) == 6
+    assert store_generation(sealed(seeded)) == 1 and links[5].generation == 1
+    rank_numbers.set_floor(seeded, 4)  # written once: a later (or forged) floor never lowers it
+    assert rank_numbers.claim(seeded)[0] == 6
 
 
 def test_an_agent_follows_the_standby_that_became_the_store_and_gives_up_on_none():
@@ -92,17 +93,16 @@ def test_an_agent_follows_the_standby_that_became_the_store_and_gives_up_on_none
     idle, ready = failover.Standby("127.0.0.1", 15.0), failover.Standby("127.0.0.1", 15.0)
     idle.register(link, 0)
     ready.register(link, 1)
-    link.add(PREFIX + "next_rank", 9)
+    rank_numbers.set_floor(link, 2)
     directory = failover.Directory(every_s=0)
     directory.refresh(link)
-    assert directory.known == {0: idle.addr, 1: ready.addr} and directory.next_rank == 9
+    assert directory.known == {0: idle.addr, 1: ready.addr} and directory.ranks == 2
     began = time.monotonic()
     assert directory.follow(link, 0.5, 15.0) is None  # neither is the job's store yet
     assert time.monotonic() - began < 2.0
-    ready.server.set(failover.GENERATION, "1")
+    ready.server.set(GENERATION, "1")
     assert directory.follow(link, 15.0, 15.0) == ready.addr
-    assert link.addr == ready.addr and directory.generation == 1
-    assert ready.server.add(PREFIX + "next_rank", 0) == 9  # the agent's next rank numbers stay new
+    assert link.addr == ready.addr and directory.generation == 1 and link.generation == 1
 
 
 def test_the_store_holder_sigkilled_the_job_trains_on_bit_identical(tmp_path, reference):

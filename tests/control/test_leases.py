@@ -196,13 +196,16 @@ def test_a_forged_record_is_no_death_and_the_stream_counts_alerts_and_join_reque
     lease, _ = outsider.grant(2)
     outsider.put_leased(f"{leases.ALIVE}3", "not sealed", lease)  # expires in 2 s, but was never the job's
     job = Sealed(_store(etcd, prefix), key)
-    job.add(PREFIX + "join_seq", 2)
+    outsider.set(PREFIX + "alert/9", "{}")  # a forged alert numbered ahead: not counted
+    outsider.set(PREFIX + "join/9", "{}")
+    job.set(PREFIX + "join/1", "{}")
+    job.set(PREFIX + "join/2", "{}")
     job.set(PREFIX + "alert/1", "{}")
     assert watcher.alert_posted(1, 5.0)
     deadline = time.monotonic() + 5
-    while watcher.counts[PREFIX + "join_seq"] != 2 and time.monotonic() < deadline:
+    while watcher.requests_seen != 2 and time.monotonic() < deadline:
         time.sleep(0.02)
-    assert watcher.counts[PREFIX + "join_seq"] == 2
+    assert watcher.requests_seen == 2 and watcher.alert_seen == 1
     assert _deaths_within(watcher, 4.0) == []
     watcher.close()
 

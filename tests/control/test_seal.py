@@ -6,10 +6,11 @@ from datetime import timedelta
 import pytest
 import torch.distributed as dist
 
-from elaswave.control import failover
+from elaswave.control import failover, rank_numbers, sequence
 from elaswave.control.liveness import LivenessPort, Prober
 from elaswave.control.membership import Membership
-from elaswave.control.seal import Forged, Sealed, TokenMismatch, open_job, opened, seal
+from elaswave.control.seal import (Forged, Sealed, TokenMismatch, announce_generation, open_job, opened, seal,
+                                   store_generation)
 from tests.helpers.threads import at_once
 
 TOKEN = "job-token"
@@ -106,7 +107,8 @@ def test_a_forged_standby_or_liveness_address_is_not_followed(server):
     learner.learn(job, [0, 1])
     assert learner.known == {0: standby.addr}
     directory = failover.Directory(every_s=0)
-    outsider.add("ew/next_rank", 2)
+    rank_numbers.set_floor(job, 2)  # as node 0's launcher does: ranks 0 and 1 are the founding ones
+    outsider.add("ew/next_rank", 10**9)  # no count says how many ranks there are (nor makes a reader scan them)
     directory.refresh(job)
     assert directory.known == {0: standby.addr}
     outsider.set("ew/standby/0", "203.0.113.9:29400")  # over a real one: lost, never followed
@@ -123,3 +125,44 @@ def test_a_forged_standby_or_liveness_address_is_not_followed(server):
     assert not watcher.is_gone(2, job)
     port.close()
     assert watcher.is_gone(2, job)
+
+
+def test_a_seal_binds_the_stores_generation_so_nothing_is_replayed_across_a_move(server):
+    key = b"k" * 32
+    assert opened(key, "ew/alert/1", seal(key, "ew/alert/1", "x", 1), 1) == b"x"
+    assert opened(key, "ew/alert/1", seal(key, "ew/alert/1", "x", 0), 1) is None  # alert 1 of the old store
+    job = open_job(server, TOKEN)
+    Membership(job, 0).alert(0, "before the move", [3])
+    before = _raw(server).get("ew/alert/1")
+    # The store moved (here: this store becomes generation 1, as a standby does when seeded).
+    announce_generation(job, 1)
+    assert store_generation(job) == 1
+    outsider = _raw(server)
+    outsider.set("ew/store/generation", _raw(server).get("ew/store/generation").replace(b"1\n", b"7\n"))
+    assert store_generation(job) == 0  # a forged generation opens nothing
+    assert opened(job.key, "ew/alert/1", before, 1) is None and opened(job.key, "ew/alert/1", before, 0) is not None
+
+
+def test_no_count_steers_alerts_epochs_or_rank_numbers(server):
+    """An outsider adds to every counter it can name and puts junk where the next records go:
+    alerts and rank numbers are claimed in sealed slots (the junk is replaced, no gap is left),
+    the epoch is the newest sealed decision."""
+    job = open_job(server, TOKEN)
+    outsider = _raw(server)
+    for name in ("ew/epoch", "ew/alert_seq", "ew/join_seq", "ew/next_rank"):
+        outsider.add(name, 1000)
+    outsider.set("ew/alert/1", json.dumps({"epoch": 0, "by": "rank 0", "reason": "x", "ranks": [2]}))
+    outsider.set("ew/rank/4", "mine")
+    rank_numbers.set_floor(job, 4)
+    member = Membership(job, 0)
+    assert member.current_epoch() == 0 and member.alert_count() == 0
+    member.alert(0, "rank 2 missed heartbeats", [2])
+    assert member.alert_count() == 1 and member.read_alert(1).reason == "rank 2 missed heartbeats"
+    assert [rank_numbers.claim(job)[0] for _ in range(3)] == [4, 5, 6]
+    assert rank_numbers.count(job) == 7
+    outsider.add("ew/next_rank", -10**6)
+    rank, claim = rank_numbers.claim(job)
+    assert rank == 7 and rank_numbers.reclaim(job, 7, claim) and not rank_numbers.reclaim(job, 5, claim)
+    # A record replaced under a writer's feet: the writer takes the next slot, the reader the run.
+    assert sequence.append(job, "ew/seq/", "a") == 1 and sequence.append(job, "ew/seq/", "b") == 2
+    assert sequence.count(job, "ew/seq/") == 2

@@ -1,9 +1,11 @@
-"""A process that reaches the job's store but lacks its token cannot steer the job (issue 35 item 6).
+"""A process that reaches the job's store but lacks its token cannot steer the job (issues 35, 58).
 
 The outsider writes what would have steered the job before records were sealed: a death, two
 watchers' alerts, the next epoch's decision, a check-in cutting ranks off, a standby address (the
-store's next move), a raised epoch count, and a join request with its admission. Then a real rank
-is SIGKILLed: the job must leave out that rank alone, at the next step, and stay bit-identical."""
+store's next move), a join request with its admission, "the training finished" -- and adds to every
+counter it can name (a raised epoch count once kept a job from writing its summary). Then a real
+rank is SIGKILLed: the job must leave out that rank alone, at the next step, stay bit-identical
+and write its summary."""
 import json
 from datetime import timedelta
 
@@ -21,17 +23,22 @@ def _forge(addr: str, own: dist.TCPStore) -> int:
     host, port = addr.rsplit(":", 1)
     store = dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=10))
     store.set("ew/dead/1", "was killed by SIGKILL")
-    for by in ("rank 0", "rank 1"):  # rank 3's two watchers, as a reader would count them
-        n = store.add("ew/alert_seq", 1)
+    for n, by in ((1, "rank 0"), (2, "rank 1")):  # rank 3's two watchers, as a reader would count them
         store.set(f"ew/alert/{n}", json.dumps({"epoch": 0, "by": by, "reason": "rank 3 missed heartbeats",
                                                "ranks": [3], "network": False, "watchers": 2}))
     store.set("ew/ep/1/members", json.dumps([0]))
     store.set("ew/ep/1/in/1", json.dumps([0, 3]))
     store.set("ew/standby/0", f"127.0.0.1:{own.port}")
-    store.add("ew/epoch", 3)
-    rank = store.add("ew/next_rank", 1) - 1
-    n = store.add("ew/join_seq", 1)
-    store.set(f"ew/join/{n}", json.dumps({"rank": rank, "started_wall": 0.0, "requested_wall": 0.0}))
+    # Every counter it can name, up and down (a raised epoch count once kept the job from writing
+    # its summary): none of them is read as a decision.
+    for name in ("ew/epoch", "ew/alert_seq", "ew/join_seq", "ew/next_rank", "ew/spares_standing",
+                 "ew/agents/finished", "ew/ep/1/num_in"):
+        store.add(name, 1000)
+    store.add("ew/next_rank", -2000)
+    store.set("ew/done", "1")  # "the training finished": the agents would stop the workers
+    store.set("ew/alert/3", json.dumps({"epoch": 0, "by": "rank 0", "reason": "junk ahead", "ranks": [1]}))
+    rank = 99
+    store.set("ew/join/1", json.dumps({"rank": rank, "started_wall": 0.0, "requested_wall": 0.0}))
     store.set("ew/ep/1/joining", json.dumps([rank]))
     return rank
 
