@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from elaswave.config import JobConfig
 from elaswave.errors import ConfigError
-from elaswave.control import agents, failover, rank_numbers, rendezvous, seal
+from elaswave.control import addresses, agents, failover, rank_numbers, rendezvous, seal
 from elaswave.control.admission import JOIN_ENV, SPARE_ENV, STARTED_ENV, TOKEN_ENV, job_token, new_token, promote, Admission
 from elaswave.control.agents import NODE_RANK_ENV, NODES_ENV, AgentRefused, Node
 from elaswave.control.link import EXIT_EXCLUDED, EXIT_GROUP_LEFT, EXIT_STORE_LOST, StoreLink, StoreLost, client, serve
@@ -232,6 +232,7 @@ def launch(cfg: JobConfig, metrics_out: str | None = None, host: str = "127.0.0.
     prove the job's token: ``ELASWAVE_TOKEN`` from the environment, or (one host only) a new random
     one that only this launcher's own replacements know."""
     node.validate(cfg.world_size, job_token())
+    addresses.check_bind_address(cfg.parallel.bind_address)  # before anything listens
     _check_devices(cfg, node)
     if node.rdzv_backend == "etcd":
         cfg.elastic.store_failover = False  # no process holds the store: there is nothing to move

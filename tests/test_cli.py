@@ -11,6 +11,8 @@ from tests.helpers.spawn import TINY, run_cli
     (["run", "--set", "train.steps=-5"], "train.steps=-5 is invalid: must be >= 0"),
     (["run", "--set", "data.source=bin", "--set", "data.path=/missing/tokens.bin"], "no such file or folder"),
     (["run", "--config", "/missing.toml"], "--config='/missing.toml' is invalid: no such file"),
+    (["run", "--set", "parallel.bind_address=203.0.113.7"],
+     "parallel.bind_address='203.0.113.7' is invalid: it is not an address of this host"),
 ])
 def test_bad_input_gives_one_error_line(tmp_path, args, expected):
     res = run_cli(args, tmp_path, timeout_s=60)

@@ -14,6 +14,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from elaswave.control.addresses import check_bind_address
 from elaswave.control.link import client
 from elaswave.interrupt import CommError, Interrupt
 
@@ -70,9 +71,11 @@ def make_process_group(store: dist.Store, prefix: str, group_rank: int, size: in
 
 
 def bind_address(configured: str, store_addr: str | None) -> str | None:
-    """Where gloo binds: the configured address, else loopback when the store is on loopback (a
-    one-host job), else gloo's own choice (None)."""
+    """Where gloo and the rank's listeners bind: the configured address (one of this host's: else
+    one line), else loopback when the store is on loopback (a one-host job), else gloo's own choice
+    (None)."""
     if configured:
+        check_bind_address(configured)
         return configured
     # HOST:PORT (a TCPStore), or etcd://HOST:PORT[,HOST:PORT...]/PREFIX (every member counts)
     members = (store_addr or "").removeprefix("etcd://").split("/", 1)[0].split(",")

@@ -37,7 +37,7 @@ from typing import Callable, Sequence
 
 import torch.distributed as dist
 
-from elaswave.control import agents, liveness, rank_numbers
+from elaswave.control import addresses, agents, rank_numbers
 from elaswave.control.link import StoreLink, StoreLost, check_listening, client, serve
 from elaswave.control.membership import EPOCH_FLOOR, PREFIX, Membership, NoMajority, has_majority
 from elaswave.control.seal import JOB, Sealed, announce_generation, sealed, store_generation
@@ -97,7 +97,7 @@ def reach(addr: str) -> str:
         check_listening(host, int(port), CONNECT_S)
         return "answers"
     except ConnectionRefusedError:
-        return "refused" if liveness.is_own_host(host) else "silent"
+        return "refused" if addresses.is_own_host(host) else "silent"
     except OSError:
         return "silent"
 

@@ -13,7 +13,7 @@ all (a host powered off drops packets instead of refusing) proves nothing and sa
 
 A refusal is the kernel's word only when it is the dead rank's own kernel that speaks, and a
 prober knows that only for an address of its own machine (loopback, or an address of its own
-network namespace): :func:`is_own_address`. From across a network, a firewall that rejects
+network namespace): :func:`elaswave.control.addresses.is_own_address`. From across a network, a firewall that rejects
 (``reject with tcp reset``) in front of a live host refuses exactly as a dead process's kernel
 would, and a partition that rejects would then look like death from both sides -- each side "the
 majority" of the living, two runs (issue 58). So a refusal from another machine is silence
@@ -23,12 +23,12 @@ heartbeats.
 from __future__ import annotations
 
 import errno
-import functools
 import selectors
 import socket
 import threading
 import time
 
+from elaswave.control import addresses
 from elaswave.control.membership import PREFIX
 from elaswave.control.partition import REACH_TIMEOUT_S
 from elaswave.control.seal import sealed
@@ -123,39 +123,15 @@ def probe_all(addresses: dict[int, str], timeout_s: float) -> dict[int, bool | N
 
 def _answer(code: int, ip: str) -> bool | None:
     if code == errno.ECONNREFUSED:
-        return False if is_own_address(ip) else None
+        return False if addresses.is_own_address(ip) else None
     return True if code == 0 else None
-
-
-def is_own_host(host: str) -> bool:
-    """Whether ``host`` (a name or an address) is this machine's own (:func:`is_own_address`): a
-    refused connect there proves that nothing listens, and a listener can bind there."""
-    try:
-        ip = socket.getaddrinfo(host.strip("[]"), None, type=socket.SOCK_STREAM)[0][4][0]
-    except OSError:
-        return False
-    return is_own_address(ip)
-
-
-@functools.lru_cache(maxsize=1024)
-def is_own_address(ip: str) -> bool:
-    """Whether ``ip`` is this machine's own (loopback, or an address of one of its interfaces in
-    this network namespace): a connect there is answered by this kernel, so its refusal proves
-    that nothing listens. Told by binding to it, which only an own address allows."""
-    try:
-        family = socket.AF_INET6 if ":" in ip else socket.AF_INET
-        with socket.socket(family, socket.SOCK_STREAM) as sock:
-            sock.bind((ip.split("%")[0], 0))
-        return True
-    except OSError:  # EADDRNOTAVAIL: another machine's
-        return False
 
 
 class Prober:
     """Probes ranks by the addresses they registered; an address is read from the store once.
 
     A refusal proves death only from a port this prober has reached before (a port on an address
-    others cannot reach refuses a live rank too), and only on this machine (:func:`is_own_address`;
+    others cannot reach refuses a live rank too), and only on this machine (:func:`~elaswave.control.addresses.is_own_address`;
     across a network a firewall's REJECT refuses a live rank too). Each watcher learns the next members in ring order when its view changes (a few connects
     per epoch, off the recovery path), so every rank is known to the ranks just before it."""
 

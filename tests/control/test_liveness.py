@@ -9,7 +9,8 @@ import time
 import pytest
 
 from elaswave.control import failover
-from elaswave.control.liveness import LivenessPort, Prober, is_own_address, probe
+from elaswave.control.addresses import is_own_address
+from elaswave.control.liveness import LivenessPort, Prober, probe
 from tests.helpers import netns
 
 SERVE = """

@@ -1,4 +1,5 @@
-"""A process that reaches the job's store but lacks its token cannot steer the job (issues 35, 58).
+"""A process that reaches the job's store but lacks its token cannot steer the job (issues 35, 58);
+from another host it cannot reach the store at all (a one-host job listens on loopback alone).
 
 The outsider writes what would have steered the job before records were sealed: a death, two
 watchers' alerts, the next epoch's decision, a check-in cutting ranks off, a standby address (the
@@ -7,11 +8,14 @@ counter it can name (a raised epoch count once kept a job from writing its summa
 rank is SIGKILLed: the job must leave out that rank alone, at the next step, stay bit-identical
 and write its summary."""
 import json
+import socket
+import subprocess
 from datetime import timedelta
 
 import torch.distributed as dist
 
-from tests.helpers.spawn import Running, assert_same_run, job_args, reference_fixture
+from tests.helpers import netns
+from tests.helpers.spawn import Running, assert_same_run, job_args, reference_fixture, session_members
 
 STEPS, DP, MBS = 30, 4, 12
 EXTRA = [f"train.num_micro_batches={MBS}", "parallel.timeout_s=60"]
@@ -43,14 +47,36 @@ def _forge(addr: str, own: dist.TCPStore) -> int:
     return rank
 
 
+def _listening(pids: list[int]) -> list[str]:
+    """The local addresses the processes ``pids`` listen on (TCP)."""
+    out = subprocess.run(["ss", "-ltnpH"], capture_output=True, text=True, timeout=10).stdout.splitlines()
+    return [line.split()[3] for line in out if any(f"pid={p}," in line for p in pids)]
+
+
+def _from_another_host(port: int) -> bool | None:
+    """Whether a process in another network namespace connects to this host's address at ``port``
+    (None: no namespace can be made here)."""
+    if netns.unavailable():
+        return None
+    with netns.OtherHost() as host:
+        probe = f"import socket; socket.create_connection(('{host.here_store_ip}', {port}), timeout=2)"
+        done = subprocess.run([*host.prefix(), "python3", "-c", probe], capture_output=True, timeout=30)
+    return done.returncode == 0
+
+
 def test_an_outsider_without_the_token_cannot_evict_redirect_or_join(tmp_path, reference):
     own = dist.TCPStore("127.0.0.1", 0, world_size=None, is_master=True, wait_for_workers=False)
     args = job_args(DP, 1, STEPS, True, [*EXTRA, "elastic.inject=kill:rank=2,step=16,phase=backward"])
     with Running(args, tmp_path / "run.jsonl") as job:
         addr = job.wait_for(r"store at (\S+);", 60).group(1)
         job.wait_for(r"step\s+4/", 120)
+        bound = _listening(session_members(job.proc.pid))
+        reached = _from_another_host(int(addr.rsplit(":", 1)[1]))
         outsider_rank = _forge(addr, own)
         res = job.finish(240)
+    # A one-host job listens on loopback alone: its store, standbys, liveness ports and gloo.
+    assert len(bound) >= 1 + 3 * DP and all(a.startswith("127.0.0.1:") for a in bound), bound
+    assert reached in (None, False), "the job's store answered from another host"
     assert res.returncode == 0, res.stderr
     assert_same_run(res, reference, STEPS)
     (rec,) = [r for r in res.records if r["event"] == "recovery"]
