@@ -25,10 +25,10 @@ import torch.distributed as dist
 
 from elaswave.config import JobConfig
 from elaswave.errors import ConfigError
-from elaswave.control import addresses, agents, failover, rank_numbers, rendezvous, seal
+from elaswave.control import addresses, agents, failover, job_store, rank_numbers, rendezvous, seal
 from elaswave.control.admission import JOIN_ENV, SPARE_ENV, STARTED_ENV, TOKEN_ENV, job_token, new_token, promote, Admission
 from elaswave.control.agents import NODE_RANK_ENV, NODES_ENV, AgentRefused, Node
-from elaswave.control.link import EXIT_EXCLUDED, EXIT_GROUP_LEFT, EXIT_STORE_LOST, StoreLink, StoreLost, client, serve
+from elaswave.control.link import EXIT_EXCLUDED, EXIT_GROUP_LEFT, EXIT_STORE_LOST, StoreLink, StoreLost
 from elaswave.control.liveness import Prober
 from elaswave.control.membership import PREFIX, Membership
 
@@ -151,63 +151,6 @@ class _Workers:
         return list(self.procs.values())
 
 
-REACH_ATTEMPT_S = 5.0
-"""The longest one attempt to reach node 0's store waits for its connect (and as long for its ping)."""
-
-
-def _open_store(cfg: JobConfig, node: Node, host: str) -> tuple[dist.TCPStore | StoreLink, str]:
-    """The job's store: hosted here (one host, or node 0 of several) or reached at the endpoint
-    (through a link that outlives a dropped connection). Returns it and the address the workers
-    connect to."""
-    if node.rdzv_backend == "etcd":
-        store = rendezvous.open_etcd_run(node.rdzv_endpoint, node.rdzv_id, node.node_rank, cfg.parallel.timeout_s)
-        return StoreLink(store, None, cfg.parallel.timeout_s, cfg.elastic.heartbeat_timeout_s), \
-            rendezvous.etcd_address(store)
-    # The store listens at its address alone (one host: loopback), never on every interface.
-    if node.rdzv_endpoint is None:
-        store = serve(host, 0, cfg.parallel.timeout_s)
-        return store, f"{host}:{store.port}"
-    ep_host, port = node.endpoint()
-    if node.node_rank == 0:
-        try:
-            store = serve(ep_host, port, cfg.parallel.timeout_s)
-        except (RuntimeError, OSError) as exc:
-            raise AgentRefused(f"--rdzv-endpoint={node.rdzv_endpoint}: node 0 cannot host the job's store there "
-                               f"({type(exc).__name__}: {str(exc).splitlines()[0]})") from None
-        return store, node.rdzv_endpoint
-    store = _reach_store(node, ep_host, port, cfg.parallel.timeout_s)
-    return StoreLink(store, node.rdzv_endpoint, cfg.parallel.timeout_s, cfg.elastic.heartbeat_timeout_s), \
-        node.rdzv_endpoint
-
-
-def _reach_store(node: Node, host: str, port: int, timeout_s: float) -> dist.Store:
-    """Node 0's TCPStore, waited for up to ``timeout_s`` (agents start in any order), in attempts
-    of a few seconds. An etcd member there (an agent on the other backend) is said at once: asked
-    before the first attempt, since a TCPStore client that meets an HTTP server prints c10d's retry
-    warnings with their stack frames, and after each failed one (the member may start later)."""
-    deadline = time.monotonic() + timeout_s
-    # A TCPStore never answers the HTTP request: this first probe costs its 0.25 s on c10d.
-    _refuse_etcd_member(node, host, port, within_s=0.25)
-    while True:
-        left = deadline - time.monotonic()
-        try:
-            # client() gives the first ping as long again as the connect: both within what is left.
-            return client(host, port, max(0.25, min(REACH_ATTEMPT_S, left / 2)), timeout_s)
-        except (RuntimeError, OSError) as exc:  # torch raises DistStoreError (a RuntimeError) on a timeout
-            _refuse_etcd_member(node, host, port, within_s=1.0)
-            if time.monotonic() >= deadline - 0.5:
-                raise AgentRefused(f"--rdzv-endpoint={node.rdzv_endpoint}: no job's store answered within "
-                                   f"parallel.timeout_s={timeout_s:g} s ({type(exc).__name__}); is node 0's agent "
-                                   "running there?") from None
-
-
-def _refuse_etcd_member(node: Node, host: str, port: int, within_s: float) -> None:
-    if rendezvous.is_etcd_member(host, port, within_s):
-        raise AgentRefused(f"--rdzv-endpoint={node.rdzv_endpoint} is an etcd member, not a TCPStore: node 0's "
-                           "agent runs --rdzv-backend etcd; give every agent the same --rdzv-backend and "
-                           "--rdzv-endpoint")
-
-
 def _check_devices(cfg: JobConfig, node: Node) -> None:
     """Each worker and each warm spare of a host needs a GPU of its own under NCCL."""
     import torch
@@ -236,7 +179,7 @@ def launch(cfg: JobConfig, metrics_out: str | None = None, host: str = "127.0.0.
     _check_devices(cfg, node)
     if node.rdzv_backend == "etcd":
         cfg.elastic.store_failover = False  # no process holds the store: there is nothing to move
-    store, store_addr = _open_store(cfg, node, host)
+    store, store_addr = job_store.open_store(node, host, cfg.parallel.timeout_s, cfg.elastic.heartbeat_timeout_s)
     token = job_token() or new_token()
     try:
         store = seal.open_job(store, token, found=node.node_rank != 0, wait=True)
@@ -370,6 +313,13 @@ def _watch(cfg: JobConfig, workers: _Workers, store: dist.TCPStore, membership: 
             done_at, watching.done = time.monotonic(), True
         if done_at is None:
             _start_joiners(workers, joins if asks else [], respawns, membership)
+        if others is not None and done_at is None and _side_stopped(workers, codes):
+            # This host's workers found their side without a majority (or its store lost) and saved:
+            # the job goes on elsewhere, if anywhere, on a store it moved away from this one.
+            print("elaswave: this host's workers stopped without a majority of the job; the store it holds "
+                  "is not the job's any more, and this agent stops", file=sys.stderr, flush=True)
+            _stop(workers.all(), grace_s=1.0)
+            return EXIT_STORE_LOST
         if all(c is not None for c in codes.values()) and not (done_at is None and others and others.training()):
             if done_at is not None or all(c in (0, EXIT_GROUP_LEFT) for c in codes.values()):
                 return 0
@@ -389,6 +339,14 @@ def _watch(cfg: JobConfig, workers: _Workers, store: dist.TCPStore, membership: 
             _stop(workers.all())
             return 124
         time.sleep(0.005)
+
+
+def _side_stopped(workers: _Workers, codes: dict[int, int | None]) -> bool:
+    """Whether every worker of this host (spares aside) has exited and one of them because its side
+    had no majority or lost the store: on the host holding the store that means the others, if
+    they go on, moved it (it is local: only a side cut off from the rest loses it here)."""
+    working = [c for r, c in codes.items() if r not in workers.standing]
+    return bool(working) and None not in working and EXIT_STORE_LOST in working
 
 
 def _replace(cfg: JobConfig, workers: _Workers, respawns: list[float], rank: int, why: str = "") -> None:

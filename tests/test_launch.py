@@ -18,7 +18,7 @@ from elaswave.runtime.worker import EXIT_EXCLUDED
 from tests.helpers import netns
 from tests.helpers.proxy import Proxy
 from tests.helpers.spawn import (TINY, Result, Running, alive, assert_same_run, children, fault_mid_run, free_port,
-                                 rank_of, run_cli, run_reference, steps_written)
+                                 rank_of, run_cli, run_reference, session_members, steps_written)
 
 
 def _start_long_job(extra=()):
@@ -372,3 +372,42 @@ def test_node_0s_agent_sigkilled_takes_the_store_every_rank_saves_and_the_agents
     assert again0.returncode == 0 and again1.returncode == 0, f"{again0.stderr}\n{again1.stderr}"
     assert f"resuming at step {saved}" in again0.stdout
     assert_same_run(again0, run_reference(tmp_path, steps, deterministic=True), steps)
+
+
+def test_the_store_holders_host_cut_off_alone_stops_every_process_of_its_side(tmp_path):
+    """Three hosts (dp=3 x pp=2, two ranks each), each a network namespace; node 0's agent holds
+    the TCPStore; each host also has a warm spare. Node 0's host goes silent alone. Hosts 1 and 2 (four of six
+    members) move the store to a standby of theirs and train on, bit-identical. Node 0's ranks find
+    no majority, save their part and stop -- and node 0's agent, which still holds a store nobody
+    else reaches, stops with them (exit 4), its spare too; it used to wait for the others forever."""
+    reason = netns.unavailable()
+    if reason:
+        pytest.skip(reason)
+    steps = 50
+    sets = [*TINY, "parallel.dp=3", "parallel.pp=2", f"train.steps={steps}", "train.num_micro_batches=6",
+            "train.deterministic=true", "elastic.respawn_after_s=-1", "parallel.timeout_s=30", "elastic.spares=1"]
+    netns.forward()
+    with netns.OtherHost(1) as h1, netns.OtherHost(2) as h2, netns.OtherHost(3) as h0:
+        endpoint = f"{h0.store_ip}:{free_port()}"
+        hosts = [h0, h1, h2]
+        agents = [_agent([*sets, f"parallel.bind_address={h.peer_ip}"], k, endpoint, tmp_path / f"m{k}.jsonl",
+                         nnodes=3, prefix=h.prefix())
+                  for k, h in enumerate(hosts)]
+        try:
+            agents[0].wait_for(r"step\s+8/", 300)
+            h0.silence()
+            cut_at = time.monotonic()
+            res0 = agents[0].finish(150)
+            stopped_s = time.monotonic() - cut_at
+            left = [p for p in session_members(agents[0].proc.pid) if alive(p)]  # its workers and its spare
+            res1, res2 = agents[1].finish(240), agents[2].finish(60)
+        finally:
+            for a in agents:
+                a.__exit__()
+    assert res0.returncode == EXIT_STORE_LOST, res0.stderr
+    assert "this agent stops" in res0.stderr and stopped_s < 90, (stopped_s, res0.stderr)
+    assert left == [], left
+    assert res1.returncode == 0 and res2.returncode == 0, f"{res1.stderr}\n{res2.stderr}"
+    assert "moved to rank 2's standby" in res1.stderr + res2.stderr, res1.stderr
+    assert [r["world_size"] for r in res1.steps][-1] == 4
+    assert_same_run(res1, run_reference(tmp_path, steps, deterministic=True, num_micro_batches=6), steps)
