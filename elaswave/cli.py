@@ -45,6 +45,7 @@ def _load(args: argparse.Namespace) -> config.JobConfig:
 
 def cmd_run(args: argparse.Namespace) -> int:
     cfg = _load(args)
+    _rdzv_conf(args, args.rdzv_backend == "etcd")
     if args.nproc is not None and args.nproc != cfg.world_size:
         raise ConfigError(f"--nproc={args.nproc} is invalid: parallel.dp={cfg.parallel.dp} x "
                           f"parallel.pp={cfg.parallel.pp} x parallel.tp={cfg.parallel.tp} needs {cfg.world_size} ranks")
@@ -81,6 +82,18 @@ def cmd_run(args: argparse.Namespace) -> int:
     return code
 
 
+def _rdzv_conf(args: argparse.Namespace, on_etcd: bool) -> None:
+    """``--rdzv-conf`` into the environment the workers inherit; on etcd, the credentials checked
+    now (a password that would go in clear is one line before anything starts)."""
+    from elaswave.control import rendezvous
+
+    if args.rdzv_conf:
+        rendezvous.apply_conf(args.rdzv_conf)
+    if on_etcd:
+        rendezvous.tls()
+        rendezvous.credentials()
+
+
 def cmd_join(args: argparse.Namespace) -> int:
     """Add this machine's process to a running job as a new rank: it asks the job's leader for
     admission with ELASWAVE_TOKEN and, once admitted, trains in the job's next epoch."""
@@ -92,6 +105,7 @@ def cmd_join(args: argparse.Namespace) -> int:
     from elaswave.control.admission import JOIN_ENV, STARTED_ENV, TOKEN_ENV
     from elaswave.control.membership import PREFIX
 
+    _rdzv_conf(args, rendezvous.is_etcd(args.store))
     if ":" not in args.store:
         raise ConfigError(f"--store={args.store!r} is invalid: use HOST:PORT, as `elaswave run` prints it")
     if not os.environ.get(TOKEN_ENV):
@@ -269,6 +283,19 @@ def cmd_data_batches(args: argparse.Namespace) -> int:
     return 0
 
 
+RDZV_CONF_HELP = ("etcd over TLS, the way to run on several hosts: cacert=CA.pem,cert=CLIENT.pem,key=CLIENT.key "
+                  "(torchrun's and etcdctl's names); user=NAME with password_file=PATH for a password (never in "
+                  "clear: without cacert it is refused unless plain_password=1); the same as the ELASWAVE_ETCD_* "
+                  "variables, which the workers inherit")
+
+
+def cmd_etcd_role(args: argparse.Namespace) -> int:
+    from elaswave.control.rendezvous import role_commands
+
+    print("\n".join(role_commands(args.rdzv_id, args.user or f"elaswave-{args.rdzv_id}")))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="elaswave", description="Elastic hybrid-parallel training on PyTorch.")
     sub = ap.add_subparsers(dest="command", required=True)
@@ -285,6 +312,7 @@ def main(argv: list[str] | None = None) -> int:
     hosts.add_argument("--rdzv-endpoint", default=None, metavar="HOST:PORT[,...]",
                        help="c10d: node 0's address and a free port for the job's store; etcd: the cluster's members")
     hosts.add_argument("--rdzv-id", default="elaswave", help="the job's id; every agent must give the same")
+    hosts.add_argument("--rdzv-conf", default="", metavar="KEY=VALUE,...", help=RDZV_CONF_HELP)
     run.add_argument("--timeout-s", type=float, default=None, help="stop the job after this many seconds")
     run.add_argument("--tensorboard", metavar="DIR", help="also log TensorBoard scalars in DIR (needs tensorboard)")
     run.add_argument("--respawn-after", type=float, default=None, metavar="S",
@@ -299,7 +327,13 @@ def main(argv: list[str] | None = None) -> int:
     join.add_argument("--store", required=True, metavar="HOST:PORT", help="the job's store, as `elaswave run` prints it")
     join.add_argument("--metrics-out", metavar="F.jsonl", help="where to write metrics if this rank becomes the writer")
     join.add_argument("--timeout-s", type=float, default=30.0, help="how long to wait for the store")
+    join.add_argument("--rdzv-conf", default="", metavar="KEY=VALUE,...", help=RDZV_CONF_HELP)
     join.set_defaults(func=cmd_join)
+    role = sub.add_parser("etcd-role", help="the etcdctl commands that give a job's etcd user what it needs and "
+                                            "nothing more (read-write under the job's prefix)")
+    role.add_argument("--rdzv-id", default="elaswave", help="the job's id, as `elaswave run --rdzv-id` takes it")
+    role.add_argument("--user", default=None, help="the etcd user (default: elaswave-ID)")
+    role.set_defaults(func=cmd_etcd_role)
     ref = sub.add_parser("reference", help="train with the single-process reference oracle")
     _job_args(ref)
     ref.set_defaults(func=cmd_reference)

@@ -411,7 +411,12 @@ class EtcdStore(dist.Store):
                 headers = self._headers() if auth else {"Content-Type": "application/json"}
                 self._conn.request("POST", path, json.dumps(body), headers)
                 resp = self._conn.getresponse()
-                out = json.loads(resp.read() or b"{}")
+                raw = resp.read()
+                if resp.status == 400 and b"CommonName" in raw:
+                    raise EtcdAuthError(f"etcd at {host}:{port} refuses a client certificate on its HTTP gateway once "
+                                        "auth is on: give the job a user and password over TLS (--rdzv-conf "
+                                        "cacert=...,user=...,password_file=...) and no cert/key")
+                out = json.loads(raw or b"{}")
                 if resp.status == 200:
                     return out
                 message = str(out.get("error") or out.get("message") or out)

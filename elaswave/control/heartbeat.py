@@ -92,9 +92,9 @@ class Watcher(threading.Thread):
                 if self.prober is not None:  # so that their refusal proves their death later (once reached, no more probes)
                     self.prober.learn(_following(members, self.rank, 2), self.store)
                 if self.lease is not None:
-                    for target, last_wall, ttl_s in self.lease.expired():
+                    for target, last_wall, ttl_s, left_s in self.lease.expired():
                         if target in targets:  # its watchers speak for it
-                            self.membership.lease_expired(epoch, target, last_wall, ttl_s)
+                            self.membership.lease_expired(epoch, target, last_wall, ttl_s, left_s)
                     for target in targets:
                         since = self.lease.unrenewed(target)
                         if since is not None and (epoch, target) not in suspected_in:

@@ -78,6 +78,8 @@ class Lease:
         self.ttl_s = max(1, math.ceil(timeout_s)) + 1
         self._watched: dict[int, tuple[int | None, float, float]] = {}
         """rank -> (its lease, when to ask about it next (monotonic), when it last had a second left (wall))."""
+        self._left_at: dict[int, tuple[float, int]] = {}
+        """rank -> (when its lease was last asked about (wall), the whole seconds it had left then)."""
         self.id: int | None = None
         self.expired_own = False
         """This rank's lease expired before it renewed it: the job holds it dead (it will be left out)."""
@@ -167,8 +169,10 @@ class Lease:
         key = getattr(self.store, "key", None)
         return value is not None and (key is None or opened(key, name, value) is not None)
 
-    def expired(self) -> list[tuple[int, float, int]]:
-        """The ranks whose lease expired since the last call: (rank, wall time of its last renewal, TTL)."""
+    def expired(self) -> list[tuple[int, float, int, float | None]]:
+        """The ranks whose lease ended since the last call: (rank, wall time of its last renewal,
+        TTL, the seconds it still had when it ended -- None when it ran out: expired; a number when
+        it was *revoked*, by someone with access to the cluster, before it could expire)."""
         out = []
         while True:
             try:
@@ -177,7 +181,11 @@ class Lease:
                 return out
             if not self._genuine(rank, raw) or self.store.lease_left(lease) >= 0:
                 continue  # not the job's record, or deleted by someone while its lease lives: no death
-            out.append((rank, seen_wall - self.ttl_s, self.ttl_s))
+            asked_wall, left = self._left_at.get(rank, (None, 0))
+            if asked_wall is not None and seen_wall < asked_wall + left - 1:  # (whole seconds, rounded down)
+                out.append((rank, seen_wall, self.ttl_s, asked_wall + left - seen_wall))
+            else:
+                out.append((rank, seen_wall - self.ttl_s, self.ttl_s, None))
 
     def _genuine(self, rank: int, raw_b64: str | None) -> bool:
         key = getattr(self.store, "key", None)
@@ -224,6 +232,7 @@ class Lease:
             self._watched[rank] = (None, now + 0.5, second_left)
             return None
         asked_wall, left = time.time(), self.store.lease_left(lease)
+        self._left_at[rank] = (asked_wall, left)
         if left < 0:  # expired (the deletion proves it) or revoked: its next lease, if any, afresh
             self._watched[rank] = (None, now + 0.5, second_left)
             return None

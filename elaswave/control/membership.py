@@ -137,8 +137,10 @@ class Membership:
         sequence.append(self.store, ALERTS, sequence.unique(doc), self.alert_count())
 
     def report_dead(self, rank: int, how: str, alert: bool = True) -> None:
-        """Record a death; ``alert``: tell the members too (not for a rank that never joined them)."""
-        self.store.set(f"{PREFIX}dead/{rank}", how)
+        """Record a death; ``alert``: tell the members too (not for a rank that never joined them).
+        The first cause recorded stays: a rank whose lease was revoked exits when it finds out, and
+        its launcher's "exited with code 3" is not why it was left out."""
+        self.store.compare_set(f"{PREFIX}dead/{rank}", "", how)
         if alert:
             self.alert(self.current_epoch(), f"rank {rank} {how}", [rank])
 
@@ -382,12 +384,16 @@ class Membership:
         raw = self.store.read(PREFIX + key)
         return None if raw is None else float(raw)
 
-    def lease_expired(self, epoch: int, rank: int, last_wall: float, ttl_s: int) -> None:
-        """``rank``'s etcd lease expired (:mod:`~elaswave.control.leases`): a death proven by the
-        cluster's quorum, recorded with its last renewal (wall clock), and said to the members."""
+    def lease_expired(self, epoch: int, rank: int, last_wall: float, ttl_s: int, left_s: float | None = None) -> None:
+        """``rank``'s etcd lease ended (:mod:`~elaswave.control.leases`): expired -- a death proven
+        by the cluster's quorum -- or, with ``left_s``, revoked that long before it could expire;
+        recorded with its last sign of life (wall clock), and said to the members."""
+        how = (f"its etcd lease expired: no renewal for {ttl_s} s" if left_s is None else
+               f"its etcd lease was revoked with {left_s:.0f} s left, by a client of the etcd cluster (without "
+               "auth, anyone who reaches it: see docs/control-plane.md)")
         # The stamp last: each write is a Raft commit, and only the recovery's record reads it.
-        self.store.compare_set(f"{PREFIX}dead/{rank}", "", f"its etcd lease expired: no renewal for {ttl_s} s")
-        self.alert(epoch, f"rank {rank}'s etcd lease expired (no renewal for {ttl_s} s)", [rank])
+        self.store.compare_set(f"{PREFIX}dead/{rank}", "", how)
+        self.alert(epoch, f"rank {rank}: {how}", [rank])
         self.store.compare_set(f"{PREFIX}renewed/{rank}", "", repr(last_wall))
 
     def lease_unrenewed(self, epoch: int, rank: int, since_wall: float, for_s: int, watchers: int) -> None:

@@ -28,14 +28,61 @@ from elaswave.errors import ConfigError
 SCHEME = "etcd://"
 USER_ENV, PASSWORD_ENV = "ELASWAVE_ETCD_USER", "ELASWAVE_ETCD_PASSWORD"
 CACERT_ENV, CERT_ENV, KEY_ENV = "ELASWAVE_ETCD_CACERT", "ELASWAVE_ETCD_CERT", "ELASWAVE_ETCD_KEY"
+PLAIN_PASSWORD_ENV = "ELASWAVE_ETCD_PLAIN_PASSWORD"
+"""Set to 1 to send the etcd password over plain HTTP anyway (a network nobody else can read)."""
+CONF_KEYS = {"cacert": CACERT_ENV, "cert": CERT_ENV, "key": KEY_ENV, "user": USER_ENV,
+             "plain_password": PLAIN_PASSWORD_ENV}
+"""``--rdzv-conf`` keys (torchrun's etcd rendezvous names the TLS files the same way; etcdctl's
+``--cacert``, ``--cert``, ``--key``, ``--user``) and the variables they set for the job's processes."""
 
 
 def credentials() -> Credentials | None:
-    """The etcd user the job's processes act as (inherited by its workers through the environment)."""
+    """The etcd user the job's processes act as (inherited by its workers through the environment).
+    A password never crosses the network in clear: without TLS (``cacert``) it is refused unless
+    ``ELASWAVE_ETCD_PLAIN_PASSWORD=1`` says to send it anyway."""
     user = os.environ.get(USER_ENV)
     if not user:
         return None
-    return Credentials(user, os.environ.get(PASSWORD_ENV, ""))
+    password = os.environ.get(PASSWORD_ENV, "")
+    if password and tls() is None and os.environ.get(PLAIN_PASSWORD_ENV) != "1":
+        raise ConfigError(f"{PASSWORD_ENV} would go to etcd over plain HTTP, readable on the network: give the "
+                          f"members' CA (--rdzv-conf cacert=PATH, or {CACERT_ENV}) so it goes over HTTPS -- better, "
+                          f"a client certificate (cert=, key=) instead of a password -- or set "
+                          f"{PLAIN_PASSWORD_ENV}=1 to send it in clear anyway")
+    return Credentials(user, password)
+
+
+def apply_conf(text: str) -> None:
+    """``--rdzv-conf KEY=VALUE[,KEY=VALUE...]``: the etcd TLS files and user, set in this process's
+    environment so that its workers inherit them (as the ``ELASWAVE_ETCD_*`` variables would be).
+    ``password_file=PATH`` reads the password from a file (never from the command line, which
+    every user of the host can read)."""
+    for part in (p.strip() for p in text.split(",") if p.strip()):
+        key, eq, value = part.partition("=")
+        if key == "password_file" and eq:
+            try:
+                os.environ[PASSWORD_ENV] = open(value).read().strip()
+            except OSError as exc:
+                raise ConfigError(f"--rdzv-conf password_file={value!r} is invalid: {exc.strerror}") from None
+        elif key in CONF_KEYS and eq and value:
+            os.environ[CONF_KEYS[key]] = value
+        else:
+            raise ConfigError(f"--rdzv-conf {part!r} is invalid: use KEY=VALUE with KEY one of "
+                              f"{', '.join([*CONF_KEYS, 'password_file'])}")
+
+
+def role_commands(job_id: str, user: str) -> list[str]:
+    """The ``etcdctl`` commands (for an operator with etcd's root) that give ``user`` what a job
+    needs and nothing more: read and write under ``/elaswave/<job_id>/``, where every key, lease and
+    watch of the job lives. A lease attached to the job's keys can be revoked only by a user who
+    may write them, so no other user of the cluster can make a rank look dead. The job signs in with
+    the password over TLS (etcd's HTTP gateway, which elaswave speaks, takes no certificate's CN as
+    a user): ``--rdzv-conf cacert=...,user=USER,password_file=...``."""
+    role, prefix = f"elaswave-{job_id}", f"/elaswave/{job_id}/"
+    return [f"etcdctl role add {role}",
+            f"etcdctl role grant-permission {role} --prefix=true readwrite {prefix}",
+            f'etcdctl user add {user} --new-user-password="$ELASWAVE_ETCD_PASSWORD"',
+            f"etcdctl user grant-role {user} {role}"]
 
 
 def tls() -> Tls | None:

@@ -13,10 +13,11 @@ import torch
 import torch.distributed as dist
 
 from elaswave.control.etcd import RETRY_PAUSE_S, Credentials, EtcdAuthError, EtcdStore, Tls, parse_endpoints
+from elaswave.control.rendezvous import role_commands
 from elaswave.control.link import StoreLink, StoreLost
 from elaswave.errors import ConfigError
 from tests.helpers.certs import Authority
-from tests.helpers.etcd import EtcdCluster
+from tests.helpers.etcd import EtcdCluster, enable_auth, etcdctl
 
 
 @pytest.fixture(scope="module")
@@ -195,7 +196,7 @@ def test_a_cluster_with_auth_admits_only_the_jobs_credentials():
 def test_a_cluster_on_tls_admits_only_a_client_certificate_its_ca_signed(tmp_path):
     ca, other_ca = Authority(tmp_path / "pki", "ca"), Authority(tmp_path / "pki", "other-ca")
     server = ca.issue("member", ip="127.0.0.1")
-    job, stranger = ca.issue("job"), other_ca.issue("stranger")
+    job, stranger, expired = ca.issue("job"), other_ca.issue("stranger"), ca.issue("expired", days=0)
     with EtcdCluster(3, tls=(ca.cert, *server)) as etcd:
         good = _store(etcd, "/job/", tls=Tls(str(ca.cert), *map(str, job)))
         _script(good)  # every call, the watch stream included, over HTTPS
@@ -203,7 +204,8 @@ def test_a_cluster_on_tls_admits_only_a_client_certificate_its_ca_signed(tmp_pat
         for tls, needle in [(None, "serves HTTPS\\? set ELASWAVE_ETCD_CACERT"),
                             (Tls(str(other_ca.cert), *map(str, job)), "does not verify against ELASWAVE_ETCD_CACERT"),
                             (Tls(str(ca.cert)), "refused the TLS client certificate"),
-                            (Tls(str(ca.cert), *map(str, stranger)), "refused the TLS client certificate")]:
+                            (Tls(str(ca.cert), *map(str, stranger)), "refused the TLS client certificate"),
+                            (Tls(str(ca.cert), *map(str, expired)), "refused the TLS client certificate")]:
             began = time.monotonic()
             with pytest.raises(EtcdAuthError, match=needle):
                 _store(etcd, "/job/", tls=tls).set("decided", "no")
@@ -211,6 +213,34 @@ def test_a_cluster_on_tls_admits_only_a_client_certificate_its_ca_signed(tmp_pat
         assert good.get("decided") == b"yes"
     with pytest.raises(ConfigError, match="ELASWAVE_ETCD_CACERT='/no/such.pem' is invalid: no such file"):
         Tls("/no/such.pem").context()
+
+
+def test_with_tls_and_auth_the_role_elaswave_prints_is_all_a_job_needs_and_nobody_else_can_revoke_its_lease(tmp_path):
+    """A 3-member cluster on TLS with auth on; the job's user made by running the etcdctl commands
+    `elaswave etcd-role` prints, as printed. The job's user does all a job does under its prefix
+    (keys, a transaction, a lease bound to a key, its renewal and time to live, the watch stream);
+    a client without credentials, and another user of the cluster, can neither read the job's keys
+    nor revoke its lease (before auth, any client could, and the rank looked dead)."""
+    ca = Authority(tmp_path / "pki", "ca")
+    server = ca.issue("member", ip="127.0.0.1")
+    with EtcdCluster(3, tls=(ca.cert, *server), client_cert_auth=False) as etcd:
+        root = enable_auth(etcd, "root-pw")
+        etcdctl(etcd, *role_commands("j1", "job"), user=root, env={"ELASWAVE_ETCD_PASSWORD": "job-pw"})
+        etcdctl(etcd, *role_commands("other", "stranger"), user=root, env={"ELASWAVE_ETCD_PASSWORD": "x-pw"})
+        tls = Tls(str(ca.cert))  # the members' CA: the password goes over HTTPS
+        job = _store(etcd, "/elaswave/j1/1/", tls=tls, credentials=Credentials("job", "job-pw"))
+        _script(job)  # every call, the watch stream included
+        lease, _ = job.grant(5)
+        job.put_leased("ew/alive/0", "{}", lease)
+        assert job.keep_alive(lease) > 0 and job.lease_left(lease) > 0
+        for who, needle in [(None, "user name is empty"), (Credentials("stranger", "x-pw"), "permission denied")]:
+            outsider = _store(etcd, "/elaswave/j1/1/", tls=tls, credentials=who)
+            with pytest.raises(EtcdAuthError, match=needle):
+                outsider.revoke(lease)
+            with pytest.raises(EtcdAuthError, match=needle):
+                outsider.get("a")
+        assert job.lease_left(lease) > 0 and job.get("ew/alive/0") == b"{}"
+        job.revoke(lease)  # the job's own user may
 
 
 @pytest.mark.parametrize("text", ["", "host", "h:0", "h:1,h2", "h:99999"])

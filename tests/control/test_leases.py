@@ -60,7 +60,7 @@ class Holder:
         self.proc.wait(10)
 
 
-def _deaths_within(lease: leases.Lease, within_s: float) -> list[tuple[int, float, int]]:
+def _deaths_within(lease: leases.Lease, within_s: float) -> list[tuple[int, float, int, float | None]]:
     deadline, out = time.monotonic() + within_s, []
     while time.monotonic() < deadline and not out:
         out = lease.expired()
@@ -80,8 +80,8 @@ def test_a_holder_killed_or_frozen_is_a_death_dated_by_its_last_renewal(etcd, si
         deaths = _deaths_within(watcher, TIMEOUT_S + 2.0)
         seen = time.time()
         assert [d[0] for d in deaths] == [5]
-        (_, last_wall, ttl_s) = deaths[0]
-        assert ttl_s == TIMEOUT_S + 1 == watcher.ttl_s  # whole seconds, one over the timeout
+        (_, last_wall, ttl_s, left_s) = deaths[0]
+        assert ttl_s == TIMEOUT_S + 1 == watcher.ttl_s and left_s is None  # whole seconds, one over the timeout; ran out
         # Expired a TTL after the last renewal (at most TTL/4 before the signal), seen within the
         # leader's expiry check (every 0.5 s) after that.
         assert ttl_s * 3 / 4 - 0.1 <= seen - struck <= ttl_s + 1.2, seen - struck
@@ -216,3 +216,21 @@ def test_on_a_tcpstore_nothing_is_leased():
     tcp = dist.TCPStore("127.0.0.1", 0, world_size=None, is_master=True, wait_for_workers=False,
                         timeout=timedelta(seconds=5))
     assert not leases.supported(Sealed(tcp, None))
+
+
+def test_a_lease_revoked_before_it_could_expire_is_told_from_one_that_ran_out(etcd):
+    """Without auth any client of the cluster can revoke a rank's lease; the death it causes is
+    recorded as a revocation (the lease still had seconds left), not as an expiry."""
+    prefix = "/t/lease-revoked/"
+    watcher = leases.Lease(_store(etcd, prefix), 0, TIMEOUT_S)
+    with Holder(etcd, prefix, 5):
+        time.sleep(0.5)
+        assert watcher.unrenewed(5) is None  # asked: seconds left
+        lease = int(__import__("json").loads(Sealed(watcher.store, None).read(f"{leases.ALIVE}5"))["lease"])
+        revoked = time.time()
+        _store(etcd, prefix).revoke(lease)  # an outsider
+        deaths = _deaths_within(watcher, 3.0)
+    assert [d[0] for d in deaths] == [5]
+    (_, since, _, left_s) = deaths[0]
+    assert left_s is not None and left_s >= 1 and abs(since - revoked) < 1.0, deaths
+    watcher.close()

@@ -11,7 +11,8 @@ from elaswave.control.link import EXIT_STORE_LOST
 from elaswave.runtime.metrics import read_jsonl
 from tests.helpers import netns
 from tests.helpers.certs import Authority
-from tests.helpers.etcd import EtcdCluster
+from elaswave.control.rendezvous import role_commands
+from tests.helpers.etcd import EtcdCluster, enable_auth, etcdctl
 from tests.helpers.spawn import (Running, assert_same_run, fault_mid_run, free_port, freeze_rank, job_args,
                                  reference_fixture, run_cli)
 
@@ -94,6 +95,31 @@ def test_a_job_on_etcd_over_tls_with_client_certificates_is_the_same_run(tmp_pat
                        env={"ELASWAVE_ETCD_CACERT": str(ca.cert)})
     assert bare.returncode == 2 and "refused the TLS client certificate" in bare.stderr, bare.stderr
     assert len(bare.stderr.strip().splitlines()) == 1 and time.monotonic() - began < 30
+
+
+def test_a_job_on_etcd_with_tls_and_auth_as_a_least_privilege_user_is_the_same_run(tmp_path, reference):
+    """The way to run on several hosts: etcd over TLS with auth on, the job's user made with the
+    etcdctl commands `elaswave etcd-role` prints (read-write under the job's prefix, nothing else),
+    and `--rdzv-conf cacert=...,user=...,password_file=...` (the workers inherit it). The same
+    user's password over plain HTTP is refused in one line before anything starts, unless said."""
+    ca = Authority(tmp_path / "pki", "ca")
+    server = ca.issue("member", ip="127.0.0.1")
+    secret = tmp_path / "etcd-password"
+    secret.write_text("job-pw\n")
+    with EtcdCluster(3, tls=(ca.cert, *server), client_cert_auth=False) as etcd:
+        root = enable_auth(etcd, "root-pw")
+        etcdctl(etcd, *role_commands("elaswave", "job"), user=root, env={"ELASWAVE_ETCD_PASSWORD": "job-pw"})
+        conf = ["--rdzv-conf", f"cacert={ca.cert},user=job,password_file={secret}"]
+        with Running(_etcd_job(etcd) + conf, tmp_path / "run.jsonl") as job:
+            res = job.finish(240)
+        assert res.returncode == 0, res.stderr
+        assert_same_run(res, reference, STEPS)
+    began = time.monotonic()
+    plain = run_cli(job_args(2, 2, STEPS, True, EXTRA) + ["--rdzv-backend", "etcd", "--rdzv-endpoint", "127.0.0.1:2379",
+                                                          "--rdzv-conf", f"user=job,password_file={secret}"],
+                    tmp_path, timeout_s=60)
+    assert plain.returncode == 2 and "would go to etcd over plain HTTP" in plain.stderr, plain.stderr
+    assert len(plain.stderr.strip().splitlines()) == 1 and time.monotonic() - began < 30
 
 
 @pytest.mark.parametrize("flags, needle", [

@@ -28,10 +28,11 @@ class Authority:
              "-subj", f"/CN={name}", cwd=where)
         self.cert = where / f"{name}.crt"
 
-    def issue(self, name: str, ip: str | None = None) -> tuple[Path, Path]:
+    def issue(self, name: str, ip: str | None = None, days: int = 2) -> tuple[Path, Path]:
+        """``days`` 0: a certificate that has expired by the time it is used."""
         _run("req", *_KEY, "-keyout", f"{name}.key", "-out", f"{name}.csr", "-subj", f"/CN={name}", cwd=self.where)
         ext = self.where / f"{name}.ext"
         ext.write_text((f"subjectAltName=IP:{ip}\n" if ip else "") + "extendedKeyUsage=serverAuth,clientAuth\n")
         _run("x509", "-req", "-in", f"{name}.csr", "-CA", self.cert.name, "-CAkey", f"{self.name}.key",
-             "-CAcreateserial", "-out", f"{name}.crt", "-days", "2", "-extfile", ext.name, cwd=self.where)
+             "-CAcreateserial", "-out", f"{name}.crt", "-days", str(days), "-extfile", ext.name, cwd=self.where)
         return self.where / f"{name}.crt", self.where / f"{name}.key"

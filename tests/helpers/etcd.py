@@ -48,12 +48,15 @@ class EtcdCluster:
     ``kill(i)``, ``stop(i)``/``cont(i)`` act on member ``i``'s real process."""
 
     def __init__(self, n: int = 3, hosts: list[str] | None = None, prefixes: list[list[str]] | None = None,
-                 data_root: str | None = None, tls: tuple[Path, Path, Path] | None = None):
+                 data_root: str | None = None, tls: tuple[Path, Path, Path] | None = None,
+                 client_cert_auth: bool = True):
         """``hosts``: each member's address (default loopback); ``prefixes``: what runs each member
         (``ip netns exec NAME``: in a host namespace); ``tls``: (CA, server certificate, its key):
-        clients speak HTTPS and must show a certificate the CA signed (``--client-cert-auth``)."""
+        clients speak HTTPS and -- with ``client_cert_auth`` -- must show a certificate the CA
+        signed (``--client-cert-auth``; etcd's HTTP gateway then refuses every request once auth is
+        on, so a cluster with users runs without it)."""
         require_etcd()
-        self.tls = tls
+        self.tls, self.client_cert_auth = tls, client_cert_auth
         self.n = n
         self.hosts = hosts or ["127.0.0.1"] * n
         self.prefixes = prefixes or [[] for _ in range(n)]
@@ -97,7 +100,9 @@ class EtcdCluster:
                "--heartbeat-interval", "100", "--election-timeout", "1000"]
         if self.tls:
             ca, cert, key = self.tls
-            cmd += ["--trusted-ca-file", str(ca), "--cert-file", str(cert), "--key-file", str(key), "--client-cert-auth"]
+            cmd += ["--cert-file", str(cert), "--key-file", str(key)]
+            # (etcd asks every client for a certificate once it is given a CA to check them against.)
+            cmd += ["--trusted-ca-file", str(ca), "--client-cert-auth"] if self.client_cert_auth else []
         log = open(self._dir / f"m{i}.log", "wb")
         self.procs[i] = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
@@ -149,3 +154,37 @@ class EtcdCluster:
             self._signal(i, signal.SIGKILL)
             proc.wait(timeout=10)
         shutil.rmtree(self._dir, ignore_errors=True)
+
+
+ETCDCTL = shutil.which("etcdctl")
+
+
+def etcdctl(etcd: "EtcdCluster", *commands: str, user: str | None = None, env: dict | None = None) -> None:
+    """Run each of ``commands`` (shell lines, as an operator types them) with etcdctl pointed at
+    ``etcd`` -- over TLS with the members' own certificate when the cluster has one, as ``user``
+    (``name:password``) once auth is on."""
+    if ETCDCTL is None:
+        if os.environ.get("CI"):
+            raise AssertionError("etcdctl is not installed: .ci/run runs scripts/install_test_tools.sh first")
+        pytest.skip("etcdctl is not installed (sh scripts/install_test_tools.sh)")
+    scheme = "https" if etcd.tls else "http"
+    env = dict(os.environ, ETCDCTL_API="3", **(env or {}),
+               ETCDCTL_ENDPOINTS=",".join(f"{scheme}://{h}:{p}" for h, p in zip(etcd.hosts, etcd.client_ports)))
+    if etcd.tls:
+        ca, cert, key = etcd.tls
+        # (etcdctl 3.4 connects over TLS only when it shows a certificate, asked for or not.)
+        env.update(ETCDCTL_CACERT=str(ca), ETCDCTL_CERT=str(cert), ETCDCTL_KEY=str(key))
+    if user:
+        env["ETCDCTL_USER"] = user
+    for line in commands:
+        done = subprocess.run(["sh", "-c", line.replace("etcdctl ", "etcdctl --command-timeout=10s ", 1)], env=env,
+                              capture_output=True, text=True, timeout=30)
+        if done.returncode != 0:
+            raise AssertionError(f"{line}: {done.stderr.strip()}")
+
+
+def enable_auth(etcd: "EtcdCluster", root_password: str) -> str:
+    """A root user, then auth on: returns ``root:password`` for :func:`etcdctl`'s ``user``."""
+    etcdctl(etcd, "etcdctl role add root", f"etcdctl user add root --new-user-password={root_password}",
+            "etcdctl user grant-role root root", "etcdctl auth enable")
+    return f"root:{root_password}"
