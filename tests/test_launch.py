@@ -17,8 +17,9 @@ from elaswave.runtime.metrics import read_jsonl
 from elaswave.runtime.worker import EXIT_EXCLUDED
 from tests.helpers import netns
 from tests.helpers.proxy import Proxy
-from tests.helpers.spawn import (TINY, Result, Running, alive, assert_same_run, children, fault_mid_run, free_port,
-                                 rank_of, run_cli, run_reference, session_members, steps_written)
+from tests.helpers.spawn import (TINY, Result, Running, alive, assert_honest_mttr, assert_same_run, children,
+                                 fault_mid_run, free_port, rank_of, run_cli, run_reference, session_members,
+                                 steps_written)
 
 
 def _start_long_job(extra=()):
@@ -101,6 +102,7 @@ def test_two_host_agents_lose_one_worker_not_its_host(tmp_path):
     assert recovery["lost_ranks"] == [3] and not recovery["is_fallback"], recovery
     worlds = [r["world_size"] for r in res0.steps]
     assert 3 in worlds and 2 not in worlds and worlds[-1] == 4, worlds
+    assert len(assert_honest_mttr(res0)) == 2  # the store's move and the recovery: from their last sign of life
     assert_same_run(res0, run_reference(tmp_path, steps, deterministic=True), steps)
 
 
@@ -141,6 +143,7 @@ def test_when_the_agent_holding_the_store_dies_the_others_follow_it_to_a_standby
     assert recovery["evidence"]["3"].startswith("was killed by SIGKILL"), recovery  # the agent's report
     worlds = [r["world_size"] for r in res0.steps]
     assert 3 in worlds and 2 not in worlds and worlds[-1] == 4, worlds
+    assert len(assert_honest_mttr(res0)) == 2  # the store's move and the recovery: from their last sign of life
     assert_same_run(res0, run_reference(tmp_path, steps, deterministic=True), steps)
 
 
@@ -171,6 +174,9 @@ def test_a_whole_host_lost_with_the_store_the_survivors_move_it_and_recover(tmp_
     assert worlds[0] == 4 and worlds[-1] == 2 and set(worlds) == {4, 2}, worlds
     first_after = min(r["wall_time"] for r in res1.steps if r["world_size"] == 2)
     assert first_after - killed_at < 15.0, first_after - killed_at  # not parallel.timeout_s-bound
+    # The store died with the host, its heartbeat records with it: timed from the last step, not
+    # from when a survivor noticed (issue 58: 4.8 s recorded against 15 s between steps).
+    assert recovery["mttr_from"] in ("last_step", "last_heartbeat") and assert_honest_mttr(res1), recovery
     assert_same_run(res1, run_reference(tmp_path, steps, deterministic=True), steps)
 
 
@@ -202,6 +208,10 @@ def test_a_frozen_store_holder_is_a_lost_one_the_store_moves_and_training_goes_o
     after = [r["wall_time"] for r in res.steps if r["wall_time"] > frozen_wall]
     # The store's silence (link.SILENT_S) and the move, not parallel.timeout_s and not never.
     assert after and after[0] - frozen_wall < SILENT_S + 4, after[0] - frozen_wall
+    # The stall is on record: the move's MTTR from the frozen store's last answer (issue 58: the
+    # 8 s stall had no record), against the gap the step records show around it.
+    ((recorded, measured),) = assert_honest_mttr(res)
+    assert moved["mttr_from"] == "last_answer" and recorded > SILENT_S, moved
     assert_same_run(res, run_reference(tmp_path, steps, deterministic=True), steps)
 
 

@@ -111,6 +111,12 @@ class StoreLink:
         return self._lost.reason
 
     @property
+    def answered_wall(self) -> float:
+        """When (time.time()) the store last answered a call of this process: after a loss, the
+        store's last sign of life as this process saw it."""
+        return time.time() - (time.monotonic() - self._lost.answered_at)
+
+    @property
     def lost_wall(self) -> float | None:
         """When (time.time()) a link of this process gave up; None while the store answers."""
         return self._lost.wall

@@ -97,6 +97,8 @@ class Context:
         """Extra time the next agreement waits for silent members (after the store moved from a recovery)."""
         """The newest epoch whose members this rank agreed on (it may not have trained yet)."""
         self.step = 0
+        self.last_step_wall: float | None = None
+        """When this rank's last step ended (wall clock): see :meth:`note_step`."""
         # The watcher has its own store connection: its blocking waits must never stall training.
         self.watcher = Watcher(store.separate(), rank, self._view, self.interrupt,
                                e.heartbeat_interval_s, e.heartbeat_timeout_s, self.prober) if e.enabled else None
@@ -193,8 +195,10 @@ class Context:
     def move_store(self, st, step: int) -> dict:
         """Every member, at the end of the step whose exchange said that all of them lost the store:
         it moves to the first member's standby (:mod:`elaswave.control.failover`); returns the
-        ``store_moved`` record."""
+        ``store_moved`` record (its ``mttr_s`` follows the first step on the new store: see
+        :func:`moved_record`)."""
         noticed, old, began = self.store.lost_wall, self.store.addr, time.perf_counter()
+        last_answer = self.store.answered_wall  # (the move resets it)
         if self.standby is None:
             raise StoreLost(self.store.lost_reason)
         leader, addr = failover.move(self.store, self.standby, self.rank, st.plan.epoch, st.plan.ranks,
@@ -205,7 +209,8 @@ class Context:
             print(f"elaswave: the control store at {old} was lost; it moved to rank {leader}'s standby at {addr} "
                   f"after step {step - 1}, and training goes on", file=sys.stderr, flush=True)
         return {"event": "store_moved", "step": step, "from": old, "to": addr, "to_rank": leader,
-                "noticed_wall": noticed, "move_s": time.perf_counter() - began, "wall_time": time.time()}
+                "noticed_wall": noticed, "last_answer_wall": last_answer, "move_s": time.perf_counter() - began,
+                "wall_time": time.time()}
 
     def relocate_store(self, st) -> bool:
         """A recovery found the store gone, members with it: move it to the first survivor's
@@ -235,6 +240,11 @@ class Context:
             print(f"elaswave: the control store at {old} was lost with members; it moved to rank {leader}'s "
                   f"standby at {addr}, and the survivors agree there", file=sys.stderr, flush=True)
         return True
+
+    def note_step(self) -> None:
+        """A step ended here: every member of the epoch lived until its exchange (a fault nobody
+        injected began after it, which the next recovery's MTTR may count from)."""
+        self.last_step_wall = time.time()
 
     def _view(self):
         """(epoch, the ranks whose heartbeats this rank watches): every rank of the job, every slice's."""

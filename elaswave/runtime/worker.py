@@ -95,7 +95,7 @@ def run(cfg: JobConfig, rank: int, world_size: int, metrics_out: str | None) -> 
         writer.write({"event": "resume", "step": step, "checkpoint": str(resumed.manifest.path),
                       "load_s": resumed.load_s, "wall_time": time.time()})
     began = time.perf_counter()
-    result = None
+    result = moved = None
     evaluation_s = 0.0  # evaluations since the last change, before its first step: not in its MTTR
     try:
         while True:
@@ -130,6 +130,7 @@ def run(cfg: JobConfig, rank: int, world_size: int, metrics_out: str | None) -> 
                             ctx.pool.wait_sends(st.world)
                         _flip_low_bit(st, what)
                     took = time.perf_counter() - started
+                    ctx.note_step()
                     ctx.speeds.add(st.epoch, result.speeds)
                     # The median of the epoch's last steps; an idle rank (drop_replica) keeps its last figure.
                     ctx.speed = ctx.speeds.median(rank) or ctx.speed
@@ -146,10 +147,13 @@ def run(cfg: JobConfig, rank: int, world_size: int, metrics_out: str | None) -> 
                         writer.write({**pending.record(time.time(), took, evaluation_s),
                                       "spares_standing": _spares_standing(ctx)})
                         pending = None
+                    if moved is not None:  # the first step on the store it moved to: the move's MTTR
+                        writer.write(moved_record(moved, took))
+                        moved = None
                     step += 1
                     if result.store_lost:
                         journal.commit_before(step, writer)
-                        writer.write(ctx.move_store(st, step))
+                        moved = ctx.move_store(st, step)
                     if ctx.checkpointer is not None and ctx.checkpointer.due(step):
                         ctx.checkpointer.save(step, st.plan.chunk_owners, st.optimizer.keys(), st.optimizer.payload(),
                                               is_writer=rank == st.plan.ranks[0], epoch=st.epoch)
@@ -321,6 +325,14 @@ def _stamp_step(ctx: Context, step: int) -> None:
         ctx.membership.stamp("step", step)
     except StoreLost:
         pass
+
+
+def moved_record(moved: dict, first_step_s: float) -> dict:
+    """A store move's record, once the first step on the new store ended: its MTTR from the old
+    store's last answer (a frozen or lost store says nothing after it)."""
+    now = time.time()
+    return {**moved, "mttr_s": now - moved["last_answer_wall"], "mttr_from": "last_answer",
+            "first_step_s": first_step_s, "wall_time": now}
 
 
 def _spares_standing(ctx: Context) -> int | None:

@@ -268,6 +268,26 @@ def reference_fixture(steps: int, num_micro_batches: int):
     return reference
 
 
+def assert_honest_mttr(res: Result, at_least: float = 0.9) -> list[tuple[float, float]]:
+    """Every recovery's and store move's recorded MTTR against what the step records show: the gap
+    from the last step completed before it to the first completed after (recorded >= ``at_least``
+    x that gap; issue 58). Returns (recorded, measured) for each."""
+    walls = {}
+    for r in res.steps:  # (a step a change cut short is written once, by whoever finished it)
+        walls[r["step"]] = r["wall_time"]
+    out = []
+    for rec in res.records:
+        if rec["event"] not in ("recovery", "store_moved"):
+            continue
+        # A recovery resumes at the step the fault broke; a store is moved after the step it froze in.
+        first = rec["resume_step"] if rec["event"] == "recovery" else rec["step"]
+        before = first - (1 if rec["event"] == "recovery" else 2)
+        measured = walls[first] - walls[before]
+        assert rec["mttr_s"] >= at_least * measured, (rec["mttr_s"], measured, rec)
+        out.append((rec["mttr_s"], measured))
+    return out
+
+
 def assert_same_run(res: Result, reference: Result, steps: int) -> None:
     """Every step written once, and the losses, final parameters and optimizer state (masters, both
     Adam moments, the step counter) of the failure-free reference."""
