@@ -225,7 +225,9 @@ def launch(cfg: JobConfig, metrics_out: str | None = None, host: str = "127.0.0.
                 code = _watch(cfg, workers, store, membership, timeout_s, done_grace_s, watching)
                 break
             except StoreLost as lost:
-                if watching.done or all(p.poll() == 0 for p in workers.all()):
+                # (Standing spares aside: they wait for the job's end, which this agent may not have
+                # read yet when the member holding a moved store finishes and takes it along.)
+                if watching.done or all(p.poll() == 0 for r, p in workers.procs.items() if r not in workers.standing):
                     # Its holder (a member, after a move) left at the end: nothing to follow.
                     code = _wait_for_workers(cfg, workers)
                     break

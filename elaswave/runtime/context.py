@@ -196,7 +196,7 @@ class Context:
         """Every member, at the end of the step whose exchange said that all of them lost the store:
         it moves to the first member's standby (:mod:`elaswave.control.failover`); returns the
         ``store_moved`` record (its ``mttr_s`` follows the first step on the new store: see
-        :func:`moved_record`)."""
+        :meth:`moved_record`)."""
         noticed, old, began = self.store.lost_wall, self.store.addr, time.perf_counter()
         last_answer = self.store.answered_wall  # (the move resets it)
         if self.standby is None:
@@ -211,6 +211,14 @@ class Context:
         return {"event": "store_moved", "step": step, "from": old, "to": addr, "to_rank": leader,
                 "noticed_wall": noticed, "last_answer_wall": last_answer, "move_s": time.perf_counter() - began,
                 "wall_time": time.time()}
+
+    @staticmethod
+    def moved_record(moved: dict, first_step_s: float) -> dict:
+        """A store move's record, once the first step on the new store ended: its MTTR from the old
+        store's last answer (a frozen or lost store says nothing after it)."""
+        now = time.time()
+        return {**moved, "mttr_s": now - moved["last_answer_wall"], "mttr_from": "last_answer",
+                "first_step_s": first_step_s, "wall_time": now}
 
     def relocate_store(self, st) -> bool:
         """A recovery found the store gone, members with it: move it to the first survivor's

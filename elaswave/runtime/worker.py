@@ -148,7 +148,7 @@ def run(cfg: JobConfig, rank: int, world_size: int, metrics_out: str | None) -> 
                                       "spares_standing": _spares_standing(ctx)})
                         pending = None
                     if moved is not None:  # the first step on the store it moved to: the move's MTTR
-                        writer.write(moved_record(moved, took))
+                        writer.write(Context.moved_record(moved, took))
                         moved = None
                     step += 1
                     if result.store_lost:
@@ -325,14 +325,6 @@ def _stamp_step(ctx: Context, step: int) -> None:
         ctx.membership.stamp("step", step)
     except StoreLost:
         pass
-
-
-def moved_record(moved: dict, first_step_s: float) -> dict:
-    """A store move's record, once the first step on the new store ended: its MTTR from the old
-    store's last answer (a frozen or lost store says nothing after it)."""
-    now = time.time()
-    return {**moved, "mttr_s": now - moved["last_answer_wall"], "mttr_from": "last_answer",
-            "first_step_s": first_step_s, "wall_time": now}
 
 
 def _spares_standing(ctx: Context) -> int | None:

@@ -270,11 +270,14 @@ def reference_fixture(steps: int, num_micro_batches: int):
 
 def assert_honest_mttr(res: Result, at_least: float = 0.9) -> list[tuple[float, float]]:
     """Every recovery's and store move's recorded MTTR against what the step records show: the gap
-    from the last step completed before it to the first completed after (recorded >= ``at_least``
-    x that gap; issue 58). Returns (recorded, measured) for each."""
+    from the last step completed before it to the first completed after, less one step's time (the
+    fault struck somewhere in the step under way): recorded >= ``at_least`` x that (issue 58: a
+    store lost with its host was recorded as 4.8 s against 15 s between steps). Returns
+    (recorded, measured) for each."""
     walls = {}
     for r in res.steps:  # (a step a change cut short is written once, by whoever finished it)
         walls[r["step"]] = r["wall_time"]
+    step_s = sorted(r["step_time_s"] for r in res.steps)[len(res.steps) // 2]
     out = []
     for rec in res.records:
         if rec["event"] not in ("recovery", "store_moved"):
@@ -283,7 +286,7 @@ def assert_honest_mttr(res: Result, at_least: float = 0.9) -> list[tuple[float, 
         first = rec["resume_step"] if rec["event"] == "recovery" else rec["step"]
         before = first - (1 if rec["event"] == "recovery" else 2)
         measured = walls[first] - walls[before]
-        assert rec["mttr_s"] >= at_least * measured, (rec["mttr_s"], measured, rec)
+        assert rec["mttr_s"] >= at_least * (measured - step_s), (rec["mttr_s"], measured, step_s, rec)
         out.append((rec["mttr_s"], measured))
     return out
 
