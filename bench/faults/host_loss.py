@@ -40,15 +40,17 @@ def _sets(bind: str) -> list[str]:
 
 
 def one(tmp: Path, code: str | None) -> dict:
-    """One run; ``code``: a checkout to run instead of this one (its path first on PYTHONPATH)."""
+    """One run; ``code``: a checkout to run instead of this one (run from it: ``python -m`` puts the
+    working directory first on the path, and the workers inherit it)."""
     env = {**ENV, **({"PYTHONPATH": code} if code else {})}
+    here = ["env", "-C", code] if code else []
     with netns.OtherHost() as host:
         endpoint = f"{host.here_store_ip}:{free_port()}"
 
         def agent(k: int, bind: str, prefix=()) -> Running:
             args = ["run", *[x for s in _sets(bind) for x in ("--set", s)], "--nnodes", "2", "--node-rank", str(k),
                     "--rdzv-endpoint", endpoint]
-            return Running(args, tmp / f"m{k}.jsonl", env=env, prefix=list(prefix))
+            return Running(args, tmp / f"m{k}.jsonl", env=env, prefix=[*prefix, *here])
 
         with agent(0, host.here_peer_ip) as a0, agent(1, host.peer_ip, host.prefix()) as a1:
             a0.wait_for(rf"step\s+{FAULT_STEP}/", 240)

@@ -55,7 +55,7 @@ from bench.common import RESULTS, write_results  # noqa: E402
 from elaswave.runtime.metrics import read_jsonl  # noqa: E402
 from tests.helpers import netns  # noqa: E402
 from tests.helpers.etcd import EtcdCluster  # noqa: E402
-from tests.helpers.spawn import TINY, Running, free_port, run_reference  # noqa: E402
+from tests.helpers.spawn import TINY, Running, free_port, run_reference, session_members  # noqa: E402
 
 FAULT_STEP = 8
 STOP_WITHIN_S = 90.0
@@ -86,14 +86,28 @@ def _side(metrics: Path, code: int | None, after_wall: float, stopped_s: float |
 
 def _finish(jobs: list[Running], since: float, limit_s: float) -> list[tuple[int | None, float | None]]:
     """Each job's exit code and when it exited, in seconds after ``since`` (monotonic); (None,
-    None) for one still running after ``limit_s`` (a hang: counted, and killed on leaving its block)."""
+    None) for one still running after ``limit_s`` (a hang: counted, and killed on leaving its block).
+    A hung job's workers are asked for their threads' stacks first (SIGUSR1: faulthandler), and
+    every job's stderr goes to ``LOGS`` while a run is being judged."""
     out: list = [None] * len(jobs)
     while any(o is None for o in out) and time.monotonic() - since < limit_s:
         for i, job in enumerate(jobs):
             if out[i] is None and job.proc.poll() is not None:
                 out[i] = (job.proc.returncode, time.monotonic() - since)
         time.sleep(0.05)
+    for i, job in enumerate(jobs):
+        if out[i] is None:
+            for pid in session_members(job.proc.pid):
+                if pid != job.proc.pid:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pid, signal.SIGUSR1)
+            time.sleep(1.0)
+        LOGS.append("".join(job._stderr))
     return [o or (None, None) for o in out]
+
+
+LOGS: list[str] = []
+"""The agents' stderr of the run being judged (kept in the results for a run that failed)."""
 
 
 def _two_hosts(tmp: Path, steps: int, etcd_in_host1: int | None, holder_silent: bool = False,
@@ -299,6 +313,7 @@ def main(argv: list[str] | None = None) -> int:
             continue
         runs = []
         for i in range(args.runs):
+            LOGS.clear()
             with tempfile.TemporaryDirectory() as tmp:
                 try:
                     verdict = judge(CASES[name](Path(tmp), args.steps), reference, args.steps)
@@ -306,6 +321,11 @@ def main(argv: list[str] | None = None) -> int:
                     verdict = {"passed": False, "problems": [f"the run broke: {type(exc).__name__}: "
                                                              f"{str(exc).splitlines()[0] if str(exc) else ''}"],
                                "codes": [], "stopped_s": [], "steps_after_fault": []}
+            if not verdict["passed"]:  # what each side said, for whoever looks into it
+                failed = RESULTS / f"{args.out}_failures" / f"{name}_run{i}.log"
+                failed.parent.mkdir(parents=True, exist_ok=True)
+                failed.write_text("\n\n".join(f"== agent {k} ==\n{log}" for k, log in enumerate(LOGS)))
+                verdict["log"] = str(failed.relative_to(RESULTS.parent.parent))
             runs.append(verdict)
             print(f"  {name} run {i}: {'pass' if verdict['passed'] else 'FAIL ' + '; '.join(verdict['problems'])} "
                   f"(codes {verdict['codes']}, stopped after {verdict['stopped_s']} s)", flush=True)

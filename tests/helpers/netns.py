@@ -11,17 +11,41 @@ A firewall's cut (:meth:`OtherHost.refuse`, :meth:`OtherHost.drop_incoming`) nee
 """
 from __future__ import annotations
 
+import fcntl
 import os
+import re
 import shutil
 import subprocess
 
-# Benchmarking addresses (RFC 2544): never a real network's.
-STORE_NET, PEER_NET = "198.18.0", "198.18.1"
+# Benchmarking addresses (RFC 2544): never a real network's. Each other host takes the lowest pair
+# of 198.18.N.0/24 subnets no interface here holds, so a second process's hosts (a bench beside the
+# tests) or a killed one's never share a subnet with ours: two links on one subnet send the replies
+# down the wrong one, and every connect across times out.
+_LOCK = "/run/elaswave-netns.lock"
+_NAME = re.compile(r"ew(\d+)(h\d+)?$")
 
 
-def _nets(index: int) -> tuple[str, str]:
-    """Other host ``index``'s store and peer subnets (host 1: STORE_NET and PEER_NET)."""
-    return f"198.18.{2 * index - 2}", f"198.18.{2 * index - 1}"
+def _nets_in_use() -> set[int]:
+    out = _ip("-o", "-4", "addr", "show").stdout
+    return {int(n) for n in re.findall(r"inet 198\.18\.(\d+)\.\d+/", out)}
+
+
+def _free_nets() -> tuple[str, str]:
+    used = _nets_in_use()
+    for n in range(0, 254, 2):
+        if n not in used and n + 1 not in used:
+            return f"198.18.{n}", f"198.18.{n + 1}"
+    raise RuntimeError(f"no free pair of 198.18.N.0/24 subnets: {sorted(used)} are in use")
+
+
+def _sweep_orphans() -> None:
+    """Namespaces a killed process of ours left behind (its pid is gone): their links would still
+    hold their subnets."""
+    listed = _ip("netns", "list").stdout.split()
+    for name in listed:
+        match = _NAME.match(name)
+        if match and not os.path.exists(f"/proc/{match.group(1)}"):
+            _ip("netns", "del", name)
 
 
 def _ip(*args: str, netns: str | None = None) -> subprocess.CompletedProcess:
@@ -82,18 +106,25 @@ class OtherHost:
     def __init__(self, index: int = 1):
         """``index``: which other host (1, 2, ...), each with subnets of its own; hosts reach each
         other through this namespace (see :func:`forward`)."""
-        tag = f"{os.getpid() % 100000}" + ("" if index == 1 else f"h{index}")
+        tag = f"{os.getpid()}" + ("" if index == 1 else f"h{index}")
         self.name = f"ew{tag}"
-        store_net, peer_net = _nets(index)
-        self._nets = {"store": store_net, "peer": peer_net}
-        self.store_ip, self.peer_ip = f"{store_net}.2", f"{peer_net}.2"
-        """This host's addresses over each link."""
-        self.here_store_ip, self.here_peer_ip = f"{store_net}.1", f"{peer_net}.1"
-        """The addresses of this (the main) namespace's ends."""
         self._links = {"store": (f"ews{tag}", f"ews{tag}x"), "peer": (f"ewp{tag}", f"ewp{tag}x")}
 
     def __enter__(self) -> "OtherHost":
         self.__exit__()  # what a killed run of this process id left behind
+        with open(_LOCK, "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # another process's host takes its subnets meanwhile
+            _sweep_orphans()
+            store_net, peer_net = _free_nets()
+            self._nets = {"store": store_net, "peer": peer_net}
+            self.store_ip, self.peer_ip = f"{store_net}.2", f"{peer_net}.2"
+            """This host's addresses over each link."""
+            self.here_store_ip, self.here_peer_ip = f"{store_net}.1", f"{peer_net}.1"
+            """The addresses of this (the main) namespace's ends."""
+            self._make()
+        return self
+
+    def _make(self) -> None:
         self._run("netns", "add", self.name)
         try:
             self._run("link", "set", "lo", "up", netns=self.name)
@@ -110,7 +141,6 @@ class OtherHost:
         except BaseException:
             self.__exit__()
             raise
-        return self
 
     def __exit__(self, *exc) -> None:
         for here, _ in self._links.values():
