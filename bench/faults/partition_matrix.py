@@ -136,7 +136,15 @@ def _two_hosts(tmp: Path, steps: int, etcd_in_host1: int | None, holder_silent: 
                 getattr(host, cut)()
                 wall, since = time.time(), time.monotonic()
                 done = _finish([a0, a1], since, STOP_WITHIN_S + 150)
+            _etcd_logs(etcd)
     return [_side(tmp / f"m{k}.jsonl", code, wall, s) for k, (code, s) in enumerate(done)]
+
+
+def _etcd_logs(etcd: EtcdCluster | None) -> None:
+    """The last lines of each etcd member's log, after the agents' (for a failed run's file)."""
+    if etcd is not None:
+        LOGS.extend(f"etcd member {i}:\n" + "\n".join((etcd._dir / f"m{i}.log").read_text().splitlines()[-60:])
+                    for i in range(3))
 
 
 def _three_hosts(tmp: Path, steps: int, etcd_per_host: bool) -> list[dict]:
@@ -183,6 +191,7 @@ def _three_agents(tmp: Path, steps: int, etcd_per_host: bool, hosts: list[tuple]
             cut.silence()
             wall, since = time.time(), time.monotonic()
             done = _finish([a0, a1, a2], since, STOP_WITHIN_S + 150)
+        _etcd_logs(etcd)
     return [_side(tmp / f"m{k}.jsonl", code, wall, s) for k, (code, s) in enumerate(done)]
 
 

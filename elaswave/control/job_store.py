@@ -21,8 +21,7 @@ def open_store(node: Node, host: str, timeout_s: float, grace_s: float) -> tuple
     the workers connect to."""
     if node.rdzv_backend == "etcd":
         store = rendezvous.open_etcd_run(node.rdzv_endpoint, node.rdzv_id, node.node_rank, timeout_s)
-        return StoreLink(store, None, timeout_s, grace_s), \
-            rendezvous.etcd_address(store)
+        return rendezvous.link(store, timeout_s, grace_s), rendezvous.etcd_address(store)
     # The store listens at its address alone (one host: loopback), never on every interface.
     if node.rdzv_endpoint is None:
         store = serve(host, 0, timeout_s)

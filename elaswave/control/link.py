@@ -210,7 +210,7 @@ class StoreLink:
             if left <= 0:
                 where = self.addr or getattr(self._store, "description", "torchrun's rendezvous store")
                 reason = (f"the control store at {where} has not answered for {self.grace_s:g} s "
-                                    f"(elastic.heartbeat_timeout_s; last error: {str(cause).splitlines()[0]})")
+                                    f"(elastic.heartbeat_timeout_s, on etcd at least a leader change; last error: {str(cause).splitlines()[0]})")
                 self._lost.declare(reason)
                 raise StoreLost(reason) from None
             try:

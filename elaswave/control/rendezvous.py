@@ -113,12 +113,18 @@ def etcd_store(addr: str, timeout_s: float) -> EtcdStore:
     return EtcdStore(parse_endpoints(endpoints, "--store"), "/" + prefix, timeout_s, credentials(), tls=tls())
 
 
+def link(store: EtcdStore, timeout_s: float, grace_s: float) -> StoreLink:
+    """A link to a job's etcd store whose grace (the heartbeat timeout) outlasts the cluster's
+    replacing a lost leader: an election is not a lost store."""
+    return StoreLink(store, None, timeout_s, max(grace_s, store.leader_change_s()))
+
+
 def connect(addr: str, timeout_s: float, grace_s: float) -> StoreLink:
     """A link to the job's store at ``addr`` (either backend), as a worker or joiner holds it."""
     if is_etcd(addr):
         store = etcd_store(addr, timeout_s)
         store.check(["config"])  # reach a majority now: a bad address is one line, not a hang later
-        return StoreLink(store, None, timeout_s, grace_s)
+        return link(store, timeout_s, grace_s)
     return StoreLink(connect_store(addr, timeout_s), addr, timeout_s, grace_s)
 
 
