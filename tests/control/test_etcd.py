@@ -112,17 +112,6 @@ def test_gloo_meets_through_the_etcd_store(etcd):
     assert out == [3.0, 3.0]
 
 
-def _leader(etcd) -> int:
-    """Which member leads now."""
-    for i in range(3):
-        conn = http.client.HTTPConnection(*etcd.endpoint(i), timeout=5)
-        conn.request("POST", "/v3/maintenance/status", "{}")
-        status = json.loads(conn.getresponse().read())
-        if status["header"]["member_id"] == status["leader"]:
-            return i
-    raise AssertionError("no member leads")
-
-
 def test_a_leader_lost_is_an_election_not_a_lost_store_whatever_the_heartbeat_timeout():
     """The link's grace is at least what the cluster takes to replace its leader (etcd says its
     election timeout through the least lease TTL it grants: 2 s at the tests' 1 s timeout). With
@@ -134,7 +123,7 @@ def test_a_leader_lost_is_an_election_not_a_lost_store_whatever_the_heartbeat_ti
         assert store.leader_change_s() == 6.0  # ceil(1.5 x 1 s) = 2 s, three times
         link = rendezvous.link(store, timeout_s=10, grace_s=0.3)
         link.set("epoch", "1")
-        leader = _leader(etcd)
+        leader = etcd.leader()
         etcd.stop(leader)
         try:
             began = time.monotonic()

@@ -87,6 +87,37 @@ def test_the_successor_seeds_what_the_protocol_reads_and_counters_only_grow():
     assert rank_numbers.claim(seeded)[0] == 6
 
 
+@pytest.mark.parametrize("first", ["the_agent", "a_join"])
+def test_a_rank_number_is_never_handed_out_twice_across_a_move(first):
+    """A joiner numbered on the old store after the members last looked (its agent claimed rank 2;
+    the process is still starting) and an `elaswave join` numbered on the new one: whichever asks
+    the new store first has the number, and the other learns it has not -- the agent's joiner
+    stops (its agent checks with :func:`rank_numbers.reclaim`), or the join gets the next number.
+    (Before: the new store's count began where the members had looked, and both held rank 2.)"""
+    job, job_addr = _server()
+    link = _link(job_addr)
+    rank_numbers.set_floor(link, 2)
+    standbys = {r: failover.Standby("127.0.0.1", 15.0) for r in (0, 1)}
+    for rank, standby in standbys.items():
+        standby.register(link, rank)
+    for standby in standbys.values():
+        standby.learn(link, [0, 1])
+    joiner, joiner_claim = rank_numbers.claim(link)  # on the old store, unseen by the members
+    assert joiner == 2
+    links = {r: _link(job_addr) for r in (0, 1)}
+    for rank in (1, 0):
+        leader, _ = failover.move(links[rank], standbys[rank], rank, 0, (0, 1), {"model": {"d": 8}})
+    failover.announce(links[leader])
+    new = standbys[leader].server
+    if first == "the_agent":
+        assert rank_numbers.reclaim(new, joiner, joiner_claim)
+        assert rank_numbers.claim(new)[0] == 3
+    else:
+        assert rank_numbers.claim(new)[0] == 2
+        assert not rank_numbers.reclaim(new, joiner, joiner_claim)  # its agent stops it
+    assert rank_numbers.count(new) == (4 if first == "the_agent" else 3)
+
+
 def test_an_agent_follows_the_standby_that_became_the_store_and_gives_up_on_none():
     job, job_addr = _server()
     link = _link(job_addr)

@@ -112,8 +112,7 @@ class EtcdCluster:
         for i in members if members is not None else range(self.n):
             while True:
                 try:
-                    conn = (http.client.HTTPSConnection(*self.endpoint(i), timeout=2, context=self._client_tls())
-                            if self.tls else http.client.HTTPConnection(*self.endpoint(i), timeout=2))
+                    conn = self._connection(i, 2)
                     conn.request("POST", "/v3/kv/put", json.dumps({"key": "aGVhbHRo", "value": "MQ=="}))
                     if conn.getresponse().status == 200:
                         break
@@ -123,6 +122,22 @@ class EtcdCluster:
                     raise AssertionError(f"etcd member {i} not healthy within {timeout_s}s: "
                                          f"{(self._dir / f'm{i}.log').read_text()[-2000:]}")
                 time.sleep(0.1)
+
+    def leader(self) -> int:
+        """Which member leads now (asked of each live one)."""
+        for i in range(self.n):
+            if self.procs[i].poll() is not None:
+                continue
+            conn = self._connection(i, 5)
+            conn.request("POST", "/v3/maintenance/status", "{}")
+            status = json.loads(conn.getresponse().read())
+            if status["header"]["member_id"] == status.get("leader"):
+                return i
+        raise AssertionError("no member leads")
+
+    def _connection(self, i: int, timeout_s: float) -> http.client.HTTPConnection:
+        return (http.client.HTTPSConnection(*self.endpoint(i), timeout=timeout_s, context=self._client_tls())
+                if self.tls else http.client.HTTPConnection(*self.endpoint(i), timeout=timeout_s))
 
     def _client_tls(self) -> ssl.SSLContext:
         ca, cert, key = self.tls
