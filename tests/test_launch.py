@@ -6,12 +6,14 @@ store is left out at the first agreement."""
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
 
 import pytest
 
+from elaswave.control import addresses
 from elaswave.control.link import EXIT_STORE_LOST, SILENT_S
 from elaswave.runtime.metrics import read_jsonl
 from elaswave.runtime.worker import EXIT_EXCLUDED
@@ -238,6 +240,20 @@ def test_an_unreachable_rendezvous_endpoint_is_a_clear_error_within_the_timeout(
                   env={"ELASWAVE_TOKEN": "agents-test"})
     assert res.returncode == 2 and "no job's store answered within parallel.timeout_s=3 s" in res.stderr, res.stderr
     assert time.monotonic() - began < 30
+
+
+def test_node_0s_endpoint_named_by_a_host_name_that_is_loopback_here_is_one_line(tmp_path):
+    """The store listens at the endpoint's address alone: a host name that is loopback on node 0
+    (Debian's own, 127.0.1.1 in /etc/hosts) would take it where no other host reaches -- refused
+    before anything listens, not found out by the others after parallel.timeout_s."""
+    name = socket.gethostname()
+    if not addresses.resolves_to_loopback(name) or name == "localhost":
+        pytest.skip(f"this host's name {name!r} is not loopback here")
+    res = run_cli(["run", *[x for s in [*TINY, "parallel.timeout_s=3"] for x in ("--set", s)], "--nnodes", "2",
+                   "--node-rank", "0", "--rdzv-endpoint", f"{name}:{free_port()}"], tmp_path, timeout_s=60,
+                  env={"ELASWAVE_TOKEN": "agents-test"})
+    assert res.returncode == 2 and f"{name!r} is " in res.stderr and "(loopback) on node 0" in res.stderr, res.stderr
+    assert res.left_behind == 0
 
 
 @pytest.mark.slow  # the default run keeps a faster case of the same path; `pytest -m slow` runs it

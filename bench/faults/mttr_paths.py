@@ -117,6 +117,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default="mttr_paths")
     args = ap.parse_args(argv)
     names = list(PATHS) if args.paths == "all" else args.paths.split(",")
+    unknown = [n for n in names if n not in PATHS]
+    if unknown:
+        ap.error(f"--paths {','.join(unknown)} is invalid: use all or names from {', '.join(PATHS)}")
     began = time.perf_counter()
     out: dict[str, list] = {}
     for name in names:

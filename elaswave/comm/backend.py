@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import os
 import queue
+import socket
 import threading
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
-from elaswave.control.addresses import check_bind_address
+from elaswave.control.addresses import check_bind_address, toward
 from elaswave.control.link import client
 from elaswave.interrupt import CommError, Interrupt
 
@@ -77,10 +78,23 @@ def bind_address(configured: str, store_addr: str | None) -> str | None:
     if configured:
         check_bind_address(configured)
         return configured
-    # HOST:PORT (a TCPStore), or etcd://HOST:PORT[,HOST:PORT...]/PREFIX (every member counts)
-    members = (store_addr or "").removeprefix("etcd://").split("/", 1)[0].split(",")
-    hosts = {m.rsplit(":", 1)[0] for m in members}
+    hosts = {m.rsplit(":", 1)[0] for m in _store_members(store_addr)}
     return "127.0.0.1" if hosts <= {"127.0.0.1", "localhost", "::1"} else None
+
+
+def _store_members(store_addr: str | None) -> list[str]:
+    # HOST:PORT (a TCPStore), or etcd://HOST:PORT[,HOST:PORT...]/PREFIX (every member counts)
+    return (store_addr or "").removeprefix("etcd://").split("/", 1)[0].split(",")
+
+
+def listen_address(bind: str | None, store_addr: str | None) -> str:
+    """Where a listener the other hosts must reach (a standby store) binds: ``bind``
+    (:func:`bind_address`), else this host's address on the route to the store's host. Not the host
+    name's: Debian's own name is 127.0.1.1 in /etc/hosts, where no other host reaches."""
+    if bind:
+        return bind
+    first = _store_members(store_addr)[0].rsplit(":", 1)[0]
+    return (first and toward(first)) or socket.gethostname()
 
 
 class _Watched:

@@ -97,7 +97,12 @@ class Admission:
         """A warm spare waits here, everything that does not depend on its future place already
         built, until promoted (returns the wall time of the promotion) or the job is done (None)."""
         key = f"{PREFIX}spare/{self.rank}"
-        return float(self.store.get(key)) if self._wait_unless_done(key, None, poll_s) else None
+        while self._wait_unless_done(key, None, poll_s):
+            promoted = self.store.read(key)  # sealed: a forged promotion is no promotion
+            if promoted is not None:
+                return float(promoted)
+            time.sleep(poll_s)  # (the leader's genuine one replaces it)
+        return None
 
     def job_done(self) -> bool:
         return self.store.read(PREFIX + "done") is not None  # sealed: a forged "done" stops no joiner

@@ -59,6 +59,8 @@ _AUTH = ("authentication", "auth token", "permission denied", "user name is empt
 
 
 _LEADER_CHANGE_S: dict[tuple, float] = {}
+DEFAULT_LEAST_TTL_S = 2
+"""The least lease TTL etcd grants at its default 1 s election timeout."""
 """:meth:`EtcdStore.leader_change_s` per cluster (its endpoints), asked once per process."""
 
 
@@ -280,7 +282,10 @@ class EtcdStore(dist.Store):
         2 s heartbeat timeout, took the election for a lost store and stopped (1 run in 20)."""
         cached = _LEADER_CHANGE_S.get(self.endpoints)
         if cached is None:
-            lease, least_ttl = self.grant(1)
+            try:
+                lease, least_ttl = self.grant(1)
+            except dist.DistNetworkError:  # in an election now: etcd's default timeout, asked again later
+                return 3.0 * DEFAULT_LEAST_TTL_S
             with contextlib.suppress(Exception):  # unrevoked, it expires in a second or two anyway
                 self.revoke(lease)
             cached = _LEADER_CHANGE_S[self.endpoints] = 3.0 * least_ttl

@@ -7,7 +7,7 @@ import time
 
 import torch.distributed as dist
 
-from elaswave.control import rendezvous
+from elaswave.control import addresses, rendezvous
 from elaswave.control.agents import AgentRefused, Node
 from elaswave.control.link import StoreLink, client, serve
 
@@ -28,6 +28,13 @@ def open_store(node: Node, host: str, timeout_s: float, grace_s: float) -> tuple
         return store, f"{host}:{store.port}"
     ep_host, port = node.endpoint()
     if node.node_rank == 0:
+        loopback = addresses.resolves_to_loopback(ep_host)
+        if node.nnodes > 1 and loopback and ep_host != loopback and ep_host != "localhost":
+            # The store listens where the endpoint names, alone: a host name that is loopback here
+            # (Debian's own, 127.0.1.1) would take it where no other host reaches.
+            raise AgentRefused(f"--rdzv-endpoint={node.rdzv_endpoint}: {ep_host!r} is {loopback} (loopback) on node 0, "
+                               "where the job's store listens, and no other host could reach it: give node 0's "
+                               "address on the network the hosts share (or 127.0.0.1 when every agent runs here)")
         try:
             store = serve(ep_host, port, timeout_s)
         except (RuntimeError, OSError) as exc:

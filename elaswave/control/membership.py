@@ -36,6 +36,8 @@ EPOCH_FLOOR = PREFIX + "epoch_floor"
 """On a store the job moved to: the epoch it moved in (the epochs before were decided elsewhere)."""
 LIVES_EVERY_S = 0.25
 """How often an agreement asks again whether a member it misses still lives (on etcd: two requests)."""
+RESCAN_EVERY_S = 0.5
+"""How often an agreement reads the check-ins again when their count says nothing changed."""
 WATCHERS = 2
 """Watchers per rank (:mod:`~elaswave.control.heartbeat`): a suspect both named is left out at
 once; one alone only makes the agreement wait for it."""
@@ -144,16 +146,20 @@ class Membership:
         if alert:
             self.alert(self.current_epoch(), f"rank {rank} {how}", [rank])
 
-    def _known(self) -> tuple[int, int]:
-        """(alerts, newest decided epoch) counted on this store so far (a moved store starts afresh)."""
-        generation, alerts, epoch = self._counted
-        return (alerts, epoch) if generation == self.store.generation else (0, 0)
+    def _known(self, generation: int) -> tuple[int, int]:
+        """(alerts, newest decided epoch) counted on the store of ``generation`` so far (a moved
+        store starts afresh)."""
+        counted, alerts, epoch = self._counted
+        return (alerts, epoch) if counted == generation else (0, 0)
 
     def alert_count(self) -> int:
         """How many alerts the store holds: the unbroken run of sealed ones (no counter says it)."""
-        alerts, epoch = self._known()
+        # The generation read before counting: a move during the count must not file the old
+        # store's count under the new one (the next alert would then look past a gap there).
+        generation = self.store.generation
+        alerts, epoch = self._known(generation)
         alerts = sequence.count(self.store, ALERTS, alerts)
-        self._counted = (self.store.generation, alerts, epoch)
+        self._counted = (generation, alerts, epoch)
         return alerts
 
     def read_alert(self, n: int) -> Alert | None:
@@ -179,11 +185,11 @@ class Membership:
         """The newest decided epoch, read from sealed decisions only: from the newest this process
         knows of on this store (or the epoch the job moved here in), forward while the next one is
         decided. No count says it: an outsider's raised count once kept a job from finishing."""
-        alerts, known = self._known()
-        epoch = known or int(self.store.read(EPOCH_FLOOR) or 0)
-        while self.members_of(epoch + 1) is not None:
-            epoch += 1
-        self._counted = (self.store.generation, alerts, epoch)
+        generation = self.store.generation
+        alerts, known = self._known(generation)
+        epoch = sequence.extent(lambda e: self.members_of(e) is not None,
+                                known or int(self.store.read(EPOCH_FLOOR) or 0))
+        self._counted = (generation, alerts, epoch)
         return epoch
 
     def members_of(self, epoch: int) -> tuple[int, ...] | None:
@@ -293,7 +299,7 @@ class Membership:
         ``alive_wait_s`` longer (see :func:`decide`), never past ``timeout_s``."""
         key = f"{PREFIX}ep/{epoch}/members"
         start = self.clock()
-        seen_in, dead, proven = -1, set(), set()
+        seen_in, scanned_at, dead, proven = -1, start, set(), set()
         checked: dict[int, list[int] | None] = {}
         probed_at = None
         alive: set[int] = set()
@@ -306,8 +312,10 @@ class Membership:
                 return decided
             waited = self.clock() - start
             num_in = self.store.add(f"{PREFIX}ep/{epoch}/num_in", 0)
-            if num_in != seen_in:  # only rescan when something changed
-                seen_in = num_in
+            # Rescan when the count moved -- or anyway, now and then: it is an unsealed counter, and
+            # an outsider holding it still must not hide a member's check-in until it is left out.
+            if num_in != seen_in or self.clock() - scanned_at >= RESCAN_EVERY_S:
+                seen_in, scanned_at = num_in, self.clock()
                 checked = self._checked_in(epoch, prev_members)
                 proven, dead = self.known_dead(prev_members, alerts_since)
             if self.prober is not None and (probed_at is None or self.clock() - probed_at >= probe_every_s):

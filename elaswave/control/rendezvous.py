@@ -64,6 +64,8 @@ def apply_conf(text: str) -> None:
                 os.environ[PASSWORD_ENV] = open(value).read().strip()
             except OSError as exc:
                 raise ConfigError(f"--rdzv-conf password_file={value!r} is invalid: {exc.strerror}") from None
+            except UnicodeDecodeError:
+                raise ConfigError(f"--rdzv-conf password_file={value!r} is invalid: not text (UTF-8)") from None
         elif key in CONF_KEYS and eq and value:
             os.environ[CONF_KEYS[key]] = value
         else:

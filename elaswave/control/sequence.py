@@ -44,7 +44,19 @@ def append(store, prefix: str, doc: str, after: int = 0) -> int:
 def count(store, prefix: str, known: int = 0) -> int:
     """How far the sequence is filled: ``known`` (already read) and the genuine records after it,
     up to the first slot that holds none."""
-    n = known
-    while store.read(f"{prefix}{n + 1}") is not None:
-        n += 1
-    return n
+    return extent(lambda n: store.read(f"{prefix}{n}") is not None, known)
+
+
+def extent(filled, known: int = 0) -> int:
+    """The last ``n`` with ``filled(k)`` for every k in known+1..n, in O(log) calls: no writer
+    leaves a gap, so the filled slots are one run (forged ones read as empty). A process that
+    starts late in a long job (a joiner, a fresh look after a move) would otherwise read every
+    record since the start, one request each on etcd, inside a bounded wait."""
+    n, step = known, 1
+    while filled(n + step):  # the end is at or past n + step
+        n, step = n + step, step * 2
+    low, high = n, n + step  # filled through low; high is empty
+    while high - low > 1:
+        mid = (low + high) // 2
+        low, high = (mid, high) if filled(mid) else (low, mid)
+    return low

@@ -49,7 +49,8 @@ class Context:
         store = seal.open_job(store, job_token(), found=bool(os.environ.get(JOIN_ENV)))
         claim = os.environ.get(rank_numbers.CLAIM_ENV)
         if claim and not rank_numbers.reclaim(store, rank, claim):
-            raise Refused(f"rank number {rank} is another process's on the job's store at {store.addr} (it moved "
+            raise Refused(f"rank number {rank} is another process's on the job's store at "
+                          f"{store.addr or getattr(store, 'description', 'torchrun')} (it moved "
                           "while this one started): this one stops")
         self.store = store
         self.memory_limit: dict | None = None
@@ -65,7 +66,8 @@ class Context:
         if self.liveness is not None:
             self.liveness.register(store, rank)
         # With tp the store does not move (elastic.store_failover is not built for slices yet).
-        self.standby = (failover.Standby(bind, cfg.parallel.timeout_s)
+        self.standby = (failover.Standby(backend.listen_address(bind, os.environ.get("ELASWAVE_STORE")),
+                                         cfg.parallel.timeout_s)
                         if e.enabled and e.store_failover and cfg.parallel.tp == 1 else None)
         if self.standby is not None:
             self.standby.register(store, rank)

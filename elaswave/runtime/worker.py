@@ -173,6 +173,8 @@ def run(cfg: JobConfig, rank: int, world_size: int, metrics_out: str | None) -> 
                         cause = REBALANCE
                         break
                 if cause is None:
+                    if moved is not None:  # it came with the last step: no step on the new store to wait for
+                        writer.write(Context.moved_record(moved, 0.0))
                     if ctx.checkpointer is not None:
                         ctx.checkpointer.wait()
                     summary, exported = _finish(ctx, st, cfg)
@@ -217,6 +219,8 @@ def run(cfg: JobConfig, rank: int, world_size: int, metrics_out: str | None) -> 
             writer.close()
             return EXIT_EXCLUDED
         journal.commit_before(step, writer)  # the steps every rank finished: the state saved is after them
+        if moved is not None:  # moved, then lost again before a step ended there
+            writer.write(Context.moved_record(moved, 0.0))
         code = rescue.save_and_stop(ctx, st, str(lost), ctx.store.lost_wall or time.time(), writer)
         writer.close()
         if ctx.watcher is not None:

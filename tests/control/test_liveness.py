@@ -8,6 +8,7 @@ import time
 
 import pytest
 
+from elaswave.comm.backend import listen_address
 from elaswave.control import failover
 from elaswave.control.addresses import is_own_address
 from elaswave.control.liveness import LivenessPort, Prober, probe
@@ -88,3 +89,8 @@ def test_a_refusal_proves_a_death_only_from_this_machines_own_kernel():
         assert time.monotonic() - began < 0.5  # answered at once: a refusal, read as silence
         assert failover.reach(f"{host.peer_ip}:{port}") == "silent"
         assert failover.reach(f"127.0.0.1:{port}") == "refused"
+        # Where a standby of this host listens for a job whose store is over there: this host's
+        # address on that route (not the host name's, which may be loopback here).
+        assert listen_address(None, f"{host.store_ip}:{port}") == host.here_store_ip
+        assert listen_address(None, f"etcd://{host.peer_ip}:2379,{host.store_ip}:2379/p/") == host.here_peer_ip
+        assert listen_address("127.0.0.1", f"{host.store_ip}:{port}") == "127.0.0.1"

@@ -166,3 +166,17 @@ def test_no_count_steers_alerts_epochs_or_rank_numbers(server):
     # A record replaced under a writer's feet: the writer takes the next slot, the reader the run.
     assert sequence.append(job, "ew/seq/", "a") == 1 and sequence.append(job, "ew/seq/", "b") == 2
     assert sequence.count(job, "ew/seq/") == 2
+
+
+def test_a_sequence_is_measured_in_logarithmic_reads_from_where_it_is_known():
+    """A process that starts late in a long job (a joiner, a look after a move) reads O(log n)
+    slots, not one per record since the start: on etcd each read is a request, inside a bounded wait."""
+    for end in [0, 1, 2, 3, 7, 8, 9, 100, 1000]:
+        for known in sorted({0, end // 2, end}):
+            reads = []
+
+            def filled(n: int) -> bool:
+                reads.append(n)
+                return n <= end
+            assert sequence.extent(filled, known) == end
+            assert len(reads) <= 2 * max(1, end - known).bit_length() + 1, (end, known, reads)

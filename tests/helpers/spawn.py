@@ -282,6 +282,8 @@ def mttr_against_steps(records: list[dict]) -> list[dict]:
         # A recovery resumes at the step the fault broke; a store is moved after the step it froze in.
         first = rec["resume_step"] if rec["event"] == "recovery" else rec["step"]
         before = first - (1 if rec["event"] == "recovery" else 2)
+        if first not in walls or before not in walls:
+            raise AssertionError(f"no step records around the {rec['event']} of step {first}: {sorted(walls)}")
         out.append({"event": rec["event"], "recorded_s": rec["mttr_s"], "from": rec.get("mttr_from"),
                     "gap_s": walls[first] - walls[before], "step_s": step_s, "record": rec})
     return out
