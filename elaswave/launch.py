@@ -80,20 +80,28 @@ class _Workers:
         """rank -> its LOCAL_RANK on this host."""
         self.standing: list[int] = []
         """Warm spares of this host standing by, oldest first."""
-        self.claims: dict[int, str] = {}
-        """joiner's rank -> the id of the claim on its number (:mod:`elaswave.control.rank_numbers`)."""
+        self.started_on: dict[int, tuple[str, str]] = {}
+        """joiner's rank -> the store it was started on, and the id of its number's claim there."""
         self.membership = membership
 
-    def reclaim(self) -> None:
-        """After following the store: this host's joiners' numbers are theirs on it too. One the new
-        store handed to another process before this agent got there started on the old store and
-        could never be admitted: it stops."""
-        for rank, claim in self.claims.items():
-            proc = self.procs[rank]
-            if proc.poll() is None and not rank_numbers.reclaim(self.store, rank, claim):
-                print(f"elaswave: rank number {rank} was handed out again by the moved store; its joiner, "
-                      "started on the old one, stops", file=sys.stderr, flush=True)
+    def reclaim(self, is_member) -> None:
+        """After following the store: a joiner started on the old one that is not a member (never
+        admitted, it cannot follow: its store is the old one) stops, and the watch loop starts
+        another on this one (``is_member(rank)``: whether the job holds it)."""
+        for rank, proc in self.procs.items():
+            if proc.poll() is None and self.started_before_move(rank) and not is_member(rank):
+                # Its number stays taken here too (unless the new store gave it to another already):
+                # no two processes of the job are ever known by one number.
+                rank_numbers.reclaim(self.store, rank, self.started_on[rank][1])
+                print(f"elaswave: rank {rank} was starting on the store the job moved away from; it stops",
+                      file=sys.stderr, flush=True)
                 _stop([proc], grace_s=1.0)
+
+    def started_before_move(self, rank: int) -> bool:
+        """Whether ``rank`` is a joiner (not a standing spare) started on a store the job has moved
+        away from: it cannot follow (it was never a member), so it stops there, or finds its number
+        taken on the new store."""
+        return rank in self.started_on and self.started_on[rank][0] != self.store_addr and rank not in self.standing
 
     def spawn_spare(self) -> int:
         rank = self.spawn(joining=True, spare=True)
@@ -133,7 +141,7 @@ class _Workers:
         env[TOKEN_ENV], env[NODES_ENV], env[NODE_RANK_ENV] = self.token, str(self.node.nnodes), str(self.node.node_rank)
         if joining:
             env[JOIN_ENV], env[STARTED_ENV], env[rank_numbers.CLAIM_ENV] = "1", repr(time.time()), claim
-            self.claims[rank] = claim
+            self.started_on[rank] = (self.store_addr, claim)
         if spare:
             env[SPARE_ENV] = "1"
         # The watchers' store waits time out every heartbeat interval by design; keep c10d quiet.
@@ -286,6 +294,13 @@ def _watch(cfg: JobConfig, workers: _Workers, store: dist.TCPStore, membership: 
                 if done_at is None:
                     workers.spawn_spare()
                 continue
+            if workers.started_before_move(rank) and not _is_member(cfg, store, membership, rank):
+                # Never admitted: nothing to report. Its replacement starts on the store the job is on.
+                print(f"elaswave: rank {rank}, started on the store the job moved away from, {_describe(code)}; "
+                      "starting another", file=sys.stderr, flush=True)
+                if done_at is None:
+                    workers.spawn(joining=True)
+                continue
             if code == EXIT_STORE_LOST:  # it saved its state and said so: nothing to report or replace
                 continue
             if code == EXIT_GROUP_LEFT:  # alive, its tensor-parallel group broken: a spare takes its device
@@ -371,7 +386,7 @@ def _follow(cfg: JobConfig, workers: _Workers, store, watching: _Watching, lost:
     if addr is None:
         return False
     workers.store_addr = addr  # the replacements and spares it starts from now on
-    workers.reclaim()
+    workers.reclaim(lambda rank: _is_member(cfg, store, workers.membership, rank))
     failover.followed(store, workers.node.node_rank)
     workers.membership.spares_standing(len(workers.standing))
     print(f"elaswave: {lost}; the job's store moved to {addr}, and this agent follows it", file=sys.stderr, flush=True)

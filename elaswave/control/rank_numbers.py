@@ -8,9 +8,11 @@ have handed a member's number to a newcomer.
 
 The floor is written once per store: the world size on the store the job starts, and on a store
 it moves to, the numbers the members had seen handed out (:mod:`elaswave.control.failover`). A
-joiner the old store numbered after the members last looked is still starting there; its agent,
-following the store, claims that number again on the new one (:func:`reclaim`) -- and one that
-lost it to a process the new store numbered first stops before it asks in.
+joiner the old store numbered after the members last looked was still starting there: it cannot
+follow (it was never a member), so its agent, following the store, claims its number there too
+(:func:`reclaim`: unless the new store gave it to another first), stops it and starts another,
+numbered by the new store. A process that reaches a store with a number claimed elsewhere checks
+the claim there first and stops if the number is another's.
 """
 from __future__ import annotations
 

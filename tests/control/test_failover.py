@@ -91,8 +91,8 @@ def test_the_successor_seeds_what_the_protocol_reads_and_counters_only_grow():
 def test_a_rank_number_is_never_handed_out_twice_across_a_move(first):
     """A joiner numbered on the old store after the members last looked (its agent claimed rank 2;
     the process is still starting) and an `elaswave join` numbered on the new one: whichever asks
-    the new store first has the number, and the other learns it has not -- the agent's joiner
-    stops (its agent checks with :func:`rank_numbers.reclaim`), or the join gets the next number.
+    the new store first has the number, and the other learns it has not -- a process holding the
+    old claim stops (it checks with :func:`rank_numbers.reclaim`), or the join gets the next number.
     (Before: the new store's count began where the members had looked, and both held rank 2.)"""
     job, job_addr = _server()
     link = _link(job_addr)
