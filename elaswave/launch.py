@@ -84,7 +84,7 @@ class _Workers:
         """joiner's rank -> the store it was started on, and the id of its number's claim there."""
         self.membership = membership
 
-    def reclaim(self, is_member) -> None:
+    def stop_stale_joiners(self, is_member) -> None:
         """After following the store: a joiner started on the old one that is not a member (never
         admitted, it cannot follow: its store is the old one) stops, and the watch loop starts
         another on this one (``is_member(rank)``: whether the job holds it)."""
@@ -99,8 +99,7 @@ class _Workers:
 
     def started_before_move(self, rank: int) -> bool:
         """Whether ``rank`` is a joiner (not a standing spare) started on a store the job has moved
-        away from: it cannot follow (it was never a member), so it stops there, or finds its number
-        taken on the new store."""
+        away from: unless it was admitted before the move, it cannot follow (its store is the old one)."""
         return rank in self.started_on and self.started_on[rank][0] != self.store_addr and rank not in self.standing
 
     def spawn_spare(self) -> int:
@@ -386,7 +385,7 @@ def _follow(cfg: JobConfig, workers: _Workers, store, watching: _Watching, lost:
     if addr is None:
         return False
     workers.store_addr = addr  # the replacements and spares it starts from now on
-    workers.reclaim(lambda rank: _is_member(cfg, store, workers.membership, rank))
+    workers.stop_stale_joiners(lambda rank: _is_member(cfg, store, workers.membership, rank))
     failover.followed(store, workers.node.node_rank)
     workers.membership.spares_standing(len(workers.standing))
     print(f"elaswave: {lost}; the job's store moved to {addr}, and this agent follows it", file=sys.stderr, flush=True)

@@ -16,11 +16,8 @@ from elaswave.errors import ConfigError
 def is_own_host(host: str) -> bool:
     """Whether ``host`` (a name or an address) is this machine's own (:func:`is_own_address`): a
     refused connect there proves that nothing listens, and a listener can bind there."""
-    try:
-        ip = socket.getaddrinfo(host.strip("[]"), None, type=socket.SOCK_STREAM)[0][4][0]
-    except OSError:
-        return False
-    return is_own_address(ip)
+    ip = _address_of(host)
+    return ip is not None and is_own_address(ip)
 
 
 OWN_FOR_S = 5.0
@@ -50,11 +47,16 @@ def is_own_address(ip: str) -> bool:
 def resolves_to_loopback(host: str) -> str | None:
     """The loopback address ``host`` names here (a name such as Debian's own host name in
     /etc/hosts: 127.0.1.1), or None."""
+    ip = _address_of(host)
+    return ip if ip is not None and ipaddress.ip_address(ip.split("%")[0]).is_loopback else None
+
+
+def _address_of(host: str) -> str | None:
+    """The address ``host`` (a name, an address, an address in brackets) resolves to first here."""
     try:
-        ip = socket.getaddrinfo(host.strip("[]"), None, type=socket.SOCK_STREAM)[0][4][0]
+        return socket.getaddrinfo(host.strip("[]"), None, type=socket.SOCK_STREAM)[0][4][0]
     except OSError:
         return None
-    return ip if ipaddress.ip_address(ip.split("%")[0]).is_loopback else None
 
 
 def toward(host: str) -> str | None:

@@ -59,9 +59,9 @@ _AUTH = ("authentication", "auth token", "permission denied", "user name is empt
 
 
 _LEADER_CHANGE_S: dict[tuple, float] = {}
+""":meth:`EtcdStore.leader_change_s` per cluster (its endpoints), asked once per process."""
 DEFAULT_LEAST_TTL_S = 2
 """The least lease TTL etcd grants at its default 1 s election timeout."""
-""":meth:`EtcdStore.leader_change_s` per cluster (its endpoints), asked once per process."""
 
 
 class EtcdAuthError(ConfigError):
@@ -277,9 +277,9 @@ class EtcdStore(dist.Store):
         waits one to two election timeouts before it stands, and a split vote costs another. etcd
         says its election timeout only through the least lease TTL it grants (ceil(1.5 x the
         timeout)): asked once per cluster with a 1 s lease (revoked at once); three of those cover
-        two elections. The measured case: a
-        refusing cut left the leader on the minority side, and the majority's ranks, given the
-        2 s heartbeat timeout, took the election for a lost store and stopped (1 run in 20)."""
+        two elections. The measured case: a refusing cut left the leader on the minority side, and
+        the majority's ranks, given the 2 s heartbeat timeout, took the election for a lost store
+        and stopped (1 run in 20)."""
         cached = _LEADER_CHANGE_S.get(self.endpoints)
         if cached is None:
             try:
