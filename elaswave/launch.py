@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
 import sys
 import tempfile
 import threading
@@ -25,30 +24,17 @@ import torch.distributed as dist
 
 from elaswave.config import JobConfig
 from elaswave.errors import ConfigError
+from elaswave.forkserver import Starter, open_starter
 from elaswave.control import addresses, agents, failover, job_store, rank_numbers, rendezvous, seal
-from elaswave.control.admission import JOIN_ENV, SPARE_ENV, STARTED_ENV, TOKEN_ENV, job_token, new_token, promote, Admission
-from elaswave.control.agents import NODE_RANK_ENV, NODES_ENV, AgentRefused, Node
+from elaswave.control.admission import job_token, new_token, Admission
+from elaswave.control.agents import AgentRefused, Node
 from elaswave.control.link import EXIT_EXCLUDED, EXIT_GROUP_LEFT, EXIT_STORE_LOST, StoreLink, StoreLost
 from elaswave.control.liveness import Prober
 from elaswave.control.membership import PREFIX, Membership
+from elaswave.workers import Workers, stop
 
 STORE_POLL_S = 0.25
 """How often an agent's watch reads the store (``ew/done``, the step for scheduled joins)."""
-
-
-def _stop(procs: list[subprocess.Popen], grace_s: float = 5.0) -> None:
-    """SIGTERM every live worker, then SIGKILL what is still there after ``grace_s``."""
-    for p in procs:
-        if p.poll() is None:
-            p.send_signal(signal.SIGTERM)
-            p.send_signal(signal.SIGCONT)  # a stopped process only acts on SIGTERM once continued
-    deadline = time.monotonic() + grace_s
-    for p in procs:
-        try:
-            p.wait(timeout=max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait()
 
 
 class _Terminated(Exception):
@@ -66,96 +52,6 @@ def _describe(code: int) -> str:
         except ValueError:
             return f"was killed by signal {-code}"
     return f"exited with code {code}"
-
-
-class _Workers:
-    """This host's worker processes: its founding ranks, and the joiners started later under new ranks."""
-
-    def __init__(self, cfg: JobConfig, cfg_path: str, store: dist.TCPStore, store_addr: str,
-                 metrics_out: str | None, token: str, node: Node, membership: Membership):
-        self.cfg, self.cfg_path, self.store_addr, self.metrics_out = cfg, cfg_path, store_addr, metrics_out
-        self.store, self.token, self.node = store, token, node
-        self.procs: dict[int, subprocess.Popen] = {}
-        self.slots: dict[int, int] = {}
-        """rank -> its LOCAL_RANK on this host."""
-        self.standing: list[int] = []
-        """Warm spares of this host standing by, oldest first."""
-        self.started_on: dict[int, tuple[str, str]] = {}
-        """joiner's rank -> the store it was started on, and the id of its number's claim there."""
-        self.membership = membership
-
-    def stop_stale_joiners(self, is_member) -> None:
-        """After following the store: a joiner started on the old one that is not a member (never
-        admitted, it cannot follow: its store is the old one) stops, and the watch loop starts
-        another on this one (``is_member(rank)``: whether the job holds it)."""
-        for rank, proc in self.procs.items():
-            if proc.poll() is None and self.started_before_move(rank) and not is_member(rank):
-                # Its number stays taken here too (unless the new store gave it to another already):
-                # no two processes of the job are ever known by one number.
-                rank_numbers.reclaim(self.store, rank, self.started_on[rank][1])
-                print(f"elaswave: rank {rank} was starting on the store the job moved away from; it stops",
-                      file=sys.stderr, flush=True)
-                _stop([proc], grace_s=1.0)
-
-    def started_before_move(self, rank: int) -> bool:
-        """Whether ``rank`` is a joiner (not a standing spare) started on a store the job has moved
-        away from: unless it was admitted before the move, it cannot follow (its store is the old one)."""
-        return rank in self.started_on and self.started_on[rank][0] != self.store_addr and rank not in self.standing
-
-    def spawn_spare(self) -> int:
-        rank = self.spawn(joining=True, spare=True)
-        self.standing.append(rank)
-        self.membership.spares_standing(+1)
-        return rank
-
-    def promote(self) -> int | None:
-        """The oldest standing spare asks in now; a new spare starts in its place. None: no spare."""
-        while self.standing:
-            rank = self.standing.pop(0)
-            self.membership.spares_standing(-1)
-            if self.procs[rank].poll() is None:
-                promote(self.store, rank)
-                self.spawn_spare()
-                return rank
-        return None
-
-    def lost_spare(self, rank: int) -> bool:
-        """Whether ``rank`` was a standing spare (its death costs the job nothing; it is replaced)."""
-        if rank not in self.standing:
-            return False
-        self.standing.remove(rank)
-        self.membership.spares_standing(-1)
-        return True
-
-    def spawn(self, joining: bool = False, spare: bool = False) -> int:
-        world_size = self.cfg.world_size
-        founding = self.node.founding_ranks(world_size)
-        rank, claim = rank_numbers.claim(self.store) if joining else (founding[len(self.procs)], "")
-        # The lowest local slot (a GPU under NCCL) no live worker of this host has: a replacement
-        # takes the dead one's device.
-        taken = {self.slots[r] for r, p in self.procs.items() if p.poll() is None}
-        local = self.slots[rank] = min(set(range(len(self.procs) + 1)) - taken)
-        env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(local),
-                   LOCAL_WORLD_SIZE=str(len(founding)), ELASWAVE_STORE=self.store_addr, OMP_NUM_THREADS="1")
-        env[TOKEN_ENV], env[NODES_ENV], env[NODE_RANK_ENV] = self.token, str(self.node.nnodes), str(self.node.node_rank)
-        if joining:
-            env[JOIN_ENV], env[STARTED_ENV], env[rank_numbers.CLAIM_ENV] = "1", repr(time.time()), claim
-            self.started_on[rank] = (self.store_addr, claim)
-        if spare:
-            env[SPARE_ENV] = "1"
-        # The watchers' store waits time out every heartbeat interval by design; keep c10d quiet.
-        env.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
-        cmd = [sys.executable, "-m", "elaswave.runtime.worker", "--config", self.cfg_path]
-        if self.metrics_out:  # any rank may become the writer when rank 0 is gone
-            cmd += ["--metrics-out", self.metrics_out]
-        # No parent-death signal: when this process dies, the store it hosts goes with it and the
-        # workers notice within the heartbeat timeout, save their state and exit
-        # (elaswave.runtime.rescue); on a host whose agent died, the workers keep training.
-        self.procs[rank] = subprocess.Popen(cmd, env=env)
-        return rank
-
-    def all(self) -> list[subprocess.Popen]:
-        return list(self.procs.values())
 
 
 def _check_devices(cfg: JobConfig, node: Node) -> None:
@@ -182,6 +78,15 @@ def launch(cfg: JobConfig, metrics_out: str | None = None, host: str = "127.0.0.
     prove the job's token: ``ELASWAVE_TOKEN`` from the environment, or (one host only) a new random
     one that only this launcher's own replacements know."""
     node.validate(cfg.world_size, job_token())
+    starter = open_starter()  # before any thread, socket or device context of this process
+    try:
+        return _launch(cfg, metrics_out, host, timeout_s, done_grace_s, node, starter)
+    finally:
+        starter.close()
+
+
+def _launch(cfg: JobConfig, metrics_out: str | None, host: str, timeout_s: float | None, done_grace_s: float,
+            node: Node, starter: Starter) -> int:
     addresses.check_bind_address(cfg.parallel.bind_address)  # before anything listens
     _check_devices(cfg, node)
     if node.rdzv_backend == "etcd":
@@ -212,7 +117,7 @@ def launch(cfg: JobConfig, metrics_out: str | None = None, host: str = "127.0.0.
     with tempfile.NamedTemporaryFile("w", suffix=".json", prefix="elaswave-", delete=False) as fh:
         json.dump(cfg.to_dict(), fh)
         cfg_path = fh.name
-    workers = _Workers(cfg, cfg_path, store, store_addr, metrics_out, token, node, membership)
+    workers = Workers(cfg, cfg_path, store, store_addr, metrics_out, token, node, membership, starter)
     if cfg.elastic.enabled and node.node_rank == 0:
         how = ("with this job's ELASWAVE_TOKEN" if job_token() else
                "(none can: set ELASWAVE_TOKEN before `elaswave run` to allow it)")
@@ -234,7 +139,7 @@ def launch(cfg: JobConfig, metrics_out: str | None = None, host: str = "127.0.0.
             except StoreLost as lost:
                 # (Standing spares aside: they wait for the job's end, which this agent may not have
                 # read yet when the member holding a moved store finishes and takes it along.)
-                if watching.done or all(p.poll() == 0 for r, p in workers.procs.items() if r not in workers.standing):
+                if watching.done or _finished_here(workers, watching.reported):
                     # Its holder (a member, after a move) left at the end: nothing to follow.
                     code = _wait_for_workers(cfg, workers)
                     break
@@ -246,13 +151,13 @@ def launch(cfg: JobConfig, metrics_out: str | None = None, host: str = "127.0.0.
             _close_run(store)
         return code
     except KeyboardInterrupt:
-        _stop(workers.all())
+        stop(workers.all())
         return 130
     except _Terminated as exc:
-        _stop(workers.all())
+        stop(workers.all())
         return 128 + exc.args[0]
     finally:
-        _stop(workers.all())
+        stop(workers.all())
         for sig, old in handlers.items():
             signal.signal(sig, old)
         os.unlink(cfg_path)
@@ -275,7 +180,7 @@ class _Watching:
         """The training finished (``ew/done``)."""
 
 
-def _watch(cfg: JobConfig, workers: _Workers, store: dist.TCPStore, membership: Membership,
+def _watch(cfg: JobConfig, workers: Workers, store: dist.TCPStore, membership: Membership,
            timeout_s: float | None, done_grace_s: float, watching: _Watching) -> int:
     deadline = None if timeout_s is None else watching.started + timeout_s
     reported, joins, respawns = watching.reported, watching.joins, watching.respawns
@@ -313,7 +218,7 @@ def _watch(cfg: JobConfig, workers: _Workers, store: dist.TCPStore, membership: 
                 continue
             print(f"elaswave: rank {rank} {_describe(code)}", file=sys.stderr, flush=True)
             if not cfg.elastic.enabled:
-                _stop(workers.all())  # not elastic: one dead rank ends the job
+                stop(workers.all())  # not elastic: one dead rank ends the job
                 return code if code > 0 else 1
             if cfg.elastic.launcher_reports_deaths:
                 membership.report_dead(rank, _describe(code), alert=_is_member(cfg, store, membership, rank))
@@ -334,7 +239,7 @@ def _watch(cfg: JobConfig, workers: _Workers, store: dist.TCPStore, membership: 
             # the job goes on elsewhere, if anywhere, on a store it moved away from this one.
             print("elaswave: this host's workers stopped without a majority of the job; the store it holds "
                   "is not the job's any more, and this agent stops", file=sys.stderr, flush=True)
-            _stop(workers.all(), grace_s=1.0)
+            stop(workers.all(), grace_s=1.0)
             return EXIT_STORE_LOST
         if all(c is not None for c in codes.values()) and not (done_at is None and others and others.training()):
             if done_at is not None or all(c in (0, EXIT_GROUP_LEFT) for c in codes.values()):
@@ -348,16 +253,16 @@ def _watch(cfg: JobConfig, workers: _Workers, store: dist.TCPStore, membership: 
             if hung:
                 print(f"elaswave: training finished; stopping ranks {hung}, which were left out of it",
                       file=sys.stderr, flush=True)
-            _stop(workers.all(), grace_s=1.0)
+            stop(workers.all(), grace_s=1.0)
             return 0
         if deadline is not None and time.monotonic() > deadline:
             print(f"elaswave: job exceeded {timeout_s}s; stopping it", file=sys.stderr, flush=True)
-            _stop(workers.all())
+            stop(workers.all())
             return 124
         time.sleep(0.005)
 
 
-def _side_stopped(workers: _Workers, codes: dict[int, int | None]) -> bool:
+def _side_stopped(workers: Workers, codes: dict[int, int | None]) -> bool:
     """Whether every worker of this host (spares aside) has exited and one of them because its side
     had no majority or lost the store: on the host holding the store that means the others, if
     they go on, moved it (it is local: only a side cut off from the rest loses it here)."""
@@ -365,7 +270,7 @@ def _side_stopped(workers: _Workers, codes: dict[int, int | None]) -> bool:
     return bool(working) and None not in working and EXIT_STORE_LOST in working
 
 
-def _replace(cfg: JobConfig, workers: _Workers, respawns: list[float], rank: int, why: str = "") -> None:
+def _replace(cfg: JobConfig, workers: Workers, respawns: list[float], rank: int, why: str = "") -> None:
     """``rank`` is gone from the training: the oldest warm spare asks in for it, or without one a
     replacement starts after ``elastic.respawn_after_s`` (if set)."""
     spare = workers.promote()
@@ -375,7 +280,7 @@ def _replace(cfg: JobConfig, workers: _Workers, respawns: list[float], rank: int
         respawns.append(time.monotonic() + cfg.elastic.respawn_after_s)
 
 
-def _follow(cfg: JobConfig, workers: _Workers, store, watching: _Watching, lost: StoreLost) -> bool:
+def _follow(cfg: JobConfig, workers: Workers, store, watching: _Watching, lost: StoreLost) -> bool:
     """The job's store is gone: if the members moved it to a standby (elaswave.control.failover),
     this agent goes there too, within ``parallel.timeout_s``; whether it did."""
     if watching.directory is None or not cfg.elastic.enabled:
@@ -392,7 +297,21 @@ def _follow(cfg: JobConfig, workers: _Workers, store, watching: _Watching, lost:
     return True
 
 
-def _wait_for_workers(cfg: JobConfig, workers: _Workers) -> int:
+def _finished_here(workers: Workers, reported: set[int]) -> bool:
+    """Whether the store went because its holder -- a member on this host, after a move -- finished
+    the training and exited (0) before this agent read ``done``: then this host's other members
+    finish too (waited for, bounded). Workers already accounted for (a spare the move left behind,
+    a joiner on the old store) and standing spares do not count."""
+    mine = [p for r, p in workers.procs.items() if r not in workers.standing and r not in reported]
+    if not any(p.poll() == 0 for p in mine):
+        return False
+    deadline = time.monotonic() + workers.cfg.parallel.timeout_s
+    while any(p.poll() is None for p in mine) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return all(p.poll() == 0 for p in mine)
+
+
+def _wait_for_workers(cfg: JobConfig, workers: Workers) -> int:
     """After the training finished: this host's workers exit on their own (bounded); 0 if all did."""
     deadline = time.monotonic() + cfg.parallel.timeout_s
     while any(p.poll() is None for p in workers.all()) and time.monotonic() < deadline:
@@ -400,7 +319,7 @@ def _wait_for_workers(cfg: JobConfig, workers: _Workers) -> int:
     return 0
 
 
-def _after_store_lost(cfg: JobConfig, workers: _Workers, lost: StoreLost) -> int:
+def _after_store_lost(cfg: JobConfig, workers: Workers, lost: StoreLost) -> int:
     """The job's store (on node 0) is gone: this host's workers notice too, save their state and
     exit; wait for them (bounded), then stop with the same code."""
     print(f"elaswave: {lost}; this host's workers save their state and stop", file=sys.stderr, flush=True)
@@ -419,7 +338,7 @@ class _OtherHosts:
     """Node 0's view of the ranks on other hosts: while one lives, the job may go on there and
     needs the store this agent hosts, even when every worker of this host is gone."""
 
-    def __init__(self, store: dist.TCPStore, workers: _Workers, every_s: float = 0.5):
+    def __init__(self, store: dist.TCPStore, workers: Workers, every_s: float = 0.5):
         self.store, self.workers, self.every_s = store, workers, every_s
         self.prober, self._checked, self._answer = Prober(), 0.0, True
         self._ranks = 0
@@ -455,7 +374,7 @@ def _close_run(store: StoreLink) -> None:
         pass
 
 
-def _start_joiners(workers: _Workers, joins: list, respawns: list[float], membership: Membership) -> None:
+def _start_joiners(workers: Workers, joins: list, respawns: list[float], membership: Membership) -> None:
     """Start the joins the job asked for (``join:step=S``, once it reaches step S) and the
     replacements that are due."""
     now = time.monotonic()

@@ -82,6 +82,7 @@ def _agent(sets: list[str], node_rank: int, endpoint: str, metrics, extra=(), nn
                    prefix=prefix)
 
 
+@pytest.mark.slow  # the default run keeps a faster case of the same path; `pytest -m slow` runs it
 def test_two_host_agents_lose_one_worker_not_its_host(tmp_path):
     """Two agents on loopback, two workers each (dp=2 x pp=2, a pipeline per host). One worker of
     host 1 is SIGKILLed: its agent reports it and leaves the host's other worker running, so the
@@ -141,7 +142,9 @@ def test_when_the_agent_holding_the_store_dies_the_others_follow_it_to_a_standby
     records = res0.records
     [moved] = [r for r in records if r["event"] == "store_moved"]
     recovery = next(r for r in records if r["event"] == "recovery")
-    assert recovery["lost_ranks"] == [3] and recovery["resume_step"] >= moved["step"], (moved, recovery)
+    # After the move (a death in the first step on the new store may resume one step before it,
+    # when the holders had not verified that step's snapshots yet: as for any kill)
+    assert recovery["lost_ranks"] == [3] and recovery["resume_step"] >= moved["step"] - 1, (moved, recovery)
     # The agent's report, or a probe this machine's kernel refused (both proof; the first wins)
     assert recovery["evidence"]["3"].startswith(("was killed by SIGKILL", "refused connections")), recovery
     worlds = [r["world_size"] for r in res0.steps]
@@ -324,7 +327,7 @@ def test_a_rank_that_reaches_the_store_but_not_its_peers_is_left_out_at_once(tmp
     assert_same_run(res, run_reference(tmp_path, steps, deterministic=True), steps)
 
 
-@pytest.mark.parametrize("cut", ["silence", "refuse"])
+@pytest.mark.parametrize("cut", [pytest.param("silence", marks=pytest.mark.slow), "refuse"])  # silence: also the store-alone case
 def test_two_hosts_cut_apart_around_one_store_make_one_run_not_two(tmp_path, cut):
     """Node 0's agent holds the TCPStore; host 1 (ranks 2, 3) is a network namespace cut off
     mid-run, its processes alive: ``silence``, both links down (nothing refused); ``refuse``, a

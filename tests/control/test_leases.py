@@ -92,7 +92,7 @@ def test_a_holder_killed_or_frozen_is_a_death_dated_by_its_last_renewal(etcd, si
     watcher.close()
 
 
-@pytest.mark.parametrize("starved_s", [0.0, 3.0])
+@pytest.mark.parametrize("starved_s", [0.0, pytest.param(3.0, marks=pytest.mark.slow)])  # a starved watcher: test_starved_watcher.py
 def test_the_leader_says_when_a_lease_went_unrenewed_for_the_timeout(etcd, starved_s):
     """A watcher asking about a renewing holder (also after it was starved for 3 s: asked nothing)
     gets no evidence; once the holder is frozen, the answer "under a second left" -- no renewal

@@ -78,6 +78,7 @@ def test_a_job_whose_etcd_loses_its_majority_saves_and_stops(tmp_path):
     assert any(ckpt.glob("step_*")), "the ranks saved nothing"
 
 
+@pytest.mark.slow  # the default run keeps a faster case of the same path; `pytest -m slow` runs it
 def test_a_job_on_etcd_over_tls_with_client_certificates_is_the_same_run(tmp_path, reference):
     """Every process of the job -- the launcher and each worker -- speaks HTTPS with the job's
     client certificate, from the environment; without it the job is one line, within the timeout."""

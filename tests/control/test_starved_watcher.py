@@ -26,7 +26,7 @@ EXTRA = [f"train.num_micro_batches={MBS}", "parallel.timeout_s=60", "elastic.hea
 reference = reference_fixture(STEPS, MBS)
 
 
-@pytest.mark.parametrize("backend", ["etcd", "c10d"])
+@pytest.mark.parametrize("backend", [pytest.param("etcd", marks=pytest.mark.slow), "c10d"])
 def test_a_watcher_starved_for_3_s_evicts_no_healthy_neighbour(tmp_path, reference, backend):
     reason = netns.unavailable()
     if reason:

@@ -2,6 +2,7 @@
 the whole process group killed afterwards so no worker can outlive its test."""
 from __future__ import annotations
 
+import json
 import os
 import queue
 import re
@@ -9,6 +10,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from dataclasses import dataclass
@@ -16,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from elaswave.forkserver import SERVER_NAME
 from elaswave.runtime.metrics import read_jsonl
 
 # A tiny job: quick on 2 cores, still deep enough for pp=4. Straggler re-plans are off: ranks on
@@ -55,8 +58,56 @@ def kill_session(pid: int) -> None:
         pass
 
 
-def _run(cmd: list[str], timeout_s: float, env: dict | None = None) -> tuple[int, str, str, int]:
-    """Run ``cmd`` in its own session; on return (or timeout) kill whatever it left behind."""
+class _CliServer:
+    """The session's :mod:`tests.helpers.cli_server`: ``elaswave ARGS`` forked from one process
+    that imported elaswave once (``ELASWAVE_TEST_FORK_CLI=0``: every command a new process)."""
+    proc: subprocess.Popen | None = None
+    lock = threading.Lock()
+
+    @classmethod
+    def run(cls, args: list[str], timeout_s: float, env: dict) -> tuple[int, str, str, int] | None:
+        if os.environ.get("ELASWAVE_TEST_FORK_CLI") == "0":
+            return None
+        with cls.lock:
+            if cls.proc is None or cls.proc.poll() is not None:
+                cls.proc = subprocess.Popen([sys.executable, "-m", "tests.helpers.cli_server"], stdin=subprocess.PIPE,
+                                            stdout=subprocess.PIPE, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
+            # (Not in the test's own folder: tests look at what a command left there.)
+            stem = Path(tempfile.gettempdir()) / f"elaswave-test-cli-{os.getpid()}-{time.monotonic_ns()}"
+            out_path, err_path = stem.with_suffix(".out"), stem.with_suffix(".err")
+            cls.proc.stdin.write(json.dumps({"argv": args, "env": env, "cwd": os.getcwd(), "out": str(out_path),
+                                             "err": str(err_path)}) + "\n")
+            cls.proc.stdin.flush()
+            pid = json.loads(cls.proc.stdout.readline())["pid"]
+            replies: queue.SimpleQueue = queue.SimpleQueue()
+            threading.Thread(target=lambda: replies.put(cls.proc.stdout.readline()), daemon=True).start()
+            try:
+                code = json.loads(replies.get(timeout=timeout_s))["code"]
+            except queue.Empty:
+                kill_session(pid)
+                replies.get(timeout=30)
+                out, err = _read_and_remove(out_path), _read_and_remove(err_path)
+                raise AssertionError(f"elaswave {' '.join(args)} did not finish in {timeout_s}s\n{out}\n{err}") from None
+            left = len([p for p in session_members(pid) if p != pid])
+            kill_session(pid)  # any worker the launcher failed to reap
+            return code, _read_and_remove(out_path), _read_and_remove(err_path), left
+
+
+def _read_and_remove(path: Path) -> str:
+    try:
+        return path.read_text(errors="replace")
+    finally:
+        path.unlink(missing_ok=True)
+
+
+def _run(cmd: list[str], timeout_s: float, env: dict | None = None, forkable: bool = False) -> tuple[int, str, str, int]:
+    """Run ``cmd`` in its own session; on return (or timeout) kill whatever it left behind.
+    ``forkable``: ``cmd`` is ``python -m elaswave.cli ARGS``, which the session's CLI server may
+    fork instead of starting a new interpreter."""
+    if forkable:
+        done = _CliServer.run(cmd[3:], timeout_s, dict(os.environ, OMP_NUM_THREADS="1", **(env or {})))
+        if done is not None:
+            return done
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True, env=dict(os.environ, OMP_NUM_THREADS="1", **(env or {})))
     try:
@@ -107,7 +158,7 @@ def run_cli(args: list[str], tmp_path: Path, timeout_s: float = 240.0, metrics: 
     cmd = [sys.executable, "-m", "elaswave.cli", *args]
     if args and args[0] in ("run", "reference"):
         cmd += ["--metrics-out", str(metrics)]
-    code, out, err, left = _run(cmd, timeout_s, env)
+    code, out, err, left = _run(cmd, timeout_s, env, forkable=True)
     records = read_jsonl(str(metrics)) if metrics.exists() else []
     return Result(code, out, err, records, left)
 
@@ -318,8 +369,12 @@ def free_port() -> int:
 
 
 def rank_of(pid: int) -> int | None:
-    """The RANK of a live, running worker process; None if it has none, is dead, or is stopped."""
+    """The RANK of a live, running worker process; None if it has none, is dead, or is stopped.
+    A worker forked by the launcher's fork server is named ``ew-rank-N`` (its environ file is
+    the server's); one started as a new process (torchrun's) has RANK in its environment."""
     try:
+        with open(f"/proc/{pid}/comm") as fh:
+            named = re.fullmatch(r"ew-rank-(\d+)", fh.read().strip())
         with open(f"/proc/{pid}/environ", "rb") as fh:
             env = dict(item.split(b"=", 1) for item in fh.read().split(b"\0") if b"=" in item)
         with open(f"/proc/{pid}/stat") as fh:
@@ -328,6 +383,8 @@ def rank_of(pid: int) -> int | None:
         return None
     if state in ("Z", "T", "t"):  # dead already, or stopped (by a test's SIGSTOP)
         return None
+    if named:
+        return int(named.group(1))
     return int(env[b"RANK"]) if b"RANK" in env else None
 
 
@@ -340,8 +397,16 @@ def steps_written(metrics: Path) -> int:
 
 
 def children(pid: int) -> list[int]:
-    """PIDs whose parent is ``pid``."""
-    return _procs_where(1, pid)
+    """PIDs whose parent is ``pid`` (a launcher's fork server aside: it is none of its workers)."""
+    return [p for p in _procs_where(1, pid) if _comm(p) != SERVER_NAME]
+
+
+def _comm(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/comm") as fh:
+            return fh.read().strip()
+    except OSError:
+        return ""
 
 
 def session_members(sid: int) -> list[int]:

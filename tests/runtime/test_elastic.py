@@ -31,8 +31,9 @@ def _assert_same_run(res, reference):
     assert res.summary["state_sha256"] == reference.summary["state_sha256"]
 
 
-@pytest.mark.parametrize("phase", ["forward", *(pytest.param(p, marks=pytest.mark.slow) for p in ("backward", "reduce", "optimizer")),
-                                   "snapshot"])
+@pytest.mark.parametrize("phase", ["forward", "optimizer", "snapshot",
+                                   # backward: the TP and pipeline cases below and in test_tensor_parallel; reduce: the middle stage's
+                                   *(pytest.param(p, marks=pytest.mark.slow) for p in ("backward", "reduce"))])
 def test_sigkill_in_each_phase_gives_the_same_run(tmp_path, reference, phase):
     res = _elastic(tmp_path, [f"kill:rank=2,step=12,phase={phase}"])
     _assert_same_run(res, reference)
@@ -118,10 +119,10 @@ def pipe_reference(tmp_path_factory):
 
 
 @pytest.mark.parametrize("dp,pp,fault,overlap", [
-    (2, 2, "kill:rank=1,step=5,phase=backward", True),   # last stage
+    pytest.param(2, 2, "kill:rank=1,step=5,phase=backward", True, marks=pytest.mark.slow),   # last stage
     (2, 3, "kill:rank=4,step=5,phase=reduce", True),     # middle stage
     (3, 2, "kill:rank=2,step=5,phase=forward", True),    # first stage
-    (2, 2, "kill:rank=1,step=5,phase=backward", False),  # moments migrated before the step (blocking)
+    pytest.param(2, 2, "kill:rank=1,step=5,phase=backward", False, marks=pytest.mark.slow),  # moments migrated before the step (blocking)
 ])
 def test_a_broken_pipeline_is_re_partitioned_and_gives_the_same_run(tmp_path, pipe_reference, dp, pp, fault, overlap):
     res = run_job(tmp_path, dp, pp, PIPE_STEPS, True,

@@ -35,6 +35,7 @@ def test_two_ranks_dying_at_once(tmp_path, reference):
     assert res.summary["ranks"] == [0, 2]
 
 
+@pytest.mark.slow  # the default run keeps a faster case of the same path; `pytest -m slow` runs it
 def test_a_rank_dying_during_the_recovery_from_another(tmp_path, reference):
     # Rank 2 dies after its update in step 12 (so the recovery resumes at 12: every holder has
     # verified step 12's snapshots); rank 0 dies while that recovery moves chunks. The survivors
@@ -72,6 +73,7 @@ def test_a_rank_dying_during_a_pipeline_recovery(tmp_path, reference):
     assert res.summary["ranks"] == [0, 1, 2, 5]
 
 
+@pytest.mark.slow  # the default run keeps a faster case of the same path; `pytest -m slow` runs it
 def test_a_damaged_snapshot_is_caught_and_training_goes_on(tmp_path, reference):
     res = _run(tmp_path, ["corrupt:rank=1,step=6"])
     _assert_same_run(res, reference)

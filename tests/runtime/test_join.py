@@ -7,8 +7,9 @@ from elaswave.runtime.join import whole_devices
 from tests.helpers.memory import limit_between
 from tests.helpers.spawn import Running, assert_same_run, job_args, reference_fixture, run_job
 
-# Long enough for a joiner's start-up (a new Python process importing torch: seconds on 2 cores).
-STEPS = 200
+# Long enough for a joiner's start-up: forked by the launcher's fork server it is in within a second
+# or so (a new Python process importing torch took seconds on 2 cores; the steps were 200).
+STEPS = 100
 MBS = 6
 EXTRA = [f"train.num_micro_batches={MBS}", "parallel.timeout_s=60"]
 

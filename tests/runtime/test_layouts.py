@@ -5,7 +5,9 @@ from tests.helpers.spawn import run_job, run_reference
 
 STEPS = 20
 # num_micro_batches is max(4, dp) in run_job; the reference must use the same global batch.
-LAYOUTS = [(1, 1), (2, 1), (1, 2), (2, 2), (4, 1), (1, 4)]
+# The default run keeps the widest of each kind (pure dp, pure pp, both); `pytest -m slow` runs all.
+LAYOUTS = [pytest.param(1, 1, marks=pytest.mark.slow), pytest.param(2, 1, marks=pytest.mark.slow),
+           pytest.param(1, 2, marks=pytest.mark.slow), (2, 2), (4, 1), (1, 4)]
 
 
 @pytest.fixture(scope="module")

@@ -1,5 +1,7 @@
 """Whole-job restarts from disk checkpoints: torchrun's own restart (--max-restarts) and a second
 ``elaswave run`` in another layout both continue the same run from the last checkpoint."""
+import pytest
+
 from tests.helpers.spawn import TINY, run_cli, run_reference, run_torchrun
 
 STEPS, MBS = 10, 6
@@ -19,6 +21,7 @@ def _assert_continues_the_same_run(records, reference, resumed_at):
     assert [r["step"] for r in records if r["event"] == "resume"] == [resumed_at]
 
 
+@pytest.mark.slow  # the default run keeps a faster case of the same path; `pytest -m slow` runs it
 def test_torchrun_restart_resumes_from_the_last_checkpoint(tmp_path):
     sets = _sets(tmp_path, 2, 2, ["elastic.inject=kill:rank=1,step=6,phase=backward"])
     res = run_torchrun(["--standalone", "--nproc-per-node=4", "--max-restarts=1"], sets, tmp_path / "torchrun.jsonl")

@@ -18,7 +18,7 @@ def reference(tmp_path_factory):
 
 
 # Degree 4 is also checked at model level (tests/model/test_llama_tp.py); 8 ranks take the longest.
-LAYOUTS = [(1, 1, 2), (2, 1, 2), (1, 2, 2), pytest.param(1, 1, 4, marks=pytest.mark.slow),
+LAYOUTS = [pytest.param(1, 1, 2, marks=pytest.mark.slow), pytest.param(2, 1, 2, marks=pytest.mark.slow), (1, 2, 2), pytest.param(1, 1, 4, marks=pytest.mark.slow),
            pytest.param(2, 2, 2, marks=pytest.mark.slow)]
 
 
@@ -45,6 +45,7 @@ def test_a_key_value_head_replicated_on_its_group_s_ranks_is_bit_identical(tmp_p
     assert res.summary["state_sha256"] == ref.summary["state_sha256"]
 
 
+@pytest.mark.slow  # the default run keeps a faster case of the same path; `pytest -m slow` runs it
 def test_recomputed_activations_run_the_group_s_collectives_again_to_the_same_bits(tmp_path, reference):
     res = run_job(tmp_path, 1, 2, STEPS, deterministic=True,
                   extra=[*TP, "parallel.tp=2", "train.activation_checkpointing=full"])
@@ -56,10 +57,11 @@ def test_recomputed_activations_run_the_group_s_collectives_again_to_the_same_bi
 # (or its pipeline's micro-batches to the other pipeline), its group's survivors leave, and each
 # slice restores the lost chunks from its own snapshot ring.
 KILLS = [
-    (2, 1, ["kill:rank=3,step=3,phase=reduce"], [2, 3]),
+    pytest.param(2, 1, ["kill:rank=3,step=3,phase=reduce"], [2, 3], marks=pytest.mark.slow),
     (2, 1, ["kill:rank=1,step=2,phase=backward"], [0, 1]),  # the metrics' writer leaves with its group
     (1, 2, ["kill:rank=2,step=3,phase=forward"], [2, 3]),  # a pipeline's second stage: re-partitioned
-    (2, 1, ["kill:rank=2,step=4,phase=forward", "kill:rank=3,step=4,phase=forward"], [2, 3]),  # a whole group
+    pytest.param(2, 1, ["kill:rank=2,step=4,phase=forward", "kill:rank=3,step=4,phase=forward"], [2, 3],
+                 marks=pytest.mark.slow),  # a whole group
 ]
 
 
@@ -92,6 +94,7 @@ def _same_run(res, reference):
     assert res.summary["state_sha256"] == reference.summary["state_sha256"]
 
 
+@pytest.mark.slow  # the default run keeps a faster case of the same path; `pytest -m slow` runs it
 def test_warm_spares_take_a_lost_ranks_device_bit_identical(tmp_path, long_reference):
     # Rank 1 dies: spare 4 is promoted in its place; its group's survivor (rank 0) leaves, and
     # the launcher promotes spare 5 in its place. The two join as one device at a step boundary,
@@ -121,7 +124,7 @@ GROWTHS = [(1, ["elastic.inject=join:step=1,count=2"], [], [2, 3], [0, 1, 2, 3])
            (2, ["elastic.inject=kill:rank=3,step=2,phase=forward"], ["--respawn-after", "0.2"], [4, 5], [0, 1, 4, 5])]
 
 
-@pytest.mark.slow  # the default run keeps the warm spares' case of the same path
+@pytest.mark.slow  # with the warm spares' case: `pytest -m slow` (a join without tp: tests/runtime/test_join.py)
 @pytest.mark.parametrize("dp,sets,cli,joined,ranks", GROWTHS)
 def test_ranks_joining_a_tensor_parallel_job_grow_it_by_a_device(tmp_path, long_reference, dp, sets, cli, joined, ranks):
     res = run_job(tmp_path, dp, 1, GROW_STEPS, deterministic=True,
@@ -146,6 +149,7 @@ def test_a_tensor_parallel_job_resumes_from_its_shards_checkpoints(tmp_path, ref
     assert other.returncode == 2 and "it holds checkpoints written at parallel.tp=2" in other.stderr
 
 
+@pytest.mark.slow  # the default run keeps a faster case of the same path; `pytest -m slow` runs it
 def test_a_loss_beyond_the_snapshots_goes_back_to_the_shards_checkpoint(tmp_path, reference):
     # Two devices of three at once: a lost rank's snapshot was on the other (in each slice alike),
     # so every slice goes back to the step all of them saved, and trains on to the same bits.
@@ -250,7 +254,7 @@ def _tensors(path):
 
 
 # At tp=4 each of the folder's 2 key-value heads is replicated on 2 ranks: exported once.
-@pytest.mark.parametrize("pp,tp", [(2, 2), (1, 4)])
+@pytest.mark.parametrize("pp,tp", [(2, 2), pytest.param(1, 4, marks=pytest.mark.slow)])
 def test_an_export_from_shards_gives_back_the_folder_it_loaded(tmp_path, hf_dir, pp, tp):
     out = tmp_path / "out"
     _hf_run(tmp_path, "run", [*HF_JOB, "parallel.dp=1", f"parallel.pp={pp}", f"parallel.tp={tp}", "train.steps=0",
