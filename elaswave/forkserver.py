@@ -13,8 +13,8 @@ status and signals it exactly as it did a ``subprocess.Popen``. Its name (``/pro
 what ``top`` shows) is ``ew-rank-N``: a forked process's ``/proc/PID/environ`` is its parent's.
 
 Where forking is not safe or not possible -- not Linux, threads already running in the caller
-(the Python API inside a program), ``ELASWAVE_FORKSERVER=0`` -- workers start as new processes,
-as before. The server exits when the launcher closes it or dies (its request pipe ends).
+(the Python API inside a program), a CUDA context already made in it, ``ELASWAVE_FORKSERVER=0``
+-- workers start as new processes, as before. The server exits when the launcher closes it or dies (its request pipe ends).
 """
 from __future__ import annotations
 
@@ -133,7 +133,9 @@ def open_starter() -> Starter:
     """A :class:`Starter`; with a fork server when this process may fork one now (call it before
     any thread, socket or device context exists)."""
     starter = Starter()
-    if (os.environ.get(DISABLE_ENV) == "0" or not sys.platform.startswith("linux")
+    torch = sys.modules.get("torch")
+    cuda_up = torch is not None and torch.cuda.is_initialized()  # a forked child cannot use it again
+    if (os.environ.get(DISABLE_ENV) == "0" or not sys.platform.startswith("linux") or cuda_up
             or threading.active_count() > 1 or not _prctl(_PR_SET_CHILD_SUBREAPER, 1)):
         return starter
     req_r, req_w = os.pipe()
