@@ -14,7 +14,8 @@ what ``top`` shows) is ``ew-rank-N``: a forked process's ``/proc/PID/environ`` i
 
 Where forking is not safe or not possible -- not Linux, threads already running in the caller
 (the Python API inside a program), a CUDA context already made in it, ``ELASWAVE_FORKSERVER=0``
--- workers start as new processes, as before. The server exits when the launcher closes it or dies (its request pipe ends).
+-- workers start as new processes, as before. The server exits when the launcher closes it or
+dies (its request pipe ends).
 """
 from __future__ import annotations
 
@@ -94,13 +95,12 @@ class Starter:
     one, otherwise as new processes (``python -m elaswave.runtime.worker ARGS``)."""
 
     def __init__(self):
-        self.server: subprocess.Popen | None = None
         self._pid = None
         self._requests = self._replies = None
 
     def start(self, args: list[str], env: dict[str, str], rank: int):
         if self._requests is None:
-            return subprocess.Popen([sys.executable, "-m", "elaswave.runtime.worker", *args], env=env)
+            return _new_process(args, env)
         try:
             self._requests.write(json.dumps({"args": args, "env": env, "rank": rank}) + "\n")
             self._requests.flush()
@@ -109,7 +109,7 @@ class Starter:
             line = ""
         if not line.strip().isdigit():  # the server is gone: new processes from here on
             self.close()
-            return subprocess.Popen([sys.executable, "-m", "elaswave.runtime.worker", *args], env=env)
+            return _new_process(args, env)
         return Forked(int(line))
 
     def close(self) -> None:
@@ -127,6 +127,10 @@ class Starter:
                 pass
             self._pid = None
             _prctl(_PR_SET_CHILD_SUBREAPER, 0)
+
+
+def _new_process(args: list[str], env: dict[str, str]) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "elaswave.runtime.worker", *args], env=env)
 
 
 def open_starter() -> Starter:

@@ -4,19 +4,14 @@ import os
 import signal
 
 from elaswave.forkserver import DISABLE_ENV, SERVER_NAME
-from tests.helpers.spawn import Running, _procs_where, job_args, rank_of, run_cli
-
-
-def _comm(pid: int) -> str:
-    with open(f"/proc/{pid}/comm") as fh:
-        return fh.read().strip()
+from tests.helpers.spawn import Running, comm, job_args, procs_where, rank_of, run_cli
 
 
 def test_workers_are_the_launchers_children_named_by_rank_and_a_sigkill_is_reported(tmp_path):
     with Running(job_args(2, 1, 100, False), tmp_path / "run.jsonl") as job:
         job.wait_for(r"step\s+2/", 120)
-        kids = _procs_where(1, job.proc.pid)
-        assert sorted(_comm(p) for p in kids) == [SERVER_NAME, "ew-rank-0", "ew-rank-1"], kids
+        kids = procs_where(1, job.proc.pid)  # the fork server too
+        assert sorted(comm(p) for p in kids) == [SERVER_NAME, "ew-rank-0", "ew-rank-1"], kids
         victim = next(p for p in kids if rank_of(p) == 1)
         os.kill(victim, signal.SIGKILL)
         res = job.finish(120)

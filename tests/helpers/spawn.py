@@ -294,7 +294,7 @@ def run_reference(tmp_path: Path, steps: int, deterministic: bool, num_micro_bat
     return res
 
 
-def _procs_where(field: int, value: int) -> list[int]:
+def procs_where(field: int, value: int) -> list[int]:
     """Live PIDs whose /proc stat field ``field`` (after the name) equals ``value`` (Linux only)."""
     out = []
     for entry in os.listdir("/proc"):
@@ -398,10 +398,11 @@ def steps_written(metrics: Path) -> int:
 
 def children(pid: int) -> list[int]:
     """PIDs whose parent is ``pid`` (a launcher's fork server aside: it is none of its workers)."""
-    return [p for p in _procs_where(1, pid) if _comm(p) != SERVER_NAME]
+    return [p for p in procs_where(1, pid) if comm(p) != SERVER_NAME]
 
 
-def _comm(pid: int) -> str:
+def comm(pid: int) -> str:
+    """A process's name (``/proc/PID/comm``); empty once it is gone."""
     try:
         with open(f"/proc/{pid}/comm") as fh:
             return fh.read().strip()
@@ -411,7 +412,7 @@ def _comm(pid: int) -> str:
 
 def session_members(sid: int) -> list[int]:
     """PIDs in session ``sid`` (a command started with ``start_new_session`` has sid = its pid)."""
-    return _procs_where(3, sid)
+    return procs_where(3, sid)
 
 
 def alive(pid: int) -> bool:
