@@ -62,6 +62,10 @@ class Watcher(threading.Thread):
         suspected_in: set[tuple[int, int]] = set()
         lost_at = silent_since = None
         ring_of, targets, hosts = None, (), {}
+        moved = False
+        """Whether this watcher watches on a store the job moved to."""
+        beaten: set[int] = set()
+        """The targets whose counter has moved on this store since this watcher came to it."""
         generation = getattr(self.store, "generation", 0)
         began, began_wall, sent_ms = time.monotonic(), time.time(), 0
         while not self._halt.is_set():
@@ -73,6 +77,7 @@ class Watcher(threading.Thread):
                 generation, self.seen_alerts = self.store.generation, 0
                 watched, lost_at, sent_ms = None, None, 0
                 suspected_in.clear()
+                seen, beaten, moved = {}, set(), True
             try:
                 if self.lease is not None:
                     self.lease.beat()
@@ -108,8 +113,11 @@ class Watcher(threading.Thread):
                     count = self.store.add(f"{PREFIX}hb/{target}", 0)
                     last, changed_at = seen[target]
                     if count != last:
+                        if last is not None and count:  # (a moved store's counters start at 0)
+                            beaten.add(target)
                         seen[target] = (count, time.monotonic())
-                    elif is_stale(changed_at, now, self.timeout_s) and (epoch, target) not in suspected_in:
+                    elif (is_stale(changed_at, now, self.timeout_s) and (epoch, target) not in suspected_in
+                          and not (moved and target not in beaten and self._on_its_way(target, now - changed_at))):
                         suspected_in.add((epoch, target))
                         self.membership.alert(epoch, f"rank {target} missed heartbeats for "
                                                      f"{now - changed_at:.2f}s", [target],
@@ -131,6 +139,19 @@ class Watcher(threading.Thread):
                 if self._halt.is_set():
                     return
                 time.sleep(self.interval_s)
+
+    def _on_its_way(self, target: int, silent_s: float) -> bool:
+        """Whether a target that has not beaten on the store the job moved to yet is still given
+        time: its liveness port answers, and it has been silent here for less than three heartbeat
+        timeouts. A live member blocked in a collective with the dead learns of the loss only when
+        its links give up (the timeout) and its watcher wakes its main thread (the timeout again);
+        the recovery's agreement waits for it that long (``Context.relocate_store`` sets that
+        grace), and its silence here must not prove its death sooner (it did: a live rank left
+        out, issue 58). A port that does not answer (its host gone or cut off) gets no more than
+        the timeout, as before: a whole host lost with the store costs no more time."""
+        if silent_s > 3 * self.timeout_s:
+            return False
+        return self.prober is None or self.prober.answers(target, self.store)
 
     def _watch_reach(self, epoch: int, neighbour: int, silent_since: float | None,
                      suspected_in: set[tuple[int, int]]) -> float | None:

@@ -122,8 +122,16 @@ class StoreLink:
         return self._lost.wall
 
     def clone(self) -> dist.Store:
+        """A raw store on a new connection (a process group's). Its connect gets the grace, as a
+        reconnect does: TCPStore's own clone retries a store that is gone for the store's whole
+        timeout (``parallel.timeout_s``), and a rank building a group when the store died sat out
+        that minute where it should have moved the store (issue 58). Tried for ``SILENT_S`` at
+        least (a group build is no reason to call a slow store lost), and no longer than until
+        another link of the process -- its watcher's, beating -- gives up on the store."""
         self._follow()
-        return self._store.clone()
+        if self.addr is None:
+            return self._store.clone()
+        return self._open(time.monotonic(), grace_s=max(self.grace_s, SILENT_S))
 
     def fresh(self, within_s: float) -> dist.Store:
         """A new plain connection to where the store is now, whatever this link thinks of it (to
@@ -197,6 +205,13 @@ class StoreLink:
     def _reconnect(self, failed_at: float, cause: Exception | None = None) -> None:
         """A new connection to the same store, tried until ``grace_s`` after the first failure
         (``cause``; none when the store moved, which is the cause then)."""
+        self._store = self._open(failed_at, cause)
+        self.reconnects += 1
+
+    def _open(self, failed_at: float, cause: Exception | None = None, grace_s: float | None = None) -> dist.Store:
+        """A new connection to where the store is, tried until ``grace_s`` (default: the link's)
+        after ``failed_at``; :class:`StoreLost` (for every link of the process) after that."""
+        grace_s = self.grace_s if grace_s is None else grace_s
         while True:
             if self.lost.is_set():  # another link of this process gave up already
                 raise StoreLost(self.lost_reason) from None
@@ -206,19 +221,19 @@ class StoreLink:
                 # its own. Measured from the old failure, it would be declared lost unasked.
                 self._generation, failed_at = self._lost.generation, time.monotonic()
                 cause = ConnectionError(f"the store moved to {self.addr}")
-            left = self.grace_s - (time.monotonic() - failed_at)
+            left = grace_s - (time.monotonic() - failed_at)
             if left <= 0:
                 where = self.addr or getattr(self._store, "description", "torchrun's rendezvous store")
-                reason = (f"the control store at {where} has not answered for {self.grace_s:g} s "
+                reason = (f"the control store at {where} has not answered for {grace_s:g} s "
                                     f"(elastic.heartbeat_timeout_s, on etcd at least a leader change; last error: {str(cause).splitlines()[0]})")
                 self._lost.declare(reason)
                 raise StoreLost(reason) from None
             try:
-                self._store = self._connect(left)
+                store = self._connect(left)
                 self._lost.answered_at = time.monotonic()  # a new connection's handshake was answered
-                self.reconnects += 1
-                return
-            except Exception:  # noqa: BLE001 - refused or timed out: the store is not back yet
+                return store
+            except Exception as exc:  # noqa: BLE001 - refused or timed out: the store is not back yet
+                cause = cause or exc
                 time.sleep(min(0.05, max(0.0, left)))
 
     def _connect(self, within_s: float) -> dist.Store:

@@ -166,6 +166,11 @@ class Prober:
         address = self._address(rank, store)
         return address is not None and probe(address) is not False
 
+    def answers(self, rank: int, store) -> bool:
+        """Whether ``rank``'s port answers now: its process exists (it may be hung or blocked)."""
+        address = self._address(rank, store)
+        return address is not None and probe(address) is True
+
     def is_silent(self, rank: int, store) -> bool:
         """Whether ``rank``'s port, reached before, now gives no answer at all (no route, or packets
         dropped): alive or not, this rank cannot reach it."""

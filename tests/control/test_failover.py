@@ -1,5 +1,6 @@
 """The control store moves to a survivor: the pieces on real TCPStores, then the process holding
 the job's store SIGKILLed mid-training -- the job trains on, bit-identical to the failure-free run."""
+import re
 import time
 from datetime import timedelta
 
@@ -134,6 +135,51 @@ def test_an_agent_follows_the_standby_that_became_the_store_and_gives_up_on_none
     ready.server.set(GENERATION, "1")
     assert directory.follow(link, 15.0, 15.0) == ready.addr
     assert link.addr == ready.addr and directory.generation == 1 and link.generation == 1
+
+
+@pytest.mark.parametrize("port", ["answers", "closed"])
+def test_on_a_moved_store_a_live_member_not_there_yet_gets_the_agreements_grace(port):
+    """The store died during a recovery and moved; a live member blocked in a collective with the
+    dead comes to the new store only when its links give up and its watcher wakes it (twice the
+    heartbeat timeout). While its liveness port answers, its silence there does not make it a
+    suspect within one timeout (a live rank left out, issue 58) -- after three it does. A member
+    whose port is gone is suspected after one, as before the move."""
+    from elaswave.control.heartbeat import Watcher
+    from elaswave.control.liveness import LivenessPort, Prober
+    from elaswave.interrupt import Interrupt
+
+    old, old_addr = _server()
+    new, new_addr = _server()
+    link = _link(old_addr)
+    timeout_s = 0.5
+    liveness = LivenessPort("127.0.0.1")
+    liveness.register(link, 1)
+    prober = Prober()
+    prober.learn([1], link)
+    watcher = Watcher(link.separate(), 0, lambda: (0, (0, 1)), Interrupt(), 0.05, timeout_s, prober)
+    watcher.start()
+    try:
+        for _ in range(10):  # rank 1 beats on the job's first store
+            old.add(f"{PREFIX}hb/1", 1)
+            time.sleep(0.05)
+        if port == "closed":
+            liveness.close()
+        link.move(new_addr)  # the move; rank 1 is not there yet
+        deadline = time.monotonic() + 3 * timeout_s + 10.0
+        while watcher.membership.alert_count() == 0 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        alert = watcher.membership.read_alert(1)
+        assert alert is not None and alert.ranks == (1,), alert
+        # How long rank 1 had been silent on the new store when it became a suspect (the watcher's
+        # own connection to the new store may take a while on a loaded box: not counted)
+        silent_s = float(re.search(r"missed heartbeats for ([0-9.]+)s", alert.reason).group(1))
+        if port == "answers":
+            assert silent_s >= 3 * timeout_s, alert
+        else:
+            assert silent_s < 3 * timeout_s, alert
+    finally:
+        watcher.stop()
+        liveness.close()
 
 
 def test_the_store_holder_sigkilled_the_job_trains_on_bit_identical(tmp_path, reference):

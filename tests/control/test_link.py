@@ -67,6 +67,32 @@ def test_a_store_that_stays_away_is_lost_within_the_grace_and_every_link_says_so
             link.get("k")
 
 
+def test_a_clone_for_a_process_group_gives_up_with_the_process_not_after_the_stores_timeout():
+    """A rank building a process group when the store died: TCPStore's clone retried the dead store
+    for its whole timeout (a minute in the job of issue 58, where the rank should have moved the
+    store). Now the clone ends with the process's other links -- the watcher's, which beat."""
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=5))
+    link = StoreLink(dist.TCPStore("127.0.0.1", store.port, is_master=False, timeout=timedelta(seconds=30)),
+                     f"127.0.0.1:{store.port}", timeout_s=30.0, grace_s=0.6)
+    watcher_link = link.separate()
+    assert link.clone().add("n", 1) == 1  # a live store: a working connection
+    del store  # its process is gone
+
+    def beat():
+        with pytest.raises(StoreLost):
+            while True:
+                watcher_link.add("hb", 1)
+                time.sleep(0.05)
+    beating = threading.Thread(target=beat, daemon=True)
+    beating.start()
+    began = time.monotonic()
+    with pytest.raises(StoreLost):
+        link.clone()
+    assert time.monotonic() - began < 3.0  # the watcher's grace (0.6 s), not the store's 30 s
+    beating.join(5)
+    assert link.lost.is_set()
+
+
 def test_a_waits_timeout_is_not_a_lost_store(server):
     link = _link(f"127.0.0.1:{server.port}", grace_s=0.5)
     with pytest.raises(RuntimeError, match="(?i)timeout|timed out|wait"):
