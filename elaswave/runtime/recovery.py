@@ -250,6 +250,15 @@ def recover(ctx, st: RankState | None, cause: Disruption | None, noticed_wall: f
               file=sys.stderr, flush=True)
     lap("plan")
 
+    # Everything this recovery asks the store, asked before any state changes hands: from here on
+    # the kept chunks are the new optimizer's too (the same tensors) and the snapshot pool starts
+    # the new ring, so a store lost after this point must not send the change back to ``st`` to
+    # be recovered again (it did, once: not bit-identical, bytes_received 0 -- issue 58).
+    evidence = {**ctx.membership.death_evidence(lost, epoch),
+                **{r: "left with its tensor-parallel group, which lost a rank" for r in orphans}}
+    fault_wall, fault_from = _fault_start(ctx, lost, noticed_wall)
+    if tp > 1:  # the group's collectives start afresh in the new epoch (the old ones may be cut mid-way)
+        ctx.model.cut.group = ctx.comm.group(devices.tensor_group(ctx.rank), epoch)
     ctx.injector.at(restore.resume_step, "recovery")
     chunks, received, arriving = _restore_chunks(ctx, st, world, plan.chunk_owners, restore)
     layers = plan.layers_of(ctx.rank)
@@ -257,8 +266,6 @@ def recover(ctx, st: RankState | None, cause: Disruption | None, noticed_wall: f
     # their parameters from the chunk owners, who hold the same layers in the other pipelines.
     stage = (st.stage if st is not None and (st.stage.start, st.stage.end) == layers
              else Stage(cfg, layers, ctx.device, ctx.model))
-    if tp > 1:  # the group's collectives start afresh in the new epoch (the old ones may be cut mid-way)
-        ctx.model.cut.group = ctx.comm.group(devices.tensor_group(ctx.rank), epoch)
     new = build_rank(cfg, plan, ctx.rank, stage, ctx.sampler_for(stage), world, ctx.comm, ctx.device,
                      ctx.backend_name, gen=restore.resume_step, chunks=chunks, before=ctx.before_action,
                      actuator=ctx.actuator)
@@ -281,12 +288,9 @@ def recover(ctx, st: RankState | None, cause: Disruption | None, noticed_wall: f
     ctx.comm.prepare_standbys(members, epoch)
     ctx.settle(plan, devices)
     lap("state")
-    fault_wall, fault_from = _fault_start(ctx, lost, noticed_wall)
     return new, Recovery(epoch, lost, restore.resume_step, fault_wall,
                          noticed_wall, phases, ctx.comm.last_source, restore.is_fallback, received,
-                         _layout(plan), joined, evidence={**ctx.membership.death_evidence(lost, epoch),
-                                   **{r: "left with its tensor-parallel group, which lost a rank" for r in orphans}},
-                         fault_from=fault_from)
+                         _layout(plan), joined, evidence=evidence, fault_from=fault_from)
 
 
 def _slices_restorable(devices: layout.Devices, old: Plan, reports: dict, disk_step: int | None) -> set[int]:
