@@ -242,7 +242,8 @@ def _watch(cfg: JobConfig, workers: Workers, store: dist.TCPStore, membership: M
             stop(workers.all(), grace_s=1.0)
             return EXIT_STORE_LOST
         if all(c is not None for c in codes.values()) and not (done_at is None and others and others.training()):
-            if done_at is None and 0 in codes.values() and _done_within(membership, cfg.parallel.timeout_s):
+            if (done_at is None and 0 in codes.values() and workers.node.is_multi_host
+                    and _done_within(membership, done_grace_s)):
                 done_at, watching.done = time.monotonic(), True
             if done_at is not None or all(c in (0, EXIT_GROUP_LEFT) for c in codes.values()):
                 return 0
@@ -266,9 +267,11 @@ def _watch(cfg: JobConfig, workers: Workers, store: dist.TCPStore, membership: M
 
 def _done_within(membership: Membership, within_s: float) -> bool:
     """Whether the training's end is stamped within ``within_s``. A worker that exited 0 finished
-    the training, but the rank that writes the summary stamps "done" after the others may have
-    exited: read too early, a host whose worker had been killed on the way exited 1 for a finished
-    run (issue 58). A store gone meanwhile raises StoreLost: its holder finished and left."""
+    the training, but the rank that writes the summary -- on another host -- stamps "done" after
+    the others may have exited: read too early, a host whose worker had been killed on the way
+    exited 1 for a finished run (issue 58). (On one host every worker has exited: the stamp is
+    final, and a run that failed its end check, with some workers at 0, is not held up.) A store
+    gone meanwhile raises StoreLost: its holder finished and left."""
     deadline = time.monotonic() + within_s
     while time.monotonic() < deadline:
         if membership.read_stamp("done") is not None:
