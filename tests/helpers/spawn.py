@@ -202,7 +202,9 @@ class Running:
         try:
             code = self.proc.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
-            raise AssertionError(f"the job did not finish in {timeout_s}s") from None
+            # What it was doing: a hang under load is seldom reproduced at will.
+            tail = "".join(self._stderr[-60:])
+            raise AssertionError(f"the job did not finish in {timeout_s}s; its stderr ended:\n{tail}") from None
         self._stderr_done.join(timeout=10)
         err = "".join(self._stderr)
         while not self.lines.empty():

@@ -75,7 +75,11 @@ def test_extra_ranks_join_as_a_new_pipeline(tmp_path, reference):
 
 def test_only_a_rank_with_the_jobs_token_is_admitted(tmp_path, reference):
     secret = {"ELASWAVE_TOKEN": "the-job-secret"}
-    with Running(job_args(2, 2, STEPS, True, EXTRA), tmp_path / "run.jsonl", env=secret) as job:
+    # Every rank's compute three times as slow (a sleep, so it scales with the machine's load as the
+    # friend's start-up does): under load the friend, two new processes importing torch, was once
+    # still starting when the job's 100 steps ended. Equal speeds: nothing is re-planned for it.
+    slow = ";".join(f"slow:rank={r},step=0,factor=3" for r in range(4))
+    with Running(job_args(2, 2, STEPS, True, [*EXTRA, f"elastic.inject={slow}"]), tmp_path / "run.jsonl", env=secret) as job:
         store = job.wait_for(r"store at (\S+);", 60).group(1)
         # Both ask at once, as soon as the job is up: the friend's way in does not wait behind the
         # stranger's start-up, so it asks early in the run whatever the machine's load.
