@@ -252,7 +252,7 @@ class JobConfig:
                                                                  "use none or nvml for real compute")
         for text in self.elastic.inject:
             fault = faults.parse(text)
-            if fault.rank >= self.world_size:
+            if fault.rank >= self.world_size and fault.phase != "admission":  # (a joiner's number is past them)
                 _fail("elastic.inject", text, f"rank {fault.rank} does not exist: the job has ranks "
                                               f"0..{self.world_size - 1}")
         if self.elastic.snapshot_copies > max(1, self.world_size - 1):

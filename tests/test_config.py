@@ -36,6 +36,8 @@ def test_defaults_are_valid_and_overrides_apply(tmp_path):
     (["train.tokens=9", "train.epochs=1"], "train.epochs=1.0 is invalid: set one of train.tokens=9 and train.epochs"),
     (["train.tokens=-9"], "train.tokens=-9 is invalid: must be >= 0"),
     (["train.epochs=nan"], "train.epochs=nan is invalid: must be a finite number"),
+    (["elastic.inject=kill:rank=4,step=3"], "elastic.inject='kill:rank=4,step=3' is invalid: rank 4 does not exist: "
+                                             "the job has ranks 0..3"),
     (["frequency.power_cap_w=1.5"], "frequency.power_cap_w=1.5 is invalid: below what the 4 ranks draw at the lowest "
                                     "frequency level (1.805)"),
 ])
@@ -60,3 +62,7 @@ def test_a_token_or_epoch_budget_sets_the_steps(tmp_path):
         config.load(None, [*sets, "train.epochs=0.05"])
     with pytest.raises(ConfigError, match="train.epochs=1.0 is invalid: is ambiguous with data.mix"):
         config._budgeted(config.JobConfig(data=config.DataConfig(mix=("a=1",)), train=config.TrainConfig(epochs=1.0)))
+
+
+def test_a_fault_at_admission_names_a_joiners_rank_past_the_world_size():
+    assert config.load(None, ["elastic.inject=stop:rank=4,step=0,phase=admission"]).elastic.faults[0].rank == 4

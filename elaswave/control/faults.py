@@ -28,12 +28,14 @@ if TYPE_CHECKING:  # keeps this module free of torch: config validation imports 
 
 KINDS = ("kill", "stop", "corrupt", "slow", "flip", "join", "starve")
 FLIPPED = ("moment", "param")
-PHASES = ("forward", "backward", "reduce", "optimizer", "snapshot", "recovery", "eval")
+PHASES = ("forward", "backward", "reduce", "optimizer", "snapshot", "recovery", "eval", "admission")
 """forward/backward: as the step's first forward/backward starts; reduce: as the gradient reduction
 starts; optimizer: after this rank's chunks were updated, before the parameters are gathered;
 snapshot: just after this rank posted the step's snapshot to its holder; recovery: during a
 recovery that resumes at the step, as the chunks are about to move (a failure during a recovery);
-eval: in the evaluation due before the step (train.eval_every), as its last batch starts."""
+eval: in the evaluation due before the step (train.eval_every), as its last batch starts;
+admission: a joining rank (numbered past the job's world size), just after it posted its join
+request -- before it knows the job's step, so ``step=0`` -- which the leader then admits."""
 USAGE = ("use kill:rank=R,step=S[,phase=P], stop:rank=R,step=S[,phase=P], corrupt:rank=R,step=S, "
          "slow:rank=R,step=S[,factor=F], flip:rank=R,step=S,what=moment|param, starve:rank=R,step=S[,seconds=X] "
          "or join:step=S[,count=N]")
@@ -83,6 +85,8 @@ def parse(text: str) -> Fault:
     phase = fields.get("phase", "forward")
     if phase not in PHASES:
         raise ValueError(f"{text!r}: phase={phase} is not one of {', '.join(PHASES)}")
+    if phase == "admission" and step != 0:
+        raise ValueError(f"{text!r}: phase=admission comes before a joiner knows the job's step: use step=0")
     what = fields.get("what", "")
     if kind == "flip" and what not in FLIPPED:
         raise ValueError(f"{text!r}: what={what} is not one of {', '.join(FLIPPED)}")

@@ -95,6 +95,7 @@ def join(ctx) -> tuple[RankState, recovery.Recovery]:
         started = promoted
     _reach_members(ctx)
     ctx.admission.request(started)
+    ctx.injector.at(0, "admission")
     attempt = 1
     while True:
         try:

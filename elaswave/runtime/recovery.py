@@ -71,7 +71,8 @@ class Recovery:
     join_walls: dict = field(default_factory=dict)
     """A join's earlier moments (wall times): its processes' start, its requests, its admission."""
     evidence: dict = field(default_factory=dict)
-    """Lost rank -> what showed it dead (the launcher's report, a refused probe, a stale heartbeat)."""
+    """Lost rank -> what showed it dead (the launcher's report, a refused probe, a stale heartbeat);
+    also an admitted joiner that never came."""
     earlier_start_wall: float | None = None
     """When an earlier change began whose first step never completed (this one interrupted it)."""
     fault_from: str = "injected"
@@ -124,7 +125,8 @@ class Recovery:
         return {"event": "join", "epoch": self.epoch, "joined_ranks": self.joined_ranks,
                 "resume_step": self.resume_step, "time_to_first_step_s": first_step_end_wall - w["started"],
                 "since_request_s": first_step_end_wall - w["requested"], "phases_s": phases,
-                "communicator": self.communicator, "bytes_received": self.bytes_received, "plan": self.plan}
+                "communicator": self.communicator, "bytes_received": self.bytes_received, "plan": self.plan,
+                **({"evidence": {str(r): how for r, how in self.evidence.items()}} if self.evidence else {})}
 
 
 def recover(ctx, st: RankState | None, cause: Disruption | None, noticed_wall: float,
@@ -187,6 +189,7 @@ def recover(ctx, st: RankState | None, cause: Disruption | None, noticed_wall: f
             raise CutOff(f"rank {ctx.rank} was left out of epoch {epoch} (members {list(members)}): "
                          f"{partition.describe(ctx.rank, cut[ctx.rank])}")
         raise Excluded(f"rank {ctx.rank} was left out of epoch {epoch} (members {list(members)})")
+    absent = _absent_joiners(ctx, epoch, joining, members, agree_s)
     # With tp: the devices whose every shard lives go on (each slice re-plans them alike); the
     # survivors of a device that lost a shard leave (see GroupLost).
     members, orphans = full.whole(members)
@@ -254,7 +257,7 @@ def recover(ctx, st: RankState | None, cause: Disruption | None, noticed_wall: f
     # the kept chunks are the new optimizer's too (the same tensors) and the snapshot pool starts
     # the new ring, so a store lost after this point must not send the change back to ``st`` to
     # be recovered again (it did, once: not bit-identical, bytes_received 0 -- issue 58).
-    evidence = {**ctx.membership.death_evidence(lost, epoch),
+    evidence = {**ctx.membership.death_evidence(lost, epoch), **absent,
                 **{r: "left with its tensor-parallel group, which lost a rank" for r in orphans}}
     fault_wall, fault_from = _fault_start(ctx, lost, noticed_wall)
     if tp > 1:  # the group's collectives start afresh in the new epoch (the old ones may be cut mid-way)
@@ -291,6 +294,27 @@ def recover(ctx, st: RankState | None, cause: Disruption | None, noticed_wall: f
     return new, Recovery(epoch, lost, restore.resume_step, fault_wall,
                          noticed_wall, phases, ctx.comm.last_source, restore.is_fallback, received,
                          _layout(plan), joined, evidence=evidence, fault_from=fault_from)
+
+
+def _absent_joiners(ctx, epoch: int, joining: tuple[int, ...], members: tuple[int, ...],
+                    waited_s: float) -> dict[int, str]:
+    """The joiners admitted into ``epoch`` that it was agreed without, with why. One that never
+    checked in -- it hung or died after it asked, with no agent to report it (``elaswave join``
+    from a shell) -- is recorded gone: the leader would admit it again at every step, and each
+    time the members waited ``parallel.timeout_s`` for it. The leader refuses it too, so that
+    one that only came late stops with the reason instead of waiting for another admission."""
+    missing = [r for r in joining if r not in members]
+    if not missing:
+        return {}
+    for r in missing:  # (a death recorded first stays the cause: compare_set)
+        ctx.membership.report_dead(r, f"was admitted into epoch {epoch} and did not check in within "
+                                      f"{waited_s:g} s", alert=False)
+    out = ctx.membership.death_evidence(missing, epoch)
+    if ctx.rank == min(members):
+        for r, why in out.items():
+            print(f"elaswave: rank {r} {why}: it is not admitted again", file=sys.stderr, flush=True)
+            ctx.admission.refuse(r, f"rank {r} {why}")
+    return out
 
 
 def _slices_restorable(devices: layout.Devices, old: Plan, reports: dict, disk_step: int | None) -> set[int]:

@@ -46,6 +46,7 @@ def test_is_stale():
     ("flip:rank=1,step=3,what=moment", faults.Fault("flip", 1, 3, what="moment")),
     ("starve:rank=2,step=6", faults.Fault("starve", 2, 6, seconds=3.0)),
     ("starve:rank=2,step=6,seconds=0.5", faults.Fault("starve", 2, 6, seconds=0.5)),
+    ("stop:rank=4,step=0,phase=admission", faults.Fault("stop", 4, 0, "admission")),
 ])
 def test_fault_parsing(text, expect):
     assert faults.parse(text) == expect
@@ -60,6 +61,7 @@ def test_fault_parsing(text, expect):
     ("kill:rank=1", "rank= and step= are required"),
     ("kill:rank=1,step=x", "must be integers"),
     ("kill:rank=1,step=2,phase=lunch", "phase=lunch is not one of"),
+    ("kill:rank=4,step=3,phase=admission", "before a joiner knows the job's step: use step=0"),
     ("kill:rank=1,step=2,when=now", "'when=now' is not one of rank=, step=, phase="),
     ("join:rank=1,step=2", "'rank=1' is not one of step=, count="),
     ("join:count=2", "step= is required"),

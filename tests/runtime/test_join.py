@@ -62,6 +62,23 @@ def test_a_replacement_joins_and_the_job_is_back_to_full_size(tmp_path, referenc
     assert state[4] == state[1] and state[2] == state[0]
 
 
+def test_a_joiner_that_hangs_after_it_asked_is_waited_for_once_not_at_every_step(tmp_path, reference):
+    # Rank 4, started by the launcher at step 2, stops (SIGSTOP: its agent sees no exit to report)
+    # just after it asked in. The leader admits it, the members wait parallel.timeout_s for it
+    # once, then it is recorded gone and refused. Before, it was admitted again at every step,
+    # and every step waited the timeout for it (a store-move run hung so under load).
+    res = run_job(tmp_path, 2, 2, STEPS, True, extra=[f"train.num_micro_batches={MBS}", "parallel.timeout_s=10",
+                                                      "elastic.inject=join:step=2;stop:rank=4,step=0,phase=admission"])
+    _assert_same_run(res, reference)
+    changes = [r for r in res.records if r["event"] in ("recovery", "join", "rebalance")]
+    assert len(changes) == 1, changes
+    assert changes[0]["evidence"] == {"4": f"was admitted into epoch {changes[0]['epoch']} and did not check in "
+                                           "within 10 s"}, changes[0]
+    assert "rank 4 was admitted into epoch" in res.stderr and "it is not admitted again" in res.stderr, res.stderr
+    assert res.summary["ranks"] == [0, 1, 2, 3]
+    assert res.left_behind == 0  # the stopped joiner went with the job
+
+
 @pytest.mark.slow  # the default run keeps a faster case of the same path; `pytest -m slow` runs it
 def test_extra_ranks_join_as_a_new_pipeline(tmp_path, reference):
     res = run_job(tmp_path, 2, 2, STEPS, True, extra=[*EXTRA, "elastic.inject=join:step=2,count=2"])
