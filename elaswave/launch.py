@@ -199,7 +199,11 @@ def _watch(cfg: JobConfig, workers: Workers, store: dist.TCPStore, membership: M
                     workers.spawn_spare()
                 continue
             if workers.started_before_move(rank) and not _is_member(cfg, store, membership, rank):
-                # Never admitted: nothing to report. Its replacement starts on the store the job is on.
+                # Never admitted. Its death is recorded only where its number is still its own: had
+                # it asked in on this store, the leader would admit it at every step and wait for
+                # it. Its replacement starts on the store the job is on.
+                if rank_numbers.reclaim(store, rank, workers.started_on[rank][1]):
+                    membership.report_dead(rank, _describe(code), alert=False)
                 print(f"elaswave: rank {rank}, started on the store the job moved away from, {_describe(code)}; "
                       "starting another", file=sys.stderr, flush=True)
                 if done_at is None:
