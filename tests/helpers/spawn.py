@@ -217,6 +217,10 @@ class Running:
     def __exit__(self, *exc) -> None:
         kill_session(self.proc.pid)
         self.proc.wait()
+        # Kept beside the metrics (pytest keeps the last runs' folders): a failure under load is
+        # seldom reproduced at will, and its records alone do not say what each process saw.
+        self._stderr_done.join(timeout=5)
+        (self.metrics.parent / f"{self.metrics.stem}.{self.proc.pid}.stderr").write_text("".join(self._stderr))
 
 
 def fault_mid_run(agents: list["Running"], at_step: int, fault, timeout_s: float = 240) -> tuple[float, list[Result]]:
