@@ -127,11 +127,10 @@ def test_two_host_agents_lose_one_worker_not_its_host(tmp_path):
 
 
 def test_when_the_agent_holding_the_store_dies_the_others_follow_it_to_a_standby(tmp_path):
-    """Two agents, two workers each (dp=2 x pp=2). Node 0's agent -- which hosts the store -- is
-    SIGKILLed alone; its workers live on. The members move the store to rank 0's standby and node
-    1's agent follows it there. Then a worker of node 1 is SIGKILLed: its agent reports the death
-    on the new store, the others recover without it and the replacement the agent starts joins
-    through the new store (4 -> 3 -> 4). Every loss and the final state equal the reference."""
+    """Two agents, two workers each (dp=2 x pp=2). Node 0's agent (the store's host) is SIGKILLed
+    alone; its workers live on, move the store to rank 0's standby, and node 1's agent follows it.
+    Then worker 3 is SIGKILLed: its agent reports it on the new store, the others recover without
+    it, its replacement joins there (4 -> 3 -> 4). Every loss and the final state the reference's."""
     steps, (sets, endpoint, metrics) = STORE_MOVE_STEPS, _store_move_job(tmp_path)
     with _agent(sets, 0, endpoint, metrics) as host0, _agent(sets, 1, endpoint, metrics) as host1:
         host0_workers = _store_holders_workers(host0)
@@ -165,13 +164,12 @@ def test_when_the_agent_holding_the_store_dies_the_others_follow_it_to_a_standby
     assert_same_run(res0, run_reference(tmp_path, steps, deterministic=True), steps)
 
 
-@pytest.mark.slow  # not bit-identical in 1 run of 9 under load: issue 58 is open on it (docs/STATUS.md)
+@pytest.mark.slow  # 40 s; the default run has the follow test. Under two busy loops: 8 of 8 (STATUS)
 def test_the_store_lost_in_the_middle_of_a_recovery_moves_and_no_joiner_is_lost_or_doubled(tmp_path):
-    """Two agents, two workers each. Worker 3 is SIGKILLed and, while its recovery runs and its
-    replacement (4, on the old store) starts, node 0's agent, which holds the store. The store
-    moves to rank 0's standby, node 1's agent follows; the stale replacement stops and another,
-    numbered by the new store, joins there. No live member left out (issue 58), no number held by
-    two live processes, every loss and the final state the reference's."""
+    """Worker 3 is SIGKILLed and, while its recovery runs and its replacement (4, on the old store)
+    starts, node 0's agent (the store's host). The store moves to rank 0's standby, node 1's agent
+    follows; the stale replacement stops, another numbered by the new store joins. No live member
+    left out (issue 58), no number held twice, every loss and the final state the reference's."""
     steps, (sets, endpoint, metrics) = STORE_MOVE_STEPS, _store_move_job(tmp_path)
     with _agent(sets, 0, endpoint, metrics) as host0, _agent(sets, 1, endpoint, metrics) as host1:
         host0_workers = _store_holders_workers(host0)
@@ -196,6 +194,8 @@ def test_the_store_lost_in_the_middle_of_a_recovery_moves_and_no_joiner_is_lost_
             or "error: rank 4: the control store at" in res1.stderr), res1.stderr
     assert "rank 4, started on the store the job moved away from" in res1.stderr, res1.stderr
     records = res0.records
+    if any(r["event"] == "store_moved" for r in records):  # moved at a step boundary: the follow test's case
+        pytest.skip("the recovery ended before node 0's agent was killed (a loaded machine): not this scenario")
     [recovery] = [r for r in records if r["event"] == "recovery"]
     assert recovery["lost_ranks"] == [3] and recovery["phases_s"]["store"] > 0, recovery
     assert recovery["evidence"]["3"].startswith(("was killed by SIGKILL", "refused connections")), recovery

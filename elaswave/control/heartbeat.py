@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from elaswave.control import leases
 from elaswave.control.link import StoreLost
-from elaswave.control.membership import ALERTS, PREFIX, WATCHERS, Membership, is_stale
+from elaswave.control.membership import ALERTS, MOVED_PATIENCE, PREFIX, WATCHERS, Membership, is_stale
 from elaswave.interrupt import Interrupt
 
 
@@ -142,14 +142,12 @@ class Watcher(threading.Thread):
 
     def _on_its_way(self, target: int, silent_s: float) -> bool:
         """Whether a target that has not beaten on the store the job moved to yet is still given
-        time: its liveness port answers, and it has been silent here for less than three heartbeat
-        timeouts. A live member blocked in a collective with the dead learns of the loss only when
-        its links give up (the timeout) and its watcher wakes its main thread (the timeout again);
-        the recovery's agreement waits for it that long (``Context.relocate_store`` sets that
-        grace), and its silence here must not prove its death sooner (it did: a live rank left
-        out, issue 58). A port that does not answer (its host gone or cut off) gets no more than
-        the timeout, as before: a whole host lost with the store costs no more time."""
-        if silent_s > 3 * self.timeout_s:
+        time: its liveness port answers, and it has been silent here for less than
+        :data:`~elaswave.control.membership.MOVED_PATIENCE` heartbeat timeouts, as long as the
+        recovery's agreement waits for it (its silence here must not prove its death sooner: it
+        did, a live rank left out, issue 58). A port that does not answer (its host gone or cut
+        off) gets no more than the timeout, as before."""
+        if silent_s > MOVED_PATIENCE * self.timeout_s:
             return False
         return self.prober is None or self.prober.answers(target, self.store)
 

@@ -38,6 +38,13 @@ LIVES_EVERY_S = 0.25
 """How often an agreement asks again whether a member it misses still lives (on etcd: two requests)."""
 RESCAN_EVERY_S = 0.5
 """How often an agreement reads the check-ins again when their count says nothing changed."""
+MOVED_PATIENCE = 6
+"""On a store the job just moved to, for how many heartbeat timeouts a member not there yet whose
+liveness port answers is waited for -- by its watchers, and by the recovery's agreement. A live
+member blocked in a collective with the dead comes only once its links give up on the old store
+and its watcher wakes it (two timeouts), and a loaded host stretches that: a live rank was left
+out at two (issue 58). A port that does not answer earns no patience: a host lost with the store
+costs no more time."""
 WATCHERS = 2
 """Watchers per rank (:mod:`~elaswave.control.heartbeat`): a suspect both named is left out at
 once; one alone only makes the agreement wait for it."""

@@ -34,6 +34,7 @@ from elaswave.precision import compute_dtype
 from elaswave.runtime import actuator, join
 from elaswave.runtime.evaluation import Evaluation
 from elaswave.runtime.memory import job_memory_model
+from elaswave.runtime.metrics import StepJournal
 from elaswave.runtime.straggler import SpeedWindow
 from elaswave.snapshot.pool import SnapshotPool
 from elaswave.tensor import checkpoints
@@ -96,6 +97,8 @@ class Context:
         self.speeds = SpeedWindow()
         self.agreed_epoch = 0
         self.agree_grace_s = 0.0
+        self.journal = StepJournal()
+        """This rank's step and eval records not yet committed (a change shares them)."""
         """Extra time the next agreement waits for silent members (after the store moved from a recovery)."""
         """The newest epoch whose members this rank agreed on (it may not have trained yet)."""
         self.step = 0
@@ -241,7 +244,8 @@ class Context:
                                      requires_majority=self.membership.requires_majority)
         self.agreed_epoch = st.plan.epoch
         # A survivor still waiting in a collective with the dead comes when its watcher gives up on
-        # the lost store (the heartbeat timeout after its links did): wait for it that much longer.
+        # the lost store (the heartbeat timeout after its links did): wait for it that much longer,
+        # and while its liveness port answers, up to MOVED_PATIENCE timeouts (see recovery.recover).
         self.agree_grace_s = 2 * self.cfg.elastic.heartbeat_timeout_s
         failover.announce(self.store)
         self.membership.alert(st.plan.epoch, f"rank {self.rank}: the control store was lost with members; "

@@ -156,6 +156,18 @@ class StepJournal:
         for k in sorted(self.committed):
             writer.write(self.committed[k])
 
+    def unwritten(self) -> list[dict]:
+        """The records not committed yet: a change shares them among the members (:meth:`fill`)."""
+        return list(self.pending.values())
+
+    def fill(self, records: list[dict]) -> None:
+        """Records the other members made and this rank did not: a disruption that reached it after
+        a step's update but before its record (in the parameter gather) left that step done on
+        every rank and recorded only elsewhere, and the writer lost it."""
+        for record in records:
+            if _key(record) not in self.pending and _key(record) not in self.committed:
+                self.pending[_key(record)] = record
+
     def discard_from(self, step: int) -> None:
         """Steps from ``step`` on will be redone."""
         for part in (self.pending, self.committed):

@@ -17,6 +17,7 @@ import torch
 from elaswave.checkpoint import disk
 from elaswave.config import JobConfig
 from elaswave.control import leases, partition
+from elaswave.control.membership import MOVED_PATIENCE
 from elaswave.interrupt import CommError, Disruption
 from elaswave.model.contract import untie
 from elaswave.pipeline.stage import Stage
@@ -79,6 +80,8 @@ class Recovery:
     """How ``fault_wall`` is known: injected, last_heartbeat, last_step, or noticed (there is none)."""
     num_changes: int = 1
     """Changes this record covers: more than one when a failure hit before a change's first step ended."""
+    records: list = field(default_factory=list)
+    """The members' step and eval records not yet committed (see ``StepJournal.fill``)."""
 
     def absorb(self, earlier: "Recovery") -> "Recovery":
         """This change cut ``earlier`` short before its first step completed (no record was written
@@ -89,6 +92,7 @@ class Recovery:
         begun = [w for w in (earlier.earlier_start_wall, earlier._start_wall) if w is not None]
         self.earlier_start_wall = min(begun)
         self.num_changes += earlier.num_changes
+        self.records = earlier.records + self.records
         return self
 
     @property
@@ -178,9 +182,13 @@ def recover(ctx, st: RankState | None, cause: Disruption | None, noticed_wall: f
     # A join waits for members still finishing the step; their deaths are reported, not timed out.
     agree_s = (cfg.elastic.agree_timeout_s if cause is not None else cfg.parallel.timeout_s) + ctx.agree_grace_s
     lease = ctx.watcher.lease if ctx.watcher is not None else None
+    lives, alive_wait_s = ((lambda r: lease.lives(r, ctx.store)), leases.LATE_S) if lease is not None else (None, 0.0)
+    if lease is None and ctx.agree_grace_s and ctx.prober is not None:
+        # On a store just moved: a member not there yet whose port answers is on its way (see MOVED_PATIENCE)
+        lives = lambda r: ctx.prober.answers(r, ctx.store)  # noqa: E731
+        alive_wait_s = (MOVED_PATIENCE - 2) * cfg.elastic.heartbeat_timeout_s
     members = ctx.membership.agree(expected, epoch, agree_s, cfg.parallel.timeout_s, alerts_since=old.epoch,
-                                   lives=(lambda r: lease.lives(r, ctx.store)) if lease is not None else None,
-                                   alive_wait_s=leases.LATE_S)
+                                   lives=lives, alive_wait_s=alive_wait_s)
     ctx.agree_grace_s = 0.0
     ctx.agreed_epoch = epoch
     if ctx.rank not in members:
@@ -209,7 +217,7 @@ def recover(ctx, st: RankState | None, cause: Disruption | None, noticed_wall: f
                if st is not None else Holding(ctx.rank, {}, {}))
     ctx.membership.post(epoch, "state", {"holding": holding.to_doc(), "speed": ctx.speed,
                                          "standby_ready": ctx.comm.standby_ready(members),
-                                         "disk_step": _readable_checkpoint(ctx)})
+                                         "disk_step": _readable_checkpoint(ctx), "records": ctx.journal.unwritten()})
     reports = ctx.membership.gather(epoch, "state", everyone, cfg.parallel.timeout_s,
                                     broken=lambda: ctx.interrupt.is_broken(epoch))
     # By device (its head): every slice plans the plan of devices alike, and runs it on its ranks.
@@ -219,6 +227,7 @@ def recover(ctx, st: RankState | None, cause: Disruption | None, noticed_wall: f
     disk_step = None if None in disk_steps else min(disk_steps)
     # Every slice resumes at one step: the newest that each slice can restore all its chunks at.
     within = _slices_restorable(full, old, reports, disk_step) if tp > 1 else None
+    records = [rec for doc in reports.values() for rec in doc["records"]]
     reports = {r: doc for r, doc in reports.items() if r in members}  # this slice's: its chunks and groups
     lap("agree")
 
@@ -293,7 +302,7 @@ def recover(ctx, st: RankState | None, cause: Disruption | None, noticed_wall: f
     lap("state")
     return new, Recovery(epoch, lost, restore.resume_step, fault_wall,
                          noticed_wall, phases, ctx.comm.last_source, restore.is_fallback, received,
-                         _layout(plan), joined, evidence=evidence, fault_from=fault_from)
+                         _layout(plan), joined, evidence=evidence, fault_from=fault_from, records=records)
 
 
 def _absent_joiners(ctx, epoch: int, joining: tuple[int, ...], members: tuple[int, ...],

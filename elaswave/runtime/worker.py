@@ -38,7 +38,7 @@ from elaswave.precision import compute_dtype, name as precision_name, pin_kernel
 from elaswave.runtime import device_memory, join, recovery, rescue
 from elaswave.runtime.actuator import ActuatorError
 from elaswave.runtime.memory import measure_peak
-from elaswave.runtime.metrics import MetricsWriter, StepJournal, print_error
+from elaswave.runtime.metrics import MetricsWriter, print_error
 from elaswave.runtime.context import Context
 from elaswave.runtime.rank import build_rank
 from elaswave.runtime.step import gather_masters, gather_params, samples_of, train_step
@@ -85,7 +85,7 @@ def run(cfg: JobConfig, rank: int, world_size: int, metrics_out: str | None) -> 
     if ctx.watcher is not None and not ctx.watcher.is_alive():
         ctx.watcher.start()
 
-    journal = StepJournal()
+    journal = ctx.journal
     writer = MetricsWriter(metrics_out if rank == 0 else None, show_progress=rank == 0, total_steps=t.steps,
                            append=resumed is not None)
     # The job as configured, first: reports and the simulator's calibration read the run from it.
@@ -206,6 +206,7 @@ def run(cfg: JobConfig, rank: int, world_size: int, metrics_out: str | None) -> 
             ctx.plan = st.plan
             ctx.learn_standbys()
             step, evaluation_s = pending.resume_step, 0.0
+            journal.fill(pending.records)
             journal.discard_from(step)
             # The new leader takes over the metrics and the progress line (rank 0 may be gone).
             if rank == st.plan.ranks[0] and ctx.shard == 0 and not writer.show_progress:

@@ -50,6 +50,22 @@ def test_eval_records_are_committed_with_their_step_and_redone_after_a_rollback(
         ("step", 2, None), ("eval", 3, 1.5), ("step", 3, None)]
 
 
+def test_a_step_the_writer_did_not_record_comes_from_the_members_that_did(tmp_path):
+    # A disruption reached the writer in step 49's parameter gather, after every rank's update:
+    # the job resumes at step 50, and only the other members recorded step 49 (a loaded run lost it).
+    path = tmp_path / "m.jsonl"
+    writer, journal, other = MetricsWriter(str(path), show_progress=False), StepJournal(), StepJournal()
+    for j in (journal, other):
+        j.add(_record(48, "step", loss=2.0))
+        j.commit_before(49, writer if j is journal else None)
+    other.add(_record(49, "step", loss=1.9))
+    journal.fill(other.unwritten() + [_record(48, "step", loss=0.0)])  # (what it has stays its own)
+    journal.discard_from(50)
+    journal.commit_before(50, writer)
+    writer.close()
+    assert [(r["step"], r["loss"]) for r in read_jsonl(path)] == [(48, 2.0), (49, 1.9)]
+
+
 def test_an_evaluation_before_a_recoverys_first_step_is_not_counted_in_its_mttr():
     r = Recovery(1, [3], 6, fault_wall=100.0, noticed_wall=100.1, phases_s={"state": 0.2})
     record = r.record(first_step_end_wall=101.5, first_step_s=0.4, evaluation_s=0.8)
