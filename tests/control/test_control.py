@@ -129,6 +129,34 @@ def test_an_agreement_waits_for_a_late_member_while_it_lives(store, lives, late_
     assert got == want and time.monotonic() - began < timeout_s, (got, time.monotonic() - began)
 
 
+@pytest.mark.parametrize("port", ["answers", "closed"])
+def test_on_a_moved_store_the_agreement_waits_for_a_member_whose_port_answers(store, port):
+    """What a recovery passes to the agreement on a store that just moved (no etcd lease there):
+    ``lives`` is the member's liveness port (``Prober.answers``). Rank 1 checks in 1.2 s late,
+    past the agreement's own timeout: waited for while its port answers, left out when it is closed."""
+    from elaswave.control.liveness import LivenessPort, Prober
+
+    def member(r):
+        return Membership(dist.TCPStore("127.0.0.1", store.port, is_master=False, timeout=timedelta(seconds=10)), r)
+    liveness = LivenessPort("127.0.0.1")
+    liveness.register(store, 1)
+    if port == "closed":
+        liveness.close()
+    prober = Prober()
+    late = threading.Timer(1.2, lambda: member(1).check_in(1))
+    m = member(0)
+    m.check_in(1)
+    late.start()
+    try:
+        got = m.agree([0, 1], 1, agree_timeout_s=0.3, timeout_s=10.0, lives=lambda r: prober.answers(r, store),
+                      alive_wait_s=6.0)
+    finally:
+        late.cancel()
+        late.join()
+        liveness.close()
+    assert got == ((0, 1) if port == "answers" else (0,)), got
+
+
 def test_concurrent_alerts_take_a_slot_each_with_no_gap_and_epochs_are_read_from_decisions(store):
     # Alerts are a sealed sequence, not a counter: eight writers at once, five alerts each, get forty
     # slots, one each, with no gap (a reader counts the unbroken run).
