@@ -96,11 +96,11 @@ class Context:
         frequency level (median of the epoch's last steps); the re-plan balances by it."""
         self.speeds = SpeedWindow()
         self.agreed_epoch = 0
+        """The newest epoch whose members this rank agreed on (it may not have trained yet)."""
         self.agree_grace_s = 0.0
+        """Extra time the next agreement waits for silent members (after the store moved from a recovery)."""
         self.journal = StepJournal()
         """This rank's step and eval records not yet committed (a change shares them)."""
-        """Extra time the next agreement waits for silent members (after the store moved from a recovery)."""
-        """The newest epoch whose members this rank agreed on (it may not have trained yet)."""
         self.step = 0
         self.last_step_wall: float | None = None
         """When this rank's last step ended (wall clock): see :meth:`note_step`."""
