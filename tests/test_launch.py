@@ -21,7 +21,7 @@ from tests.helpers import netns
 from tests.helpers.proxy import Proxy
 from tests.helpers.spawn import (TINY, Result, Running, alive, assert_honest_mttr, assert_same_run, children,
                                  fault_mid_run, free_port, rank_of, run_cli, run_reference, session_members,
-                                 steps_written)
+                                 slowed, steps_written)
 
 
 def _start_long_job(extra=()):
@@ -82,12 +82,13 @@ def _agent(sets: list[str], node_rank: int, endpoint: str, metrics, extra=(), nn
                    prefix=prefix)
 
 
-STORE_MOVE_STEPS = 220
+STORE_MOVE_STEPS = 100  # slowed: as long as 240 at full speed; the reference trains 100
 
 
 def _store_move_job(tmp_path):  # two agents' settings (dp=2 x pp=2), node 0's endpoint, the metrics
     sets = [*TINY, "parallel.dp=2", "parallel.pp=2", f"train.steps={STORE_MOVE_STEPS}", "train.num_micro_batches=4",
-            "train.deterministic=true", "elastic.respawn_after_s=0", "parallel.timeout_s=60"]
+            "train.deterministic=true", "elastic.respawn_after_s=0", "parallel.timeout_s=60",
+            f"elastic.inject={slowed(4)}"]
     return sets, f"127.0.0.1:{free_port()}", tmp_path / "run.jsonl"
 
 
@@ -322,9 +323,10 @@ def test_a_host_whose_store_connections_drop_and_come_back_keeps_its_place(tmp_p
     """Host 1's agent and workers reach the store through a loopback proxy. Every connection it
     carries is cut, and new ones refused for 0.6 s (under the 2 s heartbeat timeout), twice: each
     link re-connects, nobody is declared gone, the world stays 4 and the run equals the reference."""
-    steps = 200  # the cuts fall well inside the training (a step takes ~0.05 s here)
+    steps = 60  # slowed: the cuts fall well inside the training (a step takes ~0.13 s here)
     sets = [*TINY, "parallel.dp=2", "parallel.pp=2", f"train.steps={steps}", "train.num_micro_batches=4",
-            "train.deterministic=true", "parallel.timeout_s=30", f"checkpoint.dir={tmp_path / 'ckpt'}"]
+            "train.deterministic=true", "parallel.timeout_s=30", f"checkpoint.dir={tmp_path / 'ckpt'}",
+            f"elastic.inject={slowed(4)}"]
     port, metrics = free_port(), tmp_path / "run.jsonl"
     with _agent(sets, 0, f"127.0.0.1:{port}", metrics) as host0:
         host0.wait_for("store at", 60)
@@ -358,9 +360,10 @@ def test_a_rank_that_reaches_the_store_but_not_its_peers_is_left_out_at_once(tmp
     reason = netns.unavailable()
     if reason:
         pytest.skip(reason)
-    steps = 160
+    steps = 60  # slowed: as long as 160 at full speed
     sets = [*TINY, "parallel.dp=2", "parallel.pp=2", f"train.steps={steps}", "train.num_micro_batches=4",
-            "train.deterministic=true", "elastic.respawn_after_s=-1", "parallel.timeout_s=30"]
+            "train.deterministic=true", "elastic.respawn_after_s=-1", "parallel.timeout_s=30",
+            f"elastic.inject={slowed(4)}"]
     with netns.OtherHost() as host:
         endpoint, metrics = f"{host.here_store_ip}:{free_port()}", tmp_path / "run.jsonl"
         here = [*sets, f"parallel.bind_address={host.here_peer_ip}"]

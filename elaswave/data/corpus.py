@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import sysconfig
+from typing import Iterable, Iterator
 
 import numpy as np
 import torch
@@ -15,18 +16,19 @@ from elaswave.data.shards import PreparedTokens, read_manifest
 from elaswave.data.tokenizer import Encoder
 
 
-def _text_files(root: str) -> list[str]:
-    """Files under ``root`` in a fixed (sorted) order, so every rank reads the same corpus."""
+def _text_files(root: str) -> Iterator[str]:
+    """Files under ``root`` in a fixed (sorted) order, so every rank reads the same corpus; walked
+    lazily, as the reader stops at its byte limit (the stdlib with its site-packages is thousands of
+    folders: most of a second at every rank's start when walked whole)."""
     if os.path.isfile(root):
-        return [root]
-    found = []
+        yield root
+        return
     for folder, dirs, files in os.walk(root):
         dirs.sort()
-        found.extend(os.path.join(folder, f) for f in sorted(files))
-    return found
+        yield from (os.path.join(folder, f) for f in sorted(files))
 
 
-def _read_bytes(files: list[str], limit: int, suffix: str | None) -> bytes:
+def _read_bytes(files: Iterable[str], limit: int, suffix: str | None) -> bytes:
     parts, total = [], 0
     for path in files:
         if suffix and not path.endswith(suffix):

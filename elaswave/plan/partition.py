@@ -49,10 +49,11 @@ def partition(costs: Sequence[float], num_stages: int,
     for s in range(1, num_stages + 1):
         for j in range(s, n - (num_stages - s) + 1):
             for i in range(s - 1, j):
-                if best[s - 1][i] == inf or not fits(s - 1, i, j):
+                if best[s - 1][i] == inf:
                     continue
                 value = max(best[s - 1][i], (prefix[j] - prefix[i]) / rate[s - 1])
-                if value < best[s][j] - 1e-12 * max(1.0, abs(value)):
+                # The memory model last: it costs far more than the comparison, which rules out most cuts.
+                if value < best[s][j] - 1e-12 * max(1.0, abs(value)) and fits(s - 1, i, j):
                     best[s][j], cut[s][j] = value, i
     if best[num_stages][n] == inf:
         raise PartitionError(

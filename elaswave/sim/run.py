@@ -1,6 +1,7 @@
 """``elaswave simulate``: build the modelled job, the trace and the policies; print a table or JSON."""
 from __future__ import annotations
 
+import functools
 import json
 import math
 import time
@@ -115,16 +116,23 @@ def _layouts(args) -> list[tuple[int, int]]:
 
 def _memory(args, micro_batches: int):
     """The runtime's memory model of the job (bf16, ``--micro-batch-size`` sequences a micro-batch)."""
-    from elaswave.sim.memory import job_memory, tp_shard
+    from elaswave.sim.memory import tp_shard
     if args.device_gib < 0:
         raise ConfigError(f"--device-gib={args.device_gib} is invalid: must be >= 0 (0: no limit)")
     if not 0 <= args.reserve_gib < args.device_gib:
         raise ConfigError(f"--reserve-gib={args.reserve_gib:g} is invalid with --device-gib={args.device_gib:g}: the "
                           "reserve is a part of the device's memory, >= 0 and below it")
-    return tp_shard(job_memory([f"model.preset={args.model}", "train.precision=bf16",
-                                f"train.micro_batch_size={args.micro_batch_size}", f"train.num_micro_batches={micro_batches}",
-                                f"train.activation_checkpointing={args.checkpointing}",
-                                f"parallel.chunk_numel={1 << 24}"])[2], args.tp)
+    return tp_shard(_job_memory(args.model, args.micro_batch_size, micro_batches, args.checkpointing), args.tp)
+
+
+@functools.lru_cache(maxsize=16)
+def _job_memory(model: str, micro_batch_size: int, micro_batches: int, checkpointing: str):
+    # Measuring a model's activations runs its layers on the meta device: seconds a call, and a
+    # sweep or a program that simulates many layouts asks for the same few models again.
+    from elaswave.sim.memory import job_memory
+    return job_memory([f"model.preset={model}", "train.precision=bf16", f"train.micro_batch_size={micro_batch_size}",
+                       f"train.num_micro_batches={micro_batches}", f"train.activation_checkpointing={checkpointing}",
+                       f"parallel.chunk_numel={1 << 24}"])[2]
 
 
 def _events(args, plan, duration_s: float) -> list[trace.Event]:

@@ -6,6 +6,7 @@ import json
 import os
 import queue
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -291,12 +292,35 @@ def run_job(tmp_path: Path, dp: int, pp: int, steps: int, deterministic: bool, e
     return res
 
 
+def slowed(ranks: int, factor: float = 3) -> str:
+    """``elastic.inject`` faults that make ranks 0..ranks-1 compute ``factor`` times as long (a
+    sleep: the same bits). A job that must outlast a pause or a start-up lasts as long in fewer
+    steps, and the reference it is compared with, which is not slowed, trains only those."""
+    return ";".join(f"slow:rank={r},step=0,factor={factor:g}" for r in range(ranks))
+
+
+_REFERENCES: dict[tuple, tuple[Result, Path]] = {}
+"""The session's references by their arguments, with their metrics files: several tests compare
+with the same failure-free job (a 220-step reference is ~10 s of one core here), and it is
+deterministic."""
+
+
 def run_reference(tmp_path: Path, steps: int, deterministic: bool, num_micro_batches: int = 4,
                   extra: list[str] = ()) -> Result:
+    """The single-process reference run of the TINY job, its metrics file in ``tmp_path`` as
+    :func:`run_cli` names it; trained once per session for each set of arguments (a path in
+    ``extra`` makes its own key)."""
+    key = (steps, deterministic, num_micro_batches, tuple(extra))
+    metrics = tmp_path / f"metrics-{len(list(tmp_path.iterdir()))}.jsonl"
+    if key in _REFERENCES and _REFERENCES[key][1].exists():
+        res, trained = _REFERENCES[key]
+        shutil.copyfile(trained, metrics)
+        return res
     sets = [*TINY, f"train.steps={steps}", f"train.num_micro_batches={num_micro_batches}", *extra]
     args = ["reference"] + [x for s in sets for x in ("--set", s)] + (["--deterministic"] if deterministic else [])
-    res = run_cli(args, tmp_path)
+    res = run_cli(args, tmp_path, metrics=metrics)
     assert res.returncode == 0, f"reference failed:\n{res.stdout}\n{res.stderr}"
+    _REFERENCES[key] = res, metrics
     return res
 
 

@@ -16,7 +16,7 @@ import pytest
 from elaswave.checkpoint import disk
 from elaswave.runtime.worker import EXIT_EXCLUDED
 from tests.helpers.etcd import EtcdCluster
-from tests.helpers.spawn import TINY, Running, assert_same_run, free_port, run_reference
+from tests.helpers.spawn import TINY, Running, assert_same_run, free_port, run_reference, slowed
 
 PAUSE_S = 12.0  # past the heartbeat timeout (2 s) and past link.SILENT_S (8 s): the links give up too
 
@@ -34,11 +34,13 @@ def _files(root):
 @pytest.mark.parametrize("backend", ["c10d", pytest.param("etcd", marks=pytest.mark.slow)])
 def test_a_paused_host_continued_after_the_job_went_on_writes_nothing_and_stops(tmp_path, backend):
     """On etcd the paused ranks' leases go unrenewed (their watchers name them) and then expire."""
-    steps = 400
+    # The job must outlast the pause by seconds: slowed, 160 steps last as long as 400 did at full
+    # speed, and the reference trains 160 (8 s instead of 20 here).
+    steps = 160
     ckpt = tmp_path / "ckpt"  # one directory for both hosts: a shared file system
     sets = [*TINY, "parallel.dp=2", "parallel.pp=2", f"train.steps={steps}", "train.num_micro_batches=4",
             "train.deterministic=true", "parallel.timeout_s=30", "elastic.respawn_after_s=-1",
-            f"checkpoint.dir={ckpt}", "checkpoint.every_steps=5"]
+            f"checkpoint.dir={ckpt}", "checkpoint.every_steps=5", f"elastic.inject={slowed(4)}"]
     metrics, metrics1 = tmp_path / "run.jsonl", tmp_path / "m1.jsonl"
     with (EtcdCluster(3) if backend == "etcd" else contextlib.nullcontext()) as etcd:
         rdzv = (["--rdzv-backend", "etcd", "--rdzv-endpoint", etcd.endpoints] if etcd is not None else

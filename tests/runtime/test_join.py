@@ -5,7 +5,7 @@ import pytest
 
 from elaswave.runtime.join import whole_devices
 from tests.helpers.memory import limit_between
-from tests.helpers.spawn import Running, assert_same_run, job_args, reference_fixture, run_job
+from tests.helpers.spawn import Running, assert_same_run, job_args, reference_fixture, run_job, slowed
 
 # Long enough for a joiner's start-up: forked by the launcher's fork server it is in within a second
 # or so (a new Python process importing torch took seconds on 2 cores; the steps were 200).
@@ -95,8 +95,7 @@ def test_only_a_rank_with_the_jobs_token_is_admitted(tmp_path, reference):
     # Every rank's compute three times as slow (a sleep, so it scales with the machine's load as the
     # friend's start-up does): under load the friend, two new processes importing torch, was once
     # still starting when the job's 100 steps ended. Equal speeds: nothing is re-planned for it.
-    slow = ";".join(f"slow:rank={r},step=0,factor=3" for r in range(4))
-    with Running(job_args(2, 2, STEPS, True, [*EXTRA, f"elastic.inject={slow}"]), tmp_path / "run.jsonl", env=secret) as job:
+    with Running(job_args(2, 2, STEPS, True, [*EXTRA, f"elastic.inject={slowed(4)}"]), tmp_path / "run.jsonl", env=secret) as job:
         store = job.wait_for(r"store at (\S+);", 60).group(1)
         # Both ask at once, as soon as the job is up: the friend's way in does not wait behind the
         # stranger's start-up, so it asks early in the run whatever the machine's load.
