@@ -419,6 +419,19 @@ class Membership:
                           f"{self.rank})", [rank], watchers=watchers)
         self.store.compare_set(f"{PREFIX}renewed/{rank}", "", repr(since_wall))
 
+    def beats(self, rank: int, within_s: float) -> bool | None:
+        """Whether ``rank``'s last heartbeat on this store is at most ``within_s`` old (None: the
+        store cannot be asked now). An agreement waits longer for a member it misses that still
+        beats: its watcher thread, which checks in for it at an alert, was starved (a loaded
+        host), and a live rank left out of an epoch splits the job (issue 58: a joiner alone for
+        a second decided it was a minority, saved and stopped; the others left a live rank out).
+        Compared on wall clocks, as the MTTR is: a skew only shortens or lengthens a bounded wait."""
+        try:
+            wall = self.last_beat_wall(rank)
+        except Exception:  # noqa: BLE001 - no answer now is no evidence either way
+            return None
+        return wall is not None and time.time() - wall <= within_s
+
     def last_beat_wall(self, rank: int) -> float | None:
         """When ``rank``'s last heartbeat was sent (wall clock), or None if it never beat here (see
         :mod:`~elaswave.control.heartbeat`: its counter is milliseconds since its watcher started);

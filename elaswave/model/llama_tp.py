@@ -17,7 +17,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from elaswave import rng
 from elaswave.comm.groups import Group
 from elaswave.model.config import ModelConfig
 from elaswave.model.contract import LayerCost, counted_numels

@@ -181,12 +181,13 @@ def recover(ctx, st: RankState | None, cause: Disruption | None, noticed_wall: f
         ctx.membership.check_in(epoch)
     # A join waits for members still finishing the step; their deaths are reported, not timed out.
     agree_s = (cfg.elastic.agree_timeout_s if cause is not None else cfg.parallel.timeout_s) + ctx.agree_grace_s
-    lease = ctx.watcher.lease if ctx.watcher is not None else None
-    lives, alive_wait_s = ((lambda r: lease.lives(r, ctx.store)), leases.LATE_S) if lease is not None else (None, 0.0)
-    if lease is None and ctx.agree_grace_s and ctx.prober is not None:
-        # On a store just moved: a member not there yet whose port answers is on its way (see MOVED_PATIENCE)
-        lives = lambda r: ctx.prober.answers(r, ctx.store)  # noqa: E731
-        alive_wait_s = (MOVED_PATIENCE - 2) * cfg.elastic.heartbeat_timeout_s
+    lease, hb_s = ctx.watcher.lease if ctx.watcher is not None else None, cfg.elastic.heartbeat_timeout_s
+    if lease is not None:
+        lives, alive_wait_s = (lambda r: lease.lives(r, ctx.store)), leases.LATE_S
+    elif ctx.agree_grace_s and ctx.prober is not None:  # a store just moved: whose port answers is on its way
+        lives, alive_wait_s = (lambda r: ctx.prober.answers(r, ctx.store)), (MOVED_PATIENCE - 2) * hb_s
+    else:  # a member still beating on this store is late (a loaded host), not gone: see Membership.beats
+        lives, alive_wait_s = (lambda r: ctx.membership.beats(r, hb_s)), (MOVED_PATIENCE - 2) * hb_s
     members = ctx.membership.agree(expected, epoch, agree_s, cfg.parallel.timeout_s, alerts_since=old.epoch,
                                    lives=lives, alive_wait_s=alive_wait_s)
     ctx.agree_grace_s = 0.0
@@ -362,7 +363,6 @@ def _stop_with_state(ctx, st: RankState | None, old: Plan, members, holdings, di
     """No plan fits the ranks left: save the state they hold (their own chunks and the snapshots
     of the dead) as a disk checkpoint, so that a restart with more ranks loses nothing, and stop
     with the planner's reason."""
-    cfg = ctx.cfg
     restore = plan_restore(old.chunk_owners, old.chunk_owners, holdings, disk_step)
     if st is None or ctx.checkpointer is None or restore.is_fallback:
         where = ("set checkpoint.dir to keep the state in such a case" if ctx.checkpointer is None else

@@ -157,6 +157,46 @@ def test_on_a_moved_store_the_agreement_waits_for_a_member_whose_port_answers(st
     assert got == ((0, 1) if port == "answers" else (0,)), got
 
 
+@pytest.mark.parametrize("watcher", ["beating", "stopped"])
+def test_on_the_tcpstore_the_agreement_waits_for_a_member_that_still_beats(store, watcher):
+    """What a recovery passes to the agreement on the embedded store: ``lives`` is the member's
+    heartbeat (``Membership.beats``). Both ranks' real watchers beat; rank 1 checks in 2 s late,
+    past the agreement's own timeout and its heartbeat timeout (a watcher starved on a loaded
+    host). Waited for while it beats; with its watcher stopped, left out once its beat is stale."""
+    from elaswave.control.heartbeat import Watcher
+    from elaswave.interrupt import Interrupt
+
+    def link():
+        return dist.TCPStore("127.0.0.1", store.port, is_master=False, timeout=timedelta(seconds=10))
+    watchers = [Watcher(link(), r, lambda: (0, (0, 1)), Interrupt(), interval_s=0.1, timeout_s=1.0) for r in (0, 1)]
+    for w in watchers:
+        w.start()
+    time.sleep(0.5)
+    if watcher == "stopped":
+        watchers[1].stop()
+    late = threading.Timer(2.0, lambda: Membership(link(), 1).check_in(1))
+    m = Membership(link(), 0)
+    m.check_in(1)
+    began = time.monotonic()
+    late.start()
+    try:
+        got = m.agree([0, 1], 1, agree_timeout_s=0.3, timeout_s=10.0, lives=lambda r: m.beats(r, 1.0),
+                      alive_wait_s=6.0)
+        took = time.monotonic() - began
+    finally:
+        late.cancel()
+        late.join()
+        for w in watchers:
+            w.stop()
+        for w in watchers:
+            w.join(5)  # each wakes within its interval: none is left waiting on the store when it closes
+    if watcher == "beating":
+        assert got == (0, 1) and took >= 1.9, (got, took)
+        assert m.alert_count() == 0  # no suspicion: it was waited for as alive, not as a suspect
+    else:
+        assert got == (0,) and took < 1.9, (got, took)
+
+
 def test_concurrent_alerts_take_a_slot_each_with_no_gap_and_epochs_are_read_from_decisions(store):
     # Alerts are a sealed sequence, not a counter: eight writers at once, five alerts each, get forty
     # slots, one each, with no gap (a reader counts the unbroken run).

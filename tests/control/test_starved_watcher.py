@@ -18,11 +18,13 @@ import pytest
 from elaswave.control.link import EXIT_EXCLUDED
 from tests.helpers import netns
 from tests.helpers.etcd import EtcdCluster
-from tests.helpers.spawn import Running, assert_same_run, job_args, free_port, reference_fixture
+from tests.helpers.spawn import Running, assert_same_run, job_args, free_port, reference_fixture, slowed
 
 STEPS, MBS, STARVED_AT = 120, 4, 6
 EXTRA = [f"train.num_micro_batches={MBS}", "parallel.timeout_s=60", "elastic.heartbeat_timeout_s=2",
-         "elastic.respawn_after_s=-1", f"elastic.inject=starve:rank=2,step={STARVED_AT},seconds=3"]
+         "elastic.respawn_after_s=-1", f"elastic.inject=starve:rank=2,step={STARVED_AT},seconds=3;{slowed(4, 2)}"]
+# Slowed (a sleep: the same bits) so that the job goes on for seconds after the watcher runs again:
+# at full speed it once ended 4.7 s after the starvation began.
 reference = reference_fixture(STEPS, MBS)
 
 

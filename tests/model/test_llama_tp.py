@@ -1,8 +1,6 @@
 """Tensor parallelism in the Llama family, as real gloo groups of 2 and 4 processes: fast mode
 against transformers' LlamaForCausalLM, deterministic mode bit for bit against the whole model on
 one rank (its degree-1 reference), and the cuts that would break it."""
-import json
-
 import pytest
 import torch
 

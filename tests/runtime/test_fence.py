@@ -34,13 +34,13 @@ def _files(root):
 @pytest.mark.parametrize("backend", ["c10d", pytest.param("etcd", marks=pytest.mark.slow)])
 def test_a_paused_host_continued_after_the_job_went_on_writes_nothing_and_stops(tmp_path, backend):
     """On etcd the paused ranks' leases go unrenewed (their watchers name them) and then expire."""
-    # The job must outlast the pause by seconds: slowed, 160 steps last as long as 400 did at full
-    # speed, and the reference trains 160 (8 s instead of 20 here).
-    steps = 160
+    # The job must outlast the pause by many seconds (the paused ranks' links give up first): slowed,
+    # 120 steps last longer than 400 did at full speed, and the reference trains 120 (6 s, not 20).
+    steps = 120
     ckpt = tmp_path / "ckpt"  # one directory for both hosts: a shared file system
     sets = [*TINY, "parallel.dp=2", "parallel.pp=2", f"train.steps={steps}", "train.num_micro_batches=4",
             "train.deterministic=true", "parallel.timeout_s=30", "elastic.respawn_after_s=-1",
-            f"checkpoint.dir={ckpt}", "checkpoint.every_steps=5", f"elastic.inject={slowed(4)}"]
+            f"checkpoint.dir={ckpt}", "checkpoint.every_steps=5", f"elastic.inject={slowed(4, 5)}"]
     metrics, metrics1 = tmp_path / "run.jsonl", tmp_path / "m1.jsonl"
     with (EtcdCluster(3) if backend == "etcd" else contextlib.nullcontext()) as etcd:
         rdzv = (["--rdzv-backend", "etcd", "--rdzv-endpoint", etcd.endpoints] if etcd is not None else
@@ -59,6 +59,7 @@ def test_a_paused_host_continued_after_the_job_went_on_writes_nothing_and_stops(
     changes = [(r['event'], r.get('epoch'), r.get('lost_ranks'), r.get('resume_step')) for r in res0.records
                if r['event'] in ('recovery', 'join')]
     assert res0.returncode == 0, res0.stderr
+    assert res0.steps[-1]["wall_time"] > gone, "the job ended before the paused host found it was left out"
     assert res1.returncode == EXIT_EXCLUDED, f"{changes}\n{res1.stderr}"
     assert gone - continued < 15, gone - continued  # by itself, not at the job's end
     assert res1.stderr.count("It writes nothing and stops") + res1.stderr.count("left out of epoch") == 2, res1.stderr

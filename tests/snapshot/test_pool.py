@@ -46,7 +46,6 @@ def _slots(plan, r, value):
 def test_snapshot_travels_round_the_ring_and_keeps_one_generation_once_committed():
     def body(r, group, plan):
         pool = SnapshotPool(r, CHUNK)
-        keys = list(plan.chunks_of(r))
         kept = []
         for gen in (1, 2, 3):
             pool.expect(group, plan, torch.device("cpu"))
@@ -68,7 +67,6 @@ def test_snapshot_travels_round_the_ring_and_keeps_one_generation_once_committed
 def test_a_snapshot_for_the_wrong_step_is_refused():
     def body(r, group, plan):
         pool = SnapshotPool(r, CHUNK)
-        keys = list(plan.chunks_of(r))
         pool.expect(group, plan, torch.device("cpu"))
         pool.send(group, plan, 5, _slots(plan, r, 0), torch.device("cpu"))
         ok = pool.verify(group, 6)
@@ -81,7 +79,6 @@ def test_a_snapshot_for_the_wrong_step_is_refused():
 def test_a_damaged_snapshot_is_refused_and_not_kept():
     def body(r, group, plan):
         pool = SnapshotPool(r, CHUNK)
-        keys = list(plan.chunks_of(r))
         pool.expect(group, plan, torch.device("cpu"))
         slots = _slots(plan, r, 1.5)
         pool.send(group, plan, 5, slots, torch.device("cpu"), corrupt=r == 0)
