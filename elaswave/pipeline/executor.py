@@ -12,6 +12,10 @@ from elaswave.pipeline.p2p import P2P
 from elaswave.pipeline.schedule import Action, Op
 from elaswave.pipeline.stage import Stage
 
+STRETCH_MAX = 10
+"""An injected straggler (``slow``) sleeps in proportion to its compute's wall time, taken as at
+most this many times the process's CPU time over it: more is a pause, not compute."""
+
 
 Piece = tuple[int, "tuple[int, int] | None"]
 """(key, rows): one computation of a micro-batch -- ``key`` names its dropout stream and its loss
@@ -128,7 +132,7 @@ class Executor:
 
     def _forward(self, a: Action) -> None:
         mb = a.micro_batch
-        began = time.perf_counter()
+        began, cpu = time.perf_counter(), time.process_time()
         outs = []
         for key, x, batch in self._inputs(mb, self.step, self.sampler, self.inputs.get(mb)):
             out = self.stage.forward(x, self.step, key, documents=batch.documents if batch is not None else None)
@@ -142,7 +146,7 @@ class Executor:
         self.outputs[mb] = outs
         if self.emulated is not None:
             self.emulated.forward(began)
-        self._straggle(began)
+        self._straggle(began, cpu)
         self.busy_s += time.perf_counter() - began
 
     def _send_act(self, a: Action) -> None:
@@ -159,7 +163,7 @@ class Executor:
     def _backward(self, a: Action) -> None:
         self._run_first_backward_hook()
         mb = a.micro_batch
-        began = time.perf_counter()
+        began, cpu = time.perf_counter(), time.process_time()
         outs = self.outputs.pop(mb)
         grad, at = None if self.stage.is_last else self.grads.pop(mb), 0
         for out in outs:  # each piece's gradient folded alone (one piece unless reshaped, deterministic)
@@ -173,12 +177,19 @@ class Executor:
             self.on_backward()
         if self.emulated is not None:
             self.emulated.backward(began)
-        self._straggle(began)
+        self._straggle(began, cpu)
         self.busy_s += time.perf_counter() - began
 
-    def _straggle(self, began: float) -> None:
+    def _straggle(self, began: float, cpu: float) -> None:
+        # The wall time a loaded machine stretches, but not a pause of the whole process (SIGSTOP, a
+        # frozen VM): at most STRETCH_MAX times its CPU time. A 12 s pause had slept 48 s more at
+        # factor 5, and the rank, deaf meanwhile, missed that the job had gone on without it.
+        # (Emulated compute is a sleep: its wall time is the compute.)
         if self.slowdown > 1.0:
-            time.sleep((self.slowdown - 1.0) * (time.perf_counter() - began))
+            spent = time.perf_counter() - began
+            if self.emulated is None:
+                spent = min(spent, STRETCH_MAX * (time.process_time() - cpu) + 0.01)
+            time.sleep((self.slowdown - 1.0) * spent)
 
     def _send_grad(self, a: Action) -> None:
         self.p2p.send_grad(self.inputs.pop(a.micro_batch).grad, a.micro_batch, a.peer)
