@@ -151,8 +151,7 @@ def run(cfg: JobConfig, rank: int, world_size: int, metrics_out: str | None) -> 
                         writer.write(Context.moved_record(moved, took))
                         moved = None
                     step += 1
-                    if result.store_lost:
-                        journal.commit_before(step, writer)
+                    if result.store_lost:  # the step stays pending, as any: a death in the next may redo it
                         moved = ctx.move_store(st, step)
                     if ctx.checkpointer is not None and ctx.checkpointer.due(step):
                         ctx.checkpointer.save(step, st.plan.chunk_owners, st.optimizer.keys(), st.optimizer.payload(),
