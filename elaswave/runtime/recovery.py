@@ -182,12 +182,13 @@ def recover(ctx, st: RankState | None, cause: Disruption | None, noticed_wall: f
     # A join waits for members still finishing the step; their deaths are reported, not timed out.
     agree_s = (cfg.elastic.agree_timeout_s if cause is not None else cfg.parallel.timeout_s) + ctx.agree_grace_s
     lease, hb_s = ctx.watcher.lease if ctx.watcher is not None else None, cfg.elastic.heartbeat_timeout_s
+    alive_wait_s = leases.LATE_S if lease is not None else (MOVED_PATIENCE - 2) * hb_s
     if lease is not None:
-        lives, alive_wait_s = (lambda r: lease.lives(r, ctx.store)), leases.LATE_S
+        lives = lambda r: lease.lives(r, ctx.store)  # noqa: E731
     elif ctx.agree_grace_s and ctx.prober is not None:  # a store just moved: whose port answers is on its way
-        lives, alive_wait_s = (lambda r: ctx.prober.answers(r, ctx.store)), (MOVED_PATIENCE - 2) * hb_s
+        lives = lambda r: ctx.prober.answers(r, ctx.store)  # noqa: E731
     else:  # a member still beating on this store is late (a loaded host), not gone: see Membership.beats
-        lives, alive_wait_s = (lambda r: ctx.membership.beats(r, hb_s)), (MOVED_PATIENCE - 2) * hb_s
+        lives = lambda r: ctx.membership.beats(r, hb_s)  # noqa: E731
     members = ctx.membership.agree(expected, epoch, agree_s, cfg.parallel.timeout_s, alerts_since=old.epoch,
                                    lives=lives, alive_wait_s=alive_wait_s)
     ctx.agree_grace_s = 0.0
