@@ -3,7 +3,7 @@
 detect (fault -> this rank noticed) -> agree (the next epoch's members) -> communicator (a standby
 group, or one built now) -> plan (new micro-batch assignment and chunk owners, and the step to
 resume at) -> state (lost chunks restored from snapshot holders by disjoint rank-to-rank
-transfers, parameters re-gathered, the new snapshot ring started). The first step on the new
+transfers, each checked against its checksum: :mod:`~elaswave.runtime.migration`; parameters re-gathered, the new snapshot ring started). The first step on the new
 epoch is timed by the caller; MTTR runs from the fault to its end.
 """
 from __future__ import annotations
@@ -19,18 +19,14 @@ from elaswave.config import JobConfig
 from elaswave.control import leases, partition
 from elaswave.control.membership import MOVED_PATIENCE
 from elaswave.interrupt import CommError, Disruption
-from elaswave.model.contract import untie
 from elaswave.pipeline.stage import Stage
-from elaswave.plan.chunks import ChunkKey, chunk_range
 from elaswave.plan.frequency import PowerModel
 from elaswave.plan.plan import Plan, PlanError, replan
-from elaswave.plan.recovery import Holding, Restore, plan_restore, restorable
+from elaswave.plan.recovery import Holding, plan_restore, restorable
+from elaswave.runtime import migration
 from elaswave.runtime.rank import RankState, build_rank
 from elaswave.runtime.step import gather_params
 from elaswave.tensor import checkpoints, layout
-from elaswave.zero.flat import FlatLayer
-
-TAG_RESTORE = 2_000_000
 
 
 class Excluded(RuntimeError):
@@ -274,7 +270,7 @@ def recover(ctx, st: RankState | None, cause: Disruption | None, noticed_wall: f
     if tp > 1:  # the group's collectives start afresh in the new epoch (the old ones may be cut mid-way)
         ctx.model.cut.group = ctx.comm.group(devices.tensor_group(ctx.rank), epoch)
     ctx.injector.at(restore.resume_step, "recovery")
-    chunks, received, arriving = _restore_chunks(ctx, st, world, plan.chunk_owners, restore)
+    chunks, received, arriving = migration.restore_chunks(ctx, st, world, plan.chunk_owners, restore)
     layers = plan.layers_of(ctx.rank)
     # A re-partitioned stage (or a joiner's) starts from fresh layers; the gather below fills in
     # their parameters from the chunk owners, who hold the same layers in the other pipelines.
@@ -374,7 +370,7 @@ def _stop_with_state(ctx, st: RankState | None, old: Plan, members, holdings, di
     owners = tuple(tuple(restore.sources[(layer, c)][0] for c in range(len(row)))
                    for layer, row in enumerate(old.chunk_owners))
     # Own chunks are on the device, kept snapshots (on a GPU) in host memory: saved from the host.
-    payload = torch.stack([_local_chunk(ctx, st, restore, k).cpu() for k in mine]) if mine else torch.empty(0)
+    payload = torch.stack([migration.local_chunk(ctx, st, restore, k).cpu() for k in mine]) if mine else torch.empty(0)
     if mine:
         ctx.checkpointer.save(gen, owners, mine, payload, is_writer=ctx.rank == min(r for row in owners for r in row),
                               epoch=old.epoch)
@@ -383,13 +379,6 @@ def _stop_with_state(ctx, st: RankState | None, old: Plan, members, holdings, di
                      f"{disk.step_dir(ctx.checkpoint_root, gen)}: run it again with more ranks and it resumes there")
     stop.saved_step = gen
     raise stop from None
-
-
-def _local_chunk(ctx, st: RankState, restore: Restore, key: ChunkKey) -> torch.Tensor:
-    """A chunk's state at the resume step from this rank's memory: its own, or a snapshot it holds."""
-    _, kind = restore.sources[key]
-    gen = restore.resume_step
-    return st.optimizer.chunk(key, gen) if kind == "own" else ctx.pool.chunk(key, gen)
 
 
 def _power_model(cfg: JobConfig) -> PowerModel | None:
@@ -409,67 +398,6 @@ def _layout(plan: Plan) -> dict:
             "detours": len(plan.routes)}
 
 
-def _restore_chunks(ctx, st: RankState, world, new_owners, restore: Restore):
-    """The state at the resume step of every chunk this rank owns next: kept, or received from its
-    source rank, or rebuilt from the seed or read from disk. Returns the chunks, the bytes received
-    and the moments still arriving.
-
-    Each (source, destination) pair exchanges two messages: parameter rows, waited for here (the
-    all-gather that rebuilds whole layers needs them before the first forward), and Adam moments,
-    which only the update needs: with ``elastic.overlap_migration`` they are left arriving while
-    the next step computes; otherwise they are waited for here too."""
-    gen, me = restore.resume_step, ctx.rank
-    n = ctx.cfg.parallel.chunk_numel
-
-    def local(key: ChunkKey) -> torch.Tensor:  # a kept snapshot is in host memory on a GPU
-        return _local_chunk(ctx, st, restore, key).to(ctx.device)
-
-    transfers = restore.transfers(new_owners)
-    works, params_in, moments_in = [], {}, []
-    for (src, dst), keys in transfers.items():
-        if src == me:
-            payload = torch.stack([local(k) for k in keys])
-            for tag, part in ((TAG_RESTORE, payload[:, 0].contiguous()), (TAG_RESTORE + 1, payload[:, 1:].contiguous())):
-                works.append((world.isend(part, dst, tag), part, f"chunks to rank {dst}"))
-        elif dst == me:
-            params = torch.empty(len(keys), n, device=ctx.device)
-            moments = torch.empty(len(keys), 2, n, device=ctx.device)
-            works.append((world.irecv(params, src, TAG_RESTORE), params, f"chunk parameters from rank {src}"))
-            moments_in.append((world.irecv(moments, src, TAG_RESTORE + 1), keys, moments, f"chunk moments from rank {src}"))
-            params_in[src] = (keys, params)
-    for work, _, what in works:
-        world.wait(work, f"restore: {what}")
-    chunks: dict[ChunkKey, torch.Tensor] = {}
-    received = 0
-    for keys, params in params_in.values():
-        received += 3 * params.numel() * params.element_size()
-        for k, row in zip(keys, params):
-            chunks[k] = torch.cat([row.unsqueeze(0), torch.zeros(2, n, device=ctx.device)])
-    arriving = []
-    for work, keys, moments, what in moments_in:
-        if ctx.cfg.elastic.overlap_migration:
-            arriving.append((lambda work=work, what=what: world.wait(work, f"restore: {what}"), keys, moments))
-        else:
-            world.wait(work, f"restore: {what}")
-            for k, part in zip(keys, moments):
-                chunks[k][1:] = part
-    fresh: dict[int, FlatLayer] = {}
-    from_disk = []
-    for key, (src, kind) in restore.sources.items():
-        if new_owners[key[0]][key[1]] != me or key in chunks:
-            continue
-        if src == me:
-            chunks[key] = local(key)
-        elif kind == "disk":
-            from_disk.append(key)
-        elif src is None:
-            chunks[key] = _initial_chunk(ctx, key, fresh)
-    if from_disk:
-        manifest = disk.at_step(ctx.checkpoint_root, gen)
-        chunks.update({k: v.to(ctx.device) for k, v in disk.load_chunks(manifest, from_disk).items()})
-    return chunks, received, arriving
-
-
 def _readable_checkpoint(ctx) -> int | None:
     """The step of the newest complete checkpoint, once this rank's own save in flight is done."""
     if ctx.checkpointer is None:
@@ -480,18 +408,3 @@ def _readable_checkpoint(ctx) -> int | None:
         print(f"elaswave: WARNING: rank {ctx.rank}: {exc}", file=sys.stderr, flush=True)
     # With tp: the newest step every slice completed (a fallback must go back alike in all).
     return checkpoints.common_step(ctx.cfg.checkpoint.dir, ctx.cfg.parallel.tp)
-
-
-def _initial_chunk(ctx, key: ChunkKey, cache: dict) -> torch.Tensor:
-    """A chunk's state at step 0: the initial weights (keyed, or the checkpoint's) and zero moments."""
-    cfg, device = ctx.cfg, ctx.device
-    layer, c = key
-    if layer not in cache:
-        module = ctx.model.build_layer(layer, cfg.train.seed)
-        untie(ctx.model, module, layer)  # a tied tensor's chunks are its owner layer's
-        cache[layer] = FlatLayer(module, layer)
-    flat = cache[layer].flat
-    start, end = chunk_range(flat.numel(), cfg.parallel.chunk_numel, c)
-    out = torch.zeros(3, cfg.parallel.chunk_numel, device=device)
-    out[0, :end - start] = flat[start:end]
-    return out

@@ -30,6 +30,10 @@ from elaswave.snapshot.staging import HostStaging, Staged, checksum_of
 TAG_SNAPSHOT = 1_000_001
 
 
+class SnapshotChanged(RuntimeError):
+    """A held snapshot no longer matches the checksum it was verified with."""
+
+
 def _sizes(k: int, slots: Sequence[int], chunk_numel: int) -> tuple[int, int]:
     """Bytes of a snapshot's header (int64: generation, checksum, k, the number of slots, each slot's
     chunks and chunks owned, then k keys) and of its slots (float32 ``[3, chunks x chunk_numel]`` each)."""
@@ -47,6 +51,9 @@ class SnapshotPool:
         self.held: dict[tuple[int, int], tuple[dict[ChunkKey, torch.Tensor], torch.Tensor, int]] = {}
         """(owner, generation) -> (each chunk's ``[3, chunk_numel]`` state, in the kept buffer; the
         buffer; its payload bytes)."""
+        self._sums: dict[tuple[int, int], tuple[int, int]] = {}
+        """(owner, generation) -> (header bytes, payload checksum) of each held snapshot not yet
+        checked again since it was verified (see :meth:`chunk`)."""
         self._sends: list[tuple[list, int]] = []
         self._out: list[torch.Tensor] = []
         """What the sends in flight read (the header, a damaged copy): alive until they are done."""
@@ -165,6 +172,7 @@ class SnapshotPool:
                 chunks[next(each)] = state[:, i * cn:(i + 1) * cn]
             at += 12 * n * cn
         self.held[(owner, gen)] = (chunks, kept, pbytes)
+        self._sums[(owner, gen)] = (hbytes, h[1])
         self._drop_before(gen - 1, owner)
         return True
 
@@ -174,6 +182,7 @@ class SnapshotPool:
 
     def _drop_before(self, gen: int, owner: int | None = None) -> None:
         for old in [k for k in self.held if k[1] < gen and owner in (None, k[0])]:
+            self._sums.pop(old, None)
             self._recycle(self.held.pop(old)[1])
 
     def _recycle(self, kept: torch.Tensor) -> None:
@@ -187,8 +196,17 @@ class SnapshotPool:
         return out
 
     def chunk(self, key: ChunkKey, gen: int) -> torch.Tensor:
-        for (_, g), (chunks, _, _) in self.held.items():
+        """A copy of a held chunk's state. The first time a snapshot is read (a recovery), its
+        payload is checked again: a buffer reused or written while held would otherwise send
+        state that verified once and is no longer what its owner sent."""
+        for (owner, g), (chunks, kept, _) in self.held.items():
             if g == gen and key in chunks:
+                if (owner, g) in self._sums:
+                    hbytes, want = self._sums.pop((owner, g))
+                    have = self._staging.recheck(kept, hbytes) if self._staging is not None else want
+                    if have != want:
+                        raise SnapshotChanged(f"rank {self.rank}: the snapshot of rank {owner} for step {g} changed "
+                                              f"after it was verified (checksum {have:#x}, verified {want:#x})")
                 return chunks[key].clone()
         raise KeyError(f"no snapshot of chunk {key} at step {gen} here")
 

@@ -89,6 +89,12 @@ class HostStaging:
             done.record()
         return Staged(host, check, done)
 
+    def recheck(self, kept: torch.Tensor, hbytes: int) -> int:
+        """The checksum of a kept message's payload now, as :meth:`start` computed it on arrival
+        (on a GPU the word sum, here on the host copy: the same integers in any order)."""
+        payload = kept[hbytes:]
+        return int((checksum(payload) if self.side is None else word_sum(payload)).item())
+
     def recycle(self, kept: torch.Tensor) -> bool:
         """Take back a kept message's buffer if it is one of this staging's host buffers."""
         if self.side is None:

@@ -9,7 +9,7 @@ from elaswave.comm.backend import make_process_group
 from elaswave.comm.groups import Group
 from elaswave.interrupt import Interrupt
 from elaswave.plan.plan import initial_plan
-from elaswave.snapshot.pool import SnapshotPool
+from elaswave.snapshot.pool import SnapshotChanged, SnapshotPool
 
 CHUNK = 4
 
@@ -90,6 +90,28 @@ def test_a_damaged_snapshot_is_refused_and_not_kept():
     out = _run_pair(body)
     assert out[1] == (False, [])  # rank 1 holds rank 0's snapshot, damaged after its checksum
     assert out[0] == (True, [5])
+
+
+def test_a_held_snapshot_written_after_it_verified_is_not_sent_on():
+    def body(r, group, plan):
+        pool = SnapshotPool(r, CHUNK)
+        pool.expect(group, plan, torch.device("cpu"))
+        pool.send(group, plan, 5, _slots(plan, r, 2.5), torch.device("cpu"))
+        assert pool.verify(group, 5)
+        pool.wait_sends(group)
+        pool.commit(5)
+        owner = plan.snapshot_owners(r)[0]
+        first, second = plan.chunks_of(owner)[:2]
+        if r == 1:  # as a buffer reused while held would be
+            pool.held[(owner, 5)][1][-1] ^= 0x01
+        try:
+            return pool.chunk(first, 5)[0, 0].item(), pool.chunk(second, 5)[0, 0].item()
+        except SnapshotChanged as exc:
+            return str(exc)
+
+    out = _run_pair(body)
+    assert out[0] == (2.5, 2.5)
+    assert "the snapshot of rank 0 for step 5 changed after it was verified" in out[1], out[1]
 
 
 def test_the_holders_layout_is_the_one_the_optimizers_buckets_send():
