@@ -22,7 +22,8 @@ def _job_args(ap: argparse.ArgumentParser) -> None:
     _config_args(ap)
     ap.add_argument("--deterministic", action="store_true",
                     help="bit-identical results across every dp x pp layout")
-    ap.add_argument("--metrics-out", metavar="F.jsonl", help="write one JSON line per step and a summary")
+    ap.add_argument("--metrics-out", metavar="F.jsonl", help="write one JSON line per step and a summary (%%n: "
+                                                            "the host's node rank, for one file per host)")
     ap.add_argument("--emulate", action="store_true",
                     help="emulated compute: each layer also takes a modelled time (emulate.*), so many ranks "
                          "fit on a few cores")
@@ -43,8 +44,38 @@ def _load(args: argparse.Namespace) -> config.JobConfig:
     return config.load(args.config, overrides)
 
 
+def _hosts_from_launcher(args: argparse.Namespace, cfg: config.JobConfig) -> None:
+    """Fill the host flags not given from the Slurm step this agent runs in (``--launcher``)."""
+    from elaswave.control import slurm
+
+    use = args.launcher == "slurm" or (args.launcher == "auto" and slurm.in_step()
+                                       and os.environ.get("SLURM_STEP_NUM_NODES", "1") != "1")
+    step = slurm.step() if use else None
+    if step is not None:
+        wrong = [f"{flag}={given}" for flag, given, says in (("--nnodes", args.nnodes, step.nnodes),
+                                                                ("--node-rank", args.node_rank, step.node_rank))
+                 if given is not None and given != says]
+        if wrong:
+            raise ConfigError(f"{' and '.join(wrong)} disagree with the Slurm step (node {step.node_rank} of "
+                              f"{step.nnodes}); leave them out, or use --launcher none")
+        if args.nproc_per_node is None and cfg.world_size % step.nnodes:
+            raise ConfigError(f"the Slurm step's {step.nnodes} nodes cannot share the job's {cfg.world_size} ranks "
+                              "(parallel.dp x parallel.pp x parallel.tp) evenly: allocate a node count that divides it, "
+                              "or give --nproc-per-node")
+        args.rdzv_endpoint = args.rdzv_endpoint or (step.endpoint if args.rdzv_backend == "c10d" else None)
+        args.rdzv_id = args.rdzv_id or step.rdzv_id
+        print(f"elaswave: Slurm job {step.job_id}: node {step.node_rank} of {step.nnodes}"
+              f"{f' ({step.node_name})' if step.node_name else ''}, the job's store at {args.rdzv_endpoint}", flush=True)
+    args.nnodes = args.nnodes if args.nnodes is not None else (step.nnodes if step else 1)
+    args.node_rank = args.node_rank if args.node_rank is not None else (step.node_rank if step else 0)
+    args.rdzv_id = args.rdzv_id or "elaswave"
+    if args.metrics_out:  # each host's agent its own file on a shared file system
+        args.metrics_out = args.metrics_out.replace("%n", str(args.node_rank))
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     cfg = _load(args)
+    _hosts_from_launcher(args, cfg)
     _rdzv_conf(args, args.rdzv_backend == "etcd")
     if args.nproc is not None and args.nproc != cfg.world_size:
         raise ConfigError(f"--nproc={args.nproc} is invalid: parallel.dp={cfg.parallel.dp} x "
@@ -105,6 +136,11 @@ def cmd_join(args: argparse.Namespace) -> int:
     from elaswave.control.admission import JOIN_ENV, STARTED_ENV, TOKEN_ENV
     from elaswave.control.membership import PREFIX
 
+    if bool(args.store) == bool(args.slurm_job):
+        raise ConfigError("elaswave join needs one of --store HOST:PORT (as `elaswave run` printed it) and --slurm-job JOBID")
+    if args.slurm_job:
+        from elaswave.control import slurm
+        args.store = slurm.job_endpoint(args.slurm_job)
     _rdzv_conf(args, rendezvous.is_etcd(args.store))
     if ":" not in args.store:
         raise ConfigError(f"--store={args.store!r} is invalid: use HOST:PORT, as `elaswave run` prints it")
@@ -303,16 +339,21 @@ def main(argv: list[str] | None = None) -> int:
     _job_args(run)
     run.add_argument("--nproc", type=int, help="number of ranks (must equal dp x pp)")
     hosts = run.add_argument_group("several hosts: one `elaswave run` (an agent) per host, torchrun's flag names")
-    hosts.add_argument("--nnodes", type=int, default=1, help="hosts in the job")
-    hosts.add_argument("--node-rank", type=int, default=0, help="this host's number, 0..nnodes-1 (0 hosts the store)")
+    hosts.add_argument("--nnodes", type=int, default=None, help="hosts in the job (default 1, or Slurm's)")
+    hosts.add_argument("--node-rank", type=int, default=None,
+                       help="this host's number, 0..nnodes-1 (0 hosts the store; default 0, or Slurm's)")
     hosts.add_argument("--nproc-per-node", type=int, default=None, help="workers on each host (default: dp x pp x tp / nnodes)")
     hosts.add_argument("--rdzv-backend", default="c10d", metavar="c10d|etcd",
                        help="c10d: node 0's agent holds the job's store (a TCPStore); etcd: an etcd cluster holds "
                             "it, and a majority of its members decides (any value is checked: one line if invalid)")
     hosts.add_argument("--rdzv-endpoint", default=None, metavar="HOST:PORT[,...]",
                        help="c10d: node 0's address and a free port for the job's store; etcd: the cluster's members")
-    hosts.add_argument("--rdzv-id", default="elaswave", help="the job's id; every agent must give the same")
+    hosts.add_argument("--rdzv-id", default=None, help="the job's id; every agent must give the same (default "
+                                                       "elaswave, or slurm-JOBID)")
     hosts.add_argument("--rdzv-conf", default="", metavar="KEY=VALUE,...", help=RDZV_CONF_HELP)
+    hosts.add_argument("--launcher", default="auto", choices=("auto", "slurm", "none"),
+                       help="where the hosts come from: slurm reads them from the srun step this agent is a task of "
+                            "(one task per node); auto does so in a step of more than one node; none: the flags alone")
     run.add_argument("--timeout-s", type=float, default=None, help="stop the job after this many seconds")
     run.add_argument("--tensorboard", metavar="DIR", help="also log TensorBoard scalars in DIR (needs tensorboard)")
     run.add_argument("--respawn-after", type=float, default=None, metavar="S",
@@ -324,7 +365,9 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--runs", type=int, default=5, help="runs per system (figures are medians)")
     bench.set_defaults(func=cmd_bench)
     join = sub.add_parser("join", help="add a rank to a running job (needs the job's ELASWAVE_TOKEN)")
-    join.add_argument("--store", required=True, metavar="HOST:PORT", help="the job's store, as `elaswave run` prints it")
+    join.add_argument("--store", metavar="HOST:PORT", help="the job's store, as `elaswave run` prints it")
+    join.add_argument("--slurm-job", metavar="JOBID", help="instead of --store: the Slurm job the training runs as "
+                                                          "(its first node holds the store)")
     join.add_argument("--metrics-out", metavar="F.jsonl", help="where to write metrics if this rank becomes the writer")
     join.add_argument("--timeout-s", type=float, default=30.0, help="how long to wait for the store")
     join.add_argument("--rdzv-conf", default="", metavar="KEY=VALUE,...", help=RDZV_CONF_HELP)
