@@ -11,6 +11,7 @@ gloo group costs ~10 ms per member); they are parked.
 """
 from __future__ import annotations
 
+import hashlib
 import threading
 from typing import Sequence
 
@@ -88,8 +89,17 @@ class Group:
         return self._call(backend.recv, t, self.members.index(src), tag)
 
 
-def _prefix(kind: str, epoch: int, members: Sequence[int]) -> str:
-    return f"ew/grp/{kind}/{epoch}/{'-'.join(map(str, members))}/"
+def job_tag(store) -> str:
+    """A name for this job's groups that no other job's are under: the same group of the same epoch
+    is ``ew/grp/sb/0/0-1-3/`` in every job, and a process of another job whose store port this one
+    reused (a worker left behind, reconnecting) would otherwise write its address among them. From
+    the job's record (its nonce), which every process of the job reads; empty without one."""
+    record = getattr(store, "job_record", None)
+    return hashlib.sha256(record).hexdigest()[:12] if record else ""
+
+
+def _prefix(tag: str, kind: str, epoch: int, members: Sequence[int]) -> str:
+    return f"ew/grp/{tag + '/' if tag else ''}{kind}/{epoch}/{'-'.join(map(str, members))}/"
 
 
 class Communicator:
@@ -98,6 +108,7 @@ class Communicator:
     def __init__(self, store: dist.Store, me: int, backend_name: str, device: torch.device,
                  timeout_s: float, interrupt: Interrupt, use_standbys: bool, bind: str | None = None):
         self.store, self.me, self.backend_name, self.device = store, me, backend_name, device
+        self.tag = job_tag(store)
         self.bind = bind
         self.timeout_s, self.interrupt = timeout_s, interrupt
         self.use_standbys = use_standbys and backend_name == "gloo"  # NCCL comms hold GPU memory
@@ -124,7 +135,7 @@ class Communicator:
 
         def connect() -> None:
             try:
-                box["pg"] = backend.make_process_group(store, _prefix(kind, epoch, members),
+                box["pg"] = backend.make_process_group(store, _prefix(self.tag, kind, epoch, members),
                                                        members.index(self.me), len(members), self.backend_name,
                                                        self.timeout_s, self.device, self.bind)
             except Exception as exc:  # noqa: BLE001 - reported below, on the caller's thread
@@ -206,7 +217,7 @@ class Communicator:
         for members, box in boxes.items():
             try:
                 box["pg"] = backend.make_process_group(
-                    store, _prefix("sb", epoch, members), members.index(self.me), len(members),
+                    store, _prefix(self.tag, "sb", epoch, members), members.index(self.me), len(members),
                     self.backend_name, self.timeout_s, self.device, self.bind)
             except Exception as exc:  # a member died while connecting: this standby is unusable
                 box["error"] = exc
