@@ -1,4 +1,4 @@
-"""The 1F1B pipeline schedule as data: a list of typed actions per stage.
+"""Pipeline schedules as data: a list of typed actions per stage (1F1B, and ZB-H1's split backward).
 
 A schedule can be printed, checked for deadlock without any process (:func:`check_deadlock_free`),
 run by the executor's dispatch table, and timed by a simulator. Sends are non-blocking and receives
@@ -18,6 +18,10 @@ class Op(Enum):
     RECV_GRAD = "recv_grad"
     BACKWARD = "backward"
     SEND_GRAD = "send_grad"
+    BACKWARD_INPUT = "backward_input"
+    """ZB-H1's B: the gradient of the stage's input only (what the previous stage waits for)."""
+    BACKWARD_WEIGHT = "backward_weight"
+    """ZB-H1's W: the gradient of the stage's weights, left for later (nobody waits for it)."""
 
 
 @dataclass(frozen=True)
@@ -67,6 +71,57 @@ def one_f_one_b(stage: int, num_stages: int, micro_batches: Sequence[int]) -> li
     for mb in pending:
         acts += _backward(stage, num_stages, mb)
     return acts
+
+
+def _backward_input(stage: int, num_stages: int, mb: int) -> list[Action]:
+    acts = [] if stage == num_stages - 1 else [Action(Op.RECV_GRAD, mb)]
+    acts.append(Action(Op.BACKWARD_INPUT, mb))
+    if stage > 0:
+        acts.append(Action(Op.SEND_GRAD, mb))
+    return acts
+
+
+def zb_h1(stage: int, num_stages: int, micro_batches: Sequence[int]) -> list[Action]:
+    """Zero-bubble ZB-H1 (Qi et al., 2023): 1F1B's order with each backward split into B (the
+    input's gradient, which the stage before waits for) and W (the weights', which nobody waits
+    for). Stage ``s`` runs a micro-batch's W only once ``s`` more are waiting for theirs, so the
+    W passes it holds back fill the drain, where 1F1B idles; a stage holds at most
+    ``num_stages`` micro-batches' activations (1F1B's stage 0 does), until their W."""
+    if not 0 <= stage < num_stages:
+        raise ValueError(f"stage {stage} out of range for {num_stages} stages")
+    mbs = list(micro_batches)
+    warmup = min(num_stages - stage - 1, len(mbs))
+    acts: list[Action] = []
+    for mb in mbs[:warmup]:
+        acts += _forward(stage, num_stages, mb)
+    pending, waiting_w = list(mbs[:warmup]), []
+    for mb in mbs[warmup:]:
+        acts += _forward(stage, num_stages, mb)
+        pending.append(mb)
+        done = pending.pop(0)
+        acts += _backward_input(stage, num_stages, done)
+        waiting_w.append(done)
+        if len(waiting_w) > stage:
+            acts.append(Action(Op.BACKWARD_WEIGHT, waiting_w.pop(0)))
+    for mb in pending:  # the drain: a W held back after each B, where the stage would wait
+        acts += _backward_input(stage, num_stages, mb)
+        waiting_w.append(mb)
+        acts.append(Action(Op.BACKWARD_WEIGHT, waiting_w.pop(0)))
+    acts += [Action(Op.BACKWARD_WEIGHT, mb) for mb in waiting_w]
+    return acts
+
+
+def peak_in_flight(actions: Sequence[Action]) -> int:
+    """The most micro-batches whose activations a stage holds at once: from the forward to the end
+    of their backward (to their W, when the backward is split)."""
+    alive, peak = set(), 0
+    for a in actions:
+        if a.op is Op.FORWARD:
+            alive.add(a.micro_batch)
+            peak = max(peak, len(alive))
+        elif a.op in (Op.BACKWARD, Op.BACKWARD_WEIGHT):
+            alive.discard(a.micro_batch)
+    return peak
 
 
 class DeadlockError(RuntimeError):
@@ -148,4 +203,48 @@ def one_f_one_b_makespan(stage_s: Sequence[float], num_micro_batches: int, backw
                 progressed = True
         if not progressed:  # one_f_one_b is deadlock-free: this would be a bug in it
             raise DeadlockError(f"1F1B timing stuck at stages {pos}")
+    return max(free, default=0.0)
+
+
+def makespan(schedules: Sequence[Sequence[Action]], stage_s: Sequence[float], backward_factor: float = 2.0,
+             input_share: float = 0.5, sizes: Sequence[float] | None = None) -> float:
+    """The time a pipeline's stage schedules take, each stage running its computations in its own
+    order, each as soon as its stage is free and its input is there: a forward once the stage
+    before sent its activations, a backward (or B) once the stage after sent the gradient, a W
+    once its own B is done. ``stage_s``: each stage's forward + whole backward per micro-batch
+    (split ``1 : backward_factor``); a split backward's B takes ``input_share`` of it, W the rest.
+    ``sizes``: each micro-batch's work as a share of a whole one's (default all 1)."""
+    num_stages = len(stage_s)
+    forward = [t / (1 + backward_factor) for t in stage_s]
+    backward = [t - f for t, f in zip(stage_s, forward)]
+    cost = {Op.FORWARD: forward, Op.BACKWARD: backward,
+            Op.BACKWARD_INPUT: [b * input_share for b in backward],
+            Op.BACKWARD_WEIGHT: [b * (1 - input_share) for b in backward]}
+    order = [[a for a in sched if a.op in cost] for sched in schedules]
+    scale = (lambda mb: 1.0) if sizes is None else (lambda mb: sizes[mb])
+    done: dict[tuple[Op, int, int], float] = {}  # (op, stage, micro-batch) -> end
+    free, pos = [0.0] * num_stages, [0] * num_stages
+    left = sum(len(o) for o in order)
+    while left:
+        progressed = False
+        for s in range(num_stages):
+            while pos[s] < len(order[s]):
+                a = order[s][pos[s]]
+                mb = a.micro_batch
+                if a.op is Op.FORWARD:
+                    ready = 0.0 if s == 0 else done.get((Op.FORWARD, s - 1, mb))
+                elif a.op is Op.BACKWARD_WEIGHT:
+                    ready = done.get((Op.BACKWARD_INPUT, s, mb))
+                elif s == num_stages - 1:
+                    ready = done.get((Op.FORWARD, s, mb))
+                else:  # the gradient from the stage after: its backward, or its B
+                    ready = done.get((Op.BACKWARD_INPUT, s + 1, mb), done.get((Op.BACKWARD, s + 1, mb)))
+                if ready is None:
+                    break
+                free[s] = done[(a.op, s, mb)] = max(free[s], ready) + cost[a.op][s] * scale(mb)
+                pos[s] += 1
+                left -= 1
+                progressed = True
+        if not progressed:
+            raise DeadlockError(f"the schedules' timing is stuck at stages {pos}")
     return max(free, default=0.0)
