@@ -40,7 +40,10 @@ def host_name(node_rank: int | None = None) -> str:
     (``elaswave run --node-rank``, passed to workers as ELASWAVE_NODE_RANK; torchrun's GROUP_RANK),
     else the machine's name. Refusals prove deaths only between ranks of one host."""
     node = node_rank if node_rank is not None else os.environ.get(NODE_RANK_ENV) or os.environ.get("GROUP_RANK")
-    return f"node {node}" if node is not None else socket.gethostname()
+    if node is None:
+        return socket.gethostname()
+    slurm = os.environ.get("SLURMD_NODENAME")  # the name an operator knows the host by
+    return f"node {node}" + (f" ({slurm})" if slurm else "")
 
 
 class AgentRefused(ConfigError):

@@ -97,8 +97,11 @@ class MetricsWriter:
             print(f"eval after {record['step']} steps: loss {record['eval_loss']:.4f}  "
                   f"({record['eval_tokens']} held-out tokens, {record['eval_s']:.2f}s)", flush=True)
         elif self.show_progress and record.get("event") == "recovery":
-            print(f"recovered: epoch {record['epoch']}, lost ranks {record['lost_ranks']}, "
-                  f"resumed at step {record['resume_step']}, mttr {record['mttr_s']:.3f}s", flush=True)
+            hosts = record.get("lost_hosts") or {}
+            where = f" on {', '.join(hosts)}" if hosts else ""
+            print(f"recovered: epoch {record['epoch']}, lost ranks {record['lost_ranks']}{where}, "
+                  f"resumed at step {record['resume_step']}, mttr {record['mttr_s']:.3f}s; the job goes on "
+                  "(nothing for a scheduler to do)", flush=True)
         elif self.show_progress and record.get("event") in ("join", "rebalance"):
             print(f"{self.last_event}: epoch {record['epoch']}, pipelines {record['plan']['pipelines']}", flush=True)
         elif self.show_progress and record.get("event") == "summary":

@@ -78,6 +78,8 @@ class Recovery:
     """Changes this record covers: more than one when a failure hit before a change's first step ended."""
     records: list = field(default_factory=list)
     """The members' step and eval records not yet committed (see ``StepJournal.fill``)."""
+    lost_hosts: dict = field(default_factory=dict)
+    """Lost rank -> the host it ran on, as it announced itself (``agents.host_name``)."""
 
     def absorb(self, earlier: "Recovery") -> "Recovery":
         """This change cut ``earlier`` short before its first step completed (no record was written
@@ -85,6 +87,7 @@ class Recovery:
         self.lost_ranks = sorted(set(earlier.lost_ranks) | set(self.lost_ranks))
         self.joined_ranks = sorted((set(earlier.joined_ranks) | set(self.joined_ranks)) - set(self.lost_ranks))
         self.evidence = {**earlier.evidence, **self.evidence}
+        self.lost_hosts = {**earlier.lost_hosts, **self.lost_hosts}
         begun = [w for w in (earlier.earlier_start_wall, earlier._start_wall) if w is not None]
         self.earlier_start_wall = min(begun)
         self.num_changes += earlier.num_changes
@@ -113,7 +116,8 @@ class Recovery:
                 "resume_step": self.resume_step, "mttr_s": first_step_end_wall - start,
                 "mttr_from": self.fault_from if self.fault_wall is not None else "noticed",
                 "phases_s": phases, "communicator": self.communicator, "is_fallback": self.is_fallback,
-                "bytes_received": self.bytes_received, "plan": self.plan, "evaluation_s": evaluation_s}
+                "bytes_received": self.bytes_received, "plan": self.plan, "evaluation_s": evaluation_s,
+                "lost_hosts": _by_host(self.lost_hosts)}
 
     def _join_record(self, first_step_end_wall: float, first_step_s: float) -> dict:
         """A join without losses: from the joiners' start to the end of their first productive step.
@@ -267,6 +271,7 @@ def recover(ctx, st: RankState | None, cause: Disruption | None, noticed_wall: f
     evidence = {**ctx.membership.death_evidence(lost, epoch), **absent,
                 **{r: "left with its tensor-parallel group, which lost a rank" for r in orphans}}
     fault_wall, fault_from = _fault_start(ctx, lost, noticed_wall)
+    lost_hosts = ctx.membership.hosts(lost)
     if tp > 1:  # the group's collectives start afresh in the new epoch (the old ones may be cut mid-way)
         ctx.model.cut.group = ctx.comm.group(devices.tensor_group(ctx.rank), epoch)
     ctx.injector.at(restore.resume_step, "recovery")
@@ -300,7 +305,16 @@ def recover(ctx, st: RankState | None, cause: Disruption | None, noticed_wall: f
     lap("state")
     return new, Recovery(epoch, lost, restore.resume_step, fault_wall,
                          noticed_wall, phases, ctx.comm.last_source, restore.is_fallback, received,
-                         _layout(plan), joined, evidence=evidence, fault_from=fault_from, records=records)
+                         _layout(plan), joined, evidence=evidence, fault_from=fault_from, records=records,
+                         lost_hosts=lost_hosts)
+
+
+def _by_host(hosts: dict[int, str]) -> dict[str, list[int]]:
+    """Host -> its lost ranks (the record's view: a host lost whole is one line)."""
+    out: dict[str, list[int]] = {}
+    for rank, host in sorted(hosts.items()):
+        out.setdefault(host, []).append(rank)
+    return out
 
 
 def _absent_joiners(ctx, epoch: int, joining: tuple[int, ...], members: tuple[int, ...],

@@ -102,6 +102,7 @@ def test_a_node_lost_under_slurm_leaves_the_job_running_and_a_replacement_node_j
         (joiners, (tmp_path / "join.out").read_text()[-3000:])
     assert "n3 down" in nodes, nodes
     assert "Slurm job" in text and "node 0 of 3 (n1)" in text, text[-3000:]
+    assert "lost ranks [4, 5] on node 2 (n3)" in text and "nothing for a scheduler to do" in text, text[-3000:]
     records = _records(node0)
     res = Result(0, text, "", records)
     [rec] = [r for r in records if r["event"] == "recovery"]

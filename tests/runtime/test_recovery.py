@@ -6,11 +6,12 @@ from elaswave.runtime.recovery import Recovery
 
 def test_a_change_cut_short_is_in_the_next_record():
     first = Recovery(1, [1], 12, fault_wall=100.0, noticed_wall=100.05, phases_s={"agree": 0.01, "state": 0.02},
-                     evidence={1: "was killed by SIGKILL"})
-    second = Recovery(2, [3], 12, fault_wall=100.4, noticed_wall=100.45, phases_s={"agree": 0.02, "state": 0.03},
-                      evidence={3: "refused connections (probed by rank 0)"})
+                     evidence={1: "was killed by SIGKILL"}, lost_hosts={1: "node 0 (n1)"})
+    second = Recovery(2, [3, 4], 12, fault_wall=100.4, noticed_wall=100.45, phases_s={"agree": 0.02, "state": 0.03},
+                      evidence={3: "refused connections (probed by rank 0)"}, lost_hosts={3: "node 1 (n2)", 4: "node 1 (n2)"})
     rec = second.absorb(first).record(first_step_end_wall=100.6, first_step_s=0.1)
-    assert rec["lost_ranks"] == [1, 3] and rec["num_changes"] == 2
+    assert rec["lost_ranks"] == [1, 3, 4] and rec["num_changes"] == 2
+    assert rec["lost_hosts"] == {"node 0 (n1)": [1], "node 1 (n2)": [3, 4]}  # where each lost rank ran
     assert rec["evidence"] == {"1": "was killed by SIGKILL", "3": "refused connections (probed by rank 0)"}
     assert rec["mttr_s"] == pytest.approx(0.6)  # from the first fault
     assert rec["phases_s"]["interrupted"] == pytest.approx(0.4)  # the first change, until the second fault
