@@ -96,14 +96,17 @@ def test_a_straggler_gets_less_work_instead_of_being_dropped(tmp_path, reference
     _assert_same_run(res, reference)
     assert not _recoveries(res)
     rebalances = [r for r in res.records if r["event"] == "rebalance"]
-    assert rebalances and rebalances[0]["resume_step"] > 8
-    first = rebalances[0]["plan"]
+    # The answer to the slowdown: the first re-plan after step 8 (a loaded machine's noisy speeds
+    # can re-plan earlier too; a loaded pass once did at step 5, bit-identical all the same).
+    answer = next((r for r in rebalances if r["resume_step"] > 8), None)
+    assert answer is not None, rebalances
+    first = answer["plan"]
     assert first["pipelines"] == [[0, 1], [2, 3]]
     (_, end0), (start1, end1) = first["layer_ranges"][0]
     assert end1 - start1 < 3  # rank 1 held 3 of the 6 layers before
     assert first["micro_batches"][0] < first["micro_batches"][1]  # and its pipeline runs fewer micro-batches
     assert res.summary["ranks"] == [0, 1, 2, 3]
-    slow = [r["step_time_s"] for r in res.steps if 8 <= r["step"] < rebalances[0]["resume_step"]]
+    slow = [r["step_time_s"] for r in res.steps if 8 <= r["step"] < answer["resume_step"]]
     after = [r["step_time_s"] for r in res.steps if r["step"] > rebalances[-1]["resume_step"]]
     assert sorted(after)[len(after) // 2] < sorted(slow)[len(slow) // 2]
 
