@@ -43,9 +43,11 @@ def _forward(stage: int, num_stages: int, mb: int) -> list[Action]:
     return acts
 
 
-def _backward(stage: int, num_stages: int, mb: int) -> list[Action]:
+def _backward(stage: int, num_stages: int, mb: int, op: Op = Op.BACKWARD) -> list[Action]:
+    """The backward of ``mb`` with its messages; ``op`` BACKWARD_INPUT: ZB-H1's B, the part the
+    stage before waits for."""
     acts = [] if stage == num_stages - 1 else [Action(Op.RECV_GRAD, mb)]
-    acts.append(Action(Op.BACKWARD, mb))
+    acts.append(Action(op, mb))
     if stage > 0:
         acts.append(Action(Op.SEND_GRAD, mb))
     return acts
@@ -73,14 +75,6 @@ def one_f_one_b(stage: int, num_stages: int, micro_batches: Sequence[int]) -> li
     return acts
 
 
-def _backward_input(stage: int, num_stages: int, mb: int) -> list[Action]:
-    acts = [] if stage == num_stages - 1 else [Action(Op.RECV_GRAD, mb)]
-    acts.append(Action(Op.BACKWARD_INPUT, mb))
-    if stage > 0:
-        acts.append(Action(Op.SEND_GRAD, mb))
-    return acts
-
-
 def zb_h1(stage: int, num_stages: int, micro_batches: Sequence[int]) -> list[Action]:
     """Zero-bubble ZB-H1 (Qi et al., 2023): 1F1B's order with each backward split into B (the
     input's gradient, which the stage before waits for) and W (the weights', which nobody waits
@@ -99,12 +93,12 @@ def zb_h1(stage: int, num_stages: int, micro_batches: Sequence[int]) -> list[Act
         acts += _forward(stage, num_stages, mb)
         pending.append(mb)
         done = pending.pop(0)
-        acts += _backward_input(stage, num_stages, done)
+        acts += _backward(stage, num_stages, done, Op.BACKWARD_INPUT)
         waiting_w.append(done)
         if len(waiting_w) > stage:
             acts.append(Action(Op.BACKWARD_WEIGHT, waiting_w.pop(0)))
     for mb in pending:  # the drain: a W held back after each B, where the stage would wait
-        acts += _backward_input(stage, num_stages, mb)
+        acts += _backward(stage, num_stages, mb, Op.BACKWARD_INPUT)
         waiting_w.append(mb)
         acts.append(Action(Op.BACKWARD_WEIGHT, waiting_w.pop(0)))
     acts += [Action(Op.BACKWARD_WEIGHT, mb) for mb in waiting_w]
