@@ -39,7 +39,7 @@ def local_chunk(ctx, st, restore: Restore, key: ChunkKey) -> torch.Tensor:
 
 def _sums(*parts: torch.Tensor) -> torch.Tensor:
     """One checksum per part (its bytes), as int64 on the parts' device."""
-    return torch.cat([checksum_of([p.reshape(-1).view(torch.uint8)], p.device) for p in parts]).to(parts[0].device)
+    return torch.cat([checksum_of([p.reshape(-1).view(torch.uint8)], p.device) for p in parts])
 
 
 def _check(got: torch.Tensor, sums: torch.Tensor, i: int, what: str, src: int, me: int, gen: int,
