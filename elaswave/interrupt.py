@@ -42,6 +42,26 @@ class Interrupt:
         for ev in waiters:
             ev.set()
 
+    def trip_unless(self, epoch: int, moved) -> None:
+        """:meth:`trip`, unless ``moved()`` says -- under the lock :meth:`rearm` takes -- that the
+        store whose loss this trip reports has been replaced since (see :meth:`rearm`)."""
+        with self._lock:
+            if moved() or epoch <= self._broken_epoch:
+                return
+            self._broken_epoch = epoch
+            waiters = list(self._waiters)
+        for ev in waiters:
+            ev.set()
+
+    def rearm(self, epoch: int) -> None:
+        """The epochs after ``epoch`` are unbroken again: the job's store moved after its loss broke
+        the epoch a recovery was building on it, and the survivors agree the epochs after ``epoch``
+        anew on the moved store (:meth:`elaswave.runtime.context.Context.relocate_store`). Called
+        after the move, so that a trip for the lost store either came before (and is undone) or
+        sees the move (:meth:`trip_unless`) and does nothing."""
+        with self._lock:
+            self._broken_epoch = min(self._broken_epoch, epoch)
+
     def is_broken(self, epoch: int) -> bool:
         return self._broken_epoch >= epoch
 

@@ -46,6 +46,11 @@ STANDBY = PREFIX + "standby/"
 FOLLOWS = PREFIX + "agents/follows/"
 CONNECT_S = 0.25
 """The longest one connection attempt to a standby may take."""
+OWN_HOST_CONNECT_S = 2.0
+"""... to a standby at this machine's own address: its kernel completes a connect to a live
+listener however starved the listening process is, so a slow one there is a loaded machine, not a
+lost rank -- and a live standby passed over as silent would make a second store beside the one the
+other survivors move to."""
 
 
 class Standby:
@@ -93,11 +98,12 @@ def reach(addr: str) -> str:
     dead); or ``silent`` (a dead host, one cut off, or a refusal from another machine -- a
     firewall's REJECT in front of a live one: it proves nothing)."""
     host, port = addr.rsplit(":", 1)
+    own = addresses.is_own_host(host)
     try:
-        check_listening(host, int(port), CONNECT_S)
+        check_listening(host, int(port), OWN_HOST_CONNECT_S if own else CONNECT_S)
         return "answers"
     except ConnectionRefusedError:
-        return "refused" if addresses.is_own_host(host) else "silent"
+        return "refused" if own else "silent"
     except OSError:
         return "silent"
 

@@ -30,12 +30,16 @@ from elaswave.interrupt import Interrupt
 
 class Watcher(threading.Thread):
     def __init__(self, store: dist.Store, rank: int, view: Callable[[], tuple[int, tuple[int, ...]]],
-                 interrupt: Interrupt, interval_s: float, timeout_s: float, prober=None):
+                 interrupt: Interrupt, interval_s: float, timeout_s: float, prober=None,
+                 agreed: Callable[[], int] = lambda: -1):
         super().__init__(name=f"elaswave-watcher-{rank}", daemon=True)
         self.membership = Membership(store, rank)
         self.prober = prober
         """The rank's :class:`~elaswave.control.liveness.Prober`: learns the next members' ports."""
         self.store, self.rank, self.view = store, rank, view
+        self.agreed = agreed
+        """The newest epoch this rank agreed on: during a recovery, the one it is building (its
+        waits belong to that epoch, not to ``view``'s)."""
         self.interrupt, self.interval_s, self.timeout_s = interrupt, interval_s, timeout_s
         self._halt = threading.Event()
         self.lease = leases.Lease(store, rank, timeout_s) if leases.supported(store) else None
@@ -133,7 +137,13 @@ class Watcher(threading.Thread):
                 # with the store, is woken after the timeout (its recovery moves the store).
                 lost_at = lost_at or time.monotonic()
                 if time.monotonic() - lost_at > self.timeout_s:
-                    self.interrupt.trip(self.view()[0])
+                    # The epoch a recovery builds too: a survivor blocked in its migration, whose
+                    # peers left it to move the store, waited out the group's timeout and was left
+                    # out of the moved store's agreement (issue 58). Not once the store has moved:
+                    # the epochs after the last trained one are agreed anew there.
+                    lost_in = generation
+                    self.interrupt.trip_unless(max(self.view()[0], self.agreed()),
+                                               lambda: getattr(self.store, "generation", 0) != lost_in)
                 time.sleep(self.interval_s)
             except Exception:  # the job is over (its store closed): nothing left to watch
                 if self._halt.is_set():

@@ -106,7 +106,8 @@ class Context:
         """When this rank's last step ended (wall clock): see :meth:`note_step`."""
         # The watcher has its own store connection: its blocking waits must never stall training.
         self.watcher = Watcher(store.separate(), rank, self._view, self.interrupt,
-                               e.heartbeat_interval_s, e.heartbeat_timeout_s, self.prober) if e.enabled else None
+                               e.heartbeat_interval_s, e.heartbeat_timeout_s, self.prober,
+                               agreed=lambda: self.agreed_epoch) if e.enabled else None
         if self.watcher is not None and self.watcher.lease is not None:
             lease = self.watcher.lease
             self.admission.counted = lambda: lease.requests_seen
@@ -243,6 +244,7 @@ class Context:
                                      self.cfg.to_dict(), self.liveness, self.prober,
                                      requires_majority=self.membership.requires_majority)
         self.agreed_epoch = st.plan.epoch
+        self.interrupt.rearm(st.plan.epoch)  # a trip for the lost store's epoch under construction
         # A survivor still waiting in a collective with the dead comes when its watcher gives up on
         # the lost store (the heartbeat timeout after its links did): wait for it that much longer,
         # and while its liveness port answers, up to MOVED_PATIENCE timeouts (see recovery.recover).
@@ -268,7 +270,7 @@ class Context:
     def before_action(self, step: int, action: Action) -> None:
         if action.op == Op.FORWARD and action.micro_batch == self._first_mb:
             self.injector.at(step, "forward")
-        elif action.op == Op.BACKWARD and action.micro_batch == self._first_mb:
+        elif action.op in (Op.BACKWARD, Op.BACKWARD_INPUT) and action.micro_batch == self._first_mb:
             self.injector.at(step, "backward")
         if self.plan is not None:
             self.interrupt.check(self.plan.epoch)
