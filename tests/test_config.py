@@ -29,6 +29,7 @@ def test_defaults_are_valid_and_overrides_apply(tmp_path):
     (["data.path=corpus.bin"], "data.path='corpus.bin' is invalid: no such file or folder"),
     (["data.source=stdlib", "data.path=."], "data.path='.' is invalid: has no effect with data.source=stdlib"),
     (["train.precision=fp16"], "train.precision='fp16' is invalid: must be one of auto, fp32, bf16"),
+    (["parallel.schedule=gpipe"], "parallel.schedule='gpipe' is invalid: must be one of 1f1b, zb-h1"),
     (["train.activation_checkpointing=some"], "train.activation_checkpointing='some' is invalid: must be none, full"),
     (["train.measure_memory_step=-2"], "train.measure_memory_step=-2 is invalid: must be >= 0, or -1 for none"),
     (["train.steps=9", "train.tokens=8192"], "train.steps=9 is invalid: set one of train.steps and train.tokens: "

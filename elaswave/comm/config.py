@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from elaswave.errors import fail as _fail
 
 BACKENDS = ("auto", "gloo", "nccl")
+SCHEDULES = ("1f1b", "zb-h1")
 
 
 @dataclass
@@ -18,6 +19,10 @@ class ParallelConfig:
     tp: int = 1
     """Tensor-parallel degree (model.arch=llama; 1, 2, 4 or 8): each stage's layers cut across this
     many ranks, laid out dp x pp x tp, tp innermost (elaswave/tensor/layout.py)."""
+    schedule: str = "1f1b"
+    """The pipeline schedule: 1f1b, or zb-h1 (zero bubble: each backward split into the input's
+    gradient, sent on at once, and the weights', run later where 1F1B would wait; the same bits,
+    elaswave/pipeline/zero_bubble.py). A plan with detours (the reroute baseline) runs its own."""
     backend: str = "auto"
     """auto: nccl when CUDA is available, else gloo."""
     chunk_numel: int = 4096
@@ -61,6 +66,12 @@ class ParallelConfig:
         for name in ("dp", "pp", "tp"):
             if getattr(self, name) < 1:
                 _fail(f"parallel.{name}", getattr(self, name), "must be >= 1")
+        if self.schedule not in SCHEDULES:
+            _fail("parallel.schedule", self.schedule, f"must be one of {', '.join(SCHEDULES)}")
+        if self.schedule == "zb-h1" and self.tp > 1:
+            _fail("parallel.schedule", self.schedule, f"does not run with parallel.tp={self.tp}: a tensor-parallel "
+                  "product computes its input's and its weight's gradients in one backward, with a collective; "
+                  "use parallel.schedule=1f1b")
         if self.backend not in BACKENDS:
             _fail("parallel.backend", self.backend, f"must be one of {', '.join(BACKENDS)}")
         if self.chunk_numel < 64:

@@ -39,5 +39,6 @@ class EmulatedCompute:
     def forward(self, began: float) -> None:
         self._take(self.forward_s, began)
 
-    def backward(self, began: float) -> None:
-        self._take(self.backward_s, began)
+    def backward(self, began: float, share: float = 1.0) -> None:
+        """``share``: the part of a whole backward this one is (ZB-H1's B and W split it)."""
+        self._take(self.backward_s * share, began)

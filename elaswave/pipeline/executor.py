@@ -9,8 +9,9 @@ import torch
 from elaswave.data.sampler import Sampler
 from elaswave.pipeline.emulate import EmulatedCompute
 from elaswave.pipeline.p2p import P2P
-from elaswave.pipeline.schedule import Action, Op
+from elaswave.pipeline.schedule import BACKWARD_INPUT_SHARE, Action, Op
 from elaswave.pipeline.stage import Stage
+from elaswave.pipeline.zero_bubble import WeightPass, backward_input
 
 STRETCH_MAX = 10
 """An injected straggler (``slow``) sleeps in proportion to its compute's wall time, taken as at
@@ -24,7 +25,8 @@ micro-batch ``key`` itself)."""
 
 
 class Executor:
-    """``on_backward`` is called after each micro-batch's backward (the gradient accumulator);
+    """``on_backward`` is called once each piece's weight gradients are whole (the gradient
+    accumulator): after its backward, or after its W when the backward is split (ZB-H1);
     ``before`` before every action (fault injection, and giving up early in a broken epoch);
     ``emulated``: modelled compute time added to each forward and backward (``--emulate``).
     ``pieces``: micro-batch id -> its computations (default: the micro-batch itself). A reshaped
@@ -53,7 +55,13 @@ class Executor:
         self._table = {
             Op.RECV_ACT: self._recv_act, Op.FORWARD: self._forward, Op.SEND_ACT: self._send_act,
             Op.RECV_GRAD: self._recv_grad, Op.BACKWARD: self._backward, Op.SEND_GRAD: self._send_grad,
+            Op.BACKWARD_INPUT: self._backward_input, Op.BACKWARD_WEIGHT: self._backward_weight,
         }
+        self._weights = [t for layer in stage.layers for t in (*layer.params, *(alias for alias, _ in layer.uses))]
+        """Every tensor whose gradient a backward accumulates: the layers' parameters and tied uses."""
+        self._recomputed_weights = [layer.params for layer in stage.running if layer.index in stage.recomputed]
+        """A split backward's W takes each recomputed layer's weights in one autograd call: every
+        call that reads the layer runs its forward again."""
 
     def run(self, actions: Sequence[Action], step: int) -> dict[int, tuple[float, int]]:
         """Execute the actions; returns each piece's (micro-batch's, unless reshaped) summed token
@@ -62,6 +70,8 @@ class Executor:
         self.inputs: dict[int, torch.Tensor] = {}
         self.outputs: dict[int, list[torch.Tensor]] = {}
         self.grads: dict[int, torch.Tensor] = {}
+        self.weight_passes: dict[int, list[WeightPass]] = {}
+        """A split backward's W still to run, by micro-batch: one per piece, each holding its graph."""
         self.losses: dict[int, tuple[float, int]] = {}
         self.busy_s = 0.0
         for action in actions:
@@ -144,10 +154,7 @@ class Executor:
                 out = loss_sum / max(1, self.global_tokens(self.step))
             outs.append(out)
         self.outputs[mb] = outs
-        if self.emulated is not None:
-            self.emulated.forward(began)
-        self._straggle(began, cpu)
-        self.busy_s += time.perf_counter() - began
+        self._end_compute(began, cpu)
 
     def _send_act(self, a: Action) -> None:
         self.p2p.send_act(_joined(self.outputs[a.micro_batch]), a.micro_batch, a.peer)
@@ -160,23 +167,53 @@ class Executor:
         if hook is not None:
             hook()
 
-    def _backward(self, a: Action) -> None:
-        self._run_first_backward_hook()
-        mb = a.micro_batch
-        began, cpu = time.perf_counter(), time.process_time()
+    def _output_grads(self, mb: int) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+        """Each piece's output of ``mb`` with the gradient flowing into it (None: the loss)."""
         outs = self.outputs.pop(mb)
-        grad, at = None if self.stage.is_last else self.grads.pop(mb), 0
-        for out in outs:  # each piece's gradient folded alone (one piece unless reshaped, deterministic)
-            if grad is None:
-                out.backward()
-            elif len(outs) == 1:
-                torch.autograd.backward(out, grad)
+        grad, at, out_grads = None if self.stage.is_last else self.grads.pop(mb), 0, []
+        for out in outs:
+            if grad is None or len(outs) == 1:
+                out_grads.append((out, grad))
             else:
-                torch.autograd.backward(out, grad[at:at + out.shape[0]])
+                out_grads.append((out, grad[at:at + out.shape[0]]))
                 at += out.shape[0]
+        return out_grads
+
+    def _backward(self, a: Action) -> None:
+        began, cpu = self._begin_backward()
+        for out, grad in self._output_grads(a.micro_batch):  # each piece's gradient folded alone
+            torch.autograd.backward(out, grad)
             self.on_backward()
+        self._end_compute(began, cpu, 1.0)
+
+    def _backward_input(self, a: Action) -> None:
+        """ZB-H1's B: the input's gradient now (the stage before waits for it), the weights' at W."""
+        began, cpu = self._begin_backward()
+        mb = a.micro_batch
+        self.weight_passes[mb] = [backward_input(out, grad, self.inputs.get(mb), self._weights,
+                                                  self._recomputed_weights)
+                                  for out, grad in self._output_grads(mb)]
+        self._end_compute(began, cpu, BACKWARD_INPUT_SHARE)
+
+    def _backward_weight(self, a: Action) -> None:
+        began, cpu = self._begin_backward()
+        for weight_pass in self.weight_passes.pop(a.micro_batch):
+            weight_pass.run()
+            self.on_backward()  # the piece's gradient is whole only now, into zeroed buffers as in _backward
+        self._end_compute(began, cpu, 1.0 - BACKWARD_INPUT_SHARE)
+
+    def _begin_backward(self) -> tuple[float, float]:
+        self._run_first_backward_hook()
+        return time.perf_counter(), time.process_time()
+
+    def _end_compute(self, began: float, cpu: float, backward_share: float | None = None) -> None:
+        """``backward_share``: the share of a whole backward's modelled time this computation takes
+        (None: a forward)."""
         if self.emulated is not None:
-            self.emulated.backward(began)
+            if backward_share is None:
+                self.emulated.forward(began)
+            else:
+                self.emulated.backward(began, backward_share)
         self._straggle(began, cpu)
         self.busy_s += time.perf_counter() - began
 

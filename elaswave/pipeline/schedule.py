@@ -11,6 +11,11 @@ from enum import Enum
 from typing import Sequence
 
 
+BACKWARD_INPUT_SHARE = 0.5
+"""The part of a whole backward's time a split backward's B takes (W the rest): the two products
+of a linear layer, the input's and the weight's, cost the same (the ZB-H1 paper's setting)."""
+
+
 class Op(Enum):
     RECV_ACT = "recv_act"
     FORWARD = "forward"
@@ -201,7 +206,7 @@ def one_f_one_b_makespan(stage_s: Sequence[float], num_micro_batches: int, backw
 
 
 def makespan(schedules: Sequence[Sequence[Action]], stage_s: Sequence[float], backward_factor: float = 2.0,
-             input_share: float = 0.5, sizes: Sequence[float] | None = None) -> float:
+             input_share: float = BACKWARD_INPUT_SHARE, sizes: Sequence[float] | None = None) -> float:
     """The time a pipeline's stage schedules take, each stage running its computations in its own
     order, each as soon as its stage is free and its input is there: a forward once the stage
     before sent its activations, a backward (or B) once the stage after sent the gradient, a W

@@ -20,10 +20,11 @@ What a rank holds, and why each term has the size it has:
   temporaries, the all-gather's bucket (:meth:`MemoryModel.update_bytes`); the activations are
   gone by then, so the peak is the larger of the two.
 - *activations*: under 1F1B, stage ``s`` of ``S`` has ``min(S - s, M)`` micro-batches between their
-  forward and their backward; each keeps what autograd saved of every layer (measured by the model
-  contract), or only its input for a layer that is recomputed; the micro-batch in its backward holds
-  a recomputed layer's activations again while the layers after it are already freed. The activation a stage sent on, and the gradient it
-  sent back, stay alive until the step's sends are drained: ``M`` of each.
+  forward and their backward (under ZB-H1 every stage up to ``min(S, M)``, each kept until its
+  W); each keeps what autograd saved of every layer (measured by the model contract), or only its
+  input for a layer that is recomputed; the micro-batch in its backward holds a recomputed layer's
+  activations again while the layers after it are already freed. The activation a stage sent on,
+  and the gradient it sent back, stay alive until the step's sends are drained: ``M`` of each.
 
 The planner checks ``parallel.stage_memory_mb`` against it when it partitions layers (at the start,
 at every re-partition and join), and the simulator prices a cluster with the same functions.
@@ -71,6 +72,14 @@ class MemoryModel:
     """gloo: the reduce-scatter is an all-reduce, so every holder gets the whole reduced bucket."""
     generation_before_to_host: bool = False
     """On a GPU the optimizer's generation before waits in pinned host memory: not on the device."""
+    split_backward: bool = False
+    """ZB-H1 (parallel.schedule=zb-h1): a micro-batch keeps its graph from its forward to its W,
+    which stage ``s`` holds back ``s`` micro-batches, so every stage has as many in flight as
+    1F1B's first stage."""
+
+    def in_flight(self, stage: int, num_stages: int, num_micro_batches: int) -> int:
+        """Micro-batches whose activations stage ``stage`` of ``num_stages`` holds at its peak."""
+        return min(num_stages if self.split_backward else num_stages - stage, num_micro_batches)
 
     def to_doc(self) -> dict:
         doc = {f.name: getattr(self, f.name) for f in fields(self)}
@@ -184,7 +193,7 @@ class MemoryModel:
             shared = own + (borrowed - lent) / 2
             uses = sum(t for (o, u), t in zip(self.ties, self.tied_numels) if start <= u < end)
             sent = micro_batches * self.boundary_bytes * ((end < n) + (start > 0))
-            in_flight = min(num_stages - stage, num_micro_batches)
+            in_flight = self.in_flight(stage, num_stages, num_micro_batches)
             data = self.data_bytes if start == 0 or end == n else 0.0
             activations = ((in_flight - 1) * (acts[end] - acts[start]) + sent
                            + max(acts[end], recompute_peak(start, end)) - acts[start])
@@ -225,8 +234,8 @@ def rank_bytes(model: MemoryModel, plan, rank: int) -> dict[str, float]:
     else:
         out["snapshots"] = 0.0
     out["data"] = model.data_bytes if s in (0, depth - 1) else 0.0
-    out["activations"] = (model.activation_bytes(start, end, min(depth - s, mbs), mbs, s == 0, s == depth - 1)
-                          if mbs else 0.0)
+    out["activations"] = (model.activation_bytes(start, end, model.in_flight(s, depth, mbs), mbs, s == 0,
+                                                 s == depth - 1) if mbs else 0.0)
     # After the backward the activations are gone and the reduce packs the sums: one or the other.
     out["update"] = model.update_bytes(sum(model.layer_numels[i] for i in model.held_layers(start, end)),
                                        _slot_values(model, plan, rank))

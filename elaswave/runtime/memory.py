@@ -50,6 +50,7 @@ def job_memory_model(cfg: JobConfig, model: Model, dtype: torch.dtype, device: t
         snapshots_to_host=device.type == "cuda",
         generation_before_to_host=device.type == "cuda",
         reduce_whole=device.type != "cuda",  # gloo off a GPU: the reduce-scatter is an all-reduce
+        split_backward=cfg.parallel.schedule == "zb-h1",
         data_bytes=float(corpus_bytes(cfg.data)))
 
 

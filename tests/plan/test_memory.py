@@ -32,6 +32,15 @@ def test_stage_i_of_a_1f1b_pipeline_keeps_up_to_pp_minus_i_micro_batches():
     assert rank_bytes(m, few, 0)["activations"] == 1010 + 40.0
 
 
+def test_under_zb_h1_every_stage_keeps_up_to_pp_micro_batches():
+    m = _model(split_backward=True)  # each held until its W, which stage s holds back s of
+    plan = _plan(1, 3, 8, m)
+    sent = [8 * 40.0, 2 * 8 * 40.0, 8 * 40.0]
+    assert [rank_bytes(m, plan, r)["activations"] for r in plan.ranks] == [
+        3 * (10 + 1000) + sent[0], 3 * 2000 + sent[1], 3 * 1300 + sent[2]]
+    assert m.stage_memory(3, 1, 8)(2, 4, 6) * MIB == rank_bytes(m, plan, 2)["total"]
+
+
 def test_checkpointed_layers_keep_their_input_and_hold_one_layer_again_in_the_backward():
     full = _model(recomputed=frozenset({1, 2, 3, 4}))
     plan = _plan(1, 1, 4, full)

@@ -1,0 +1,204 @@
+"""ZB-H1's split backward: B, the gradient of a stage's input alone, now; W, its weights', later.
+
+Both halves are autograd's own backward of the micro-batch's graph, cut in two at the nodes where
+a weight's branch leaves the input's path (the *boundary*: the matmul of a linear layer, the
+product of a norm's weight). B runs autograd towards the input only, keeping the graph and
+recording the gradient flowing into each boundary node. W restarts autograd at each boundary node
+with that gradient, asking only for the weights on its own branch: autograd then computes only
+the node's weight-side outputs (a matmul's dW, not its dX again), and B + W do the work of one
+whole backward. Every kernel runs on the same tensors as in one whole backward, and W accumulates
+through the weights' own AccumulateGrad nodes (their hooks included), so each weight's gradient
+has the bits one backward would give. (torch.distributed.pipelining's ``_backward.py`` splits by
+parameter groups the same way.)
+
+Two exceptions. A recomputed layer (activation checkpointing) runs its forward again in every
+autograd call that reads it, so its boundary nodes are restarted together in one call (pinned to
+B's gradients, so nothing is counted twice): that call also redoes the layer's own input gradient,
+as the previous all-in-one W did. And a weight reached from two boundary nodes (a tensor used at
+two places of a stage) would take its gradient in two calls, summed in another order than one
+backward's: refused. The built-in families never do this on a stage that has a B (their only tie
+is the embedding's, and layer 0 runs on the first stage, which has no B).
+
+A stage whose input carries no gradient (the first: token ids) has no B: its W is the whole
+backward. A custom autograd Function on a boundary computes every gradient in each half, so it
+runs twice (correct, not cheaper) -- which is why a tensor-parallel job, whose products are such
+Functions with a collective in their backward, is refused ``parallel.schedule=zb-h1``.
+"""
+from __future__ import annotations
+
+from collections import defaultdict, deque
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
+
+
+@dataclass
+class _Restart:
+    """One autograd call of W: boundary nodes with the gradients B saw flow into them, and the
+    weights on their branches (in the stage's weight order)."""
+    boundary: list[tuple[Node, tuple]]
+    weights: list[torch.Tensor]
+
+
+class WeightPass:
+    """What W needs from one B: its autograd calls (or, on a stage without an input gradient, the
+    whole backward's root and its gradient)."""
+
+    def __init__(self, restarts: list[_Restart], whole: tuple | None = None):
+        self.restarts = restarts
+        self.whole = whole
+
+    def run(self) -> None:
+        """Accumulate the weights' gradients into their ``.grad`` as one whole backward would, and
+        free the graph. Runs once."""
+        if self.whole is not None:
+            out, grad = self.whole
+            self.whole = None
+            torch.autograd.backward(out, grad)
+            return
+        restarts, self.restarts = self.restarts, []  # the graph below the boundary goes with them
+        while restarts:
+            r = restarts.pop(0)
+            edges = [(GradientEdge(node, i), g) for node, flowing in r.boundary for i, g in enumerate(flowing)
+                     if g is not None]
+            if not edges:
+                continue
+            # Several nodes in one call (a recomputed layer's): the upper ones' input gradients reach
+            # the lower ones; pin each to what it received in B, so nothing is counted twice.
+            handles = [] if len(r.boundary) == 1 else [
+                node.register_prehook(lambda _, flowing=flowing: flowing) for node, flowing in r.boundary]
+            try:
+                torch.autograd.backward([e for e, _ in edges], [g for _, g in edges], inputs=r.weights)
+            finally:
+                for h in handles:
+                    h.remove()
+
+
+def backward_input(out: torch.Tensor, grad: torch.Tensor | None, x: torch.Tensor | None,
+                   weights: Sequence[torch.Tensor], together: Sequence[Sequence[torch.Tensor]] = ()) -> WeightPass:
+    """B of one computation: ``out`` (with ``grad`` flowing into it, or the loss: None) back to
+    ``x``, the stage's input, whose ``.grad`` it accumulates into as a whole backward would.
+    Returns the W still to run for ``weights``. ``together``: groups of weights W takes in one
+    autograd call (each recomputed layer's)."""
+    if x is None or not x.requires_grad:
+        return WeightPass([], whole=(out, grad))
+    parents = _parents(out.grad_fn)
+    x_node = get_gradient_edge(x).node
+    if x_node not in parents:  # the output does not depend on the input: nothing for B to do
+        return WeightPass([], whole=(out, grad))
+    on_input_path = _above({x_node}, parents)
+    reached = [w for w in weights if w.requires_grad and get_gradient_edge(w).node in parents]
+    _refuse_aliases(reached)
+    boundary_nodes = _boundary([get_gradient_edge(w).node for w in reached], on_input_path, parents)
+    branches = _branches(boundary_nodes, reached, on_input_path)
+    flowing: dict[Node, tuple] = {}
+    handles = [n.register_prehook(lambda g, n=n: flowing.__setitem__(n, g)) for n in boundary_nodes]
+    try:
+        torch.autograd.backward(out, grad, inputs=[x], retain_graph=True)
+    finally:
+        for h in handles:
+            h.remove()
+    return WeightPass(_restarts([n for n in boundary_nodes if n in flowing], flowing, branches, reached, together))
+
+
+def _restarts(nodes: list[Node], flowing: dict[Node, tuple], branches: dict[Node, list[torch.Tensor]],
+              reached: list[torch.Tensor], together: Sequence[Sequence[torch.Tensor]]) -> list[_Restart]:
+    """One restart per boundary node, in the nodes' order, except that the nodes whose weights are
+    in one ``together`` group share one (grouping only saves recomputation: any grouping gives the
+    same bits)."""
+    group = {id(w): k for k, ws in enumerate(together) for w in ws}
+    order = {id(w): i for i, w in enumerate(reached)}
+    restarts: dict[object, _Restart] = {}
+    for node in nodes:
+        ws = branches[node]
+        key = min((group[id(w)] for w in ws if id(w) in group), default=node)
+        r = restarts.setdefault(key, _Restart([], []))
+        r.boundary.append((node, flowing[node]))
+        r.weights = sorted(r.weights + ws, key=lambda w: order[id(w)])
+    return list(restarts.values())
+
+
+def _branches(boundary_nodes: list[Node], reached: list[torch.Tensor],
+              on_input_path: set[Node]) -> dict[Node, list[torch.Tensor]]:
+    """Each boundary node -> the weights on its branch off the input's path (in ``reached``'s
+    order). Raises ValueError if a node of one branch is also on another's: a weight used at two
+    places of the stage, whose two gradients one backward sums before accumulating once."""
+    weight_of = {get_gradient_edge(w).node: w for w in reached}
+    order = {id(w): i for i, w in enumerate(reached)}
+    owner: dict[Node, Node] = {}
+    branches: dict[Node, list[torch.Tensor]] = {}
+    for b in boundary_nodes:
+        queue = deque(c for c, _ in b.next_functions if c is not None and c not in on_input_path)
+        found = []
+        while queue:
+            node = queue.popleft()
+            if node in owner:
+                if owner[node] is b:  # met again on this branch
+                    continue
+                raise ValueError("parallel.schedule=zb-h1: a weight is used at two places of this stage "
+                                 f"({owner[node].name()} and {b.name()} both reach {node.name()}), so one "
+                                 "backward sums its gradients before accumulating them, which W cannot "
+                                 "split bit-exactly; use parallel.schedule=1f1b")
+            owner[node] = b
+            if node in weight_of:
+                found.append(weight_of[node])
+            queue.extend(c for c, _ in node.next_functions if c is not None)
+        branches[b] = sorted(found, key=lambda w: order[id(w)])
+    return branches
+
+
+def _refuse_aliases(reached: list[torch.Tensor]) -> None:
+    """A tie whose owner and user both run on this stage: two leaves over the same values whose
+    gradients may be summed into one place (the layer's float32 sum) in W's order, not one
+    backward's. The built-in families' ties never run both halves on a stage with a B."""
+    seen: set[tuple[int, int]] = set()
+    for w in reached:
+        at = (w.untyped_storage().data_ptr(), w.storage_offset())
+        if w.numel() and at in seen:
+            raise ValueError("parallel.schedule=zb-h1: a tied tensor's owner and user both run on this stage, "
+                             "whose gradients W cannot sum in one backward's order; use parallel.schedule=1f1b")
+        seen.add(at)
+
+
+def _parents(root: Node) -> dict[Node, list[Node]]:
+    """Every node of the graph under ``root`` -> the nodes whose gradient flows into it."""
+    parents: dict[Node, list[Node]] = defaultdict(list)
+    parents[root] = []
+    queue = deque([root])
+    while queue:
+        node = queue.popleft()
+        for child, _ in node.next_functions:
+            if child is None:
+                continue
+            if child not in parents:
+                queue.append(child)
+            parents[child].append(node)
+    return dict(parents)
+
+
+def _above(nodes: set[Node], parents: dict[Node, list[Node]]) -> set[Node]:
+    """``nodes`` and every node whose gradient flows into one of them."""
+    seen, queue = set(nodes), deque(nodes)
+    while queue:
+        for p in parents[queue.popleft()]:
+            if p not in seen:
+                seen.add(p)
+                queue.append(p)
+    return seen
+
+
+def _boundary(weight_nodes: list[Node], on_input_path: set[Node], parents: dict[Node, list[Node]]) -> list[Node]:
+    """The nodes of the input's path through which a gradient reaches a weight, in an order fixed
+    by the weights' (W's roots are then the same on every run; a set's order is the nodes' ids)."""
+    found: dict[Node, None] = {}
+    seen, queue = set(weight_nodes), deque(dict.fromkeys(weight_nodes))
+    while queue:
+        for p in parents[queue.popleft()]:
+            if p in on_input_path:
+                found.setdefault(p)
+            elif p not in seen:
+                seen.add(p)
+                queue.append(p)
+    return list(found)

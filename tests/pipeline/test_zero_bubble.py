@@ -1,0 +1,127 @@
+"""ZB-H1's split backward in one process: B then W leaves exactly (torch.equal) the gradients of
+one whole backward -- the input's and every weight's, tied uses included -- on the built-in
+families' layers, recomputed or not, one piece or two, with gradients kept in the layers' flat
+buffers or summed into float32 by their hooks; and B and W together do one backward's work, not
+more (counted in FLOPs)."""
+import pytest
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+from elaswave import config
+from elaswave.pipeline.stage import Stage
+from elaswave.pipeline.zero_bubble import backward_input
+
+TINY = ["model.d_model=16", "model.num_heads=2", "model.seq_len=8", "model.num_blocks=2", "model.dropout=0.1"]
+
+
+def _gradients(sets: list[str], layers: tuple[int, int], split: bool, pieces: int,
+               into_sums: bool) -> list[torch.Tensor]:
+    cfg = config.load(None, [*TINY, *sets])
+    stage = Stage(cfg, layers, torch.device("cpu"))
+    sums = {}
+    for layer in stage.layers:
+        if into_sums:  # fast mode's bfloat16 layers: each gradient added into a float32 sum by a hook
+            layer.cast(torch.bfloat16)
+            sums[layer.index] = torch.zeros(layer.numel)
+            layer.sum_gradients_into(sums[layer.index])
+    weights = _weights(stage)
+    together = [layer.params for layer in stage.running if layer.index in stage.recomputed]  # as the executor groups
+    gen, rows, m = torch.Generator().manual_seed(0), 2, cfg.model
+    shape = (rows * pieces, m.seq_len)
+    if stage.is_first:
+        x = torch.randint(0, m.vocab_size, shape, generator=gen)
+    else:
+        x = torch.randn(*shape, m.d_model, generator=gen).to(stage.dtype).requires_grad_(True)
+    targets = torch.randint(0, m.vocab_size, shape, generator=gen)
+    grad = None if stage.is_last else torch.randn(*shape, m.d_model, generator=gen).to(stage.dtype)
+    out = []
+    for k in range(pieces):  # each piece's gradient taken alone, as the executor folds it
+        part = slice(k * rows, (k + 1) * rows)
+        y = stage.forward(x[part], step=3, micro_batch=k)
+        if stage.is_last:
+            y = stage.model.loss_sum(y, targets[part]) / 100
+        g = None if grad is None else grad[part]
+        if split:
+            weight_pass = backward_input(y, g, x if x.requires_grad else None, weights, together)
+            assert all(t.grad is None or not t.grad.any() for t in weights), "B wrote a weight's gradient"
+            del y
+            weight_pass.run()
+        else:
+            torch.autograd.backward(y, g)
+        if into_sums:
+            out += [s.clone() for s in sums.values()]
+        else:
+            out += [t.grad.clone() for t in weights]
+            for t in weights:
+                t.grad.zero_()
+    return out + ([x.grad] if x.requires_grad else [])
+
+
+def _weights(stage: Stage) -> list[torch.Tensor]:
+    return [t for layer in stage.layers for t in (*layer.params, *(alias for alias, _ in layer.uses))]
+
+
+@pytest.mark.parametrize("arch", ["gpt", "llama"])
+@pytest.mark.parametrize("sets,pieces,into_sums", [([], 1, False), (["train.activation_checkpointing=full"], 2, False),
+                                                   ([], 2, True)])
+def test_b_then_w_gives_the_bits_of_one_backward(arch, sets, pieces, into_sums):
+    m = config.load(None, [*TINY, f"model.arch={arch}"]).model
+    # A middle stage, the last (the loss; llama's also holds the tied embedding) and the first (no B).
+    for layers in [(1, 3), (2, m.num_layers), (0, 2)]:
+        sets_here = [f"model.arch={arch}", *sets]
+        whole = _gradients(sets_here, layers, False, pieces, into_sums)
+        split = _gradients(sets_here, layers, True, pieces, into_sums)
+        assert len(whole) == len(split)
+        assert all(torch.equal(a, b) for a, b in zip(whole, split)), (arch, sets, layers)
+        assert sum(bool(g.any()) for g in split) >= len(split) // 2  # gradients that are there to compare
+
+
+def _flops(fn) -> int:
+    with FlopCounterMode(display=False) as counter:
+        fn()
+    return counter.get_total_flops()
+
+
+def _backward_flops(arch: str, layers: tuple[int, int], sets: list[str] = ()) -> tuple[int, int, int]:
+    """(whole backward, B, W) FLOPs of one micro-batch on a middle stage ``layers`` of 4 blocks."""
+    cfg = config.load(None, [*TINY, "model.num_blocks=4", f"model.arch={arch}", *sets])
+    stage = Stage(cfg, layers, torch.device("cpu"))
+    together = [layer.params for layer in stage.running if layer.index in stage.recomputed]
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(2, cfg.model.seq_len, cfg.model.d_model, generator=gen).requires_grad_(True)
+    grad = torch.randn(2, cfg.model.seq_len, cfg.model.d_model, generator=gen)
+    y = stage.forward(x, 3, 0)
+    whole = _flops(lambda: torch.autograd.backward(y, grad))
+    y = stage.forward(x, 3, 0)
+    passes = []
+    b = _flops(lambda: passes.append(backward_input(y, grad, x, _weights(stage), together)))
+    w = _flops(passes[0].run)
+    return whole, b, w
+
+
+@pytest.mark.parametrize("arch,layers", [("llama", (1, 4)), ("gpt", (1, 3))])
+def test_b_and_w_do_the_work_of_one_backward(arch, layers):
+    """W restarts each boundary node towards its own weights only: no input gradient again (the
+    previous all-in-one W redid every layer's but the lowest: llama 737,280 + 1,425,408 FLOPs
+    against 1,425,408; gpt 229,376 + 425,984 against 425,984)."""
+    whole, b, w = _backward_flops(arch, layers)
+    assert b > 0 and w > 0
+    assert b + w == whole, (arch, whole, b, w)
+
+
+def test_w_recomputes_a_recomputed_layer_once():
+    """A recomputed layer's boundary nodes restart in one call: W is at most a whole backward (its
+    recomputation included), not a forward again per weight."""
+    whole, b, w = _backward_flops("llama", (1, 4), ["train.activation_checkpointing=full"])
+    assert b <= whole and w <= whole, (whole, b, w)
+
+
+def test_a_weight_used_twice_on_a_stage_is_refused():
+    """One backward sums such a weight's two gradients before accumulating once; W would not."""
+    x = torch.randn(3, 3, requires_grad=True)
+    w = torch.randn(3, 3, requires_grad=True)
+    with pytest.raises(ValueError, match="two places"):
+        backward_input((x @ w @ w).sum(), None, x, [w])
+    alias = w.detach().requires_grad_(True)  # a tie's owner and user on one stage
+    with pytest.raises(ValueError, match="tied"):
+        backward_input((x @ w @ alias).sum(), None, x, [w, alias])

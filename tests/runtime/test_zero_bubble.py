@@ -1,0 +1,46 @@
+"""Real gloo ranks: the ZB-H1 schedule (each backward split into B and W) trains the same run as
+1F1B and the single-process reference, bit for bit, also through a SIGKILL in a B."""
+import pytest
+
+from tests.helpers.spawn import assert_same_run, job_args, run_cli, run_job, reference_fixture
+
+STEPS = 6
+ZB = ["parallel.schedule=zb-h1"]
+
+reference = reference_fixture(STEPS, 4)  # run_job's global batch: max(4, dp) micro-batches
+
+
+# Recomputed layers give the reference's bits too (tests/runtime/test_layouts.py): W recomputes them again.
+@pytest.mark.parametrize("dp,pp,extra", [(1, 2, []), (2, 2, []), (1, 4, ["train.activation_checkpointing=every_2"])])
+def test_zb_h1_is_bit_identical_to_the_reference(tmp_path, reference, dp, pp, extra):
+    res = run_job(tmp_path, dp, pp, STEPS, deterministic=True, extra=[*ZB, *extra])
+    assert res.records[0]["config"]["parallel"]["schedule"] == "zb-h1"
+    assert_same_run(res, reference, STEPS)
+
+
+def test_a_kill_in_a_split_backward_still_ends_bit_identical(tmp_path, reference):
+    """dp=2 x pp=2: the last stage of pipeline 1 is SIGKILLed as its first B starts, while its peer
+    of pipeline 0 holds W passes back; the survivors drop their pending halves with the broken
+    step, re-plan and redo it, and end with the reference's bits."""
+    res = run_job(tmp_path, 2, 2, STEPS, deterministic=True,
+                  extra=[*ZB, "elastic.inject=kill:rank=3,step=2,phase=backward"])
+    assert "injecting kill into rank 3 at step 2 (backward)" in res.stderr
+    assert any(r["event"] == "recovery" for r in res.records)
+    assert_same_run(res, reference, STEPS)
+
+
+def test_zb_h1_with_tensor_parallelism_is_one_line(tmp_path):
+    res = run_cli(job_args(1, 2, 2, True, [*ZB, "model.arch=llama", "parallel.tp=2"]), tmp_path, timeout_s=60)
+    assert res.returncode == 2 and "parallel.schedule" in res.stderr and "parallel.tp=2" in res.stderr, res.stderr
+    assert len(res.stderr.strip().splitlines()) == 1, res.stderr
+
+
+def test_fast_bf16_zb_h1_keeps_the_bits_of_1f1b(tmp_path):
+    """Fast mode, bfloat16 layers: each weight's gradient goes into a float32 sum by its hook as
+    AccumulateGrad writes it. W writes them through AccumulateGrad in 1F1B's micro-batch order, so
+    the same pipeline trains the same bits either way."""
+    sets = ["train.precision=bf16"]
+    one_f_one_b = run_job(tmp_path, 1, 2, STEPS, deterministic=False, extra=sets)
+    zb = run_job(tmp_path, 1, 2, STEPS, deterministic=False, extra=[*sets, *ZB])
+    assert zb.losses == one_f_one_b.losses
+    assert zb.summary["params_sha256"] == one_f_one_b.summary["params_sha256"]
