@@ -5,11 +5,16 @@ The same :class:`~elaswave.plan.plan.Plan` the runtime trains with is priced her
 - a stage's time per micro-batch is its layers' forward + backward time at its frequency level,
   plus a fixed cost per micro-batch and stage (dispatch, and the activation's send and the
   gradient's send back over the link to the neighbour: intra- or inter-node by placement);
-- a pipeline's compute is the time of the runtime's own 1F1B order on its stages
-  (:func:`~elaswave.pipeline.schedule.one_f_one_b_makespan`: fill and drain from the real stage
-  times, not ``(S - 1)`` times the slowest); a plan with detours (the reroute baseline) is timed by
-  the routed scheduler the runtime runs, and above its size limit a rank that hosts detoured
-  micro-batches is bounded by its own and its guests' work plus one fill at the slowest stage;
+- a complete pipeline's compute is the time of the schedule the runtime runs on its stages
+  (``pipeline_schedule``, ``parallel.schedule``: 1F1B or ZB-H1), the same action lists the
+  runtime executes timed by :func:`~elaswave.pipeline.schedule.makespan`: fill and drain from the
+  real stage times, not ``(S - 1)`` times the slowest; ZB-H1's split backward priced with B and W
+  each half of a backward (``BACKWARD_INPUT_SHARE``, an assumption). A plan with detours (the
+  reroute baseline) is timed by the routed scheduler the runtime runs whatever
+  ``pipeline_schedule`` says (the runtime runs that one there too), and above its size limit a
+  rank that hosts detoured micro-batches is bounded by its own and its guests' work plus one fill
+  at the slowest stage. The ``lower_bound`` pricing (:func:`routed_lower_bound`) does not depend
+  on the schedule;
 - the step ends when the slowest pipeline has finished and the slowest holder group has summed
   its gradients and re-gathered its parameters (ring algorithms over the group's slowest link: a
   reduce-scatter and an all-gather each move ``(n-1)/n`` of the bytes in ``n-1`` hops; gloo sums
@@ -27,9 +32,12 @@ from functools import lru_cache
 from typing import Sequence
 
 from elaswave.pipeline import routed
-from elaswave.pipeline.schedule import one_f_one_b_makespan
+from elaswave.pipeline.schedule import makespan, one_f_one_b, zb_h1
 from elaswave.plan.frequency import PowerModel
 from elaswave.plan.plan import Plan
+
+PIPELINE_SCHEDULES = {"1f1b": one_f_one_b, "zb-h1": zb_h1}
+"""``parallel.schedule`` -> the generator of a stage's actions (what ``runtime/rank.py`` runs)."""
 
 
 @dataclass(frozen=True)
@@ -64,6 +72,13 @@ class ClusterModel:
     agree_s: float = 0.01
     communicator_s: float = 0.0
     plan_s: float = 0.001
+    pipeline_schedule: str = "1f1b"
+    """The schedule a complete pipeline without detours runs (``parallel.schedule``): 1f1b or zb-h1."""
+
+    def __post_init__(self) -> None:
+        if self.pipeline_schedule not in PIPELINE_SCHEDULES:
+            raise ValueError(f"pipeline_schedule={self.pipeline_schedule!r} is invalid: choose from "
+                             f"{', '.join(PIPELINE_SCHEDULES)}")
 
     @property
     def num_layers(self) -> int:
@@ -106,8 +121,8 @@ SCHEDULES = ("runtime", "lower_bound")
 
 
 def step_time(plan: Plan, model: ClusterModel, schedule: str = "runtime") -> StepEstimate:
-    """``schedule``: ``runtime``, 1F1B, or for a plan with detours the routed schedule the runtime
-    runs (its bound above ``routed.EXACT_MAX_RANKS``); ``lower_bound``, what no schedule of the
+    """``schedule``: ``runtime``, the model's ``pipeline_schedule`` (1F1B or ZB-H1), or for a plan
+    with detours the routed schedule the runtime runs (its bound above ``routed.EXACT_MAX_RANKS``); ``lower_bound``, what no schedule of the
     plan's routes can beat (:func:`routed_lower_bound`): how a baseline whose own schedule is not
     modelled is priced (:func:`~elaswave.sim.engine.simulate`)."""
     if schedule not in SCHEDULES:
@@ -123,7 +138,7 @@ def step_time(plan: Plan, model: ClusterModel, schedule: str = "runtime") -> Ste
     elif plan.routes and len(plan.ranks) <= routed.EXACT_MAX_RANKS:
         compute = _routed_compute(plan, stage, model.backward_factor)
     else:
-        compute = _analytic_compute(plan, stage, model.backward_factor)
+        compute = _analytic_compute(plan, stage, model.backward_factor, model.pipeline_schedule)
     collective = max((holder_collectives_s(model, holders, sum(model.layer_param_bytes[i] for i in layers))
                       for holders, layers in plan.holder_groups().items()), default=0.0) if model.layer_param_bytes else 0.0
     power = sum(model.power.power(plan.frequency(r)) for r in plan.ranks)
@@ -131,7 +146,7 @@ def step_time(plan: Plan, model: ClusterModel, schedule: str = "runtime") -> Ste
                         plan.batch_units / plan.units_per_micro_batch, power)
 
 
-def _analytic_compute(plan: Plan, stage: dict[int, float], backward_factor: float) -> float:
+def _analytic_compute(plan: Plan, stage: dict[int, float], backward_factor: float, schedule: str) -> float:
     guests: dict[int, int] = {}
     for _, route in plan.routes:
         for r in route:
@@ -144,7 +159,7 @@ def _analytic_compute(plan: Plan, stage: dict[int, float], backward_factor: floa
         times = tuple(stage[r] for r in pipe)
         if not any(guests.get(r) for r in pipe):
             sizes = tuple(plan.units_of(mb) / plan.units_per_micro_batch for mb in plan.micro_batches[d])
-            compute = max(compute, _one_f_one_b(times, sizes if plan.micro_batch_units else m, backward_factor))
+            compute = max(compute, pipeline_s(schedule, times, sizes if plan.micro_batch_units else m, backward_factor))
             continue
         # A host of detours: fill and drain once, then the slowest stage sets the pace for its
         # own and its guests' micro-batches (a bound: the routed schedule prices it exactly).
@@ -154,12 +169,15 @@ def _analytic_compute(plan: Plan, stage: dict[int, float], backward_factor: floa
 
 
 @lru_cache(maxsize=4096)
-def _one_f_one_b(times: tuple[float, ...], m: int | tuple[float, ...], backward_factor: float) -> float:
-    """``m``: the count of whole micro-batches, or each one's size (reshaped)."""
+def pipeline_s(schedule: str, times: tuple[float, ...], m: int | tuple[float, ...], backward_factor: float) -> float:
+    """One pipeline's compute under ``schedule`` (a :data:`PIPELINE_SCHEDULES` name): every stage's
+    action list, as the runtime builds it, timed on stages of ``times`` (forward + backward per
+    micro-batch). ``m``: the count of whole micro-batches, or each one's size (reshaped)."""
     # At 10^4+ devices most pipelines have the same stage times: each kind is timed once.
-    if isinstance(m, tuple):
-        return one_f_one_b_makespan(times, len(m), backward_factor, m)
-    return one_f_one_b_makespan(times, m, backward_factor)
+    num = len(m) if isinstance(m, tuple) else m
+    generate = PIPELINE_SCHEDULES[schedule]
+    return makespan([generate(s, len(times), range(num)) for s in range(len(times))], times, backward_factor,
+                    sizes=m if isinstance(m, tuple) else None)
 
 
 def _routed_compute(plan: Plan, stage: dict[int, float], backward_factor: float) -> float:

@@ -14,6 +14,7 @@ from elaswave.plan.partition import least_memory
 from elaswave.plan.plan import PlanError, initial_plan
 from elaswave.sim import control, engine, policies, trace, uncertainty
 from elaswave.sim.engine import PolicyResult, simulate
+from elaswave.sim.model import PIPELINE_SCHEDULES
 from elaswave.sim.workload import HARDWARE, MODELS, Hardware, choose_layout, cluster, layer_numels, model_flops_per_micro_batch
 
 DEVICE_GIB = 80.0  # every GPU preset's device (H100, A100 80 GB): what a plan must fit unless told otherwise
@@ -33,6 +34,10 @@ def add_arguments(ap) -> None:
                     help="the device and links: generic (300 TFLOP/s at 40 %%, the default) or h100 (sourced: "
                          "elaswave/sim/workload.py)")
     ap.add_argument("--model", default="gpt-13b", choices=sorted(MODELS), help="a model preset (model.preset): its shape and costs")
+    ap.add_argument("--schedule", default="1f1b",
+                    help="the pipeline schedule every whole pipeline runs (parallel.schedule): 1f1b (default) or zb-h1 "
+                         "(zero bubble; its B and W priced at half a backward each, an assumption; every stage keeps up "
+                         "to pp micro-batches' activations, as 1F1B's first stage does). Detours run the routed schedule")
     ap.add_argument("--micro-batches", type=int, help="global batch in micro-batches (default 2 x pp per pipeline)")
     ap.add_argument("--micro-batch-size", type=int, default=1,
                     help="sequences per micro-batch (default 1); above 1 elaswave reshapes after a change: it deals "
@@ -122,17 +127,18 @@ def _memory(args, micro_batches: int):
     if not 0 <= args.reserve_gib < args.device_gib:
         raise ConfigError(f"--reserve-gib={args.reserve_gib:g} is invalid with --device-gib={args.device_gib:g}: the "
                           "reserve is a part of the device's memory, >= 0 and below it")
-    return tp_shard(_job_memory(args.model, args.micro_batch_size, micro_batches, args.checkpointing), args.tp)
+    return tp_shard(_job_memory(args.model, args.micro_batch_size, micro_batches, args.checkpointing, args.schedule),
+                    args.tp)
 
 
 @functools.lru_cache(maxsize=16)
-def _job_memory(model: str, micro_batch_size: int, micro_batches: int, checkpointing: str):
+def _job_memory(model: str, micro_batch_size: int, micro_batches: int, checkpointing: str, schedule: str):
     # Measuring a model's activations runs its layers on the meta device: seconds a call, and a
     # sweep or a program that simulates many layouts asks for the same few models again.
     from elaswave.sim.memory import job_memory
     return job_memory([f"model.preset={model}", "train.precision=bf16", f"train.micro_batch_size={micro_batch_size}",
                        f"train.num_micro_batches={micro_batches}", f"train.activation_checkpointing={checkpointing}",
-                       f"parallel.chunk_numel={1 << 24}"])[2]
+                       f"parallel.chunk_numel={1 << 24}", f"parallel.schedule={schedule}"])[2]
 
 
 def _events(args, plan, duration_s: float) -> list[trace.Event]:
@@ -173,6 +179,8 @@ def run(args) -> int:
             raise ConfigError(f"--policies={args.policies} is invalid with --no-dvfs: policy elaswave plans frequencies; "
                               "name elaswave_no_dvfs, or drop --no-dvfs")
         names = list(dict.fromkeys(n for n in names if n != "elaswave"))
+    if args.schedule not in PIPELINE_SCHEDULES:
+        raise ConfigError(f"--schedule={args.schedule} is invalid: choose from {', '.join(PIPELINE_SCHEDULES)}")
     ctl = _control(args, names)
     layouts = _layouts(args)
     dp, pp = layouts[0]
@@ -200,7 +208,7 @@ def run(args) -> int:
     if args.clock_share is not None:
         power = replace(power, clock_share=args.clock_share)
     hw = replace(HARDWARE[args.hardware], devices_per_node=args.gpus_per_node)
-    model = replace(cluster(m_cfg, args.micro_batch_size, hw, args.tp), power=power)
+    model = replace(cluster(m_cfg, args.micro_batch_size, hw, args.tp, args.schedule), power=power)
     memory = _memory(args, m) if args.device_gib else None
     usable_gib = args.device_gib - args.reserve_gib if memory is not None else 0.0
     for dp, pp in layouts:  # the first that fits
@@ -224,6 +232,7 @@ def run(args) -> int:
             raise ConfigError(f"the initial layout: {failure}") from None
         other = (["more stages"] if len(layouts) == 1 else []) + ["--tp"] + (
             ["--checkpointing full"] if args.checkpointing != "full" else []) + (
+            ["--schedule 1f1b"] if args.schedule != "1f1b" else []) + (
             ["fewer sequences a micro-batch"] if args.micro_batch_size > 1 else [])
         tried = (f" (of the layouts tried, pp={', '.join(str(p) for _, p in layouts)}, the one that needs least)"
                  if len(layouts) > 1 else "")
@@ -231,7 +240,7 @@ def run(args) -> int:
         raise ConfigError(f"--device-gib={args.device_gib:g} is too small for dp={dp} x pp={pp}"
                           f"{f' x tp={args.tp}' if args.tp > 1 else ''}{tried} ({args.model}, {args.micro_batch_size} "
                           f"sequence{'s' if args.micro_batch_size > 1 else ''} a micro-batch, checkpointing "
-                          f"{args.checkpointing}): its best partition needs {need:.1f} GiB a GPU with the "
+                          f"{args.checkpointing}, {args.schedule}): its best partition needs {need:.1f} GiB a GPU with the "
                           f"{args.reserve_gib:g} GiB reserve; give --device-gib {math.ceil(need)} or more, or {ways}") from None
     single = not (args.trace or args.mtbf_h)
     duration_s = 3600.0 * (args.hours if args.hours is not None else (1.0 if single else 24.0))
@@ -272,7 +281,8 @@ def run(args) -> int:
     failure_free = {"step_s": step_s, "model_tflops_per_gpu": tflops, "mfu": tflops / hw.device_tflops}
     config = {"hardware": {"name": args.hardware, **asdict(hw)}, "failure_free": failure_free,
               "devices": args.devices, "dp": dp, "pp": pp, "preferred_layout": list(layouts[0]), "tp": args.tp, "gpus_per_node": args.gpus_per_node,
-              "model": args.model, "micro_batches": m,
+              "model": args.model, "micro_batches": m, "pipeline_schedule": args.schedule,
+              "runtime_runs_schedule_with_tp": args.schedule == "1f1b" or args.tp == 1,
               "micro_batch_size": args.micro_batch_size, "reshape": not args.no_reshape and args.micro_batch_size > 1,
               "device_gib": args.device_gib, "reserve_gib": args.reserve_gib if args.device_gib else None,
               "bytes_per_parameter": bytes_per_parameter(memory, dp) if memory is not None else None,
@@ -305,8 +315,11 @@ def run(args) -> int:
     print(f"elaswave simulate: {args.devices} devices (dp={dp} x pp={pp}{f' x tp={args.tp}' if args.tp > 1 else ''}), {args.model}, {m} micro-batches of "
           f"{args.micro_batch_size} per step{' (reshaped after a change)' if config['reshape'] else ''}, "
           f"{config['hours']:g} h, {config['failures']} failures, {config['joins']} joins; {wall:.1f} s")
-    print(f"failure-free: step {step_s:.2f} s, {tflops:.0f} model TFLOP/s per GPU, MFU {100 * tflops / hw.device_tflops:.1f} % "
+    print(f"failure-free ({args.schedule}): step {step_s:.2f} s, {tflops:.0f} model TFLOP/s per GPU, MFU {100 * tflops / hw.device_tflops:.1f} % "
           f"of {hw.device_tflops:g} ({args.hardware} hardware, {hw.efficiency:g} of the peak in a layer's compute)")
+    if not config["runtime_runs_schedule_with_tp"]:
+        print(f"--schedule {args.schedule} with --tp {args.tp}: the runtime refuses this pair today (parallel.schedule); "
+              "priced as if it ran")
     if not args.no_dvfs:
         solver = {"exact": "the exact DP", "greedy": "the greedy LP relaxation (within one level's upgrade of the "
                   "least power)"}.get(start.frequency_solver, "none: nominal clocks")
@@ -319,7 +332,7 @@ def run(args) -> int:
         moved = (f"; pp={pp}: the first layout that fits, from pp={layouts[0][1]} to deeper pipelines"
                  if (dp, pp) != layouts[0] else "")
         print(f"memory: modelled peak {peak:.1f} GiB of {args.device_gib:g}{said} per GPU, {args.reserve_gib:g} GiB of it "
-              f"kept in reserve (bf16, checkpointing {args.checkpointing}); every re-plan keeps within the rest or stands "
+              f"kept in reserve (bf16, checkpointing {args.checkpointing}, {args.schedule}); every re-plan keeps within the rest or stands "
               f"survivors by{moved}")
         per_param = sum(bytes_per_parameter(memory, dp).values())
         print(f"static bytes per parameter: {per_param:.2f} (Megatron's distributed optimizer: {6 + 12 / dp:.2f} at "

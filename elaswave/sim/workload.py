@@ -54,12 +54,14 @@ def layer_numels(m: ModelConfig) -> list[int]:
     return [c.num_params for c in family(m).layer_costs()]
 
 
-def cluster(m: ModelConfig, micro_batch_size: int = 1, hw: Hardware = Hardware(), tp: int = 1) -> ClusterModel:
-    """The job on ``hw``; with ``tp`` > 1 each device of the plan is a tensor-parallel group of
-    ``tp`` GPUs in one node (:func:`tp_all_reduces`): Megatron's split with sequence parallelism,
-    so a layer's compute, parameters, gradients and the activation sent between stages are each
-    GPU's ``1/tp`` share, the groups' shards sum their gradients over data parallelism side by
-    side, and a node holds ``devices_per_node / tp`` groups."""
+def cluster(m: ModelConfig, micro_batch_size: int = 1, hw: Hardware = Hardware(), tp: int = 1,
+            schedule: str = "1f1b") -> ClusterModel:
+    """The job on ``hw``, its pipelines running ``schedule`` (``parallel.schedule``); with ``tp`` > 1
+    each device of the plan is a tensor-parallel group of ``tp`` GPUs in one node
+    (:func:`tp_all_reduces`): Megatron's split with sequence parallelism, so a layer's compute,
+    parameters, gradients and the activation sent between stages are each GPU's ``1/tp`` share,
+    the groups' shards sum their gradients over data parallelism side by side, and a node holds
+    ``devices_per_node / tp`` groups."""
     if tp < 1 or hw.devices_per_node % tp:
         raise ValueError(f"tp={tp} is invalid: a TP group is GPUs of one node, so it must divide "
                          f"the {hw.devices_per_node} GPUs per node")
@@ -72,7 +74,8 @@ def cluster(m: ModelConfig, micro_batch_size: int = 1, hw: Hardware = Hardware()
         layer_forward_s=forward, backward_factor=2.0, activation_bytes=activation / tp,
         layer_param_bytes=tuple(4.0 * c.num_params / tp for c in costs),
         devices_per_node=hw.devices_per_node // tp,
-        intra_node_bytes_per_s=hw.intra_node_gb_s * 1e9, inter_node_bytes_per_s=hw.inter_node_gb_s * 1e9)
+        intra_node_bytes_per_s=hw.intra_node_gb_s * 1e9, inter_node_bytes_per_s=hw.inter_node_gb_s * 1e9,
+        pipeline_schedule=schedule)
     if tp == 1:
         return model
     # An all-reduce is a ring reduce-scatter and a ring all-gather.

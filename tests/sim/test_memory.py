@@ -46,3 +46,55 @@ def test_without_a_layout_simulate_takes_the_first_that_fits_80_gib_by_default(c
     assert cli.main(base[:-1] + ["--checkpointing", "none"]) == 2  # no layout fits without checkpointing
     err = capsys.readouterr().err
     assert "--device-gib=80 is too small" in err and "of the layouts tried, pp=16, 24, 32, 48" in err
+
+
+def test_simulate_prices_the_schedule_it_is_given_and_reports_it(capsys):
+    """``--schedule zb-h1``: a shorter failure-free step than 1F1B on the same plan, the schedule
+    in the JSON config; an unknown one is one line naming it and what is valid."""
+    import json
+    base = ["simulate", "--devices", "8", "--dp", "2", "--pp", "4", "--model", "gpt-1.3b", "--policies",
+            "elaswave_no_dvfs", "--no-dvfs", "--json"]
+    steps = {}
+    for schedule in ("1f1b", "zb-h1"):
+        assert cli.main(base + ["--schedule", schedule]) == 0
+        config = json.loads(capsys.readouterr().out)["config"]
+        assert config["pipeline_schedule"] == schedule
+        steps[schedule] = config["failure_free"]["step_s"]
+    assert steps["zb-h1"] < steps["1f1b"]
+    assert config["runtime_runs_schedule_with_tp"]
+    # The runtime refuses ZB-H1 with TP today: priced, and the JSON says so.
+    assert cli.main(["simulate", "--devices", "16", "--tp", "2", *base[3:], "--schedule", "zb-h1"]) == 0
+    assert not json.loads(capsys.readouterr().out)["config"]["runtime_runs_schedule_with_tp"]
+    assert cli.main(base + ["--schedule", "zb-h2"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.endswith("--schedule=zb-h2 is invalid: choose from 1f1b, zb-h1") and "\n" not in err
+
+
+def test_zb_h1_is_given_the_activations_its_stages_really_hold(capsys):
+    """Each stage keeps as many micro-batches in flight as the runtime's schedule has at its peak
+    (ZB-H1: every stage as many as 1F1B's first), so a plan that fits under 1F1B need not fit under
+    ZB-H1 -- and the simulator says so instead of pricing it."""
+    import argparse
+
+    from elaswave.pipeline.schedule import one_f_one_b, peak_in_flight, zb_h1
+    from elaswave.plan.partition import least_memory
+    from elaswave.sim import run
+
+    ap = argparse.ArgumentParser()
+    run.add_arguments(ap)
+    need = {}
+    for schedule, generate in (("1f1b", one_f_one_b), ("zb-h1", zb_h1)):
+        args = ap.parse_args(["--devices", "8", "--dp", "2", "--pp", "4", "--model", "gpt-1.3b", "--schedule", schedule])
+        memory = run._memory(args, 12)
+        for m in (2, 6):  # per pipeline: fewer micro-batches than stages, and more
+            for s in range(4):
+                assert memory.in_flight(s, 4, m) == peak_in_flight(generate(s, 4, range(m)))
+        need[schedule] = least_memory(len(memory.layer_numels), 4, memory.stage_memory(4, 2, 12)) / 1024
+    assert need["1f1b"] < need["zb-h1"]
+    between = (need["1f1b"] + need["zb-h1"]) / 2
+    argv = ["simulate", "--devices", "8", "--dp", "2", "--pp", "4", "--model", "gpt-1.3b", "--micro-batches", "12",
+            "--policies", "elaswave_no_dvfs", "--no-dvfs", "--reserve-gib", "1", "--device-gib", f"{between + 1:.3f}"]
+    assert cli.main(argv) == 0
+    assert cli.main(argv + ["--schedule", "zb-h1"]) == 2
+    err = capsys.readouterr().err
+    assert "is too small for dp=2 x pp=4" in err and "zb-h1)" in err and "--schedule 1f1b" in err

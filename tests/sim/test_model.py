@@ -83,3 +83,76 @@ def test_the_routed_lower_bound_is_below_every_schedule_and_tight_without_detour
     assert step_time(even, _model(), "lower_bound").compute_s == pytest.approx(step_time(even, _model()).compute_s)
     with pytest.raises(ValueError, match="schedule='list' is invalid"):
         step_time(even, _model(), "list")
+
+
+def _uneven(pp: int, m: int, schedule: str, layers: int = 8, dp: int = 2):
+    """A plan with uneven stages (random layer costs) and its model running ``schedule``, and each
+    stage's forward + backward time computed here, not by the model."""
+    import random
+
+    rng = random.Random(pp * 100 + m)
+    costs = [rng.uniform(0.5, 2.0) for _ in range(layers)]
+    model = ClusterModel(layer_forward_s=tuple(0.01 * c for c in costs), intra_node_latency_s=0.0,
+                         inter_node_latency_s=0.0, pipeline_schedule=schedule)
+    plan = initial_plan(dp * pp, dp, pp, costs, dp * m, [9] * layers, 4)
+    stage_s = [3 * sum(model.layer_forward_s[i:j]) for i, j in plan.layer_ranges[0]]
+    return plan, model, stage_s
+
+
+@pytest.mark.parametrize("pp,m", [(2, 2), (4, 4), (4, 9), (8, 16)])
+def test_a_zb_h1_pipeline_is_priced_by_timing_the_runtimes_own_zb_h1_schedules(pp, m):
+    """The simulator's compute of a whole pipeline is :func:`makespan` of the action lists the
+    runtime runs (``zb_h1`` per stage) on the same stage times, uneven stages included; 1F1B's is
+    still the 1F1B timing it was."""
+    from elaswave.pipeline.schedule import makespan, one_f_one_b_makespan, zb_h1
+
+    plan, model, stage_s = _uneven(pp, m, "zb-h1")
+    assert len(set(stage_s)) > 1  # the stages are uneven
+    expected = makespan([zb_h1(s, pp, range(m)) for s in range(pp)], stage_s, 2.0)
+    assert step_time(plan, model).compute_s == pytest.approx(expected, rel=1e-12)
+    plan, model, stage_s = _uneven(pp, m, "1f1b")
+    assert step_time(plan, model).compute_s == pytest.approx(one_f_one_b_makespan(stage_s, m), rel=1e-12)
+
+
+def test_reshaped_micro_batches_are_timed_at_their_sizes_under_zb_h1():
+    from elaswave.pipeline.schedule import makespan, zb_h1
+    from elaswave.sim.model import pipeline_s
+
+    times, sizes = (0.3, 0.5, 0.2, 0.4), (1.0, 1.0, 0.5, 1.0, 0.25)
+    expected = makespan([zb_h1(s, 4, range(5)) for s in range(4)], times, 2.0, sizes=sizes)
+    assert pipeline_s("zb-h1", times, sizes, 2.0) == pytest.approx(expected, rel=1e-12)
+    assert pipeline_s("zb-h1", times, sizes, 2.0) < pipeline_s("zb-h1", times, 5, 2.0)
+
+
+@pytest.mark.parametrize("pp,m", [(2, 2), (2, 8), (4, 4), (4, 16), (16, 16)])
+def test_zb_h1_is_faster_than_1f1b_whenever_1f1b_has_a_bubble(pp, m):
+    zb = step_time(*_uneven(pp, m, "zb-h1", layers=16)[:2]).compute_s
+    one = step_time(*_uneven(pp, m, "1f1b", layers=16)[:2]).compute_s
+    # No faster than the busiest stage's own work: every schedule runs it all.
+    busiest = m * max(_uneven(pp, m, "1f1b", layers=16)[2])
+    assert busiest <= zb < one
+
+
+def test_one_stage_has_no_bubble_so_both_schedules_cost_the_same():
+    plan, model, (stage,) = _uneven(1, 6, "zb-h1")
+    zb = step_time(plan, model).compute_s
+    one = step_time(*_uneven(1, 6, "1f1b")[:2]).compute_s
+    assert zb == pytest.approx(one, rel=1e-12)
+    assert zb == pytest.approx(6 * stage, rel=1e-12)  # every micro-batch back to back
+
+
+def test_detours_run_the_routed_schedule_whatever_the_pipeline_schedule():
+    plan = initial_plan(16, 4, 4, [1.0] * 8, 64, [9] * 8, 4)
+    after = replan(plan, [r for r in plan.ranks if r != 5], 1, 64, policy="reroute")
+    assert after.routes
+    assert (step_time(after, _model(pipeline_schedule="zb-h1")).compute_s
+            == step_time(after, _model()).compute_s)
+
+
+def test_an_unknown_pipeline_schedule_is_one_clear_error():
+    from elaswave.comm.config import SCHEDULES
+    from elaswave.sim.model import PIPELINE_SCHEDULES
+
+    assert tuple(PIPELINE_SCHEDULES) == SCHEDULES  # the simulator knows every schedule the runtime runs
+    with pytest.raises(ValueError, match=r"^pipeline_schedule='zb-h2' is invalid: choose from 1f1b, zb-h1$"):
+        _model(pipeline_schedule="zb-h2")
