@@ -1,8 +1,13 @@
-"""Pipeline schedules as data: a list of typed actions per stage (1F1B, and ZB-H1's split backward).
+"""Pipeline schedules as data: a list of typed actions per stage (1F1B, ZB-H1's split backward, and
+Megatron's interleaved 1F1B over virtual stages).
 
 A schedule can be printed, checked for deadlock without any process (:func:`check_deadlock_free`),
 run by the executor's dispatch table, and timed by a simulator. Sends are non-blocking and receives
 block, which is how the executor runs them, and what the deadlock check assumes.
+
+With ``V`` model chunks a rank (stage ``s`` of ``p``) holds the virtual stages ``v * p + s`` for
+``v = 0..V-1`` (Megatron's layout): chunk ``v`` of the last rank feeds chunk ``v + 1`` of rank 0, so
+the ranks form a ring that a micro-batch goes round ``V`` times. Plain schedules are ``V = 1``.
 """
 from __future__ import annotations
 
@@ -34,27 +39,36 @@ class Action:
     op: Op
     micro_batch: int
     peer: int | None = None
-    """The rank to send to or receive from; None: the neighbouring stage of this rank's pipeline."""
+    """The rank to send to or receive from; None: the neighbouring virtual stage of this rank's
+    pipeline (rank ``s - 1`` or ``s + 1``, round the ring between rank ``p - 1`` and rank 0)."""
+    chunk: int = 0
+    """The model chunk on this rank the action belongs to (virtual stage ``chunk * p + stage``): a
+    receive's is the chunk that consumes the message, a send's the chunk that produced it."""
 
     def __str__(self) -> str:
-        return f"{self.op.value}({self.micro_batch})" + ("" if self.peer is None else f"@{self.peer}")
+        return (f"{self.op.value}({self.micro_batch}" + (f",c{self.chunk}" if self.chunk else "") + ")"
+                + ("" if self.peer is None else f"@{self.peer}"))
 
 
-def _forward(stage: int, num_stages: int, mb: int) -> list[Action]:
-    acts = [] if stage == 0 else [Action(Op.RECV_ACT, mb)]
-    acts.append(Action(Op.FORWARD, mb))
-    if stage < num_stages - 1:
-        acts.append(Action(Op.SEND_ACT, mb))
+def _forward(stage: int, num_stages: int, mb: int, chunk: int = 0, num_chunks: int = 1) -> list[Action]:
+    """The forward of ``mb`` on virtual stage ``chunk * num_stages + stage`` with its messages."""
+    virtual = chunk * num_stages + stage
+    acts = [] if virtual == 0 else [Action(Op.RECV_ACT, mb, chunk=chunk)]
+    acts.append(Action(Op.FORWARD, mb, chunk=chunk))
+    if virtual < num_stages * num_chunks - 1:
+        acts.append(Action(Op.SEND_ACT, mb, chunk=chunk))
     return acts
 
 
-def _backward(stage: int, num_stages: int, mb: int, op: Op = Op.BACKWARD) -> list[Action]:
+def _backward(stage: int, num_stages: int, mb: int, op: Op = Op.BACKWARD, chunk: int = 0,
+              num_chunks: int = 1) -> list[Action]:
     """The backward of ``mb`` with its messages; ``op`` BACKWARD_INPUT: ZB-H1's B, the part the
     stage before waits for."""
-    acts = [] if stage == num_stages - 1 else [Action(Op.RECV_GRAD, mb)]
-    acts.append(Action(op, mb))
-    if stage > 0:
-        acts.append(Action(Op.SEND_GRAD, mb))
+    virtual = chunk * num_stages + stage
+    acts = [] if virtual == num_stages * num_chunks - 1 else [Action(Op.RECV_GRAD, mb, chunk=chunk)]
+    acts.append(Action(op, mb, chunk=chunk))
+    if virtual > 0:
+        acts.append(Action(Op.SEND_GRAD, mb, chunk=chunk))
     return acts
 
 
@@ -110,17 +124,68 @@ def zb_h1(stage: int, num_stages: int, micro_batches: Sequence[int]) -> list[Act
     return acts
 
 
+def interleaved_1f1b(stage: int, num_stages: int, num_chunks: int, micro_batches: Sequence[int]) -> list[Action]:
+    """Megatron-LM's interleaved 1F1B (Narayanan et al., 2021): rank ``stage`` runs its
+    ``num_chunks`` chunks (virtual stages ``v * num_stages + stage``) on micro-batches taken in
+    groups of ``p = num_stages``: the forwards go chunk 0 on a group's p micro-batches, chunk 1 on
+    them, ..., then the next group; the backwards the same groups from the last chunk down. The rank
+    first runs ``(p - stage - 1) * 2 + (V - 1) * p`` forwards (at most all ``V * m``), then pairs one
+    forward with one backward, then drains the backwards. Its bubble is ``1 / V`` of 1F1B's; rank 0
+    holds up to ``V * p + p - 1`` micro-batch-chunks' activations (1F1B's stage 0: p whole ones).
+
+    ``num_chunks`` 1 is :func:`one_f_one_b` (Megatron runs its plain schedule there too); above 1,
+    the micro-batch count must be a multiple of ``num_stages``, as Megatron requires."""
+    if not 0 <= stage < num_stages:
+        raise ValueError(f"stage {stage} out of range for {num_stages} stages")
+    if num_chunks < 1:
+        raise ValueError(f"num_chunks {num_chunks}: a rank holds at least 1 model chunk")
+    if num_chunks == 1:
+        return one_f_one_b(stage, num_stages, micro_batches)
+    mbs = list(micro_batches)
+    if len(mbs) % num_stages:
+        raise ValueError(f"interleaved 1F1B over {num_chunks} chunks takes a multiple of num_stages "
+                         f"{num_stages} micro-batches, not {len(mbs)}: valid are {num_stages}, "
+                         f"{2 * num_stages}, {3 * num_stages}, ...")
+    group = num_stages * num_chunks
+    total = len(mbs) * num_chunks
+
+    def unit(k: int, forward: bool) -> tuple[int, int]:  # the k-th forward's or backward's (mb, chunk)
+        chunk = (k % group) // num_stages
+        return mbs[k // group * num_stages + k % num_stages], chunk if forward else num_chunks - 1 - chunk
+
+    def fwd(k: int) -> list[Action]:
+        mb, chunk = unit(k, True)
+        return _forward(stage, num_stages, mb, chunk, num_chunks)
+
+    def bwd(k: int) -> list[Action]:
+        mb, chunk = unit(k, False)
+        return _backward(stage, num_stages, mb, Op.BACKWARD, chunk, num_chunks)
+
+    warmup = min((num_stages - stage - 1) * 2 + (num_chunks - 1) * num_stages, total)
+    acts = [a for k in range(warmup) for a in fwd(k)]
+    for k in range(total - warmup):  # steady: forward k + warmup, then backward k
+        acts += fwd(k + warmup) + bwd(k)
+    for k in range(total - warmup, total):
+        acts += bwd(k)
+    return acts
+
+
 def peak_in_flight(actions: Sequence[Action]) -> int:
-    """The most micro-batches whose activations a stage holds at once: from the forward to the end
-    of their backward (to their W, when the backward is split)."""
+    """The most (micro-batch, chunk) pairs whose activations a rank holds at once: from the forward
+    to the end of their backward (to their W, when the backward is split). With ``V`` even chunks
+    each pair is ``1 / V`` of a whole stage's activations; with one chunk it counts micro-batches."""
     alive, peak = set(), 0
     for a in actions:
         if a.op is Op.FORWARD:
-            alive.add(a.micro_batch)
+            alive.add((a.micro_batch, a.chunk))
             peak = max(peak, len(alive))
         elif a.op in (Op.BACKWARD, Op.BACKWARD_WEIGHT):
-            alive.discard(a.micro_batch)
+            alive.discard((a.micro_batch, a.chunk))
     return peak
+
+
+def _num_chunks(schedules: Sequence[Sequence[Action]]) -> int:
+    return 1 + max((a.chunk for sched in schedules for a in sched), default=0)
 
 
 class DeadlockError(RuntimeError):
@@ -130,25 +195,29 @@ class DeadlockError(RuntimeError):
 def check_deadlock_free(schedules: Sequence[Sequence[Action]]) -> None:
     """Run the stages' schedules of one pipeline symbolically; raise if they can get stuck.
 
-    A RECV waits for the matching SEND of the neighbour (act from stage-1, grad from stage+1);
-    sends never wait. Also checks every send is received exactly once.
+    A RECV waits for the matching SEND of the neighbouring virtual stage: the same micro-batch, an
+    activation from virtual stage ``k - 1``, a gradient from ``k + 1``, where an action of rank
+    ``s`` on chunk ``v`` is at ``k = v * p + s`` (so with chunks, rank p-1's chunk v sends to rank
+    0's chunk v+1). Sends never wait. Also checks every send is received exactly once.
     """
-    sent: set[tuple[str, int, int]] = set()  # (kind, to_stage, micro_batch)
-    pos = [0] * len(schedules)
+    num_stages = len(schedules)
+    sent: set[tuple[str, int, int]] = set()  # (kind, to_virtual_stage, micro_batch)
+    pos = [0] * num_stages
     while True:
         progressed = False
         for s, sched in enumerate(schedules):
             while pos[s] < len(sched):
                 a = sched[pos[s]]
+                virtual = a.chunk * num_stages + s
                 if a.op is Op.RECV_ACT or a.op is Op.RECV_GRAD:
-                    key = ("act" if a.op is Op.RECV_ACT else "grad", s, a.micro_batch)
+                    key = ("act" if a.op is Op.RECV_ACT else "grad", virtual, a.micro_batch)
                     if key not in sent:
                         break
                     sent.discard(key)
                 elif a.op is Op.SEND_ACT:
-                    sent.add(("act", s + 1, a.micro_batch))
+                    sent.add(("act", virtual + 1, a.micro_batch))
                 elif a.op is Op.SEND_GRAD:
-                    sent.add(("grad", s - 1, a.micro_batch))
+                    sent.add(("grad", virtual - 1, a.micro_batch))
                 pos[s] += 1
                 progressed = True
         if all(p == len(sc) for p, sc in zip(pos, schedules)):
@@ -210,10 +279,15 @@ def makespan(schedules: Sequence[Sequence[Action]], stage_s: Sequence[float], ba
     """The time a pipeline's stage schedules take, each stage running its computations in its own
     order, each as soon as its stage is free and its input is there: a forward once the stage
     before sent its activations, a backward (or B) once the stage after sent the gradient, a W
-    once its own B is done. ``stage_s``: each stage's forward + whole backward per micro-batch
-    (split ``1 : backward_factor``); a split backward's B takes ``input_share`` of it, W the rest.
-    ``sizes``: each micro-batch's work as a share of a whole one's (default all 1)."""
-    num_stages = len(stage_s)
+    once its own B is done. ``stage_s``: each *virtual* stage's forward + whole backward per
+    micro-batch (split ``1 : backward_factor``), indexed ``chunk * p + stage`` -- one per stage
+    without chunks; a rank's chunks may differ, as the planner's p x V partition will make them.
+    A split backward's B takes ``input_share`` of it, W the rest. ``sizes``: each micro-batch's
+    work as a share of a whole one's (default all 1). Messages take no time."""
+    num_stages, num_virtual = len(schedules), len(schedules) * _num_chunks(schedules)
+    if len(stage_s) != num_virtual:
+        raise ValueError(f"stage_s has {len(stage_s)} times for {num_stages} stages x "
+                         f"{num_virtual // max(num_stages, 1)} chunks: one per virtual stage, {num_virtual}")
     forward = [t / (1 + backward_factor) for t in stage_s]
     backward = [t - f for t, f in zip(stage_s, forward)]
     cost = {Op.FORWARD: forward, Op.BACKWARD: backward,
@@ -221,7 +295,7 @@ def makespan(schedules: Sequence[Sequence[Action]], stage_s: Sequence[float], ba
             Op.BACKWARD_WEIGHT: [b * (1 - input_share) for b in backward]}
     order = [[a for a in sched if a.op in cost] for sched in schedules]
     scale = (lambda mb: 1.0) if sizes is None else (lambda mb: sizes[mb])
-    done: dict[tuple[Op, int, int], float] = {}  # (op, stage, micro-batch) -> end
+    done: dict[tuple[Op, int, int], float] = {}  # (op, virtual stage, micro-batch) -> end
     free, pos = [0.0] * num_stages, [0] * num_stages
     left = sum(len(o) for o in order)
     while left:
@@ -229,18 +303,18 @@ def makespan(schedules: Sequence[Sequence[Action]], stage_s: Sequence[float], ba
         for s in range(num_stages):
             while pos[s] < len(order[s]):
                 a = order[s][pos[s]]
-                mb = a.micro_batch
+                mb, k = a.micro_batch, a.chunk * num_stages + s
                 if a.op is Op.FORWARD:
-                    ready = 0.0 if s == 0 else done.get((Op.FORWARD, s - 1, mb))
+                    ready = 0.0 if k == 0 else done.get((Op.FORWARD, k - 1, mb))
                 elif a.op is Op.BACKWARD_WEIGHT:
-                    ready = done.get((Op.BACKWARD_INPUT, s, mb))
-                elif s == num_stages - 1:
-                    ready = done.get((Op.FORWARD, s, mb))
-                else:  # the gradient from the stage after: its backward, or its B
-                    ready = done.get((Op.BACKWARD_INPUT, s + 1, mb), done.get((Op.BACKWARD, s + 1, mb)))
+                    ready = done.get((Op.BACKWARD_INPUT, k, mb))
+                elif k == num_virtual - 1:
+                    ready = done.get((Op.FORWARD, k, mb))
+                else:  # the gradient from the virtual stage after: its backward, or its B
+                    ready = done.get((Op.BACKWARD_INPUT, k + 1, mb), done.get((Op.BACKWARD, k + 1, mb)))
                 if ready is None:
                     break
-                free[s] = done[(a.op, s, mb)] = max(free[s], ready) + cost[a.op][s] * scale(mb)
+                free[s] = done[(a.op, k, mb)] = max(free[s], ready) + cost[a.op][k] * scale(mb)
                 pos[s] += 1
                 left -= 1
                 progressed = True

@@ -2,8 +2,8 @@ import random
 
 import pytest
 
-from elaswave.pipeline.schedule import (Action, DeadlockError, Op, check_deadlock_free, makespan, one_f_one_b,
-                                        one_f_one_b_makespan, peak_in_flight, zb_h1)
+from elaswave.pipeline.schedule import (Action, DeadlockError, Op, check_deadlock_free, interleaved_1f1b, makespan,
+                                        one_f_one_b, one_f_one_b_makespan, peak_in_flight, zb_h1)
 
 
 @pytest.mark.parametrize("stages", [1, 2, 3, 4, 6])
@@ -70,3 +70,104 @@ def test_zb_h1_leaves_a_third_of_1f1b_bubble(stages, num_mb):
     zb = makespan([zb_h1(s, stages, range(num_mb)) for s in range(stages)], times)
     assert one - work == pytest.approx(3.0 * (stages - 1))
     assert zb - work == pytest.approx((one - work) / 3)
+
+
+def _valid_counts(stages, chunks):
+    """Micro-batch counts interleaving takes, up to 4p: any with one chunk, multiples of p above."""
+    step = stages if chunks > 1 else 1
+    return range(step, 4 * stages + 1, step)
+
+
+@pytest.mark.parametrize("stages", range(1, 9))
+@pytest.mark.parametrize("chunks", [1, 2, 3, 4])
+def test_interleaved_is_deadlock_free_and_runs_every_micro_batch_once_per_virtual_stage(stages, chunks):
+    for num_mb in _valid_counts(stages, chunks):
+        mbs = list(range(10, 10 + num_mb))
+        scheds = [interleaved_1f1b(s, stages, chunks, mbs) for s in range(stages)]
+        check_deadlock_free(scheds)
+        every = sorted((mb, v) for mb in mbs for v in range(chunks))
+        for sched in scheds:
+            forwards = [(a.micro_batch, a.chunk) for a in sched if a.op is Op.FORWARD]
+            backwards = [(a.micro_batch, a.chunk) for a in sched if a.op is Op.BACKWARD]
+            assert sorted(forwards) == every and sorted(backwards) == every
+            ops = [(a.op, a.micro_batch, a.chunk) for a in sched]
+            assert all(ops.index((Op.FORWARD, *u)) < ops.index((Op.BACKWARD, *u)) for u in every)
+            for v in range(chunks):  # each chunk takes the micro-batches in order
+                assert [mb for mb, c in forwards if c == v] == mbs
+
+
+@pytest.mark.parametrize("stages", range(1, 9))
+def test_interleaved_with_one_chunk_is_1f1b(stages):
+    for num_mb in range(1, 2 * stages + 4):
+        for s in range(stages):
+            assert interleaved_1f1b(s, stages, 1, range(num_mb)) == one_f_one_b(s, stages, range(num_mb))
+
+
+def test_interleaved_is_megatrons_order():
+    """p = 2, V = 2, m = 4, rank 0: 2 * 1 + 1 * 2 = 4 warm-up forwards (mb 0, 1 on chunk 0, then on
+    chunk 1), 1F1B pairs, then the drain; chunk 1's input comes round the ring from rank 1."""
+    got = " ".join(str(a) for a in interleaved_1f1b(0, 2, 2, range(4)) if a.op in (Op.FORWARD, Op.BACKWARD))
+    assert got == ("forward(0) forward(1) forward(0,c1) forward(1,c1) "
+                   "forward(2) backward(0,c1) forward(3) backward(1,c1) forward(2,c1) backward(0) "
+                   "forward(3,c1) backward(1) backward(2,c1) backward(3,c1) backward(2) backward(3)")
+    rank1 = interleaved_1f1b(1, 2, 2, range(4))
+    assert str(rank1[2]) == "send_act(0)" and str(rank1[-1]) == "send_grad(3)"  # to rank 0's chunk 1 / 0
+    assert str(Action(Op.RECV_ACT, 0, 1)) == "recv_act(0)@1" and Action(Op.RECV_ACT, 0, 1).chunk == 0
+
+
+def test_interleaved_refuses_what_megatron_cannot_schedule():
+    with pytest.raises(ValueError, match="multiple of num_stages 4 micro-batches, not 6: valid are 4, 8, 12"):
+        interleaved_1f1b(0, 4, 2, range(6))
+    with pytest.raises(ValueError, match="num_chunks 0"):
+        interleaved_1f1b(0, 4, 0, range(8))
+    with pytest.raises(ValueError, match="stage 4 out of range"):
+        interleaved_1f1b(4, 4, 2, range(8))
+
+
+def test_a_message_to_the_wrong_chunk_is_a_deadlock():
+    scheds = [interleaved_1f1b(s, 2, 2, range(2)) for s in range(2)]
+    check_deadlock_free(scheds)
+    i = next(i for i, a in enumerate(scheds[0]) if a.op is Op.RECV_ACT)  # chunk 1's input, from rank 1
+    scheds[0][i] = Action(Op.RECV_ACT, scheds[0][i].micro_batch, chunk=0)
+    with pytest.raises(DeadlockError, match="deadlocks"):
+        check_deadlock_free(scheds)
+
+
+@pytest.mark.parametrize("stages,chunks,num_mb", [(2, 2, 2), (2, 2, 4), (4, 2, 4), (4, 2, 8), (4, 4, 8),
+                                                  (8, 2, 8), (8, 2, 16), (8, 4, 16), (8, 3, 32), (3, 4, 12)])
+def test_interleaved_bubble_is_1f1b_bubble_over_v(stages, chunks, num_mb):
+    """Virtual stages alike, F = 1 and B = 2 each: a rank works 3 V m and idles (p - 1)(F + B),
+    so makespan / work = 1 + (p - 1) / (V m) exactly -- 1F1B's bubble over V (Megatron's figure)."""
+    scheds = [interleaved_1f1b(s, stages, chunks, range(num_mb)) for s in range(stages)]
+    work = 3.0 * chunks * num_mb
+    assert makespan(scheds, [3.0] * (stages * chunks)) / work == pytest.approx(1 + (stages - 1) / (chunks * num_mb),
+                                                                               rel=1e-12)
+    plain = makespan([one_f_one_b(s, stages, range(num_mb)) for s in range(stages)], [3.0 * chunks] * stages)
+    assert plain / work == pytest.approx(1 + (stages - 1) / num_mb, rel=1e-12)
+
+
+def test_makespan_times_each_virtual_stage():
+    # One rank, two chunks of 1 and 2 s: no bubble, 3 s a micro-batch (the ring closes on itself).
+    assert makespan([interleaved_1f1b(0, 1, 2, range(5))], [1.0, 2.0]) == pytest.approx(15.0)
+    # p = 2, V = 2, m = 4, one virtual stage twice as slow: its rank works 4 x (3 + 6) = 36. On rank 0
+    # (virtual stage 2) it never waits; on rank 1 (virtual stage 3) it idles 3 s in all.
+    scheds = [interleaved_1f1b(s, 2, 2, range(4)) for s in range(2)]
+    assert makespan(scheds, [3.0, 3.0, 6.0, 3.0]) == pytest.approx(36.0)
+    assert makespan(scheds, [3.0, 3.0, 3.0, 6.0]) == pytest.approx(39.0)
+    with pytest.raises(ValueError, match="stage_s has 2 times for 2 stages x 2 chunks: one per virtual stage, 4"):
+        makespan(scheds, [3.0, 3.0])
+
+
+@pytest.mark.parametrize("stages", [2, 4, 8])
+@pytest.mark.parametrize("chunks", [2, 3, 4])
+def test_interleaved_first_rank_holds_more_than_1f1b(stages, chunks):
+    """Megatron's warm-up plus the steady state's one forward ahead: rank s holds
+    min(2 (p - s - 1) + (V - 1) p + 1, V m) micro-batch-chunks; rank 0 at m >= 2p holds V p + p - 1,
+    i.e. p + (p - 1) / V whole stages' worth -- (1 + (p - 1) / (p V)) x 1F1B's first stage (p)."""
+    for num_mb in _valid_counts(stages, chunks):
+        scheds = [interleaved_1f1b(s, stages, chunks, range(num_mb)) for s in range(stages)]
+        for s, sched in enumerate(scheds):
+            assert peak_in_flight(sched) == min(2 * (stages - s - 1) + (chunks - 1) * stages + 1, chunks * num_mb)
+        if num_mb >= 2 * stages:
+            assert peak_in_flight(scheds[0]) == chunks * stages + stages - 1
+            assert peak_in_flight(scheds[0]) / chunks > peak_in_flight(one_f_one_b(0, stages, range(num_mb))) == stages
