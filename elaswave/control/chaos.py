@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from elaswave.control.faults import PHASES
 
-STEP_PHASES = tuple(p for p in PHASES if p != "recovery")
+STEP_PHASES = tuple(p for p in PHASES if p not in ("recovery", "weight"))  # (weight: ZB-H1 only)
 KINDS = ("kill", "stop", "double_kill", "kill_in_recovery", "join")
 
 

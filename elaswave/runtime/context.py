@@ -272,6 +272,8 @@ class Context:
             self.injector.at(step, "forward")
         elif action.op in (Op.BACKWARD, Op.BACKWARD_INPUT) and action.micro_batch == self._first_mb:
             self.injector.at(step, "backward")
+        elif action.op == Op.BACKWARD_WEIGHT and action.micro_batch == self._first_mb:
+            self.injector.at(step, "weight")
         if self.plan is not None:
             self.interrupt.check(self.plan.epoch)
 

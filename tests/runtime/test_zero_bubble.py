@@ -18,13 +18,14 @@ def test_zb_h1_is_bit_identical_to_the_reference(tmp_path, reference, dp, pp, ex
     assert_same_run(res, reference, STEPS)
 
 
-def test_a_kill_in_a_split_backward_still_ends_bit_identical(tmp_path, reference):
-    """dp=2 x pp=2: the last stage of pipeline 1 is SIGKILLed as its first B starts, while its peer
-    of pipeline 0 holds W passes back; the survivors drop their pending halves with the broken
-    step, re-plan and redo it, and end with the reference's bits."""
+@pytest.mark.parametrize("phase", ["backward", "weight"])
+def test_a_kill_in_a_split_backward_still_ends_bit_identical(tmp_path, reference, phase):
+    """dp=2 x pp=2: the last stage of pipeline 1 is SIGKILLed as its first B (backward) or its
+    first W (weight) starts, while the others hold W passes back; the survivors drop their pending
+    halves with the broken step, re-plan and redo it, and end with the reference's bits."""
     res = run_job(tmp_path, 2, 2, STEPS, deterministic=True,
-                  extra=[*ZB, "elastic.inject=kill:rank=3,step=2,phase=backward"])
-    assert "injecting kill into rank 3 at step 2 (backward)" in res.stderr
+                  extra=[*ZB, f"elastic.inject=kill:rank=3,step=2,phase={phase}"])
+    assert f"injecting kill into rank 3 at step 2 ({phase})" in res.stderr
     assert any(r["event"] == "recovery" for r in res.records)
     assert_same_run(res, reference, STEPS)
 
