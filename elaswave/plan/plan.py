@@ -237,7 +237,7 @@ def initial_plan(world_size: int, dp: int, pp: int, layer_costs: Sequence[float]
 def replan(prev: Plan, live: Sequence[int], epoch: int, num_micro_batches: int,
            speeds: Mapping[int, float] | None = None, policy: str = "elaswave",
            power: PowerModel | None = None, power_cap_w: float | None = None, detours: bool = True,
-           rebalance: bool = False) -> Plan:
+           rebalance: bool = False, schedule: str = "1f1b") -> Plan:
     """The plan for the ranks ``live``: survivors of ``prev`` and ranks joining now.
 
     elaswave: a pipeline that lost stages goes on with its survivors (in stage order) as a shorter
@@ -263,7 +263,8 @@ def replan(prev: Plan, live: Sequence[int], epoch: int, num_micro_batches: int,
     rank (a straggler) gets fewer layers and its pipeline fewer micro-batches; see :func:`rebalance_gain`.
 
     ``speeds``: micro-batches per second each rank measured on its current stage, at its current
-    frequency level (a joiner has none: it counts as the median rank)."""
+    frequency level (a joiner has none: it counts as the median rank). ``schedule``: the
+    pipelines' (parallel.schedule), by whose timing a re-partition is weighed against detours."""
     live = tuple(sorted(live))
     if not live:
         raise PlanError(f"epoch {epoch}: no rank is left")
@@ -285,7 +286,7 @@ def replan(prev: Plan, live: Sequence[int], epoch: int, num_micro_batches: int,
         raise PlanError(f"epoch {epoch}: {num_micro_batches} micro-batches cannot feed {len(pipelines)} pipelines")
     if policy == "elaswave":
         return _elaswave(prev, epoch, pipelines, kept_ranges, kept, num_micro_batches, speeds or {}, power,
-                         power_cap_w, detours and not rebalance, rebalance)
+                         power_cap_w, detours and not rebalance, rebalance, schedule)
     complete = [_covers(rng, prev.num_layers) for rng in kept_ranges]
     if not any(complete):
         raise PlanError(f"epoch {epoch}: elastic.policy={policy} needs a pipeline that still holds every layer, "
@@ -360,7 +361,7 @@ def _build(prev: Plan, epoch: int, pipelines, ranges, mbs, freqs=(), routes=(), 
 
 def _elaswave(prev: Plan, epoch: int, pipelines, kept_ranges, kept, num_micro_batches: int,
               speeds: Mapping[int, float], power: PowerModel | None, power_cap_w: float | None,
-              detours: bool, rebalance: bool = False) -> Plan:
+              detours: bool, rebalance: bool = False, schedule: str = "1f1b") -> Plan:
     """Re-partition every pipeline that no longer holds every layer, balance (and plan
     frequencies); or, when predicted faster, leave the survivors in place and send the broken
     pipelines' micro-batches through the complete pipelines' same stage.
@@ -409,7 +410,7 @@ def _elaswave(prev: Plan, epoch: int, pipelines, kept_ranges, kept, num_micro_ba
         if routes is not None and sum(map(len, kept_mbs)) == num_micro_batches:
             forward = {r: _cost(prev, i, j) / rate[r] for pipe, rng in zip(pipelines, kept_ranges)
                        for r, (i, j) in zip(pipe, rng)}
-            if detoured_step_s(pipelines, kept_mbs, routes, forward) < step_s(at_levels, run_mbs, sizes) * (1 - 1e-3):
+            if detoured_step_s(pipelines, kept_mbs, routes, forward) < step_s(at_levels, run_mbs, sizes, schedule) * (1 - 1e-3):
                 return _build(prev, epoch, pipelines, kept_ranges, kept_mbs, routes=routes)
     return _build(prev, epoch, pipelines, ranges, mbs, freqs, units=units, solver=solver)
 

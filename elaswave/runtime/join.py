@@ -53,7 +53,8 @@ def admit(ctx, st: RankState) -> int:
     if not genuine:
         return 0
     try:
-        replan(st.plan, st.plan.ranks + tuple(genuine[::tp]), epoch, cfg.train.num_micro_batches, {}, cfg.elastic.policy)
+        replan(st.plan, st.plan.ranks + tuple(genuine[::tp]), epoch, cfg.train.num_micro_batches, {}, cfg.elastic.policy,
+               schedule=cfg.parallel.schedule)
     except PlanError as exc:
         for r in genuine:
             _decide(ctx, f"refusing rank {r}: {exc}")

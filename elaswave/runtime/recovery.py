@@ -244,7 +244,7 @@ def recover(ctx, st: RankState | None, cause: Disruption | None, noticed_wall: f
         plan = devices.on_slice(replan(old_devices, heads, epoch, cfg.train.num_micro_batches,
                                        {r: v for r, v in speeds.items() if r in old_devices.ranks}, cfg.elastic.policy,
                                        power, (cfg.frequency.power_cap_w or power.power(1.0) * len(heads)) if power else None,
-                                       detours=cfg.elastic.detours,
+                                       detours=cfg.elastic.detours, schedule=cfg.parallel.schedule,
                                        rebalance=rebalance and not (set(heads) ^ set(old_devices.ranks))), shard)
     except PlanError as exc:
         _stop_with_state(ctx, st, old, members, holdings, disk_step, exc)

@@ -122,7 +122,7 @@ class Policy:
 
     def rebuild(self, live: Sequence[int]) -> Plan:
         """The system's own layout on ``live`` (fewer than every device), before clocks."""
-        return replan(self.start, live, 1, self.m, policy=self.name)
+        return replan(self.start, live, 1, self.m, policy=self.name, schedule=self.model.pipeline_schedule)
 
     def change(self, prev: Plan | None, live: Sequence[int], joined: bool, step_s: float) -> Change:
         raise NotImplementedError
@@ -199,10 +199,10 @@ class Elaswave(Policy):
         # does not boost the survivors, so no failure can buy speed the job could not have had.
         power = self.power
         return replan(self.start, live, 1, self.m, policy="elaswave", power=power,
-                      power_cap_w=power.power(1.0) * len(live))
+                      power_cap_w=power.power(1.0) * len(live), schedule=self.model.pipeline_schedule)
 
     def rebuild(self, live: Sequence[int]) -> Plan:
-        return replan(self.start, live, 1, self.m, policy="elaswave")
+        return replan(self.start, live, 1, self.m, policy="elaswave", schedule=self.model.pipeline_schedule)
 
     @property
     def power(self) -> PowerModel | None:
@@ -286,7 +286,7 @@ class Templates(Policy):
     def rebuild(self, live: Sequence[int]) -> Plan:
         # Whole micro-batches: templates do not reshape.
         whole = replace(self.start, units_per_micro_batch=1, micro_batch_units=())
-        plan = replan(whole, live, 1, self.m, policy="elaswave", detours=False)
+        plan = replan(whole, live, 1, self.m, policy="elaswave", detours=False, schedule=self.model.pipeline_schedule)
         return replace(plan, units_per_micro_batch=self.start.units_per_micro_batch)
 
     def change(self, prev, live, joined, step_s):

@@ -240,3 +240,27 @@ def test_elaswave_takes_detours_only_when_they_are_predicted_faster(dp, expect_d
     else:
         # 2 pipelines: one host would take all 8 guests; re-partitioning is faster.
         assert after.routes == () and len(after.pipelines[0]) == 3 and after.is_complete(0)
+
+
+@pytest.mark.parametrize("dp", [3, 16])
+def test_under_zb_h1_a_re_partition_is_weighed_by_zb_h1s_timing(dp):
+    """The same loss as above: under 1F1B the survivors keep their layout and micro-batches take
+    detours; under ZB-H1 the re-partitioned pipelines run ZB-H1 (its W fills the drain), which the
+    routed schedule of detours does not, and the planner, timing each plan by what would run,
+    re-partitions instead (it kept detours while it priced 1F1B: a slower plan under zb-h1)."""
+    costs = [1.0] * 7 + [1.6]
+    plan = initial_plan(4 * dp, dp, 4, costs, 8 * dp, [9] * 8, 4)
+    live = [r for r in plan.ranks if r != 1]
+    assert replan(plan, live, 1, 8 * dp).routes  # 1f1b, the default
+    after = replan(plan, live, 1, 8 * dp, schedule="zb-h1")
+    assert after.routes == () and len(after.pipelines[0]) == 3 and after.is_complete(0)
+    assert sorted(m for mbs in after.micro_batches for m in mbs) == list(range(8 * dp))
+
+
+def test_the_step_a_re_partition_is_weighed_by_is_the_schedules_own_timing():
+    from elaswave.pipeline.schedule import makespan, one_f_one_b_makespan, zb_h1
+    from elaswave.plan.deal import step_s
+    stages, mbs = [[2.0, 3.0, 2.5], [2.0, 2.0]], [tuple(range(5)), tuple(range(5, 9))]
+    zb = max(makespan([zb_h1(s, len(p), range(len(m))) for s in range(len(p))], p) for p, m in zip(stages, mbs))
+    assert step_s(stages, mbs, schedule="zb-h1") == zb
+    assert step_s(stages, mbs) == max(one_f_one_b_makespan(p, len(m)) for p, m in zip(stages, mbs)) > zb
