@@ -255,6 +255,8 @@ class JobConfig:
             if fault.rank >= self.world_size and fault.phase != "admission":  # (a joiner's number is past them)
                 _fail("elastic.inject", text, f"rank {fault.rank} does not exist: the job has ranks "
                                               f"0..{self.world_size - 1}")
+            if fault.what == "replica" and self.parallel.tp == 1:
+                _fail("elastic.inject", text, "needs parallel.tp > 1: only a tensor-parallel shard holds replicas")
         if self.elastic.snapshot_copies > max(1, self.world_size - 1):
             _fail("elastic.snapshot_copies", self.elastic.snapshot_copies,
                   f"must be <= {max(1, self.world_size - 1)}: each of the job's {self.world_size} ranks has "

@@ -39,6 +39,8 @@ def test_defaults_are_valid_and_overrides_apply(tmp_path):
     (["train.epochs=nan"], "train.epochs=nan is invalid: must be a finite number"),
     (["elastic.inject=kill:rank=4,step=3"], "elastic.inject='kill:rank=4,step=3' is invalid: rank 4 does not exist: "
                                              "the job has ranks 0..3"),
+    (["elastic.inject=flip:rank=1,step=3,what=replica"], "elastic.inject='flip:rank=1,step=3,what=replica' is "
+                                                          "invalid: needs parallel.tp > 1"),
     (["frequency.power_cap_w=1.5"], "frequency.power_cap_w=1.5 is invalid: below what the 4 ranks draw at the lowest "
                                     "frequency level (1.805)"),
 ])

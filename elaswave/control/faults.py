@@ -7,9 +7,10 @@ sends after step S, after its checksum was computed (what a bad link or bad memo
 ``starve:rank=R,step=S[,seconds=X]`` holds the rank's watcher thread back for X s (default 3) as
 step S starts, while the rank computes on: a thread a loaded host does not schedule, or one held up
 in a slow call. Its view of its neighbours is then X s old, which must not evict any of them.
-``flip:rank=R,step=S,what=moment|param`` flips the lowest bit of one value after step S: of the
-first Adam moment the rank owns, or of its first parameter (silent data corruption, which only the
-end-of-run state check can see). ``join:step=S[,count=N]`` is the opposite event, carried out by
+``flip:rank=R,step=S,what=moment|param|replica`` flips the lowest bit of one value after step S: of the
+first Adam moment the rank owns, of its first parameter, or (parallel.tp > 1) of the first value it
+holds of a tensor its device's other shards hold too, in its parameters and its master alike (a
+shard whose replica drifted); silent data corruption, which only the end-of-run state check can see. ``join:step=S[,count=N]`` is the opposite event, carried out by
 the launcher: it starts N new ranks once the job reaches step S. Before the signal the rank stamps the wall time of the fault
 in the store, which is where every MTTR is measured from, and prints it (one line on stderr) for
 runs whose store does not outlive the fault: a job that torchrun restarts gets a new store.
@@ -27,7 +28,7 @@ if TYPE_CHECKING:  # keeps this module free of torch: config validation imports 
     from elaswave.control.membership import Membership
 
 KINDS = ("kill", "stop", "corrupt", "slow", "flip", "join", "starve")
-FLIPPED = ("moment", "param")
+FLIPPED = ("moment", "param", "replica")
 PHASES = ("forward", "backward", "weight", "reduce", "optimizer", "snapshot", "recovery", "eval", "admission")
 """forward/backward: as the step's first forward/backward (its B, under ZB-H1) starts; weight: as
 its first W starts (ZB-H1's weight pass, parallel.schedule=zb-h1; never under 1F1B); reduce: as the gradient reduction
@@ -38,7 +39,7 @@ eval: in the evaluation due before the step (train.eval_every), as its last batc
 admission: a joining rank (numbered past the job's world size), just after it posted its join
 request -- before it knows the job's step, so ``step=0`` -- which the leader then admits."""
 USAGE = ("use kill:rank=R,step=S[,phase=P], stop:rank=R,step=S[,phase=P], corrupt:rank=R,step=S, "
-         "slow:rank=R,step=S[,factor=F], flip:rank=R,step=S,what=moment|param, starve:rank=R,step=S[,seconds=X] "
+         "slow:rank=R,step=S[,factor=F], flip:rank=R,step=S,what=moment|param|replica, starve:rank=R,step=S[,seconds=X] "
          "or join:step=S[,count=N]")
 
 
@@ -53,7 +54,7 @@ class Fault:
     factor: float = 1.0
     """slow: from ``step`` on, the rank's compute takes this many times as long (a straggler)."""
     what: str = ""
-    """flip: which value gets a bit flipped (``moment`` or ``param``)."""
+    """flip: which value gets a bit flipped (``moment``, ``param`` or ``replica``)."""
     seconds: float = 3.0
     """starve: how long the rank's watcher thread is held back."""
 

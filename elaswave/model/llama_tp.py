@@ -262,6 +262,22 @@ class TensorParallelLlama(Llama):
             out.append(pos.reshape(-1))
         return torch.cat(out).to(layer.flat.device)
 
+    def replicas(self, layer) -> dict[str, tuple[int, int]]:
+        """The tensors of this rank's shard of ``layer`` that other shards hold too, value for value:
+        a tensor every shard holds whole (norms, o's and down's bias), and a key-value tensor whose
+        heads are replicated. Key -> (offset, numel) in the flat vector; two shards' equal keys
+        must hold equal values (a replicated head's key names its heads). :meth:`positions` and
+        the digests count one shard's copy only: the end-of-run check compares the others."""
+        kv_heads = self.cut.m.kv_heads
+        out = {}
+        for (name, offset), p in zip(layer.offsets.items(), layer.params):
+            if _cut_dim(name) is None:
+                out[name] = (offset, p.numel())
+            elif name.endswith(_KV) and self.split.kv_replicas(kv_heads) > 1:
+                first, end = self.split.kv_block(kv_heads)
+                out[f"{name} (key-value heads {first}..{end - 1})"] = (offset, p.numel())
+        return out
+
     def whole_flat(self, layer, parts: list[torch.Tensor]) -> torch.Tensor:
         """The whole layer's flat vector (padding rows left out) from every shard's flat vector of
         it, in shard order: what its digest and an export read."""

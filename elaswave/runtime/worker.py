@@ -40,6 +40,7 @@ from elaswave.runtime.actuator import ActuatorError
 from elaswave.runtime.memory import measure_peak
 from elaswave.runtime.metrics import MetricsWriter, print_error
 from elaswave.runtime.context import Context
+from elaswave.runtime.flip import flip_low_bit
 from elaswave.runtime.rank import build_rank
 from elaswave.runtime.step import gather_masters, gather_params, samples_of, train_step
 from elaswave.tensor import checkpoints, layout
@@ -128,7 +129,7 @@ def run(cfg: JobConfig, rank: int, world_size: int, metrics_out: str | None) -> 
                     for what in ctx.injector.flips(step):
                         if ctx.pool is not None:  # the step's snapshot is sent from the state: let it go first
                             ctx.pool.wait_sends(st.world)
-                        _flip_low_bit(st, what)
+                        flip_low_bit(st, what)
                     took = time.perf_counter() - started
                     ctx.note_step()
                     ctx.speeds.add(st.epoch, result.speeds)
@@ -339,18 +340,6 @@ def _spares_standing(ctx: Context) -> int | None:
         return None
 
 
-def _flip_low_bit(st, what: str) -> None:
-    """Silent data corruption, injected (``flip``): the lowest bit of the first Adam moment this rank
-    owns, or of its first parameter."""
-    if what == "moment":
-        b = next(i for i, b in enumerate(st.optimizer.buckets) if b.owned)
-        value = st.optimizer.state[b][1, st.optimizer.buckets[b].owned[0].slot_offset:][:1]
-    else:
-        value = st.stage.layers[0].flat[:1]
-    bits = value.view(torch.int16 if value.dtype == torch.bfloat16 else torch.int32)
-    bits ^= 1
-
-
 def _models_memory(cfg: JobConfig, device: torch.device) -> bool:
     """Whether the job uses its memory model (building it runs every layer once on the meta device):
     under a memory limit (``auto`` has one on a GPU), or to measure a step against it."""
@@ -394,8 +383,9 @@ def _resume_point(cfg: JobConfig, plan, rank: int, shard: int) -> ResumePoint | 
 
 
 def _finish(ctx: Context, st, cfg: JobConfig) -> tuple[dict[int, dict], Path | None]:
-    """Every rank posts the digest of its copy of each layer it holds, its optimizer state's sum
-    and its memory figures; the first member checks that the copies agree and finishes the export
+    """Every rank posts the digest of its copy of each layer it holds (with tp, of each tensor its
+    shard replicates too), its optimizer state's sum and its memory figures; the first member
+    checks that the copies agree (:func:`elaswave.zero.digest.check_replicas`) and finishes the export
     (returned: the parts, and the export's folder on the member that wrote it)."""
     plan = st.plan
     if st.stage.dtype != torch.float32:
@@ -416,6 +406,8 @@ def _finish(ctx: Context, st, cfg: JobConfig) -> tuple[dict[int, dict], Path | N
         written = shards.whole_layers(kept, kept)
     exported = export.write_my_shards(target, plan, st.rank, written) if target else None
     doc = {"layer_copies": digest.layer_digests(st.stage.layers), "whole_layers": wholes,
+           # A tp job's tensors each of a device's shards holds (norms...): compared across them.
+           "shard_replicas": shards.replica_digests(st.stage.layers) if shards else None,
            # Summed over ranks into state_sha256; a tp job's counts each value of the whole model once.
            "state_sum": f"{shards.state_sum(st.optimizer, st.stage.layers) if shards else digest.owned_state_sum(st.optimizer):x}",
            "step_counter": st.optimizer.gen,
@@ -429,31 +421,16 @@ def _finish(ctx: Context, st, cfg: JobConfig) -> tuple[dict[int, dict], Path | N
            "memory_measured": ctx.measured_memory}
     ctx.membership.post(plan.epoch, "final", doc)
     st.world.all_reduce(torch.zeros(1, device=st.device), "final barrier")
-    tp = cfg.parallel.tp
     if st.rank != plan.ranks[0] or ctx.shard != 0:
         return {}, None
     parts = ctx.membership.gather(plan.epoch, "final", ctx.devices.every_rank(plan), cfg.parallel.timeout_s)
-    for shard in range(tp):  # the copies of one shard of a layer are compared, across its slice
-        _check_replicas({r: doc for r, doc in parts.items() if ctx.devices.shard_of(r) == shard})
+    digest.check_replicas(parts, ctx.devices.head_of, ctx.devices.shard_of)
     # The fence of the export and the summary: nothing of an epoch the job has left reaches them.
     if (now := ctx.membership.current_epoch()) != plan.epoch:
         raise recovery.Excluded(f"rank {st.rank} finished epoch {plan.epoch} but the job is in epoch {now}: "
                                 "it writes no export and no summary")
     out = export.finish_run_export(target, cfg.model, [p["export"] for p in parts.values()]) if target else None
     return parts, out
-
-
-def _check_replicas(parts: dict[int, dict]) -> None:
-    """Every copy of the state equals its owner's, and every owner is at the same step: else the
-    run fails here, naming each difference (see :mod:`elaswave.zero.digest`)."""
-    problems = [p for doc in parts.values() for p in doc["master_problems"]]
-    problems += digest.replica_mismatches({r: doc["layer_copies"] for r, doc in parts.items()})
-    counters = {r: doc["step_counter"] for r, doc in parts.items()}
-    if len(set(counters.values())) > 1:
-        problems.append(f"the ranks' optimizer step counters differ: {counters}")
-    if problems:
-        raise digest.StateMismatch("the replicas of the training state differ at the end of the run: "
-                                   + " | ".join(problems))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -102,6 +102,17 @@ class TensorShards:
                 parts = [flat]
             yield layer.index, self.model.whole_flat(layer, parts)
 
+    def replica_digests(self, layers: Sequence) -> dict[str, str]:
+        """A digest of each tensor this rank's shard holds that other shards hold too (the model's
+        :meth:`~elaswave.model.llama_tp.TensorParallelLlama.replicas`), keyed ``layer/tensor``: the
+        whole layers' digests read one shard's copy, so the end-of-run check compares these across
+        each device's shards (:func:`elaswave.zero.digest.shard_mismatches`). O(layers) a rank."""
+        out = {}
+        for layer in layers:
+            for key, (offset, numel) in self.model.replicas(layer).items():
+                out[f"{layer.index}/{key}"] = whole_digest(layer.flat.detach()[offset:offset + numel])
+        return out
+
     def whole_layers(self, wholes: dict[int, torch.Tensor], indices) -> list[FlatLayer]:
         """Layers ``indices`` whole, as the Llama family lays them out (for an export)."""
         out = []
@@ -115,8 +126,11 @@ class TensorShards:
 
 
 def whole_digest(flat: torch.Tensor) -> str:
-    """A whole layer's sha256 (its float values' bytes, as FlatLayer.digest hashes them)."""
-    return hashlib.sha256(flat.cpu().contiguous().numpy().tobytes()).hexdigest()
+    """A whole layer's (or tensor's) sha256: its float values' bytes, as FlatLayer.digest hashes them."""
+    flat = flat.cpu().contiguous()
+    if flat.dtype == torch.bfloat16:  # numpy has no bfloat16; the bytes are the same
+        flat = flat.view(torch.int16)
+    return hashlib.sha256(flat.numpy().tobytes()).hexdigest()
 
 
 def state_total(sums: Sequence[int]) -> int:

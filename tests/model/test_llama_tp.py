@@ -214,3 +214,24 @@ def test_a_shard_reads_only_its_slices_and_equals_the_cut_of_the_whole_layer(tmp
     with pytest.raises(config.ConfigError, match=r"tensor model.layers.0.mlp.up_proj.weight has shape \[1000, 128\] "
                                                  r"\(cut 4 ways: \[250, 128\]\), the model expects \[256, 128\]"):
         TensorParallelLlama(cfg, TensorSplit(4, 0), None, exact=False).build_layer(1, 0)
+
+
+def test_the_tensors_a_group_replicates_come_from_the_cut_itself():
+    # llama-tiny with biases: at degree 4 its 2 key-value heads are each on 2 ranks; the norms and
+    # o's bias are whole everywhere; nothing else (q, gate, o's weight...) is replicated.
+    from elaswave.zero.flat import FlatLayer
+    cfg = config.load(None, ["model.preset=llama-tiny", "model.attention_bias=true"]).model
+    keys = []
+    for rank in range(4):
+        model = TensorParallelLlama(cfg, TensorSplit(4, rank), None, exact=False)
+        layer = FlatLayer(model.build_layer(1, 0, init=False), 1)
+        spans, counted = model.replicas(layer), model.positions(layer) >= 0
+        for key, (offset, numel) in spans.items():  # each counts on its first holder only
+            assert bool(counted[offset:offset + numel].all()) == (rank % 2 == 0 if "key-value" in key else rank == 0)
+            assert bool(counted[offset:offset + numel].any()) == bool(counted[offset:offset + numel].all())
+        keys.append(sorted(spans))
+        assert model.replicas(FlatLayer(model.build_layer(0, 0, init=False), 0)) == {}  # the embedding: all cut
+    head = "k_proj.weight (key-value heads {0}..{0})"
+    assert "self_attn.o_proj.bias" in keys[0] and "input_layernorm.weight" in keys[0]
+    assert f"self_attn.{head.format(0)}" in keys[0] and keys[0] == keys[1] and keys[2] == keys[3] != keys[0]
+    assert not any("q_proj" in k or "o_proj.weight" in k or "mlp" in k for k in keys[0])
