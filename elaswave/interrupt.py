@@ -57,8 +57,9 @@ class Interrupt:
         """The epochs after ``epoch`` are unbroken again: the job's store moved after its loss broke
         the epoch a recovery was building on it, and the survivors agree the epochs after ``epoch``
         anew on the moved store (:meth:`elaswave.runtime.context.Context.relocate_store`). Called
-        after the move, so that a trip for the lost store either came before (and is undone) or
-        sees the move (:meth:`trip_unless`) and does nothing."""
+        just before the move, with the rank's agreed epoch lowered to ``epoch``: a later trip for
+        the lost store breaks nothing new, or sees the move (:meth:`trip_unless`) and does nothing,
+        and no trip an alert on the new store makes comes before it."""
         with self._lock:
             self._broken_epoch = min(self._broken_epoch, epoch)
 

@@ -240,11 +240,15 @@ class Context:
             return False
         old = self.store.addr
         self.membership.holds_store = False
+        # The epochs after the last trained one are agreed anew on the moved store: a trip the lost
+        # store caused for the one under construction is undone -- before the move, so that no trip
+        # an alert on the new store makes (its watcher reads them once the link has moved) is undone
+        # too; a trip of the old loss after this one breaks only this epoch (or, moved, nothing).
+        self.agreed_epoch = st.plan.epoch
+        self.interrupt.rearm(st.plan.epoch)
         leader, addr = failover.move(self.store, self.standby, self.rank, st.plan.epoch, st.plan.ranks,
                                      self.cfg.to_dict(), self.liveness, self.prober,
                                      requires_majority=self.membership.requires_majority)
-        self.agreed_epoch = st.plan.epoch
-        self.interrupt.rearm(st.plan.epoch)  # a trip for the lost store's epoch under construction
         # A survivor still waiting in a collective with the dead comes when its watcher gives up on
         # the lost store (the heartbeat timeout after its links did): wait for it that much longer,
         # and while its liveness port answers, up to MOVED_PATIENCE timeouts (see recovery.recover).

@@ -49,9 +49,9 @@ def test_a_lost_store_breaks_the_epoch_a_recovery_builds_until_the_store_moves(m
                 time.sleep(0.02)
             assert interrupt.is_broken(1), interrupt.broken_epoch
             if moved:  # what Context.relocate_store does
-                link.move(f"127.0.0.1:{successor.port}")
                 agreed = 0
                 interrupt.rearm(0)
+                link.move(f"127.0.0.1:{successor.port}")
                 time.sleep(1.5)  # over twice the watcher's timeout: the old loss trips nothing again
                 assert interrupt.is_broken(0) and not interrupt.is_broken(1), interrupt.broken_epoch
         finally:

@@ -92,7 +92,10 @@ def test_owner_dying_with_its_snapshot_holder_falls_back_to_the_disk_checkpoint(
     _assert_same_run(res, reference)
     (rec,) = _recoveries(res)
     assert sorted(rec["lost_ranks"]) == [2, 3]
-    assert rec["is_fallback"] and rec["resume_step"] == 10
+    # The newest checkpoint every survivor saw complete: step 10's, or -- its background save still
+    # being written two steps later on a loaded machine (a loaded pass, session 40) -- step 5's.
+    assert rec["is_fallback"] and rec["resume_step"] in (5, 10), rec
+    assert f"step_{rec['resume_step']:08d}" in res.stderr, res.stderr  # the warning names the checkpoint it resumes from
     assert "died with their snapshot holders" in res.stderr and "disk checkpoint" in res.stderr
     assert res.summary["ranks"] == [0, 1]
 
