@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Mapping, Sequence
 
 from elaswave.pipeline import routed
-from elaswave.pipeline.schedule import makespan, one_f_one_b_makespan, zb_h1
+from elaswave.pipeline.schedule import schedule_makespan
 from elaswave.plan import microbatches
 from elaswave.plan.frequency import PowerModel, plan_frequencies
 
@@ -58,14 +58,8 @@ def step_s(stage_s: Sequence[Sequence[float]], mbs, sizes: Sequence[Sequence[flo
         sizes = [[1.0] * len(m) for m in mbs]
     # Above the limit: fill and drain once at the first micro-batch's size (a whole one), then the
     # slowest stage for the rest of the pipeline's work.
-    return max((_pipeline_s(p, len(m), z, schedule) if exact else sum(p) * z[0] + (sum(z) - z[0]) * max(p))
+    return max((schedule_makespan(schedule, p, len(m), sizes=z) if exact else sum(p) * z[0] + (sum(z) - z[0]) * max(p))
                for p, m, z in zip(stage_s, mbs, sizes) if m)
-
-
-def _pipeline_s(stage_s: Sequence[float], m: int, sizes: Sequence[float], schedule: str) -> float:
-    if schedule == "zb-h1":  # the runtime's own action lists, timed (W as long as B)
-        return makespan([zb_h1(s, len(stage_s), range(m)) for s in range(len(stage_s))], stage_s, sizes=sizes)
-    return one_f_one_b_makespan(stage_s, m, sizes=sizes)
 
 
 def detoured_step_s(pipelines, mbs, routes, stage_s: Mapping[int, float]) -> float:

@@ -17,7 +17,7 @@ from elaswave.pipeline.emulate import EmulatedCompute, layer_forward_s
 from elaswave.pipeline.executor import Executor
 from elaswave.pipeline.p2p import P2P
 from elaswave.pipeline.routed import plan_schedules
-from elaswave.pipeline.schedule import Action, one_f_one_b, zb_h1
+from elaswave.pipeline.schedule import GENERATORS, Action
 from elaswave.pipeline.stage import Stage
 from elaswave.plan.chunks import ChunkIndex, ChunkKey
 from elaswave.plan.plan import Plan
@@ -92,9 +92,8 @@ def build_rank(cfg: JobConfig, plan: Plan, rank: int, stage: Stage, sampler: Sam
     def step_tokens(step: int) -> int:
         return sampler.loss_tokens(step, plan.batch_units // k)
     # With detours (the reroute baseline) no per-pipeline 1F1B fits; all ranks derive one schedule.
-    pipeline_schedule = zb_h1 if par.schedule == "zb-h1" else one_f_one_b
     schedule = (plan_schedules(plan, cfg.emulate.backward_factor).get(rank, []) if plan.routes
-                else pipeline_schedule(s, len(pipeline), plan.micro_batches[d]))
+                else GENERATORS[par.schedule](s, len(pipeline), plan.micro_batches[d]))
     emulated = None
     if cfg.emulate.enabled:
         emulated = EmulatedCompute(layer_forward_s(cfg, model), cfg.emulate.backward_factor, (stage.start, stage.end),

@@ -32,12 +32,9 @@ from functools import lru_cache
 from typing import Sequence
 
 from elaswave.pipeline import routed
-from elaswave.pipeline.schedule import makespan, one_f_one_b, zb_h1
+from elaswave.pipeline.schedule import GENERATORS, schedule_makespan
 from elaswave.plan.frequency import PowerModel
 from elaswave.plan.plan import Plan
-
-PIPELINE_SCHEDULES = {"1f1b": one_f_one_b, "zb-h1": zb_h1}
-"""``parallel.schedule`` -> the generator of a stage's actions (what ``runtime/rank.py`` runs)."""
 
 
 @dataclass(frozen=True)
@@ -76,9 +73,9 @@ class ClusterModel:
     """The schedule a complete pipeline without detours runs (``parallel.schedule``): 1f1b or zb-h1."""
 
     def __post_init__(self) -> None:
-        if self.pipeline_schedule not in PIPELINE_SCHEDULES:
+        if self.pipeline_schedule not in GENERATORS:
             raise ValueError(f"pipeline_schedule={self.pipeline_schedule!r} is invalid: choose from "
-                             f"{', '.join(PIPELINE_SCHEDULES)}")
+                             f"{', '.join(GENERATORS)}")
 
     @property
     def num_layers(self) -> int:
@@ -159,7 +156,7 @@ def _analytic_compute(plan: Plan, stage: dict[int, float], backward_factor: floa
         times = tuple(stage[r] for r in pipe)
         if not any(guests.get(r) for r in pipe):
             sizes = tuple(plan.units_of(mb) / plan.units_per_micro_batch for mb in plan.micro_batches[d])
-            compute = max(compute, pipeline_s(schedule, times, sizes if plan.micro_batch_units else m, backward_factor))
+            compute = max(compute, pipeline_compute_s(schedule, times, sizes if plan.micro_batch_units else m, backward_factor))
             continue
         # A host of detours: fill and drain once, then the slowest stage sets the pace for its
         # own and its guests' micro-batches (a bound: the routed schedule prices it exactly).
@@ -169,15 +166,15 @@ def _analytic_compute(plan: Plan, stage: dict[int, float], backward_factor: floa
 
 
 @lru_cache(maxsize=4096)
-def pipeline_s(schedule: str, times: tuple[float, ...], m: int | tuple[float, ...], backward_factor: float) -> float:
-    """One pipeline's compute under ``schedule`` (a :data:`PIPELINE_SCHEDULES` name): every stage's
-    action list, as the runtime builds it, timed on stages of ``times`` (forward + backward per
-    micro-batch). ``m``: the count of whole micro-batches, or each one's size (reshaped)."""
+def pipeline_compute_s(schedule: str, times: tuple[float, ...], m: int | tuple[float, ...],
+                       backward_factor: float) -> float:
+    """One pipeline's compute under ``schedule`` (:func:`~elaswave.pipeline.schedule.schedule_makespan`)
+    on stages of ``times`` (forward + backward per micro-batch). ``m``: the count of whole
+    micro-batches, or each one's size (reshaped)."""
     # At 10^4+ devices most pipelines have the same stage times: each kind is timed once.
-    num = len(m) if isinstance(m, tuple) else m
-    generate = PIPELINE_SCHEDULES[schedule]
-    return makespan([generate(s, len(times), range(num)) for s in range(len(times))], times, backward_factor,
-                    sizes=m if isinstance(m, tuple) else None)
+    if isinstance(m, tuple):
+        return schedule_makespan(schedule, times, len(m), backward_factor, m)
+    return schedule_makespan(schedule, times, m, backward_factor)
 
 
 def _routed_compute(plan: Plan, stage: dict[int, float], backward_factor: float) -> float:

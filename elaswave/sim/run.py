@@ -14,7 +14,7 @@ from elaswave.plan.partition import least_memory
 from elaswave.plan.plan import PlanError, initial_plan
 from elaswave.sim import control, engine, policies, trace, uncertainty
 from elaswave.sim.engine import PolicyResult, simulate
-from elaswave.sim.model import PIPELINE_SCHEDULES
+from elaswave.pipeline.schedule import GENERATORS
 from elaswave.sim.workload import HARDWARE, MODELS, Hardware, choose_layout, cluster, layer_numels, model_flops_per_micro_batch
 
 DEVICE_GIB = 80.0  # every GPU preset's device (H100, A100 80 GB): what a plan must fit unless told otherwise
@@ -179,8 +179,8 @@ def run(args) -> int:
             raise ConfigError(f"--policies={args.policies} is invalid with --no-dvfs: policy elaswave plans frequencies; "
                               "name elaswave_no_dvfs, or drop --no-dvfs")
         names = list(dict.fromkeys(n for n in names if n != "elaswave"))
-    if args.schedule not in PIPELINE_SCHEDULES:
-        raise ConfigError(f"--schedule={args.schedule} is invalid: choose from {', '.join(PIPELINE_SCHEDULES)}")
+    if args.schedule not in GENERATORS:
+        raise ConfigError(f"--schedule={args.schedule} is invalid: choose from {', '.join(GENERATORS)}")
     ctl = _control(args, names)
     layouts = _layouts(args)
     dp, pp = layouts[0]

@@ -116,12 +116,12 @@ def test_a_zb_h1_pipeline_is_priced_by_timing_the_runtimes_own_zb_h1_schedules(p
 
 def test_reshaped_micro_batches_are_timed_at_their_sizes_under_zb_h1():
     from elaswave.pipeline.schedule import makespan, zb_h1
-    from elaswave.sim.model import pipeline_s
+    from elaswave.sim.model import pipeline_compute_s
 
     times, sizes = (0.3, 0.5, 0.2, 0.4), (1.0, 1.0, 0.5, 1.0, 0.25)
     expected = makespan([zb_h1(s, 4, range(5)) for s in range(4)], times, 2.0, sizes=sizes)
-    assert pipeline_s("zb-h1", times, sizes, 2.0) == pytest.approx(expected, rel=1e-12)
-    assert pipeline_s("zb-h1", times, sizes, 2.0) < pipeline_s("zb-h1", times, 5, 2.0)
+    assert pipeline_compute_s("zb-h1", times, sizes, 2.0) == pytest.approx(expected, rel=1e-12)
+    assert pipeline_compute_s("zb-h1", times, sizes, 2.0) < pipeline_compute_s("zb-h1", times, 5, 2.0)
 
 
 @pytest.mark.parametrize("pp,m", [(2, 2), (2, 8), (4, 4), (4, 16), (16, 16)])
@@ -151,8 +151,8 @@ def test_detours_run_the_routed_schedule_whatever_the_pipeline_schedule():
 
 def test_an_unknown_pipeline_schedule_is_one_clear_error():
     from elaswave.comm.config import SCHEDULES
-    from elaswave.sim.model import PIPELINE_SCHEDULES
+    from elaswave.pipeline.schedule import GENERATORS
 
-    assert tuple(PIPELINE_SCHEDULES) == SCHEDULES  # the simulator knows every schedule the runtime runs
+    assert tuple(GENERATORS) == SCHEDULES  # the simulator knows every schedule the runtime runs
     with pytest.raises(ValueError, match=r"^pipeline_schedule='zb-h2' is invalid: choose from 1f1b, zb-h1$"):
         _model(pipeline_schedule="zb-h2")
