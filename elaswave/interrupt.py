@@ -33,20 +33,11 @@ class Interrupt:
     def broken_epoch(self) -> int:
         return self._broken_epoch
 
-    def trip(self, epoch: int) -> None:
+    def trip(self, epoch: int, unless=None) -> None:
+        """Every wait of ``epoch`` or older gives up; not if ``unless()`` (read under the lock) says
+        the cause is void -- the store whose loss this trip reports has moved since (:meth:`rearm`)."""
         with self._lock:
-            if epoch <= self._broken_epoch:
-                return
-            self._broken_epoch = epoch
-            waiters = list(self._waiters)
-        for ev in waiters:
-            ev.set()
-
-    def trip_unless(self, epoch: int, moved) -> None:
-        """:meth:`trip`, unless ``moved()`` says -- under the lock :meth:`rearm` takes -- that the
-        store whose loss this trip reports has been replaced since (see :meth:`rearm`)."""
-        with self._lock:
-            if moved() or epoch <= self._broken_epoch:
+            if epoch <= self._broken_epoch or (unless is not None and unless()):
                 return
             self._broken_epoch = epoch
             waiters = list(self._waiters)
@@ -58,7 +49,7 @@ class Interrupt:
         the epoch a recovery was building on it, and the survivors agree the epochs after ``epoch``
         anew on the moved store (:meth:`elaswave.runtime.context.Context.relocate_store`). Called
         just before the move, with the rank's agreed epoch lowered to ``epoch``: a later trip for
-        the lost store breaks nothing new, or sees the move (:meth:`trip_unless`) and does nothing,
+        the lost store breaks nothing new, or sees the move (:meth:`trip`'s ``unless``) and does nothing,
         and no trip an alert on the new store makes comes before it."""
         with self._lock:
             self._broken_epoch = min(self._broken_epoch, epoch)

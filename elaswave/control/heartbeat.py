@@ -142,8 +142,8 @@ class Watcher(threading.Thread):
                     # out of the moved store's agreement (issue 58). Not once the store has moved:
                     # the epochs after the last trained one are agreed anew there.
                     lost_in = generation
-                    self.interrupt.trip_unless(max(self.view()[0], self.agreed()),
-                                               lambda: getattr(self.store, "generation", 0) != lost_in)
+                    self.interrupt.trip(max(self.view()[0], self.agreed()),
+                                        unless=lambda: getattr(self.store, "generation", 0) != lost_in)
                 time.sleep(self.interval_s)
             except Exception:  # the job is over (its store closed): nothing left to watch
                 if self._halt.is_set():

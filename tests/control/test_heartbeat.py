@@ -61,9 +61,9 @@ def test_a_lost_store_breaks_the_epoch_a_recovery_builds_until_the_store_moves(m
 
 def test_a_trip_for_a_store_since_replaced_does_nothing_and_rearm_undoes_one_before():
     interrupt = Interrupt()
-    interrupt.trip_unless(2, moved=lambda: True)
+    interrupt.trip(2, unless=lambda: True)
     assert not interrupt.is_broken(0)
-    interrupt.trip_unless(2, moved=lambda: False)
+    interrupt.trip(2, unless=lambda: False)
     assert interrupt.is_broken(2)
     interrupt.rearm(0)
     assert interrupt.is_broken(0) and not interrupt.is_broken(1)
