@@ -265,6 +265,13 @@ class JobConfig:
             _fail("parallel.pp", self.parallel.pp,
                   f"must be <= the model's {self.model.num_layers} layers "
                   f"(model.num_blocks={self.model.num_blocks} + embedding + head)")
+        chunks = self.parallel.pp * self.parallel.virtual_stages
+        if self.parallel.virtual_stages > 1 and chunks > self.model.num_layers:
+            _fail("parallel.virtual_stages", self.parallel.virtual_stages,
+                  f"x parallel.pp={self.parallel.pp} = {chunks} chunks must be <= the model's {self.model.num_layers} layers")
+        if self.parallel.virtual_stages > 1 and self.elastic.policy == "reroute":
+            _fail("elastic.policy", self.elastic.policy, "sends micro-batches through other pipelines' stages, which "
+                  "interleaved pipelines do not share; use elastic.policy=elaswave or drop_replica")
         if self.parallel.tp > 1:
             check_tensor_parallel_job(self)
         if self.checkpoint.export_hf and (self.model.arch != "llama" or self.model.factory):

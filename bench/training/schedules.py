@@ -1,13 +1,14 @@
-"""Pipeline schedules: ZB-H1's step against 1F1B's, in emulated compute (measured and as modelled)
-or, with ``--real``, in real compute.
+"""Pipeline schedules: ZB-H1's and interleaved 1F1B's (V = 2 model chunks a rank) step against
+1F1B's, in emulated compute (measured and as modelled) or, with ``--real``, in real compute.
 
 One pipeline of 4 stages (dp=1 x pp=4, one process per rank, gloo), 8 micro-batches a step; every
 layer's forward and backward take a modelled time (``--emulate``: sleeps, so the 4 ranks do not
 contend for this machine's cores and the step reflects the schedule). Each schedule runs
 ``--rounds`` times, interleaved; a run's step time is the median over its steps from step 2, the
 table the median over rounds. Beside it, ``pipeline.schedule.makespan`` on the same stages (the
-initial plan's layer ranges, each layer's modelled time): what the schedule model predicts, and
-the compute bound (the busiest stage's work, m x its forward + backward).
+initial plan's layer ranges -- p x V chunks for the interleaved one --, each layer's modelled
+time): what the schedule model predicts, and the compute bound (the busiest stage's work, m x its
+forward + backward, under 1F1B's partition).
 
 Neither figure has the optimizer step, the gradient reduction or the sends in it: the measured
 step does, so the measured ratio is the model's diluted by those fixed costs.
@@ -32,7 +33,7 @@ from elaswave import config  # noqa: E402
 from elaswave.model.contract import tie_pairs  # noqa: E402
 from elaswave.model.registry import model_for  # noqa: E402
 from elaswave.pipeline.emulate import layer_forward_s  # noqa: E402
-from elaswave.pipeline.schedule import makespan, one_f_one_b, zb_h1  # noqa: E402
+from elaswave.pipeline.schedule import makespan, stage_schedule  # noqa: E402
 from elaswave.plan.plan import initial_plan  # noqa: E402
 
 PP, M = 4, 8
@@ -42,22 +43,30 @@ JOB = ["parallel.dp=1", f"parallel.pp={PP}", "emulate.enabled=true", "emulate.bl
 REAL_JOB = ["parallel.dp=1", f"parallel.pp={PP}", "frequency.planning=false", "model.arch=llama",
             "model.d_model=128", "model.num_heads=4", "model.seq_len=128", "model.num_blocks=8", "model.dropout=0",
             "train.micro_batch_size=8", f"train.num_micro_batches={M}", "train.steps=10"]
-SCHEDULES = {"1f1b": one_f_one_b, "zb-h1": zb_h1}
+V = 2
+SCHEDULES = {"1f1b": 1, "zb-h1": 1, "interleaved": V}
+"""Each schedule and the model chunks a rank holds under it (parallel.virtual_stages)."""
+
+
+def _sets(name: str) -> list[str]:
+    return [f"parallel.schedule={name}", f"parallel.virtual_stages={SCHEDULES[name]}"]
 
 
 def modelled() -> dict:
-    """Each schedule's makespan on the initial plan's stages, and the compute bound (seconds)."""
+    """Each schedule's makespan on the initial plan's (virtual) stages, and the compute bound (seconds)."""
     cfg = config.load(None, JOB)
     model = model_for(cfg)
-    plan = initial_plan(cfg.world_size, 1, PP, [c.flops_per_token for c in model.layer_costs()], M,
-                        ties=tie_pairs(model))
     forward = layer_forward_s(cfg, model)
     factor = cfg.emulate.backward_factor
-    stage_s = [sum(forward[a:b]) * (1 + factor) for a, b in plan.layer_ranges[0]]
-    out = {name: makespan([gen(s, PP, range(M)) for s in range(PP)], stage_s, factor)
-           for name, gen in SCHEDULES.items()}
-    out["compute_bound"] = M * max(stage_s)
-    out["layer_ranges"] = [list(r) for r in plan.layer_ranges[0]]
+    out = {}
+    for name, v in SCHEDULES.items():
+        plan = initial_plan(cfg.world_size, 1, PP, [c.flops_per_token for c in model.layer_costs()], M,
+                            ties=tie_pairs(model), virtual_stages=v)
+        stage_s = [sum(forward[a:b]) * (1 + factor) for a, b in plan.layer_ranges[0]]
+        out[name] = makespan([stage_schedule(name, s, PP, range(M), v) for s in range(PP)], stage_s, factor)
+        out[f"layer_ranges_{name}"] = [list(r) for r in plan.layer_ranges[0]]
+        if v == 1:
+            out["compute_bound"] = M * max(stage_s)
     return out
 
 
@@ -78,7 +87,7 @@ def main() -> None:
     for k in range(args.rounds):
         for name in in_turn(k, list(SCHEDULES)):
             cpu = _children_cpu_s()
-            run = try_job("run", [*job, f"parallel.schedule={name}"], deterministic=False, timeout_s=300)
+            run = try_job("run", [*job, *_sets(name)], deterministic=False, timeout_s=300)
             if run["exit_code"]:  # a finding, left out of the medians
                 failed[name].append(run["error"])
                 print(f"  round {k}: {name}: FAILED {run['error']}", flush=True)
@@ -92,19 +101,22 @@ def main() -> None:
         return
     model = modelled()
     result = {"job": JOB, "rounds": args.rounds, "runs": runs, "failed": failed, "measured_step_s": measured,
-              "modelled_s": model, "measured_zb_over_1f1b": measured["zb-h1"] / measured["1f1b"],
-              "modelled_zb_over_1f1b": model["zb-h1"] / model["1f1b"]}
+              "modelled_s": model, **{f"{kind}_{name.replace('-', '_')}_over_1f1b": figures[name] / figures["1f1b"]
+                                      for kind, figures in (("measured", measured), ("modelled", model))
+                                      for name in SCHEDULES if name != "1f1b"}}
     left_out = {name: len(f) for name, f in failed.items() if f}
     md = [f"Pipeline schedules, emulated compute, dp=1 x pp={PP}, {M} micro-batches (one process per rank on a "
-          f"2-core CPU box, gloo; stages {model['layer_ranges']}); medians of {args.rounds} interleaved rounds"
+          f"2-core CPU box, gloo; stages {model['layer_ranges_1f1b']}, interleaved V={V}: "
+          f"{model['layer_ranges_interleaved']}); medians of {args.rounds} rounds, the schedules in turn"
           + (f" (failed runs, left out: {left_out})." if left_out else "."), "",
           "| schedule | measured step s | modelled (makespan) s | measured / compute bound |",
           "| --- | --- | --- | --- |"]
     bound = model["compute_bound"]
     for name in SCHEDULES:
         md.append(f"| {name} | {measured[name]:.3f} | {model[name]:.3f} | {measured[name] / bound:.3f} |")
-    md += ["", f"zb-h1 / 1f1b: measured {result['measured_zb_over_1f1b']:.3f}, modelled "
-               f"{result['modelled_zb_over_1f1b']:.3f}; compute bound {bound:.3f} s."]
+    md += [""] + [f"{name} / 1f1b: measured {measured[name] / measured['1f1b']:.3f}, modelled "
+                  f"{model[name] / model['1f1b']:.3f}." for name in SCHEDULES if name != "1f1b"]
+    md += [f"Compute bound {bound:.3f} s."]
     write_results(args.out, result, md)
 
 
@@ -114,11 +126,11 @@ def _children_cpu_s() -> float:
 
 
 def write_real(args, job: list[str], runs: dict, cpu_s: dict, failed: dict, measured: dict) -> None:
-    ratio = measured["zb-h1"] / measured["1f1b"]
     cpu = {name: statistics.median(v) for name, v in cpu_s.items()}
+    ratio = {name: measured[name] / measured["1f1b"] for name in SCHEDULES if name != "1f1b"}
+    cpu_ratio = {name: cpu[name] / cpu["1f1b"] for name in SCHEDULES if name != "1f1b"}
     result = {"job": job, "label": args.label, "rounds": args.rounds, "runs": runs, "cpu_s": cpu_s,
-              "failed": failed, "measured_step_s": measured, "measured_zb_over_1f1b": ratio,
-              "cpu_zb_over_1f1b": cpu["zb-h1"] / cpu["1f1b"]}
+              "failed": failed, "measured_step_s": measured, "measured_over_1f1b": ratio, "cpu_over_1f1b": cpu_ratio}
     left_out = {name: len(f) for name, f in failed.items() if f}
     md = [f"Pipeline schedules, real compute (no emulation){': ' + args.label if args.label else ''}. Llama, "
           f"dp=1 x pp={PP}, {M} micro-batches; 4 ranks of one thread on a shared 2-core CPU box, gloo: the step "
@@ -128,7 +140,8 @@ def write_real(args, job: list[str], runs: dict, cpu_s: dict, failed: dict, meas
           "| --- | --- | --- | --- |"]
     for name in SCHEDULES:
         md.append(f"| {name} | {measured[name]:.3f} | {', '.join(f'{s:.3f}' for s in runs[name])} | {cpu[name]:.1f} |")
-    md += ["", f"zb-h1 / 1f1b: step {ratio:.3f}, CPU {result['cpu_zb_over_1f1b']:.3f}. Job: `{' '.join(job)}`."]
+    md += [""] + [f"{name} / 1f1b: step {ratio[name]:.3f}, CPU {cpu_ratio[name]:.3f}." for name in ratio]
+    md += [f"Job: `{' '.join(job)}`."]
     write_results(args.out, result, md)
 
 

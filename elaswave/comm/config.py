@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from elaswave.errors import fail as _fail
 
 BACKENDS = ("auto", "gloo", "nccl")
-SCHEDULES = ("1f1b", "zb-h1")
+SCHEDULES = ("1f1b", "zb-h1", "interleaved")
 
 
 @dataclass
@@ -20,9 +20,13 @@ class ParallelConfig:
     """Tensor-parallel degree (model.arch=llama; 1, 2, 4 or 8): each stage's layers cut across this
     many ranks, laid out dp x pp x tp, tp innermost (elaswave/tensor/layout.py)."""
     schedule: str = "1f1b"
-    """The pipeline schedule: 1f1b, or zb-h1 (zero bubble: each backward split into the input's
+    """The pipeline schedule: 1f1b; zb-h1 (zero bubble: each backward split into the input's
     gradient, sent on at once, and the weights', run later where 1F1B would wait; the same bits,
-    elaswave/pipeline/zero_bubble.py). A plan with detours (the reroute baseline) runs its own."""
+    elaswave/pipeline/zero_bubble.py); or interleaved (Megatron's interleaved 1F1B over
+    ``virtual_stages`` model chunks a rank). A plan with detours (the reroute baseline) runs its own."""
+    virtual_stages: int = 1
+    """Model chunks a rank holds under parallel.schedule=interleaved (Megatron's V, >= 2): rank s of a
+    pipeline of p holds virtual stages s, s + p, ..., and the bubble is 1/V of 1F1B's."""
     backend: str = "auto"
     """auto: nccl when CUDA is available, else gloo."""
     chunk_numel: int = 4096
@@ -71,6 +75,15 @@ class ParallelConfig:
         if self.schedule == "zb-h1" and self.tp > 1:
             _fail("parallel.schedule", self.schedule, f"does not run with parallel.tp={self.tp}: a tensor-parallel "
                   "product computes its input's and its weight's gradients in one backward, with a collective; "
+                  "use parallel.schedule=1f1b")
+        if self.schedule == "interleaved" and self.virtual_stages < 2:
+            _fail("parallel.virtual_stages", self.virtual_stages, "must be >= 2 with parallel.schedule=interleaved "
+                  "(1 is parallel.schedule=1f1b)")
+        if self.schedule != "interleaved" and self.virtual_stages != 1:
+            _fail("parallel.virtual_stages", self.virtual_stages, f"must be 1 with parallel.schedule={self.schedule}; "
+                  "model chunks are interleaved only by parallel.schedule=interleaved")
+        if self.schedule == "interleaved" and self.tp > 1:
+            _fail("parallel.schedule", self.schedule, f"does not run with parallel.tp={self.tp} yet (untested there); "
                   "use parallel.schedule=1f1b")
         if self.backend not in BACKENDS:
             _fail("parallel.backend", self.backend, f"must be one of {', '.join(BACKENDS)}")

@@ -23,11 +23,12 @@ def layer_forward_s(cfg: JobConfig, model=None) -> list[float]:
 
 
 class EmulatedCompute:
-    def __init__(self, forward_s: Sequence[float], backward_factor: float, layers: tuple[int, int],
+    """``chunks``: the (start, end) layers of each model chunk the rank runs."""
+
+    def __init__(self, forward_s: Sequence[float], backward_factor: float, chunks: Sequence[tuple[int, int]],
                  actuator: Actuator):
-        start, end = layers
-        self.forward_s = sum(forward_s[start:end])
-        self.backward_s = self.forward_s * backward_factor
+        self.forward_s = [sum(forward_s[start:end]) for start, end in chunks]
+        self.backward_s = [f * backward_factor for f in self.forward_s]
         self.actuator = actuator
 
     def _take(self, seconds: float, began: float) -> None:
@@ -36,9 +37,9 @@ class EmulatedCompute:
         if left > 0:
             time.sleep(left)
 
-    def forward(self, began: float) -> None:
-        self._take(self.forward_s, began)
+    def forward(self, began: float, chunk: int = 0) -> None:
+        self._take(self.forward_s[chunk], began)
 
-    def backward(self, began: float, share: float = 1.0) -> None:
+    def backward(self, began: float, share: float = 1.0, chunk: int = 0) -> None:
         """``share``: the part of a whole backward this one is (ZB-H1's B and W split it)."""
-        self._take(self.backward_s * share, began)
+        self._take(self.backward_s[chunk] * share, began)

@@ -1,4 +1,7 @@
-"""Runs one step's schedule on a stage through a dispatch table, one handler per action."""
+"""Runs one step's schedule on a stage through a dispatch table, one handler per action.
+
+What a micro-batch leaves between actions (its input, outputs, incoming gradient) is kept by
+(micro-batch, chunk): under interleaved 1F1B a rank runs each micro-batch once per model chunk."""
 from __future__ import annotations
 
 import time
@@ -67,9 +70,9 @@ class Executor:
         """Execute the actions; returns each piece's (micro-batch's, unless reshaped) summed token
         loss and its count of loss tokens, by its key (last stage only)."""
         self.step = step
-        self.inputs: dict[int, torch.Tensor] = {}
-        self.outputs: dict[int, list[torch.Tensor]] = {}
-        self.grads: dict[int, torch.Tensor] = {}
+        self.inputs: dict[tuple[int, int], torch.Tensor] = {}
+        self.outputs: dict[tuple[int, int], list[torch.Tensor]] = {}
+        self.grads: dict[tuple[int, int], torch.Tensor] = {}
         self.weight_passes: dict[int, list[WeightPass]] = {}
         """A split backward's W still to run, by micro-batch: one per piece, each holding its graph."""
         self.losses: dict[int, tuple[float, int]] = {}
@@ -88,8 +91,8 @@ class Executor:
         ``sampler``: no dropout, no graph, no gradients. Returns each piece's summed token loss
         and loss-token count, by its key (last stage only). Dropping the backwards leaves a schedule that cannot deadlock: it only
         loses waits."""
-        received: dict[int, torch.Tensor] = {}
-        outputs: dict[int, list[torch.Tensor]] = {}
+        received: dict[tuple[int, int], torch.Tensor] = {}
+        outputs: dict[tuple[int, int], list[torch.Tensor]] = {}
         losses: dict[int, tuple[float, int]] = {}
         with torch.no_grad():
             for a in actions:
@@ -97,22 +100,22 @@ class Executor:
                     continue
                 if before is not None:
                     before(a)
-                mb = a.micro_batch
+                mb, at = a.micro_batch, (a.micro_batch, a.chunk)
                 if a.op is Op.RECV_ACT:
-                    received[mb] = self.p2p.recv_act(mb, a.peer, self._rows(mb))
+                    received[at] = self.p2p.recv_act(mb, a.peer, self._rows(mb), a.chunk)
                 elif a.op is Op.SEND_ACT:
-                    self.p2p.send_act(_joined(outputs.pop(mb)), mb, a.peer)
+                    self.p2p.send_act(_joined(outputs.pop(at)), mb, a.peer, a.chunk)
                 else:
-                    outs = []
-                    for key, x, data in self._inputs(mb, batch, sampler, received.pop(mb, None)):
+                    outs, last = [], self.stage.chunk_is_last(a.chunk)
+                    for key, x, data in self._inputs(mb, batch, sampler, received.pop(at, None), a.chunk):
                         out = self.stage.forward(x, batch, key, train=False,
-                                                 documents=data.documents if data is not None else None)
-                        if self.stage.is_last:
+                                                 documents=data.documents if data is not None else None, chunk=a.chunk)
+                        if last:
                             losses[key] = (float(self.stage.model.loss_sum(out, data.targets.to(self.stage.device))),
                                            data.loss_tokens)
                         outs.append(out)
-                    if not self.stage.is_last:
-                        outputs[mb] = outs
+                    if not last:
+                        outputs[at] = outs
         self.p2p.drain()
         return losses
 
@@ -123,13 +126,13 @@ class Executor:
             return None
         return sum(rows[1] for _, rows in pieces)
 
-    def _inputs(self, mb: int, step: int, sampler: Sampler | None, received: torch.Tensor | None):
-        """(key, input, data) of each piece of ``mb``: data read for it (if this stage reads),
-        the input its rows of what the previous stage sent (or its tokens on the first stage)."""
+    def _inputs(self, mb: int, step: int, sampler: Sampler | None, received: torch.Tensor | None, chunk: int = 0):
+        """(key, input, data) of each piece of ``mb`` on ``chunk``: data read for it (if this stage
+        reads), the input its rows of what the previous stage sent (or its tokens on the first stage)."""
         pieces, at = self.pieces(mb), 0
         for key, rows in pieces:
             data = sampler.micro_batch(step, key, rows) if sampler is not None else None
-            if self.stage.is_first:
+            if self.stage.chunk_is_first(chunk):
                 x = data.inputs.to(self.stage.device)
             elif len(pieces) == 1:
                 x = received
@@ -138,39 +141,43 @@ class Executor:
             yield key, x, data
 
     def _recv_act(self, a: Action) -> None:
-        self.inputs[a.micro_batch] = self.p2p.recv_act(a.micro_batch, a.peer, self._rows(a.micro_batch)).requires_grad_(True)
+        self.inputs[(a.micro_batch, a.chunk)] = self.p2p.recv_act(a.micro_batch, a.peer, self._rows(a.micro_batch),
+                                                                  a.chunk).requires_grad_(True)
 
     def _forward(self, a: Action) -> None:
-        mb = a.micro_batch
+        mb, at = a.micro_batch, (a.micro_batch, a.chunk)
         began, cpu = time.perf_counter(), time.process_time()
-        outs = []
-        for key, x, batch in self._inputs(mb, self.step, self.sampler, self.inputs.get(mb)):
-            out = self.stage.forward(x, self.step, key, documents=batch.documents if batch is not None else None)
-            if self.stage.is_last:
+        outs, last = [], self.stage.chunk_is_last(a.chunk)
+        for key, x, batch in self._inputs(mb, self.step, self.sampler, self.inputs.get(at), a.chunk):
+            out = self.stage.forward(x, self.step, key, documents=batch.documents if batch is not None else None,
+                                     chunk=a.chunk)
+            if last:
                 loss_sum = self.stage.model.loss_sum(out, batch.targets.to(self.stage.device))
                 self.losses[key] = (float(loss_sum.detach()), batch.loss_tokens)
                 # Scale by the *global* count of loss tokens: the gradient is the mean over the whole
                 # batch, whichever pipeline runs this micro-batch and however many pipelines are alive.
                 out = loss_sum / max(1, self.global_tokens(self.step))
             outs.append(out)
-        self.outputs[mb] = outs
-        self._end_compute(began, cpu)
+        self.outputs[at] = outs
+        self._end_compute(began, cpu, chunk=a.chunk)
 
     def _send_act(self, a: Action) -> None:
-        self.p2p.send_act(_joined(self.outputs[a.micro_batch]), a.micro_batch, a.peer)
+        self.p2p.send_act(_joined(self.outputs[(a.micro_batch, a.chunk)]), a.micro_batch, a.peer, a.chunk)
 
     def _recv_grad(self, a: Action) -> None:
-        self.grads[a.micro_batch] = self.p2p.recv_grad(a.micro_batch, a.peer, self._rows(a.micro_batch))
+        self.grads[(a.micro_batch, a.chunk)] = self.p2p.recv_grad(a.micro_batch, a.peer, self._rows(a.micro_batch),
+                                                                  a.chunk)
 
     def _run_first_backward_hook(self) -> None:
         hook, self.first_backward = self.first_backward, None
         if hook is not None:
             hook()
 
-    def _output_grads(self, mb: int) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
-        """Each piece's output of ``mb`` with the gradient flowing into it (None: the loss)."""
-        outs = self.outputs.pop(mb)
-        grad, at, out_grads = None if self.stage.is_last else self.grads.pop(mb), 0, []
+    def _output_grads(self, mb: int, chunk: int = 0) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+        """Each piece's output of ``mb`` on ``chunk`` with the gradient flowing into it (None: the loss)."""
+        outs = self.outputs.pop((mb, chunk))
+        grad = None if self.stage.chunk_is_last(chunk) else self.grads.pop((mb, chunk))
+        at, out_grads = 0, []
         for out in outs:
             if grad is None or len(outs) == 1:
                 out_grads.append((out, grad))
@@ -181,16 +188,16 @@ class Executor:
 
     def _backward(self, a: Action) -> None:
         began, cpu = self._begin_backward()
-        for out, grad in self._output_grads(a.micro_batch):  # each piece's gradient folded alone
+        for out, grad in self._output_grads(a.micro_batch, a.chunk):  # each piece's gradient folded alone
             torch.autograd.backward(out, grad)
             self.on_backward()
-        self._end_compute(began, cpu, 1.0)
+        self._end_compute(began, cpu, 1.0, a.chunk)
 
     def _backward_input(self, a: Action) -> None:
         """ZB-H1's B: the input's gradient now (the stage before waits for it), the weights' at W."""
         began, cpu = self._begin_backward()
         mb = a.micro_batch
-        self.weight_passes[mb] = [backward_input(out, grad, self.inputs.get(mb), self._weights,
+        self.weight_passes[mb] = [backward_input(out, grad, self.inputs.get((mb, 0)), self._weights,
                                                   self._recomputed_weights)
                                   for out, grad in self._output_grads(mb)]
         self._end_compute(began, cpu, BACKWARD_INPUT_SHARE)
@@ -206,14 +213,14 @@ class Executor:
         self._run_first_backward_hook()
         return time.perf_counter(), time.process_time()
 
-    def _end_compute(self, began: float, cpu: float, backward_share: float | None = None) -> None:
+    def _end_compute(self, began: float, cpu: float, backward_share: float | None = None, chunk: int = 0) -> None:
         """``backward_share``: the share of a whole backward's modelled time this computation takes
-        (None: a forward)."""
+        (None: a forward); ``chunk``: the model chunk it ran."""
         if self.emulated is not None:
             if backward_share is None:
-                self.emulated.forward(began)
+                self.emulated.forward(began, chunk)
             else:
-                self.emulated.backward(began, backward_share)
+                self.emulated.backward(began, backward_share, chunk)
         self._straggle(began, cpu)
         self.busy_s += time.perf_counter() - began
 
@@ -229,7 +236,7 @@ class Executor:
             time.sleep((self.slowdown - 1.0) * spent)
 
     def _send_grad(self, a: Action) -> None:
-        self.p2p.send_grad(self.inputs.pop(a.micro_batch).grad, a.micro_batch, a.peer)
+        self.p2p.send_grad(self.inputs.pop((a.micro_batch, a.chunk)).grad, a.micro_batch, a.peer, a.chunk)
 
 
 def _joined(outs: list[torch.Tensor]) -> torch.Tensor:

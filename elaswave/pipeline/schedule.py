@@ -127,14 +127,18 @@ def zb_h1(stage: int, num_stages: int, micro_batches: Sequence[int]) -> list[Act
 def interleaved_1f1b(stage: int, num_stages: int, num_chunks: int, micro_batches: Sequence[int]) -> list[Action]:
     """Megatron-LM's interleaved 1F1B (Narayanan et al., 2021): rank ``stage`` runs its
     ``num_chunks`` chunks (virtual stages ``v * num_stages + stage``) on micro-batches taken in
-    groups of ``p = num_stages``: the forwards go chunk 0 on a group's p micro-batches, chunk 1 on
-    them, ..., then the next group; the backwards the same groups from the last chunk down. The rank
-    first runs ``(p - stage - 1) * 2 + (V - 1) * p`` forwards (at most all ``V * m``), then pairs one
-    forward with one backward, then drains the backwards. Its bubble is ``1 / V`` of 1F1B's; rank 0
-    holds up to ``V * p + p - 1`` micro-batch-chunks' activations (1F1B's stage 0: p whole ones).
+    groups: the forwards go chunk 0 on a group's micro-batches, chunk 1 on them, ..., then the next
+    group; the backwards the same groups from the last chunk down. The rank first runs
+    ``(p - stage - 1) * 2 + (V - 1) * g`` forwards (g: the first group's size; at most all ``V * m``),
+    then pairs one forward with one backward, then drains the backwards. Its bubble is ``1 / V`` of
+    1F1B's; rank 0 holds up to ``V * p + p - 1`` micro-batch-chunks' activations (1F1B's stage 0:
+    p whole ones).
 
-    ``num_chunks`` 1 is :func:`one_f_one_b` (Megatron runs its plain schedule there too); above 1,
-    the micro-batch count must be a multiple of ``num_stages``, as Megatron requires."""
+    With ``m`` a multiple of ``p`` the groups are of ``p``, Megatron's schedule exactly. Otherwise
+    (a re-planned pipeline gets whatever count the deal gives it) there are ``max(1, m // p)``
+    groups as even as possible, each of at least ``p`` (all ``m`` when fewer): a short group of
+    fewer than ``p`` behind full ones deadlocks, the test suite's sweep shows. ``num_chunks`` 1 is
+    :func:`one_f_one_b` (Megatron runs its plain schedule there too)."""
     if not 0 <= stage < num_stages:
         raise ValueError(f"stage {stage} out of range for {num_stages} stages")
     if num_chunks < 1:
@@ -142,26 +146,21 @@ def interleaved_1f1b(stage: int, num_stages: int, num_chunks: int, micro_batches
     if num_chunks == 1:
         return one_f_one_b(stage, num_stages, micro_batches)
     mbs = list(micro_batches)
-    if len(mbs) % num_stages:
-        raise ValueError(f"interleaved 1F1B over {num_chunks} chunks takes a multiple of num_stages "
-                         f"{num_stages} micro-batches, not {len(mbs)}: valid are {num_stages}, "
-                         f"{2 * num_stages}, {3 * num_stages}, ...")
-    group = num_stages * num_chunks
-    total = len(mbs) * num_chunks
-
-    def unit(k: int, forward: bool) -> tuple[int, int]:  # the k-th forward's or backward's (mb, chunk)
-        chunk = (k % group) // num_stages
-        return mbs[k // group * num_stages + k % num_stages], chunk if forward else num_chunks - 1 - chunk
+    rounds = max(1, len(mbs) // num_stages)
+    sizes = [len(mbs) // rounds + (1 if i < len(mbs) % rounds else 0) for i in range(rounds)]
+    groups = [mbs[sum(sizes[:i]):sum(sizes[:i + 1])] for i in range(rounds)]
+    forwards = [(mb, c) for g in groups for c in range(num_chunks) for mb in g]
+    backwards = [(mb, num_chunks - 1 - c) for g in groups for c in range(num_chunks) for mb in g]
 
     def fwd(k: int) -> list[Action]:
-        mb, chunk = unit(k, True)
-        return _forward(stage, num_stages, mb, chunk, num_chunks)
+        return _forward(stage, num_stages, *forwards[k], num_chunks)
 
     def bwd(k: int) -> list[Action]:
-        mb, chunk = unit(k, False)
+        mb, chunk = backwards[k]
         return _backward(stage, num_stages, mb, Op.BACKWARD, chunk, num_chunks)
 
-    warmup = min((num_stages - stage - 1) * 2 + (num_chunks - 1) * num_stages, total)
+    total = len(forwards)
+    warmup = min((num_stages - stage - 1) * 2 + (num_chunks - 1) * sizes[0], total)
     acts = [a for k in range(warmup) for a in fwd(k)]
     for k in range(total - warmup):  # steady: forward k + warmup, then backward k
         acts += fwd(k + warmup) + bwd(k)
@@ -323,16 +322,32 @@ def makespan(schedules: Sequence[Sequence[Action]], stage_s: Sequence[float], ba
     return max(free, default=0.0)
 
 
-GENERATORS = {"1f1b": one_f_one_b, "zb-h1": zb_h1}
-"""``parallel.schedule`` -> the generator of a stage's actions, as the runtime runs them."""
+GENERATORS = {"1f1b": one_f_one_b, "zb-h1": zb_h1, "interleaved": interleaved_1f1b}
+"""``parallel.schedule`` -> the generator of a stage's actions, as the runtime runs them
+(:func:`stage_schedule` calls it)."""
+
+
+def stage_schedule(name: str, stage: int, num_stages: int, micro_batches: Sequence[int],
+                   num_chunks: int = 1) -> list[Action]:
+    """Stage ``stage``'s actions under schedule ``name`` with ``num_chunks`` model chunks a rank
+    (``parallel.virtual_stages``; only ``interleaved`` takes more than 1)."""
+    if name == "interleaved":
+        return interleaved_1f1b(stage, num_stages, num_chunks, micro_batches)
+    if num_chunks != 1:
+        raise ValueError(f"schedule {name!r} runs one model chunk a rank, not {num_chunks}: "
+                         "virtual stages take the interleaved schedule")
+    return GENERATORS[name](stage, num_stages, micro_batches)
 
 
 def schedule_makespan(name: str, stage_s: Sequence[float], num_micro_batches: int, backward_factor: float = 2.0,
-                      sizes: Sequence[float] | None = None) -> float:
+                      sizes: Sequence[float] | None = None, num_chunks: int = 1) -> float:
     """One pipeline's time under schedule ``name`` (a :data:`GENERATORS` key): every stage's action
-    list timed by :func:`makespan` (1F1B by its exact closed timing, the same figure, faster)."""
-    if name == "1f1b":
+    list timed by :func:`makespan` (1F1B by its exact closed timing, the same figure, faster).
+    ``stage_s``: each rank's time per micro-batch, its ``num_chunks`` chunks' together (each chunk
+    taken as an even share of it, which the planner's p x V minimax partition comes close to)."""
+    if name == "1f1b" and num_chunks == 1:
         return one_f_one_b_makespan(stage_s, num_micro_batches, backward_factor, sizes)
-    generate, num_stages = GENERATORS[name], len(stage_s)
-    return makespan([generate(s, num_stages, range(num_micro_batches)) for s in range(num_stages)], stage_s,
-                    backward_factor, sizes=sizes)
+    num_stages = len(stage_s)
+    virtual = [stage_s[k % num_stages] / num_chunks for k in range(num_stages * num_chunks)]
+    return makespan([stage_schedule(name, s, num_stages, range(num_micro_batches), num_chunks)
+                     for s in range(num_stages)], virtual, backward_factor, sizes=sizes)

@@ -1,10 +1,13 @@
-"""A pipeline stage: a contiguous range of model layers, each with its flat parameter vector.
+"""A pipeline stage: a contiguous range of model layers, each with its flat parameter vector -- or,
+under interleaved 1F1B, one such range per model chunk the rank holds (its virtual stages).
 
 A stage also holds the owner layer of every tie whose user it runs (not run, only to keep the
 tied tensor): the user's own copy is replaced by an alias of the owner's, whose gradient is
 folded into the owner's sum as a use of its own (see :class:`elaswave.zero.flat.FlatLayer`).
 """
 from __future__ import annotations
+
+from typing import Sequence
 
 import torch
 from torch.utils.checkpoint import checkpoint
@@ -17,17 +20,24 @@ from elaswave.zero.flat import FlatLayer
 
 
 class Stage:
-    def __init__(self, cfg: JobConfig, layer_range: tuple[int, int], device: torch.device, model: Model | None = None):
+    """``layers``: the (start, end) range of each model chunk, chunk 0 first, or one range."""
+
+    def __init__(self, cfg: JobConfig, layers: tuple[int, int] | Sequence[tuple[int, int]], device: torch.device,
+                 model: Model | None = None):
         self.model = model if model is not None else model_for(cfg)
-        self.start, self.end = layer_range
+        self.chunks: tuple[tuple[int, int], ...] = (
+            (tuple(layers),) if isinstance(layers[0], int) else tuple(tuple(r) for r in layers))
+        ran = [i for start, end in self.chunks for i in range(start, end)]
         self.seed = cfg.train.seed
-        self.is_first = self.start == 0
-        self.is_last = self.end == self.model.num_layers
-        ties = [t for t in self.model.ties if self.start <= t.user < self.end]
-        held = sorted(set(range(self.start, self.end)) | {t.owner for t in ties})
+        self.is_first = self.chunk_is_first(0)
+        """Some chunk of this stage reads the tokens (the first layer)."""
+        self.is_last = any(self.chunk_is_last(c) for c in range(len(self.chunks)))
+        """Some chunk of this stage computes the loss (the last layer)."""
+        ties = [t for t in self.model.ties if t.user in ran]
+        held = sorted(set(ran) | {t.owner for t in ties})
         modules = {i: self.model.build_layer(i, self.seed).to(device) for i in held}
         # The user's own copy goes before flattening: the tensor is the owner's.
-        slots = [slot for i in range(self.start, self.end) for slot in untie(self.model, modules[i], i)]
+        slots = [slot for i in ran for slot in untie(self.model, modules[i], i)]
         self.layers = [FlatLayer(modules[i], i) for i in held]
         """Every layer this stage holds (its range and tie owners), in layer order."""
         by_index = {layer.index: layer for layer in self.layers}
@@ -39,8 +49,10 @@ class Stage:
             if alias.shape != shape:
                 raise ModelContractError(f"tie {t}: shapes {list(alias.shape)} and {list(shape)} differ")
             setattr(parent, name, alias)
-        self.running = [by_index[i] for i in range(self.start, self.end)]
-        self.recomputed = {i for i in range(self.start, self.end) if cfg.train.checkpointed(i, self.model.num_layers)}
+        self._by_chunk = [[by_index[i] for i in range(start, end)] for start, end in self.chunks]
+        self.running = [layer for chunk in self._by_chunk for layer in chunk]
+        """The layers this stage runs, every chunk's, in layer order."""
+        self.recomputed = {i for i in ran if cfg.train.checkpointed(i, self.model.num_layers)}
         """Layers whose activations are not kept: their forward runs again in the backward."""
         self.device = device
 
@@ -49,13 +61,20 @@ class Stage:
         """What the layers hold and compute in (train.precision; set by casting the layers)."""
         return self.layers[0].flat.dtype
 
+    def chunk_is_first(self, chunk: int) -> bool:
+        return self.chunks[chunk][0] == 0
+
+    def chunk_is_last(self, chunk: int) -> bool:
+        return self.chunks[chunk][1] == self.model.num_layers
+
     def forward(self, x: torch.Tensor, step: int, micro_batch: int, train: bool = True,
-                documents: torch.Tensor | None = None) -> torch.Tensor:
-        """Dropout in layer ``i`` draws from the stream (seed, DROPOUT, step, micro_batch, i);
-        ``documents`` (data.document_masking): the document of each token, for every layer."""
+                documents: torch.Tensor | None = None, chunk: int = 0) -> torch.Tensor:
+        """Chunk ``chunk``'s layers on ``x``. Dropout in layer ``i`` draws from the stream (seed,
+        DROPOUT, step, micro_batch, i), whichever rank and chunk run it; ``documents``
+        (data.document_masking): the document of each token, for every layer."""
         if documents is not None:
             documents = documents.to(self.device)
-        for layer in self.running:
+        for layer in self._by_chunk[chunk]:
             if train and layer.index in self.recomputed and torch.is_grad_enabled():
                 # The recomputation makes its generator anew from the same key: the same masks.
                 x = checkpoint(self._run, layer, x, step, micro_batch, train, documents, use_reentrant=False,

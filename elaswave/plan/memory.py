@@ -221,12 +221,20 @@ def bytes_per_parameter(model: MemoryModel, holders: int) -> dict[str, float]:
 
 def rank_bytes(model: MemoryModel, plan, rank: int) -> dict[str, float]:
     """The modelled peak of ``rank`` under ``plan`` (an elaswave Plan), by part, with chunk padding,
-    the holder groups and snapshot pairing the plan really has."""
+    the holder groups and snapshot pairing the plan really has. Under interleaved 1F1B each model
+    chunk's layers and activations count, the latter for as many micro-batch-chunks as the rank's
+    schedule holds at once, shared evenly between its chunks."""
     d, s = plan.position(rank)
-    start, end = plan.layer_ranges[d][s]
     depth = len(plan.pipelines[d])
     mbs = len(plan.micro_batches[d])
-    out = {"layers": model.layer_bytes(start, end)}
+    chunks = plan.chunk_ranges(rank)
+    if len(chunks) == 1:
+        in_flight = model.in_flight(s, depth, mbs)
+    else:
+        from elaswave.pipeline.schedule import interleaved_1f1b, peak_in_flight  # late: the plan needs no schedule
+        in_flight = -(-peak_in_flight(interleaved_1f1b(s, depth, len(chunks), range(mbs))) // len(chunks)) if mbs else 0
+    held = sorted({i for start, end in chunks for i in model.held_layers(start, end)})
+    out = {"layers": sum(model.layer_bytes(start, end) for start, end in chunks)}
     out["optimizer"] = model.optimizer_bytes * _slot_values(model, plan, rank)
     if model.snapshots and len(plan.ranks) > 1:
         peers = sum(sum(plan.slot_chunks(owner)) for owner in plan.snapshot_owners(rank))
@@ -234,11 +242,10 @@ def rank_bytes(model: MemoryModel, plan, rank: int) -> dict[str, float]:
     else:
         out["snapshots"] = 0.0
     out["data"] = model.data_bytes if s in (0, depth - 1) else 0.0
-    out["activations"] = (model.activation_bytes(start, end, model.in_flight(s, depth, mbs), mbs, s == 0,
-                                                 s == depth - 1) if mbs else 0.0)
+    out["activations"] = sum(model.activation_bytes(start, end, in_flight, mbs, start == 0, end == plan.num_layers)
+                             for start, end in chunks) if mbs else 0.0
     # After the backward the activations are gone and the reduce packs the sums: one or the other.
-    out["update"] = model.update_bytes(sum(model.layer_numels[i] for i in model.held_layers(start, end)),
-                                       _slot_values(model, plan, rank))
+    out["update"] = model.update_bytes(sum(model.layer_numels[i] for i in held), _slot_values(model, plan, rank))
     out["total"] = sum(v for k, v in out.items() if k not in ("activations", "update")) + max(
         out["activations"], out["update"])
     return out

@@ -32,7 +32,7 @@ class Plan:
     pipelines: tuple[tuple[int, ...], ...]
     """pipelines[d][s] = the rank that is stage s of pipeline d."""
     layer_ranges: tuple[tuple[tuple[int, int], ...], ...]
-    """layer_ranges[d][s] = (start, end) layers of stage s of pipeline d."""
+    """layer_ranges[d][k] = (start, end) layers of (virtual) stage k of pipeline d."""
     micro_batches: tuple[tuple[int, ...], ...]
     """micro_batches[d] = ids of the micro-batches pipeline d runs each step."""
     chunk_owners: Owners = ()
@@ -71,6 +71,10 @@ class Plan:
     """micro_batch_units[id] = the units micro-batch ``id`` holds (empty: units_per_micro_batch each)."""
     frequency_solver: str = ""
     """What chose ``frequencies`` (:class:`~elaswave.plan.frequency.FrequencyPlan`'s ``solver``; empty: none)."""
+    virtual_stages: int = 1
+    """Model chunks a rank holds (parallel.virtual_stages, interleaved 1F1B): layer_ranges[d] then
+    has ``len(pipelines[d]) * virtual_stages`` ranges, virtual stage ``k`` on rank
+    ``pipelines[d][k % len(pipelines[d])]`` (Megatron's layout), on survivors as before a loss."""
 
     def to_doc(self) -> dict:
         """JSON-ready: a joining rank reads the plan it joins from the store."""
@@ -108,9 +112,9 @@ class Plan:
     def _holders(self) -> tuple[tuple[int, ...], ...]:
         out: list[list[int]] = [[] for _ in range(self.num_layers)]
         for pipe, ranges in zip(self.pipelines, self.layer_ranges):
-            for r, (i, j) in zip(pipe, ranges):
+            for k, (i, j) in enumerate(ranges):
                 for layer in range(i, j):
-                    out[layer].append(r)
+                    out[layer].append(pipe[k % len(pipe)])
         for owner, user in self.ties:
             out[owner].extend(out[user])
         return tuple(tuple(sorted(set(h))) for h in out)
@@ -158,8 +162,16 @@ class Plan:
             raise KeyError(f"rank {rank} is not in the plan of epoch {self.epoch} (ranks {self.ranks})") from None
 
     def layers_of(self, rank: int) -> tuple[int, int]:
+        """The one layer range ``rank`` runs (a plan without virtual stages; see chunk_ranges)."""
+        if self.virtual_stages != 1:
+            raise ValueError(f"rank {rank} runs {self.virtual_stages} chunks: ask chunk_ranges")
         d, s = self.position(rank)
         return self.layer_ranges[d][s]
+
+    def chunk_ranges(self, rank: int) -> tuple[tuple[int, int], ...]:
+        """The layer range of each model chunk ``rank`` runs, chunk 0 first (one without virtual stages)."""
+        d, s = self.position(rank)
+        return self.layer_ranges[d][s::len(self.pipelines[d])]
 
     def holders(self, layer: int) -> tuple[int, ...]:
         """The holder group of a layer: the rank of each pipeline that holds it, sorted."""
@@ -202,16 +214,20 @@ class Plan:
 def initial_plan(world_size: int, dp: int, pp: int, layer_costs: Sequence[float], num_micro_batches: int,
                  layer_numels: Sequence[int] = (), chunk_numel: int = 1, layer_memory: Sequence[float] = (),
                  stage_memory_limit: float = 0.0, ties: Sequence[tuple[int, int]] = (),
-                 memory: MemoryModel | None = None, units_per_micro_batch: int = 1) -> Plan:
+                 memory: MemoryModel | None = None, units_per_micro_batch: int = 1, virtual_stages: int = 1) -> Plan:
     """Rank ``d * pp + s`` is stage ``s`` of pipeline ``d``: a pipeline's stages are neighbours.
-    ``units_per_micro_batch`` > 1: re-plans reshape micro-batches in units (see Plan)."""
+    ``units_per_micro_batch`` > 1: re-plans reshape micro-batches in units (see Plan);
+    ``virtual_stages`` > 1: ``pp x virtual_stages`` chunks, minimax on the layer costs (interleaved 1F1B)."""
     if units_per_micro_batch < 1:
         raise ValueError(f"units_per_micro_batch={units_per_micro_batch} must be >= 1")
     if dp * pp != world_size:
         raise ValueError(f"dp={dp} x pp={pp} = {dp * pp} must equal the world size {world_size}")
     try:
-        ranges = tuple(partition(layer_costs, pp, layer_memory or None, stage_memory_limit or None,
-                                 stage_memory=_stage_memory(memory, pp, dp, num_micro_batches)))
+        if virtual_stages > 1:
+            ranges = tuple(partition(layer_costs, pp * virtual_stages))
+        else:
+            ranges = tuple(partition(layer_costs, pp, layer_memory or None, stage_memory_limit or None,
+                                     stage_memory=_stage_memory(memory, pp, dp, num_micro_batches)))
     except PartitionError as exc:
         raise PlanError(f"the initial layout does not fit: {exc}") from None
     pipelines = tuple(tuple(d * pp + s for s in range(pp)) for d in range(dp))
@@ -228,6 +244,7 @@ def initial_plan(world_size: int, dp: int, pp: int, layer_costs: Sequence[float]
         depth=pp,
         ties=tuple(tuple(t) for t in ties),
         units_per_micro_batch=units_per_micro_batch,
+        virtual_stages=virtual_stages,
     )
     if layer_numels:
         plan = replace(plan, chunk_owners=round_robin_owners(plan.holder_groups(), layer_numels, chunk_numel))
@@ -260,7 +277,8 @@ def replan(prev: Plan, live: Sequence[int], epoch: int, num_micro_batches: int,
     joiner is in.
 
     ``rebalance`` (elaswave): re-partition every pipeline by its ranks' measured speeds, so a slow
-    rank (a straggler) gets fewer layers and its pipeline fewer micro-batches; see :func:`rebalance_gain`.
+    rank (a straggler) gets fewer layers and its pipeline fewer micro-batches; see
+    :func:`~elaswave.plan.rebalance.rebalance_gain`.
 
     ``speeds``: micro-batches per second each rank measured on its current stage, at its current
     frequency level (a joiner has none: it counts as the median rank). ``schedule``: the
@@ -278,7 +296,7 @@ def replan(prev: Plan, live: Sequence[int], epoch: int, num_micro_batches: int,
         survivors = tuple(r for r in pipe if r in alive)
         if survivors:
             pipelines.append(survivors)
-            kept_ranges.append(tuple(rng for r, rng in zip(pipe, prev.layer_ranges[d]) if r in alive))
+            kept_ranges.append(tuple(rng for k, rng in enumerate(prev.layer_ranges[d]) if pipe[k % len(pipe)] in alive))
             kept.append(d)
     if joined:
         _place_joiners(prev, epoch, joined, pipelines, kept_ranges, kept)
@@ -316,7 +334,7 @@ def _place_joiners(prev: Plan, epoch: int, joined: Sequence[int], pipelines: lis
         take, waiting = waiting[:max(0, depth - len(pipe))], waiting[max(0, depth - len(pipe)):]
         if not take:
             continue
-        if not _covers(rng, prev.num_layers) and all(r in whole for r in rng):
+        if prev.virtual_stages == 1 and not _covers(rng, prev.num_layers) and all(r in whole for r in rng):
             # The survivors kept their stages of the whole layout: the joiners take the missing ones.
             missing = [r for r in whole if r not in rng]
             slots = sorted(list(zip(rng, pipe)) + list(zip(missing, take)))
@@ -337,7 +355,12 @@ def _stage_memory(memory: MemoryModel | None, num_stages: int, pipelines: int, n
 
 def _split(prev: Plan, count: int, pipelines: int, num_micro_batches: int,
            speeds: Sequence[float] | None = None) -> tuple[tuple[int, int], ...]:
-    """A pipeline of ``count`` stages, one of ``pipelines``, re-partitioned within the memory limit."""
+    """A pipeline of ``count`` stages, one of ``pipelines``, re-partitioned within the memory limit;
+    with virtual stages, ``count x V`` chunks by cost (the memory model prices one range a rank)."""
+    if prev.virtual_stages > 1:
+        v = prev.virtual_stages
+        return tuple(partition(_costs(prev), count * v, speeds=[speeds[k % count] for k in range(count * v)]
+                               if speeds is not None else None))
     return tuple(partition(_costs(prev), count, prev.layer_memory or None, prev.stage_memory_limit or None, speeds,
                            _stage_memory(prev.memory, count, pipelines, num_micro_batches)))
 
@@ -351,7 +374,7 @@ def _build(prev: Plan, epoch: int, pipelines, ranges, mbs, freqs=(), routes=(), 
                 ties=prev.ties, ranks_per_node=prev.ranks_per_node, snapshot_copies=prev.snapshot_copies,
                 units_per_micro_batch=prev.units_per_micro_batch,
                 micro_batch_units=prev.micro_batch_units if units is None else tuple(units),
-                frequency_solver=solver if freqs else "")
+                frequency_solver=solver if freqs else "", virtual_stages=prev.virtual_stages)
     owners = reassign_owners(prev.chunk_owners, plan.holder_groups())
     joined = set(plan.ranks) - set(prev.ranks)
     if joined:
@@ -392,7 +415,7 @@ def _elaswave(prev: Plan, epoch: int, pipelines, kept_ranges, kept, num_micro_ba
         raise PlanError(f"epoch {epoch}: no pipeline can hold the model: {'; '.join(why)}")
     if len(run) > num_micro_batches:
         raise PlanError(f"epoch {epoch}: {num_micro_batches} micro-batches cannot feed {len(run)} pipelines")
-    stage_s = [[_cost(prev, i, j) / rate[r] for r, (i, j) in zip(pipelines[k], ranges[k])] for k in run]
+    stage_s = [[c / rate[r] for r, c in zip(pipelines[k], _rank_costs(prev, pipelines[k], ranges[k]))] for k in run]
     mbs, freqs, units, sizes, at_levels, solver = deal(stage_s, num_micro_batches, prev.units_per_micro_batch,
                                                         power, power_cap_w)
     run_mbs = mbs
@@ -401,7 +424,8 @@ def _elaswave(prev: Plan, epoch: int, pipelines, kept_ranges, kept, num_micro_ba
         mbs = tuple(mbs[at[k]] if k in at else () for k in range(len(pipelines)))
         freqs = tuple(freqs[at[k]] if k in at else (1.0,) * len(pipelines[k]) for k in range(len(pipelines))) if freqs else ()
     complete = [_covers(rng, prev.num_layers) for rng in kept_ranges]
-    if detours and any(complete) and not all(complete):
+    # Interleaved pipelines share no stage layout a detour could pass through.
+    if detours and prev.virtual_stages == 1 and any(complete) and not all(complete):
         kept_mbs = tuple(prev.micro_batches[d] if d is not None else () for d in kept)
         try:
             routes = _detours(prev, pipelines, kept_ranges, complete, kept_mbs, epoch)
@@ -413,35 +437,6 @@ def _elaswave(prev: Plan, epoch: int, pipelines, kept_ranges, kept, num_micro_ba
             if detoured_step_s(pipelines, kept_mbs, routes, forward) < step_s(at_levels, run_mbs, sizes, schedule) * (1 - 1e-3):
                 return _build(prev, epoch, pipelines, kept_ranges, kept_mbs, routes=routes)
     return _build(prev, epoch, pipelines, ranges, mbs, freqs, units=units, solver=solver)
-
-
-def rebalance_gain(prev: Plan, speeds: Mapping[int, float], num_micro_batches: int,
-                   min_gain: float = 0.0) -> tuple[float, Plan | None]:
-    """The fraction of a step that re-planning the same ranks by their measured ``speeds`` is
-    predicted to save (1F1B with each stage at its rank's rate), and that plan. A plan with
-    detours or idle pipelines (the baselines) is not rebalanced: (0, None).
-
-    Every rank asks this after every step, and a re-plan re-partitions every pipeline (seconds at
-    10^4 ranks), so with ``min_gain`` a bound comes first. A pipeline of S stages, m micro-batches
-    and summed rate R_p takes at least (m + S - 1) C / R_p for layers of total cost C; spreading
-    the M micro-batches to equalise that gives every plan of these pipelines at least
-    C (M + sum(S - 1)) / sum(R_p). When even that saves less than ``min_gain`` -- the usual case,
-    speeds even -- no re-plan is made: (the bound, None)."""
-    if prev.routes or not all(prev.micro_batches) or not all(speeds.get(r, 0) > 0 for r in prev.ranks):
-        return 0.0, None
-    rate = _rank_rates(prev, speeds)
-
-    def step_s(plan: Plan) -> float:
-        return max((len(m) + len(p) - 1) * max(_cost(plan, i, j) / rate[r] for r, (i, j) in zip(p, rng))
-                   for p, rng, m in zip(plan.pipelines, plan.layer_ranges, plan.micro_batches))
-
-    now = step_s(prev)
-    slots = sum(len(m) + len(p) - 1 for p, m in zip(prev.pipelines, prev.micro_batches))
-    bound = 1.0 - _cost(prev, 0, prev.num_layers) * slots / sum(rate.values()) / now
-    if bound < min_gain:
-        return bound, None
-    candidate = replan(prev, prev.ranks, prev.epoch + 1, num_micro_batches, speeds, rebalance=True)
-    return 1.0 - step_s(candidate) / now, candidate
 
 
 def _covers(ranges: Sequence[tuple[int, int]], num_layers: int) -> bool:
@@ -480,6 +475,11 @@ def _cost(plan: Plan, start: int, end: int) -> float:
     return sum(_costs(plan)[start:end])
 
 
+def _rank_costs(plan: Plan, pipe: Sequence[int], ranges: Sequence[tuple[int, int]]) -> list[float]:
+    """Each rank's summed layer cost in a pipeline of ``ranges`` (its chunks' together)."""
+    return [sum(_cost(plan, i, j) for i, j in ranges[s::len(pipe)]) for s in range(len(pipe))]
+
+
 def _rank_rates(prev: Plan, speeds: Mapping[int, float], ranks: Sequence[int] = (),
                 power: PowerModel | None = None) -> dict[int, float]:
     """Layer cost per second each rank sustains at nominal frequency: its measured micro-batch rate
@@ -489,9 +489,9 @@ def _rank_rates(prev: Plan, speeds: Mapping[int, float], ranks: Sequence[int] = 
     speed_at = power.speed if power is not None else float
     measured = {}
     for r in prev.ranks:
-        i, j = prev.layers_of(r)
         speed = float(speeds.get(r, 0.0))
         if speed > 0:
-            measured[r] = speed * _cost(prev, i, j) / speed_at(prev.frequency(r))
+            cost = sum(_cost(prev, i, j) for i, j in prev.chunk_ranges(r))
+            measured[r] = speed * cost / speed_at(prev.frequency(r))
     typical = statistics.median(measured.values()) if measured else 1.0
     return {r: measured.get(r, typical) for r in (*prev.ranks, *ranks)}

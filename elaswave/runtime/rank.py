@@ -17,7 +17,7 @@ from elaswave.pipeline.emulate import EmulatedCompute, layer_forward_s
 from elaswave.pipeline.executor import Executor
 from elaswave.pipeline.p2p import P2P
 from elaswave.pipeline.routed import plan_schedules
-from elaswave.pipeline.schedule import GENERATORS, Action
+from elaswave.pipeline.schedule import Action, stage_schedule
 from elaswave.pipeline.stage import Stage
 from elaswave.plan.chunks import ChunkIndex, ChunkKey
 from elaswave.plan.plan import Plan
@@ -87,16 +87,19 @@ def build_rank(cfg: JobConfig, plan: Plan, rank: int, stage: Stage, sampler: Sam
     # One fold per unit when each is computed alone (deterministic reshaping): the reference's bound.
     folds = t.num_micro_batches * (k if t.deterministic else 1)
     accumulator = GradAccumulator(stage.layers, t.deterministic, t.grad_fixed_point_bits, folds)
-    p2p = P2P(world, pipeline[s - 1] if s > 0 else None, pipeline[s + 1] if s < len(pipeline) - 1 else None,
-              (t.micro_batch_size, model.seq_len, model.hidden_size), device, dtype)
+    # With model chunks the pipeline's ranks form a ring: the last one's chunk c feeds the first one's c + 1.
+    ring, depth = plan.virtual_stages > 1, len(pipeline)
+    p2p = P2P(world, pipeline[s - 1] if s > 0 or ring else None, pipeline[(s + 1) % depth] if s < depth - 1 or ring else None,
+              (t.micro_batch_size, model.seq_len, model.hidden_size), device, dtype, plan.virtual_stages,
+              first=s == 0, last=s == depth - 1)
     def step_tokens(step: int) -> int:
         return sampler.loss_tokens(step, plan.batch_units // k)
     # With detours (the reroute baseline) no per-pipeline 1F1B fits; all ranks derive one schedule.
     schedule = (plan_schedules(plan, cfg.emulate.backward_factor).get(rank, []) if plan.routes
-                else GENERATORS[par.schedule](s, len(pipeline), plan.micro_batches[d]))
+                else stage_schedule(par.schedule, s, len(pipeline), plan.micro_batches[d], plan.virtual_stages))
     emulated = None
     if cfg.emulate.enabled:
-        emulated = EmulatedCompute(layer_forward_s(cfg, model), cfg.emulate.backward_factor, (stage.start, stage.end),
+        emulated = EmulatedCompute(layer_forward_s(cfg, model), cfg.emulate.backward_factor, stage.chunks,
                                    actuator or Actuator())
     shards = TensorShards(model, stage.layers, buckets, model.cut.group) if par.tp > 1 else None
     return RankState(
@@ -108,7 +111,7 @@ def build_rank(cfg: JobConfig, plan: Plan, rank: int, stage: Stage, sampler: Sam
         optimizer=optimizer,
         chunk_index=ChunkIndex.build(numels, par.chunk_numel), device=device, backend_name=backend_name,
         norm_needs_exchange=not (reduce_scatter_is_all_reduce(backend_name) and all(
-            plan.layers_of(r) == (0, plan.num_layers) for r in plan.ranks)))
+            plan.chunk_ranges(r) == ((0, plan.num_layers),) for r in plan.ranks)))
 
 
 def pieces_of(plan: Plan, t):

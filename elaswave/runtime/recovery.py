@@ -276,10 +276,10 @@ def recover(ctx, st: RankState | None, cause: Disruption | None, noticed_wall: f
         ctx.model.cut.group = ctx.comm.group(devices.tensor_group(ctx.rank), epoch)
     ctx.injector.at(restore.resume_step, "recovery")
     chunks, received, arriving = migration.restore_chunks(ctx, st, world, plan.chunk_owners, restore)
-    layers = plan.layers_of(ctx.rank)
+    layers = plan.chunk_ranges(ctx.rank)
     # A re-partitioned stage (or a joiner's) starts from fresh layers; the gather below fills in
     # their parameters from the chunk owners, who hold the same layers in the other pipelines.
-    stage = (st.stage if st is not None and (st.stage.start, st.stage.end) == layers
+    stage = (st.stage if st is not None and st.stage.chunks == layers
              else Stage(cfg, layers, ctx.device, ctx.model))
     new = build_rank(cfg, plan, ctx.rank, stage, ctx.sampler_for(stage), world, ctx.comm, ctx.device,
                      ctx.backend_name, gen=restore.resume_step, chunks=chunks, before=ctx.before_action,
@@ -409,7 +409,7 @@ def _layout(plan: Plan) -> dict:
             "micro_batches": [len(m) for m in plan.micro_batches],
             "units": [[plan.units_of(mb) for mb in m] for m in plan.micro_batches],
             "frequencies": [list(f) for f in plan.frequencies] if plan.frequencies else None,
-            "detours": len(plan.routes)}
+            "detours": len(plan.routes), "virtual_stages": plan.virtual_stages}
 
 
 def _readable_checkpoint(ctx) -> int | None:

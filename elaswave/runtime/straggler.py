@@ -3,7 +3,7 @@
 Every step's loss exchange carries every rank's speed (micro-batches per second of its own
 compute), so every rank holds the same window of recent speeds and takes the same decision
 without another message: when re-planning the same ranks by their median speeds is predicted
-to save at least ``elastic.straggler_gain`` of a step (:func:`~elaswave.plan.plan.rebalance_gain`),
+to save at least ``elastic.straggler_gain`` of a step (:func:`~elaswave.plan.rebalance.rebalance_gain`),
 the job re-plans at the end of the step. The window restarts with every epoch, so one slow step
 (or the first steps of a new layout) cannot trigger it.
 """
@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import statistics
 
-from elaswave.plan.plan import Plan, rebalance_gain
+from elaswave.plan.plan import Plan
+from elaswave.plan.rebalance import rebalance_gain
 
 WINDOW = 5
 """Steps of an epoch whose median speeds a decision rests on."""

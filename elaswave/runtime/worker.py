@@ -282,7 +282,8 @@ def _start(ctx: Context, world_size: int):
                             [c.flops_per_token for c in model.layer_costs()], t.num_micro_batches,
                             numels, cfg.parallel.chunk_numel, stage_memory_limit=limit, ties=tie_pairs(model),
                             memory=ctx.memory_model if limit else None,
-                            units_per_micro_batch=t.micro_batch_size if cfg.elastic.reshape else 1)
+                            units_per_micro_batch=t.micro_batch_size if cfg.elastic.reshape else 1,
+                            virtual_stages=cfg.parallel.virtual_stages)
     except PlanError:
         if ctx.memory_limit["source"] != "auto":
             raise
@@ -294,7 +295,7 @@ def _start(ctx: Context, world_size: int):
     if not os.environ.get("ELASWAVE_STORE") or os.environ.get(NODES_ENV, "1") != "1":
         plan = replace(plan, ranks_per_node=int(os.environ.get("LOCAL_WORLD_SIZE", "0")))
     ctx.plan = plan = layout.founding_slice(plan, ctx.shard, tp)
-    stage = Stage(cfg, plan.layers_of(rank), device, model)
+    stage = Stage(cfg, plan.chunk_ranges(rank), device, model)
     world = ctx.comm.group(plan.ranks, plan.epoch)
     if tp > 1:
         model.cut.group = ctx.comm.group(ctx.devices.tensor_group(rank), plan.epoch)

@@ -37,6 +37,11 @@ from elaswave.plan.frequency import PowerModel
 from elaswave.plan.plan import Plan
 
 
+UNPRICED = {"interleaved": "the runtime runs it; the simulator's plans hold one model chunk a rank, so it "
+                          "does not price it yet"}
+"""Schedules the runtime runs that the simulator refuses, and why."""
+
+
 @dataclass(frozen=True)
 class ClusterModel:
     layer_forward_s: tuple[float, ...]
@@ -73,9 +78,10 @@ class ClusterModel:
     """The schedule a complete pipeline without detours runs (``parallel.schedule``): 1f1b or zb-h1."""
 
     def __post_init__(self) -> None:
-        if self.pipeline_schedule not in GENERATORS:
-            raise ValueError(f"pipeline_schedule={self.pipeline_schedule!r} is invalid: choose from "
-                             f"{', '.join(GENERATORS)}")
+        priced = [name for name in GENERATORS if name not in UNPRICED]
+        if self.pipeline_schedule not in priced:
+            raise ValueError(f"pipeline_schedule={self.pipeline_schedule!r} is invalid: choose from {', '.join(priced)}"
+                             + (f" ({UNPRICED[self.pipeline_schedule]})" if self.pipeline_schedule in UNPRICED else ""))
 
     @property
     def num_layers(self) -> int:

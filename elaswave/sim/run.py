@@ -14,6 +14,7 @@ from elaswave.plan.partition import least_memory
 from elaswave.plan.plan import PlanError, initial_plan
 from elaswave.sim import control, engine, policies, trace, uncertainty
 from elaswave.sim.engine import PolicyResult, simulate
+from elaswave.sim.model import UNPRICED
 from elaswave.pipeline.schedule import GENERATORS
 from elaswave.sim.workload import HARDWARE, MODELS, Hardware, choose_layout, cluster, layer_numels, model_flops_per_micro_batch
 
@@ -179,8 +180,10 @@ def run(args) -> int:
             raise ConfigError(f"--policies={args.policies} is invalid with --no-dvfs: policy elaswave plans frequencies; "
                               "name elaswave_no_dvfs, or drop --no-dvfs")
         names = list(dict.fromkeys(n for n in names if n != "elaswave"))
-    if args.schedule not in GENERATORS:
-        raise ConfigError(f"--schedule={args.schedule} is invalid: choose from {', '.join(GENERATORS)}")
+    priced = [name for name in GENERATORS if name not in UNPRICED]
+    if args.schedule not in priced:
+        raise ConfigError(f"--schedule={args.schedule} is invalid: choose from {', '.join(priced)}"
+                          + (f" ({UNPRICED[args.schedule]})" if args.schedule in UNPRICED else ""))
     ctl = _control(args, names)
     layouts = _layouts(args)
     dp, pp = layouts[0]

@@ -18,7 +18,7 @@ def test_layer_times_follow_the_planner_cost_profile():
 
 def test_a_lower_level_takes_longer():
     act = EmulatedActuator()
-    compute = EmulatedCompute([0.02, 0.02], 2.0, (0, 2), act)
+    compute = EmulatedCompute([0.02, 0.02], 2.0, [(0, 2)], act)
     took = {}
     for level in (1.0, 0.5):
         act.apply(level)

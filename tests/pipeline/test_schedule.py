@@ -3,7 +3,8 @@ import random
 import pytest
 
 from elaswave.pipeline.schedule import (Action, DeadlockError, Op, check_deadlock_free, interleaved_1f1b, makespan,
-                                        one_f_one_b, one_f_one_b_makespan, peak_in_flight, zb_h1)
+                                        one_f_one_b, one_f_one_b_makespan, peak_in_flight, stage_schedule,
+                                        zb_h1)
 
 
 @pytest.mark.parametrize("stages", [1, 2, 3, 4, 6])
@@ -73,7 +74,8 @@ def test_zb_h1_leaves_a_third_of_1f1b_bubble(stages, num_mb):
 
 
 def _valid_counts(stages, chunks):
-    """Micro-batch counts interleaving takes, up to 4p: any with one chunk, multiples of p above."""
+    """Micro-batch counts Megatron's interleaving takes, up to 4p: any with one chunk, multiples of
+    p above (elaswave takes any: test_interleaved_takes_any_micro_batch_count)."""
     step = stages if chunks > 1 else 1
     return range(step, 4 * stages + 1, step)
 
@@ -115,13 +117,31 @@ def test_interleaved_is_megatrons_order():
     assert str(Action(Op.RECV_ACT, 0, 1)) == "recv_act(0)@1" and Action(Op.RECV_ACT, 0, 1).chunk == 0
 
 
-def test_interleaved_refuses_what_megatron_cannot_schedule():
-    with pytest.raises(ValueError, match="multiple of num_stages 4 micro-batches, not 6: valid are 4, 8, 12"):
-        interleaved_1f1b(0, 4, 2, range(6))
+@pytest.mark.parametrize("stages", range(1, 9))
+@pytest.mark.parametrize("chunks", [2, 3, 4])
+def test_interleaved_takes_any_micro_batch_count(stages, chunks):
+    """A re-planned pipeline of p ranks gets whatever count the deal gives it: groups of at least p
+    (all m when fewer), as even as possible, are deadlock-free for every count (a short last group
+    behind full ones is not: the order this replaced deadlocked at p=4, V=3, m=5)."""
+    for num_mb in range(1, 4 * stages + 2):
+        scheds = [interleaved_1f1b(s, stages, chunks, range(num_mb)) for s in range(stages)]
+        check_deadlock_free(scheds)
+        every = sorted((mb, v) for mb in range(num_mb) for v in range(chunks))
+        for sched in scheds:
+            assert sorted((a.micro_batch, a.chunk) for a in sched if a.op is Op.BACKWARD) == every
+        # Never worse than plain 1F1B over the same work, whatever the count.
+        plain = makespan([one_f_one_b(s, stages, range(num_mb)) for s in range(stages)], [3.0 * chunks] * stages)
+        assert makespan(scheds, [3.0] * (stages * chunks)) <= plain * (1 + 1e-12)
+
+
+def test_interleaved_refuses_what_cannot_be_scheduled():
     with pytest.raises(ValueError, match="num_chunks 0"):
         interleaved_1f1b(0, 4, 0, range(8))
     with pytest.raises(ValueError, match="stage 4 out of range"):
         interleaved_1f1b(4, 4, 2, range(8))
+    with pytest.raises(ValueError, match="schedule 'zb-h1' runs one model chunk a rank, not 2"):
+        stage_schedule("zb-h1", 0, 4, range(8), 2)
+    assert stage_schedule("interleaved", 1, 4, range(8), 2) == interleaved_1f1b(1, 4, 2, range(8))
 
 
 def test_a_message_to_the_wrong_chunk_is_a_deadlock():

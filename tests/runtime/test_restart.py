@@ -30,13 +30,20 @@ def test_torchrun_restart_resumes_from_the_last_checkpoint(tmp_path):
     _assert_continues_the_same_run(res.records, reference, resumed_at=4)
 
 
-def test_a_new_run_resumes_the_checkpoint_in_another_layout(tmp_path):
-    # Saved at dp=2 x pp=2, the job dies (no elasticity); the next run at dp=3 x pp=1 continues it.
+INTERLEAVED = ["parallel.schedule=interleaved", "parallel.virtual_stages=2"]
+
+
+@pytest.mark.parametrize("first_sets,second", [([], (3, 1, [])), (INTERLEAVED, (1, 3, INTERLEAVED))])
+def test_a_new_run_resumes_the_checkpoint_in_another_layout(tmp_path, first_sets, second):
+    # Saved at dp=2 x pp=2 (2 x 2 x 2 virtual stages), the job dies (no elasticity); the next run at
+    # dp=3 x pp=1 (1 x 3 x 2 virtual stages) continues it: a checkpoint is by layer, not by rank.
     metrics = tmp_path / "m.jsonl"
-    first = run_cli(["run"] + [x for s in _sets(tmp_path, 2, 2, ["elastic.inject=kill:rank=3,step=7"])
+    first = run_cli(["run"] + [x for s in _sets(tmp_path, 2, 2, ["elastic.inject=kill:rank=3,step=7", *first_sets])
                                for x in ("--set", s)], tmp_path, metrics=metrics)
     assert first.returncode != 0
-    second = run_cli(["run"] + [x for s in _sets(tmp_path, 3, 1) for x in ("--set", s)], tmp_path, metrics=metrics)
+    dp, pp, extra = second
+    second = run_cli(["run"] + [x for s in _sets(tmp_path, dp, pp, extra) for x in ("--set", s)], tmp_path,
+                     metrics=metrics)
     assert second.returncode == 0, second.stderr
     assert "resuming at step 4" in second.stdout
     reference = run_reference(tmp_path, STEPS, deterministic=True, num_micro_batches=MBS)

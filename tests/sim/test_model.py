@@ -156,3 +156,6 @@ def test_an_unknown_pipeline_schedule_is_one_clear_error():
     assert tuple(GENERATORS) == SCHEDULES  # the simulator knows every schedule the runtime runs
     with pytest.raises(ValueError, match=r"^pipeline_schedule='zb-h2' is invalid: choose from 1f1b, zb-h1$"):
         _model(pipeline_schedule="zb-h2")
+    # ... and says so of one it does not price, rather than pricing it as 1F1B.
+    with pytest.raises(ValueError, match=r"'interleaved' is invalid: choose from 1f1b, zb-h1 \(the runtime runs it"):
+        _model(pipeline_schedule="interleaved")

@@ -1,0 +1,72 @@
+"""Plans of interleaved pipelines (parallel.virtual_stages = V): p x V chunks, minimax on the layer
+costs, kept interleaved on the survivors of a loss and after a join."""
+import pytest
+
+from elaswave.plan.chunks import chunks_of
+from elaswave.plan.memory import MemoryModel, rank_bytes
+from elaswave.plan.plan import initial_plan, replan
+from elaswave.plan.rebalance import rebalance_gain
+
+COSTS = [1.0, 2.0, 2.0, 2.0, 2.0, 2.0, 2.0, 2.0, 2.0, 1.5]  # embedding, 8 blocks, head
+NUMELS = [40, 64, 64, 64, 64, 64, 64, 64, 64, 40]
+
+
+def _plan(dp=2, pp=2, v=2, mbs=8):
+    return initial_plan(dp * pp, dp, pp, COSTS, mbs, NUMELS, chunk_numel=16, virtual_stages=v)
+
+
+def _rank_cost(plan, rank):
+    return sum(sum(COSTS[i:j]) for i, j in plan.chunk_ranges(rank))
+
+
+def test_each_rank_holds_v_non_adjacent_chunks_in_megatrons_layout():
+    plan = _plan()
+    ranges = plan.layer_ranges[0]
+    assert len(ranges) == 4 and ranges[0][0] == 0 and ranges[-1][1] == len(COSTS)
+    assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))  # p x V contiguous chunks, in order
+    assert plan.chunk_ranges(0) == (ranges[0], ranges[2]) and plan.chunk_ranges(1) == (ranges[1], ranges[3])
+    # Minimax over the four chunks: no chunk costs more than a quarter of the model and one layer.
+    assert max(sum(COSTS[i:j]) for i, j in ranges) <= sum(COSTS) / 4 + max(COSTS)
+    for layer in range(len(COSTS)):  # one holder a pipeline: the rank whose chunk has the layer
+        assert len(plan.holders(layer)) == 2
+    with pytest.raises(ValueError, match="runs 2 chunks: ask chunk_ranges"):
+        plan.layers_of(0)
+
+
+def test_a_loss_re_partitions_the_survivors_into_p_minus_1_times_v_chunks():
+    plan = _plan()
+    after = replan(plan, [0, 2, 3], 1, 8)
+    assert after.virtual_stages == 2
+    assert after.pipelines == ((0,), (2, 3)) and after.layer_ranges[1] == plan.layer_ranges[1]
+    assert len(after.layer_ranges[0]) == 2 and after.is_complete(0)  # rank 0 alone: two chunks of its own
+    assert sum(len(m) for m in after.micro_batches) == 8 and not after.routes  # no detours between layouts
+    # The lone rank does the whole model's work per micro-batch; the deal gives it fewer.
+    assert len(after.micro_batches[0]) < len(after.micro_batches[1])
+    owned = {r: len(chunks_of(after.chunk_owners, r)) for r in after.ranks}
+    assert all(owned.values())  # every survivor still owns optimizer chunks
+
+
+def test_a_join_gives_the_pipeline_back_its_depth_still_interleaved():
+    after = replan(_plan(), [0, 2, 3], 1, 8)
+    back = replan(after, [0, 2, 3, 4], 2, 8)
+    assert back.pipelines == ((0, 4), (2, 3)) and [len(r) for r in back.layer_ranges] == [4, 4]
+    assert back.layer_ranges[0] == back.layer_ranges[1]
+
+
+def test_a_straggler_gets_less_of_every_chunk():
+    plan = _plan(dp=1, pp=2)
+    gain, candidate = rebalance_gain(plan, {0: 1.0, 1: 0.4}, 8)
+    assert gain > 0 and candidate.virtual_stages == 2
+    assert _rank_cost(candidate, 1) < _rank_cost(plan, 1)
+
+
+def test_the_memory_model_counts_every_chunk():
+    memory = MemoryModel(layer_numels=tuple(NUMELS), layer_activation_bytes=tuple([1000.0] * len(COSTS)),
+                         boundary_bytes=100.0, param_bytes=4, sum_bytes=4, chunk_numel=16)
+    one = initial_plan(2, 1, 2, COSTS, 8, NUMELS, chunk_numel=16, memory=memory)
+    two = _plan(dp=1)
+    for rank in (0, 1):
+        held = sorted({i for a, b in two.chunk_ranges(rank) for i in range(a, b)})
+        assert rank_bytes(memory, two, rank)["layers"] == pytest.approx(memory.value_bytes * sum(NUMELS[i] for i in held))
+    # Interleaving holds more micro-batch-chunks' activations at rank 0 than 1F1B's stage 0 whole ones.
+    assert rank_bytes(memory, two, 0)["activations"] > 0 and rank_bytes(memory, one, 0)["activations"] > 0

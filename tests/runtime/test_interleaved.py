@@ -1,0 +1,77 @@
+"""Real gloo ranks: interleaved 1F1B (V model chunks a rank) trains the same run as the
+single-process reference, bit for bit, also through SIGKILLs after which the survivors are
+re-partitioned into p' x V chunks and stay interleaved, and through a join that gives a rank back."""
+import pytest
+
+from tests.helpers.spawn import assert_same_run, job_args, run_cli, run_job, reference_fixture
+
+STEPS = 6
+
+
+def interleaved(v: int) -> list[str]:
+    return ["parallel.schedule=interleaved", f"parallel.virtual_stages={v}"]
+
+
+reference = reference_fixture(STEPS, 4)  # run_job's global batch: max(4, dp) micro-batches
+
+
+@pytest.mark.parametrize("dp,pp,v,extra", [(1, 2, 2, []), (2, 2, 3, []),
+                                           (1, 3, 2, ["train.activation_checkpointing=every_2"])])
+def test_interleaved_is_bit_identical_to_the_reference(tmp_path, reference, dp, pp, v, extra):
+    res = run_job(tmp_path, dp, pp, STEPS, deterministic=True, extra=[*interleaved(v), *extra])
+    assert res.records[0]["config"]["parallel"]["virtual_stages"] == v
+    assert_same_run(res, reference, STEPS)
+
+
+@pytest.mark.parametrize("rank,phase", [(1, "forward"), (3, "backward")])
+def test_a_kill_leaves_the_survivors_interleaved_and_bit_identical(tmp_path, reference, rank, phase):
+    """dp=2 x pp=2, V=2: a rank SIGKILLed in its forward or backward; its pipeline's survivor
+    runs both halves of the model as two chunks of its own (the ring closes on itself), the
+    other pipeline keeps its four virtual stages, and the run ends with the reference's bits."""
+    res = run_job(tmp_path, 2, 2, STEPS, deterministic=True,
+                  extra=[*interleaved(2), f"elastic.inject=kill:rank={rank},step=2,phase={phase}"])
+    assert f"injecting kill into rank {rank} at step 2 ({phase})" in res.stderr
+    plans = [r["plan"] for r in res.records if r["event"] == "recovery"]
+    assert plans, res.stderr
+    after = plans[-1]
+    assert after["virtual_stages"] == 2
+    assert all(len(rng) == 2 * len(pipe) for pipe, rng in zip(after["pipelines"], after["layer_ranges"]))
+    assert_same_run(res, reference, STEPS)
+
+
+def test_a_reshaped_deal_after_a_kill_is_the_same_run_interleaved_or_not(tmp_path):
+    """elastic.reshape deals sequences, not whole micro-batches, after the loss; in deterministic
+    mode each unit is computed alone, on every chunk, so the run keeps 1F1B's bits."""
+    sets = ["elastic.reshape=true", "elastic.inject=kill:rank=2,step=2,phase=backward"]
+    plain = run_job(tmp_path, 3, 2, STEPS, deterministic=True, extra=sets)
+    res = run_job(tmp_path, 3, 2, STEPS, deterministic=True, extra=[*interleaved(2), *sets])
+    (rec,) = [r for r in res.records if r["event"] == "recovery"]
+    units = [u for pipeline in rec["plan"]["units"] for u in pipeline]
+    assert sum(units) == 8 and 1 in units  # the deal did split a micro-batch (2 sequences each)
+    assert res.losses == plain.losses
+    assert res.summary["params_sha256"] == plain.summary["params_sha256"]
+    assert res.summary["state_sha256"] == plain.summary["state_sha256"]
+
+
+def test_bad_virtual_stages_are_one_line(tmp_path):
+    for sets, words in [(["parallel.schedule=interleaved"], "parallel.virtual_stages"),
+                        (["parallel.virtual_stages=2"], "parallel.virtual_stages"),
+                        ([*interleaved(4)], "8 chunks must be <= the model's 6 layers")]:
+        res = run_cli(job_args(1, 2, 2, True, sets), tmp_path, timeout_s=60)
+        assert res.returncode == 2 and words in res.stderr, res.stderr
+        assert len(res.stderr.strip().splitlines()) == 1, res.stderr
+
+
+JOIN_STEPS = 60
+join_reference = reference_fixture(JOIN_STEPS, 4)
+
+
+def test_a_spare_gives_the_pipeline_its_rank_back_interleaved(tmp_path, join_reference):
+    """Rank 3 killed, the warm spare promoted: its pipeline shrinks to one rank of two chunks, then
+    grows back to two ranks of two chunks each, and the run keeps the reference's bits throughout."""
+    res = run_job(tmp_path, 2, 2, JOIN_STEPS, True,
+                  extra=[*interleaved(2), "elastic.inject=kill:rank=3,step=5", "elastic.spares=1"])
+    assert_same_run(res, join_reference, JOIN_STEPS)
+    (join,) = [r for r in res.records if r["event"] == "join"]
+    assert join["joined_ranks"] == [4] and join["plan"]["pipelines"] == [[0, 1], [2, 4]]
+    assert [len(r) for r in join["plan"]["layer_ranges"]] == [4, 4] and join["plan"]["virtual_stages"] == 2
