@@ -27,6 +27,11 @@ class ParallelConfig:
     virtual_stages: int = 1
     """Model chunks a rank holds under parallel.schedule=interleaved (Megatron's V, >= 2): rank s of a
     pipeline of p holds virtual stages s, s + p, ..., and the bubble is 1/V of 1F1B's."""
+    sequence_parallel: bool = False
+    """With parallel.tp > 1: Megatron's sequence parallelism -- the residual stream, the norms and
+    what a stage sends are each rank's 1/tp of the sequence, gathered and reduce-scattered around the
+    cut products instead of all-reduced (the same bits in deterministic mode; model.seq_len a
+    multiple of 8)."""
     backend: str = "auto"
     """auto: nccl when CUDA is available, else gloo."""
     chunk_numel: int = 4096
@@ -85,6 +90,9 @@ class ParallelConfig:
         if self.schedule == "interleaved" and self.tp > 1:
             _fail("parallel.schedule", self.schedule, f"does not run with parallel.tp={self.tp} yet (untested there); "
                   "use parallel.schedule=1f1b")
+        if self.sequence_parallel and self.tp == 1:
+            _fail("parallel.sequence_parallel", self.sequence_parallel, "needs parallel.tp > 1: it cuts the sequence "
+                  "across a tensor-parallel group")
         if self.backend not in BACKENDS:
             _fail("parallel.backend", self.backend, f"must be one of {', '.join(BACKENDS)}")
         if self.chunk_numel < 64:

@@ -8,6 +8,12 @@ mode Megatron's (one all-reduce per product), in deterministic mode canonical bl
 exactly, so the logits, the loss and every gradient have the same bits at every degree -- the
 whole model on one rank (degree 1) included, which is the reference of a tensor-parallel job.
 
+With sequence parallelism (``parallel.sequence_parallel``, Megatron's) the residual stream, the
+norms and what a stage sends are each rank's shard of the sequence: the cut products gather and
+reduce-scatter it (:mod:`elaswave.tensor.ops`). In deterministic mode the norms (and a row
+product's bias) always sum their gradients over canonical blocks of the sequence, so sequence
+parallelism on or off, and every degree, give the same bits.
+
 A shard is cut from the whole layer as :class:`~elaswave.model.llama.Llama` builds it (its keyed
 init or its Hugging Face tensors), so every degree starts from the same values.
 """
@@ -28,13 +34,37 @@ from elaswave.tensor.split import BLOCKS, TensorSplit, check, padded_vocab
 
 
 class _Cut:
-    """What every shard module needs: the split, the group, and the mode."""
+    """What every shard module needs: the split, the group, the mode, and whether the sequence is cut."""
 
-    def __init__(self, m: ModelConfig, split: TensorSplit, group: Group | None, exact: bool):
+    def __init__(self, m: ModelConfig, split: TensorSplit, group: Group | None, exact: bool, seq: bool = False):
         self.m, self.split, self.group, self.exact = m, split, group, exact
+        self.seq = seq and split.degree > 1
 
     def blocks(self, local: int) -> int:
         return local if self.exact else 0
+
+    def _token_blocks(self, x: torch.Tensor) -> tuple[int, Group | None, int]:
+        """(this rank's blocks of the sequence, the group that sums over the rest, all blocks) for
+        a norm's or a bias's gradient: canonical blocks in deterministic mode (one, the whole
+        sequence, where BLOCKS does not divide it -- which sequence parallelism refuses), none in fast."""
+        degree = self.split.degree if self.seq else 1
+        group = self.group if self.seq else None
+        if not self.exact:
+            return 0, group, 1
+        total = BLOCKS if x.shape[1] * degree % BLOCKS == 0 else 1
+        return total // degree, group, total
+
+    def norm(self, module: RMSNorm, x: torch.Tensor) -> torch.Tensor:
+        if not (self.exact or self.seq):
+            return module(x)
+        return ops.norm(x, module.weight, module.eps, *self._token_blocks(x))
+
+    def add_bias(self, y: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if bias is None:
+            return y
+        if not (self.exact or self.seq):
+            return y + bias
+        return ops.add_bias(y, bias, *self._token_blocks(y))
 
 
 class Attention(nn.Module):
@@ -60,11 +90,11 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, gen: torch.Generator | None, documents: torch.Tensor | None = None):
         c, m = self.cut, self.cut.m
-        b, t, _ = x.shape
         q, k, v = ops.columns(x, [(self.q_proj.weight, self.q_proj.bias, c.blocks(self.heads)),
                                   (self.k_proj.weight, self.k_proj.bias, c.blocks(self.kv), self.counts_kv),
                                   (self.v_proj.weight, self.v_proj.bias, c.blocks(self.kv), self.counts_kv)],
-                              c.group, m.num_heads + 2 * m.kv_heads)
+                              c.group, m.num_heads + 2 * m.kv_heads, c.seq)
+        b, t = q.shape[0], q.shape[1]  # the whole sequence: x may be this rank's shard of it
         q = q.view(b, t, self.heads, self.head_dim).transpose(1, 2)
         k = k.view(b, t, self.kv, self.head_dim).transpose(1, 2)
         v = v.view(b, t, self.kv, self.head_dim).transpose(1, 2)
@@ -95,8 +125,8 @@ class Attention(nn.Module):
                 outs.append(att @ v[:, hs])
             y = torch.cat(outs, dim=1)
         y = ops.row(y.transpose(1, 2).reshape(b, t, self.heads * self.head_dim), self.o_proj.weight,
-                    c.blocks(self.heads), c.group, m.num_heads)
-        return y if self.o_proj.bias is None else y + self.o_proj.bias
+                    c.blocks(self.heads), c.group, m.num_heads, c.seq)
+        return c.add_bias(y, self.o_proj.bias)
 
 
 class MLP(nn.Module):
@@ -112,9 +142,9 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         c, n = self.cut, self.cut.blocks(self.local_blocks)
         gate, up = ops.columns(x, [(self.gate_proj.weight, self.gate_proj.bias, n),
-                                   (self.up_proj.weight, self.up_proj.bias, n)], c.group, 2 * BLOCKS)
-        y = ops.row(F.silu(gate) * up, self.down_proj.weight, n, c.group, BLOCKS)
-        return y if self.down_proj.bias is None else y + self.down_proj.bias
+                                   (self.up_proj.weight, self.up_proj.bias, n)], c.group, 2 * BLOCKS, c.seq)
+        y = ops.row(F.silu(gate) * up, self.down_proj.weight, n, c.group, BLOCKS, c.seq)
+        return c.add_bias(y, self.down_proj.bias)
 
 
 class Embedding(nn.Module):
@@ -125,21 +155,21 @@ class Embedding(nn.Module):
         self.embed_tokens = nn.Embedding(end - self.start, cut.m.d_model)
 
     def forward(self, idx, gen, documents=None):
-        return ops.embed(idx, self.embed_tokens.weight, self.start, self.cut.group)
+        return ops.embed(idx, self.embed_tokens.weight, self.start, self.cut.group, self.cut.seq)
 
 
 class Block(nn.Module):
     def __init__(self, cut: _Cut):
         super().__init__()
-        m = cut.m
+        m, self.cut = cut.m, cut
         self.input_layernorm = RMSNorm(m.d_model, m.norm_eps)
         self.self_attn = Attention(cut)
         self.post_attention_layernorm = RMSNorm(m.d_model, m.norm_eps)
         self.mlp = MLP(cut)
 
     def forward(self, x, gen, documents=None):
-        x = x + self.self_attn(self.input_layernorm(x), gen, documents)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        x = x + self.self_attn(self.cut.norm(self.input_layernorm, x), gen, documents)
+        return x + self.mlp(self.cut.norm(self.post_attention_layernorm, x))
 
 
 class Head(nn.Module):
@@ -155,8 +185,8 @@ class Head(nn.Module):
 
     def forward(self, x, gen, documents=None):
         c = self.cut
-        return ops.column(self.norm(x), self.lm_head.weight, None, c.blocks(BLOCKS // c.split.degree), c.group,
-                          BLOCKS)
+        return ops.column(c.norm(self.norm, x), self.lm_head.weight, None, c.blocks(BLOCKS // c.split.degree),
+                          c.group, BLOCKS, c.seq)
 
 
 # Where each parameter of a whole layer is cut: the dimension, and how many canonical units it has.
@@ -179,10 +209,15 @@ class TensorParallelLlama(Llama):
     shard. ``group``: the rank's tensor-parallel group (None: degree 1, the reference)."""
 
     def __init__(self, cfg: ModelConfig, split: TensorSplit, group: Group | None, exact: bool,
-                 fused_attention: bool = False, weights=None):
+                 fused_attention: bool = False, weights=None, sequence_parallel: bool = False):
         check(cfg, split.degree)
         super().__init__(cfg, fused_attention, weights)
-        self.split, self.cut = split, _Cut(cfg, split, group, exact)
+        self.split, self.cut = split, _Cut(cfg, split, group, exact, sequence_parallel)
+
+    @property
+    def boundary_tokens(self) -> int:
+        """Tokens of each sequence a stage sends on: this rank's shard of it under sequence parallelism."""
+        return self.seq_len // self.split.degree if self.cut.seq else self.seq_len
 
     def build_layer(self, index: int, seed: int, init: bool = True) -> nn.Module:
         if not 0 <= index < self.num_layers:

@@ -26,7 +26,8 @@ def model_for(cfg, shard: int | None = None) -> "Model":
     if cfg.parallel.tp > 1:
         split = TensorSplit(cfg.parallel.tp, shard) if shard is not None else TensorSplit(1, 0)
         return TensorParallelLlama(m, split, None, exact=cfg.train.deterministic,
-                                   fused_attention=not cfg.train.deterministic)
+                                   fused_attention=not cfg.train.deterministic,
+                                   sequence_parallel=cfg.parallel.sequence_parallel)
     if m.factory:
         where = f"model.factory={m.factory!r}"
         try:

@@ -90,7 +90,8 @@ def build_rank(cfg: JobConfig, plan: Plan, rank: int, stage: Stage, sampler: Sam
     # With model chunks the pipeline's ranks form a ring: the last one's chunk c feeds the first one's c + 1.
     ring, depth = plan.virtual_stages > 1, len(pipeline)
     p2p = P2P(world, pipeline[s - 1] if s > 0 or ring else None, pipeline[(s + 1) % depth] if s < depth - 1 or ring else None,
-              (t.micro_batch_size, model.seq_len, model.hidden_size), device, dtype, plan.virtual_stages,
+              (t.micro_batch_size, getattr(model, "boundary_tokens", model.seq_len), model.hidden_size), device, dtype,
+              plan.virtual_stages,
               first=s == 0, last=s == depth - 1)
     def step_tokens(step: int) -> int:
         return sampler.loss_tokens(step, plan.batch_units // k)

@@ -11,6 +11,14 @@ the integers summed -- on one rank or across ranks alike, in any order -- and tu
 the bits do not depend on the degree. What it costs: the sum keeps 62 - log2(blocks) bits below
 the largest partial's magnitude, so a value more than ~2^-50 below the tensor's largest is
 rounded away (float32 keeps 24 bits of each value, however small).
+
+``seq`` (sequence parallelism, Megatron's): between the cut products a rank holds only its shard of
+the sequence (dim 1). A column product all-gathers its input's shards first, and the sum that
+completes a row product (or the input's gradient of a column one) is reduce-scattered along the
+sequence instead of all-reduced. Deterministic mode sums the same integers either way, so the bits
+do not change; the norms and a row product's bias, which then see only a shard's tokens, sum their
+weights' gradients over :data:`~elaswave.tensor.split.BLOCKS` canonical blocks of the sequence
+(:func:`norm`, :func:`add_bias`), on one rank or across ranks alike.
 """
 from __future__ import annotations
 
@@ -23,9 +31,9 @@ import torch.nn.functional as F
 from elaswave.comm.groups import Group
 
 
-def exact_sum(parts: Sequence[torch.Tensor], group: Group | None, total_parts: int) -> torch.Tensor:
+def exact_sum(parts: Sequence[torch.Tensor], group: Group | None, total_parts: int, seq: bool = False) -> torch.Tensor:
     """The sum of every rank's ``parts`` (``total_parts`` in the group), the same bits whichever
-    rank holds which part."""
+    rank holds which part (``seq``: this rank's shard of the sequence of it)."""
     if parts[0].device.type == "meta":  # shapes only (the memory model's run): nothing to sum
         return torch.stack(list(parts)).sum(0)
     peak = torch.stack([p.detach().abs().max().float() for p in parts]).max().reshape(1)
@@ -38,18 +46,45 @@ def exact_sum(parts: Sequence[torch.Tensor], group: Group | None, total_parts: i
         raise FloatingPointError(f"a tensor-parallel partial sum is not finite (peak {top})")
     like = parts[0]
     if top == 0.0:
-        total = torch.zeros_like(like)
-    else:
-        # Each partial below 2**e; their sum below 2**62 however many there are.
-        _, e = math.frexp(top)
-        scale = 2.0 ** (62 - e - max(1, math.ceil(math.log2(total_parts))))
-        acc = torch.round(parts[0].double() * scale).to(torch.int64)
-        for p in parts[1:]:
-            acc += torch.round(p.double() * scale).to(torch.int64)
-        if group is not None and group.size > 1:
-            group.all_reduce(acc, "tensor-parallel sum")
-        total = (acc.double() / scale).to(like.dtype)
-    return total
+        zeros = torch.zeros_like(like)
+        return _seq_scatter(zeros, group, "", summed=True) if seq else zeros
+    # Each partial below 2**e; their sum below 2**62 however many there are.
+    _, e = math.frexp(top)
+    scale = 2.0 ** (62 - e - max(1, math.ceil(math.log2(total_parts))))
+    acc = torch.round(parts[0].double() * scale).to(torch.int64)
+    for p in parts[1:]:
+        acc += torch.round(p.double() * scale).to(torch.int64)
+    if seq:
+        acc = _seq_scatter(acc, group, "sequence-parallel sum")
+    elif group is not None and group.size > 1:
+        group.all_reduce(acc, "tensor-parallel sum")
+    return (acc.double() / scale).to(like.dtype)
+
+
+def _seq_gather(x: torch.Tensor, group: Group | None) -> torch.Tensor:
+    """The whole sequence (dim 1) from every rank's shard of it, in group order."""
+    if group is None or group.size == 1:
+        return x
+    out = torch.empty(group.size * x.numel(), dtype=x.dtype, device=x.device)
+    group.all_gather(out, x.contiguous().reshape(-1), "sequence-parallel all-gather")
+    return torch.cat(out.view(group.size, *x.shape).unbind(0), dim=1)
+
+
+def _seq_scatter(t: torch.Tensor, group: Group | None, what: str, summed: bool = False) -> torch.Tensor:
+    """This rank's shard of the sequence (dim 1) of the sum of every rank's ``t`` (``summed``: of
+    ``t``, already the same on every rank)."""
+    if group is None or group.size == 1:
+        return t
+    n = group.size
+    if summed:
+        return t.chunk(n, dim=1)[group.group_rank].contiguous()
+    if t.is_cuda:  # NCCL moves 1/n of the bytes an all-reduce would
+        inp = torch.stack(t.chunk(n, dim=1)).contiguous()
+        out = torch.empty_like(inp[0])
+        group.reduce_scatter(out.view(-1), inp.view(-1), what)
+        return out
+    group.all_reduce(t, what)  # gloo's reduce-scatter is an all-reduce and a slice
+    return t.chunk(n, dim=1)[group.group_rank].contiguous()
 
 
 def _all_reduce(t: torch.Tensor, group: Group | None, what: str) -> torch.Tensor:
@@ -68,10 +103,12 @@ class _Columns(torch.autograd.Function):
     sum of the input's gradient over the group, as Megatron's fused projections do."""
 
     @staticmethod
-    def forward(ctx, x, spec, group: Group | None, total: int, *params):
+    def forward(ctx, x, spec, group: Group | None, total: int, seq: bool, *params):
         weights, biases = _weights_and_biases(spec, params)
-        ctx.save_for_backward(x, *weights)
-        ctx.spec, ctx.group, ctx.total = spec, group, total
+        ctx.save_for_backward(x, *weights)  # a sequence shard is kept as such and gathered again
+        ctx.spec, ctx.group, ctx.total, ctx.seq = spec, group, total, seq
+        if seq:
+            x = _seq_gather(x, group)
         outs = []
         for (blocks, _, _), w, b in zip(spec, weights, biases):
             if not blocks:
@@ -84,6 +121,8 @@ class _Columns(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *dys):
         x, *weights = ctx.saved_tensors
+        if ctx.seq:
+            x = _seq_gather(x, ctx.group)
         grads, partials = [], []
         for (blocks, has_bias, counted), w, dy in zip(ctx.spec, weights, dys):
             n = max(1, blocks)
@@ -94,11 +133,12 @@ class _Columns(torch.autograd.Function):
             if counted:  # a replicated product's share of the input's gradient counts on one holder
                 partials.extend(d @ wb for d, wb in zip(dyc, wc))
         if not ctx.spec[0][0]:
-            d_x = _all_reduce(torch.stack(partials).sum(0) if len(partials) > 1 else partials[0], ctx.group,
-                              "tensor-parallel input gradient")
+            d_x = torch.stack(partials).sum(0) if len(partials) > 1 else partials[0]
+            d_x = (_seq_scatter(d_x, ctx.group, "sequence-parallel input gradient") if ctx.seq
+                   else _all_reduce(d_x, ctx.group, "tensor-parallel input gradient"))
         else:
-            d_x = exact_sum(partials, ctx.group, ctx.total)
-        return (d_x, None, None, None, *grads)
+            d_x = exact_sum(partials, ctx.group, ctx.total, ctx.seq)
+        return (d_x, None, None, None, None, *grads)
 
 
 def _weights_and_biases(spec, params):
@@ -111,39 +151,44 @@ def _weights_and_biases(spec, params):
 
 
 class _Row(torch.autograd.Function):
-    """``x`` this rank's columns, ``weight`` the matching columns: ``x @ weight.T`` summed over the group."""
+    """``x`` this rank's columns, ``weight`` the matching columns: ``x @ weight.T`` summed over the
+    group (``seq``: this rank's shard of the sequence of the sum)."""
 
     @staticmethod
-    def forward(ctx, x, weight, blocks: int, group: Group | None, total: int):
+    def forward(ctx, x, weight, blocks: int, group: Group | None, total: int, seq: bool):
         ctx.save_for_backward(x, weight)
-        ctx.blocks = blocks
+        ctx.blocks, ctx.group, ctx.seq = blocks, group, seq
         if not blocks:
-            return _all_reduce(F.linear(x, weight), group, "tensor-parallel output")
+            y = F.linear(x, weight)
+            return _seq_scatter(y, group, "sequence-parallel output") if seq else _all_reduce(
+                y, group, "tensor-parallel output")
         return exact_sum([F.linear(xb, wb) for xb, wb in zip(x.chunk(blocks, dim=-1), weight.chunk(blocks, dim=1))],
-                         group, total)
+                         group, total, seq)
 
     @staticmethod
     def backward(ctx, dy):
         x, weight = ctx.saved_tensors
+        if ctx.seq:
+            dy = _seq_gather(dy, ctx.group)
         n = max(1, ctx.blocks)
         xs, ws = x.chunk(n, dim=-1), weight.chunk(n, dim=1)
         d_x = torch.cat([dy @ w for w in ws], dim=-1)
         d_weight = torch.cat([_rows(dy).T @ _rows(xb) for xb in xs], dim=1)
-        return d_x, d_weight, None, None, None
+        return d_x, d_weight, None, None, None, None
 
 
-def columns(x, products, group: Group | None, total: int) -> tuple[torch.Tensor, ...]:
+def columns(x, products, group: Group | None, total: int, seq: bool = False) -> tuple[torch.Tensor, ...]:
     """Column-parallel products of one input: ``products`` is (weight, bias or None, this rank's
     blocks of it[, counted]) each -- ``counted`` False on a rank whose rows another rank also holds
     (a replicated key-value head), whose share of the input's gradient that one gives; ``total``:
     the canonical blocks of all of them in the group, each counted once."""
     spec = tuple((p[2], p[1] is not None, p[3] if len(p) > 3 else True) for p in products)
     params = [t for weight, bias, *_ in products for t in ((weight, bias) if bias is not None else (weight,))]
-    return _Columns.apply(x, spec, group, total, *params)
+    return _Columns.apply(x, spec, group, total, seq, *params)
 
 
-def column(x, weight, bias, blocks: int, group: Group | None, total: int) -> torch.Tensor:
-    return columns(x, [(weight, bias, blocks)], group, total)[0]
+def column(x, weight, bias, blocks: int, group: Group | None, total: int, seq: bool = False) -> torch.Tensor:
+    return columns(x, [(weight, bias, blocks)], group, total, seq)[0]
 
 
 class _SharedKV(torch.autograd.Function):
@@ -213,28 +258,94 @@ def shared_kv(k, v, per: int, first: int, total: int, queries: int, exact: bool,
     return _SharedKV.apply(k, v, per, first, total, queries, exact, shared, group)
 
 
-def row(x, weight, blocks: int, group: Group | None, total: int) -> torch.Tensor:
-    return _Row.apply(x, weight, blocks, group, total)
+def row(x, weight, blocks: int, group: Group | None, total: int, seq: bool = False) -> torch.Tensor:
+    return _Row.apply(x, weight, blocks, group, total, seq)
 
 
 class _Gather(torch.autograd.Function):
-    """Every rank's piece summed (exact: all but one rank's piece is zero): the embedding's rows."""
+    """Every rank's piece summed (exact: all but one rank's piece is zero): the embedding's rows
+    (``seq``: this rank's shard of the sequence of them)."""
 
     @staticmethod
-    def forward(ctx, x, group: Group | None):
+    def forward(ctx, x, group: Group | None, seq: bool):
+        ctx.group, ctx.seq = group, seq
+        if seq:
+            return _seq_scatter(x.clone(), group, "sequence-parallel embedding")
         return _all_reduce(x.clone(), group, "tensor-parallel embedding")
 
     @staticmethod
     def backward(ctx, dy):
-        return dy, None
+        return (_seq_gather(dy, ctx.group) if ctx.seq else dy), None, None
 
 
-def embed(ids: torch.Tensor, weight: torch.Tensor, start: int, group: Group | None) -> torch.Tensor:
+def embed(ids: torch.Tensor, weight: torch.Tensor, start: int, group: Group | None, seq: bool = False) -> torch.Tensor:
     """Vocabulary-parallel lookup: this rank's rows [start, start + len(weight)), the others' zero."""
     local = ids - start
     outside = (local < 0) | (local >= weight.shape[0])
     out = F.embedding(local.masked_fill(outside, 0), weight)
-    return _Gather.apply(out.masked_fill(outside[..., None], 0.0), group)
+    return _Gather.apply(out.masked_fill(outside[..., None], 0.0), group, seq)
+
+
+def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # In float32 whatever the input's dtype, as Hugging Face's LlamaRMSNorm (and model.llama.RMSNorm) does.
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype)
+
+
+class _Norm(torch.autograd.Function):
+    """RMSNorm of this rank's tokens, computed block by block of the sequence; the weight's
+    gradient is the exact sum of the blocks' (``blocks`` > 0: this rank's canonical blocks, summed
+    over ``group`` too when it holds a shard of the sequence) or, in fast mode, a float all-reduce
+    of this rank's shard's (``blocks`` 0)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, eps: float, blocks: int, group: Group | None, total: int):
+        ctx.save_for_backward(x, weight)
+        ctx.args = (eps, blocks, group, total)
+        return torch.cat([_rms(xb, weight, eps) for xb in x.chunk(max(1, blocks), dim=1)], dim=1)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight = ctx.saved_tensors
+        eps, blocks, group, total = ctx.args
+        d_xs, d_ws = [], []
+        for xb, db in zip(x.chunk(max(1, blocks), dim=1), dy.chunk(max(1, blocks), dim=1)):
+            with torch.enable_grad():
+                xb, w = xb.detach().requires_grad_(True), weight.detach().requires_grad_(True)
+                d_x, d_w = torch.autograd.grad(_rms(xb, w, eps), (xb, w), db)
+            d_xs.append(d_x)
+            d_ws.append(d_w)
+        d_w = exact_sum(d_ws, group, total) if blocks else _all_reduce(d_ws[0], group, "sequence-parallel norm")
+        return torch.cat(d_xs, dim=1), d_w, None, None, None, None
+
+
+def norm(x: torch.Tensor, weight: torch.Tensor, eps: float, blocks: int, group: Group | None,
+         total: int) -> torch.Tensor:
+    """RMSNorm of ``x`` (see :class:`_Norm`): ``group`` None where every rank holds every token."""
+    return _Norm.apply(x, weight, eps, blocks, group, total)
+
+
+class _Bias(torch.autograd.Function):
+    """``y + bias``; the bias's gradient summed as :class:`_Norm` sums its weight's."""
+
+    @staticmethod
+    def forward(ctx, y, bias, blocks: int, group: Group | None, total: int):
+        ctx.args = (blocks, group, total)
+        return y + bias
+
+    @staticmethod
+    def backward(ctx, dy):
+        blocks, group, total = ctx.args
+        if blocks:
+            d_b = exact_sum([db.sum(dim=(0, 1)) for db in dy.chunk(blocks, dim=1)], group, total)
+        else:
+            d_b = _all_reduce(dy.sum(dim=(0, 1)), group, "sequence-parallel bias")
+        return dy, d_b, None, None, None
+
+
+def add_bias(y: torch.Tensor, bias: torch.Tensor, blocks: int, group: Group | None, total: int) -> torch.Tensor:
+    return _Bias.apply(y, bias, blocks, group, total)
 
 
 class _VocabLoss(torch.autograd.Function):

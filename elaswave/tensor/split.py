@@ -84,6 +84,10 @@ def check_job(job) -> None:
     for one yet: one line each."""
     tp = job.parallel.tp
     check(job.model, tp, where=f"parallel.tp={tp!r}")
+    if job.parallel.sequence_parallel and job.model.seq_len % BLOCKS:
+        fail("parallel.sequence_parallel", True, f"needs model.seq_len a multiple of {BLOCKS} (the canonical blocks of "
+                                                 f"the sequence that keep the bits at every degree), not "
+                                                 f"{job.model.seq_len}")
     elastic = job.elastic
     if job.emulate.enabled:
         fail("emulate.enabled", True, f"with parallel.tp={tp}: emulated compute prices whole layers, not "

@@ -40,12 +40,12 @@ def _hf_dir(tmp_path, shape):
     return path
 
 
-def _model(group, hf_dir: str, exact: bool, degree: int | None = None):
+def _model(group, hf_dir: str, exact: bool, degree: int | None = None, sequence: bool = False):
     cfg = config.load(None, [f"model.init_from={hf_dir}", "model.seq_len=16", "model.dropout=0.0"]).model
     degree = group.size if degree is None else degree
     rank = group.group_rank if degree > 1 else 0
     model = TensorParallelLlama(cfg, TensorSplit(degree, rank), group if degree > 1 else None, exact,
-                                weights=HFWeights(hf_dir))
+                                weights=HFWeights(hf_dir), sequence_parallel=sequence)
     layers = [model.build_layer(i, 0) for i in range(model.num_layers)]
     for tie in model.ties:  # the head computes with the embedding's own tensor
         setattr(layers[tie.user], tie.user_param.split(".")[0], layers[tie.owner].embed_tokens)
@@ -64,26 +64,29 @@ def _gathered(group, t: torch.Tensor, dim: int) -> torch.Tensor:
     return torch.cat(list(out.view(group.size, *t.movedim(dim, 0).shape)), dim=0).movedim(0, dim)
 
 
-def logits_rank(group, hf_dir: str):
-    """Fast mode: this group's whole logits (padding dropped)."""
-    model, layers = _model(group, hf_dir, exact=False)
+def logits_rank(group, hf_dir: str, sequence: bool = False):
+    """Fast mode: this group's whole logits (padding dropped); with sequence parallelism, also
+    the hidden state after the first block, which is this rank's shard of the sequence."""
+    model, layers = _model(group, hf_dir, exact=False, sequence=sequence)
     x, _ = _ids(model.vocab_size)
     with torch.no_grad():
-        for layer in layers:
+        for i, layer in enumerate(layers):
             x = layer(x, None)
+            if i == 1 and sequence:
+                assert x.shape[1] == 16 // group.size, x.shape
     return _gathered(group, x, -1)[..., :model.vocab_size]
 
 
 @pytest.mark.parametrize("shape", sorted(SHAPES))
-@pytest.mark.parametrize("degree", [2, pytest.param(4, marks=pytest.mark.slow)])  # 4: the bit-identical case keeps it
-def test_fast_mode_logits_match_transformers(tmp_path, shape, degree):
+@pytest.mark.parametrize("degree,sequence", [(2, False), (2, True), pytest.param(4, False, marks=pytest.mark.slow)])
+def test_fast_mode_logits_match_transformers(tmp_path, shape, degree, sequence):
     hf_dir = _hf_dir(tmp_path, shape)
     cls = transformers.Qwen2ForCausalLM if shape == "qwen2_bias" else transformers.LlamaForCausalLM
     hf = cls.from_pretrained(hf_dir).eval()
     ids, _ = _ids(SHAPES[shape]["vocab_size"])
     with torch.no_grad():
         expected = hf(ids).logits
-    for got in run_group(f"{ME}:logits_rank", degree, tmp_path, hf_dir=str(hf_dir)):
+    for got in run_group(f"{ME}:logits_rank", degree, tmp_path, hf_dir=str(hf_dir), sequence=sequence):
         assert got.shape == expected.shape
         assert (got - expected).abs().max() < 1e-5
 
@@ -92,12 +95,13 @@ def _grads(model, layers) -> dict[str, torch.Tensor]:
     return {f"{i}.{n}": p.grad.clone() for i, layer in enumerate(layers) for n, p in layer.named_parameters()}
 
 
-def exact_rank(group, hf_dir: str):
-    """Deterministic mode: the loss, logits and every whole gradient at this group's degree and,
-    on the same process, at degree 1 (the whole model, no group)."""
+def exact_rank(group, hf_dir: str, sequence: bool = False):
+    """Deterministic mode: the loss, logits and every whole gradient at this group's degree (with
+    the sequence cut too, ``sequence``) and, on the same process, at degree 1 (the whole model,
+    no group)."""
     out = {}
     for degree in (group.size, 1):
-        model, layers = _model(group, hf_dir, exact=True, degree=degree)
+        model, layers = _model(group, hf_dir, exact=True, degree=degree, sequence=sequence)
         x, targets = _ids(model.vocab_size)
         targets[0, :3] = -100  # masked targets are not loss tokens
         for layer in layers:
@@ -126,10 +130,13 @@ def exact_rank(group, hf_dir: str):
 
 
 @pytest.mark.parametrize("shape", sorted(SHAPES))
-@pytest.mark.parametrize("degree", [2, 4])
-def test_deterministic_mode_is_bit_identical_at_every_degree(tmp_path, shape, degree):
+@pytest.mark.parametrize("degree,sequence", [(2, False), (4, False), (2, True), (4, True)])
+def test_deterministic_mode_is_bit_identical_at_every_degree(tmp_path, shape, degree, sequence):
+    """Sequence parallelism too: the norms' and biases' gradients, summed from each rank's blocks
+    of the sequence, and every other result equal the whole model's on one rank."""
     hf_dir = _hf_dir(tmp_path, shape)
-    for rank, res in enumerate(run_group(f"{ME}:exact_rank", degree, tmp_path, hf_dir=str(hf_dir))):
+    for rank, res in enumerate(run_group(f"{ME}:exact_rank", degree, tmp_path, hf_dir=str(hf_dir),
+                                         sequence=sequence)):
         cut, whole = res[degree], res[1]
         assert torch.equal(cut["loss"], whole["loss"]), (rank, cut["loss"], whole["loss"])
         assert torch.equal(cut["logits"], whole["logits"])
@@ -235,3 +242,39 @@ def test_the_tensors_a_group_replicates_come_from_the_cut_itself():
     assert "self_attn.o_proj.bias" in keys[0] and "input_layernorm.weight" in keys[0]
     assert f"self_attn.{head.format(0)}" in keys[0] and keys[0] == keys[1] and keys[2] == keys[3] != keys[0]
     assert not any("q_proj" in k or "o_proj.weight" in k or "mlp" in k for k in keys[0])
+
+
+def _saved_bytes(fn) -> int:
+    """Bytes of the tensors autograd keeps for the backward of ``fn()`` (each storage once)."""
+    seen = {}
+
+    def pack(t):
+        if not isinstance(t, torch.nn.Parameter):
+            s = t.untyped_storage()
+            seen[s.data_ptr()] = s.nbytes()
+        return t
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn()
+    return sum(seen.values())
+
+
+def activation_rank(group, hf_dir: str):
+    """Bytes a block keeps for its backward on this rank of the group, with and without the
+    sequence cut, and for the whole block on one rank."""
+    out = {}
+    for name, degree, sequence in (("whole", 1, False), ("tp", group.size, False), ("sp", group.size, True)):
+        model, layers = _model(group, hf_dir, exact=False, degree=degree, sequence=sequence)
+        tokens = 16 // degree if sequence else 16
+        x = torch.randn(2, tokens, 32, generator=torch.Generator().manual_seed(0), requires_grad=True)
+        out[name] = _saved_bytes(lambda: layers[1](x, None))
+    return out
+
+
+def test_sequence_parallelism_keeps_a_tp_th_of_a_block_s_activations(tmp_path):
+    """Megatron's claim, measured on the runtime's own block: with the sequence cut, a rank keeps
+    ~1/tp of what the whole block keeps; without it, the norms' and the residual's inputs are whole
+    on every rank, so it keeps more."""
+    hf_dir = _hf_dir(tmp_path, "gqa_tied")
+    for res in run_group(f"{ME}:activation_rank", 2, tmp_path, hf_dir=str(hf_dir)):
+        assert res["sp"] <= res["whole"] / 2 * 1.05, res
+        assert res["tp"] > res["sp"] * 1.2, res

@@ -209,6 +209,10 @@ def test_fast_mode_follows_the_whole_model(tmp_path, dp, pp):
     (["parallel.tp=2", "parallel.dp=3"], ["--nnodes", "2", "--node-rank", "0"],
      "--nproc-per-node=3 is invalid with parallel.tp=2: a host must hold whole tensor-parallel groups"),
     (["parallel.tp=2", "emulate.enabled=true"], [], "emulate.enabled=True is invalid: with parallel.tp=2"),
+    (["parallel.sequence_parallel=true"], [], "parallel.sequence_parallel=True is invalid: needs parallel.tp > 1"),
+    (["parallel.tp=2", "parallel.sequence_parallel=true", "model.seq_len=60"], [],
+     "needs model.seq_len a multiple of 8 (the canonical blocks of the sequence that keep the bits at every degree), "
+     "not 60"),
 ])
 def test_bad_tensor_parallel_input_is_one_line(tmp_path, sets, cli, says):
     base = ["parallel.dp=1", "parallel.pp=1", "elastic.enabled=false", "model.num_heads=8", "model.num_kv_heads=4"]
@@ -274,3 +278,18 @@ def test_a_trained_export_from_shards_equals_the_reference_export(tmp_path, hf_d
     a, b, before = _tensors(tmp_path / "ref"), _tensors(tmp_path / "run"), _tensors(hf_dir)
     assert sorted(a) == sorted(b) and all(a[k].equal(b[k]) for k in a)
     assert not torch.equal(a["model.layers.0.mlp.down_proj.weight"], before["model.layers.0.mlp.down_proj.weight"])
+
+
+def test_sequence_parallelism_trains_the_same_bits_through_a_kill(tmp_path, reference):
+    """parallel.sequence_parallel: each rank of a group holds 1/tp of the sequence between the cut
+    products and sends that shard to the next stage; a SIGKILL of one rank of a group is one
+    recovery, and the run keeps the reference's bits (the reference does not cut the sequence)."""
+    res = run_job(tmp_path, 2, 2, STEPS, deterministic=True,
+                  extra=[*TP, "parallel.tp=2", "parallel.sequence_parallel=true",
+                         "elastic.enabled=true", "elastic.inject=kill:rank=5,step=3,phase=backward"])
+    assert res.records[0]["config"]["parallel"]["sequence_parallel"] is True
+    assert [r["event"] for r in res.records].count("recovery") >= 1
+    assert res.losses == reference.losses
+    assert [s["grad_norm"] for s in res.steps] == [s["grad_norm"] for s in reference.steps]
+    assert res.summary["params_sha256"] == reference.summary["params_sha256"]
+    assert res.summary["state_sha256"] == reference.summary["state_sha256"]
