@@ -87,9 +87,6 @@ class ParallelConfig:
         if self.schedule != "interleaved" and self.virtual_stages != 1:
             _fail("parallel.virtual_stages", self.virtual_stages, f"must be 1 with parallel.schedule={self.schedule}; "
                   "model chunks are interleaved only by parallel.schedule=interleaved")
-        if self.schedule == "interleaved" and self.tp > 1:
-            _fail("parallel.schedule", self.schedule, f"does not run with parallel.tp={self.tp} yet (untested there); "
-                  "use parallel.schedule=1f1b")
         if self.sequence_parallel and self.tp == 1:
             _fail("parallel.sequence_parallel", self.sequence_parallel, "needs parallel.tp > 1: it cuts the sequence "
                   "across a tensor-parallel group")

@@ -293,3 +293,14 @@ def test_sequence_parallelism_trains_the_same_bits_through_a_kill(tmp_path, refe
     assert [s["grad_norm"] for s in res.steps] == [s["grad_norm"] for s in reference.steps]
     assert res.summary["params_sha256"] == reference.summary["params_sha256"]
     assert res.summary["state_sha256"] == reference.summary["state_sha256"]
+
+
+def test_interleaved_pipelines_of_tensor_parallel_devices_keep_the_bits(tmp_path, reference):
+    """parallel.schedule=interleaved over devices of tp ranks, with the sequence cut: every rank
+    of a device runs its V chunks, its shard of the sequence round the ring."""
+    res = run_job(tmp_path, 1, 2, STEPS, deterministic=True,
+                  extra=[*TP, "parallel.tp=2", "parallel.sequence_parallel=true", "parallel.schedule=interleaved",
+                         "parallel.virtual_stages=2"])
+    assert res.losses == reference.losses
+    assert res.summary["params_sha256"] == reference.summary["params_sha256"]
+    assert res.summary["state_sha256"] == reference.summary["state_sha256"]
