@@ -100,6 +100,11 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     if args.tensorboard:  # the workers' writer reads it (under torchrun, set it yourself)
         os.environ[TENSORBOARD_ENV] = args.tensorboard
+    health = None
+    if args.health_file:
+        from elaswave.control.health import HostHealth
+        health = HostHealth(args.health_file)
+        os.environ.update(health.env)  # the workers' word goes where the agent reads it
     where = (f", this host node {node.node_rank} of {node.nnodes} (ranks {node.founding_ranks(cfg.world_size).start}-"
              f"{node.founding_ranks(cfg.world_size).stop - 1})" if node.is_multi_host else "")
     tp = f" tp={cfg.parallel.tp}" if cfg.parallel.tp > 1 else ""
@@ -107,7 +112,7 @@ def cmd_run(args: argparse.Namespace) -> int:
           f"{cfg.model.num_layers} layers, global batch {cfg.train.num_micro_batches} x "
           f"{cfg.train.micro_batch_size} sequences, {'deterministic' if cfg.train.deterministic else 'fast'} mode",
           flush=True)
-    code = launch(cfg, args.metrics_out, timeout_s=args.timeout_s, node=node)
+    code = launch(cfg, args.metrics_out, timeout_s=args.timeout_s, node=node, health=health)
     if args.metrics_out and os.path.exists(args.metrics_out):
         print(f"elaswave: metrics in {args.metrics_out}; plots and a page: elaswave report {args.metrics_out}", flush=True)
     return code
@@ -332,7 +337,29 @@ def cmd_etcd_role(args: argparse.Namespace) -> int:
     return 0
 
 
+def _health_args(probe: argparse.ArgumentParser) -> None:
+    probe.add_argument("file", metavar="FILE")
+    probe.add_argument("--max-age-s", type=float, default=10.0, help="the agent rewrites FILE every 0.1 s: older "
+                                                                     "than this (default 10) is a dead agent")
+    probe.add_argument("--max-step-age-s", type=float, default=None,
+                       help="also unhealthy while training with no step ended for this long (a hang; set it above "
+                            "parallel.timeout_s)")
+
+
+def cmd_health(args) -> int:
+    from elaswave.control.health import check
+
+    code, line = check(args.file, args.max_age_s, args.max_step_age_s)
+    print(line)
+    return code
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["health"]:  # an exec probe: answered without the other commands' imports (~0.2 s, not 3)
+        probe = argparse.ArgumentParser(prog="elaswave health")
+        _health_args(probe)
+        return cmd_health(probe.parse_args(argv[1:]))
     ap = argparse.ArgumentParser(prog="elaswave", description="Elastic hybrid-parallel training on PyTorch.")
     sub = ap.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="train with dp x pp worker processes on this host")
@@ -356,6 +383,8 @@ def main(argv: list[str] | None = None) -> int:
                             "(one task per node); auto does so in a step of more than one node; none: the flags alone")
     run.add_argument("--timeout-s", type=float, default=None, help="stop the job after this many seconds")
     run.add_argument("--tensorboard", metavar="DIR", help="also log TensorBoard scalars in DIR (needs tensorboard)")
+    run.add_argument("--health-file", metavar="FILE", help="keep this host's state in FILE (starting, training, "
+                                                           "recovering, stopped) for a probe: `elaswave health FILE`")
     run.add_argument("--respawn-after", type=float, default=None, metavar="S",
                      help="start a replacement rank (it joins the job) S seconds after a rank dies")
     run.set_defaults(func=cmd_run)
@@ -432,6 +461,8 @@ def main(argv: list[str] | None = None) -> int:
     look.add_argument("--steps", required=True, metavar="A:B", help="steps A..B-1 (or one step A)")
     look.add_argument("--text", action="store_true", help="also each window, decoded")
     look.set_defaults(func=cmd_data_batches, deterministic=False, inject=[])
+    _health_args(sub.add_parser("health", help="exit 0 while the host's agent (`run --health-file FILE`) is alive, "
+                                               "else 1"))
     sim = sub.add_parser("simulate", help="replay failures on a modelled cluster with the same planner, per policy")
     from elaswave.sim import run as sim_run
 

@@ -28,6 +28,7 @@ from elaswave.forkserver import Starter, open_starter
 from elaswave.control import addresses, agents, failover, job_store, rank_numbers, rendezvous, seal
 from elaswave.control.admission import job_token, new_token, Admission
 from elaswave.control.agents import AgentRefused, Node
+from elaswave.control.health import HostHealth
 from elaswave.control.link import EXIT_EXCLUDED, EXIT_GROUP_LEFT, EXIT_STORE_LOST, StoreLink, StoreLost
 from elaswave.control.liveness import Prober
 from elaswave.control.membership import PREFIX, Membership
@@ -70,23 +71,31 @@ def _check_devices(cfg: JobConfig, node: Node) -> None:
 
 
 def launch(cfg: JobConfig, metrics_out: str | None = None, host: str = "127.0.0.1",
-           timeout_s: float | None = None, done_grace_s: float = 10.0, node: Node = Node()) -> int:
+           timeout_s: float | None = None, done_grace_s: float = 10.0, node: Node = Node(),
+           health: HostHealth | None = None) -> int:
     """Run the job (or, with ``node``, this host's share of it) to completion; returns the exit
-    code (0 when the training finished).
+    code (0 when the training finished). ``health``: where this host's state is kept for a probe.
 
     On one host the store binds to ``host`` (loopback unless told otherwise). Joining ranks must
     prove the job's token: ``ELASWAVE_TOKEN`` from the environment, or (one host only) a new random
     one that only this launcher's own replacements know."""
     node.validate(cfg.world_size, job_token())
     starter = open_starter()  # before any thread, socket or device context of this process
+    code = 1
     try:
-        return _launch(cfg, metrics_out, host, timeout_s, done_grace_s, node, starter)
+        code = _launch(cfg, metrics_out, host, timeout_s, done_grace_s, node, starter, health)
+        return code
+    except ConfigError:
+        code = 2  # the one-line error's code (cli.main)
+        raise
     finally:
         starter.close()
+        if health is not None:
+            health.stopped(code)
 
 
 def _launch(cfg: JobConfig, metrics_out: str | None, host: str, timeout_s: float | None, done_grace_s: float,
-            node: Node, starter: Starter) -> int:
+            node: Node, starter: Starter, health: HostHealth | None = None) -> int:
     addresses.check_bind_address(cfg.parallel.bind_address)  # before anything listens
     _check_devices(cfg, node)
     if node.rdzv_backend == "etcd":
@@ -132,6 +141,7 @@ def _launch(cfg: JobConfig, metrics_out: str | None, host: str, timeout_s: float
         for _ in range(cfg.elastic.spares if cfg.elastic.enabled else 0):
             workers.spawn_spare()
         watching = _Watching(cfg, node)
+        watching.health = health
         while True:
             try:
                 code = _watch(cfg, workers, store, membership, timeout_s, done_grace_s, watching)
@@ -178,6 +188,8 @@ class _Watching:
         self.started = time.monotonic()
         self.done = False
         """The training finished (``ew/done``)."""
+        self.health: HostHealth | None = None
+        """Where this host's state is kept for a probe (``--health-file``)."""
 
 
 def _watch(cfg: JobConfig, workers: Workers, store: dist.TCPStore, membership: Membership,
@@ -187,6 +199,8 @@ def _watch(cfg: JobConfig, workers: Workers, store: dist.TCPStore, membership: M
     done_at, asked_at = None, 0.0
     others = _OtherHosts(store, workers) if workers.node.is_multi_host and workers.node.node_rank == 0 else None
     while True:
+        if watching.health is not None:
+            watching.health.update()
         if watching.directory is not None and cfg.elastic.enabled:
             watching.directory.refresh(store)
         codes = {rank: p.poll() for rank, p in workers.procs.items()}

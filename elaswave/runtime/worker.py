@@ -26,6 +26,7 @@ from elaswave.config import JobConfig
 from elaswave.errors import ConfigError
 from elaswave.control.admission import JOIN_ENV, Refused
 from elaswave.control.agents import NODE_RANK_ENV, NODES_ENV
+from elaswave.control.health import RankReport
 from elaswave.control import failover, rendezvous
 from elaswave.control.link import EXIT_EXCLUDED, EXIT_GROUP_LEFT, EXIT_STORE_LOST, StoreLink, StoreLost
 from elaswave.interrupt import Disruption
@@ -87,6 +88,7 @@ def run(cfg: JobConfig, rank: int, world_size: int, metrics_out: str | None) -> 
         ctx.watcher.start()
 
     journal = ctx.journal
+    health = RankReport(rank)  # this rank's word for its agent's health probe (--health-file)
     writer = MetricsWriter(metrics_out if rank == 0 else None, show_progress=rank == 0, total_steps=t.steps,
                            append=resumed is not None)
     # The job as configured, first: reports and the simulator's calibration read the run from it.
@@ -152,6 +154,7 @@ def run(cfg: JobConfig, rank: int, world_size: int, metrics_out: str | None) -> 
                         writer.write(Context.moved_record(moved, took))
                         moved = None
                     step += 1
+                    health("training", step, st.epoch)
                     if result.store_lost:  # the step stays pending, as any: a death in the next may redo it
                         moved = ctx.move_store(st, step)
                     if ctx.checkpointer is not None and ctx.checkpointer.due(step):
@@ -187,6 +190,7 @@ def run(cfg: JobConfig, rank: int, world_size: int, metrics_out: str | None) -> 
                     raise
                 cause = exc
             unfinished = pending  # a change whose first step never ended: its record goes into this one's
+            health("recovering", step, st.epoch)
             try:
                 st, pending = join.change(ctx, st, cause, time.time())
             except PlanError as stop:
