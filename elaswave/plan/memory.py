@@ -251,6 +251,21 @@ def rank_bytes(model: MemoryModel, plan, rank: int) -> dict[str, float]:
     return out
 
 
+def interleaved_unfit(plan) -> str | None:
+    """Under interleaved 1F1B the partition is by cost alone (plan.plan._split): the first rank
+    whose modelled peak passes the plan's limit, in words; None when every rank fits or there is
+    no limit to keep."""
+    if plan.virtual_stages == 1 or plan.memory is None or not plan.stage_memory_limit:
+        return None
+    for rank in plan.ranks:
+        need = rank_bytes(plan.memory, plan, rank)["total"] / MIB
+        if need > plan.stage_memory_limit:
+            return (f"rank {rank} would hold {need:.0f} MiB at its peak under interleaved 1F1B "
+                    f"({plan.virtual_stages} chunks), over the limit of {plan.stage_memory_limit:.0f} MiB; "
+                    "parallel.virtual_stages=1 partitions by memory")
+    return None
+
+
 def _slot_values(model: MemoryModel, plan, rank: int) -> int:
     """Values of ``rank``'s optimizer slots (Plan.slot_chunks)."""
     return sum(plan.slot_chunks(rank)) * model.chunk_numel

@@ -14,7 +14,7 @@ from elaswave.plan import microbatches
 from elaswave.plan.chunks import Owners, chunks_by_rank, reassign_owners, rebalance_owners, round_robin_owners, slot_chunks
 from elaswave.plan.deal import deal, detoured_step_s, step_s
 from elaswave.plan.frequency import PowerModel
-from elaswave.plan.memory import MemoryModel
+from elaswave.plan.memory import MemoryModel, interleaved_unfit
 from elaswave.plan.partition import PartitionError, partition
 
 
@@ -248,6 +248,8 @@ def initial_plan(world_size: int, dp: int, pp: int, layer_costs: Sequence[float]
     )
     if layer_numels:
         plan = replace(plan, chunk_owners=round_robin_owners(plan.holder_groups(), layer_numels, chunk_numel))
+    if why := interleaved_unfit(plan):
+        raise PlanError(f"the initial layout does not fit: {why}")
     return plan
 
 
@@ -370,8 +372,7 @@ def _build(prev: Plan, epoch: int, pipelines, ranges, mbs, freqs=(), routes=(), 
     plan = Plan(epoch=epoch, num_layers=prev.num_layers, pipelines=tuple(pipelines), layer_ranges=tuple(ranges),
                 micro_batches=tuple(mbs), layer_costs=prev.layer_costs, frequencies=tuple(freqs), routes=tuple(routes),
                 layer_memory=prev.layer_memory, stage_memory_limit=prev.stage_memory_limit, memory=prev.memory,
-                depth=prev.depth,
-                ties=prev.ties, ranks_per_node=prev.ranks_per_node, snapshot_copies=prev.snapshot_copies,
+                depth=prev.depth, ties=prev.ties, ranks_per_node=prev.ranks_per_node, snapshot_copies=prev.snapshot_copies,
                 units_per_micro_batch=prev.units_per_micro_batch,
                 micro_batch_units=prev.micro_batch_units if units is None else tuple(units),
                 frequency_solver=solver if freqs else "", virtual_stages=prev.virtual_stages)
@@ -379,7 +380,9 @@ def _build(prev: Plan, epoch: int, pipelines, ranges, mbs, freqs=(), routes=(), 
     joined = set(plan.ranks) - set(prev.ranks)
     if joined:
         owners = rebalance_owners(owners, plan.holder_groups(), joined)
-    return replace(plan, chunk_owners=owners)
+    if why := interleaved_unfit(plan := replace(plan, chunk_owners=owners)):
+        raise PlanError(f"epoch {epoch}: {why}")
+    return plan
 
 
 def _elaswave(prev: Plan, epoch: int, pipelines, kept_ranges, kept, num_micro_batches: int,

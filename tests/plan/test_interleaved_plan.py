@@ -1,10 +1,12 @@
 """Plans of interleaved pipelines (parallel.virtual_stages = V): p x V chunks, minimax on the layer
 costs, kept interleaved on the survivors of a loss and after a join."""
+from dataclasses import replace
+
 import pytest
 
 from elaswave.plan.chunks import chunks_of
 from elaswave.plan.memory import MemoryModel, rank_bytes
-from elaswave.plan.plan import initial_plan, replan
+from elaswave.plan.plan import PlanError, initial_plan, replan
 from elaswave.plan.rebalance import rebalance_gain
 
 COSTS = [1.0, 2.0, 2.0, 2.0, 2.0, 2.0, 2.0, 2.0, 2.0, 1.5]  # embedding, 8 blocks, head
@@ -70,3 +72,18 @@ def test_the_memory_model_counts_every_chunk():
         assert rank_bytes(memory, two, rank)["layers"] == pytest.approx(memory.value_bytes * sum(NUMELS[i] for i in held))
     # Interleaving holds more micro-batch-chunks' activations at rank 0 than 1F1B's stage 0 whole ones.
     assert rank_bytes(memory, two, 0)["activations"] > 0 and rank_bytes(memory, one, 0)["activations"] > 0
+
+
+def test_a_memory_limit_is_kept_on_the_interleaved_plan_or_said():
+    """The p x V partition is by cost; the plan's modelled peaks are checked against the limit after."""
+    memory = MemoryModel(layer_numels=tuple(NUMELS), layer_activation_bytes=tuple([1000.0] * len(COSTS)),
+                         boundary_bytes=100.0, param_bytes=4, sum_bytes=4, chunk_numel=16)
+    plan = initial_plan(4, 2, 2, COSTS, 8, NUMELS, chunk_numel=16, memory=memory, virtual_stages=2,
+                        stage_memory_limit=1.0)  # 1 MiB: these layers need a few KiB
+    need = max(rank_bytes(memory, plan, r)["total"] for r in plan.ranks) / 2 ** 20
+    with pytest.raises(PlanError, match=r"the initial layout does not fit: rank \d+ would hold .* under interleaved "
+                                        r"1F1B \(2 chunks\), over the limit of 0 MiB; parallel.virtual_stages=1"):
+        initial_plan(4, 2, 2, COSTS, 8, NUMELS, chunk_numel=16, memory=memory, virtual_stages=2,
+                     stage_memory_limit=need * 0.99)
+    with pytest.raises(PlanError, match=r"epoch 1: rank 0 would hold"):  # the survivor holding the whole model
+        replan(replace(plan, stage_memory_limit=need * 1.01), [0, 2, 3], 1, 8)
