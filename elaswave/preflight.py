@@ -61,6 +61,29 @@ def check_tokenizer(cfg: JobConfig) -> None:
             raise ConfigError(f"data.path={path!r} is invalid for model.init_from={m.init_from!r}: it was tokenized "
                               f"with {tok['name']!r}, not with the model's tokenizer.json; prepare it again with "
                               f"--tokenizer {m.init_from}")
+        check_chat_template(cfg, path)
+
+
+def check_chat_template(cfg: JobConfig, path: str) -> None:
+    """A corpus of conversations is trained from a folder with the template it was rendered with,
+    or one without a template; another only with data.chat_template=corpus, whose export carries
+    the corpus's (so its text must be in the corpus)."""
+    from elaswave.data import chat
+
+    rendered = chat.corpus_template(path)
+    if rendered is None:
+        return
+    sha, text = rendered
+    own = chat.folder_template(cfg.model.init_from)
+    if own is not None and chat.template_sha256(own.text) != sha and cfg.data.chat_template == "check":
+        raise ConfigError(f"data.path={path!r} is invalid for model.init_from={cfg.model.init_from!r}: its conversations "
+                          f"were rendered with another chat template than the folder's ({own.source}); prepare it "
+                          f"again with --tokenizer {cfg.model.init_from}, or set data.chat_template=corpus to train on "
+                          "it and export the corpus's template")
+    if text is None and (own is None or cfg.data.chat_template == "corpus"):
+        raise ConfigError(f"data.path={path!r} is invalid for model.init_from={cfg.model.init_from!r}: it was prepared "
+                          f"before elaswave kept the chat template's text beside it ({chat.TEMPLATE_FILE}), which the "
+                          "export must carry; prepare it again")
 
 
 def check_memory(cfg: JobConfig) -> None:

@@ -50,19 +50,30 @@ class Source:
     dtype: str = "bf16"
     """The input's dtype, one of EXPORT_DTYPES but auto."""
     eos_token_id: int | None = None
+    chat_template: str | None = None
+    """The template the training data was rendered with, where the companion files lack it (a base
+    folder fine-tuned on conversations) or hold another (data.chat_template=corpus): written into
+    the export's tokenizer_config.json (and its chat_template.jinja, if it has one)."""
 
 
 def source_of(init_from: str, data_path: str = "") -> Source:
-    """The export's source: the ``init_from`` folder, else a prepared corpus's tokenizer."""
+    """The export's source: the ``init_from`` folder, else a prepared corpus's tokenizer; and the
+    chat template the corpus was rendered with, where the folder does not carry that one."""
+    from elaswave.data import chat
+
+    rendered = chat.corpus_template(data_path) if data_path else None
     if init_from:
         doc = read_hf_config(init_from)
         files = [Path(init_from) / n for n in COMPANIONS if (Path(init_from) / n).is_file()]
-        return Source(doc, files, _input_dtype(init_from, doc))
+        own = chat.folder_template(init_from)
+        carried = rendered[1] if rendered and (own is None or chat.template_sha256(own.text) != rendered[0]) else None
+        return Source(doc, files, _input_dtype(init_from, doc), chat_template=carried)
     manifest = Path(data_path) / "manifest.json" if data_path else None
     if manifest is not None and manifest.is_file():
         tok = json.loads(manifest.read_text()).get("tokenizer") or {}
         files = [Path(data_path) / tok["file"]] if tok.get("file") else []
-        return Source(None, [f for f in files if f.is_file()], "bf16", tok.get("eod_id"))
+        return Source(None, [f for f in files if f.is_file()], "bf16", tok.get("eod_id"),
+                      chat_template=rendered[1] if rendered else None)
     return Source()
 
 
@@ -188,6 +199,12 @@ def finish(out: str | Path, parts: list[dict], doc: dict, source: Source, overwr
         (stage / INDEX).write_text(json.dumps(index, indent=2))
     for f in source.files:
         shutil.copyfile(f, stage / f.name)
+    if source.chat_template is not None:
+        settings = stage / "tokenizer_config.json"
+        doc_t = json.loads(settings.read_text()) if settings.is_file() else {}
+        settings.write_text(json.dumps({**doc_t, "chat_template": source.chat_template}, indent=2) + "\n")
+        if (stage / "chat_template.jinja").is_file():  # transformers reads this one first
+            (stage / "chat_template.jinja").write_text(source.chat_template)
     (stage / "config.json").write_text(json.dumps(doc, indent=2) + "\n")
     return install(stage, out, overwrite)
 

@@ -73,6 +73,41 @@ def load_template(model_dir: str) -> ChatTemplate:
 _templates: dict = {}
 
 
+TEMPLATE_FILE = "chat_template.jinja"
+"""Where a prepared corpus of conversations keeps the template it was rendered with."""
+
+
+def template_sha256(text: str) -> str:
+    import hashlib
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def corpus_template(corpus: str) -> tuple[str, str | None] | None:
+    """(sha256, text) of the chat template a prepared corpus was rendered with -- the text None for
+    a corpus prepared before it was kept there; None for a corpus of plain text."""
+    try:
+        with open(os.path.join(corpus, "manifest.json"), encoding="utf-8") as fh:
+            recorded = json.load(fh).get("chat_template")
+    except (OSError, ValueError):
+        return None
+    if not recorded:
+        return None
+    path = os.path.join(corpus, recorded.get("file") or TEMPLATE_FILE)
+    text = None
+    if os.path.isfile(path):
+        with open(path, encoding="utf-8") as fh:
+            text = fh.read()
+    return recorded["sha256"], text
+
+
+def folder_template(model_dir: str) -> ChatTemplate | None:
+    """The folder's chat template, or None for a folder without one (a base model)."""
+    try:
+        return load_template(model_dir)
+    except ConfigError:
+        return None
+
+
 def _compiled(text: str):
     if text not in _templates:
         from jinja2.ext import loopcontrols

@@ -36,6 +36,11 @@ class DataConfig:
     mix: tuple = ()
     """Prepared corpora blended by weight, ``PATH=WEIGHT`` each (instead of ``path``); every source
     keeps its own exactly-once epochs."""
+    chat_template: str = "check"
+    """A corpus of conversations (``prepare --format chat``) and model.init_from's chat template:
+    check -- a folder whose template differs from the one the corpus was rendered with is refused
+    (a folder without one is fine: the export carries the corpus's); corpus -- train anyway, and the
+    export carries the corpus's template, the one the model learnt."""
     document_masking: str = "auto"
     """true: attention never crosses a document boundary inside a packed window (block-causal, from
     the prepared corpus's document index); auto: true for a corpus of conversations (``prepare
@@ -84,6 +89,9 @@ class DataConfig:
     def validate(self) -> None:
         if self.source not in DATA_SOURCES:
             _fail("data.source", self.source, f"must be one of {', '.join(DATA_SOURCES)}")
+        if self.chat_template not in ("check", "corpus"):
+            _fail("data.chat_template", self.chat_template, "must be check (refuse a model folder whose chat template "
+                  "differs from the corpus's) or corpus (train, and export the corpus's template)")
         if self.document_masking not in DOCUMENT_MASKING:
             _fail("data.document_masking", self.document_masking, f"must be one of {', '.join(DOCUMENT_MASKING)}")
         if self.document_masking == "true" and self.kind != "tokens":

@@ -409,6 +409,9 @@ def prepare(inputs: list[str], out: str, tokenizer: str, text_field: str = "text
     if spec.json is not None:
         with open(os.path.join(partial, "tokenizer.json"), "w", encoding="utf-8") as fh:
             fh.write(spec.json)
+    if template is not None:  # what the export of a model trained on it carries (checkpoint/hf_folder)
+        with open(os.path.join(partial, chat.TEMPLATE_FILE), "w", encoding="utf-8") as fh:
+            fh.write(template.text)
     manifest = {"format": FORMAT_MASKED if masked else FORMAT, "dtype": dtype, "vocab_size": spec.vocab_size,
                 "tokenizer": {"name": spec.name, "sha256": spec.sha256, "eod_id": spec.eod_id,
                               "file": "tokenizer.json" if spec.json is not None else None},
@@ -417,7 +420,7 @@ def prepare(inputs: list[str], out: str, tokenizer: str, text_field: str = "text
                 "separator": separator if fmt == "text" else None,
                 "loss_mask": {"train_on": train_on, "file": ".mask"} if masked else None,
                 "chat_template": ({"source": os.path.abspath(template.source),
-                                   "sha256": hashlib.sha256(template.text.encode()).hexdigest()}
+                                   "sha256": chat.template_sha256(template.text), "file": chat.TEMPLATE_FILE}
                                   if template is not None else None),
                 "text_bytes": text_bytes, "prepare_s": took, "workers": workers}
     with open(os.path.join(partial, MANIFEST), "w", encoding="utf-8") as fh:

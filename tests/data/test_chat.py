@@ -10,6 +10,7 @@ import torch
 
 from elaswave import config
 from elaswave.config import ConfigError
+from elaswave.data import chat as chat_module
 from elaswave.data import tokenizer as tok
 from elaswave.data.prepare import prepare
 from elaswave.data.sampler import IGNORE, open_sampler
@@ -196,3 +197,45 @@ def test_document_masking_keeps_attention_inside_each_conversation(chat_model, t
     assert not torch.allclose(without[0, second:], alone[0], atol=1e-3)
     assert torch.equal(with_mask[0, :second], without[0, :second])  # the first document saw only itself
     assert not plain.data.masks_documents
+
+
+def test_the_chat_template_is_checked_and_the_export_carries_the_one_trained_on(chat_model, tmp_path):
+    """The corpus keeps the template its conversations were rendered with. A model folder with
+    another template is refused in one line, unless data.chat_template=corpus: then the export
+    carries the corpus's. A base folder (no template) trains, and its export gains the corpus's:
+    apply_chat_template on the result renders as the training data was rendered."""
+    transformers = pytest.importorskip("transformers")
+    import shutil
+    _prepared(chat_model, tmp_path)
+    corpus = tmp_path / "corpus"
+    assert (corpus / "chat_template.jinja").read_text() == CHATML
+    hf = tmp_path / "hf"
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=PreparedTokens(str(corpus)).vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)).save_pretrained(hf)
+    shutil.copyfile(chat_model / "model" / "tokenizer.json", hf / "tokenizer.json")
+    other = CHATML.replace("'<|im_end|>' + '\\n'", "'<|im_end|>' + '\\n\\n'")
+    assert other != CHATML
+    (hf / "tokenizer_config.json").write_text(json.dumps({"chat_template": other, "eos_token": "<|im_end|>"}))
+    sets = [f"model.init_from={hf}", "model.seq_len=32", f"data.path={corpus}", "train.steps=2", "parallel.dp=1",
+            "parallel.pp=1", "train.num_micro_batches=2", "train.micro_batch_size=2", "elastic.enabled=false"]
+
+    def run(*more):
+        return run_cli(["run", *[x for s in [*sets, *more] for x in ("--set", s)]], tmp_path, timeout_s=120)
+    refused = run()
+    lines = refused.stderr.strip().splitlines()
+    assert refused.returncode == 2 and len(lines) == 1, refused.stderr
+    assert "rendered with another chat template than the folder's" in lines[0] and "data.chat_template=corpus" in lines[0]
+    messages = _conversation(1)["messages"]
+    expected = chat_module.ChatTemplate("", CHATML, eos_token="<|im_end|>").render(messages)
+    for folder_template in (other, None):  # another template (carried over it), none (a base folder)
+        (hf / "tokenizer_config.json").write_text(json.dumps(
+            {"eos_token": "<|im_end|>", **({"chat_template": folder_template} if folder_template else {})}))
+        out = tmp_path / f"out-{folder_template is None}"
+        done = run("data.chat_template=corpus" if folder_template else "data.chat_template=check",
+                   f"checkpoint.export_hf={out}")
+        assert done.returncode == 0, done.stderr
+        assert json.loads((out / "tokenizer_config.json").read_text())["chat_template"] == CHATML
+        tokenizer = transformers.PreTrainedTokenizerFast.from_pretrained(out)
+        assert tokenizer.apply_chat_template(messages, tokenize=False) == expected
