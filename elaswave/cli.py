@@ -305,11 +305,16 @@ def cmd_prepare(args: argparse.Namespace) -> int:
 
     m = prepare(args.inputs, args.out, args.tokenizer, args.text_field, args.workers, args.eval_fraction,
                 args.eod_token, args.shard_tokens, args.overwrite, fmt=args.format, train_on=args.train_on,
-                separator=args.separator)
+                separator=args.separator, pack_to=args.pack_to, overlong=args.overlong)
     train, held = m["splits"]["train"], m["splits"]["eval"]
     print(f"elaswave: wrote {args.out}: {train['tokens']:,} train tokens in {train['documents']:,} documents, "
           f"{held['tokens']:,} eval tokens in {held['documents']:,}; vocabulary {m['vocab_size']:,} ({m['dtype']}); "
           f"{m['text_bytes'] / 1e6 / max(m['prepare_s'], 1e-9):.2f} MB of text per second")
+    if m.get("packing"):
+        p = m["packing"]["train"]
+        print(f"elaswave: packed {p['conversations']:,} train conversations whole into {p['windows']:,} windows of "
+              f"{m['packing']['window']} tokens (padding {100 * p['padding_share']:.1f} %); {p['overlong']:,} longer "
+              f"than a window (--overlong {m['packing']['overlong']}: {p['dropped']:,} dropped, {p['pieces']:,} pieces)")
     return 0
 
 
@@ -446,6 +451,12 @@ def main(argv: list[str] | None = None) -> int:
     prep.add_argument("--separator", default="blank-line", metavar="SEP",
                       help="what splits a text file into documents: blank-line (default), file (the whole file is "
                            "one document), or a text such as '<|endoftext|>'")
+    prep.add_argument("--pack-to", type=int, default=0, metavar="L",
+                      help="--format chat: pack whole conversations into windows of L tokens (the model.seq_len to "
+                           "train with), so none is cut at a window's edge (default 0: one stream, cut anywhere)")
+    prep.add_argument("--overlong", default="truncate", choices=("truncate", "split", "drop"),
+                      help="with --pack-to, a conversation longer than a window: its first L - 1 tokens (default), "
+                           "pieces of L - 1, or left out")
     prep.add_argument("--train-on", default="assistant", choices=("assistant", "all"),
                       help="--format chat: the tokens that are trained (default: what the assistant says)")
     prep.add_argument("--workers", type=int, default=max(1, (os.cpu_count() or 1)), help="tokenizing processes")

@@ -133,6 +133,12 @@ def open_tokens(cfg: DataConfig, vocab_size: int, min_tokens: int, split: str = 
         raise ConfigError(f"model.vocab_size={vocab_size} is invalid: the prepared corpus at {cfg.path!r} has a "
                           f"vocabulary of {tokens.vocab_size} (tokenizer {tokens.manifest['tokenizer']['name']}); "
                           f"use >= {tokens.vocab_size}")
+    packed = (tokens.manifest.get("packing") or {}).get("window")
+    if packed and packed != min_tokens - 1:  # (min_tokens: a window's model.seq_len + 1)
+        raise ConfigError(f"model.seq_len={min_tokens - 1} is invalid for data.path={cfg.path!r}: its conversations "
+                          f"are packed whole into windows of {packed} tokens (prepare --pack-to {packed}), which "
+                          f"windows of another length would cut; use model.seq_len={packed}, or prepare it again "
+                          f"with --pack-to {min_tokens - 1}")
     if len(tokens) < min_tokens:
         hint = "; prepare it with --eval-fraction > 0 to hold documents out" if split == "eval" else ""
         raise ConfigError(f"data.path={cfg.path!r} is invalid: its {split} split has {len(tokens)} tokens, need at "

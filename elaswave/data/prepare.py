@@ -31,7 +31,7 @@ from collections.abc import Iterator
 import numpy as np
 
 from elaswave.errors import ConfigError
-from elaswave.data import chat, tokenizer as tok
+from elaswave.data import chat, packing, tokenizer as tok
 from elaswave.data.shards import DTYPES, FORMAT, FORMAT_MASKED, MANIFEST, is_prepared
 
 SHARD_TOKENS = 1 << 28
@@ -347,8 +347,9 @@ def _claim(out: str, overwrite: bool) -> str:
 def prepare(inputs: list[str], out: str, tokenizer: str, text_field: str = "text", workers: int = 1,
             eval_fraction: float = 0.0, eod_token: str | None = None, shard_tokens: int = SHARD_TOKENS,
             overwrite: bool = False, progress: bool = True, fmt: str = "text", train_on: str = "assistant",
-            separator: str = BLANK_LINE) -> dict:
-    """Tokenize ``inputs`` into the prepared corpus ``out``; returns its manifest."""
+            separator: str = BLANK_LINE, pack_to: int = 0, overlong: str = "truncate") -> dict:
+    """Tokenize ``inputs`` into the prepared corpus ``out``; returns its manifest. ``pack_to``: whole
+    conversations packed into windows of that many tokens (model.seq_len; elaswave.data.packing)."""
     if not inputs:
         raise ConfigError("prepare needs at least one INPUT (a text file, a folder or a .jsonl file)")
     if fmt not in FORMATS:
@@ -361,6 +362,11 @@ def prepare(inputs: list[str], out: str, tokenizer: str, text_field: str = "text
             raise ConfigError(f"--tokenizer={tokenizer!r} is invalid for --format chat: give the model folder whose "
                               "tokenizer.json and chat template render the conversations")
         template = chat.load_template(tokenizer)
+    if pack_to and (fmt != "chat" or pack_to < 2):
+        raise ConfigError(f"--pack-to={pack_to} is invalid" + (": it packs conversations, with --format chat"
+                                                               if fmt != "chat" else ": a window of >= 2 tokens"))
+    if overlong not in packing.OVERLONG:
+        raise ConfigError(f"--overlong={overlong!r} is invalid: must be one of {', '.join(packing.OVERLONG)}")
     if workers < 1:
         raise ConfigError(f"--workers={workers} is invalid: must be >= 1")
     if not 0.0 <= eval_fraction < 1.0:
@@ -373,12 +379,13 @@ def prepare(inputs: list[str], out: str, tokenizer: str, text_field: str = "text
         _files(path)  # a missing input is said before any work
     spec = _tokenizer_for(tokenizer, inputs, text_field, eod_token, separator)
     dtype = "uint16" if spec.vocab_size <= 1 << 16 else "uint32"
-    masked = fmt == "chat" and train_on == "assistant"
+    masked = fmt == "chat" and (train_on == "assistant" or bool(pack_to))  # packed: no cross-conversation target
     chat_setting = (template, train_on) if template is not None else None
     partial = _claim(out, overwrite)
     began = time.perf_counter()
     writers = {split: ShardWriter(partial, split, dtype, spec.eod_id, spec.vocab_size, shard_tokens, masked)
                for split in ("train", "eval")}
+    packers = {split: packing.Packer(pack_to, spec.eod_id, overlong) for split in writers} if pack_to else None
     text_bytes = 0
     bar = _Progress(sum(os.path.getsize(f) for given in inputs for f in _files(given)), progress)
     batches = _batches(_units(inputs, text_field, fmt, separator), eval_fraction)
@@ -393,13 +400,17 @@ def prepare(inputs: list[str], out: str, tokenizer: str, text_field: str = "text
     try:
         for ids, masks, to_eval, size in encoded:
             for one, mask, e in zip(ids, masks, to_eval):
-                writers["eval" if e else "train"].add(one, mask)
+                if packers is not None:
+                    packers["eval" if e else "train"].add(one, mask if mask is not None else np.ones(one.size, np.uint8))
+                else:
+                    writers["eval" if e else "train"].add(one, mask)
             text_bytes += size
             bar.update(size, sum(s["tokens"] for w in writers.values() for s in w.shards))
     finally:
         bar.close()
         if pool is not None:
             pool.terminate()
+    packed = {split: packers[split].write(writers[split]) for split in writers} if packers is not None else None
     splits = {split: w.close() for split, w in writers.items()}
     if splits["train"]["documents"] == 0:
         shutil.rmtree(partial, ignore_errors=True)
@@ -422,6 +433,7 @@ def prepare(inputs: list[str], out: str, tokenizer: str, text_field: str = "text
                 "chat_template": ({"source": os.path.abspath(template.source),
                                    "sha256": chat.template_sha256(template.text), "file": chat.TEMPLATE_FILE}
                                   if template is not None else None),
+                "packing": {"window": pack_to, "overlong": overlong, **packed} if packed is not None else None,
                 "text_bytes": text_bytes, "prepare_s": took, "workers": workers}
     with open(os.path.join(partial, MANIFEST), "w", encoding="utf-8") as fh:
         json.dump(manifest, fh, indent=1)
