@@ -99,6 +99,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     node.validate(cfg.world_size, job_token())
 
     if args.tensorboard:  # the workers' writer reads it (under torchrun, set it yourself)
+        if not args.metrics_out:
+            raise ConfigError(f"--tensorboard={args.tensorboard} is invalid without --metrics-out F.jsonl: the scalars "
+                              "are written by the rank that writes the metrics; give both")
         os.environ[TENSORBOARD_ENV] = args.tensorboard
     health = None
     if args.health_file:

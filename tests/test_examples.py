@@ -79,17 +79,18 @@ def test_instruct_toml_tunes_a_chat_model_through_a_kill_and_exports_a_drop_in_f
     chats = tmp_path / "chats.jsonl"
     chats.write_text("".join(json.dumps({"messages": [
         {"role": "user", "content": " ".join(words[(i + j) % len(words)] for j in range(3 + i % 4))},
-        {"role": "assistant", "content": "ok"}]}) + "\n" for i in range(80)))
+        {"role": "assistant", "content": "ok"}]}) + "\n" for i in range(240)))
     prep = run_cli(["prepare", str(chats), "--format", "chat", "--tokenizer", str(model_dir), "--out",
-                    str(tmp_path / "chats"), "--workers", "1"], tmp_path)
+                    str(tmp_path / "chats"), "--workers", "1", "--eval-fraction", "0.2", "--pack-to", "32"], tmp_path)
     assert prep.returncode == 0, prep.stderr
     out = tmp_path / "my-chat-model-tuned"
     res = run_cli(["run", "--config", str(EXAMPLES / "instruct_llama.toml"), "--set", f"model.init_from={model_dir}",
                    "--set", f"data.path={tmp_path / 'chats'}", "--set", f"checkpoint.export_hf={out}",
                    "--set", "model.seq_len=32", "--set", "train.steps=6", "--set", "train.lr=1e-2",
-                   "--set", "train.warmup_steps=0", "--set", "parallel.timeout_s=60",
+                   "--set", "train.warmup_steps=0", "--set", "parallel.timeout_s=60", "--set", "train.eval_batches=1",
                    "--inject", "kill:rank=2,step=3,phase=backward"], tmp_path)
     assert res.returncode == 0, res.stderr
+    assert [r["step"] for r in res.records if r["event"] == "eval"] == [6]  # the held-out 20 %, after the last step
     steps = [r for r in res.records if r["event"] == "step"]
     assert [r["step"] for r in steps] == list(range(6)) and [r for r in res.records if r["event"] == "recovery"]
     assert all(0 < r["loss_tokens"] < r["tokens"] for r in steps)  # only the assistant's tokens are trained

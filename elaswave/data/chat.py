@@ -24,7 +24,7 @@ import numpy as np
 from elaswave.errors import ConfigError
 
 TRAIN_ON = ("assistant", "all")
-ROLES = ("system", "user", "assistant", "tool")
+ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
 @dataclass(frozen=True)
@@ -123,8 +123,21 @@ def _compiled(text: str):
     return _templates[text]
 
 
+def _content_ok(m: dict) -> bool:
+    """Text; a list of text parts ({"type": "text", "text": ...}, as OpenAI's format writes it); or
+    none on an assistant turn that calls tools (``tool_calls``). Passed to the template as given."""
+    content = m.get("content")
+    if isinstance(content, str):
+        return True
+    if isinstance(content, list):
+        return bool(content) and all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                                     for p in content)
+    return content is None and m["role"] == "assistant" and isinstance(m.get("tool_calls"), list) and bool(m["tool_calls"])
+
+
 def messages_of(record, where: str) -> list[dict]:
-    """The record's messages, checked: a list of {role, content} with known roles and text content."""
+    """The record's messages, checked: a list of {role, content} with known roles and text content
+    (see :func:`_content_ok`)."""
     messages = record.get("messages") if isinstance(record, dict) else None
     if not isinstance(messages, list) or not messages:
         keys = sorted(record) if isinstance(record, dict) else type(record).__name__
@@ -134,8 +147,9 @@ def messages_of(record, where: str) -> list[dict]:
             raise ConfigError(f"{where}: message {i} has no \"role\"")
         if m["role"] not in ROLES:
             raise ConfigError(f"{where}: message {i} has role {m['role']!r}; known: {', '.join(ROLES)}")
-        if not isinstance(m.get("content"), str):
-            raise ConfigError(f"{where}: message {i} ({m['role']}) has no text \"content\"")
+        if not _content_ok(m):
+            raise ConfigError(f"{where}: message {i} ({m['role']}) has no text \"content\" (a text, a list of "
+                              "{\"type\": \"text\", \"text\": ...} parts, or none beside an assistant's \"tool_calls\")")
     return messages
 
 

@@ -382,63 +382,67 @@ def prepare(inputs: list[str], out: str, tokenizer: str, text_field: str = "text
     masked = fmt == "chat" and (train_on == "assistant" or bool(pack_to))  # packed: no cross-conversation target
     chat_setting = (template, train_on) if template is not None else None
     partial = _claim(out, overwrite)
-    began = time.perf_counter()
-    writers = {split: ShardWriter(partial, split, dtype, spec.eod_id, spec.vocab_size, shard_tokens, masked)
-               for split in ("train", "eval")}
-    packers = {split: packing.Packer(pack_to, spec.eod_id, overlong) for split in writers} if pack_to else None
-    text_bytes = 0
-    bar = _Progress(sum(os.path.getsize(f) for given in inputs for f in _files(given)), progress)
-    batches = _batches(_units(inputs, text_field, fmt, separator), eval_fraction)
-    pool = None
-    if workers > 1 and spec.json is not None:  # bytes take no tokenizing: workers would only copy them
-        with _workers_without_main() as ctx:
-            pool = ctx.Pool(workers, _init_worker, (spec.json, chat_setting))
-        encoded = _in_order(pool, _encode, batches, 2 * workers)
-    else:
-        _init_worker(spec.json, chat_setting)
-        encoded = map(_encode, batches)
-    try:
-        for ids, masks, to_eval, size in encoded:
-            for one, mask, e in zip(ids, masks, to_eval):
-                if packers is not None:
-                    packers["eval" if e else "train"].add(one, mask if mask is not None else np.ones(one.size, np.uint8))
-                else:
-                    writers["eval" if e else "train"].add(one, mask)
-            text_bytes += size
-            bar.update(size, sum(s["tokens"] for w in writers.values() for s in w.shards))
-    finally:
-        bar.close()
-        if pool is not None:
-            pool.terminate()
-    packed = {split: packers[split].write(writers[split]) for split in writers} if packers is not None else None
-    splits = {split: w.close() for split, w in writers.items()}
-    if splits["train"]["documents"] == 0:
+    try:  # a bad line, a full disk, ^C: nothing half-written is left behind (OUT.partial goes)
+        began = time.perf_counter()
+        writers = {split: ShardWriter(partial, split, dtype, spec.eod_id, spec.vocab_size, shard_tokens, masked)
+                   for split in ("train", "eval")}
+        packers = {split: packing.Packer(pack_to, spec.eod_id, overlong) for split in writers} if pack_to else None
+        text_bytes = 0
+        bar = _Progress(sum(os.path.getsize(f) for given in inputs for f in _files(given)), progress)
+        batches = _batches(_units(inputs, text_field, fmt, separator), eval_fraction)
+        pool = None
+        if workers > 1 and spec.json is not None:  # bytes take no tokenizing: workers would only copy them
+            with _workers_without_main() as ctx:
+                pool = ctx.Pool(workers, _init_worker, (spec.json, chat_setting))
+            encoded = _in_order(pool, _encode, batches, 2 * workers)
+        else:
+            _init_worker(spec.json, chat_setting)
+            encoded = map(_encode, batches)
+        try:
+            for ids, masks, to_eval, size in encoded:
+                for one, mask, e in zip(ids, masks, to_eval):
+                    if packers is not None:
+                        packers["eval" if e else "train"].add(one, mask if mask is not None else np.ones(one.size, np.uint8))
+                    else:
+                        writers["eval" if e else "train"].add(one, mask)
+                text_bytes += size
+                bar.update(size, sum(s["tokens"] for w in writers.values() for s in w.shards))
+        finally:
+            bar.close()
+            if pool is not None:
+                pool.terminate()
+        packed = {split: packers[split].write(writers[split]) for split in writers} if packers is not None else None
+        splits = {split: w.close() for split, w in writers.items()}
+        if splits["train"]["documents"] == 0:
+            shutil.rmtree(partial, ignore_errors=True)
+            raise ConfigError(f"the inputs {inputs} hold no {'training ' if eval_fraction else ''}documents "
+                              f"(empty files, or every .jsonl line empty)")
+        took = time.perf_counter() - began
+        if spec.json is not None:
+            with open(os.path.join(partial, "tokenizer.json"), "w", encoding="utf-8") as fh:
+                fh.write(spec.json)
+        if template is not None:  # what the export of a model trained on it carries (checkpoint/hf_folder)
+            with open(os.path.join(partial, chat.TEMPLATE_FILE), "w", encoding="utf-8") as fh:
+                fh.write(template.text)
+        manifest = {"format": FORMAT_MASKED if masked else FORMAT, "dtype": dtype, "vocab_size": spec.vocab_size,
+                    "tokenizer": {"name": spec.name, "sha256": spec.sha256, "eod_id": spec.eod_id,
+                                  "file": "tokenizer.json" if spec.json is not None else None},
+                    "splits": splits, "eval_fraction": eval_fraction,
+                    "inputs": [os.path.abspath(i) for i in inputs], "text_field": text_field, "input_format": fmt,
+                    "separator": separator if fmt == "text" else None,
+                    "loss_mask": {"train_on": train_on, "file": ".mask"} if masked else None,
+                    "chat_template": ({"source": os.path.abspath(template.source),
+                                       "sha256": chat.template_sha256(template.text), "file": chat.TEMPLATE_FILE}
+                                      if template is not None else None),
+                    "packing": {"window": pack_to, "overlong": overlong, **packed} if packed is not None else None,
+                    "text_bytes": text_bytes, "prepare_s": took, "workers": workers}
+        with open(os.path.join(partial, MANIFEST), "w", encoding="utf-8") as fh:
+            json.dump(manifest, fh, indent=1)
+        if os.path.exists(out):  # an empty folder, or a prepared corpus with --overwrite
+            shutil.rmtree(out)
+        os.rename(partial, out)
+        return manifest
+    except BaseException:
         shutil.rmtree(partial, ignore_errors=True)
-        raise ConfigError(f"the inputs {inputs} hold no {'training ' if eval_fraction else ''}documents "
-                          f"(empty files, or every .jsonl line empty)")
-    took = time.perf_counter() - began
-    if spec.json is not None:
-        with open(os.path.join(partial, "tokenizer.json"), "w", encoding="utf-8") as fh:
-            fh.write(spec.json)
-    if template is not None:  # what the export of a model trained on it carries (checkpoint/hf_folder)
-        with open(os.path.join(partial, chat.TEMPLATE_FILE), "w", encoding="utf-8") as fh:
-            fh.write(template.text)
-    manifest = {"format": FORMAT_MASKED if masked else FORMAT, "dtype": dtype, "vocab_size": spec.vocab_size,
-                "tokenizer": {"name": spec.name, "sha256": spec.sha256, "eod_id": spec.eod_id,
-                              "file": "tokenizer.json" if spec.json is not None else None},
-                "splits": splits, "eval_fraction": eval_fraction,
-                "inputs": [os.path.abspath(i) for i in inputs], "text_field": text_field, "input_format": fmt,
-                "separator": separator if fmt == "text" else None,
-                "loss_mask": {"train_on": train_on, "file": ".mask"} if masked else None,
-                "chat_template": ({"source": os.path.abspath(template.source),
-                                   "sha256": chat.template_sha256(template.text), "file": chat.TEMPLATE_FILE}
-                                  if template is not None else None),
-                "packing": {"window": pack_to, "overlong": overlong, **packed} if packed is not None else None,
-                "text_bytes": text_bytes, "prepare_s": took, "workers": workers}
-    with open(os.path.join(partial, MANIFEST), "w", encoding="utf-8") as fh:
-        json.dump(manifest, fh, indent=1)
-    if os.path.exists(out):  # an empty folder, or a prepared corpus with --overwrite
-        shutil.rmtree(out)
-    os.rename(partial, out)
-    return manifest
+        raise
 

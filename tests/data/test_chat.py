@@ -84,6 +84,36 @@ def test_a_bad_conversation_is_one_line_naming_its_line(tmp_path, chat_model, re
                    "--format", "chat", "--workers", "1"], tmp_path)
     assert res.returncode == 2 and f"{bad}:2" in res.stderr and expected in res.stderr, res.stderr
     assert "Traceback" not in res.stderr and not (tmp_path / "corpus").exists()
+    assert not (tmp_path / "corpus.partial").exists()  # nothing half-written is left behind
+
+
+def test_the_shapes_of_openai_style_messages_are_taken(tmp_path, chat_model):
+    """A developer turn, content as a list of text parts, an assistant turn that only calls a tool:
+    given to the template as they are (the template decides how they read)."""
+    template = ("{% for m in messages %}{{'<|im_start|>' + m['role'] + '\\n'}}{% if m['content'] is string %}"
+                "{{ m['content'] }}{% elif m['content'] %}{% for p in m['content'] %}{{ p['text'] }}{% endfor %}"
+                "{% else %}{{ m['tool_calls'] | tojson }}{% endif %}{{'<|im_end|>\\n'}}{% endfor %}"
+                "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "tokenizer.json").write_bytes((chat_model / "model" / "tokenizer.json").read_bytes())
+    (model / "tokenizer_config.json").write_text(json.dumps({"chat_template": template, "eos_token": "<|im_end|>"}))
+    record = {"messages": [{"role": "developer", "content": "be brief"},
+                           {"role": "user", "content": [{"type": "text", "text": "the cat"}, {"type": "text", "text": " sat"}]},
+                           {"role": "assistant", "content": None, "tool_calls": [{"type": "function", "function": {"name": "see"}}]},
+                           {"role": "tool", "content": "a mat"}, {"role": "assistant", "content": "on a mat"}]}
+    data = tmp_path / "d.jsonl"
+    data.write_text(json.dumps(record) + "\n")
+    m = prepare([str(data)], str(tmp_path / "corpus"), str(model), progress=False, fmt="chat")
+    assert m["splits"]["train"]["documents"] == 1
+    corpus = PreparedTokens(str(tmp_path / "corpus"))
+    text = corpus.encoder().decode(corpus.read(0, len(corpus)).tolist())
+    assert "the cat sat" in text and '"name": "see"' in text and "developer" in text
+    bad = dict(record, messages=[{"role": "user", "content": [{"type": "image", "url": "x"}]}])
+    data.write_text(json.dumps(bad) + "\n")
+    with pytest.raises(ConfigError, match=r'message 0 \(user\) has no text "content"'):
+        prepare([str(data)], str(tmp_path / "corpus2"), str(model), progress=False, fmt="chat")
+    assert not (tmp_path / "corpus2.partial").exists()
 
 
 def test_a_tokenizer_without_a_chat_template_is_refused(tmp_path, chat_model):

@@ -19,3 +19,13 @@ def test_tensorboard_scalars_are_the_runs_losses_and_its_recovery(tmp_path):
     recovery = next(r for r in res.records if r["event"] == "recovery")
     (mttr,) = acc.Scalars("elastic/recovery_s")
     assert mttr.step == recovery["resume_step"] and mttr.value == pytest.approx(recovery["mttr_s"], rel=1e-6)
+
+
+def test_tensorboard_without_metrics_is_one_line(tmp_path):
+    """Its scalars come from the metrics writer: without --metrics-out it would write nothing."""
+    import subprocess
+    import sys
+    res = subprocess.run([sys.executable, "-m", "elaswave.cli", "run", "--tensorboard", str(tmp_path / "tb")],
+                         capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    lines = res.stderr.strip().splitlines()
+    assert res.returncode == 2 and len(lines) == 1 and "--metrics-out" in lines[0], res.stderr
