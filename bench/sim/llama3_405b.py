@@ -16,9 +16,16 @@ published one, with bounds that say where the difference sits:
 
 ZB-H1 here is the runtime's schedule priced by the simulator; the runtime refuses it with TP > 1
 today (parallel.schedule), and it keeps p micro-batches' activations on every stage until their W,
-so at 80 GiB it may not fit where 1F1B does (then its row says what it needs). Llama 3 ran an
-interleaved schedule (V model chunks a stage: fill and drain (p - 1) / (V m)); interleaving,
-sequence parallelism in the runtime and overlapped communication are not modelled.
+so at 80 GiB it may not fit where 1F1B does (then its row says what it needs).
+
+Llama 3 ran an interleaved schedule: a second table prices the runtime's interleaved 1F1B
+(``--schedule interleaved --virtual-stages V``, V = 2 and 4: 32 and 64 chunks of the model's 128
+layers, 126 blocks with the embedding and the head) on the planner's p x V chunks, with its
+*interleaved* bound (fill and drain (p - 1) / (V m) on even chunks, by ``makespan`` of the
+``interleaved_1f1b`` action lists). The planner splits chunks by cost alone, so a plan either fits
+80 GiB as split (its modelled peak, plan/memory.rank_bytes, checked against the limit after) or
+its row says what it needs; the runtime refuses interleaved with TP > 1 today too. Sequence
+parallelism in the runtime and overlapped communication are not modelled.
 
     python bench/sim/llama3_405b.py
 """
@@ -34,7 +41,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository: bench.common
 from bench.common import RESULTS, bench_args, write_results  # noqa: E402
 from elaswave import cli  # noqa: E402
-from elaswave.pipeline.schedule import makespan, one_f_one_b, zb_h1  # noqa: E402
+from elaswave.pipeline.schedule import interleaved_1f1b, makespan, one_f_one_b, zb_h1  # noqa: E402
 from elaswave.sim.workload import HARDWARE, MODELS, model_flops_per_micro_batch  # noqa: E402
 
 TOKENS_PER_STEP = 16 * 2 ** 20
@@ -42,6 +49,8 @@ ROWS = ((8192, 64, 430.0), (16384, 128, 400.0))
 """(GPUs, DP, published TFLOP/s per GPU) at TP 8, PP 16, 8,192-token sequences (table 4)."""
 TP, PP = 8, 16
 SCHEDULES = {"1f1b": one_f_one_b, "zb-h1": zb_h1}
+VIRTUAL_STAGES = (2, 4)
+"""Interleaved 1F1B's model chunks a GPU (PP x V chunks, at least a layer each: V <= 8 here)."""
 
 
 def simulate(argv: list[str]) -> tuple[dict | None, str]:
@@ -56,10 +65,14 @@ def simulate(argv: list[str]) -> tuple[dict | None, str]:
     raise RuntimeError(f"elaswave simulate {' '.join(argv)} exited {code}: {err.getvalue().strip()}")
 
 
-def schedule_bound_s(schedule: str, compute_s: float, m: int) -> float:
+def schedule_bound_s(schedule: str, compute_s: float, m: int, num_chunks: int = 1) -> float:
     """``compute_s`` through ``schedule``'s fill and drain on PP even stages: its action lists timed
-    by ``makespan``, each stage ``compute_s / m`` a micro-batch (forward : backward 1 : 2, B = W)."""
+    by ``makespan``, each stage ``compute_s / m`` a micro-batch (forward : backward 1 : 2, B = W);
+    ``num_chunks`` > 1: interleaved 1F1B with each stage's time split evenly over its chunks."""
     stage = compute_s / m
+    if num_chunks > 1:
+        return makespan([interleaved_1f1b(s, PP, num_chunks, range(m)) for s in range(PP)],
+                        [stage / num_chunks] * (PP * num_chunks), 2.0)
     return makespan([SCHEDULES[schedule](s, PP, range(m)) for s in range(PP)], [stage] * PP, 2.0)
 
 
@@ -80,19 +93,32 @@ def row(gpus: int, dp: int, published: float) -> dict:
            "published_tflops_per_gpu": published, "compute_bound_s": compute_s,
            "one_f_one_b_bound_s": one_f_one_b_bound, "zb_h1_bound_s": schedule_bound_s("zb-h1", compute_s, m),
            "published_step_s": flops / gpus / (published * 1e12), "device_gib": 80.0}
-    for schedule in SCHEDULES:
-        (doc, why), (unlimited, _) = run(schedule), run(schedule, "--device-gib", "0")
+
+    def measured(schedule: str, *more: str) -> tuple[dict, dict | None]:
+        """The schedule's figures at 80 GiB and without a memory limit, and its 80 GiB JSON (None: no fit)."""
+        (doc, why), (unlimited, _) = run(schedule, *more), run(schedule, *more, "--device-gib", "0")
         free = doc["config"]["failure_free"] if doc else None
-        figures = {"fits": doc is not None, "why_not": why or None,
-                   "needs_gib": float(re.search(r"needs ([0-9.]+) GiB", why).group(1)) if why else None,
-                   "simulated_tflops_per_gpu": free and free["model_tflops_per_gpu"],
-                   "simulated_over_published": free and free["model_tflops_per_gpu"] / published,
-                   "step_s": free and free["step_s"], "mfu": free and free["mfu"],
-                   "step_without_memory_limit_s": unlimited["config"]["failure_free"]["step_s"],
-                   "tflops_without_memory_limit": unlimited["config"]["failure_free"]["model_tflops_per_gpu"]}
+        return {"fits": doc is not None, "why_not": why or None,
+                "needs_gib": float(re.search(r"needs ([0-9.]+) GiB", why).group(1)) if why else None,
+                "simulated_tflops_per_gpu": free and free["model_tflops_per_gpu"],
+                "simulated_over_published": free and free["model_tflops_per_gpu"] / published,
+                "step_s": free and free["step_s"], "mfu": free and free["mfu"],
+                "step_without_memory_limit_s": unlimited["config"]["failure_free"]["step_s"],
+                "tflops_without_memory_limit": unlimited["config"]["failure_free"]["model_tflops_per_gpu"]}, doc
+
+    for schedule in SCHEDULES:
+        figures, _ = measured(schedule)
         if schedule == "1f1b":  # the columns this table had before it had a schedule column
             out.update({k: v for k, v in figures.items() if k not in ("fits", "why_not", "needs_gib")})
         out[schedule] = figures
+    for v in VIRTUAL_STAGES:
+        figures, doc = measured("interleaved", "--virtual-stages", str(v))
+        config = doc["config"] if doc else {}
+        bound = schedule_bound_s("interleaved", compute_s, m, v)
+        assert abs(bound / (compute_s * (m + (PP - 1) / v) / m) - 1) < 1e-9  # Megatron's bubble, (p - 1) / (V m)
+        out[f"interleaved-v{v}"] = {**figures, "virtual_stages": v, "bound_s": bound,
+                                    "peak_gib": config.get("peak_gib"),
+                                    "peak_gib_after_first_failure": config.get("peak_gib_after_first_failure")}
     return out
 
 
@@ -124,9 +150,28 @@ def main() -> None:
                      f"{_fitted(zb, 'step_s', '.2f')} | {zb['step_without_memory_limit_s']:.2f} | "
                      f"{r['one_f_one_b_bound_s']:.2f} | {r['zb_h1_bound_s']:.2f} | {r['compute_bound_s']:.2f} | "
                      f"{r['published_step_s']:.2f} |")
+    lines += ["", "| GPUs | TP x PP x DP | V (chunks a GPU) | micro-batches a pipeline | published TFLOP/s/GPU | "
+              "interleaved: simulated (80 GiB) | simulated / published | modelled peak + 8 GiB reserve, GiB | "
+              "after the first failure | simulated, no memory limit | no memory limit / published | "
+              "step s: simulated (80 GiB) | no memory limit | interleaved bound | 1F1B bound | published |",
+              "|" + "---|" * 16]
+    for r in rows:
+        for v in VIRTUAL_STAGES:
+            il = r[f"interleaved-v{v}"]
+            peak = f"{il['peak_gib'] + 8:.1f}" if il["fits"] else f"{il['needs_gib']:.1f}"
+            after = f"{il['peak_gib_after_first_failure'] + 8:.1f}" if il["peak_gib_after_first_failure"] else "-"
+            lines.append(f"| {r['gpus']:,} | {r['tp']} x {r['pp']} x {r['dp']} | {v} | "
+                         f"{r['micro_batches_per_pipeline']} | {r['published_tflops_per_gpu']:.0f} | {_fitted(il, 'simulated_tflops_per_gpu', '.0f')} | "
+                         f"{_fitted(il, 'simulated_over_published', '.2f')} | {peak} | {after} | "
+                         f"{il['tflops_without_memory_limit']:.0f} | "
+                         f"{il['tflops_without_memory_limit'] / r['published_tflops_per_gpu']:.2f} | "
+                         f"{_fitted(il, 'step_s', '.2f')} | {il['step_without_memory_limit_s']:.2f} | "
+                         f"{il['bound_s']:.2f} | {r['one_f_one_b_bound_s']:.2f} | {r['published_step_s']:.2f} |")
     doc = {"rows": rows, "assumptions": "ZB-H1: the runtime's schedule (pipeline/schedule.zb_h1) priced by the "
-           "simulator, W as long as B (input_share 0.5); the runtime refuses it with TP > 1 today. Not modelled: "
-           "interleaving, sequence parallelism in the runtime (the simulator assumes Megatron's), overlap."}
+           "simulator, W as long as B (input_share 0.5); the runtime refuses it with TP > 1 today. Interleaved: the "
+           "runtime's interleaved 1F1B on the planner's p x V chunks (split by cost alone; the plan's modelled peak "
+           "checked against 80 GiB after); the runtime refuses it with TP > 1 today. Not modelled: "
+           "sequence parallelism in the runtime (the simulator assumes Megatron's), overlap."}
     write_results(Path(args.out) if args.out else RESULTS / "llama3_405b", doc, lines)
 
 

@@ -4,12 +4,15 @@ The same :class:`~elaswave.plan.plan.Plan` the runtime trains with is priced her
 
 - a stage's time per micro-batch is its layers' forward + backward time at its frequency level,
   plus a fixed cost per micro-batch and stage (dispatch, and the activation's send and the
-  gradient's send back over the link to the neighbour: intra- or inter-node by placement);
+  gradient's send back over the link to the neighbour: intra- or inter-node by placement); under
+  interleaved 1F1B each of a rank's ``virtual_stages`` model chunks is such a stage
+  (:meth:`ClusterModel.chunk_s`), its sends round the ring of the pipeline's ranks;
 - a complete pipeline's compute is the time of the schedule the runtime runs on its stages
-  (``pipeline_schedule``, ``parallel.schedule``: 1F1B or ZB-H1), the same action lists the
-  runtime executes timed by :func:`~elaswave.pipeline.schedule.makespan`: fill and drain from the
-  real stage times, not ``(S - 1)`` times the slowest; ZB-H1's split backward priced with B and W
-  each half of a backward (``BACKWARD_INPUT_SHARE``, an assumption). A plan with detours (the
+  (``pipeline_schedule``, ``parallel.schedule``: 1F1B, ZB-H1 or interleaved 1F1B), the same action
+  lists the runtime executes timed by :func:`~elaswave.pipeline.schedule.makespan`: fill and drain
+  from the real stage times (each chunk's, interleaved), not ``(S - 1)`` times the slowest; ZB-H1's
+  split backward priced with B and W each half of a backward (``BACKWARD_INPUT_SHARE``, an
+  assumption). A plan with detours (the
   reroute baseline) is timed by the routed scheduler the runtime runs whatever
   ``pipeline_schedule`` says (the runtime runs that one there too), and above its size limit a
   rank that hosts detoured micro-batches is bounded by its own and its guests' work plus one fill
@@ -32,14 +35,9 @@ from functools import lru_cache
 from typing import Sequence
 
 from elaswave.pipeline import routed
-from elaswave.pipeline.schedule import GENERATORS, schedule_makespan
+from elaswave.pipeline.schedule import GENERATORS, makespan, schedule_makespan, stage_schedule
 from elaswave.plan.frequency import PowerModel
 from elaswave.plan.plan import Plan
-
-
-UNPRICED = {"interleaved": "the runtime runs it; the simulator's plans hold one model chunk a rank, so it "
-                          "does not price it yet"}
-"""Schedules the runtime runs that the simulator refuses, and why."""
 
 
 @dataclass(frozen=True)
@@ -75,13 +73,13 @@ class ClusterModel:
     communicator_s: float = 0.0
     plan_s: float = 0.001
     pipeline_schedule: str = "1f1b"
-    """The schedule a complete pipeline without detours runs (``parallel.schedule``): 1f1b or zb-h1."""
+    """The schedule a complete pipeline without detours runs (``parallel.schedule``): 1f1b, zb-h1, or
+    interleaved over the plan's ``virtual_stages`` model chunks a rank."""
 
     def __post_init__(self) -> None:
-        priced = [name for name in GENERATORS if name not in UNPRICED]
-        if self.pipeline_schedule not in priced:
-            raise ValueError(f"pipeline_schedule={self.pipeline_schedule!r} is invalid: choose from {', '.join(priced)}"
-                             + (f" ({UNPRICED[self.pipeline_schedule]})" if self.pipeline_schedule in UNPRICED else ""))
+        if self.pipeline_schedule not in GENERATORS:
+            raise ValueError(f"pipeline_schedule={self.pipeline_schedule!r} is invalid: choose from "
+                             f"{', '.join(GENERATORS)}")
 
     @property
     def num_layers(self) -> int:
@@ -95,15 +93,37 @@ class ClusterModel:
             return self.intra_node_latency_s + nbytes / self.intra_node_bytes_per_s
         return self.inter_node_latency_s + nbytes / self.inter_node_bytes_per_s
 
-    def stage_s(self, plan: Plan, rank: int, nxt: int | None, prev: int | None) -> float:
-        """One micro-batch's forward + backward on ``rank``'s stage, with its sends."""
-        i, j = plan.layers_of(rank)
+    def chunk_s(self, plan: Plan, rank: int, chunk: int) -> float:
+        """One micro-batch's forward + backward on model chunk ``chunk`` of ``rank`` (virtual stage
+        ``k = chunk * p + s``; without virtual stages, its one stage), with the fixed cost -- per
+        chunk: each chunk's forward and backward is a dispatch of its own -- and its sends: the
+        activation on to virtual stage ``k + 1`` and the gradient back to ``k - 1``, none past
+        either end. Those are on the ring neighbours ``pipe[(s + 1) % p]`` and ``pipe[s - 1]``, so
+        with V chunks a rank sends V activations and V gradients a micro-batch, less the ends' (the
+        first rank's chunk 0 sends no gradient, the last rank's last chunk no activation); a
+        one-rank pipeline's send to itself (the runtime's loopback) uses no link and is not priced."""
+        d, s = plan.position(rank)
+        pipe = plan.pipelines[d]
+        k = chunk * len(pipe) + s
+        i, j = plan.layer_ranges[d][k]
         compute = sum(self.layer_forward_s[i:j]) * (1 + self.backward_factor) / self.power.speed(plan.frequency(rank))
         if self.layer_tp_s:
             compute += 2 * sum(self.layer_tp_s[i:j])
-        comm = sum(self.transfer_s(self.activation_bytes, rank, peer) for peer in (nxt, prev)
-                   if peer is not None and self.activation_bytes)
+        nxt = [pipe[(s + 1) % len(pipe)]] if k + 1 < len(plan.layer_ranges[d]) else []
+        peers = nxt + ([pipe[s - 1]] if k else [])
+        comm = sum(self.transfer_s(self.activation_bytes, rank, peer) for peer in peers
+                   if peer != rank and self.activation_bytes)
         return compute + self.per_microbatch_stage_s + comm
+
+    def virtual_stage_s(self, plan: Plan, d: int) -> tuple[float, ...]:
+        """Pipeline ``d``'s :meth:`chunk_s` of every virtual stage ``k``, in order: chunk ``k // p``
+        of rank ``pipe[k % p]`` (one per stage without virtual stages)."""
+        pipe, num_virtual = plan.pipelines[d], len(plan.layer_ranges[d])
+        return tuple(self.chunk_s(plan, pipe[k % len(pipe)], k // len(pipe)) for k in range(num_virtual))
+
+    def stage_s(self, plan: Plan, rank: int) -> float:
+        """One micro-batch's forward + backward on ``rank``, its chunks' together, with its sends."""
+        return sum(self.chunk_s(plan, rank, v) for v in range(len(plan.chunk_ranges(rank))))
 
 
 @dataclass(frozen=True)
@@ -124,24 +144,25 @@ SCHEDULES = ("runtime", "lower_bound")
 
 
 def step_time(plan: Plan, model: ClusterModel, schedule: str = "runtime") -> StepEstimate:
-    """``schedule``: ``runtime``, the model's ``pipeline_schedule`` (1F1B or ZB-H1), or for a plan
-    with detours the routed schedule the runtime runs (its bound above ``routed.EXACT_MAX_RANKS``); ``lower_bound``, what no schedule of the
+    """``schedule``: ``runtime``, the model's ``pipeline_schedule`` (1F1B, ZB-H1 or interleaved), or for a
+    plan with detours the routed schedule the runtime runs (its bound above ``routed.EXACT_MAX_RANKS``); ``lower_bound``, what no schedule of the
     plan's routes can beat (:func:`routed_lower_bound`): how a baseline whose own schedule is not
     modelled is priced (:func:`~elaswave.sim.engine.simulate`)."""
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule={schedule!r} is invalid: choose from {', '.join(SCHEDULES)}")
     if model.num_layers != plan.num_layers:
         raise ValueError(f"the cluster model has {model.num_layers} layers, the plan {plan.num_layers}")
-    stage: dict[int, float] = {}
-    for pipe in plan.pipelines:
-        for s, r in enumerate(pipe):
-            stage[r] = model.stage_s(plan, r, pipe[s + 1] if s + 1 < len(pipe) else None, pipe[s - 1] if s else None)
+    if plan.virtual_stages > 1 and model.pipeline_schedule != "interleaved":
+        raise ValueError(f"the plan has {plan.virtual_stages} model chunks a rank, which only the interleaved "
+                         f"schedule runs; the cluster model's pipeline_schedule is {model.pipeline_schedule!r}")
+    virtual = {d: model.virtual_stage_s(plan, d) for d in range(len(plan.pipelines))}
+    stage = {r: sum(virtual[d][s::len(pipe)]) for d, pipe in enumerate(plan.pipelines) for s, r in enumerate(pipe)}
     if schedule == "lower_bound":
-        compute = routed_lower_bound(plan, stage)
+        compute = routed_lower_bound(plan, stage, virtual)
     elif plan.routes and len(plan.ranks) <= routed.EXACT_MAX_RANKS:
         compute = _routed_compute(plan, stage, model.backward_factor)
     else:
-        compute = _analytic_compute(plan, stage, model.backward_factor, model.pipeline_schedule)
+        compute = _analytic_compute(plan, stage, virtual, model.backward_factor, model.pipeline_schedule)
     collective = max((holder_collectives_s(model, holders, sum(model.layer_param_bytes[i] for i in layers))
                       for holders, layers in plan.holder_groups().items()), default=0.0) if model.layer_param_bytes else 0.0
     power = sum(model.power.power(plan.frequency(r)) for r in plan.ranks)
@@ -149,7 +170,8 @@ def step_time(plan: Plan, model: ClusterModel, schedule: str = "runtime") -> Ste
                         plan.batch_units / plan.units_per_micro_batch, power)
 
 
-def _analytic_compute(plan: Plan, stage: dict[int, float], backward_factor: float, schedule: str) -> float:
+def _analytic_compute(plan: Plan, stage: dict[int, float], virtual: dict[int, tuple[float, ...]],
+                      backward_factor: float, schedule: str) -> float:
     guests: dict[int, int] = {}
     for _, route in plan.routes:
         for r in route:
@@ -159,11 +181,12 @@ def _analytic_compute(plan: Plan, stage: dict[int, float], backward_factor: floa
         m = len(plan.micro_batches[d])
         if m == 0 or not plan.is_complete(d):
             continue  # an idle pipeline (drop_replica), or one whose micro-batches take detours
-        times = tuple(stage[r] for r in pipe)
         if not any(guests.get(r) for r in pipe):
             sizes = tuple(plan.units_of(mb) / plan.units_per_micro_batch for mb in plan.micro_batches[d])
-            compute = max(compute, pipeline_compute_s(schedule, times, sizes if plan.micro_batch_units else m, backward_factor))
+            compute = max(compute, pipeline_compute_s(schedule, virtual[d], sizes if plan.micro_batch_units else m,
+                                                      backward_factor, plan.virtual_stages))
             continue
+        times = tuple(stage[r] for r in pipe)
         # A host of detours: fill and drain once, then the slowest stage sets the pace for its
         # own and its guests' micro-batches (a bound: the routed schedule prices it exactly).
         busiest = max(t * (m + guests.get(r, 0)) for r, t in zip(pipe, times))
@@ -173,14 +196,24 @@ def _analytic_compute(plan: Plan, stage: dict[int, float], backward_factor: floa
 
 @lru_cache(maxsize=4096)
 def pipeline_compute_s(schedule: str, times: tuple[float, ...], m: int | tuple[float, ...],
-                       backward_factor: float) -> float:
-    """One pipeline's compute under ``schedule`` (:func:`~elaswave.pipeline.schedule.schedule_makespan`)
-    on stages of ``times`` (forward + backward per micro-batch). ``m``: the count of whole
-    micro-batches, or each one's size (reshaped)."""
+                       backward_factor: float, num_chunks: int = 1) -> float:
+    """One pipeline's compute under ``schedule`` on virtual stages of ``times`` (forward + backward
+    per micro-batch, index ``chunk * p + stage``; the stages' own with ``num_chunks`` 1). ``m``: the
+    count of whole micro-batches, or each one's size (reshaped).
+
+    Without chunks, :func:`~elaswave.pipeline.schedule.schedule_makespan` (1F1B's closed timing).
+    With chunks, :func:`~elaswave.pipeline.schedule.makespan` of the schedule's own action lists on
+    each chunk's own time, not ``schedule_makespan``'s even split of a rank's time over its chunks:
+    the planner's p x V minimax partition leaves chunks uneven (whole layers a chunk; the embedding
+    and the head cost unlike a block), and fill and drain are set by the first and last chunks, not
+    by a rank's average."""
     # At 10^4+ devices most pipelines have the same stage times: each kind is timed once.
-    if isinstance(m, tuple):
-        return schedule_makespan(schedule, times, len(m), backward_factor, m)
-    return schedule_makespan(schedule, times, m, backward_factor)
+    count, sizes = (len(m), m) if isinstance(m, tuple) else (m, None)
+    if num_chunks == 1:
+        return schedule_makespan(schedule, times, count, backward_factor, sizes)
+    num_stages = len(times) // num_chunks
+    return makespan([stage_schedule(schedule, s, num_stages, range(count), num_chunks) for s in range(num_stages)],
+                    times, backward_factor, sizes=sizes)
 
 
 def _routed_compute(plan: Plan, stage: dict[int, float], backward_factor: float) -> float:
@@ -190,22 +223,25 @@ def _routed_compute(plan: Plan, stage: dict[int, float], backward_factor: float)
     return makespan
 
 
-def routed_lower_bound(plan: Plan, stage: dict[int, float]) -> float:
+def routed_lower_bound(plan: Plan, stage: dict[int, float],
+                       virtual: dict[int, tuple[float, ...]] | None = None) -> float:
     """No schedule of the plan's routes finishes sooner: some rank must run every forward and
     backward that passes through it (``stage[r]`` each), cannot start before the first of them has
     come through the stages before it (their forwards), and after its last backward that one still
     goes back through them (their backwards). A schedule that fills bubbles perfectly -- ReCycle's
-    decoupled backward passes aim at it -- reaches this; the runtime's greedy one runs above it."""
-    routes, _ = routed.routes_of(plan.pipelines, plan.micro_batches, plan.route_of)
+    decoupled backward passes aim at it -- reaches this; the runtime's greedy one runs above it.
+    With virtual stages (no detours) what comes before a rank is the first chunks of the ranks
+    before it (``virtual``: :meth:`ClusterModel.virtual_stage_s` by pipeline)."""
+    routes, home = routed.routes_of(plan.pipelines, plan.micro_batches, plan.route_of)
     work: dict[int, float] = {}
     upstream: dict[int, float] = {}
     for mb, route in routes.items():
         size = plan.units_of(mb) / plan.units_per_micro_batch if plan.micro_batch_units else 1.0
         before = 0.0
-        for r in route:
+        for s, r in enumerate(route):
             work[r] = work.get(r, 0.0) + stage[r] * size
             upstream[r] = min(upstream.get(r, before), before)
-            before += stage[r] * size
+            before += (stage[r] if plan.virtual_stages == 1 or virtual is None else virtual[home[mb]][s]) * size
     # Fill (the forwards before r) and drain (the backwards before r), each at least the cheapest
     # route's to r: together its whole upstream forward + backward.
     return max(w + upstream[r] for r, w in work.items())
@@ -230,19 +266,14 @@ def holder_collectives_s(model: ClusterModel, holders: Sequence[int], param_byte
 def migration_s(before: Plan, after: Plan, model: ClusterModel) -> float:
     """State that moves in a re-plan, as disjoint transfers in parallel: the slowest receiver's
     bytes over its link. A rank receives the ZeRO state (3x the parameters) of chunks it newly owns
-    and the parameters of layers it newly holds."""
+    and the parameters of layers it newly holds (in any of its model chunks)."""
     if not model.layer_param_bytes:
         return 0.0
     incoming: dict[int, float] = {}
     for r in after.ranks:
-        new = after.layers_of(r)
-        try:
-            prev = before.layers_of(r)
-        except KeyError:
-            prev = (0, 0)
-        if new != prev:
-            incoming[r] = sum(model.layer_param_bytes[layer] for layer in range(*new)
-                              if not prev[0] <= layer < prev[1])
+        new = held_layers(after, r) - held_layers(before, r)
+        if new:
+            incoming[r] = sum(model.layer_param_bytes[layer] for layer in new)
     for layer, (old_row, new_row) in enumerate(zip(before.chunk_owners, after.chunk_owners)):
         per_chunk = 3 * model.layer_param_bytes[layer] / max(1, len(new_row))
         for o, n in zip(old_row, new_row):
@@ -250,3 +281,11 @@ def migration_s(before: Plan, after: Plan, model: ClusterModel) -> float:
                 incoming[n] = incoming.get(n, 0.0) + per_chunk
     worst = max(incoming.values(), default=0.0)
     return worst / model.inter_node_bytes_per_s if worst else 0.0
+
+
+def held_layers(plan: Plan, rank: int) -> frozenset[int]:
+    """The layers ``rank`` runs under ``plan``, its model chunks' together (none: not in the plan)."""
+    try:
+        return frozenset(layer for i, j in plan.chunk_ranges(rank) for layer in range(i, j))
+    except KeyError:
+        return frozenset()

@@ -38,7 +38,8 @@ batch by pipeline speed deals it at those clocks; a restarted job plans its cloc
   (:func:`~elaswave.sim.model.routed_lower_bound`: the busiest device's own and rerouted work plus
   its fill and drain): ReCycle's decoupled-backward schedule, which fills the bubbles, is not
   modelled, so it is given the best any schedule could do. elaswave's own detours are priced by the
-  schedule its runtime runs.
+  schedule its runtime runs. Interleaved pipelines share no stages to route through: there it has
+  no layout (the runtime refuses ``elastic.policy=reroute`` with virtual stages).
 - **templates** (Oobleck): pipelines re-instantiated from precomputed templates over the live
   devices -- the broken pipeline becomes a template one stage shorter -- without frequency
   planning; the re-instantiated pipeline's ranks copy all their layers' state from peers and every
@@ -53,7 +54,7 @@ from elaswave.plan import microbatches
 from elaswave.plan.frequency import PowerModel
 from elaswave.plan.plan import Plan, PlanError, initial_plan, replan
 from elaswave.sim.control import Control, slot_events
-from elaswave.sim.model import ClusterModel, migration_s
+from elaswave.sim.model import ClusterModel, held_layers, migration_s
 from elaswave.sim.trace import Event
 
 POLICIES = ("elaswave", "elaswave_no_dvfs", "reroute", "drop_replica", "restart", "templates")
@@ -144,7 +145,7 @@ def failure_free(initial: Plan, num_micro_batches: int, power: PowerModel | None
 
 
 def static_clocks(plan: Plan, start: Plan, deal: str = "", power: PowerModel | None = None) -> Plan:
-    """``plan`` with each rank that kept its stage (its layers) at its level in ``start``, and every
+    """``plan`` with each rank that kept its stage (its layers, every chunk's) at its level in ``start``, and every
     other at nominal: the clocks of a system that sets them once and does not re-plan them.
     ``deal``: how a system that balances its batch by pipeline speed then deals it at those clocks
     -- ``micro_batches`` whole, ``units`` reshaped (:mod:`~elaswave.plan.microbatches`); else a
@@ -154,7 +155,7 @@ def static_clocks(plan: Plan, start: Plan, deal: str = "", power: PowerModel | N
         return plan
 
     def level(r: int) -> float:
-        kept = r in start._where and start.layers_of(r) == plan.layers_of(r)
+        kept = r in start._where and start.chunk_ranges(r) == plan.chunk_ranges(r)
         return start.frequency(r) if kept else 1.0
     levels = tuple(tuple(level(r) for r in pipe) for pipe in plan.pipelines)
     clocked = replace(plan, frequencies=levels)
@@ -163,7 +164,8 @@ def static_clocks(plan: Plan, start: Plan, deal: str = "", power: PowerModel | N
         return clocked
     costs = plan.layer_costs or (1.0,) * plan.num_layers
     speed = power.speed if power is not None else float
-    stage_s = [[sum(costs[i:j]) / speed(f) for (i, j), f in zip(plan.layer_ranges[d], levels[d])] for d in run]
+    stage_s = [[sum(sum(costs[i:j]) for i, j in plan.chunk_ranges(r)) / speed(f)
+                for r, f in zip(plan.pipelines[d], levels[d])] for d in run]
     shape = [max(p) for p in stage_s], [len(p) for p in stage_s], [sum(p) - max(p) for p in stage_s]
     whole = plan.batch_units // plan.units_per_micro_batch
     if deal == "units" and plan.units_per_micro_batch > 1:
@@ -234,11 +236,13 @@ class Restart(Policy):
         if dp < 1:
             raise PlanError(f"{len(live)} devices cannot hold one {pp}-stage pipeline")
         ranks = sorted(live)[:dp * pp]
-        base = initial_plan(dp * pp, dp, pp, self.initial.layer_costs, self.m)
+        base = initial_plan(dp * pp, dp, pp, self.initial.layer_costs, self.m,
+                            virtual_stages=self.initial.virtual_stages)
         # The restarted job numbers its ranks afresh; place them on the live devices, in order.
         rename = dict(enumerate(ranks))
         return Plan(0, base.num_layers, tuple(tuple(rename[r] for r in p) for p in base.pipelines),
-                    base.layer_ranges, base.micro_batches, layer_costs=base.layer_costs)
+                    base.layer_ranges, base.micro_batches, layer_costs=base.layer_costs,
+                    virtual_stages=base.virtual_stages)
 
     def layout(self, live: Sequence[int]) -> Plan:
         if len(live) == self.devices:
@@ -273,6 +277,12 @@ class Reroute(Policy):
     name = "reroute"
     schedule = "lower_bound"  # ReCycle's decoupled-backward schedule is not modelled: its best case
 
+    def rebuild(self, live: Sequence[int]) -> Plan:
+        if self.start.virtual_stages > 1:  # the runtime refuses elastic.policy=reroute there too
+            raise PlanError(f"reroute sends micro-batches through other pipelines' stages, and interleaved pipelines "
+                            f"({self.start.virtual_stages} chunks a rank) have none to share: no layout")
+        return super().rebuild(live)
+
     def change(self, prev, live, joined, step_s):
         m, c = self.model, self.costs
         control = m.detect_s + m.agree_s + c.partial_rebuild_s + m.plan_s
@@ -296,7 +306,7 @@ class Templates(Policy):
         if prev is not None and plan is not None:
             # Re-instantiated pipelines start empty: every rank of a changed pipeline loads all its layers.
             changed = {r for p_new in plan.pipelines for r in p_new
-                       if r not in prev.ranks or prev.layers_of(r) != plan.layers_of(r)}
+                       if r not in prev.ranks or prev.chunk_ranges(r) != plan.chunk_ranges(r)}
             move = _whole_layers_s(plan, changed, m)
         return Change(plan, m.detect_s + m.agree_s + c.full_rebuild_s + m.plan_s + move,
                       0.0 if joined else step_s / 2)
@@ -305,7 +315,7 @@ class Templates(Policy):
 def _whole_layers_s(plan: Plan, ranks, model: ClusterModel) -> float:
     if not model.layer_param_bytes or not ranks:
         return 0.0
-    worst = max(3 * sum(model.layer_param_bytes[i] for i in range(*plan.layers_of(r))) for r in ranks)
+    worst = max(3 * sum(model.layer_param_bytes[i] for i in held_layers(plan, r)) for r in ranks)
     return worst / model.inter_node_bytes_per_s
 
 

@@ -3,20 +3,16 @@ from __future__ import annotations
 
 import functools
 import json
-import math
 import time
 from dataclasses import asdict, replace
 
 from elaswave.errors import ConfigError
 from elaswave.plan.frequency import CLOCKS
-from elaswave.plan.memory import bytes_per_parameter, rank_bytes
-from elaswave.plan.partition import least_memory
-from elaswave.plan.plan import PlanError, initial_plan
-from elaswave.sim import control, engine, policies, trace, uncertainty
+from elaswave.plan.memory import bytes_per_parameter
+from elaswave.plan.plan import PlanError
+from elaswave.sim import control, engine, layout, policies, trace, uncertainty
 from elaswave.sim.engine import PolicyResult, simulate
-from elaswave.sim.model import UNPRICED
-from elaswave.pipeline.schedule import GENERATORS
-from elaswave.sim.workload import HARDWARE, MODELS, Hardware, choose_layout, cluster, layer_numels, model_flops_per_micro_batch
+from elaswave.sim.workload import HARDWARE, MODELS, Hardware, cluster, model_flops_per_micro_batch
 
 DEVICE_GIB = 80.0  # every GPU preset's device (H100, A100 80 GB): what a plan must fit unless told otherwise
 
@@ -36,9 +32,13 @@ def add_arguments(ap) -> None:
                          "elaswave/sim/workload.py)")
     ap.add_argument("--model", default="gpt-13b", choices=sorted(MODELS), help="a model preset (model.preset): its shape and costs")
     ap.add_argument("--schedule", default="1f1b",
-                    help="the pipeline schedule every whole pipeline runs (parallel.schedule): 1f1b (default) or zb-h1 "
+                    help="the pipeline schedule every whole pipeline runs (parallel.schedule): 1f1b (default), zb-h1 "
                          "(zero bubble; its B and W priced at half a backward each, an assumption; every stage keeps up "
-                         "to pp micro-batches' activations, as 1F1B's first stage does). Detours run the routed schedule")
+                         "to pp micro-batches' activations, as 1F1B's first stage does) or interleaved (Megatron's "
+                         "interleaved 1F1B over --virtual-stages chunks a GPU). Detours run the routed schedule")
+    ap.add_argument("--virtual-stages", type=int, default=1,
+                    help="model chunks a GPU holds (parallel.virtual_stages): >= 2 with --schedule interleaved, "
+                         "1 (the default) otherwise; pp x it must not exceed the model's layers")
     ap.add_argument("--micro-batches", type=int, help="global batch in micro-batches (default 2 x pp per pipeline)")
     ap.add_argument("--micro-batch-size", type=int, default=1,
                     help="sequences per micro-batch (default 1); above 1 elaswave reshapes after a change: it deals "
@@ -72,7 +72,8 @@ def add_arguments(ap) -> None:
                          "also printed with its largest held-out prediction error")
     ap.add_argument("--device-gib", type=float, default=DEVICE_GIB,
                     help="device memory: every plan, first and after each failure, keeps each device's modelled peak "
-                         "within it (elaswave/plan/memory.py, bf16, --micro-batch-size sequences); without --dp and "
+                         "within it (elaswave/plan/memory.py, bf16, --micro-batch-size sequences; with --virtual-stages "
+                         "a plan over it is refused, without a stand-by); without --dp and "
                          f"--pp the layout is the first that fits (default {DEVICE_GIB:g}: an H100/A100's; 0: no limit)")
     ap.add_argument("--reserve-gib", type=float, default=8.0,
                     help="with --device-gib: memory no plan may use, for the CUDA context, NCCL's buffers and the "
@@ -91,35 +92,6 @@ def add_arguments(ap) -> None:
     ap.add_argument("--plot", metavar="FILE.png", help="also draw throughput over time, goodput and time lost per failure")
 
 
-def _layouts(args) -> list[tuple[int, int]]:
-    """(dp, pp) of the plan, whose devices are TP groups (``--devices / --tp`` of them): the one
-    asked for, or -- neither --dp nor --pp given -- the preferred layout (workload.choose_layout)
-    followed by the deeper pipelines that also divide the groups, for when it does not fit."""
-    num_layers = MODELS[args.model].num_layers
-    if args.tp < 1 or args.gpus_per_node < 1 or args.gpus_per_node % args.tp or args.devices % args.tp:
-        raise ConfigError(f"--tp={args.tp} is invalid with --gpus-per-node={args.gpus_per_node} and --devices="
-                          f"{args.devices}: a TP group is GPUs of one node, so tp must divide both")
-    groups = args.devices // args.tp
-    if args.dp and args.pp:
-        dp, pp = args.dp, args.pp
-    elif args.pp:
-        dp, pp = groups // args.pp, args.pp
-    elif args.dp:
-        dp, pp = args.dp, groups // args.dp
-    else:
-        dp, pp = choose_layout(groups, num_layers)
-    if dp < 1 or pp < 1 or dp * pp != groups:
-        raise ConfigError(f"--dp={args.dp} --pp={args.pp} is invalid for --devices={args.devices}"
-                          f"{f' and --tp={args.tp}' if args.tp > 1 else ''}: dp x pp x tp must equal the devices")
-    if pp > num_layers:
-        raise ConfigError(f"--pp={pp} is invalid: {args.model} has {num_layers} layers")
-    if dp * pp < 2:
-        raise ConfigError(f"--devices={args.devices} is invalid with --tp={args.tp}: need at least 2 TP groups")
-    if args.dp or args.pp:
-        return [(dp, pp)]
-    return [(dp, pp)] + [(groups // d, d) for d in range(pp + 1, min(num_layers, groups // 2) + 1) if groups % d == 0]
-
-
 def _memory(args, micro_batches: int):
     """The runtime's memory model of the job (bf16, ``--micro-batch-size`` sequences a micro-batch)."""
     from elaswave.sim.memory import tp_shard
@@ -128,18 +100,20 @@ def _memory(args, micro_batches: int):
     if not 0 <= args.reserve_gib < args.device_gib:
         raise ConfigError(f"--reserve-gib={args.reserve_gib:g} is invalid with --device-gib={args.device_gib:g}: the "
                           "reserve is a part of the device's memory, >= 0 and below it")
-    return tp_shard(_job_memory(args.model, args.micro_batch_size, micro_batches, args.checkpointing, args.schedule),
-                    args.tp)
+    return tp_shard(_job_memory(args.model, args.micro_batch_size, micro_batches, args.checkpointing, args.schedule,
+                                args.virtual_stages), args.tp)
 
 
 @functools.lru_cache(maxsize=16)
-def _job_memory(model: str, micro_batch_size: int, micro_batches: int, checkpointing: str, schedule: str):
+def _job_memory(model: str, micro_batch_size: int, micro_batches: int, checkpointing: str, schedule: str,
+                virtual_stages: int = 1):
     # Measuring a model's activations runs its layers on the meta device: seconds a call, and a
     # sweep or a program that simulates many layouts asks for the same few models again.
     from elaswave.sim.memory import job_memory
     return job_memory([f"model.preset={model}", "train.precision=bf16", f"train.micro_batch_size={micro_batch_size}",
                        f"train.num_micro_batches={micro_batches}", f"train.activation_checkpointing={checkpointing}",
-                       f"parallel.chunk_numel={1 << 24}", f"parallel.schedule={schedule}"])[2]
+                       f"parallel.chunk_numel={1 << 24}", f"parallel.schedule={schedule}",
+                       f"parallel.virtual_stages={virtual_stages}"])[2]
 
 
 def _events(args, plan, duration_s: float) -> list[trace.Event]:
@@ -180,12 +154,9 @@ def run(args) -> int:
             raise ConfigError(f"--policies={args.policies} is invalid with --no-dvfs: policy elaswave plans frequencies; "
                               "name elaswave_no_dvfs, or drop --no-dvfs")
         names = list(dict.fromkeys(n for n in names if n != "elaswave"))
-    priced = [name for name in GENERATORS if name not in UNPRICED]
-    if args.schedule not in priced:
-        raise ConfigError(f"--schedule={args.schedule} is invalid: choose from {', '.join(priced)}"
-                          + (f" ({UNPRICED[args.schedule]})" if args.schedule in UNPRICED else ""))
+    names, left_out = layout.check_schedule(args, names)
     ctl = _control(args, names)
-    layouts = _layouts(args)
+    layouts = layout.layouts(args)
     dp, pp = layouts[0]
     m_cfg = MODELS[args.model]
     m = args.micro_batches or 2 * pp * dp  # the same for every candidate layout: dp x pp is the groups
@@ -213,38 +184,7 @@ def run(args) -> int:
     hw = replace(HARDWARE[args.hardware], devices_per_node=args.gpus_per_node)
     model = replace(cluster(m_cfg, args.micro_batch_size, hw, args.tp, args.schedule), power=power)
     memory = _memory(args, m) if args.device_gib else None
-    usable_gib = args.device_gib - args.reserve_gib if memory is not None else 0.0
-    for dp, pp in layouts:  # the first that fits
-        try:
-            plan = initial_plan(dp * pp, dp, pp, [float(c) for c in model.layer_forward_s], m,
-                                [-(-n // args.tp) for n in layer_numels(m_cfg)], chunk_numel=1 << 24,
-                                stage_memory_limit=1024 * usable_gib, memory=memory,
-                                units_per_micro_batch=1 if args.no_reshape else args.micro_batch_size)
-            break
-        except PlanError as exc:
-            if memory is None:
-                raise ConfigError(f"the initial layout: {exc}") from None
-            if (dp, pp) == layouts[0]:
-                failure = exc
-            continue
-    else:
-        # The layout that needs least (the deepest, mostly) is what the message names.
-        need, dp, pp = min((least_memory(m_cfg.num_layers, p, memory.stage_memory(p, d, m)) / 1024 + args.reserve_gib,
-                            d, p) for d, p in layouts)
-        if need <= args.device_gib:  # not memory: the preferred layout failed for its own reason
-            raise ConfigError(f"the initial layout: {failure}") from None
-        other = (["more stages"] if len(layouts) == 1 else []) + ["--tp"] + (
-            ["--checkpointing full"] if args.checkpointing != "full" else []) + (
-            ["--schedule 1f1b"] if args.schedule != "1f1b" else []) + (
-            ["fewer sequences a micro-batch"] if args.micro_batch_size > 1 else [])
-        tried = (f" (of the layouts tried, pp={', '.join(str(p) for _, p in layouts)}, the one that needs least)"
-                 if len(layouts) > 1 else "")
-        ways = other[0] if len(other) == 1 else f"{', '.join(other[:-1])} or {other[-1]}"
-        raise ConfigError(f"--device-gib={args.device_gib:g} is too small for dp={dp} x pp={pp}"
-                          f"{f' x tp={args.tp}' if args.tp > 1 else ''}{tried} ({args.model}, {args.micro_batch_size} "
-                          f"sequence{'s' if args.micro_batch_size > 1 else ''} a micro-batch, checkpointing "
-                          f"{args.checkpointing}, {args.schedule}): its best partition needs {need:.1f} GiB a GPU with the "
-                          f"{args.reserve_gib:g} GiB reserve; give --device-gib {math.ceil(need)} or more, or {ways}") from None
+    plan, dp, pp = layout.first_fit(args, layouts, model, memory, m)
     single = not (args.trace or args.mtbf_h)
     duration_s = 3600.0 * (args.hours if args.hours is not None else (1.0 if single else 24.0))
     try:
@@ -276,6 +216,9 @@ def run(args) -> int:
     corners = [rows(uncertainty.corner_power(c, s)) for c, s in uncertainty.corners(shares)] if shares else []
     bands = _bands(results, corners)
     gain_band = uncertainty.band([clock_gain] + [c[2] for c in corners]) if corners else None
+    # Interleaved: a re-plan over the memory limit is refused, with no stand-by; say what it needs.
+    after_gib = (layout.replan_peak_gib(memory, plan, events, m)
+                 if memory is not None and args.virtual_stages > 1 else None)
     wall = time.perf_counter() - began
     # The failure-free plan as MFU counts it (every row starts from the same plan).
     step_s = m / next(iter(results.values())).throughput_before
@@ -285,6 +228,9 @@ def run(args) -> int:
     config = {"hardware": {"name": args.hardware, **asdict(hw)}, "failure_free": failure_free,
               "devices": args.devices, "dp": dp, "pp": pp, "preferred_layout": list(layouts[0]), "tp": args.tp, "gpus_per_node": args.gpus_per_node,
               "model": args.model, "micro_batches": m, "pipeline_schedule": args.schedule,
+              "virtual_stages": args.virtual_stages, "policies_left_out": left_out,
+              "peak_gib": layout.peak_gib(memory, plan) if memory is not None else None,
+              "peak_gib_after_first_failure": after_gib,
               "runtime_runs_schedule_with_tp": args.schedule == "1f1b" or args.tp == 1,
               "micro_batch_size": args.micro_batch_size, "reshape": not args.no_reshape and args.micro_batch_size > 1,
               "device_gib": args.device_gib, "reserve_gib": args.reserve_gib if args.device_gib else None,
@@ -318,7 +264,10 @@ def run(args) -> int:
     print(f"elaswave simulate: {args.devices} devices (dp={dp} x pp={pp}{f' x tp={args.tp}' if args.tp > 1 else ''}), {args.model}, {m} micro-batches of "
           f"{args.micro_batch_size} per step{' (reshaped after a change)' if config['reshape'] else ''}, "
           f"{config['hours']:g} h, {config['failures']} failures, {config['joins']} joins; {wall:.1f} s")
-    print(f"failure-free ({args.schedule}): step {step_s:.2f} s, {tflops:.0f} model TFLOP/s per GPU, MFU {100 * tflops / hw.device_tflops:.1f} % "
+    for n, why in left_out.items():
+        print(f"{n}: left out with --schedule interleaved: {why}")
+    chunks = f", {args.virtual_stages} virtual stages" if args.virtual_stages > 1 else ""
+    print(f"failure-free ({args.schedule}{chunks}): step {step_s:.2f} s, {tflops:.0f} model TFLOP/s per GPU, MFU {100 * tflops / hw.device_tflops:.1f} % "
           f"of {hw.device_tflops:g} ({args.hardware} hardware, {hw.efficiency:g} of the peak in a layer's compute)")
     if not config["runtime_runs_schedule_with_tp"]:
         print(f"--schedule {args.schedule} with --tp {args.tp}: the runtime refuses this pair today (parallel.schedule); "
@@ -330,13 +279,16 @@ def run(args) -> int:
               f"with the clock, levels by {solver}): {clock_gain:.3f}x the throughput at nominal clocks"
               f"{_span(gain_band)}; every row starts from it, a baseline keeps each stage's clock after a change")
     if memory is not None:
-        peak = max(rank_bytes(memory, plan, r)["total"] for r in plan.ranks) / 2 ** 30
+        peak = config["peak_gib"]
+        kept = ("every re-plan keeps within the rest or stands survivors by" if args.virtual_stages == 1 else
+                "the planner splits interleaved chunks by cost and refuses a plan over the rest: after a loss the "
+                "survivors then have no layout until a repair" + (f" (the first failure's re-plan needs "
+                                                                  f"{after_gib:.1f} GiB)" if after_gib is not None else ""))
         said = " (the default for GPU presets; --device-gib)" if args.device_gib == DEVICE_GIB else ""
         moved = (f"; pp={pp}: the first layout that fits, from pp={layouts[0][1]} to deeper pipelines"
                  if (dp, pp) != layouts[0] else "")
         print(f"memory: modelled peak {peak:.1f} GiB of {args.device_gib:g}{said} per GPU, {args.reserve_gib:g} GiB of it "
-              f"kept in reserve (bf16, checkpointing {args.checkpointing}, {args.schedule}); every re-plan keeps within the rest or stands "
-              f"survivors by{moved}")
+              f"kept in reserve (bf16, checkpointing {args.checkpointing}, {args.schedule}); {kept}{moved}")
         per_param = sum(bytes_per_parameter(memory, dp).values())
         print(f"static bytes per parameter: {per_param:.2f} (Megatron's distributed optimizer: {6 + 12 / dp:.2f} at "
               f"dp={dp}); what each is for: docs/memory.md")

@@ -185,3 +185,40 @@ def test_reshaping_at_16384_devices_keeps_the_batch_and_catches_up_with_dropping
     assert config["frequency_solver"] in ("greedy", None)  # 1,024 pipelines: above the exact DP's bound
     assert whole["elaswave"] < 0.99 < shaped["elaswave"] <= 1.0
     assert shaped["elaswave"] >= shaped["drop_replica"] == pytest.approx(1023 / 1024)
+
+
+def test_a_failure_under_interleaved_keeps_the_virtual_stages_and_is_priced_on_them():
+    """Every policy survives a failure of an interleaved job: elaswave re-splits the broken
+    pipeline into p' x V chunks, priced by the interleaved schedule's timing on those chunks;
+    reroute has no layout (interleaved pipelines share no stages) and stalls; none crashes."""
+    import random
+    from dataclasses import replace
+
+    from elaswave.pipeline.schedule import interleaved_1f1b, makespan
+    from elaswave.sim.model import step_time
+
+    draw = random.Random(3)
+    costs = [draw.uniform(0.5, 1.5) for _ in range(16)]
+    model = replace(MODEL, layer_forward_s=tuple(0.01 * c for c in costs), layer_param_bytes=(4e6,) * 16,
+                    pipeline_schedule="interleaved")
+    plan = initial_plan(16, 4, 4, costs, 64, [10**6] * 16, 1 << 16, virtual_stages=2)
+    events = trace.single_failure(5, 600.0)
+    res = {}
+    for name in policies.POLICIES:
+        policy = policies.make(name, plan, 64, model, policies.BaselineCosts(), start=plan)  # nominal clocks
+        res[name] = simulate(events, policy, model, 3600)
+        if name == "reroute":
+            continue
+        after = policy.layout([r for r in plan.ranks if r != 5])
+        assert after.virtual_stages == 2
+        assert all(len(ranges) == 2 * len(p) for p, ranges in zip(after.pipelines, after.layer_ranges))
+        if name == "elaswave":
+            assert after.pipelines[1] == (4, 6, 7) and after.is_complete(1)
+            expected = max(makespan([interleaved_1f1b(s, len(p), 2, range(len(mbs))) for s in range(len(p))],
+                                    [3 * sum(model.layer_forward_s[i:j]) for i, j in ranges], 2.0)
+                           for p, ranges, mbs in zip(after.pipelines, after.layer_ranges, after.micro_batches) if mbs)
+            assert step_time(after, model).compute_s == pytest.approx(expected, rel=1e-12)
+            assert res[name].throughput_after == pytest.approx(step_time(after, model).micro_batches_per_s)
+    assert res["reroute"].stalls == 1 and res["reroute"].throughput_after == 0.0
+    assert res["elaswave"].throughput_after_over_before > res["drop_replica"].throughput_after_over_before
+    assert all(r.failures == 1 for r in res.values())

@@ -67,7 +67,7 @@ def test_simulate_prices_the_schedule_it_is_given_and_reports_it(capsys):
     assert not json.loads(capsys.readouterr().out)["config"]["runtime_runs_schedule_with_tp"]
     assert cli.main(base + ["--schedule", "zb-h2"]) == 2
     err = capsys.readouterr().err.strip()
-    assert err.endswith("--schedule=zb-h2 is invalid: choose from 1f1b, zb-h1") and "\n" not in err
+    assert err.endswith("--schedule=zb-h2 is invalid: choose from 1f1b, zb-h1, interleaved") and "\n" not in err
 
 
 def test_zb_h1_is_given_the_activations_its_stages_really_hold(capsys):

@@ -154,8 +154,67 @@ def test_an_unknown_pipeline_schedule_is_one_clear_error():
     from elaswave.pipeline.schedule import GENERATORS
 
     assert tuple(GENERATORS) == SCHEDULES  # the simulator knows every schedule the runtime runs
-    with pytest.raises(ValueError, match=r"^pipeline_schedule='zb-h2' is invalid: choose from 1f1b, zb-h1$"):
+    with pytest.raises(ValueError, match=r"^pipeline_schedule='zb-h2' is invalid: choose from 1f1b, zb-h1, interleaved$"):
         _model(pipeline_schedule="zb-h2")
-    # ... and says so of one it does not price, rather than pricing it as 1F1B.
-    with pytest.raises(ValueError, match=r"'interleaved' is invalid: choose from 1f1b, zb-h1 \(the runtime runs it"):
-        _model(pipeline_schedule="interleaved")
+    # ... and prices every one of them, interleaved included.
+    plan = initial_plan(4, 2, 2, [1.0] * 8, 8, virtual_stages=2)
+    assert step_time(plan, _model(pipeline_schedule="interleaved")).compute_s > 0
+    # A plan of chunks is run by the interleaved schedule only: not priced as anything else.
+    with pytest.raises(ValueError, match=r"2 model chunks a rank, which only the interleaved schedule runs; .* '1f1b'"):
+        step_time(plan, _model())
+
+
+@pytest.mark.parametrize("pp,v,m", [(2, 2, 4), (4, 2, 8), (4, 3, 6), (3, 2, 7), (4, 4, 4)])
+def test_an_interleaved_pipeline_is_timed_on_its_own_uneven_chunks(pp, v, m):
+    """The simulator's compute of an interleaved pipeline is :func:`makespan` of the runtime's
+    interleaved 1F1B action lists on each virtual stage's own time (the planner's p x V chunks,
+    uneven), not on a rank's time split evenly over its chunks."""
+    import random
+
+    from elaswave.pipeline.schedule import interleaved_1f1b, makespan, schedule_makespan
+
+    rng = random.Random(pp * 100 + v * 10 + m)
+    costs = [rng.uniform(0.5, 2.0) for _ in range(16)]
+    model = ClusterModel(layer_forward_s=tuple(0.01 * c for c in costs), intra_node_latency_s=0.0,
+                         inter_node_latency_s=0.0, pipeline_schedule="interleaved")
+    plan = initial_plan(2 * pp, 2, pp, costs, 2 * m, [9] * 16, 4, virtual_stages=v)
+    chunks = [3 * sum(model.layer_forward_s[i:j]) for i, j in plan.layer_ranges[0]]
+    assert len(chunks) == pp * v and len(set(chunks)) > 1
+    expected = makespan([interleaved_1f1b(s, pp, v, range(m)) for s in range(pp)], chunks, 2.0)
+    assert step_time(plan, model).compute_s == pytest.approx(expected, rel=1e-12)
+    ranks = [sum(chunks[s::pp]) for s in range(pp)]
+    even = schedule_makespan("interleaved", ranks, m, 2.0, num_chunks=v)
+    assert abs(expected / even - 1) > 1e-6  # the even split would price another figure
+
+
+def test_interleaved_sends_go_round_the_ring_and_none_past_its_ends():
+    """Rank s of p sends each chunk's activation to pipe[(s + 1) % p] and its gradient to
+    pipe[s - 1], except the first virtual stage's gradient and the last one's activation; two
+    devices a node: ranks 0 and 1 share one, rank 2 (and the ring's step back to 0) cross."""
+    plan = initial_plan(3, 1, 3, [1.0] * 12, 6, virtual_stages=2)
+    kw = dict(layer_forward_s=(0.01,) * 12, devices_per_node=2, intra_node_latency_s=0.0, inter_node_latency_s=0.0,
+              intra_node_bytes_per_s=1e10, inter_node_bytes_per_s=1e9, pipeline_schedule="interleaved")
+    sends = ClusterModel(activation_bytes=1e6, **kw)
+    silent = ClusterModel(**kw)
+    intra, inter = 1e-4, 1e-3
+    # rank 0: v0 act->1; v3 act->1, grad->2 | rank 1: v1 act->2, grad->0; v4 the same
+    # rank 2: v2 act->0 (round the ring), grad->1; v5 (the last) grad->1 only
+    expected = {0: 2 * intra + inter, 1: 2 * inter + 2 * intra, 2: 3 * inter}
+    for r, comm in expected.items():
+        assert sends.stage_s(plan, r) - silent.stage_s(plan, r) == pytest.approx(comm, rel=1e-9)
+    # A pipeline of one rank passes its chunks' activations to itself: no link, nothing priced.
+    alone = initial_plan(2, 2, 1, [1.0] * 12, 4, virtual_stages=3)
+    assert sends.stage_s(alone, 0) == pytest.approx(silent.stage_s(alone, 0), rel=1e-12)
+
+
+def test_migration_counts_every_chunk_a_rank_newly_holds():
+    plan = initial_plan(4, 2, 2, [1.0] * 8, 8, virtual_stages=2)
+    assert not plan.chunk_owners  # no ZeRO chunks: only the layers move
+    model = _model(layer_param_bytes=tuple(1000.0 * (i + 1) for i in range(8)), inter_node_bytes_per_s=1e6,
+                   pipeline_schedule="interleaved")
+    after = replan(plan, [0, 2, 3], 1, 8)
+    assert after.virtual_stages == 2 and after.pipelines[0] == (0,)
+
+    assert plan.chunk_ranges(0) == ((0, 2), (4, 6)) and after.chunk_ranges(0) == ((0, 4), (4, 8))
+    new = {2, 3, 6, 7}  # what rank 0 did not hold in either of its chunks before
+    assert migration_s(plan, after, model) == pytest.approx(sum(1000.0 * (i + 1) for i in new) / 1e6)
