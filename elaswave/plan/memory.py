@@ -221,18 +221,13 @@ def bytes_per_parameter(model: MemoryModel, holders: int) -> dict[str, float]:
 
 def rank_bytes(model: MemoryModel, plan, rank: int) -> dict[str, float]:
     """The modelled peak of ``rank`` under ``plan`` (an elaswave Plan), by part, with chunk padding,
-    the holder groups and snapshot pairing the plan really has. Under interleaved 1F1B each model
-    chunk's layers and activations count, the latter for as many micro-batch-chunks as the rank's
-    schedule holds at once, shared evenly between its chunks."""
+    the holder groups and snapshot pairing the plan really has. Under interleaved 1F1B every model
+    chunk's layers count, and its activations as the schedule keeps them alive
+    (:func:`_interleaved_activations`)."""
     d, s = plan.position(rank)
     depth = len(plan.pipelines[d])
     mbs = len(plan.micro_batches[d])
     chunks = plan.chunk_ranges(rank)
-    if len(chunks) == 1:
-        in_flight = model.in_flight(s, depth, mbs)
-    else:
-        from elaswave.pipeline.schedule import interleaved_1f1b, peak_in_flight  # late: the plan needs no schedule
-        in_flight = -(-peak_in_flight(interleaved_1f1b(s, depth, len(chunks), range(mbs))) // len(chunks)) if mbs else 0
     held = sorted({i for start, end in chunks for i in model.held_layers(start, end)})
     out = {"layers": sum(model.layer_bytes(start, end) for start, end in chunks)}
     out["optimizer"] = model.optimizer_bytes * _slot_values(model, plan, rank)
@@ -242,13 +237,42 @@ def rank_bytes(model: MemoryModel, plan, rank: int) -> dict[str, float]:
     else:
         out["snapshots"] = 0.0
     out["data"] = model.data_bytes if s in (0, depth - 1) else 0.0
-    out["activations"] = sum(model.activation_bytes(start, end, in_flight, mbs, start == 0, end == plan.num_layers)
-                             for start, end in chunks) if mbs else 0.0
+    if not mbs:
+        out["activations"] = 0.0
+    elif len(chunks) == 1:
+        start, end = chunks[0]
+        out["activations"] = model.activation_bytes(start, end, model.in_flight(s, depth, mbs), mbs, start == 0,
+                                                    end == plan.num_layers)
+    else:
+        out["activations"] = _interleaved_activations(model, chunks, s, depth, mbs, plan.num_layers)
     # After the backward the activations are gone and the reduce packs the sums: one or the other.
     out["update"] = model.update_bytes(sum(model.layer_numels[i] for i in held), _slot_values(model, plan, rank))
     out["total"] = sum(v for k, v in out.items() if k not in ("activations", "update")) + max(
         out["activations"], out["update"])
     return out
+
+
+def _interleaved_activations(model: MemoryModel, chunks, stage: int, depth: int, mbs: int, num_layers: int) -> float:
+    """A rank's activations under interleaved 1F1B, instant by instant through its schedule: the
+    most its alive (micro-batch, chunk) pairs keep together -- each chunk keeps its own layers'
+    (a head chunk's logits are not an embedding chunk's) -- plus one backward's extra peak and every
+    chunk's send and receive buffers."""
+    from elaswave.pipeline.schedule import Op, interleaved_1f1b  # late: the plan needs no schedule
+
+    one = [model.activation_bytes(start, end, 1, 0, True, True) for start, end in chunks]  # a micro-batch's peak
+    kept = [model.activation_bytes(start, end, 2, 0, True, True) - o for (start, end), o in zip(chunks, one)]
+    sent = sum(model.activation_bytes(start, end, 1, mbs, start == 0, end == num_layers) - o
+               for (start, end), o in zip(chunks, one))
+    alive, total, peak = set(), 0.0, 0.0
+    for a in interleaved_1f1b(stage, depth, len(chunks), range(mbs)):
+        if a.op is Op.FORWARD:
+            alive.add((a.micro_batch, a.chunk))
+            total += kept[a.chunk]
+            peak = max(peak, total)
+        elif a.op is Op.BACKWARD and (a.micro_batch, a.chunk) in alive:
+            alive.discard((a.micro_batch, a.chunk))
+            total -= kept[a.chunk]
+    return peak + max(o - k for o, k in zip(one, kept)) + sent
 
 
 def interleaved_unfit(plan) -> str | None:
