@@ -275,19 +275,24 @@ def _interleaved_activations(model: MemoryModel, chunks, stage: int, depth: int,
     return peak + max(o - k for o, k in zip(one, kept)) + sent
 
 
-def interleaved_unfit(plan) -> str | None:
-    """Under interleaved 1F1B the partition is by cost alone (plan.plan._split): the first rank
-    whose modelled peak passes the plan's limit, in words; None when every rank fits or there is
-    no limit to keep."""
+def interleaved_over(plan) -> dict[int, float]:
+    """Under interleaved 1F1B the partition is by cost alone (plan.plan._split): each rank whose
+    modelled peak passes the plan's limit, with its MiB (none without a limit, or with V = 1)."""
     if plan.virtual_stages == 1 or plan.memory is None or not plan.stage_memory_limit:
+        return {}
+    need = {rank: rank_bytes(plan.memory, plan, rank)["total"] / MIB for rank in plan.ranks}
+    return {rank: mib for rank, mib in need.items() if mib > plan.stage_memory_limit}
+
+
+def interleaved_unfit(plan) -> str | None:
+    """:func:`interleaved_over`'s first rank in words; None when every rank fits."""
+    over = interleaved_over(plan)
+    if not over:
         return None
-    for rank in plan.ranks:
-        need = rank_bytes(plan.memory, plan, rank)["total"] / MIB
-        if need > plan.stage_memory_limit:
-            return (f"rank {rank} would hold {need:.0f} MiB at its peak under interleaved 1F1B "
-                    f"({plan.virtual_stages} chunks), over the limit of {plan.stage_memory_limit:.0f} MiB; "
-                    "parallel.virtual_stages=1 partitions by memory")
-    return None
+    rank = min(over)
+    return (f"rank {rank} would hold {over[rank]:.0f} MiB at its peak under interleaved 1F1B "
+            f"({plan.virtual_stages} chunks), over the limit of {plan.stage_memory_limit:.0f} MiB; "
+            "parallel.virtual_stages=1 partitions by memory")
 
 
 def _slot_values(model: MemoryModel, plan, rank: int) -> int:

@@ -14,15 +14,10 @@ from elaswave.plan import microbatches
 from elaswave.plan.chunks import Owners, chunks_by_rank, reassign_owners, rebalance_owners, round_robin_owners, slot_chunks
 from elaswave.plan.deal import deal, detoured_step_s, step_s
 from elaswave.plan.frequency import PowerModel
-from elaswave.plan.memory import MemoryModel, interleaved_unfit
+from elaswave.plan.memory import MemoryModel, interleaved_over, interleaved_unfit
+from elaswave.plan.detours import covers, detour_routes
+from elaswave.plan.errors import PlanError  # noqa: F401 (where callers import it from)
 from elaswave.plan.partition import PartitionError, partition
-
-
-class PlanError(ValueError):
-    """No plan fits the live ranks; the message says why. ``saved_step``: the step whose state the
-    survivors saved to disk before stopping (every step before it happened), if they did."""
-
-    saved_step: int | None = None
 
 
 @dataclass(frozen=True)
@@ -131,7 +126,7 @@ class Plan:
 
     def is_complete(self, d: int) -> bool:
         """Pipeline ``d`` holds every layer (baselines leave a broken pipeline's survivors in place)."""
-        return _covers(self.layer_ranges[d], self.num_layers)
+        return covers(self.layer_ranges[d], self.num_layers)
 
     @property
     def num_micro_batches(self) -> int:
@@ -307,7 +302,7 @@ def replan(prev: Plan, live: Sequence[int], epoch: int, num_micro_batches: int,
     if policy == "elaswave":
         return _elaswave(prev, epoch, pipelines, kept_ranges, kept, num_micro_batches, speeds or {}, power,
                          power_cap_w, detours and not rebalance, rebalance, schedule)
-    complete = [_covers(rng, prev.num_layers) for rng in kept_ranges]
+    complete = [covers(rng, prev.num_layers) for rng in kept_ranges]
     if not any(complete):
         raise PlanError(f"epoch {epoch}: elastic.policy={policy} needs a pipeline that still holds every layer, "
                         f"and none does (survivors {list(live)}); elastic.policy=elaswave re-partitions instead")
@@ -316,7 +311,7 @@ def replan(prev: Plan, live: Sequence[int], epoch: int, num_micro_batches: int,
                       tuple(prev.micro_batches[d] if ok else () for d, ok in zip(kept, complete)))
     mbs = tuple(prev.micro_batches[d] for d in kept)
     return _build(prev, epoch, pipelines, kept_ranges, mbs,
-                  routes=_detours(prev, pipelines, kept_ranges, complete, mbs, epoch))
+                  routes=detour_routes(prev, pipelines, kept_ranges, complete, mbs, epoch))
 
 
 def _place_joiners(prev: Plan, epoch: int, joined: Sequence[int], pipelines: list, ranges: list, kept: list) -> None:
@@ -336,7 +331,7 @@ def _place_joiners(prev: Plan, epoch: int, joined: Sequence[int], pipelines: lis
         take, waiting = waiting[:max(0, depth - len(pipe))], waiting[max(0, depth - len(pipe)):]
         if not take:
             continue
-        if prev.virtual_stages == 1 and not _covers(rng, prev.num_layers) and all(r in whole for r in rng):
+        if prev.virtual_stages == 1 and not covers(rng, prev.num_layers) and all(r in whole for r in rng):
             # The survivors kept their stages of the whole layout: the joiners take the missing ones.
             missing = [r for r in whole if r not in rng]
             slots = sorted(list(zip(rng, pipe)) + list(zip(missing, take)))
@@ -367,8 +362,10 @@ def _split(prev: Plan, count: int, pipelines: int, num_micro_batches: int,
                            _stage_memory(prev.memory, count, pipelines, num_micro_batches)))
 
 
-def _build(prev: Plan, epoch: int, pipelines, ranges, mbs, freqs=(), routes=(), units=None, solver="") -> Plan:
-    """``units``: each micro-batch id's units (None: ``prev``'s, whose ids ``mbs`` then are)."""
+def _build(prev: Plan, epoch: int, pipelines, ranges, mbs, freqs=(), routes=(), units=None, solver="",
+           check: bool = True) -> Plan:
+    """``units``: each micro-batch id's units (None: ``prev``'s, whose ids ``mbs`` then are);
+    ``check``: refuse an interleaved plan over the memory limit (else the caller decides)."""
     plan = Plan(epoch=epoch, num_layers=prev.num_layers, pipelines=tuple(pipelines), layer_ranges=tuple(ranges),
                 micro_batches=tuple(mbs), layer_costs=prev.layer_costs, frequencies=tuple(freqs), routes=tuple(routes),
                 layer_memory=prev.layer_memory, stage_memory_limit=prev.stage_memory_limit, memory=prev.memory,
@@ -380,9 +377,9 @@ def _build(prev: Plan, epoch: int, pipelines, ranges, mbs, freqs=(), routes=(), 
     joined = set(plan.ranks) - set(prev.ranks)
     if joined:
         owners = rebalance_owners(owners, plan.holder_groups(), joined)
-    if why := interleaved_unfit(plan := replace(plan, chunk_owners=owners)):
+    if check and (why := interleaved_unfit(plan := replace(plan, chunk_owners=owners))):
         raise PlanError(f"epoch {epoch}: {why}")
-    return plan
+    return replace(plan, chunk_owners=owners)
 
 
 def _elaswave(prev: Plan, epoch: int, pipelines, kept_ranges, kept, num_micro_batches: int,
@@ -399,7 +396,7 @@ def _elaswave(prev: Plan, epoch: int, pipelines, kept_ranges, kept, num_micro_ba
     rate = _rank_rates(prev, speeds, [r for p in pipelines for r in p], power)
     ranges, standby, why = [], [], []
     for d, survivors, rng in zip(kept, pipelines, kept_ranges):
-        if _covers(rng, prev.num_layers) and not rebalance:
+        if covers(rng, prev.num_layers) and not rebalance:
             ranges.append(rng)
             continue
         try:
@@ -409,29 +406,33 @@ def _elaswave(prev: Plan, epoch: int, pipelines, kept_ranges, kept, num_micro_ba
             # Survivors that cannot hold the model stand by: they keep their layers and ZeRO chunks,
             # get no micro-batches (the others take them: the batch is kept), and a join completes them.
             ranges.append(rng)
-            if not _covers(rng, prev.num_layers):
+            if not covers(rng, prev.num_layers):
                 standby.append(len(ranges) - 1)
                 which = f"pipeline {d} is left with" if d is not None else "a new pipeline has"
                 why.append(f"{which} ranks {list(survivors)}: {exc}")
-    run = [i for i in range(len(pipelines)) if i not in standby]
-    if not run:
-        raise PlanError(f"epoch {epoch}: no pipeline can hold the model: {'; '.join(why)}")
-    if len(run) > num_micro_batches:
-        raise PlanError(f"epoch {epoch}: {num_micro_batches} micro-batches cannot feed {len(run)} pipelines")
-    stage_s = [[c / rate[r] for r, c in zip(pipelines[k], _rank_costs(prev, pipelines[k], ranges[k]))] for k in run]
-    mbs, freqs, units, sizes, at_levels, solver = deal(stage_s, num_micro_batches, prev.units_per_micro_batch,
-                                                        power, power_cap_w)
-    run_mbs = mbs
-    if standby:
-        at = dict(zip(run, range(len(run))))
-        mbs = tuple(mbs[at[k]] if k in at else () for k in range(len(pipelines)))
-        freqs = tuple(freqs[at[k]] if k in at else (1.0,) * len(pipelines[k]) for k in range(len(pipelines))) if freqs else ()
-    complete = [_covers(rng, prev.num_layers) for rng in kept_ranges]
+
+    def dealt():
+        run = [i for i in range(len(pipelines)) if i not in standby]
+        if not run:
+            raise PlanError(f"epoch {epoch}: no pipeline can hold the model: {'; '.join(why)}")
+        if len(run) > num_micro_batches:
+            raise PlanError(f"epoch {epoch}: {num_micro_batches} micro-batches cannot feed {len(run)} pipelines")
+        stage_s = [[c / rate[r] for r, c in zip(pipelines[k], _rank_costs(prev, pipelines[k], ranges[k]))] for k in run]
+        mbs, freqs, units, sizes, at_levels, solver = deal(stage_s, num_micro_batches, prev.units_per_micro_batch,
+                                                            power, power_cap_w)
+        run_mbs = mbs
+        if standby:
+            at = dict(zip(run, range(len(run))))
+            mbs = tuple(mbs[at[k]] if k in at else () for k in range(len(pipelines)))
+            freqs = tuple(freqs[at[k]] if k in at else (1.0,) * len(pipelines[k]) for k in range(len(pipelines))) if freqs else ()
+        return mbs, freqs, units, solver, run_mbs, sizes, at_levels
+    mbs, freqs, units, solver, run_mbs, sizes, at_levels = dealt()
+    complete = [covers(rng, prev.num_layers) for rng in kept_ranges]
     # Interleaved pipelines share no stage layout a detour could pass through.
     if detours and prev.virtual_stages == 1 and any(complete) and not all(complete):
         kept_mbs = tuple(prev.micro_batches[d] if d is not None else () for d in kept)
         try:
-            routes = _detours(prev, pipelines, kept_ranges, complete, kept_mbs, epoch)
+            routes = detour_routes(prev, pipelines, kept_ranges, complete, kept_mbs, epoch)
         except PlanError:
             routes = None
         if routes is not None and sum(map(len, kept_mbs)) == num_micro_batches:
@@ -439,35 +440,20 @@ def _elaswave(prev: Plan, epoch: int, pipelines, kept_ranges, kept, num_micro_ba
                        for r, (i, j) in zip(pipe, rng)}
             if detoured_step_s(pipelines, kept_mbs, routes, forward) < step_s(at_levels, run_mbs, sizes, schedule) * (1 - 1e-3):
                 return _build(prev, epoch, pipelines, kept_ranges, kept_mbs, routes=routes)
-    return _build(prev, epoch, pipelines, ranges, mbs, freqs, units=units, solver=solver)
-
-
-def _covers(ranges: Sequence[tuple[int, int]], num_layers: int) -> bool:
-    ends = [0, *(j for _, j in ranges)]
-    return all(i == at for (i, _), at in zip(ranges, ends)) and ends[-1] == num_layers
-
-
-def _detours(prev: Plan, pipelines, ranges, complete, mbs, epoch: int) -> tuple[tuple[int, tuple[int, ...]], ...]:
-    """Routes for the micro-batches of broken pipelines: their own survivors where they have the
-    stage, else the rank holding that stage in the next complete pipeline (round robin)."""
-    layouts = {tuple(rng) for rng, ok in zip(ranges, complete) if ok}
-    if len(layouts) != 1:
-        raise PlanError(f"epoch {epoch}: elastic.policy=reroute needs the complete pipelines to share one layout, "
-                        f"they have {sorted(layouts)}")
-    layout = layouts.pop()
-    hosts = [pipe for pipe, ok in zip(pipelines, complete) if ok]
-    routes, turn = [], 0
-    for pipe, rng, ok, ids in zip(pipelines, ranges, complete, mbs):
-        if ok:
-            continue
-        own = dict(zip(rng, pipe))
-        if any(r not in layout for r in rng):
-            raise PlanError(f"epoch {epoch}: elastic.policy=reroute cannot route through stages {list(rng)}: "
-                            f"they differ from the layout {list(layout)}")
-        for mb in ids:
-            routes.append((mb, tuple(own.get(r, hosts[turn % len(hosts)][s]) for s, r in enumerate(layout))))
-            turn += 1
-    return tuple(routes)
+    plan = _build(prev, epoch, pipelines, ranges, mbs, freqs, units=units, solver=solver, check=False)
+    # An interleaved partition is by cost: a re-split pipeline over the memory limit stands by, as a
+    # 1F1B one that no partition fits does (its survivors keep their layers; the others take its batch).
+    while over := [i for i, pipe in enumerate(pipelines) if i not in standby and ranges[i] is not kept_ranges[i]
+                   and set(pipe) & set(interleaved_over(plan))]:
+        for i in over:
+            ranges[i] = kept_ranges[i]
+            standby.append(i)
+            why.append(f"ranks {list(pipelines[i])} hold too much as {prev.virtual_stages} interleaved chunks each")
+        mbs, freqs, units, solver, *_ = dealt()
+        plan = _build(prev, epoch, pipelines, ranges, mbs, freqs, units=units, solver=solver, check=False)
+    if refusal := interleaved_unfit(plan):  # an intact pipeline over the limit: nothing stands it by
+        raise PlanError(f"epoch {epoch}: {refusal}")
+    return plan
 
 
 def _costs(plan: Plan) -> tuple[float, ...]:
