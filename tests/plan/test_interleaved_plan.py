@@ -103,3 +103,8 @@ def test_a_memory_limit_is_kept_on_the_interleaved_plan_or_said():
     assert back.pipelines[0] == (0, 4) and len(back.micro_batches[0]) > 0
     with pytest.raises(PlanError, match=r"epoch 1: no pipeline can hold the model: ranks \[0\] hold too much"):
         replan(limited, [0, 2], 1, 8)  # every pipeline broken and over the limit
+
+
+def test_reroute_is_refused_on_interleaved_pipelines():
+    with pytest.raises(PlanError, match="elastic.policy=reroute .* 2 interleaved chunks a rank do not share"):
+        replan(_plan(), [0, 2, 3], 1, 8, policy="reroute")
