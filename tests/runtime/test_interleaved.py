@@ -15,7 +15,8 @@ def interleaved(v: int) -> list[str]:
 reference = reference_fixture(STEPS, 4)  # run_job's global batch: max(4, dp) micro-batches
 
 
-@pytest.mark.parametrize("dp,pp,v,extra", [(1, 2, 2, []), (2, 2, 3, []),
+# The default run keeps 1x2x2 and 1x3x2 with recomputation; `pytest -m slow` adds 2x2x3.
+@pytest.mark.parametrize("dp,pp,v,extra", [(1, 2, 2, []), pytest.param(2, 2, 3, [], marks=pytest.mark.slow),
                                            (1, 3, 2, ["train.activation_checkpointing=every_2"])])
 def test_interleaved_is_bit_identical_to_the_reference(tmp_path, reference, dp, pp, v, extra):
     res = run_job(tmp_path, dp, pp, STEPS, deterministic=True, extra=[*interleaved(v), *extra])
@@ -23,7 +24,7 @@ def test_interleaved_is_bit_identical_to_the_reference(tmp_path, reference, dp, 
     assert_same_run(res, reference, STEPS)
 
 
-@pytest.mark.parametrize("rank,phase", [(1, "forward"), (3, "backward")])
+@pytest.mark.parametrize("rank,phase", [(1, "forward"), pytest.param(3, "backward", marks=pytest.mark.slow)])
 def test_a_kill_leaves_the_survivors_interleaved_and_bit_identical(tmp_path, reference, rank, phase):
     """dp=2 x pp=2, V=2: a rank SIGKILLed in its forward or backward; its pipeline's survivor
     runs both halves of the model as two chunks of its own (the ring closes on itself), the
@@ -39,6 +40,7 @@ def test_a_kill_leaves_the_survivors_interleaved_and_bit_identical(tmp_path, ref
     assert_same_run(res, reference, STEPS)
 
 
+@pytest.mark.slow  # reshaping and interleaving each have fast cases of their own
 def test_a_reshaped_deal_after_a_kill_is_the_same_run_interleaved_or_not(tmp_path):
     """elastic.reshape deals sequences, not whole micro-batches, after the loss; in deterministic
     mode each unit is computed alone, on every chunk, so the run keeps 1F1B's bits."""
