@@ -133,8 +133,9 @@ def peak_gib(memory: MemoryModel, plan: Plan) -> float:
 def replan_peak_gib(memory: MemoryModel, plan: Plan, events, num_micro_batches: int) -> float | None:
     """The modelled peak of elaswave's re-plan after the first failure in ``events`` (its device
     lost), whatever the limit (None: no failure, or no layout left). With virtual stages the planner
-    splits the survivors' p' x V chunks by cost alone and refuses the plan when it passes the limit:
-    the survivors then have no layout until a repair (no stand-by); this says what it needed."""
+    splits the survivors' p' x V chunks by cost alone and checks the plan after: a re-split pipeline
+    over the limit stands by (the others take its micro-batches), and when the others then pass it
+    too the re-plan is refused; this says what the unlimited re-plan needs."""
     lost = next((e.device for e in events if e.kind == "fail"), None)
     if lost is None:
         return None

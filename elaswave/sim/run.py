@@ -281,9 +281,10 @@ def run(args) -> int:
     if memory is not None:
         peak = config["peak_gib"]
         kept = ("every re-plan keeps within the rest or stands survivors by" if args.virtual_stages == 1 else
-                "the planner splits interleaved chunks by cost and refuses a plan over the rest: after a loss the "
-                "survivors then have no layout until a repair" + (f" (the first failure's re-plan needs "
-                                                                  f"{after_gib:.1f} GiB)" if after_gib is not None else ""))
+                "the planner splits interleaved chunks by cost and checks the plan against the rest: after a loss a "
+                "re-split pipeline over it stands by, and with the others over it too the job stalls until a repair"
+                + (f" (the first failure's re-plan needs {after_gib:.1f} GiB without a limit)"
+                   if after_gib is not None else ""))
         said = " (the default for GPU presets; --device-gib)" if args.device_gib == DEVICE_GIB else ""
         moved = (f"; pp={pp}: the first layout that fits, from pp={layouts[0][1]} to deeper pipelines"
                  if (dp, pp) != layouts[0] else "")

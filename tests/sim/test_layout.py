@@ -72,7 +72,8 @@ def test_interleaved_plans_are_held_to_the_device_memory_by_their_chunk_aware_pe
     doc = json.loads(capsys.readouterr().out)
     assert doc["config"]["peak_gib"] == pytest.approx(peak, rel=1e-9)
     # The failure (a middle stage of pipeline 0) leaves 3 ranks for the 26 layers in 6 chunks: more a
-    # GPU. A re-plan over the limit is refused (no stand-by for interleaved): no layout until a repair.
+    # GPU: its re-split pipeline stands by, the other then takes every micro-batch and passes the limit
+    # too, so the re-plan is refused: no layout until a repair.
     after = replan(plan, [r for r in plan.ranks if r != 2], 1, 16)
     need = max(rank_bytes(memory, after, r)["total"] for r in after.ranks) / 2 ** 30
     assert doc["config"]["peak_gib_after_first_failure"] == pytest.approx(need, rel=1e-9)
