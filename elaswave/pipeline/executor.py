@@ -41,6 +41,7 @@ class Executor:
                  on_backward: Callable[[], None], before: Callable[[int, Action], None] | None = None,
                  emulated: EmulatedCompute | None = None, pieces: Callable[[int], list[Piece]] | None = None):
         self.stage, self.p2p, self.sampler = stage, p2p, sampler
+        p2p.rows_of = self._rows  # a message received early is sized by its micro-batch
         self.pieces = pieces or (lambda mb: [(mb, None)])
         self.global_tokens = global_tokens
         """Step -> the loss tokens of its whole global batch (what every micro-batch's loss is divided by)."""
@@ -77,6 +78,7 @@ class Executor:
         """A split backward's W still to run, by micro-batch: one per piece, each holding its graph."""
         self.losses: dict[int, tuple[float, int]] = {}
         self.busy_s = 0.0
+        self.p2p.arm(training=True)
         for action in actions:
             if self.before is not None:
                 self.before(step, action)
@@ -94,6 +96,7 @@ class Executor:
         received: dict[tuple[int, int], torch.Tensor] = {}
         outputs: dict[tuple[int, int], list[torch.Tensor]] = {}
         losses: dict[int, tuple[float, int]] = {}
+        self.p2p.arm(training=False)
         with torch.no_grad():
             for a in actions:
                 if a.op not in (Op.RECV_ACT, Op.FORWARD, Op.SEND_ACT):

@@ -2,7 +2,12 @@
 
 Sends are asynchronous (kept alive until :meth:`P2P.drain`); receives wait with the epoch group's
 bounded, interruptible wait. Tags keep activations and gradients of different micro-batches (and
-model chunks) apart on gloo; NCCL matches by order, which the schedule keeps the same on both sides.
+model chunks) apart on gloo; NCCL ignores tags and matches a pair's messages by their order. Without
+chunks each pair carries one kind, in the same order on both sides. With chunks two ranks of a
+pipeline of two are each other's neighbour both ways, and the interleaved schedule sends a
+gradient before an activation that the other rank receives first (p = 2, odd m >= 5): so with
+chunks a rank receives each peer's messages in the order the peer sends them (:meth:`P2P.expect`,
+from the peer's own schedule), keeping any that arrive before it needs them.
 
 With ``num_chunks`` V > 1 (interleaved 1F1B) the ranks of a pipeline form a ring: chunk ``c`` of
 the last rank feeds chunk ``c + 1`` of the first. A pipeline of one rank sends to itself: such a
@@ -10,9 +15,32 @@ message stays in this process (no transport carries a message to its own sender)
 """
 from __future__ import annotations
 
+from collections import deque
+from typing import Callable, Sequence
+
 import torch
 
 from elaswave.comm.groups import Group
+from elaswave.pipeline.schedule import Action, Op
+
+
+def sends_of(stage: int, num_stages: int, num_chunks: int, actions: Sequence[Action]) -> list[tuple[int, int]]:
+    """(destination stage, tag) of each message stage ``stage``'s ``actions`` send, in order (pure:
+    what every rank can work out of any other's schedule; the tags :class:`P2P` uses)."""
+    out = []
+    for a in actions:
+        if a.op is Op.SEND_ACT:
+            shift = num_chunks > 1 and stage == num_stages - 1
+            out.append(((stage + 1) % num_stages, _tag(num_chunks, a.micro_batch, a.chunk + shift, False)))
+        elif a.op is Op.SEND_GRAD:
+            shift = num_chunks > 1 and stage == 0
+            out.append(((stage - 1) % num_stages, _tag(num_chunks, a.micro_batch, a.chunk - shift, True)))
+    return out
+
+
+def _tag(num_chunks: int, mb: int, chunk: int, grad: bool) -> int:
+    """The receiving chunk's message of ``mb`` (one chunk: 2 mb, 2 mb + 1 as before chunks)."""
+    return 2 * (mb * num_chunks + chunk) + grad
 
 
 class P2P:
@@ -28,10 +56,25 @@ class P2P:
         self.num_chunks, self.first, self.last = num_chunks, first, last
         self.pending: list = []
         self._loopback: dict[int, torch.Tensor] = {}
+        self._incoming: dict[int, list[int]] = {}
+        self._expected: dict[int, deque] = {}
+        self._early: dict[tuple[int, int], torch.Tensor] = {}
+        self.rows_of: Callable[[int], int | None] = lambda mb: None
+        """Micro-batch -> its sequences (a reshaped one's; None: the configured size): the executor's."""
+
+    def expect(self, incoming: dict[int, list[int]]) -> None:
+        """Each peer's messages to this rank in a step, as tags in the order it sends them: received
+        in that order (see :meth:`arm`)."""
+        self._incoming = dict(incoming)
+
+    def arm(self, training: bool) -> None:
+        """Before a step's schedule (``training``) or an evaluation's forwards, which send activations
+        only: one kind, in the same order on both sides of every pair."""
+        self._expected = {peer: deque(tags) for peer, tags in self._incoming.items()} if training else {}
+        self._early.clear()
 
     def _tag(self, mb: int, chunk: int, grad: bool) -> int:
-        """The receiving chunk's message of ``mb`` (V = 1: 2 mb, 2 mb + 1 as before chunks)."""
-        return 2 * (mb * self.num_chunks + chunk) + grad
+        return _tag(self.num_chunks, mb, chunk, grad)
 
     def _send(self, t: torch.Tensor, dst: int, tag: int) -> None:
         # In the compute dtype whatever a layer returned (e.g. float32 from a user's float32 buffer):
@@ -45,6 +88,17 @@ class P2P:
     def _recv(self, src: int, tag: int, what: str, rows: int | None = None) -> torch.Tensor:
         if src == self.group.me:
             return self._loopback.pop(tag)
+        order = self._expected.get(src)
+        if order is None or ((src, tag) not in self._early and tag not in order):
+            return self._recv_now(src, tag, what, rows)
+        while (src, tag) not in self._early:  # what the peer sent before it, received first
+            early = order.popleft()
+            self._early[(src, early)] = self._recv_now(src, early, what if early == tag else
+                                                       f"an earlier message (tag {early}) before the {what}",
+                                                       rows if early == tag else self.rows_of(early // 2 // self.num_chunks))
+        return self._early.pop((src, tag))
+
+    def _recv_now(self, src: int, tag: int, what: str, rows: int | None = None) -> torch.Tensor:
         shape = self.shape if rows is None else (rows, *self.shape[1:])
         buf = torch.empty(shape, dtype=self.dtype, device=self.device)
         self.group.wait(self.group.irecv(buf, src, tag), f"{what} from rank {src}")
@@ -74,3 +128,4 @@ class P2P:
             self.group.wait(work, "pipeline send")
         self.pending.clear()
         self._loopback.clear()
+        self._early.clear()

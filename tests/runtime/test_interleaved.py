@@ -77,3 +77,15 @@ def test_a_spare_gives_the_pipeline_its_rank_back_interleaved(tmp_path, join_ref
     (join,) = [r for r in res.records if r["event"] == "join"]
     assert join["joined_ranks"] == [4] and join["plan"]["pipelines"] == [[0, 1], [2, 4]]
     assert [len(r) for r in join["plan"]["layer_ranges"]] == [4, 4] and join["plan"]["virtual_stages"] == 2
+
+
+ODD = 5
+odd_reference = reference_fixture(STEPS, ODD)
+
+
+def test_a_pair_receives_in_its_peers_send_order_and_keeps_the_bits(tmp_path, odd_reference):
+    """pp=2, V=2, 5 micro-batches: a rank's next message from its peer is sometimes not the one it
+    needs next (tests/pipeline/test_schedule.py); it receives in the peer's order, keeping the early
+    one, as NCCL's order matching requires -- and the run equals the reference."""
+    res = run_job(tmp_path, 1, 2, STEPS, deterministic=True, extra=[*interleaved(2), f"train.num_micro_batches={ODD}"])
+    assert_same_run(res, odd_reference, STEPS)
