@@ -199,11 +199,11 @@ def _watch(cfg: JobConfig, workers: Workers, store: dist.TCPStore, membership: M
     done_at, asked_at = None, 0.0
     others = _OtherHosts(store, workers) if workers.node.is_multi_host and workers.node.node_rank == 0 else None
     while True:
-        if watching.health is not None:
-            watching.health.update()
         if watching.directory is not None and cfg.elastic.enabled:
             watching.directory.refresh(store)
         codes = {rank: p.poll() for rank, p in workers.procs.items()}
+        if watching.health is not None:  # a rank that has exited says nothing more (its last word is stale)
+            watching.health.update(live={rank for rank, code in codes.items() if code is None})
         for rank, code in codes.items():
             if code in (None, 0) or rank in reported:
                 continue

@@ -83,12 +83,14 @@ class HostHealth:
                     continue
         return out
 
-    def update(self, force: bool = False) -> None:
+    def update(self, force: bool = False, live: set[int] | None = None) -> None:
+        """``live``: the ranks the agent still runs; the words of the others are left out (a rank
+        that left mid-change, with its tensor-parallel group, would say "recovering" for ever)."""
         now = time.time()
         if not force and now - self._last < EVERY_S:
             return
         self._last = now
-        ranks = self._ranks()
+        ranks = [r for r in self._ranks() if live is None or r["rank"] in live]
         trained = [r for r in ranks if r["state"] == "training"]
         changes = max((r.get("changes", 0) for r in ranks), default=0)
         state = ("recovering" if changes > self._shown or any(r["state"] == "recovering" for r in ranks) else

@@ -41,6 +41,9 @@ def test_the_host_state_is_folded_from_its_ranks_words(tmp_path, monkeypatch):
     assert code == 1 and "no step ended for" in line and "hung" in line
     code, line = check(str(path), 0.01)
     assert code == 1 and "gone" in line
+    RankReport(2)("recovering", 7, 1)  # a rank that left mid-change (its group broken) says no more
+    host.update(force=True, live={0, 1})
+    assert json.loads(path.read_text())["state"] == "training"
     host.stopped(4)
     assert check(str(path), 10.0) == (1, "stopped, exit code 4")
     assert check(str(tmp_path / "none.json"), 10.0)[0] == 1
