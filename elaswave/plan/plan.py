@@ -447,7 +447,7 @@ def _elaswave(prev: Plan, epoch: int, pipelines, kept_ranges, kept, num_micro_ba
     # An interleaved partition is by cost: a re-split pipeline over the memory limit stands by, as a
     # 1F1B one that no partition fits does (its survivors keep their layers; the others take its batch).
     while over := [i for i, pipe in enumerate(pipelines) if i not in standby and ranges[i] is not kept_ranges[i]
-                   and set(pipe) & set(interleaved_over(plan))]:
+                   and not covers(kept_ranges[i], prev.num_layers) and set(pipe) & set(interleaved_over(plan))]:
         for i in over:
             ranges[i] = kept_ranges[i]
             standby.append(i)

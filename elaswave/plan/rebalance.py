@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from typing import Mapping
 
+from elaswave.plan.errors import PlanError
 from elaswave.plan.plan import Plan, _cost, _rank_costs, _rank_rates, replan
 
 
@@ -31,5 +32,8 @@ def rebalance_gain(prev: Plan, speeds: Mapping[int, float], num_micro_batches: i
     bound = 1.0 - _cost(prev, 0, prev.num_layers) * slots / sum(rate.values()) / now
     if bound < min_gain:
         return bound, None
-    candidate = replan(prev, prev.ranks, prev.epoch + 1, num_micro_batches, speeds, rebalance=True)
+    try:
+        candidate = replan(prev, prev.ranks, prev.epoch + 1, num_micro_batches, speeds, rebalance=True)
+    except PlanError:  # no re-split keeps within the memory limit (interleaved): the layout stays
+        return 0.0, None
     return 1.0 - step_s(candidate) / now, candidate

@@ -108,3 +108,20 @@ def test_a_memory_limit_is_kept_on_the_interleaved_plan_or_said():
 def test_reroute_is_refused_on_interleaved_pipelines():
     with pytest.raises(PlanError, match="elastic.policy=reroute .* 2 interleaved chunks a rank do not share"):
         replan(_plan(), [0, 2, 3], 1, 8, policy="reroute")
+
+
+def test_a_rebalance_over_the_limit_keeps_a_whole_pipeline_training():
+    """A straggler's re-split that passes the memory limit does not stand a whole pipeline by (it
+    would idle for good: rebalance_gain never looks at a plan with an idle pipeline again): the
+    plan is refused and the job keeps the layout it has."""
+    memory = MemoryModel(layer_numels=tuple(NUMELS), layer_activation_bytes=tuple([1000.0] * len(COSTS)),
+                         boundary_bytes=100.0, param_bytes=4, sum_bytes=4, chunk_numel=16)
+    plan = initial_plan(4, 2, 2, COSTS, 8, NUMELS, chunk_numel=16, memory=memory, virtual_stages=2)
+    need = max(rank_bytes(memory, plan, r)["total"] for r in plan.ranks) / 2 ** 20
+    limited = replace(plan, stage_memory_limit=need * 1.01)
+    speeds = {0: 1.0, 1: 0.3, 2: 1.0, 3: 1.0}
+    with pytest.raises(PlanError, match="over the limit"):
+        replan(limited, limited.ranks, 1, 8, speeds, rebalance=True)
+    assert rebalance_gain(limited, speeds, 8) == (0.0, None)  # the straggler logic keeps the layout
+    gain, candidate = rebalance_gain(plan, speeds, 8)  # without the limit the re-split is taken
+    assert gain > 0 and all(candidate.micro_batches)
