@@ -55,7 +55,15 @@ def check_tokenizer(cfg: JobConfig) -> None:
         expected = hashlib.sha256(fh.read().encode()).hexdigest()
     from elaswave.data.shards import read_manifest
 
-    for path in [p for p, _ in d.mixture] or [d.path]:
+    from elaswave.data.chat import corpus_template
+
+    paths = [p for p, _ in d.mixture] or [d.path]
+    rendered = {corpus_template(p)[0] for p in paths if corpus_template(p) is not None}
+    if len(rendered) > 1:
+        raise ConfigError(f"data.mix={list(d.mix)} is invalid: its corpora of conversations were rendered with "
+                          f"{len(rendered)} different chat templates, and the model learns one; prepare them with "
+                          f"the same --tokenizer {m.init_from}")
+    for path in paths:
         tok = read_manifest(path)["tokenizer"]
         if tok["sha256"] != expected:
             raise ConfigError(f"data.path={path!r} is invalid for model.init_from={m.init_from!r}: it was tokenized "

@@ -41,7 +41,9 @@ class Target:
     def of_job(cls, cfg) -> "Target":
         """``checkpoint.export_hf`` of a job (a JobConfig)."""
         c = cfg.checkpoint
-        source = hf_folder.source_of(cfg.model.init_from, cfg.data.path if cfg.data.kind == "tokens" else "")
+        # A mixture's corpora share a template (preflight): its first corpus stands for the data.
+        corpus = next((p for p, _ in cfg.data.mixture), cfg.data.path) if cfg.data.kind == "tokens" else ""
+        source = hf_folder.source_of(cfg.model.init_from, corpus)
         return cls(c.export_hf, hf_folder.export_dtype(c.export_dtype, source), int(c.max_shard_gb * 2 ** 30),
                    c.overwrite, source)
 

@@ -124,8 +124,9 @@ def _compiled(text: str):
 
 
 def _content_ok(m: dict) -> bool:
-    """Text; a list of text parts ({"type": "text", "text": ...}, as OpenAI's format writes it); or
-    none on an assistant turn that calls tools (``tool_calls``). Passed to the template as given."""
+    """Text; a list of text parts ({"type": "text", "text": ...}, as OpenAI's format writes it), which
+    is joined into one text (a template that reads content as text would render the list's repr);
+    or none on an assistant turn that calls tools (``tool_calls``), given to the template as is."""
     content = m.get("content")
     if isinstance(content, str):
         return True
@@ -150,12 +151,19 @@ def messages_of(record, where: str) -> list[dict]:
         if not _content_ok(m):
             raise ConfigError(f"{where}: message {i} ({m['role']}) has no text \"content\" (a text, a list of "
                               "{\"type\": \"text\", \"text\": ...} parts, or none beside an assistant's \"tool_calls\")")
-    return messages
+    return [{**m, "content": "".join(p["text"] for p in m["content"])} if isinstance(m.get("content"), list) else m
+            for m in messages]
 
 
 def render_with_spans(template: ChatTemplate, messages: list[dict], where: str) -> tuple[str, list[tuple[int, int]]]:
     """The whole conversation's text, and the (start, end) characters of each assistant turn."""
     text = template.render(messages)
+    for i, m in enumerate(messages):  # a template without a branch for a role drops its turns silently
+        said = m.get("content")
+        if isinstance(said, str) and said.strip() and said.strip() not in text:
+            raise ConfigError(f"{where}: the chat template of {template.source!r} leaves out message {i} "
+                              f"({m['role']}): its text is not in the rendering; give it a role the template "
+                              "renders (e.g. system for developer)")
     spans = []
     for i, m in enumerate(messages):
         if m["role"] != "assistant":

@@ -114,6 +114,16 @@ def test_the_shapes_of_openai_style_messages_are_taken(tmp_path, chat_model):
     with pytest.raises(ConfigError, match=r'message 0 \(user\) has no text "content"'):
         prepare([str(data)], str(tmp_path / "corpus2"), str(model), progress=False, fmt="chat")
     assert not (tmp_path / "corpus2.partial").exists()
+    # A template without a branch for a role would drop its turns silently: refused, naming it.
+    picky = ("{% for m in messages %}{% if m['role'] in ['user', 'assistant'] %}{{'<|im_start|>' + m['role'] + "
+             "'\\n' + m['content'] + '<|im_end|>\\n'}}{% endif %}{% endfor %}"
+             "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+    (model / "tokenizer_config.json").write_text(json.dumps({"chat_template": picky, "eos_token": "<|im_end|>"}))
+    data.write_text(json.dumps({"messages": [{"role": "developer", "content": "be brief"},
+                                             {"role": "user", "content": "the cat"},
+                                             {"role": "assistant", "content": "sat"}]}) + "\n")
+    with pytest.raises(ConfigError, match=r"leaves out message 0 \(developer\)"):
+        prepare([str(data)], str(tmp_path / "corpus3"), str(model), progress=False, fmt="chat")
 
 
 def test_a_tokenizer_without_a_chat_template_is_refused(tmp_path, chat_model):
