@@ -60,7 +60,7 @@ def load_template(model_dir: str) -> ChatTemplate:
     if isinstance(text, list):  # several named templates: the default one
         text = next((t.get("template") for t in text if t.get("name") == "default"), None)
     jinja = os.path.join(model_dir, "chat_template.jinja")
-    if not text and os.path.isfile(jinja):
+    if os.path.isfile(jinja):  # transformers gives the file priority over the config's entry
         with open(jinja, encoding="utf-8") as fh:
             text = fh.read()
     if not text:
