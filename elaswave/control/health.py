@@ -134,3 +134,20 @@ def check(path: str, max_age_s: float, max_step_age_s: float | None = None) -> t
         if since > max_step_age_s:
             return 1, f"{line}, but no step ended for {since:.1f} s (more than --max-step-age-s={max_step_age_s:g}): hung"
     return 0, line
+
+
+def add_arguments(ap) -> None:
+    """``elaswave health``'s options (an argparse parser)."""
+    ap.add_argument("file", metavar="FILE")
+    ap.add_argument("--max-age-s", type=float, default=10.0, help="the agent rewrites FILE every 0.1 s: older than "
+                                                                  "this (default 10) is a dead agent")
+    ap.add_argument("--max-step-age-s", type=float, default=None,
+                    help="also unhealthy while training with no step ended for this long (a hang; set it above "
+                         "parallel.timeout_s)")
+
+
+def probe(args) -> int:
+    """``elaswave health``: the state in one line; the exit code :func:`check` gives."""
+    code, line = check(args.file, args.max_age_s, args.max_step_age_s)
+    print(line)
+    return code
