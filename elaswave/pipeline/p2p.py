@@ -30,17 +30,34 @@ def sends_of(stage: int, num_stages: int, num_chunks: int, actions: Sequence[Act
     out = []
     for a in actions:
         if a.op is Op.SEND_ACT:
-            shift = num_chunks > 1 and stage == num_stages - 1
-            out.append(((stage + 1) % num_stages, _tag(num_chunks, a.micro_batch, a.chunk + shift, False)))
+            out.append(((stage + 1) % num_stages, _act_tag(num_chunks, stage == num_stages - 1, a.micro_batch, a.chunk)))
         elif a.op is Op.SEND_GRAD:
-            shift = num_chunks > 1 and stage == 0
-            out.append(((stage - 1) % num_stages, _tag(num_chunks, a.micro_batch, a.chunk - shift, True)))
+            out.append(((stage - 1) % num_stages, _grad_tag(num_chunks, stage == 0, a.micro_batch, a.chunk)))
     return out
+
+
+def incoming_of(pipeline: Sequence[int], stage: int, num_chunks: int,
+                schedule_of: Callable[[int], Sequence[Action]]) -> dict[int, list[int]]:
+    """Each other rank of ``pipeline``'s messages to stage ``stage``, as tags in the order it sends
+    them (``schedule_of``: a stage's actions): what :meth:`P2P.expect` takes."""
+    return {pipeline[other]: [tag for dst, tag in sends_of(other, len(pipeline), num_chunks, schedule_of(other))
+                              if dst == stage]
+            for other in range(len(pipeline)) if other != stage}
 
 
 def _tag(num_chunks: int, mb: int, chunk: int, grad: bool) -> int:
     """The receiving chunk's message of ``mb`` (one chunk: 2 mb, 2 mb + 1 as before chunks)."""
     return 2 * (mb * num_chunks + chunk) + grad
+
+
+def _act_tag(num_chunks: int, last: bool, mb: int, chunk: int) -> int:
+    """An activation sent by ``chunk``: the last rank's feeds the first rank's next chunk."""
+    return _tag(num_chunks, mb, chunk + (num_chunks > 1 and last), False)
+
+
+def _grad_tag(num_chunks: int, first: bool, mb: int, chunk: int) -> int:
+    """A gradient sent by ``chunk``: the first rank's goes to the last rank's chunk before."""
+    return _tag(num_chunks, mb, chunk - (num_chunks > 1 and first), True)
 
 
 class P2P:
@@ -107,12 +124,10 @@ class P2P:
     # ``peer``: a rank other than the pipeline neighbour, for a micro-batch on a detour.
     # ``chunk``: the sending chunk for a send, the receiving chunk for a receive.
     def send_act(self, t: torch.Tensor, mb: int, peer: int | None = None, chunk: int = 0) -> None:
-        self._send(t, self.next_rank if peer is None else peer, self._tag(mb, chunk + self.last * (self.num_chunks > 1),
-                                                                          False))
+        self._send(t, self.next_rank if peer is None else peer, _act_tag(self.num_chunks, self.last, mb, chunk))
 
     def send_grad(self, t: torch.Tensor, mb: int, peer: int | None = None, chunk: int = 0) -> None:
-        self._send(t, self.prev_rank if peer is None else peer, self._tag(mb, chunk - self.first * (self.num_chunks > 1),
-                                                                          True))
+        self._send(t, self.prev_rank if peer is None else peer, _grad_tag(self.num_chunks, self.first, mb, chunk))
 
     # ``rows``: a reshaped micro-batch's sequences (default: the configured micro-batch size).
     def recv_act(self, mb: int, peer: int | None = None, rows: int | None = None, chunk: int = 0) -> torch.Tensor:

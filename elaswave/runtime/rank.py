@@ -15,7 +15,7 @@ from elaswave.data.sampler import Sampler
 from elaswave.model.contract import counted_numels
 from elaswave.pipeline.emulate import EmulatedCompute, layer_forward_s
 from elaswave.pipeline.executor import Executor
-from elaswave.pipeline.p2p import P2P, sends_of
+from elaswave.pipeline.p2p import P2P, incoming_of
 from elaswave.pipeline.routed import plan_schedules
 from elaswave.pipeline.schedule import Action, stage_schedule
 from elaswave.pipeline.stage import Stage
@@ -94,13 +94,8 @@ def build_rank(cfg: JobConfig, plan: Plan, rank: int, stage: Stage, sampler: Sam
               plan.virtual_stages,
               first=s == 0, last=s == depth - 1)
     if ring and depth > 1 and not plan.routes:  # each peer's messages in the order it sends them (p2p.py)
-        incoming: dict[int, list[int]] = {}
-        for other in range(depth):
-            if other != s:
-                theirs = stage_schedule(par.schedule, other, depth, plan.micro_batches[d], plan.virtual_stages)
-                incoming[pipeline[other]] = [tag for dst, tag in sends_of(other, depth, plan.virtual_stages, theirs)
-                                             if dst == s]
-        p2p.expect(incoming)
+        p2p.expect(incoming_of(pipeline, s, plan.virtual_stages, lambda other: stage_schedule(
+            par.schedule, other, depth, plan.micro_batches[d], plan.virtual_stages)))
     def step_tokens(step: int) -> int:
         return sampler.loss_tokens(step, plan.batch_units // k)
     # With detours (the reroute baseline) no per-pipeline 1F1B fits; all ranks derive one schedule.
