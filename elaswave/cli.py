@@ -298,8 +298,9 @@ def cmd_export(args: argparse.Namespace) -> int:
     if not args.max_shard_gb > 0:
         raise ConfigError(f"--max-shard-gb {args.max_shard_gb} is invalid: must be > 0")
     out = export_checkpoint(args.checkpoint, args.out, int(args.max_shard_gb * 2 ** 30), args.dtype, args.overwrite,
-                            args.source or "")
-    print(f"elaswave: wrote {out} (config.json, the weights, the source's tokenizer files)")
+                            args.source or "", args.merge)
+    what = "a peft adapter folder" if (out / "adapter_config.json").is_file() else "config.json, the weights"
+    print(f"elaswave: wrote {out} ({what}, the source's tokenizer files)")
     return 0
 
 
@@ -420,6 +421,8 @@ def main(argv: list[str] | None = None) -> int:
     exp.add_argument("--overwrite", action="store_true", help="replace OUT_DIR if it exists and is not empty")
     exp.add_argument("--source", metavar="HF_DIR", help="the folder whose config.json and tokenizer files to carry "
                      "(default: the run's model.init_from, if it still exists)")
+    exp.add_argument("--merge", action="store_true", help="a LoRA run's checkpoint: its adapters merged into the "
+                     "base's weights, as a whole folder (default: a peft adapter folder)")
     exp.set_defaults(func=cmd_export)
     rep = sub.add_parser("report", help="plots and a page for a run's metrics (RUN.jsonl), against a reference")
     rep.add_argument("run", metavar="RUN.jsonl")

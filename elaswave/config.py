@@ -14,7 +14,8 @@ import re
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from elaswave.checkpoint.target import EXPORT_DTYPES, check_target
+from elaswave.checkpoint.config import CheckpointConfig
+from elaswave.checkpoint.target import check_target
 from elaswave.comm.config import BACKENDS, ParallelConfig  # noqa: F401 - importable here as before
 from elaswave.control import faults
 from elaswave.control.config import ElasticConfig
@@ -134,46 +135,6 @@ class TrainConfig:
 
 
 @dataclass
-class CheckpointConfig:
-    """Disk checkpoints (torch.distributed.checkpoint): for whole-job restarts, and the fallback when
-    a rank dies together with the peer that holds its in-memory snapshot."""
-
-    dir: str = ""
-    """Where checkpoints go; empty: none are written or read."""
-    every_steps: int = 0
-    """Save the state every this many steps, in the background; 0: never save."""
-    keep: int = 2
-    """Complete checkpoints kept; older ones are deleted."""
-    resume: bool = True
-    """At start, continue from the newest complete checkpoint in ``dir`` if there is one."""
-    export_hf: str = ""
-    """When the run ends, write the model here as a Hugging Face folder: the weights, the input
-    folder's config.json and tokenizer files (see elaswave/checkpoint/hf_folder.py); model.arch=llama
-    only. A folder that exists and is not empty is refused unless checkpoint.overwrite."""
-    export_dtype: str = "auto"
-    """auto | bf16 | fp32 | fp16: the exported weights' dtype; auto: model.init_from's, bf16 for a
-    model built from a preset."""
-    max_shard_gb: float = 5.0
-    """The largest safetensors shard of an export; one shard is named model.safetensors."""
-    overwrite: bool = False
-    """Let checkpoint.export_hf replace a folder that is not empty (never model.init_from's)."""
-
-    def validate(self) -> None:
-        if self.every_steps < 0:
-            _fail("checkpoint.every_steps", self.every_steps, "must be >= 0 (0: never save)")
-        if self.every_steps > 0 and not self.dir:
-            _fail("checkpoint.every_steps", self.every_steps, "needs checkpoint.dir set to a directory")
-        if self.keep < 1:
-            _fail("checkpoint.keep", self.keep, "must be >= 1")
-        if self.dir and os.path.exists(self.dir) and not os.path.isdir(self.dir):
-            _fail("checkpoint.dir", self.dir, "exists and is not a directory")
-        if self.export_dtype not in EXPORT_DTYPES:
-            _fail("checkpoint.export_dtype", self.export_dtype, f"must be one of {', '.join(EXPORT_DTYPES)}")
-        if not self.max_shard_gb > 0:
-            _fail("checkpoint.max_shard_gb", self.max_shard_gb, "must be > 0")
-
-
-@dataclass
 class EmulateConfig:
     """Emulated compute: each layer's forward and backward also take a modelled time (a sleep, scaled
     by the rank's frequency level) while the tensors stay tiny; communication and control flow stay
@@ -272,6 +233,9 @@ class JobConfig:
         if self.parallel.virtual_stages > 1 and self.elastic.policy == "reroute":
             _fail("elastic.policy", self.elastic.policy, "sends micro-batches through other pipelines' stages, which "
                   "interleaved pipelines do not share; use elastic.policy=elaswave or drop_replica")
+        if self.parallel.tp > 1 and self.model.lora.enabled:
+            _fail("model.lora.rank", self.model.lora.rank, f"adapters on tensor-parallel shards are not built yet "
+                  f"(parallel.tp={self.parallel.tp}); use parallel.tp=1, or model.lora.rank=0")
         if self.parallel.tp > 1:
             check_tensor_parallel_job(self)
         if self.checkpoint.export_hf and (self.model.arch != "llama" or self.model.factory):
@@ -337,8 +301,8 @@ class JobConfig:
 
     def model_identity(self) -> dict:
         """What a checkpoint must match to load into this job: the model's shape."""
-        return {k: v for k, v in dataclasses.asdict(self.model).items()
-                if k not in ("dropout", "preset", "init_from")}
+        shape = {k: v for k, v in dataclasses.asdict(self.model).items() if k not in ("dropout", "preset", "init_from")}
+        return json.loads(json.dumps(shape))  # as a checkpoint's manifest gives it back (model.lora.targets: a list)
 
     @property
     def actuator(self) -> str:
@@ -389,9 +353,25 @@ def _apply(cfg: JobConfig, key: str, raw: Any) -> None:
     if section not in _SECTIONS or not name:
         _fail(key, raw, f"unknown key; sections are {', '.join(_SECTIONS)} (e.g. parallel.dp)")
     target = getattr(cfg, section)
-    valid = [f.name for f in fields(target)]
-    if name not in valid:
-        _fail(key, raw, f"unknown key; {section} has {', '.join(valid)}")
+    # A section inside a section (model.lora): `--set model.lora.rank=8`, TOML's [model.lora], or
+    # the nested dict a config's to_dict wrote.
+    while True:
+        head, dot, rest = name.partition(".")
+        valid = [f.name for f in fields(target)]
+        if head not in valid:
+            _fail(key, raw, f"unknown key; {key[:len(key) - len(name)].rstrip('.')} has {', '.join(valid)}")
+        inner = getattr(target, head)
+        if not dataclasses.is_dataclass(inner):
+            break
+        if not dot:
+            if not isinstance(raw, dict):
+                _fail(key, raw, f"is a section; set its keys ({', '.join(f.name for f in fields(inner))})")
+            for sub, value in raw.items():
+                _apply(cfg, f"{key}.{sub}", value)
+            return
+        target, name = inner, rest
+    if dot:
+        _fail(key, raw, f"unknown key; {head} is not a section")
     setattr(target, name, _coerce(key, raw, getattr(target, name)))
 
 

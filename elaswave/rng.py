@@ -12,6 +12,8 @@ DROPOUT = 2
 INIT = 3
 EVAL = 5
 """The held-out windows' order (4 is the mixture's block order, elaswave.data.mixture.MIX)."""
+LORA = 6
+"""Adapters' initial values (model.lora), apart from the base weights' INIT stream."""
 
 _MASK64 = (1 << 64) - 1
 

@@ -50,11 +50,13 @@ def test_finetune_toml_loads_a_hugging_face_directory_and_exports_it(tmp_path):
     assert [r["step"] for r in res.records if r["event"] == "eval"] == [3]  # the example evaluates after the last
 
 
-def test_instruct_toml_tunes_a_chat_model_through_a_kill_and_exports_a_drop_in_folder(tmp_path):
+@pytest.mark.parametrize("example", ["instruct_llama.toml", "lora_llama.toml"])
+def test_instruct_toml_tunes_a_chat_model_through_a_kill_and_exports_a_drop_in_folder(tmp_path, example):
     """The walkthrough of examples/instruct_llama.toml: a tiny chat model (ChatML template, its
     end-of-turn token as EOS), chat JSONL, prepare --format chat, a run at dp=2 x pp=2 through a
     SIGKILL, the export; transformers loads the export with its tokenizer and chat template and
-    generates, stopping at the model's EOS."""
+    generates, stopping at the model's EOS. examples/lora_llama.toml the same with adapters: its
+    export is a peft adapter folder that peft loads onto the base the folder names."""
     import json
 
     transformers = pytest.importorskip("transformers")
@@ -84,7 +86,7 @@ def test_instruct_toml_tunes_a_chat_model_through_a_kill_and_exports_a_drop_in_f
                     str(tmp_path / "chats"), "--workers", "1", "--eval-fraction", "0.2", "--pack-to", "32"], tmp_path)
     assert prep.returncode == 0, prep.stderr
     out = tmp_path / "my-chat-model-tuned"
-    res = run_cli(["run", "--config", str(EXAMPLES / "instruct_llama.toml"), "--set", f"model.init_from={model_dir}",
+    res = run_cli(["run", "--config", str(EXAMPLES / example), "--set", f"model.init_from={model_dir}",
                    "--set", f"data.path={tmp_path / 'chats'}", "--set", f"checkpoint.export_hf={out}",
                    "--set", "model.seq_len=32", "--set", "train.steps=6", "--set", "train.lr=1e-2",
                    "--set", "train.warmup_steps=0", "--set", "parallel.timeout_s=60", "--set", "train.eval_batches=1",
@@ -95,7 +97,12 @@ def test_instruct_toml_tunes_a_chat_model_through_a_kill_and_exports_a_drop_in_f
     assert [r["step"] for r in steps] == list(range(6)) and [r for r in res.records if r["event"] == "recovery"]
     assert all(0 < r["loss_tokens"] < r["tokens"] for r in steps)  # only the assistant's tokens are trained
     tokenizer = transformers.AutoTokenizer.from_pretrained(out)
-    model = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    if example == "lora_llama.toml":
+        peft = pytest.importorskip("peft")
+        assert json.loads((out / "adapter_config.json").read_text())["base_model_name_or_path"] == str(model_dir)
+        model = peft.AutoPeftModelForCausalLM.from_pretrained(out).eval()
+    else:
+        model = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
     assert tokenizer.eos_token_id == model.generation_config.eos_token_id == eos
     prompt = tokenizer.apply_chat_template([{"role": "user", "content": "please say hello"}], add_generation_prompt=True,
                                            return_tensors="pt", return_dict=True)

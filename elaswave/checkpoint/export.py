@@ -8,16 +8,20 @@ place (see :mod:`elaswave.checkpoint.hf_folder`: what the folder holds, and why 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Iterable
+
+import os
+import sys
 
 import torch
 
 from elaswave.checkpoint import disk, hf_folder, target
 from elaswave.errors import ConfigError
-from elaswave.model import hf
+from elaswave.model import hf, lora
 from elaswave.model.config import ModelConfig, from_hf_config
+from elaswave.model.lora_config import LoraConfig
 from elaswave.model.contract import untie
 from elaswave.model.registry import family
 from elaswave.plan.chunks import chunk_range, num_chunks
@@ -25,6 +29,7 @@ from elaswave.plan.plan import Plan
 from elaswave.zero.flat import FlatLayer
 
 DEFAULT_MAX_SHARD_GB = 5.0
+ADAPTER_WEIGHTS, ADAPTER_CONFIG = "adapter_model.safetensors", "adapter_config.json"
 
 
 @dataclass
@@ -36,6 +41,10 @@ class Target:
     max_shard_bytes: int
     overwrite: bool
     source: hf_folder.Source
+    adapters: str = ""
+    """A LoRA run's export (checkpoint.export_lora): adapter or merged; empty without adapters."""
+    base: str = ""
+    """The base model's folder, named in a peft adapter folder (empty: a model built from a preset)."""
 
     @classmethod
     def of_job(cls, cfg) -> "Target":
@@ -45,7 +54,8 @@ class Target:
         corpus = next((p for p, _ in cfg.data.mixture), cfg.data.path) if cfg.data.kind == "tokens" else ""
         source = hf_folder.source_of(cfg.model.init_from, corpus)
         return cls(c.export_hf, hf_folder.export_dtype(c.export_dtype, source), int(c.max_shard_gb * 2 ** 30),
-                   c.overwrite, source)
+                   c.overwrite, source, c.export_lora if cfg.model.lora.enabled else "",
+                   os.path.abspath(cfg.model.init_from) if cfg.model.init_from else "")
 
 
 def writers(plan: Plan) -> list[int]:
@@ -62,30 +72,37 @@ def write_my_shards(target: Target, plan: Plan, rank: int, layers: list[FlatLaye
 def finish_run_export(target: Target, m: ModelConfig, parts: list[list[dict]]) -> Path:
     """On the plan's first rank, once every writer has posted its shards: checked, in layer order."""
     ordered = sorted((p for ps in parts for p in ps), key=lambda p: p["first_layer"])
-    return hf_folder.finish(target.out, ordered, hf_folder.config_doc(m, target.source, target.dtype),
-                            target.source, target.overwrite, target.max_shard_bytes)
+    return _finish(target, m, ordered)
 
 
 def write_layers(target: Target, m: ModelConfig, layers: Iterable[FlatLayer], num_layers: int) -> Path:
     """Whole layers, in order, by one process (the reference trainer, or ``elaswave export``)."""
     hf_folder.clear_staging(target.out)
-    parts = _write(target, layers, num_layers, "all")
+    return _finish(target, m, _write(target, layers, num_layers, "all"))
+
+
+def _finish(target: Target, m: ModelConfig, parts: list[dict]) -> Path:
+    if target.adapters == "adapter":  # peft reads one adapter_model.safetensors beside adapter_config.json
+        return hf_folder.finish(target.out, parts, lora.peft_config(m.lora, target.base), target.source,
+                                target.overwrite, sys.maxsize, single=ADAPTER_WEIGHTS, config_name=ADAPTER_CONFIG)
     return hf_folder.finish(target.out, parts, hf_folder.config_doc(m, target.source, target.dtype),
                             target.source, target.overwrite, target.max_shard_bytes)
 
 
 def _write(target: Target, layers: Iterable[FlatLayer], num_layers: int, tag: str) -> list[dict]:
-    by_layer = ((layer.index, hf.layer_tensors(layer.module, layer.index, num_layers, target.dtype))
+    by_layer = ((layer.index, hf.layer_tensors(layer.module, layer.index, num_layers, target.dtype, target.adapters))
                 for layer in layers)
     return [hf_folder.write_part(target.out, f"{tag}-{j:03d}", first, tensors)
             for j, (first, tensors) in enumerate(hf_folder.pieces(by_layer, target.max_shard_bytes))]
 
 
 def export_checkpoint(ckpt: str, out: str, max_shard_bytes: int = int(DEFAULT_MAX_SHARD_GB * 2 ** 30),
-                      dtype: str = "auto", overwrite: bool = False, source: str = "") -> Path:
+                      dtype: str = "auto", overwrite: bool = False, source: str = "", merge: bool = False) -> Path:
     """A disk checkpoint (its newest complete step, a step folder given, or one fence of it) -> a Hugging Face
     directory: each layer rebuilt from its chunks' parameter rows. ``source``: the folder whose
-    config.json and tokenizer files to carry (default: the run's ``model.init_from`` if it still exists)."""
+    config.json and tokenizer files to carry (default: the run's ``model.init_from`` if it still exists).
+    A LoRA run's checkpoint holds its adapters only: they are written as a peft adapter folder, or
+    with ``merge`` into the base's weights (read from ``source``, or the keyed init of a preset's run)."""
     path = Path(ckpt)
     from elaswave.tensor.checkpoints import degree_of
     if (tp := degree_of(ckpt)) is not None:
@@ -97,7 +114,9 @@ def export_checkpoint(ckpt: str, out: str, max_shard_bytes: int = int(DEFAULT_MA
         raise ConfigError(f"CHECKPOINT_DIR={ckpt!r} is invalid: no complete checkpoint there (a folder "
                           f"written with checkpoint.dir, or one of its step_* folders)")
     try:
-        m = ModelConfig(**manifest.model)
+        shape = dict(manifest.model)
+        adapters = LoraConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in shape.pop("lora", {}).items()})
+        m = ModelConfig(**shape, lora=adapters)
         m.validate()
     except (TypeError, ValueError) as exc:
         raise ConfigError(f"CHECKPOINT_DIR={ckpt!r} is invalid: its model cannot be rebuilt ({exc})") from None
@@ -114,10 +133,19 @@ def export_checkpoint(ckpt: str, out: str, max_shard_bytes: int = int(DEFAULT_MA
         if differ:
             raise ConfigError(f"--source={source!r} is invalid: its config.json describes another model than "
                               f"{ckpt!r} holds ({', '.join(differ)}); give the folder the run started from")
-    model = family(m)
+    if merge and not m.lora.enabled:
+        raise ConfigError(f"--merge is invalid: {ckpt!r} is not a LoRA run's checkpoint (model.lora.rank=0), its "
+                          "weights are whole already; leave --merge out")
+    merged = merge and m.lora.enabled
+    if merged and recorded and not source:
+        raise ConfigError(f"--merge needs the base model's folder, and the run's model.init_from={recorded!r} is "
+                          "gone; give it with --source HF_DIR")
+    # Merged, each layer's base weights are read again (the checkpoint holds the adapters only).
+    model = family(replace(m, init_from=source) if merged else m)
+    seed = int(manifest.data.get("seed", 0))
 
     def rebuilt(i: int) -> FlatLayer:
-        module = model.build_layer(i, 0, init=False)
+        module = model.build_layer(i, seed, init=merged)
         untie(model, module, i)
         layer = FlatLayer(module, i)
         keys = [(i, c) for c in range(num_chunks(layer.numel, manifest.chunk_numel))]
@@ -128,5 +156,7 @@ def export_checkpoint(ckpt: str, out: str, max_shard_bytes: int = int(DEFAULT_MA
                 layer.flat[start:end] = chunks[key][0, :end - start]
         return layer
 
-    return write_layers(Target(out, hf_folder.export_dtype(dtype, found), max_shard_bytes, overwrite, found), m,
+    mode = ("merged" if merge else "adapter") if m.lora.enabled else ""
+    return write_layers(Target(out, hf_folder.export_dtype(dtype, found), max_shard_bytes, overwrite, found, mode,
+                               os.path.abspath(source) if source else ""), m,
                         (rebuilt(i) for i in range(model.num_layers)), model.num_layers)

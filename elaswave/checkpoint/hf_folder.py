@@ -176,10 +176,11 @@ def _checked(stage: Path, part: dict) -> None:
 
 
 def finish(out: str | Path, parts: list[dict], doc: dict, source: Source, overwrite: bool,
-           max_shard_bytes: int) -> Path:
+           max_shard_bytes: int, single: str = SINGLE, config_name: str = "config.json") -> Path:
     """Check every posted part, join neighbours into shards of at most ``max_shard_bytes`` (the
     writers cut parts by layer holder, not by size), name them in the order given, write the index,
-    config.json and the companion files, then move the folder into place."""
+    ``doc`` as ``config_name`` and the companion files, then move the folder into place. ``single``:
+    the name of a lone shard (a peft adapter folder's is adapter_model.safetensors)."""
     out, stage = Path(os.path.abspath(out)), staging_dir(out)
     for part in parts:
         _checked(stage, part)
@@ -188,7 +189,7 @@ def finish(out: str | Path, parts: list[dict], doc: dict, source: Source, overwr
         if leftover.name not in posted:
             leftover.unlink()
     shards = [_joined(stage, group, k) for k, group in enumerate(_groups(parts, max_shard_bytes))]
-    names = [SINGLE] if len(shards) == 1 else [f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors"
+    names = [single] if len(shards) == 1 else [f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors"
                                                for k in range(len(shards))]
     for shard, name in zip(shards, names):
         os.replace(stage / shard["file"], stage / name)
@@ -205,7 +206,7 @@ def finish(out: str | Path, parts: list[dict], doc: dict, source: Source, overwr
         settings.write_text(json.dumps({**doc_t, "chat_template": source.chat_template}, indent=2) + "\n")
         if (stage / "chat_template.jinja").is_file():  # transformers reads this one first
             (stage / "chat_template.jinja").write_text(source.chat_template)
-    (stage / "config.json").write_text(json.dumps(doc, indent=2) + "\n")
+    (stage / config_name).write_text(json.dumps(doc, indent=2) + "\n")
     return install(stage, out, overwrite)
 
 

@@ -12,6 +12,8 @@ from typing import Mapping
 from elaswave.errors import ConfigError
 
 EXPORT_DTYPES = ("auto", "bf16", "fp32", "fp16")
+EXPORT_LORA = ("adapter", "merged")
+"""What an export of a LoRA run writes: the adapters as peft saves them, or a whole merged model."""
 
 
 class ExportError(ConfigError):

@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Iterable
 
 from elaswave.errors import fail as _fail
+from elaswave.model.lora_config import LoraConfig
 
 
 ARCHS = ("gpt", "llama")
@@ -69,6 +70,8 @@ class ModelConfig:
     mlp_bias: bool = False
     tie_embeddings: bool = False
     """llama: the output head uses the input embedding's matrix (one logical parameter)."""
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    """llama: low-rank adapters (model.lora.rank > 0): the base weights frozen, only adapters train."""
 
     @property
     def num_layers(self) -> int:
@@ -102,6 +105,7 @@ class ModelConfig:
                 _fail(f"model.{name}", getattr(self, name), "must be >= 0 (0: the default)")
         if not 0.0 <= self.dropout < 1.0:
             _fail("model.dropout", self.dropout, "must be in [0, 1)")
+        self.lora.validate(self.arch, self.factory)
         if self.arch == "gpt":
             if self.d_model % self.num_heads:
                 _fail("model.d_model", self.d_model, f"must be divisible by model.num_heads={self.num_heads}")
@@ -277,7 +281,7 @@ def resolve(m: ModelConfig, explicit: Iterable[str]) -> ModelConfig:
     if m.preset:
         base = preset(m.preset)
         keep = {f.name: getattr(m, f.name) for f in fields(m) if f.name in explicit}
-        return replace(base, **keep)
+        return replace(base, **{"lora": m.lora, **keep})  # no preset sets adapters: the job's own
     if m.init_from:
         doc = read_hf_config(m.init_from)
         hf = from_hf_config(doc, m.init_from, m.seq_len)

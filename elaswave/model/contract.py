@@ -132,7 +132,7 @@ def counted_numels(model: "Model", seed: int = 0) -> list[int]:
         for i in range(model.num_layers):
             layer = model.build_layer(i, seed, init=False)
             untie(model, layer, i)
-            out.append(sum(p.numel() for p in layer.parameters()))
+            out.append(sum(p.numel() for p in layer.parameters() if p.requires_grad))
     return out
 
 

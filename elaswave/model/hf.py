@@ -19,6 +19,7 @@ from torch import nn
 from elaswave.errors import ConfigError
 from elaswave.model.config import ModelConfig
 from elaswave.model.contract import on_meta
+from elaswave.model.lora import ADAPTERS, merged_tensors
 
 INDEX = "model.safetensors.index.json"
 
@@ -75,7 +76,7 @@ class HFWeights:
         where = f"model.init_from={str(self.path)!r}"
         by_file: dict[Path, list[tuple[str, torch.Tensor]]] = {}
         for name, p in layer.named_parameters():
-            if name in skip:
+            if name in skip or name.rpartition(".")[2] in ADAPTERS:  # adapters are the run's, not the folder's
                 continue
             key = hf_name(index, num_layers, name)
             if key not in self.files:
@@ -138,12 +139,19 @@ def _opened(f: Path, where: str):
         yield fh
 
 
-def layer_tensors(module: nn.Module, index: int, num_layers: int,
-                  dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+def layer_tensors(module: nn.Module, index: int, num_layers: int, dtype: torch.dtype | None = None,
+                  adapters: str = "") -> dict[str, torch.Tensor]:
     """A built layer's own parameters under their Hugging Face names (a tied use is not its own),
-    cast to ``dtype`` when given."""
-    return {hf_name(index, num_layers, name): p.detach().to(dtype or p.dtype).cpu().contiguous()
-            for name, p in module.named_parameters()}
+    cast to ``dtype`` when given. A layer with LoRA adapters (model.lora): ``adapters=adapter`` gives
+    the adapters alone under peft's saved names (``base_model.model.<name>.lora_A.weight``);
+    ``merged`` the plain model's tensors, each adapter merged into its weight."""
+    if adapters == "adapter":
+        named = ((f"base_model.model.{hf_name(index, num_layers, name)}.weight", p.detach())
+                 for name, p in module.named_parameters() if name.rpartition(".")[2] in ADAPTERS)
+    else:
+        named = ((hf_name(index, num_layers, name), t) for name, t in
+                 (merged_tensors(module).items() if adapters == "merged" else module.named_parameters()))
+    return {key: t.detach().to(dtype or t.dtype).cpu().contiguous() for key, t in named}
 
 
 def check_exportable(m: ModelConfig) -> None:

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from elaswave import rng
+from elaswave.model import lora
 from elaswave.model.config import ModelConfig
 from elaswave.model.contract import LayerCost, Tie
 from elaswave.model.masks import causal_mask
@@ -81,9 +82,9 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, gen: torch.Generator | None, documents: torch.Tensor | None = None) -> torch.Tensor:
         b, t, _ = x.shape
-        q = self.q_proj(x).view(b, t, self.num_heads, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        q = lora.project(self.q_proj, x, gen).view(b, t, self.num_heads, self.head_dim).transpose(1, 2)
+        k = lora.project(self.k_proj, x, gen).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        v = lora.project(self.v_proj, x, gen).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
         cos, sin = self.cos[:t].to(x.dtype), self.sin[:t].to(x.dtype)
         q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
         # Query head h reads key/value head h // group (Hugging Face's repeat_kv).
@@ -103,7 +104,7 @@ class Attention(nn.Module):
             att = att.masked_fill(blocked, float("-inf")).softmax(dim=-1, dtype=torch.float32)
             att = rng.keyed_dropout(att.to(q.dtype), self.p, gen)
             y = att @ v
-        return self.o_proj(y.transpose(1, 2).reshape(b, t, self.num_heads * self.head_dim))
+        return lora.project(self.o_proj, y.transpose(1, 2).reshape(b, t, self.num_heads * self.head_dim), gen)
 
 
 class MLP(nn.Module):
@@ -113,8 +114,9 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(m.d_model, m.ffn_width, bias=m.mlp_bias)
         self.down_proj = nn.Linear(m.ffn_width, m.d_model, bias=m.mlp_bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+    def forward(self, x: torch.Tensor, gen: torch.Generator | None = None) -> torch.Tensor:
+        h = F.silu(lora.project(self.gate_proj, x, gen)) * lora.project(self.up_proj, x, gen)
+        return lora.project(self.down_proj, h, gen)
 
 
 class Embedding(nn.Module):
@@ -136,7 +138,7 @@ class Block(nn.Module):
 
     def forward(self, x: torch.Tensor, gen: torch.Generator | None, documents: torch.Tensor | None = None) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), gen, documents)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        return x + self.mlp(self.post_attention_layernorm(x), gen)
 
 
 class Head(nn.Module):
@@ -193,6 +195,8 @@ class Llama:
             self.weights.load_layer(layer, index, self.num_layers, skip)
         elif init:
             _keyed_init(layer, rng.generator(seed, rng.INIT, index))
+        if self.cfg.lora.enabled:  # after the base weights: they load by their own names
+            lora.attach(layer, self.cfg.lora, lora.init_stream(seed, index) if init else None)
         return layer
 
     def layer_costs(self) -> list[LayerCost]:

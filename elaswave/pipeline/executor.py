@@ -192,7 +192,8 @@ class Executor:
     def _backward(self, a: Action) -> None:
         began, cpu = self._begin_backward()
         for out, grad in self._output_grads(a.micro_batch, a.chunk):  # each piece's gradient folded alone
-            torch.autograd.backward(out, grad)
+            if out.requires_grad:  # a chunk of frozen weights only, fed tokens (LoRA's embedding), has no graph
+                torch.autograd.backward(out, grad)
             self.on_backward()
         self._end_compute(began, cpu, 1.0, a.chunk)
 

@@ -43,6 +43,10 @@ class Stage:
         by_index = {layer.index: layer for layer in self.layers}
         for t, parent, name, shape in slots:
             owner = by_index[t.owner]
+            if t.owner_param in owner.frozen:  # a frozen tensor (LoRA's base): the owner's own, no gradient;
+                # not registered as the user's parameter (the owner's casts reach it all the same)
+                parent.__dict__[name] = owner.frozen[t.owner_param]
+                continue
             if t.owner_param not in owner.offsets:
                 raise ModelContractError(f"tie {t}: layer {t.owner} has no parameter {t.owner_param!r}")
             alias = owner.tie(t.owner_param)

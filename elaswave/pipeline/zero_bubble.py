@@ -56,7 +56,8 @@ class WeightPass:
         if self.whole is not None:
             out, grad = self.whole
             self.whole = None
-            torch.autograd.backward(out, grad)
+            if out.requires_grad:  # not on a stage of frozen weights only (LoRA's embedding): no graph
+                torch.autograd.backward(out, grad)
             return
         restarts, self.restarts = self.restarts, []  # the graph below the boundary goes with them
         while restarts:

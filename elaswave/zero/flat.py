@@ -1,7 +1,9 @@
 """A layer's parameters as one flat float vector, with the module's parameters as views into it.
 
 The flat vector's element order (parameters in module order) is the canonical order used for
-chunks, snapshots and the ``params_sha256`` digest, whatever the layout.
+chunks, snapshots and the ``params_sha256`` digest, whatever the layout. Only trainable parameters
+are in it: a frozen one (a base weight under LoRA adapters) is held beside it, in the compute
+dtype, and never summed, sharded, snapshotted or sent -- a layer with none trainable is empty.
 """
 from __future__ import annotations
 
@@ -15,7 +17,9 @@ class FlatLayer:
     def __init__(self, module: nn.Module, index: int):
         self.module = module
         self.index = index
-        named = list(module.named_parameters())
+        named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+        self.frozen = {n: p for n, p in module.named_parameters() if not p.requires_grad}
+        """Parameters that never change (see the module's docstring), by name."""
         self.params = [p for _, p in named]
         self.offsets: dict[str, int] = {}
         offset = 0
@@ -33,7 +37,9 @@ class FlatLayer:
                             if p.dim() >= 2]
         self._sink: list[torch.Tensor] | None = None
         """``[the float32 sum]`` once gradients go straight into it (:meth:`sum_gradients_into`)."""
-        self._place(torch.cat([p.detach().reshape(-1) for p in self.params]))
+        device = next(module.parameters()).device
+        self._place(torch.cat([p.detach().reshape(-1) for p in self.params]) if self.params
+                    else torch.zeros(0, device=device))
 
     def _place(self, flat: torch.Tensor) -> None:
         """Make ``flat`` the storage of every parameter and tied use, with a zeroed flat gradient
@@ -76,6 +82,8 @@ class FlatLayer:
         """Hold and compute in ``dtype`` (values rounded to it; gradients zeroed)."""
         if self.flat.dtype != dtype:
             self._place(self.flat.detach().to(dtype))
+        for p in self.frozen.values():
+            p.data = p.data.to(dtype)
 
     def tie(self, name: str) -> torch.Tensor:
         """A new use of parameter ``name`` elsewhere: a leaf aliasing it, with its own gradient."""
