@@ -72,6 +72,9 @@ class MemoryModel:
     """gloo: the reduce-scatter is an all-reduce, so every holder gets the whole reduced bucket."""
     generation_before_to_host: bool = False
     """On a GPU the optimizer's generation before waits in pinned host memory: not on the device."""
+    frozen_numels: tuple[int, ...] = ()
+    """Values of each layer that never train (LoRA's base weights; empty: none): held in the compute
+    dtype, with no gradient, sum or optimizer state -- not in ``layer_numels``."""
     split_backward: bool = False
     """ZB-H1 (parallel.schedule=zb-h1): a micro-batch keeps its graph from its forward to its W,
     which stage ``s`` holds back ``s`` micro-batches, so every stage has as many in flight as
@@ -128,10 +131,14 @@ class MemoryModel:
     def held_layers(self, start: int, end: int) -> list[int]:
         return sorted(set(range(start, end)) | {o for o, u in self.ties if start <= u < end})
 
+    def frozen_bytes(self, layers) -> float:
+        return self.param_bytes * sum(self.frozen_numels[i] for i in layers) if self.frozen_numels else 0.0
+
     def layer_bytes(self, start: int, end: int) -> float:
         uses = sum(n for (o, u), n in zip(self.ties, self.tied_numels) if start <= u < end)
-        return (self.value_bytes * sum(self.layer_numels[i] for i in self.held_layers(start, end))
-                + self.gradient_bytes * uses)
+        held = self.held_layers(start, end)
+        return (self.value_bytes * sum(self.layer_numels[i] for i in held) + self.gradient_bytes * uses
+                + self.frozen_bytes(held))
 
     def activation_bytes(self, start: int, end: int, in_flight: int, micro_batches: int, first: bool,
                          last: bool) -> float:
@@ -197,7 +204,8 @@ class MemoryModel:
             data = self.data_bytes if start == 0 or end == n else 0.0
             activations = ((in_flight - 1) * (acts[end] - acts[start]) + sent
                            + max(acts[end], recompute_peak(start, end)) - acts[start])
-            return (held * per_value + shared * share + self.gradient_bytes * uses + data
+            frozen = self.frozen_bytes(self.held_layers(start, end))
+            return (held * per_value + shared * share + self.gradient_bytes * uses + data + frozen
                     + max(activations, self.update_bytes(held, shared / holders))) / MIB
         return memory
 

@@ -19,7 +19,7 @@ import torch
 
 from elaswave.config import JobConfig
 from elaswave.data.corpus import corpus_bytes
-from elaswave.model.contract import Model, counted_numels, on_meta, saved_activation_bytes, tie_pairs
+from elaswave.model.contract import Model, counted_numels, on_meta, saved_activation_bytes, tie_pairs, untie
 from elaswave.model.registry import model_for
 from elaswave.plan.memory import MemoryModel
 from elaswave.plan.partition import least_memory
@@ -33,11 +33,18 @@ def job_memory_model(cfg: JobConfig, model: Model, dtype: torch.dtype, device: t
     sums = 8 if t.deterministic else (0 if dtype == torch.float32 else 4)
     itemsize = torch.empty(0, dtype=dtype).element_size()
     ties = tie_pairs(model)
-    shapes = {}
+    shapes, frozen = {}, []
     with on_meta():
         for tie in model.ties:
             layer = model.build_layer(tie.owner, 0, init=False)
             shapes[(tie.owner, tie.user)] = dict(layer.named_parameters())[tie.owner_param].numel()
+            if not dict(layer.named_parameters())[tie.owner_param].requires_grad:
+                shapes[(tie.owner, tie.user)] = 0  # a frozen tensor is shared: its user keeps no gradient
+        if cfg.model.lora.enabled:
+            for i in range(model.num_layers):
+                layer = model.build_layer(i, 0, init=False)
+                untie(model, layer, i)
+                frozen.append(sum(p.numel() for p in layer.parameters() if not p.requires_grad))
     return MemoryModel(
         layer_numels=tuple(numels),
         layer_activation_bytes=tuple(float(b) for b in saved_activation_bytes(model, t.micro_batch_size, dtype, fused)),
@@ -50,7 +57,7 @@ def job_memory_model(cfg: JobConfig, model: Model, dtype: torch.dtype, device: t
         snapshots_to_host=device.type == "cuda",
         generation_before_to_host=device.type == "cuda",
         reduce_whole=device.type != "cuda",  # gloo off a GPU: the reduce-scatter is an all-reduce
-        split_backward=cfg.parallel.schedule == "zb-h1",
+        split_backward=cfg.parallel.schedule == "zb-h1", frozen_numels=tuple(frozen),
         data_bytes=float(corpus_bytes(cfg.data)))
 
 

@@ -11,6 +11,7 @@ SHAPE = ["train.micro_batch_size=8", "train.num_micro_batches=4", "data.max_corp
 @pytest.mark.parametrize("dp,pp,deterministic,extra", [
     (2, 2, False, []),
     (1, 3, True, ["train.precision=bf16", "train.activation_checkpointing=full"]),
+    (2, 2, True, ["model.lora.rank=4"]),  # frozen weights: their bytes, no gradient, sum or optimizer state
 ])
 def test_the_memory_model_predicts_each_ranks_measured_peak_within_15_percent(tmp_path, dp, pp, deterministic, extra):
     # Step 3: the model is of a step at steady state; the snapshot pool's third buffer first
