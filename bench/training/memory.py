@@ -10,7 +10,10 @@ survival: llama3-70b in bf16 on 80 GiB devices, 8 GiB of them kept for the CUDA 
           activations priced as the fused attention kernel keeps them): which dp x pp layouts start,
           and what losing each stage of a pipeline leads to (re-partitions / stands by / stops), by
           activation checkpointing.
-Results: bench/results/memory_{table,survival}.json.
+lora:     the same job fine-tuned in full and with LoRA adapters (rank 8 on every projection), 2x2,
+          d_model 256: each rank's measured peak, its optimizer-state bytes and the model's
+          prediction, LoRA over full.
+Results: bench/results/memory_{table,survival,lora}.json.
 """
 from __future__ import annotations
 
@@ -83,10 +86,31 @@ def survival() -> dict:
     return out
 
 
+LORA_JOB = ["parallel.dp=2", "parallel.pp=2", "model.d_model=256", "model.num_heads=8", "model.num_kv_heads=4",
+            "model.ffn_dim=1024", "train.micro_batch_size=2", *COMMON]
+
+
+def lora() -> dict:
+    rows = {}
+    for name, sets in (("full", []), ("lora", ["model.lora.rank=8"])):
+        s = next(r for r in run_job(LORA_JOB + sets, deterministic=False) if r["event"] == "summary")
+        rows[name] = [{"rank": rank, "peak_bytes": m["peak_bytes"], "predicted_bytes": m["predicted"]["total"],
+                       "optimizer_state_bytes": state}
+                      for rank, m, state in zip(s["ranks"], s["memory_measured_per_rank"],
+                                                s["optimizer_state_bytes_per_rank"])]
+    for full, tuned in zip(rows["full"], rows["lora"]):
+        print(f"rank {full['rank']}: peak {tuned['peak_bytes'] / 2**20:7.2f} MiB with LoRA, "
+              f"{full['peak_bytes'] / 2**20:7.2f} MiB full = {tuned['peak_bytes'] / full['peak_bytes']:.3f}; optimizer "
+              f"state {tuned['optimizer_state_bytes'] / max(1, full['optimizer_state_bytes']):.4f} of full's; "
+              f"predicted/measured {tuned['predicted_bytes'] / tuned['peak_bytes']:.3f} (LoRA), "
+              f"{full['predicted_bytes'] / full['peak_bytes']:.3f} (full)")
+    return {"job": LORA_JOB, "ranks": rows}
+
+
 def main() -> None:
-    ap = bench_args(__doc__, parts=("table", "survival"))
+    ap = bench_args(__doc__, parts=("table", "survival", "lora"))
     args = ap.parse_args()
-    write_named(args.what, {"table": table, "survival": survival}, "memory")
+    write_named(args.what, {"table": table, "survival": survival, "lora": lora}, "memory")
 
 
 if __name__ == "__main__":

@@ -106,6 +106,14 @@ class ModelConfig:
         if not 0.0 <= self.dropout < 1.0:
             _fail("model.dropout", self.dropout, "must be in [0, 1)")
         self.lora.validate(self.arch, self.factory)
+        if self.lora.enabled and self.arch == "llama":
+            q, kv = self.num_heads * self.head_width, self.kv_heads * self.head_width
+            widths = {"self_attn.q_proj": q, "self_attn.k_proj": kv, "self_attn.v_proj": kv, "self_attn.o_proj": q,
+                      "mlp.gate_proj": self.ffn_width, "mlp.up_proj": self.ffn_width, "mlp.down_proj": self.ffn_width}
+            narrowest = min(min(widths[p], self.d_model) for p in self.lora.paths())
+            if self.lora.rank > narrowest:
+                _fail("model.lora.rank", self.lora.rank, f"must be <= {narrowest}, the narrowest side of the targeted "
+                                                         "projections (a larger rank adds nothing a full update lacks)")
         if self.arch == "gpt":
             if self.d_model % self.num_heads:
                 _fail("model.d_model", self.d_model, f"must be divisible by model.num_heads={self.num_heads}")
