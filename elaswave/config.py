@@ -260,6 +260,11 @@ class JobConfig:
                   f"evaluation reads a held-out split, and data.source={self.data.kind} has none; give data.path a "
                   f"corpus made by `elaswave prepare --eval-fraction F`, or leave train.eval_every=0")
         if self.data.source == "stdlib" or self.data.source == "text":
+            if self.model.vocab_size < 256 and self.model.init_from:
+                _fail("data.source", self.data.source, f"reads bytes (ids up to 255), and the vocabulary of "
+                      f"model.init_from={self.model.init_from!r} has {self.model.vocab_size}; prepare the text with the "
+                      f"model's own tokenizer (elaswave prepare TEXT --tokenizer {self.model.init_from} --out DIR) "
+                      "and set data.path=DIR")
             if self.model.vocab_size < 256:
                 _fail("model.vocab_size", self.model.vocab_size,
                       f"must be >= 256 for byte-level data.source={self.data.source}")

@@ -84,7 +84,7 @@ def train_reference(cfg: JobConfig, on_step: Callable[[dict], None] | None = Non
         with torch.no_grad():
             for layer, flat in zip(layers, bucket.unpack(optimizer.params[0])):
                 layer.flat.copy_(flat)
-        loss = math.fsum(loss_sums) / max(1, global_tokens)
+        loss = math.fsum(loss_sums) / global_tokens if global_tokens else None  # as the runtime records it
         losses.append(loss)
         if on_step is not None:
             on_step({"event": "step", "step": step, "loss": loss, "grad_norm": norm,
@@ -121,4 +121,4 @@ def _evaluate(cfg: JobConfig, stage: Stage, sampler: Sampler) -> tuple[float, in
                 sums.append(float(m.loss_sum(stage.forward(batch.inputs, j, mb, train=False, documents=batch.documents),
                                              batch.targets)))
                 tokens += batch.loss_tokens
-    return math.fsum(sums) / max(1, tokens), tokens
+    return (math.fsum(sums) / tokens if tokens else None), tokens

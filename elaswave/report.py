@@ -38,13 +38,18 @@ def _events(records: list[dict], kind: str) -> list[dict]:
     return [r for r in records if r.get("event") == kind]
 
 
+def _nan(loss: float | None) -> float:
+    """A step without a trained token (loss None) as a gap in a curve."""
+    return math.nan if loss is None else loss
+
+
 def compare(run: list[dict], ref: list[dict]) -> dict:
     """Step by step against the reference: the largest |loss difference| over the steps both have,
     and whether every loss, every eval loss and the final parameters' hash are equal."""
     mine = {r["step"]: r["loss"] for r in _events(run, "step")}
     theirs = {r["step"]: r["loss"] for r in _events(ref, "step")}
     common = sorted(set(mine) & set(theirs))
-    diffs = [abs(mine[s] - theirs[s]) for s in common]
+    diffs = [abs(mine[s] - theirs[s]) for s in common if mine[s] is not None and theirs[s] is not None]
     # Held-out losses where both evaluated (a run with eval_every against one without is still compared).
     evals = [{r["step"]: r["eval_loss"] for r in _events(x, "eval")} for x in (run, ref)]
     both = set(evals[0]) & set(evals[1])
@@ -81,9 +86,9 @@ def render(run_path: str, ref_path: str | None, out_dir: str) -> list[Path]:
 
     fig, ax = plt.subplots(figsize=(8, 4))
     if ref is not None:
-        ax.plot([r["step"] for r in _events(ref, "step")], [r["loss"] for r in _events(ref, "step")],
+        ax.plot([r["step"] for r in _events(ref, "step")], [_nan(r["loss"]) for r in _events(ref, "step")],
                 color="0.6", linewidth=3, label="failure-free reference")
-    ax.plot([r["step"] for r in steps], [r["loss"] for r in steps], color="tab:blue", linewidth=1.3, label="this run")
+    ax.plot([r["step"] for r in steps], [_nan(r["loss"]) for r in steps], color="tab:blue", linewidth=1.3, label="this run")
     if ref is not None and _events(ref, "eval"):
         ax.plot(*_eval_curve(ref), color="0.6", linewidth=3, marker="s", label="reference, held-out")
     if _events(run, "eval"):  # the state after `step` steps, drawn where step `step` begins
@@ -153,7 +158,8 @@ def _page(run: list[dict], ref: list[dict] | None, run_path: str, ref_path: str 
         lines.append(f"dp={par.get('dp')} x pp={par.get('pp')}, {train.get('num_micro_batches')} micro-batches of "
                      f"{train.get('micro_batch_size')} per step, {'deterministic' if train.get('deterministic') else 'fast'} "
                      f"mode, policy {job.get('elastic', {}).get('policy')}.")
-    lines += [f"Steps {len(steps)}; final loss {steps[-1]['loss']:.4f}; final world {steps[-1]['world_size']} ranks"
+    final = "n/a" if steps[-1]["loss"] is None else f"{steps[-1]['loss']:.4f}"
+    lines += [f"Steps {len(steps)}; final loss {final}; final world {steps[-1]['world_size']} ranks"
               + (f"; params_sha256 {summary['params_sha256'][:16]}..." if "params_sha256" in summary else "") + ".", ""]
     if recoveries:
         lines += ["| epoch | lost ranks | resumed at step | MTTR s | " + " | ".join(PHASES) + " |",
@@ -176,7 +182,7 @@ def _page(run: list[dict], ref: list[dict] | None, run_path: str, ref_path: str 
         lines += ["| after steps | held-out loss | tokens | ranks | seconds |" + (" reference |" if ref_evals else ""),
                   "| --- | --- | --- | --- | --- |" + (" --- |" if ref_evals else "")]
         for r in evals:
-            lines.append(f"| {r['step']} | {r['eval_loss']:.4f} | {r.get('eval_tokens', '')} | {r['world_size']} | "
+            lines.append(f"| {r['step']} | {_nan(r['eval_loss']):.4f} | {r.get('eval_tokens', '')} | {r['world_size']} | "
                          f"{r.get('eval_s', 0.0):.3f} |"
                          + (f" {ref_evals[r['step']]:.4f} |" if r["step"] in ref_evals else (" - |" if ref_evals else "")))
         lines.append("")

@@ -109,6 +109,9 @@ class Manifest:
     data: dict = field(default_factory=dict)
     """What the job read and how (corpus and tokenizer hashes, the sampler's settings): a resume
     must read the same samples in the same order (empty in checkpoints written before it)."""
+    records: tuple = ()
+    """The metrics records of the steps before this one not yet written when it was saved (a
+    step's record waits for the next step's exchange): a run that resumes here writes them."""
 
     @property
     def path(self) -> Path:
@@ -156,7 +159,8 @@ def read_manifest(path: Path) -> Manifest | None:
     fence = Fence(*doc["fence"]) if "fence" in doc else UNFENCED
     root = path.parent if fence == UNFENCED else path.parent.parent
     return Manifest(str(root), doc["step"], tuple(tuple(row) for row in doc["owners"]),
-                    doc["chunk_numel"], doc["model"], fence, doc.get("source", {}), doc.get("data", {}))
+                    doc["chunk_numel"], doc["model"], fence, doc.get("source", {}), doc.get("data", {}),
+                    tuple(doc.get("records", ())))
 
 
 def _writes(root: str | Path):
@@ -307,15 +311,17 @@ class Checkpointer:
         return self.every > 0 and gen > 0 and gen % self.every == 0
 
     def save(self, gen: int, owners: Owners, keys: Sequence[ChunkKey], payload: torch.Tensor,
-             is_writer: bool, epoch: int) -> None:
-        """Start saving generation ``gen`` as agreed in ``epoch``; ``payload`` is ``[len(keys), 3, chunk_numel]``."""
+             is_writer: bool, epoch: int, records: Sequence[dict] = ()) -> None:
+        """Start saving generation ``gen`` as agreed in ``epoch``; ``payload`` is ``[len(keys), 3, chunk_numel]``;
+        ``records``: the metrics records of earlier steps not written yet (:attr:`Manifest.records`)."""
         self.wait()
         # Copies made now: training goes on updating the live state while the thread writes.
         state = {_name(k): payload[i].detach().to("cpu", copy=True) for i, k in enumerate(keys)}
         fence = Fence(self.run, epoch)
         manifest = {"step": gen, "fence": list(fence), "owners": [list(row) for row in owners],
                     "chunk_numel": self.chunk_numel, "model": self.model, "source": self.source, "data": self.data,
-                    "tokens_consumed": gen * self.data.get("tokens_per_step", 0)}
+                    "tokens_consumed": gen * self.data.get("tokens_per_step", 0),
+                    "records": [r for r in records if r["step"] < gen]}
         self._thread = threading.Thread(target=self._write, args=(gen, fence, state, manifest, is_writer),
                                         name="elaswave-checkpoint", daemon=True)
         self._thread.start()

@@ -81,7 +81,7 @@ def corpus_tokens(cfg: DataConfig) -> int:
     return corpus_bytes(cfg) // 8
 
 
-def load_corpus(cfg: DataConfig, vocab_size: int, min_tokens: int) -> torch.Tensor:
+def load_corpus(cfg: DataConfig, vocab_size: int, min_tokens: int, init_from: str = "") -> torch.Tensor:
     """All tokens of an in-memory corpus (stdlib, text, bin); raises ConfigError if it is unusable."""
     if cfg.kind == "bin":
         size = os.path.getsize(cfg.path)
@@ -98,6 +98,10 @@ def load_corpus(cfg: DataConfig, vocab_size: int, min_tokens: int) -> torch.Tens
     if tokens.numel() < min_tokens:
         raise ConfigError(f"data.path={where!r} is invalid: {tokens.numel()} tokens, need at least {min_tokens} (model.seq_len + 1)")
     top = int(tokens.max())
+    if top >= vocab_size and init_from:  # the folder fixes the vocabulary: the data must change, not the model
+        raise ConfigError(f"data.path={where!r} is invalid for model.init_from={init_from!r}: it holds token id {top}, "
+                          f"the model's vocabulary has {vocab_size}; prepare the text with the model's own tokenizer "
+                          f"(elaswave prepare TEXT --tokenizer {init_from} --out DIR) and set data.path=DIR")
     if top >= vocab_size:
         raise ConfigError(f"model.vocab_size={vocab_size} is invalid: the corpus at {where!r} has token id {top}; use >= {top + 1}")
     return tokens
@@ -124,11 +128,17 @@ class InMemoryTokens:
         return Encoder(None)  # the in-memory corpora are bytes
 
 
-def open_tokens(cfg: DataConfig, vocab_size: int, min_tokens: int, split: str = "train"):
-    """The configured corpus as a token stream (``len``, ``read(start, length)``, ``locate``)."""
+def open_tokens(cfg: DataConfig, vocab_size: int, min_tokens: int, split: str = "train", init_from: str = ""):
+    """The configured corpus as a token stream (``len``, ``read(start, length)``, ``locate``).
+    ``init_from``: the model folder whose vocabulary ``vocab_size`` is (the advice then is the data's)."""
     if cfg.kind != "tokens":
-        return InMemoryTokens(load_corpus(cfg, vocab_size, min_tokens))
+        return InMemoryTokens(load_corpus(cfg, vocab_size, min_tokens, init_from))
     tokens = PreparedTokens(cfg.path, split)
+    if tokens.vocab_size > vocab_size and init_from:
+        raise ConfigError(f"data.path={cfg.path!r} is invalid for model.init_from={init_from!r}: it was prepared with "
+                          f"tokenizer {tokens.manifest['tokenizer']['name']} ({tokens.vocab_size} ids), the model's "
+                          f"vocabulary has {vocab_size}; prepare it again with the model's own tokenizer "
+                          f"(elaswave prepare ... --tokenizer {init_from})")
     if tokens.vocab_size > vocab_size:
         raise ConfigError(f"model.vocab_size={vocab_size} is invalid: the prepared corpus at {cfg.path!r} has a "
                           f"vocabulary of {tokens.vocab_size} (tokenizer {tokens.manifest['tokenizer']['name']}); "

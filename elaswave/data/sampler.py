@@ -173,7 +173,7 @@ def open_sampler(cfg, model) -> Sampler:
     from elaswave.data.corpus import open_tokens
 
     t = cfg.train
-    tokens = [open_tokens(c, model.vocab_size, model.seq_len + 1) for c in _corpora(cfg)]
+    tokens = [open_tokens(c, model.vocab_size, model.seq_len + 1, init_from=cfg.model.init_from) for c in _corpora(cfg)]
     return Sampler(tokens, t.seed, t.micro_batch_size, model.seq_len, t.num_micro_batches, mixture_of(cfg),
                    documents=cfg.masks_documents)
 
@@ -188,7 +188,8 @@ def open_eval_sampler(cfg, model) -> Sampler:
 
     t = cfg.train
     corpora = _corpora(cfg)
-    tokens = [open_tokens(c, model.vocab_size, model.seq_len + 1, split="eval") for c in corpora]
+    tokens = [open_tokens(c, model.vocab_size, model.seq_len + 1, split="eval", init_from=cfg.model.init_from)
+              for c in corpora]
     sampler = Sampler(tokens, t.seed, t.micro_batch_size, model.seq_len, t.num_micro_batches, mixture_of(cfg),
                       purpose=rng.EVAL, documents=cfg.masks_documents)
     draws = [sampler.draw(j, m) for j in range(t.eval_batches) for m in range(t.num_micro_batches)]

@@ -48,7 +48,7 @@ class Evaluation:
         st.world.all_reduce(sums, "eval loss exchange")
         sums = sums.cpu().tolist()
         tokens = int(sum(sums[t.eval_batches * M:]))
-        return {"event": "eval", "step": step, "eval_loss": math.fsum(sums[:t.eval_batches * M]) / max(1, tokens),
+        return {"event": "eval", "step": step, "eval_loss": math.fsum(sums[:t.eval_batches * M]) / tokens if tokens else None,
                 "eval_tokens": tokens, "eval_s": time.perf_counter() - began,
                 "world_size": len(st.plan.ranks) * self.cfg.parallel.tp,
                 "epoch": st.epoch, "wall_time": time.time()}

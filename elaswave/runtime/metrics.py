@@ -31,10 +31,11 @@ class _Scalars:
         event = record.get("event")
         if event == "step":
             for key in self.STEP_KEYS:
-                if key in record:
+                if record.get(key) is not None:
                     self.tb.add_scalar(f"train/{key}", record[key], record["step"])
         elif event == "eval":
-            self.tb.add_scalar("eval/loss", record["eval_loss"], record["step"])
+            if record["eval_loss"] is not None:
+                self.tb.add_scalar("eval/loss", record["eval_loss"], record["step"])
         elif event in ("recovery", "join", "rebalance"):
             took = record.get("mttr_s", record.get("time_to_first_step_s"))
             if took is not None:
@@ -43,6 +44,11 @@ class _Scalars:
 
     def close(self) -> None:
         self.tb.close()
+
+
+def _loss(value: float | None) -> str:
+    """A step's loss on the progress line; None: the batch had no target to train (all masked)."""
+    return f"{value:.4f}" if value is not None else "n/a (no trained token in the batch)"
 
 
 def _scalars(path: str | None) -> _Scalars | None:
@@ -90,11 +96,11 @@ class MetricsWriter:
             self.last_event = f"re-planned by measured speeds at step {record['resume_step']}"
         if self.show_progress and record.get("event") == "step":
             last = f"  last: {self.last_event}" if self.last_event else ""
-            print(f"step {record['step'] + 1:>4}/{self.total_steps}  loss {record['loss']:.4f}  "
+            print(f"step {record['step'] + 1:>4}/{self.total_steps}  loss {_loss(record['loss'])}  "
                   f"tok/s {record.get('tokens_per_s', 0):>8.0f}  world {record['world_size']}  "
                   f"epoch {record['epoch']}{last}", flush=True)
         elif self.show_progress and record.get("event") == "eval":
-            print(f"eval after {record['step']} steps: loss {record['eval_loss']:.4f}  "
+            print(f"eval after {record['step']} steps: loss {_loss(record['eval_loss'])}  "
                   f"({record['eval_tokens']} held-out tokens, {record['eval_s']:.2f}s)", flush=True)
         elif self.show_progress and record.get("event") == "recovery":
             hosts = record.get("lost_hosts") or {}
@@ -105,7 +111,7 @@ class MetricsWriter:
         elif self.show_progress and record.get("event") in ("join", "rebalance"):
             print(f"{self.last_event}: epoch {record['epoch']}, pipelines {record['plan']['pipelines']}", flush=True)
         elif self.show_progress and record.get("event") == "summary":
-            loss = (f"final loss {record['final_loss']:.4f}" if record["steps"] else
+            loss = (f"final loss {_loss(record['final_loss'])}" if record["steps"] else
                     "no step trained (train.steps=0: the model as loaded)")
             print(f"done: {record['steps']} steps, {loss}, params_sha256 {record['params_sha256'][:16]}...", flush=True)
 

@@ -156,7 +156,8 @@ def train_step(st: RankState, cfg: JobConfig, step: int, pool: SnapshotPool | No
     if st.shards is not None:  # every slice stops, or grows, after the same step, or none does
         store_gone, joining = st.shards.vote(store_gone, joining)
     loss_tokens = int(exchange[M + 3 + W:].sum().item())
-    loss = math.fsum(exchange[:M].tolist()) / max(1, loss_tokens)
+    # A mean over no tokens is undefined (every target masked): None in the record, not a perfect 0.0.
+    loss = math.fsum(exchange[:M].tolist()) / loss_tokens if loss_tokens else None
     speeds = dict(zip(st.world.members, exchange[M + 3:M + 3 + W].tolist()))
     return StepResult(loss=loss, grad_norm=norm, lr=lr, phases_s=lap.phases, joining=joining,
                       speeds=speeds, store_lost=store_gone,

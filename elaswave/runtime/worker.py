@@ -95,6 +95,8 @@ def run(cfg: JobConfig, rank: int, world_size: int, metrics_out: str | None) -> 
     writer.write({"event": "job", "config": cfg.to_dict(), "world_size": world_size, "wall_time": time.time(),
                   "memory_limit": ctx.memory_limit})
     if resumed:
+        for record in resumed.manifest.records:  # steps the job died before writing (the writer skips those it has)
+            writer.write(record)
         writer.write({"event": "resume", "step": step, "checkpoint": str(resumed.manifest.path),
                       "load_s": resumed.load_s, "wall_time": time.time()})
     began = time.perf_counter()
@@ -159,7 +161,8 @@ def run(cfg: JobConfig, rank: int, world_size: int, metrics_out: str | None) -> 
                         moved = ctx.move_store(st, step)
                     if ctx.checkpointer is not None and ctx.checkpointer.due(step):
                         ctx.checkpointer.save(step, st.plan.chunk_owners, st.optimizer.keys(), st.optimizer.payload(),
-                                              is_writer=rank == st.plan.ranks[0], epoch=st.epoch)
+                                              is_writer=rank == st.plan.ranks[0], epoch=st.epoch,
+                                              records=journal.unwritten())
                     if ctx.stamps_steps and rank == st.plan.ranks[0]:
                         _stamp_step(ctx, step)
                     if result.joining:  # admitted during this step: the job grows at its end

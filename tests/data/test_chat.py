@@ -279,3 +279,24 @@ def test_the_chat_template_is_checked_and_the_export_carries_the_one_trained_on(
         assert json.loads((out / "tokenizer_config.json").read_text())["chat_template"] == CHATML
         tokenizer = transformers.PreTrainedTokenizerFast.from_pretrained(out)
         assert tokenizer.apply_chat_template(messages, tokenize=False) == expected
+
+
+def test_a_step_without_a_trained_token_has_no_loss_not_a_perfect_one(chat_model, tmp_path):
+    """Conversations of user turns only: every target is masked, and the mean over no token is
+    undefined -- the step's record says loss None (and the progress line n/a), as the reference
+    does; it said 0.0, a perfect loss."""
+    only_users = tmp_path / "users.jsonl"
+    only_users.write_text("".join(json.dumps({"messages": _conversation(i)["messages"][:1 + (i % 3 == 0)][-1:]}) + "\n"
+                                  for i in range(40)))
+    assert all(json.loads(line)["messages"][0]["role"] != "assistant" for line in only_users.read_text().splitlines())
+    prepare([str(only_users)], str(tmp_path / "corpus"), str(chat_model / "model"), progress=False, fmt="chat")
+    sets = [*TINY, "model.vocab_size=400", f"data.path={tmp_path / 'corpus'}", "train.steps=2", "parallel.dp=1",
+            "parallel.pp=2", "train.num_micro_batches=2"]
+    res = run_cli(["run", *[x for s in sets for x in ("--set", s)], "--deterministic"], tmp_path)
+    assert res.returncode == 0, res.stderr
+    steps = [r for r in res.records if r["event"] == "step"]
+    assert [r["loss_tokens"] for r in steps] == [0, 0] and [r["loss"] for r in steps] == [None, None]
+    assert "loss n/a (no trained token in the batch)" in res.stdout and "final loss n/a" in res.stdout
+    ref = run_cli(["reference", *[x for s in sets for x in ("--set", s)], "--deterministic"], tmp_path)
+    assert ref.returncode == 0, ref.stderr
+    assert [r["loss"] for r in ref.records if r["event"] == "step"] == [None, None]

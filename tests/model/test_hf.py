@@ -285,3 +285,20 @@ def test_a_mistral_comes_back_as_a_mistral(tmp_path):
     assert doc == json.loads((src / "config.json").read_text()) and doc["architectures"] == ["MistralForCausalLM"]
     a, b = _tensors(src), _tensors(out)
     assert sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_corpus_wider_than_the_folders_vocabulary_is_refused_with_advice_that_works(tmp_path, hf_dir):
+    """The folder fixes the vocabulary (300): the advice is to prepare the data with the model's
+    tokenizer, not "use model.vocab_size >= 450", which the next run refuses with init_from."""
+    from elaswave.data.prepare import prepare
+    text = tmp_path / "t.txt"
+    text.write_text(" ".join(f"w{i % 97} x{i % 13}" for i in range(3000)))
+    prepare([str(text)], str(tmp_path / "wide"), "train-bpe:450", progress=False)
+    base = ["run", "--set", f"model.init_from={hf_dir}", "--set", "train.steps=1", *JOB[:-2]]
+    res = run_cli([*base, "--set", f"data.path={tmp_path / 'wide'}"], tmp_path)
+    assert res.returncode == 2 and "use >=" not in res.stderr, res.stderr
+    assert f"--tokenizer {hf_dir}" in res.stderr and "the model's vocabulary has 300" in res.stderr, res.stderr
+    small = tmp_path / "small"
+    transformers.LlamaForCausalLM(transformers.LlamaConfig(**dict(HF, vocab_size=200))).save_pretrained(small)
+    res = run_cli(["run", "--set", f"model.init_from={small}", *JOB], tmp_path)  # bytes need ids up to 255
+    assert res.returncode == 2 and f"--tokenizer {small}" in res.stderr and "use >=" not in res.stderr, res.stderr

@@ -67,3 +67,21 @@ def test_a_checkpoint_of_another_model_is_refused_and_left_as_it_was(tmp_path):
         lines = [line for line in other.stderr.splitlines() if line.strip()]
         assert other.returncode == 2 and len(lines) == 1 and said in lines[0], other.stderr
     assert sorted(p.name for p in ckpt.iterdir()) == before  # nothing of the old run was touched
+
+
+def test_the_step_before_a_checkpoint_keeps_its_record_when_the_job_dies_right_after(tmp_path):
+    """Saved after step 3 (checkpoint.every_steps=4), the job dies in step 4: step 3's record was
+    still waiting for step 4's exchange to commit it. The checkpoint carries it, and the run that
+    resumes writes it, so the metrics hold every step once (step 3's record was lost)."""
+    metrics = tmp_path / "m.jsonl"
+    # Step 4 slowed (a sleep: the same bits) so that the checkpoint's background write is done
+    # before the kill in its backward: the checkpoint is complete, step 3's record not written.
+    faults = "slow:rank=0,step=4,factor=30;slow:rank=1,step=4,factor=30;kill:rank=1,step=4,phase=backward"
+    first = run_cli(["run"] + [x for s in _sets(tmp_path, 2, 1, [f"elastic.inject={faults}"])
+                               for x in ("--set", s)], tmp_path, metrics=metrics)
+    assert first.returncode != 0
+    assert [r["step"] for r in first.records if r["event"] == "step"] == [0, 1, 2]  # 3 waits for 4's exchange
+    second = run_cli(["run"] + [x for s in _sets(tmp_path, 2, 1) for x in ("--set", s)], tmp_path, metrics=metrics)
+    assert second.returncode == 0, second.stderr
+    reference = run_reference(tmp_path, STEPS, deterministic=True, num_micro_batches=MBS)
+    _assert_continues_the_same_run(second.records, reference, resumed_at=4)
