@@ -327,6 +327,9 @@ def cmd_data_batches(args: argparse.Namespace) -> int:
 
     from elaswave.data.lookup import batches, parse_steps
 
+    # What the data is does not depend on the export: a finished run's folder exists and is not
+    # empty, which the job's own check refuses.
+    args.overrides = [*args.overrides, "checkpoint.export_hf="]
     cfg = _load(args)
     for record in batches(cfg, parse_steps(args.steps), args.text):
         print(json.dumps(record, ensure_ascii=False))

@@ -31,7 +31,8 @@ class CheckpointConfig:
     max_shard_gb: float = 5.0
     """The largest safetensors shard of an export; one shard is named model.safetensors."""
     overwrite: bool = False
-    """Let checkpoint.export_hf replace a folder that is not empty (never model.init_from's)."""
+    """Let checkpoint.export_hf replace a folder that is not empty (never model.init_from's): the model in
+    it is replaced, its other files (a README, notes) are kept."""
     export_lora: str = "adapter"
     """With model.lora: adapter (a peft adapter folder: adapter_config.json and
     adapter_model.safetensors, for peft.PeftModel.from_pretrained on the base) or merged (a whole

@@ -18,6 +18,7 @@ staging folder, and the finishing rank refuses to finish when one is not there.
 """
 from __future__ import annotations
 
+import fnmatch
 import json
 import os
 import shutil
@@ -236,9 +237,16 @@ def _joined(stage: Path, group: list[dict], k: int) -> dict:
     return joined
 
 
+EXPORTED = ("*.safetensors", "*.safetensors.index.json", "config.json", "adapter_config.json", *COMPANIONS)
+"""What an export writes (of any kind): in a folder it replaces, these go; anything else stays."""
+
+
 def install(stage: Path, out: Path, overwrite: bool) -> Path:
     """Rename the finished folder into ``out``; an existing one is replaced only with ``overwrite``,
-    and only once the new one is in place beside it."""
+    and only once the new one is in place beside it. What the old folder holds that no export
+    writes (a README, the user's notes) is moved into the new one: overwrite replaces a model,
+    not the folder's other files; an earlier export's weights, index and configs go, so no
+    stale shard or adapter config is left to be read with the new ones."""
     if out.is_dir() and not any(out.iterdir()):
         out.rmdir()
     if not out.exists():
@@ -247,6 +255,9 @@ def install(stage: Path, out: Path, overwrite: bool) -> Path:
     if not overwrite:
         raise ExportError(f"checkpoint.export_hf={str(out)!r}: it appeared during the run and is not empty; the "
                           f"export is complete in {stage} -- move it where you want it")
+    for entry in out.iterdir():
+        if not any(fnmatch.fnmatch(entry.name, pattern) for pattern in EXPORTED) and not (stage / entry.name).exists():
+            os.replace(entry, stage / entry.name)
     old = out.parent / f".{out.name}.replaced"
     shutil.rmtree(old, ignore_errors=True)
     os.replace(out, old)

@@ -30,6 +30,7 @@ from collections.abc import Iterator
 
 import numpy as np
 
+from elaswave.data.bad_lines import BadLines
 from elaswave.errors import ConfigError
 from elaswave.data import chat, packing, tokenizer as tok
 from elaswave.data.shards import DTYPES, FORMAT, FORMAT_MASKED, MANIFEST, is_prepared
@@ -67,13 +68,15 @@ def _is_binary(path: str) -> bool:
         return b"\0" in fh.read(8192)
 
 
-def documents(inputs: list[str], text_field: str, separator: str = BLANK_LINE) -> Iterator[str]:
-    """Every document of ``inputs``, in order; a bad JSONL line is an error naming file:line. Binary
-    files found in a folder are passed over; one named as an input is an error."""
+def documents(inputs: list[str], text_field: str, separator: str = BLANK_LINE,
+              bad: BadLines | None = None) -> Iterator[str]:
+    """Every document of ``inputs``, in order; a bad JSONL line is counted in ``bad`` (naming
+    file:line), or without it an error. Binary files found in a folder are passed over; one named
+    as an input is an error."""
     for given in inputs:
         for path in _files(given):
             if path.endswith(".jsonl"):
-                yield from _jsonl(path, text_field)
+                yield from _jsonl(path, text_field, bad)
                 continue
             if _is_binary(path):
                 if path == given:
@@ -113,30 +116,40 @@ def _splitter(separator: str):
     return lambda text: text.split(separator)
 
 
-def _records(path: str) -> Iterator[tuple[object, int]]:
+def _records(path: str, bad: BadLines) -> Iterator[tuple[object, int]]:
     """Each non-empty line of a JSONL file, parsed, with its line number; a line that is not JSON
-    is an error naming file:line."""
+    is counted in ``bad``, naming file:line."""
     with open(path, encoding="utf-8", errors="replace") as fh:
         for number, line in enumerate(fh, 1):
             if not line.strip():
                 continue
+            bad.read += 1
             try:
-                yield json.loads(line), number
+                record = json.loads(line)
             except ValueError:
-                raise ConfigError(f"{path}:{number} is not JSON: {line[:60].strip()!r}") from None
+                bad.add(f"{path}:{number} is not JSON: {line[:60].strip()!r}")
+                continue
+            yield record, number
 
 
-def _jsonl(path: str, text_field: str) -> Iterator[str]:
-    for record, number in _records(path):
+def _jsonl(path: str, text_field: str, bad: BadLines | None = None) -> Iterator[str]:
+    alone = bad is None
+    bad = BadLines() if alone else bad
+    for record, number in _records(path, bad):
         if not isinstance(record, dict) or not isinstance(record.get(text_field), str):
-            raise ConfigError(f"{path}:{number} has no text field {text_field!r} (--text-field); "
-                              f"its keys: {sorted(record) if isinstance(record, dict) else type(record).__name__}")
-        if record[text_field]:
+            bad.add(f"{path}:{number} has no text field {text_field!r} (--text-field); "
+                    f"its keys: {sorted(record) if isinstance(record, dict) else type(record).__name__}")
+        elif record[text_field]:
             yield record[text_field]
+    if alone:
+        bad.check()
 
 
-def conversations(inputs: list[str]) -> Iterator[tuple[list[dict], str]]:
-    """Every conversation of the ``.jsonl`` files of ``inputs`` with where it is (FILE:LINE), checked."""
+def conversations(inputs: list[str], bad: BadLines | None = None) -> Iterator[tuple[list[dict], str]]:
+    """Every conversation of the ``.jsonl`` files of ``inputs`` with where it is (FILE:LINE),
+    checked: a bad one counted in ``bad`` (without it, the first is an error)."""
+    alone = bad is None
+    bad = BadLines() if alone else bad
     for given in inputs:
         for path in _files(given):
             if not path.endswith(".jsonl"):
@@ -144,18 +157,28 @@ def conversations(inputs: list[str]) -> Iterator[tuple[list[dict], str]]:
                     raise ConfigError(f"input {path!r} is invalid for --format chat: it reads .jsonl files of "
                                       "{\"messages\": [...]} records")
                 continue
-            for record, number in _records(path):
+            for record, number in _records(path, bad):
                 where = f"{path}:{number}"
-                yield chat.messages_of(record, where), where
+                try:
+                    messages = chat.messages_of(record, where)
+                except ConfigError as exc:
+                    bad.add(str(exc))
+                    if alone:
+                        bad.check()
+                    continue
+                yield messages, where
+    if alone:
+        bad.check()
 
 
-def _units(inputs: list[str], text_field: str, fmt: str, separator: str) -> Iterator[tuple[object, str]]:
+def _units(inputs: list[str], text_field: str, fmt: str, separator: str,
+           bad: BadLines) -> Iterator[tuple[object, str]]:
     """(what a worker encodes, the text the eval split is decided by) for each document."""
     if fmt == "chat":
-        for messages, where in conversations(inputs):
+        for messages, where in conversations(inputs, bad):
             yield (messages, where), json.dumps(messages, sort_keys=True, ensure_ascii=False)
     else:
-        for text in documents(inputs, text_field, separator):
+        for text in documents(inputs, text_field, separator, bad):
             yield text, text
 
 
@@ -254,18 +277,28 @@ def _init_worker(tokenizer_json: str | None, chat_setting: tuple[chat.ChatTempla
     _chat = chat_setting
 
 
-def _encode(batch: list[tuple[object, str, bool]]) -> tuple[list[np.ndarray], list[np.ndarray | None], list[bool], int]:
-    """Ids (and loss masks, for chat) of a batch, which split each goes to, and its bytes of text."""
+def _encode(batch: list[tuple[object, str, bool]]) -> tuple[list, list, list[bool], int, list[str]]:
+    """Ids (and loss masks, for chat) of a batch, which split each goes to, its bytes of text, and
+    why each conversation the template refused was (its ids None)."""
     size = sum(len(text.encode("utf-8", errors="replace")) for _, text, _ in batch)
     to_eval = [e for _, _, e in batch]
     if _chat is None:
-        return _encoder.encode([unit for unit, _, _ in batch], special=True), [None] * len(batch), to_eval, size
+        return _encoder.encode([unit for unit, _, _ in batch], special=True), [None] * len(batch), to_eval, size, []
     template, train_on = _chat
-    rendered = [chat.render_with_spans(template, messages, where) for (messages, where), _, _ in batch]
-    encoded = _encoder.encode_with_offsets([text for text, _ in rendered])
-    masks = [chat.loss_mask(offsets, spans) if train_on == "assistant" else None
-             for (ids, offsets), (_, spans) in zip(encoded, rendered)]
-    return [ids for ids, _ in encoded], masks, to_eval, size
+    rendered, refused = [], []
+    for (messages, where), _, _ in batch:
+        try:
+            rendered.append(chat.render_with_spans(template, messages, where))
+        except ConfigError as exc:
+            rendered.append(None)
+            refused.append(str(exc))
+    encoded = iter(_encoder.encode_with_offsets([r[0] for r in rendered if r is not None]))
+    ids, masks = [], []
+    for r in rendered:
+        one, offsets = next(encoded) if r is not None else (None, None)
+        ids.append(one)
+        masks.append(chat.loss_mask(offsets, r[1]) if r is not None and train_on == "assistant" else None)
+    return ids, masks, to_eval, size, refused
 
 
 class ShardWriter:
@@ -389,7 +422,8 @@ def prepare(inputs: list[str], out: str, tokenizer: str, text_field: str = "text
         packers = {split: packing.Packer(pack_to, spec.eod_id, overlong) for split in writers} if pack_to else None
         text_bytes = 0
         bar = _Progress(sum(os.path.getsize(f) for given in inputs for f in _files(given)), progress)
-        batches = _batches(_units(inputs, text_field, fmt, separator), eval_fraction)
+        bad = BadLines()
+        batches = _batches(_units(inputs, text_field, fmt, separator, bad), eval_fraction)
         pool = None
         if workers > 1 and spec.json is not None:  # bytes take no tokenizing: workers would only copy them
             with _workers_without_main() as ctx:
@@ -399,8 +433,12 @@ def prepare(inputs: list[str], out: str, tokenizer: str, text_field: str = "text
             _init_worker(spec.json, chat_setting)
             encoded = map(_encode, batches)
         try:
-            for ids, masks, to_eval, size in encoded:
+            for ids, masks, to_eval, size, refused in encoded:
+                for message in refused:
+                    bad.add(message)
                 for one, mask, e in zip(ids, masks, to_eval):
+                    if one is None:  # refused by the template: counted above
+                        continue
                     if packers is not None:
                         packers["eval" if e else "train"].add(one, mask if mask is not None else np.ones(one.size, np.uint8))
                     else:
@@ -411,6 +449,7 @@ def prepare(inputs: list[str], out: str, tokenizer: str, text_field: str = "text
             bar.close()
             if pool is not None:
                 pool.terminate()
+        bad.check()
         packed = {split: packers[split].write(writers[split]) for split in writers} if packers is not None else None
         splits = {split: w.close() for split, w in writers.items()}
         if splits["train"]["documents"] == 0:

@@ -38,3 +38,24 @@ def test_a_target_holding_what_the_job_reads_is_refused_even_with_overwrite(tmp_
     with pytest.raises(ExportError, match="exists and is not empty"):
         check_target(str(root), False)
     check_target(str(root), True, keep={"data.mix": [str(tmp_path / "b")]})
+
+
+def test_overwrite_replaces_the_model_and_keeps_the_folders_other_files(tmp_path):
+    """A folder holding an earlier export in three shards, an adapter config, a README and the
+    user's notes: overwritten by a one-file export, the weights, index and configs of the old one
+    are gone (none left to be read with the new ones) and the README and notes are where they were.
+    Overwrite deleted them."""
+    out = tmp_path / "out"
+    old = hf_folder.finish(out, [hf_folder.write_part(out, f"r{i}", i, {f"old{i}": torch.ones(4)}) for i in range(3)],
+                           {"old": True}, hf_folder.Source(), False, max_shard_bytes=16)
+    assert len(list(old.glob("*.safetensors"))) == 3
+    (out / "adapter_config.json").write_text("{}")
+    (out / "README.md").write_text("my model card")
+    (out / "notes").mkdir()
+    (out / "notes" / "eval.txt").write_text("0.91")
+    new = hf_folder.finish(out, [hf_folder.write_part(out, "r0", 0, {"t0": torch.zeros(4)})], {"new": True},
+                           hf_folder.Source(), True, max_shard_bytes=2 ** 20)
+    assert sorted(f.name for f in new.iterdir()) == ["README.md", "config.json", "model.safetensors", "notes"]
+    assert (new / "README.md").read_text() == "my model card" and (new / "notes" / "eval.txt").read_text() == "0.91"
+    assert json.loads((new / "config.json").read_text()) == {"new": True}
+    assert not list(tmp_path.glob(".out.*"))

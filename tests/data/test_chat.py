@@ -300,3 +300,20 @@ def test_a_step_without_a_trained_token_has_no_loss_not_a_perfect_one(chat_model
     ref = run_cli(["reference", *[x for s in sets for x in ("--set", s)], "--deterministic"], tmp_path)
     assert ref.returncode == 0, ref.stderr
     assert [r["loss"] for r in ref.records if r["event"] == "step"] == [None, None]
+
+
+def test_every_bad_line_is_counted_and_the_first_few_shown(tmp_path, chat_model):
+    """Five bad lines among good ones, of every kind (not JSON, no messages, a bad message, one the
+    template cannot render): one line counts all five and shows the first three; prepare stopped at
+    the first before."""
+    lines = [json.dumps(_conversation(0)), "{not json", json.dumps({"text": "hi"}), json.dumps(_conversation(1)),
+             json.dumps({"messages": [{"role": "wizard", "content": "hi"}]}), json.dumps({"messages": "none"}),
+             json.dumps({"messages": [{"role": "user"}]}), json.dumps(_conversation(2))]
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("\n".join(lines) + "\n")
+    res = run_cli(["prepare", str(bad), "--out", str(tmp_path / "corpus"), "--tokenizer", str(chat_model / "model"),
+                   "--format", "chat", "--workers", "1"], tmp_path)
+    assert res.returncode == 2 and len([x for x in res.stderr.splitlines() if "error" in x]) == 1, res.stderr
+    assert "5 of the 8 lines read cannot be used, so nothing was written" in res.stderr, res.stderr
+    assert all(f"{bad}:{n}" in res.stderr for n in (2, 3, 5)) and "and 2 more" in res.stderr, res.stderr
+    assert not (tmp_path / "corpus").exists() and not (tmp_path / "corpus.partial").exists()

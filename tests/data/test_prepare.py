@@ -145,8 +145,11 @@ def test_a_killed_prepare_leaves_no_manifest(tmp_path):
 def test_data_batches_names_each_samples_window_and_document(tmp_path, inputs):
     out = tmp_path / "out"
     prepare([str(inputs)], str(out), "bytes", progress=False)
+    exported = tmp_path / "exported"  # the run's export, already written: what the data was is still asked
+    exported.mkdir()
+    (exported / "config.json").write_text("{}")
     sets = ["--set", f"data.path={out}", "--set", "model.seq_len=8", "--set", "train.micro_batch_size=2",
-            "--set", "train.num_micro_batches=2"]
+            "--set", "train.num_micro_batches=2", "--set", f"checkpoint.export_hf={exported}"]
     res = run_cli(["data", "batches", "--steps", "0:2", "--text", *sets], tmp_path, timeout_s=120)
     assert res.returncode == 0, res.stderr
     records = [json.loads(line) for line in res.stdout.splitlines()]

@@ -74,7 +74,7 @@ def bf16_dir(tmp_path_factory):
 
 def test_a_bf16_folder_comes_back_field_for_field_from_a_real_layout(tmp_path, bf16_dir):
     """init_from -> train.steps=0 at dp=2 x pp=2 -> export: the same folder, replacing one that
-    existed only because checkpoint.overwrite says so."""
+    existed only because checkpoint.overwrite says so (its file no export writes is kept)."""
     out = tmp_path / "out"
     out.mkdir()
     (out / "old.txt").write_text("replace me")
@@ -84,7 +84,8 @@ def test_a_bf16_folder_comes_back_field_for_field_from_a_real_layout(tmp_path, b
     assert res.returncode == 2 and "exists and is not empty" in res.stderr and (out / "old.txt").is_file(), res.stderr
     res = run_cli([*job, "--set", "checkpoint.overwrite=true"], tmp_path)
     assert res.returncode == 0, res.stderr
-    assert sorted(f.name for f in out.iterdir()) == sorted(f.name for f in bf16_dir.iterdir())
+    assert sorted(f.name for f in out.iterdir()) == sorted([*(f.name for f in bf16_dir.iterdir()), "old.txt"])
+    assert (out / "old.txt").read_text() == "replace me"
     assert json.loads((out / "config.json").read_text()) == json.loads((bf16_dir / "config.json").read_text())
     for f in bf16_dir.iterdir():
         if f.suffix != ".safetensors" and f.name != "config.json":
