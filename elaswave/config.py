@@ -242,6 +242,9 @@ class JobConfig:
             _fail("checkpoint.export_hf", self.checkpoint.export_hf,
                   f"needs model.arch=llama (Hugging Face's Llama layout); this job's model is "
                   f"{self.model.factory or self.model.arch}")
+        if self.data.position_ids == "per_document" and (not self._llama or self.parallel.tp > 1):
+            _fail("data.position_ids", self.data.position_ids, "is built for model.arch=llama at parallel.tp=1"
+                  + (f"; this job's model is {self.model.factory or self.model.arch}" if not self._llama else ""))
         if self.data.document_masking == "true" and not self._llama:
             _fail("data.document_masking", self.data.document_masking,
                   f"is implemented for model.arch=llama; this job's model is {self.model.factory or self.model.arch}")

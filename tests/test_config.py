@@ -21,6 +21,9 @@ def test_defaults_are_valid_and_overrides_apply(tmp_path):
     (["elastic.snapshot_copies=2", "parallel.dp=2", "parallel.pp=1"], "elastic.snapshot_copies=2 is invalid: must be <= 1"),
     (["train.steps=-1"], "train.steps=-1 is invalid: must be >= 0"),
     (["train.stepz=3"], "train.stepz='3' is invalid: unknown key; train has steps"),
+    (["data.position_ids=restart"], "data.position_ids='restart' is invalid: must be one of continuous, per_document"),
+    (["data.position_ids=per_document"], "data.position_ids='per_document' is invalid: restarts positions at each "
+                                         "document, which needs data.document_masking in effect"),
     (["model.d_model=30"], "model.d_model=30 is invalid: must be divisible by model.num_heads=4"),
     (["parallel.dp=abc"], "parallel.dp='abc' is invalid: must be a int"),
     (["data.source=bin", "data.path=/nope.bin"], "data.path='/nope.bin' is invalid: no such file"),

@@ -13,6 +13,7 @@ from elaswave.errors import fail as _fail
 
 DATA_SOURCES = ("auto", "stdlib", "text", "bin", "tokens")
 DOCUMENT_MASKING = ("auto", "true", "false")
+POSITION_IDS = ("continuous", "per_document")
 
 
 def _is_prepared(path: str) -> bool:
@@ -45,6 +46,13 @@ class DataConfig:
     """true: attention never crosses a document boundary inside a packed window (block-causal, from
     the prepared corpus's document index); auto: true for a corpus of conversations (``prepare
     --format chat``), else false."""
+
+    position_ids: str = "continuous"
+    """continuous: a token's rotary position is its place in the window; per_document: its place in
+    its own document (positions restart at each document, as transformers' DataCollatorWithFlattening
+    gives them). Needs document masking. Under block-causal masking rotary attention depends only on
+    the distance between tokens, so the two compute the same function; per_document rounds as each
+    document alone would (tests/model/test_llama_parity.py measures both)."""
 
     @property
     def mixture(self) -> list[tuple[str, float]]:
@@ -94,6 +102,11 @@ class DataConfig:
                   "differs from the corpus's) or corpus (train, and export the corpus's template)")
         if self.document_masking not in DOCUMENT_MASKING:
             _fail("data.document_masking", self.document_masking, f"must be one of {', '.join(DOCUMENT_MASKING)}")
+        if self.position_ids not in POSITION_IDS:
+            _fail("data.position_ids", self.position_ids, f"must be one of {', '.join(POSITION_IDS)}")
+        if self.position_ids == "per_document" and not self.masks_documents:
+            _fail("data.position_ids", self.position_ids, "restarts positions at each document, which needs "
+                  "data.document_masking in effect (a corpus of conversations, or =true with a prepared corpus)")
         if self.document_masking == "true" and self.kind != "tokens":
             _fail("data.document_masking", self.document_masking, f"needs a corpus made by `elaswave prepare` (its "
                   f"document index); data.source={self.kind} has none")

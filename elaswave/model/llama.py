@@ -60,9 +60,20 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
+def positions_in_documents(documents: torch.Tensor) -> torch.Tensor:
+    """Each token's place in its own document (``documents``: ``[b, t]`` ids, each document one
+    run): what transformers' DataCollatorWithFlattening passes as ``position_ids``."""
+    t = documents.shape[1]
+    place = torch.arange(t, device=documents.device).expand_as(documents)
+    starts = torch.ones_like(documents, dtype=torch.bool)
+    starts[:, 1:] = documents[:, 1:] != documents[:, :-1]
+    return place - torch.where(starts, place, 0).cummax(dim=1).values
+
+
 class Attention(nn.Module):
-    def __init__(self, m: ModelConfig, fused: bool):
+    def __init__(self, m: ModelConfig, fused: bool, per_document: bool = False):
         super().__init__()
+        self.per_document = per_document
         self.num_heads, self.num_kv_heads, self.head_dim = m.num_heads, m.kv_heads, m.head_width
         self.p = m.dropout
         self.fused = fused
@@ -85,7 +96,11 @@ class Attention(nn.Module):
         q = lora.project(self.q_proj, x, gen).view(b, t, self.num_heads, self.head_dim).transpose(1, 2)
         k = lora.project(self.k_proj, x, gen).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
         v = lora.project(self.v_proj, x, gen).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        cos, sin = self.cos[:t].to(x.dtype), self.sin[:t].to(x.dtype)
+        if self.per_document and documents is not None:  # [b, 1, t, head_dim]: each row its own positions
+            where = positions_in_documents(documents)
+            cos, sin = self.cos[where][:, None].to(x.dtype), self.sin[where][:, None].to(x.dtype)
+        else:
+            cos, sin = self.cos[:t].to(x.dtype), self.sin[:t].to(x.dtype)
         q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
         # Query head h reads key/value head h // group (Hugging Face's repeat_kv).
         group = self.num_heads // self.num_kv_heads
@@ -129,10 +144,10 @@ class Embedding(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, m: ModelConfig, fused: bool):
+    def __init__(self, m: ModelConfig, fused: bool, per_document: bool = False):
         super().__init__()
         self.input_layernorm = RMSNorm(m.d_model, m.norm_eps)
-        self.self_attn = Attention(m, fused)
+        self.self_attn = Attention(m, fused, per_document)
         self.post_attention_layernorm = RMSNorm(m.d_model, m.norm_eps)
         self.mlp = MLP(m)
 
@@ -167,9 +182,12 @@ class Llama:
     """``weights``: where initial tensors come from instead of the keyed init (a Hugging Face
     directory reader, :class:`elaswave.model.hf.HFWeights`)."""
 
-    def __init__(self, cfg: ModelConfig, fused_attention: bool = False, weights=None):
+    def __init__(self, cfg: ModelConfig, fused_attention: bool = False, weights=None,
+                 per_document_positions: bool = False):
         self.cfg = cfg
         self.fused = fused_attention
+        self.per_document_positions = per_document_positions
+        """data.position_ids=per_document: rotary positions restart at each document."""
         self.num_layers = cfg.num_layers
         self.seq_len = cfg.seq_len
         self.hidden_size = cfg.d_model
@@ -189,7 +207,7 @@ class Llama:
         elif index == self.num_layers - 1:
             layer = Head(self.cfg)
         else:
-            layer = Block(self.cfg, self.fused)
+            layer = Block(self.cfg, self.fused, self.per_document_positions)
         if init and self.weights is not None:
             skip = {t.user_param for t in self.ties if t.user == index}
             self.weights.load_layer(layer, index, self.num_layers, skip)

@@ -39,13 +39,14 @@ def model_for(cfg, shard: int | None = None) -> "Model":
                 raise
             raise ModelContractError(f"{where} raised {type(exc).__name__}: {exc}") from None
         return check(model, where)
-    return family(m, fused_attention=not cfg.train.deterministic)
+    return family(m, fused_attention=not cfg.train.deterministic,
+                  per_document_positions=cfg.data.position_ids == "per_document")
 
 
-def family(m, fused_attention: bool = False) -> "Model":
+def family(m, fused_attention: bool = False, per_document_positions: bool = False) -> "Model":
     """A built-in family's model for a ModelConfig ``m`` (``arch``)."""
     if m.arch == "llama":
-        return Llama(m, fused_attention=fused_attention)
+        return Llama(m, fused_attention=fused_attention, per_document_positions=per_document_positions)
     return GPT(m)
 
 

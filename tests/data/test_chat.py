@@ -158,7 +158,8 @@ def test_the_loss_is_the_mean_over_the_global_batch_loss_tokens(chat_model, tmp_
     assert gpt.data.masks_documents and not gpt.masks_documents
 
 
-@pytest.mark.parametrize("documents", ["false", "true"])
+# per_document: masked, and the rotary positions restart at each conversation (data.position_ids)
+@pytest.mark.parametrize("documents", ["false", "true", "per_document"])
 def test_masked_training_equals_transformers_and_the_reference_in_a_real_layout(chat_model, tmp_path, documents):
     transformers = pytest.importorskip("transformers")
     _prepared(chat_model, tmp_path)
@@ -170,7 +171,8 @@ def test_masked_training_equals_transformers_and_the_reference_in_a_real_layout(
         num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-5)).save_pretrained(hf)
     sets = [f"model.init_from={hf}", "model.seq_len=32", f"data.path={tmp_path / 'corpus'}", "train.steps=3",
             "train.num_micro_batches=4", "train.micro_batch_size=2", "parallel.timeout_s=60",
-            f"data.document_masking={documents}"]
+            f"data.document_masking={'true' if documents == 'per_document' else documents}",
+            f"data.position_ids={'per_document' if documents == 'per_document' else 'continuous'}"]
     args = [x for s in sets for x in ("--set", s)]
     run = run_cli(["run", "--deterministic", *args, "--set", "parallel.dp=2", "--set", "parallel.pp=2"], tmp_path)
     assert run.returncode == 0, run.stderr
@@ -193,7 +195,10 @@ def test_masked_training_equals_transformers_and_the_reference_in_a_real_layout(
         for mb in range(4):
             b = sampler.micro_batch(0, mb)
             extra = {}
-            if documents == "true":  # transformers' custom 4D mask: the same block-causal pattern
+            if documents == "per_document":  # what DataCollatorWithFlattening passes
+                from elaswave.model.llama import positions_in_documents
+                extra["position_ids"] = positions_in_documents(b.documents)
+            if documents != "false":  # transformers' custom 4D mask: the same block-causal pattern
                 t = b.inputs.shape[1]
                 allowed = torch.tril(torch.ones(t, t, dtype=torch.bool)) & (b.documents[:, :, None] == b.documents[:, None, :])
                 extra["attention_mask"] = torch.zeros(allowed.shape).masked_fill(~allowed, float("-inf"))[:, None]

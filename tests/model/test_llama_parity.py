@@ -169,3 +169,32 @@ def test_one_reference_step_equals_adamw_on_the_transformers_model(tmp_path, tie
     worst = max(float((theirs[n] - p).detach().abs().max()) for n, p in params.items())
     assert worst <= 1e-6, worst
     assert not math.isnan(worst)
+
+
+def test_positions_restart_at_each_document_as_each_document_alone_sees_them(tmp_path):
+    """data.position_ids=per_document: a packed window of three documents, block-causal, gives each
+    document the logits transformers gives it alone (1e-5), as continuous positions do (the same
+    function: rotary attention reads distances). transformers itself, given the restarting
+    position_ids DataCollatorWithFlattening makes and no mask, lets attention cross the documents
+    under eager and sdpa (only flash-attention kernels cut there): its packed logits are far off."""
+    from elaswave.model.llama import positions_in_documents
+    from elaswave.model.registry import family
+    assert positions_in_documents(torch.tensor([[0, 0, 0, 1, 1, 2], [5, 6, 6, 6, 6, 6]])).tolist() == [
+        [0, 1, 2, 0, 1, 0], [0, 0, 1, 2, 3, 4]]
+    ref = _save(tmp_path, num_key_value_heads=2)
+    lengths, starts = [7, 9, 8], [0, 7, 16]
+    ids = torch.randint(0, VOCAB, (1, SEQ), generator=torch.Generator().manual_seed(4))
+    documents = torch.tensor([[d for d, n in enumerate(lengths) for _ in range(n)]])
+    with torch.no_grad():
+        alone = torch.cat([ref(ids[:, s:s + n]).logits for s, n in zip(starts, lengths)], dim=1)
+        flattened = ref(ids, position_ids=positions_in_documents(documents)).logits
+    cfg, _ = _ours(tmp_path)
+    for per_document in (True, False):
+        model = family(cfg.model, per_document_positions=per_document)
+        with torch.no_grad():
+            ours = Stage(cfg, (0, model.num_layers), torch.device("cpu"), model).forward(ids, 0, 0, train=False,
+                                                                                         documents=documents)
+        d = float((ours - alone).abs().max())
+        print(f"per_document={per_document}: max|dlogit| against each document alone {d:.2e}")
+        assert d <= 1e-5
+    assert float((flattened - alone).abs().max()) > 1e-2
