@@ -319,6 +319,8 @@ def cmd_prepare(args: argparse.Namespace) -> int:
         print(f"elaswave: packed {p['conversations']:,} train conversations whole into {p['windows']:,} windows of "
               f"{m['packing']['window']} tokens (padding {100 * p['padding_share']:.1f} %); {p['overlong']:,} longer "
               f"than a window (--overlong {m['packing']['overlong']}: {p['dropped']:,} dropped, {p['pieces']:,} pieces)")
+    elif m.get("input_format") == "chat":
+        print("elaswave: note: one stream, cut at any window's edge; --pack-to SEQ_LEN packs each conversation whole")
     return 0
 
 

@@ -123,3 +123,22 @@ def check_model_and_data(cfg: JobConfig) -> None:
     open_sampler(cfg, model)
     if cfg.train.eval_every:
         open_eval_sampler(cfg, model)
+    note_unpacked_conversations(cfg)
+
+
+def note_unpacked_conversations(cfg: JobConfig) -> None:
+    """A corpus of conversations streamed across window edges (prepared without --pack-to) trains
+    answers whose prompt sits in the window before: said once, with the command that packs them."""
+    if cfg.data.kind != "tokens":
+        return
+    import sys
+
+    from elaswave.data.shards import read_manifest
+
+    for path in [p for p, _ in cfg.data.mixture] or [cfg.data.path]:
+        manifest = read_manifest(path)
+        if manifest.get("input_format") == "chat" and not manifest.get("packing"):
+            print(f"elaswave: note: data.path={path!r} holds conversations streamed across window edges (prepared "
+                  f"without --pack-to), so many are cut and trained without their start; `elaswave prepare ... "
+                  f"--format chat --pack-to {cfg.model.seq_len}` packs each whole into a window", file=sys.stderr,
+                  flush=True)

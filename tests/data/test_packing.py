@@ -80,7 +80,7 @@ def test_packed_windows_hold_whole_conversations_and_no_cross_targets(chat_model
         open_sampler(bad, model_for(bad))
 
 
-def test_unpacked_conversations_are_cut_and_packed_ones_are_not(chat_model, tmp_path):  # noqa: F811
+def test_unpacked_conversations_are_cut_and_packed_ones_are_not(chat_model, tmp_path, capsys):  # noqa: F811
     """What packing buys, on the same conversations: the share of trained targets whose
     conversation began before their window (so its prompt is not in it)."""
     def cut_share(path):
@@ -102,3 +102,10 @@ def test_unpacked_conversations_are_cut_and_packed_ones_are_not(chat_model, tmp_
     assert cut_share(tmp_path / "plain") > 0.1
     assert cut_share(tmp_path / "packed") == 0.0
     assert json.loads((tmp_path / "packed" / "manifest.json").read_text())["packing"]["overlong"] == "drop"
+    # The run says which it got, and how to pack, once (the launcher's check; not per rank).
+    from elaswave import preflight
+    for name, said in (("plain", True), ("packed", False)):
+        cfg = config.load(None, [*TINY, "model.vocab_size=400", f"data.path={tmp_path / name}"])
+        preflight.note_unpacked_conversations(cfg)
+        err = capsys.readouterr().err
+        assert ("--format chat --pack-to 32" in err) == said, err
