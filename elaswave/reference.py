@@ -98,7 +98,7 @@ def train_reference(cfg: JobConfig, on_step: Callable[[dict], None] | None = Non
     if cfg.checkpoint.export_hf:
         from elaswave.checkpoint import export
         written = shards.whole_layers(wholes, wholes) if shards is not None else layers
-        export.write_layers(export.Target.of_job(cfg), cfg.model, written, m.num_layers)
+        export.write_layers(export.Target.of_job(cfg), cfg.model, written, m.num_layers, m, t.seed)
     if shards is not None:
         params = params_sha256([bytes.fromhex(whole_digest(wholes[i])) for i in range(m.num_layers)])
         state = state_sha256(optimizer.gen, [shards.state_sum(optimizer, layers)])

@@ -184,7 +184,7 @@ def _page(run: list[dict], ref: list[dict] | None, run_path: str, ref_path: str 
         for r in evals:
             lines.append(f"| {r['step']} | {_nan(r['eval_loss']):.4f} | {r.get('eval_tokens', '')} | {r['world_size']} | "
                          f"{r.get('eval_s', 0.0):.3f} |"
-                         + (f" {ref_evals[r['step']]:.4f} |" if r["step"] in ref_evals else (" - |" if ref_evals else "")))
+                         + (f" {_nan(ref_evals[r['step']]):.4f} |" if r["step"] in ref_evals else (" - |" if ref_evals else "")))
         lines.append("")
     for r in _events(run, "resume"):
         lines.append(f"Resumed from the disk checkpoint {r['checkpoint']} at step {r['step']}.")

@@ -49,3 +49,21 @@ def test_demo_says_plainly_that_the_run_with_kills_and_replacements_equals_the_r
                      r"(rank \d+ \(step \d+\)(, rank \d+ \(step \d+\))*|no rank before the end)"
                      r" is bit-identical to the failure-free run: all 9 losses", proc.stdout), proc.stdout
     assert (tmp_path / "demo" / "report" / "loss.png").read_bytes()[:8] == PNG
+
+
+def test_a_report_takes_losses_that_are_none(tmp_path):
+    """A step or evaluation without a target to count records loss None (not 0.0): the report
+    draws it as a gap and writes n/a-free tables, against a reference with the same gaps."""
+    import json
+
+    from elaswave.report import compare, render
+    records = [{"event": "job", "config": {"parallel": {"dp": 1, "pp": 1}, "train": {}, "elastic": {}}},
+               *({"event": "step", "step": s, "loss": None if s == 1 else 1.0, "world_size": 1, "epoch": 0,
+                  "wall_time": float(s), "step_time_s": 0.1} for s in range(3)),
+               {"event": "eval", "step": 3, "eval_loss": None, "eval_tokens": 0, "world_size": 1, "eval_s": 0.1},
+               {"event": "summary", "steps": 3, "final_loss": 1.0, "params_sha256": "ab" * 32}]
+    run = tmp_path / "run.jsonl"
+    run.write_text("".join(json.dumps(r) + "\n" for r in records))
+    assert compare(records, records)["bit_identical"]
+    written = render(str(run), str(run), str(tmp_path / "out"))
+    assert any(p.name == "report.md" for p in written)

@@ -33,12 +33,13 @@ import re
 import shutil
 import threading
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import NamedTuple, Sequence
 
 import torch
 
+from elaswave.model.lora_config import LoraConfig
 from elaswave.plan.chunks import ChunkKey, Owners
 
 MANIFEST = "manifest.json"
@@ -137,8 +138,9 @@ class Manifest:
 
     def check_fits(self, model: dict, chunk_numel: int, owners: Owners) -> None:
         """A clear error if this checkpoint was written by another model or chunking."""
-        changed = [f"model.{k}={self.model.get(k)!r} there, {v!r} here" for k, v in model.items()
-                   if self.model.get(k) != v]
+        # A checkpoint from before model.lora existed was of a model without adapters.
+        written = {"lora": json.loads(json.dumps(asdict(LoraConfig()))), **self.model}
+        changed = [f"model.{k}={written.get(k)!r} there, {v!r} here" for k, v in model.items() if written.get(k) != v]
         if changed:
             raise CheckpointError(f"checkpoint {self.path} is from another model: " + ", ".join(changed))
         if self.chunk_numel != chunk_numel:

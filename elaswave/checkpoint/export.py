@@ -63,10 +63,12 @@ def writers(plan: Plan) -> list[int]:
     return sorted({plan.holders(i)[0] for i in range(plan.num_layers)})
 
 
-def write_my_shards(target: Target, plan: Plan, rank: int, layers: list[FlatLayer]) -> list[dict]:
-    """This rank's shards (none if it writes none): the layers it is the first holder of, in pieces."""
+def write_my_shards(target: Target, plan: Plan, rank: int, layers: list[FlatLayer], model=None,
+                    seed: int = 0) -> list[dict]:
+    """This rank's shards (none if it writes none): the layers it is the first holder of, in pieces.
+    ``model``, ``seed``: where a merged export reads each base weight again (see :func:`_fresh_base`)."""
     mine = [layer for layer in sorted(layers, key=lambda l: l.index) if plan.holders(layer.index)[0] == rank]
-    return _write(target, mine, plan.num_layers, f"r{rank:05d}")
+    return _write(target, mine, plan.num_layers, f"r{rank:05d}", model, seed)
 
 
 def finish_run_export(target: Target, m: ModelConfig, parts: list[list[dict]]) -> Path:
@@ -75,10 +77,11 @@ def finish_run_export(target: Target, m: ModelConfig, parts: list[list[dict]]) -
     return _finish(target, m, ordered)
 
 
-def write_layers(target: Target, m: ModelConfig, layers: Iterable[FlatLayer], num_layers: int) -> Path:
+def write_layers(target: Target, m: ModelConfig, layers: Iterable[FlatLayer], num_layers: int, model=None,
+                 seed: int = 0) -> Path:
     """Whole layers, in order, by one process (the reference trainer, or ``elaswave export``)."""
     hf_folder.clear_staging(target.out)
-    return _finish(target, m, _write(target, layers, num_layers, "all"))
+    return _finish(target, m, _write(target, layers, num_layers, "all", model, seed))
 
 
 def _finish(target: Target, m: ModelConfig, parts: list[dict]) -> Path:
@@ -89,11 +92,27 @@ def _finish(target: Target, m: ModelConfig, parts: list[dict]) -> Path:
                             target.source, target.overwrite, target.max_shard_bytes)
 
 
-def _write(target: Target, layers: Iterable[FlatLayer], num_layers: int, tag: str) -> list[dict]:
-    by_layer = ((layer.index, hf.layer_tensors(layer.module, layer.index, num_layers, target.dtype, target.adapters))
+def _write(target: Target, layers: Iterable[FlatLayer], num_layers: int, tag: str, model=None,
+           seed: int = 0) -> list[dict]:
+    fresh = target.adapters == "merged" and model is not None
+    by_layer = ((layer.index, hf.layer_tensors(_fresh_base(model, seed, layer) if fresh else layer.module, layer.index,
+                                               num_layers, target.dtype, target.adapters))
                 for layer in layers)
     return [hf_folder.write_part(target.out, f"{tag}-{j:03d}", first, tensors)
             for j, (first, tensors) in enumerate(hf_folder.pieces(by_layer, target.max_shard_bytes))]
+
+
+def _fresh_base(model, seed: int, layer: FlatLayer):
+    """``layer``'s adapters on its base weights as its source gives them: the run holds a frozen
+    weight in the compute dtype (bf16 rounds it), which a merged weight must not inherit."""
+    module = model.build_layer(layer.index, seed)
+    untie(model, module, layer.index)
+    own = dict(layer.module.named_parameters())
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            if name.rpartition(".")[2] in lora.ADAPTERS:
+                p.copy_(own[name])
+    return module
 
 
 def export_checkpoint(ckpt: str, out: str, max_shard_bytes: int = int(DEFAULT_MAX_SHARD_GB * 2 ** 30),
@@ -137,6 +156,9 @@ def export_checkpoint(ckpt: str, out: str, max_shard_bytes: int = int(DEFAULT_MA
         raise ConfigError(f"--merge is invalid: {ckpt!r} is not a LoRA run's checkpoint (model.lora.rank=0), its "
                           "weights are whole already; leave --merge out")
     merged = merge and m.lora.enabled
+    if merged and not recorded and source:
+        raise ConfigError(f"--source={source!r} is invalid with --merge here: {ckpt!r} is of a run whose base was "
+                          "a preset's keyed init, which --merge draws again; leave --source out")
     if merged and recorded and not source:
         raise ConfigError(f"--merge needs the base model's folder, and the run's model.init_from={recorded!r} is "
                           "gone; give it with --source HF_DIR")

@@ -242,11 +242,11 @@ EXPORTED = ("*.safetensors", "*.safetensors.index.json", "config.json", "adapter
 
 
 def install(stage: Path, out: Path, overwrite: bool) -> Path:
-    """Rename the finished folder into ``out``; an existing one is replaced only with ``overwrite``,
-    and only once the new one is in place beside it. What the old folder holds that no export
-    writes (a README, the user's notes) is moved into the new one: overwrite replaces a model,
-    not the folder's other files; an earlier export's weights, index and configs go, so no
-    stale shard or adapter config is left to be read with the new ones."""
+    """Rename the finished folder into ``out``; an existing one is replaced only with
+    ``overwrite``: overwrite replaces a model, not the folder's other files. The earlier export's
+    weights, index and configs (no stale shard or adapter config is left to be read with the new
+    ones) wait aside until the new files are in; what no export writes (a README, the user's
+    notes) never moves, so no failure or kill can leave it in a folder a later export deletes."""
     if out.is_dir() and not any(out.iterdir()):
         out.rmdir()
     if not out.exists():
@@ -255,12 +255,18 @@ def install(stage: Path, out: Path, overwrite: bool) -> Path:
     if not overwrite:
         raise ExportError(f"checkpoint.export_hf={str(out)!r}: it appeared during the run and is not empty; the "
                           f"export is complete in {stage} -- move it where you want it")
-    for entry in out.iterdir():
-        if not any(fnmatch.fnmatch(entry.name, pattern) for pattern in EXPORTED) and not (stage / entry.name).exists():
-            os.replace(entry, stage / entry.name)
     old = out.parent / f".{out.name}.replaced"
     shutil.rmtree(old, ignore_errors=True)
-    os.replace(out, old)
-    os.replace(stage, out)
+    try:
+        old.mkdir()
+        for entry in out.iterdir():
+            if any(fnmatch.fnmatch(entry.name, pattern) for pattern in EXPORTED):
+                os.replace(entry, old / entry.name)
+        for entry in stage.iterdir():
+            os.replace(entry, out / entry.name)
+        stage.rmdir()
+    except OSError as exc:
+        raise ExportError(f"checkpoint.export_hf={str(out)!r}: replacing the model in it failed ({exc}); the new "
+                          f"export's files not yet moved are in {stage}, the old model's in {old}") from None
     shutil.rmtree(old, ignore_errors=True)
     return out

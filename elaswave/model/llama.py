@@ -62,7 +62,8 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 def positions_in_documents(documents: torch.Tensor) -> torch.Tensor:
     """Each token's place in its own document (``documents``: ``[b, t]`` ids, each document one
-    run): what transformers' DataCollatorWithFlattening passes as ``position_ids``."""
+    run, as the sampler's windows hold them: an id that came back after another would restart):
+    what transformers' DataCollatorWithFlattening passes as ``position_ids``."""
     t = documents.shape[1]
     place = torch.arange(t, device=documents.device).expand_as(documents)
     starts = torch.ones_like(documents, dtype=torch.bool)

@@ -16,6 +16,7 @@ from elaswave import rng
 from elaswave.config import JobConfig
 from elaswave.model.contract import Model, ModelContractError, untie
 from elaswave.model.registry import model_for
+from elaswave.precision import compute_dtype
 from elaswave.zero.flat import FlatLayer
 
 
@@ -35,7 +36,13 @@ class Stage:
         """Some chunk of this stage computes the loss (the last layer)."""
         ties = [t for t in self.model.ties if t.user in ran]
         held = sorted(set(ran) | {t.owner for t in ties})
-        modules = {i: self.model.build_layer(i, self.seed).to(device) for i in held}
+        frozen_dtype = compute_dtype(cfg.train.precision, device)
+        modules = {}
+        for i in held:  # a frozen weight (LoRA's base) in the compute dtype at once, before the next layer is built
+            modules[i] = self.model.build_layer(i, self.seed).to(device)
+            for p in modules[i].parameters():
+                if not p.requires_grad:
+                    p.data = p.data.to(frozen_dtype)
         # The user's own copy goes before flattening: the tensor is the owner's.
         slots = [slot for i in ran for slot in untie(self.model, modules[i], i)]
         self.layers = [FlatLayer(modules[i], i) for i in held]

@@ -46,9 +46,9 @@ class _Scalars:
         self.tb.close()
 
 
-def _loss(value: float | None) -> str:
-    """A step's loss on the progress line; None: the batch had no target to train (all masked)."""
-    return f"{value:.4f}" if value is not None else "n/a (no trained token in the batch)"
+def _loss(value: float | None, of: str = "no trained token in the batch") -> str:
+    """A loss on the progress line; None: there was no target to count (all masked)."""
+    return f"{value:.4f}" if value is not None else f"n/a ({of})"
 
 
 def _scalars(path: str | None) -> _Scalars | None:
@@ -100,7 +100,7 @@ class MetricsWriter:
                   f"tok/s {record.get('tokens_per_s', 0):>8.0f}  world {record['world_size']}  "
                   f"epoch {record['epoch']}{last}", flush=True)
         elif self.show_progress and record.get("event") == "eval":
-            print(f"eval after {record['step']} steps: loss {_loss(record['eval_loss'])}  "
+            print(f"eval after {record['step']} steps: loss {_loss(record['eval_loss'], 'no held-out target to score')}  "
                   f"({record['eval_tokens']} held-out tokens, {record['eval_s']:.2f}s)", flush=True)
         elif self.show_progress and record.get("event") == "recovery":
             hosts = record.get("lost_hosts") or {}

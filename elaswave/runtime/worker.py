@@ -412,7 +412,7 @@ def _finish(ctx: Context, st, cfg: JobConfig) -> tuple[dict[int, dict], Path | N
             if writes and plan.holders(i)[0] == st.rank:
                 kept[i] = flat.cpu()  # written from the host: the device keeps no whole layers
         written = shards.whole_layers(kept, kept)
-    exported = export.write_my_shards(target, plan, st.rank, written) if target else None
+    exported = export.write_my_shards(target, plan, st.rank, written, ctx.model, cfg.train.seed) if target else None
     doc = {"layer_copies": digest.layer_digests(st.stage.layers), "whole_layers": wholes,
            # A tp job's tensors each of a device's shards holds (norms...): compared across them.
            "shard_replicas": shards.replica_digests(st.stage.layers) if shards else None,

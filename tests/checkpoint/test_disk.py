@@ -59,6 +59,23 @@ def test_a_checkpoint_from_another_model_is_refused_by_name(tmp_path):
         latest(tmp_path).check_fits(MODEL, 8, OWNERS)
 
 
+def test_a_checkpoint_from_before_adapters_existed_is_of_a_model_without_them(tmp_path):
+    """Its manifest has no model.lora: it resumes into a job without adapters (it was refused as
+    "model.lora=None there"), and a job with adapters is refused."""
+    from elaswave import config
+    _save(tmp_path, 5)
+    plain, tuned = (config.load(None, sets).model_identity() for sets in ([], ["model.lora.rank=4"]))
+    old = latest(tmp_path)
+    assert "lora" not in old.model
+    for identity in (plain, tuned):
+        shaped = {**MODEL, "lora": identity["lora"]}
+        if identity is plain:
+            old.check_fits(shaped, 4, OWNERS)
+        else:
+            with pytest.raises(CheckpointError, match="model.lora=.*'rank': 0.* there, .*'rank': 4"):
+                old.check_fits(shaped, 4, OWNERS)
+
+
 def test_no_checkpoint_dir_means_nothing_to_resume(tmp_path):
     assert latest(tmp_path / "missing") is None
 

@@ -76,3 +76,32 @@ def test_a_checkpoint_resumes_in_another_layout_and_exports_offline_as_the_run_d
     whole = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "merged").eval()
     with torch.no_grad():
         assert (whole(tokens).logits - tuned(tokens).logits).abs().max() < 1e-5
+    again = run_cli(["export", str(ckpt), str(tmp_path / "again"), "--merge", "--source", str(tmp_path / "base")],
+                    tmp_path, timeout_s=60)
+    assert again.returncode == 2 and "a preset's keyed init, which --merge draws again" in again.stderr, again.stderr
+
+
+def test_a_bf16_run_merges_onto_the_base_as_its_source_gives_it(tmp_path):
+    """In bf16 a rank holds the frozen base rounded to bf16; the merged export reads the base
+    again, so every tensor but the adapted projections is the base's float32 bits (they were the
+    rounded ones), and the adapted ones are W + (alpha/r) B A on the float32 W."""
+    sets = [*TINY, *LORA, "train.steps=2", "train.precision=bf16", "checkpoint.export_dtype=fp32"]
+    base = run_cli(["run", *[x for s in [*TINY, "train.steps=0", "checkpoint.export_dtype=fp32",
+                                         f"checkpoint.export_hf={tmp_path / 'base'}"] for x in ("--set", s)]], tmp_path)
+    assert base.returncode == 0, base.stderr
+    outs = {}
+    for kind in ("adapter", "merged"):
+        res = run_cli(["run", *[x for s in [*sets, f"checkpoint.export_lora={kind}",
+                                            f"checkpoint.export_hf={tmp_path / kind}"] for x in ("--set", s)]], tmp_path)
+        assert res.returncode == 0, res.stderr
+        outs[kind] = load_file(tmp_path / kind / ("adapter_model.safetensors" if kind == "adapter" else "model.safetensors"))
+    w = load_file(tmp_path / "base" / "model.safetensors")
+    merged, adapters = outs["merged"], outs["adapter"]
+    assert sorted(merged) == sorted(w)
+    for name, tensor in w.items():
+        a = adapters.get(f"base_model.model.{name.removesuffix('.weight')}.lora_A.weight")
+        if a is None:
+            assert torch.equal(merged[name], tensor), name
+        else:
+            b = adapters[f"base_model.model.{name.removesuffix('.weight')}.lora_B.weight"]
+            assert torch.allclose(merged[name], tensor + (8 / 4) * b @ a, atol=1e-6), name
