@@ -233,6 +233,18 @@ class JobConfig:
         if self.parallel.virtual_stages > 1 and self.elastic.policy == "reroute":
             _fail("elastic.policy", self.elastic.policy, "sends micro-batches through other pipelines' stages, which "
                   "interleaved pipelines do not share; use elastic.policy=elaswave or drop_replica")
+        moe = self.model.num_experts and self._llama
+        if moe and self.checkpoint.export_hf and not self.model.init_from:
+            _fail("checkpoint.export_hf", self.checkpoint.export_hf, "a mixture of experts built here, not read from "
+                  "a folder (model.init_from), has no Hugging Face config to export with yet")
+        if moe and self.parallel.tp > 1:
+            _fail("model.num_experts", self.model.num_experts, f"a mixture of experts on tensor-parallel shards is not "
+                  f"built yet (parallel.tp={self.parallel.tp}); use parallel.tp=1")
+        if moe and self.model.moe_aux_loss_coef and (self.parallel.pp > 1 or self.parallel.virtual_stages > 1):
+            _fail("parallel.pp", self.parallel.pp, "with a mixture of experts' load-balancing loss "
+                  f"(model.moe_aux_loss_coef={self.model.moe_aux_loss_coef}), which couples every MoE block a "
+                  "micro-batch passes, pipelines are not built yet: use parallel.pp=1 (with data parallelism), or "
+                  "model.moe_aux_loss_coef=0")
         if self.parallel.tp > 1 and self.model.lora.enabled:
             _fail("model.lora.rank", self.model.lora.rank, f"adapters on tensor-parallel shards are not built yet "
                   f"(parallel.tp={self.parallel.tp}); use parallel.tp=1, or model.lora.rank=0")

@@ -15,6 +15,7 @@ import torch
 
 from elaswave.config import JobConfig
 from elaswave.data.sampler import Sampler, open_eval_sampler, open_sampler
+from elaswave.model import moe
 from elaswave.model.registry import model_for
 from elaswave.pipeline.stage import Stage
 from elaswave.precision import job_dtype, name
@@ -66,12 +67,16 @@ def train_reference(cfg: JobConfig, on_step: Callable[[dict], None] | None = Non
         started = time.perf_counter()
         global_tokens = sampler.loss_tokens(step)
         accumulator.zero()
-        loss_sums = []
+        loss_sums, auxes = [], []
         for mb in range(t.num_micro_batches):
             batch = sampler.micro_batch(step, mb)
-            loss_sum = m.loss_sum(stage.forward(batch.inputs, step, mb, documents=batch.documents), batch.targets)
+            with moe.recording() as record:
+                logits = stage.forward(batch.inputs, step, mb, documents=batch.documents)
+            loss_sum = m.loss_sum(logits, batch.targets)
             loss_sums.append(float(loss_sum.detach()))
-            (loss_sum / max(1, global_tokens)).backward()
+            term, aux = moe.balance_term(record, m, batch.targets.shape[0], t.num_micro_batches * t.micro_batch_size)
+            auxes += [aux] if aux is not None else []
+            (loss_sum / max(1, global_tokens) + (term if term is not None else 0.0)).backward()
             accumulator.add_micro_batch()
         grad = accumulator.to_float(bucket.pack([accumulator.sums[l.index] for l in layers]))
         if shards is not None:
@@ -88,6 +93,7 @@ def train_reference(cfg: JobConfig, on_step: Callable[[dict], None] | None = Non
         losses.append(loss)
         if on_step is not None:
             on_step({"event": "step", "step": step, "loss": loss, "grad_norm": norm,
+                     **({"aux_loss": math.fsum(auxes) / len(auxes)} if auxes else {}),
                      "num_samples": t.num_micro_batches * t.micro_batch_size, "world_size": 1, "epoch": 0,
                      "tokens": t.num_micro_batches * t.micro_batch_size * m.seq_len, "loss_tokens": global_tokens,
                      "step_time_s": time.perf_counter() - started})

@@ -20,11 +20,14 @@ from elaswave.model.lora_config import LoraConfig
 
 
 ARCHS = ("gpt", "llama")
+MOE_NAMES = ("qwen", "mixtral")
 
 # Keys a checkpoint's config.json decides; seq_len and dropout stay the job's choice.
 SHAPE_KEYS = ("arch", "vocab_size", "d_model", "num_heads", "num_blocks", "num_kv_heads", "head_dim", "ffn_dim",
               "rope_theta", "rope_scaling_factor", "rope_low_freq_factor", "rope_high_freq_factor",
-              "rope_original_max_positions", "norm_eps", "attention_bias", "qkv_bias_only", "mlp_bias", "tie_embeddings")
+              "rope_original_max_positions", "norm_eps", "attention_bias", "qkv_bias_only", "mlp_bias", "tie_embeddings",
+              "qk_norm", "num_experts", "experts_per_token", "expert_ffn_dim", "shared_expert_ffn_dim", "moe_norm_topk",
+              "moe_sparse_step", "moe_names")
 
 
 @dataclass
@@ -70,6 +73,24 @@ class ModelConfig:
     mlp_bias: bool = False
     tie_embeddings: bool = False
     """llama: the output head uses the input embedding's matrix (one logical parameter)."""
+    qk_norm: bool = False
+    """llama: an RMSNorm over each head's queries and keys before the rotation (Qwen3's q_norm, k_norm)."""
+    num_experts: int = 0
+    """llama: experts in each mixture-of-experts block (0: a dense MLP; see elaswave/model/moe.py)."""
+    experts_per_token: int = 2
+    """Top k: the experts each token is routed to."""
+    expert_ffn_dim: int = 0
+    """One expert's hidden width (Qwen's moe_intermediate_size); 0: ffn_dim (Mixtral's)."""
+    shared_expert_ffn_dim: int = 0
+    """Qwen2-MoE: the hidden width of the shared expert every token also runs, gated (0: none)."""
+    moe_norm_topk: bool = True
+    """Renormalise the top-k probabilities to sum to one (Mixtral always; Qwen's norm_topk_prob)."""
+    moe_aux_loss_coef: float = 0.0
+    """The load-balancing loss's weight in the objective (router_aux_loss_coef)."""
+    moe_sparse_step: int = 1
+    """Every this-many-th block is a mixture of experts, the others dense (Qwen's decoder_sparse_step)."""
+    moe_names: str = "qwen"
+    """How checkpoints name the block: qwen (mlp.experts.E.gate_proj...) or mixtral (block_sparse_moe.experts.E.w1...)."""
     lora: LoraConfig = field(default_factory=LoraConfig)
     """llama: low-rank adapters (model.lora.rank > 0): the base weights frozen, only adapters train."""
 
@@ -84,6 +105,14 @@ class ModelConfig:
     @property
     def head_width(self) -> int:
         return self.head_dim or self.d_model // self.num_heads
+
+    @property
+    def expert_ffn_width(self) -> int:
+        return self.expert_ffn_dim or self.ffn_width
+
+    def is_moe_block(self, block: int) -> bool:
+        """Block ``block`` (0-based) is a mixture of experts."""
+        return self.num_experts > 0 and (block + 1) % self.moe_sparse_step == 0
 
     @property
     def ffn_width(self) -> int:
@@ -118,7 +147,7 @@ class ModelConfig:
             if self.d_model % self.num_heads:
                 _fail("model.d_model", self.d_model, f"must be divisible by model.num_heads={self.num_heads}")
             for name in ("num_kv_heads", "head_dim", "rope_scaling_factor", "attention_bias", "qkv_bias_only",
-                         "mlp_bias", "tie_embeddings"):
+                         "mlp_bias", "tie_embeddings", "qk_norm", "num_experts"):
                 if getattr(self, name) != getattr(_DEFAULT, name):
                     _fail(f"model.{name}", getattr(self, name), "has no effect with model.arch=gpt; "
                                                                 "set model.arch=llama or leave it unset")
@@ -134,6 +163,19 @@ class ModelConfig:
             if self.rope_theta <= 0 or self.norm_eps <= 0:
                 _fail("model.rope_theta" if self.rope_theta <= 0 else "model.norm_eps",
                       self.rope_theta if self.rope_theta <= 0 else self.norm_eps, "must be > 0")
+            if self.num_experts < 0 or self.num_experts == 1:
+                _fail("model.num_experts", self.num_experts, "must be 0 (a dense MLP) or >= 2")
+            if self.num_experts and not 1 <= self.experts_per_token <= self.num_experts:
+                _fail("model.experts_per_token", self.experts_per_token,
+                      f"must be in 1..model.num_experts={self.num_experts}")
+            if self.num_experts and self.moe_names not in MOE_NAMES:
+                _fail("model.moe_names", self.moe_names, f"must be one of {', '.join(MOE_NAMES)}")
+            if self.moe_sparse_step < 1 or self.moe_aux_loss_coef < 0:
+                _fail("model.moe_sparse_step" if self.moe_sparse_step < 1 else "model.moe_aux_loss_coef",
+                      self.moe_sparse_step if self.moe_sparse_step < 1 else self.moe_aux_loss_coef, "must be >= 1 (>= 0)")
+            if self.num_experts and self.lora.enabled:
+                _fail("model.lora.rank", self.lora.rank, "adapters on mixture-of-experts blocks are not built yet "
+                                                         "(model.num_experts > 0)")
             if self.rope_scaling_factor < 0 or (self.rope_scaling_factor and not
                                                 self.rope_high_freq_factor > self.rope_low_freq_factor > 0):
                 _fail("model.rope_scaling_factor", self.rope_scaling_factor,
@@ -161,6 +203,18 @@ PRESETS: dict[str, dict] = {
     "llama3-8b": dict(_LLAMA3, d_model=4096, num_heads=32, num_blocks=32, ffn_dim=14336),
     "llama3-70b": dict(_LLAMA3, d_model=8192, num_heads=64, num_blocks=80, ffn_dim=28672),
     "llama3-405b": dict(_LLAMA3, d_model=16384, num_heads=128, num_blocks=126, ffn_dim=53248),
+    # Mixtures of experts (all experts held, experts_per_token of them run a token).
+    "mixtral-8x7b": dict(arch="llama", vocab_size=32000, seq_len=32768, d_model=4096, num_heads=32, num_kv_heads=8,
+                         num_blocks=32, ffn_dim=14336, rope_theta=1000000.0, num_experts=8, experts_per_token=2,
+                         moe_names="mixtral", moe_aux_loss_coef=0.02, dropout=0.0),
+    "qwen3-30b-a3b": dict(arch="llama", vocab_size=151936, seq_len=32768, d_model=2048, num_heads=32, num_kv_heads=4,
+                          head_dim=128, num_blocks=48, ffn_dim=6144, rope_theta=1000000.0, norm_eps=1e-6, qk_norm=True,
+                          num_experts=128, experts_per_token=8, expert_ffn_dim=768, moe_aux_loss_coef=0.001,
+                          dropout=0.0),
+    "qwen3-235b-a22b": dict(arch="llama", vocab_size=151936, seq_len=32768, d_model=4096, num_heads=64, num_kv_heads=4,
+                            head_dim=128, num_blocks=94, ffn_dim=12288, rope_theta=1000000.0, norm_eps=1e-6,
+                            qk_norm=True, num_experts=128, experts_per_token=8, expert_ffn_dim=1536,
+                            moe_aux_loss_coef=0.001, dropout=0.0),
     "qwen2-7b": dict(arch="llama", vocab_size=152064, seq_len=32768, d_model=3584, num_heads=28, num_kv_heads=4,
                      num_blocks=28, ffn_dim=18944, rope_theta=1000000.0, norm_eps=1e-6, attention_bias=True,
                      qkv_bias_only=True, dropout=0.0),
@@ -175,7 +229,10 @@ def preset(name: str) -> ModelConfig:
 
 
 # -- Hugging Face config.json ---------------------------------------------------------------------
-HF_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
+HF_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM", "Qwen3ForCausalLM",
+                    "MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
+_QKV_BIAS_ONLY = ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM")
+"""Architectures with biases on q, k and v but not on the output projection."""
 
 
 ACTIVATIONS = ("silu", "swish")
@@ -205,23 +262,26 @@ def from_hf_config(doc: dict, where: str, seq_len: int | None = None) -> dict:
             _fail("model.init_from", where, f"its config.json sets {key}={doc[key]!r}, which elaswave does not "
                                             f"implement (only {' or '.join(map(repr, fine))})")
     window = doc.get("sliding_window")
-    windowed = (doc.get("use_sliding_window") or doc.get("model_type") == "mistral"
+    windowed = (doc.get("use_sliding_window") or doc.get("model_type") in ("mistral", "mixtral")
                 or "sliding_attention" in (doc.get("layer_types") or []))
     if windowed and window and (seq_len is None or seq_len > int(window)):
         _fail("model.init_from", where, f"uses sliding-window attention over {window} positions, shorter than "
                                         f"model.seq_len={seq_len}; elaswave implements none: set model.seq_len "
                                         f"<= {window}, where the window covers every position")
     d, heads = int(doc["hidden_size"]), int(doc["num_attention_heads"])
+    arch = next(a for a in archs if a in HF_ARCHITECTURES)
+    qkv_bias = arch in _QKV_BIAS_ONLY and bool(doc.get("qkv_bias", True))
     out = dict(arch="llama", vocab_size=int(doc["vocab_size"]), d_model=d, num_heads=heads,
                num_blocks=int(doc["num_hidden_layers"]), num_kv_heads=int(doc.get("num_key_value_heads") or heads),
                head_dim=int(doc.get("head_dim") or d // heads), ffn_dim=int(doc["intermediate_size"]),
                rope_theta=float(doc.get("rope_theta", 10000.0)), norm_eps=float(doc.get("rms_norm_eps", 1e-6)),
-               attention_bias=archs[0] == "Qwen2ForCausalLM" or bool(doc.get("attention_bias", False)),
-               qkv_bias_only=archs[0] == "Qwen2ForCausalLM",
+               attention_bias=qkv_bias or (arch not in _QKV_BIAS_ONLY and bool(doc.get("attention_bias", False))),
+               qkv_bias_only=qkv_bias, qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
                mlp_bias=bool(doc.get("mlp_bias", False)), tie_embeddings=bool(doc.get("tie_word_embeddings", False)),
                rope_scaling_factor=0.0)
     if out["head_dim"] == d // heads:
         out["head_dim"] = 0  # the default, so a round trip writes what it read
+    out.update(_experts_of(doc, arch, where))
     scaling = doc.get("rope_scaling") or doc.get("rope_parameters")
     kind = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
     if scaling and kind == "llama3":
@@ -235,6 +295,30 @@ def from_hf_config(doc: dict, where: str, seq_len: int | None = None) -> dict:
     elif scaling:
         out["rope_theta"] = float(scaling.get("rope_theta", out["rope_theta"]))
     return out
+
+
+def _experts_of(doc: dict, arch: str, where: str) -> dict:
+    """The mixture-of-experts keys of a Mixtral, Qwen2-MoE or Qwen3-MoE config.json (none for a dense one)."""
+    if arch == "MixtralForCausalLM":
+        if doc.get("router_jitter_noise"):
+            _fail("model.init_from", where, f"its config.json sets router_jitter_noise={doc['router_jitter_noise']!r}, "
+                                            "which elaswave does not implement (only 0)")
+        return dict(num_experts=int(doc["num_local_experts"]), experts_per_token=int(doc["num_experts_per_tok"]),
+                    moe_norm_topk=True, moe_aux_loss_coef=float(doc.get("router_aux_loss_coef", 0.0)),
+                    moe_names="mixtral")
+    if arch in ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"):
+        if doc.get("mlp_only_layers"):
+            _fail("model.init_from", where, f"its config.json sets mlp_only_layers={doc['mlp_only_layers']!r}, which "
+                                            "elaswave does not implement (only [] with decoder_sparse_step)")
+        return dict(num_experts=int(doc.get("num_experts") or doc["num_local_experts"]),
+                    experts_per_token=int(doc["num_experts_per_tok"]),
+                    expert_ffn_dim=int(doc["moe_intermediate_size"]),
+                    shared_expert_ffn_dim=int(doc.get("shared_expert_intermediate_size") or 0)
+                    if arch == "Qwen2MoeForCausalLM" else 0,
+                    moe_norm_topk=bool(doc.get("norm_topk_prob", False)),
+                    moe_aux_loss_coef=float(doc.get("router_aux_loss_coef", 0.0)),
+                    moe_sparse_step=int(doc.get("decoder_sparse_step", 1)), moe_names="qwen")
+    return {}
 
 
 def to_hf_config(m: ModelConfig) -> dict:
@@ -295,6 +379,8 @@ def resolve(m: ModelConfig, explicit: Iterable[str]) -> ModelConfig:
         hf = from_hf_config(doc, m.init_from, m.seq_len)
         if "dropout" not in explicit:
             hf["dropout"] = float(doc.get("attention_dropout") or 0.0)
+        if "moe_aux_loss_coef" in explicit:  # a training choice, not the weights': the job's to set
+            hf.pop("moe_aux_loss_coef", None)
         for key, value in hf.items():
             if key in explicit and getattr(m, key) != value:
                 _fail(f"model.{key}", getattr(m, key), f"has no effect with model.init_from={m.init_from!r}, whose "

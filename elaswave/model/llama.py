@@ -20,6 +20,7 @@ from torch import nn
 
 from elaswave import rng
 from elaswave.model import lora
+from elaswave.model.moe import SparseMoE
 from elaswave.model.config import ModelConfig
 from elaswave.model.contract import LayerCost, Tie
 from elaswave.model.masks import causal_mask
@@ -83,6 +84,10 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(m.d_model, m.kv_heads * m.head_width, bias=bias)
         self.v_proj = nn.Linear(m.d_model, m.kv_heads * m.head_width, bias=bias)
         self.o_proj = nn.Linear(m.num_heads * m.head_width, m.d_model, bias=out_bias)
+        if m.qk_norm:  # Qwen3: over each head's width, before the rotation
+            self.q_norm = RMSNorm(m.head_width, m.norm_eps)
+            self.k_norm = RMSNorm(m.head_width, m.norm_eps)
+        self.qk_norm = m.qk_norm
         # Built on the meta device (counted, not run), the table is computed on the CPU: arithmetic
         # on meta tensors runs Python references that import torch._dynamo (2.6 s a rank).
         here = torch.get_default_device()
@@ -94,8 +99,11 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, gen: torch.Generator | None, documents: torch.Tensor | None = None) -> torch.Tensor:
         b, t, _ = x.shape
-        q = lora.project(self.q_proj, x, gen).view(b, t, self.num_heads, self.head_dim).transpose(1, 2)
-        k = lora.project(self.k_proj, x, gen).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        q = lora.project(self.q_proj, x, gen).view(b, t, self.num_heads, self.head_dim)
+        k = lora.project(self.k_proj, x, gen).view(b, t, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
         v = lora.project(self.v_proj, x, gen).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
         if self.per_document and documents is not None:  # [b, 1, t, head_dim]: each row its own positions
             where = positions_in_documents(documents)
@@ -145,16 +153,20 @@ class Embedding(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, m: ModelConfig, fused: bool, per_document: bool = False):
+    """``block``: its place among the blocks (which of them are mixtures of experts)."""
+
+    def __init__(self, m: ModelConfig, fused: bool, per_document: bool = False, block: int = 0):
         super().__init__()
         self.input_layernorm = RMSNorm(m.d_model, m.norm_eps)
         self.self_attn = Attention(m, fused, per_document)
         self.post_attention_layernorm = RMSNorm(m.d_model, m.norm_eps)
-        self.mlp = MLP(m)
+        # Under the name its checkpoints give it: Mixtral's experts are block_sparse_moe, Qwen's mlp.
+        self.ffn = "block_sparse_moe" if m.is_moe_block(block) and m.moe_names == "mixtral" else "mlp"
+        setattr(self, self.ffn, SparseMoE(m) if m.is_moe_block(block) else MLP(m))
 
     def forward(self, x: torch.Tensor, gen: torch.Generator | None, documents: torch.Tensor | None = None) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), gen, documents)
-        return x + self.mlp(self.post_attention_layernorm(x), gen)
+        return x + getattr(self, self.ffn)(self.post_attention_layernorm(x), gen)
 
 
 class Head(nn.Module):
@@ -208,7 +220,7 @@ class Llama:
         elif index == self.num_layers - 1:
             layer = Head(self.cfg)
         else:
-            layer = Block(self.cfg, self.fused, self.per_document_positions)
+            layer = Block(self.cfg, self.fused, self.per_document_positions, index - 1)
         if init and self.weights is not None:
             skip = {t.user_param for t in self.ties if t.user == index}
             self.weights.load_layer(layer, index, self.num_layers, skip)
@@ -223,10 +235,17 @@ class Llama:
         d, v, f, hd = m.d_model, m.vocab_size, m.ffn_width, m.head_width
         q, kv = m.num_heads * hd, m.kv_heads * hd
         attn_bias = (q + 2 * kv + (0 if m.qkv_bias_only else d)) if m.attention_bias else 0
-        block_params = 2 * d + 2 * d * q + 2 * d * kv + attn_bias + 3 * d * f + ((2 * f + d) if m.mlp_bias else 0)
-        block_flops = 2 * d * q + 2 * d * kv + 2 * m.seq_len * q + 3 * d * f
+        attn_params = 2 * d + 2 * d * q + 2 * d * kv + attn_bias + (2 * hd if m.qk_norm else 0)
+        attn_flops = 2 * d * q + 2 * d * kv + 2 * m.seq_len * q
+        dense = (attn_params + 3 * d * f + ((2 * f + d) if m.mlp_bias else 0), attn_flops + 3 * d * f)
+        fe, fs = m.expert_ffn_width, m.shared_expert_ffn_dim
+        shared = (3 * d * fs + d if fs else 0, 3 * d * fs + d if fs else 0)
+        # A mixture of experts holds all its experts and runs k of them a token (and the router).
+        moe = (attn_params + m.num_experts * (3 * d * fe + d) + shared[0],
+               attn_flops + m.experts_per_token * 3 * d * fe + m.num_experts * d + shared[1])
+        blocks = [moe if m.is_moe_block(b) else dense for b in range(m.num_blocks)]
         head_params = d + (0 if m.tie_embeddings else v * d)
-        return ([LayerCost(float(d), v * d)] + [LayerCost(float(block_flops), block_params)] * m.num_blocks
+        return ([LayerCost(float(d), v * d)] + [LayerCost(float(flops), params) for params, flops in blocks]
                 + [LayerCost(float(d * v), head_params)])
 
     def loss_sum(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -237,4 +256,8 @@ class Llama:
         return {"arch": "llama", "vocab_size": m.vocab_size, "d_model": m.d_model, "num_heads": m.num_heads,
                 "num_kv_heads": m.kv_heads, "head_dim": m.head_width, "ffn_dim": m.ffn_width,
                 "num_blocks": m.num_blocks, "attention_bias": m.attention_bias, "qkv_bias_only": m.qkv_bias_only,
-                "mlp_bias": m.mlp_bias, "tie_embeddings": m.tie_embeddings}
+                "mlp_bias": m.mlp_bias, "tie_embeddings": m.tie_embeddings, "qk_norm": m.qk_norm,
+                **({"num_experts": m.num_experts, "experts_per_token": m.experts_per_token,
+                    "expert_ffn_dim": m.expert_ffn_width, "shared_expert_ffn_dim": m.shared_expert_ffn_dim,
+                    "moe_norm_topk": m.moe_norm_topk, "moe_sparse_step": m.moe_sparse_step}
+                   if m.num_experts else {})}

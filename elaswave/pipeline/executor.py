@@ -14,6 +14,7 @@ from elaswave.pipeline.emulate import EmulatedCompute
 from elaswave.pipeline.p2p import P2P
 from elaswave.pipeline.schedule import BACKWARD_INPUT_SHARE, Action, Op
 from elaswave.pipeline.stage import Stage
+from elaswave.model import moe
 from elaswave.pipeline.zero_bubble import WeightPass, backward_input
 
 STRETCH_MAX = 10
@@ -56,6 +57,8 @@ class Executor:
         rank's own speed, which the planner balances by."""
         self.slowdown = 1.0
         """Each forward and backward takes this many times as long (an injected straggler)."""
+        self.step_rows = 1
+        """Sequences in the step's global batch: a forward's share of the load-balancing loss (moe.py)."""
         self._table = {
             Op.RECV_ACT: self._recv_act, Op.FORWARD: self._forward, Op.SEND_ACT: self._send_act,
             Op.RECV_GRAD: self._recv_grad, Op.BACKWARD: self._backward, Op.SEND_GRAD: self._send_grad,
@@ -76,7 +79,7 @@ class Executor:
         self.grads: dict[tuple[int, int], torch.Tensor] = {}
         self.weight_passes: dict[int, list[WeightPass]] = {}
         """A split backward's W still to run, by micro-batch: one per piece, each holding its graph."""
-        self.losses: dict[int, tuple[float, int]] = {}
+        self.losses: dict[int, tuple[float, int, float | None]] = {}
         self.busy_s = 0.0
         self.p2p.arm(training=True)
         for action in actions:
@@ -152,14 +155,18 @@ class Executor:
         began, cpu = time.perf_counter(), time.process_time()
         outs, last = [], self.stage.chunk_is_last(a.chunk)
         for key, x, batch in self._inputs(mb, self.step, self.sampler, self.inputs.get(at), a.chunk):
-            out = self.stage.forward(x, self.step, key, documents=batch.documents if batch is not None else None,
-                                     chunk=a.chunk)
+            with moe.recording() as record:
+                out = self.stage.forward(x, self.step, key, documents=batch.documents if batch is not None else None,
+                                         chunk=a.chunk)
             if last:
                 loss_sum = self.stage.model.loss_sum(out, batch.targets.to(self.stage.device))
-                self.losses[key] = (float(loss_sum.detach()), batch.loss_tokens)
+                term, aux = moe.balance_term(record, self.stage.model, batch.targets.shape[0], self.step_rows)
+                self.losses[key] = (float(loss_sum.detach()), batch.loss_tokens, aux)
                 # Scale by the *global* count of loss tokens: the gradient is the mean over the whole
                 # batch, whichever pipeline runs this micro-batch and however many pipelines are alive.
                 out = loss_sum / max(1, self.global_tokens(self.step))
+                if term is not None:
+                    out = out + term
             outs.append(out)
         self.outputs[at] = outs
         self._end_compute(began, cpu, chunk=a.chunk)

@@ -106,11 +106,13 @@ def build_rank(cfg: JobConfig, plan: Plan, rank: int, stage: Stage, sampler: Sam
         emulated = EmulatedCompute(layer_forward_s(cfg, model), cfg.emulate.backward_factor, stage.chunks,
                                    actuator or Actuator())
     shards = TensorShards(model, stage.layers, buckets, model.cut.group) if par.tp > 1 else None
+    executor = Executor(stage, p2p, sampler, step_tokens, accumulator.add_micro_batch, before, emulated,
+                        pieces_of(plan, t) if k > 1 else None)
+    executor.step_rows = t.num_micro_batches * t.micro_batch_size
     return RankState(
         rank=rank, plan=plan, stage=stage, shards=shards,
         schedule=schedule,
-        executor=Executor(stage, p2p, sampler, step_tokens, accumulator.add_micro_batch, before, emulated,
-                          pieces_of(plan, t) if k > 1 else None),
+        executor=executor,
         accumulator=accumulator, buckets=buckets, groups=groups, world=world,
         optimizer=optimizer,
         chunk_index=ChunkIndex.build(numels, par.chunk_numel), device=device, backend_name=backend_name,

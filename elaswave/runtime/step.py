@@ -35,6 +35,8 @@ class StepResult:
     tokens: int = 0
     """Target tokens of the global batch."""
     loss_tokens: int = 0
+    aux_loss: float | None = None
+    """The mean of the step's forwards' load-balancing losses (a mixture of experts; None: none)."""
     """Of them, the ones trained (all, unless the corpus has a loss mask): the loss is their mean."""
     tp_bytes: int = 0
     """Bytes this rank gave its tensor-parallel group's collectives in the step (0 without tp)."""
@@ -101,10 +103,13 @@ def train_step(st: RankState, cfg: JobConfig, step: int, pool: SnapshotPool | No
     # One loss entry per unit of the global batch (a micro-batch when nothing is reshaped).
     M = t.num_micro_batches * st.plan.units_per_micro_batch
     W = st.world.size
-    exchange = torch.zeros(2 * M + 3 + W, dtype=torch.float64)
-    for mb, (loss_sum, loss_tokens) in losses.items():
+    exchange = torch.zeros(3 * M + 3 + W + 1, dtype=torch.float64)
+    for mb, (loss_sum, loss_tokens, aux) in losses.items():
         exchange[mb] = loss_sum  # one contributor per entry: the sum is exact
         exchange[M + 3 + W + mb] = loss_tokens
+        if aux is not None:  # the forward's load-balancing loss (a mixture of experts), and a count of them
+            exchange[2 * M + 3 + W + mb] = aux
+            exchange[3 * M + 3 + W] += 1
     exchange[M] = admit(st) if admit is not None else 0
     exchange[M + 1] = 1.0 if is_verified else 0.0
     exchange[M + 2] = 1.0 if store_lost is not None and store_lost() else 0.0
@@ -155,14 +160,17 @@ def train_step(st: RankState, cfg: JobConfig, step: int, pool: SnapshotPool | No
     joining = int(exchange[M].item())
     if st.shards is not None:  # every slice stops, or grows, after the same step, or none does
         store_gone, joining = st.shards.vote(store_gone, joining)
-    loss_tokens = int(exchange[M + 3 + W:].sum().item())
+    loss_tokens = int(exchange[M + 3 + W:2 * M + 3 + W].sum().item())
+    forwards_with_experts = int(exchange[3 * M + 3 + W].item())
+    aux_loss = (math.fsum(exchange[2 * M + 3 + W:3 * M + 3 + W].tolist()) / forwards_with_experts
+                if forwards_with_experts else None)
     # A mean over no tokens is undefined (every target masked): None in the record, not a perfect 0.0.
     loss = math.fsum(exchange[:M].tolist()) / loss_tokens if loss_tokens else None
     speeds = dict(zip(st.world.members, exchange[M + 3:M + 3 + W].tolist()))
     return StepResult(loss=loss, grad_norm=norm, lr=lr, phases_s=lap.phases, joining=joining,
                       speeds=speeds, store_lost=store_gone,
                       tokens=samples_of(st.plan, t) * st.stage.model.seq_len,
-                      loss_tokens=loss_tokens,
+                      loss_tokens=loss_tokens, aux_loss=aux_loss,
                       tp_bytes=_tp_sent(st) - tp_sent)
 
 

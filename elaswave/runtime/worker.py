@@ -144,6 +144,7 @@ def run(cfg: JobConfig, rank: int, world_size: int, metrics_out: str | None) -> 
                     journal.add({"event": "step", "step": step, "loss": result.loss, "grad_norm": result.grad_norm,
                                  "lr": result.lr, "num_samples": samples, "tokens": result.tokens,
                                  "loss_tokens": result.loss_tokens, "world_size": len(st.plan.ranks) * cfg.parallel.tp,
+                                 **({"aux_loss": result.aux_loss} if result.aux_loss is not None else {}),
                                  "epoch": st.epoch, "step_time_s": took, "tokens_per_s": samples * ctx.model.seq_len / took,
                                  "wall_time": time.time(), "phases_s": result.phases_s,
                                  "modelled_power_w": _modelled_power(st.plan), **ctx.source_tokens(step),

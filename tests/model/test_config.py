@@ -1,5 +1,7 @@
 """The model section: presets with published shapes, explicit keys over a preset, one-line errors,
 and the contract's costs for the presets (what the planner and the simulator price)."""
+import dataclasses
+
 import pytest
 
 from elaswave import config
@@ -10,7 +12,7 @@ from elaswave.model.registry import family, model_for
 
 # Published totals (parameters), to 0.5 %: the presets' shapes are the real ones.
 PUBLISHED = {"gpt2-124m": 124.4e6, "llama3-8b": 8.03e9, "llama3-70b": 70.6e9, "llama3-405b": 405.9e9,
-             "qwen2-7b": 7.62e9}
+             "qwen2-7b": 7.62e9, "mixtral-8x7b": 46.7e9, "qwen3-30b-a3b": 30.5e9, "qwen3-235b-a22b": 235.1e9}
 
 
 @pytest.mark.parametrize("name", sorted(PUBLISHED))
@@ -27,6 +29,11 @@ def test_declared_costs_match_the_built_layers():
     for name in ("llama-tiny", "gpt-tiny"):
         model = family(preset(name))
         assert counted_numels(model) == [c.num_params for c in model.layer_costs()]
+    # Mixtures of experts (every other block, with a shared expert; and every block, with query/key norms)
+    for extra in (dict(num_experts=4, expert_ffn_dim=24, shared_expert_ffn_dim=40, moe_sparse_step=2),
+                  dict(num_experts=6, experts_per_token=3, qk_norm=True, moe_names="mixtral")):
+        model = family(dataclasses.replace(preset("llama-tiny"), **extra))
+        assert counted_numels(model) == [c.num_params for c in model.layer_costs()], extra
     tied = family(preset("llama-tiny"))
     assert tied.ties and tied.layer_costs()[-1].num_params == tied.cfg.d_model  # the head's matrix is the owner's
 
