@@ -12,7 +12,9 @@ from elaswave.model.config import PRESETS, ModelConfig, preset
 from elaswave.model.registry import family
 from elaswave.sim.model import ClusterModel, ring_s
 
-MODELS: dict[str, ModelConfig] = {name: preset(name) for name in PRESETS}
+# Mixtures of experts are left out: their all-to-all and expert placement are not priced yet (the
+# runtime replicates experts across data-parallel ranks; expert parallelism is to come).
+MODELS: dict[str, ModelConfig] = {name: preset(name) for name in PRESETS if not preset(name).num_experts}
 
 
 @dataclass(frozen=True)
