@@ -29,8 +29,9 @@ _RECORD: list | None = None
 
 @contextlib.contextmanager
 def recording():
-    """Collect the routing statistics of the MoE blocks that run inside: ``(counts, probs, rows)``
-    per block, ``probs`` with its graph (the load-balancing loss's gradient flows through it)."""
+    """Collect the routing statistics of the MoE blocks that run inside: ``(counts, probs, rows,
+    ordinal)`` per block (``ordinal``: its place among the model's MoE blocks), ``probs`` with its
+    graph (the load-balancing loss's gradient flows through it)."""
     global _RECORD
     outer, _RECORD = _RECORD, []
     try:
@@ -43,10 +44,17 @@ def aux_loss(record: list, num_experts: int) -> torch.Tensor | None:
     """transformers' load-balancing loss over the blocks of one forward (None: no MoE block ran)."""
     if not record:
         return None
-    counts = torch.stack([c for c, _, _ in record]).sum(0)
-    probs = torch.stack([p for _, p, _ in record]).sum(0)
-    rows = sum(r for _, _, r in record)
+    return aux_of(torch.stack([c for c, *_ in record]).sum(0), torch.stack([p for _, p, *_ in record]).sum(0),
+                  sum(r for _, _, r, _ in record), num_experts)
+
+
+def aux_of(counts: torch.Tensor, probs: torch.Tensor, rows: int, num_experts: int) -> torch.Tensor:
+    """``E * sum_e (n_e / R) (P_e / R)``: assignments and summed probabilities over all blocks."""
     return torch.sum((counts / rows) * (probs / rows)) * num_experts
+
+
+def num_moe_blocks(m) -> int:
+    return sum(m.is_moe_block(b) for b in range(m.num_blocks))
 
 
 class Expert(nn.Module):
@@ -68,9 +76,10 @@ NAMES = {"mixtral": ("w1", "w3", "w2"), "qwen": ("gate_proj", "up_proj", "down_p
 
 
 class SparseMoE(nn.Module):
-    def __init__(self, m):
+    def __init__(self, m, ordinal: int = 0):
         super().__init__()
         self.num_experts, self.top_k, self.normalize = m.num_experts, m.experts_per_token, m.moe_norm_topk
+        self.ordinal = ordinal
         self.gate = nn.Linear(m.d_model, m.num_experts, bias=False)
         names = NAMES[m.moe_names]
         self.experts = nn.ModuleList(Expert(m.d_model, m.expert_ffn_width, names) for _ in range(m.num_experts))
@@ -101,7 +110,7 @@ class SparseMoE(nn.Module):
         if _RECORD is not None:
             counts = (torch.zeros(self.num_experts, device=h.device) if h.is_meta else
                       torch.bincount(chosen.reshape(-1), minlength=self.num_experts).to(torch.float32))
-            _RECORD.append((counts, probs.sum(dim=0), h.shape[0]))
+            _RECORD.append((counts, probs.sum(dim=0), h.shape[0], self.ordinal))
         return out.reshape(shape)
 
 

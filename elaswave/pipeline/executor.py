@@ -15,6 +15,7 @@ from elaswave.pipeline.p2p import P2P
 from elaswave.pipeline.schedule import BACKWARD_INPUT_SHARE, Action, Op
 from elaswave.pipeline.stage import Stage
 from elaswave.model import moe
+from elaswave.pipeline.balance import BalanceRelay
 from elaswave.pipeline.zero_bubble import WeightPass, backward_input
 
 STRETCH_MAX = 10
@@ -59,6 +60,8 @@ class Executor:
         """Each forward and backward takes this many times as long (an injected straggler)."""
         self.step_rows = 1
         """Sequences in the step's global batch: a forward's share of the load-balancing loss (moe.py)."""
+        self.relay: BalanceRelay | None = None
+        """A mixture of experts' load-balancing loss across this pipeline's stages (pipeline/balance.py)."""
         self._table = {
             Op.RECV_ACT: self._recv_act, Op.FORWARD: self._forward, Op.SEND_ACT: self._send_act,
             Op.RECV_GRAD: self._recv_grad, Op.BACKWARD: self._backward, Op.SEND_GRAD: self._send_grad,
@@ -80,6 +83,8 @@ class Executor:
         self.weight_passes: dict[int, list[WeightPass]] = {}
         """A split backward's W still to run, by micro-batch: one per piece, each holding its graph."""
         self.losses: dict[int, tuple[float, int, float | None]] = {}
+        if self.relay is not None:
+            self.relay.reset()
         self.busy_s = 0.0
         self.p2p.arm(training=True)
         for action in actions:
@@ -149,18 +154,24 @@ class Executor:
     def _recv_act(self, a: Action) -> None:
         self.inputs[(a.micro_batch, a.chunk)] = self.p2p.recv_act(a.micro_batch, a.peer, self._rows(a.micro_batch),
                                                                   a.chunk).requires_grad_(True)
+        if self.relay is not None:
+            self.relay.arrived(a.micro_batch, self.p2p.recv_beside(
+                a.micro_batch, False, (len(self.pieces(a.micro_batch)), self.relay.forward_width), a.peer))
 
     def _forward(self, a: Action) -> None:
         mb, at = a.micro_batch, (a.micro_batch, a.chunk)
         began, cpu = time.perf_counter(), time.process_time()
         outs, last = [], self.stage.chunk_is_last(a.chunk)
-        for key, x, batch in self._inputs(mb, self.step, self.sampler, self.inputs.get(at), a.chunk):
+        for piece, (key, x, batch) in enumerate(self._inputs(mb, self.step, self.sampler, self.inputs.get(at), a.chunk)):
             with moe.recording() as record:
                 out = self.stage.forward(x, self.step, key, documents=batch.documents if batch is not None else None,
                                          chunk=a.chunk)
+            if self.relay is not None:
+                self.relay.forwarded(mb, piece, record)
             if last:
                 loss_sum = self.stage.model.loss_sum(out, batch.targets.to(self.stage.device))
-                term, aux = moe.balance_term(record, self.stage.model, batch.targets.shape[0], self.step_rows)
+                term, aux = (self.relay.loss_term(mb, piece, batch.targets.shape[0]) if self.relay is not None else
+                             moe.balance_term(record, self.stage.model, batch.targets.shape[0], self.step_rows))
                 self.losses[key] = (float(loss_sum.detach()), batch.loss_tokens, aux)
                 # Scale by the *global* count of loss tokens: the gradient is the mean over the whole
                 # batch, whichever pipeline runs this micro-batch and however many pipelines are alive.
@@ -168,15 +179,22 @@ class Executor:
                 if term is not None:
                     out = out + term
             outs.append(out)
+        if last and self.relay is not None:
+            self.relay.last_forward_done(mb)
         self.outputs[at] = outs
         self._end_compute(began, cpu, chunk=a.chunk)
 
     def _send_act(self, a: Action) -> None:
         self.p2p.send_act(_joined(self.outputs[(a.micro_batch, a.chunk)]), a.micro_batch, a.peer, a.chunk)
+        if self.relay is not None:
+            self.p2p.send_beside(self.relay.outgoing(a.micro_batch), a.micro_batch, False, a.peer)
 
     def _recv_grad(self, a: Action) -> None:
         self.grads[(a.micro_batch, a.chunk)] = self.p2p.recv_grad(a.micro_batch, a.peer, self._rows(a.micro_batch),
                                                                   a.chunk)
+        if self.relay is not None:
+            self.relay.totals_arrived(a.micro_batch, self.p2p.recv_beside(
+                a.micro_batch, True, (len(self.pieces(a.micro_batch)), self.relay.backward_width), a.peer))
 
     def _run_first_backward_hook(self) -> None:
         hook, self.first_backward = self.first_backward, None
@@ -198,8 +216,13 @@ class Executor:
 
     def _backward(self, a: Action) -> None:
         began, cpu = self._begin_backward()
-        for out, grad in self._output_grads(a.micro_batch, a.chunk):  # each piece's gradient folded alone
-            if out.requires_grad:  # a chunk of frozen weights only, fed tokens (LoRA's embedding), has no graph
+        for piece, (out, grad) in enumerate(self._output_grads(a.micro_batch, a.chunk)):  # each folded alone
+            # Before the last stage, this stage's MoE blocks take the load-balancing loss's gradient too.
+            term = (self.relay.surrogate(a.micro_batch, piece, out.shape[0])
+                    if self.relay is not None and grad is not None else None)
+            if term is not None:
+                torch.autograd.backward([out, term], [grad, torch.ones_like(term)])
+            elif out.requires_grad:  # a chunk of frozen weights only, fed tokens (LoRA's embedding), has no graph
                 torch.autograd.backward(out, grad)
             self.on_backward()
         self._end_compute(began, cpu, 1.0, a.chunk)
@@ -248,6 +271,8 @@ class Executor:
 
     def _send_grad(self, a: Action) -> None:
         self.p2p.send_grad(self.inputs.pop((a.micro_batch, a.chunk)).grad, a.micro_batch, a.peer, a.chunk)
+        if self.relay is not None:
+            self.p2p.send_beside(self.relay.returning(a.micro_batch), a.micro_batch, True, a.peer)
 
 
 def _joined(outs: list[torch.Tensor]) -> torch.Tensor:

@@ -45,6 +45,10 @@ def incoming_of(pipeline: Sequence[int], stage: int, num_chunks: int,
             for other in range(len(pipeline)) if other != stage}
 
 
+SIDE = 1 << 24
+"""Added to a message's tag for what travels beside it (P2P.send_beside)."""
+
+
 def _tag(num_chunks: int, mb: int, chunk: int, grad: bool) -> int:
     """The receiving chunk's message of ``mb`` (one chunk: 2 mb, 2 mb + 1 as before chunks)."""
     return 2 * (mb * num_chunks + chunk) + grad
@@ -137,6 +141,23 @@ class P2P:
     def recv_grad(self, mb: int, peer: int | None = None, rows: int | None = None, chunk: int = 0) -> torch.Tensor:
         return self._recv(self.next_rank if peer is None else peer, self._tag(mb, chunk, True),
                           f"gradient of micro-batch {mb}" + (f", chunk {chunk}" if chunk else ""), rows)
+
+    # Beside an activation or a gradient, a small float32 tensor of ``shape`` (a mixture of experts'
+    # routing statistics, pipeline/balance.py): sent right after it, received right after it, so
+    # both sides of a pair keep one order (NCCL matches by order).
+    def send_beside(self, t: torch.Tensor, mb: int, grad: bool, peer: int | None = None) -> None:
+        dst = (self.prev_rank if grad else self.next_rank) if peer is None else peer
+        tag = SIDE + (_grad_tag(self.num_chunks, self.first, mb, 0) if grad else _act_tag(self.num_chunks, self.last, mb, 0))
+        t = t.detach().to(device=self.device, dtype=torch.float32).contiguous()
+        self.pending.append((self.group.isend(t, dst, tag), t))
+
+    def recv_beside(self, mb: int, grad: bool, shape: tuple[int, ...], peer: int | None = None) -> torch.Tensor:
+        src = (self.next_rank if grad else self.prev_rank) if peer is None else peer
+        buf = torch.empty(shape, dtype=torch.float32, device=self.device)
+        self.group.wait(self.group.irecv(buf, src, SIDE + self._tag(mb, 0, grad)),
+                        f"routing statistics beside the {'gradient' if grad else 'activation'} of micro-batch {mb} "
+                        f"from rank {src}")
+        return buf.cpu()
 
     def drain(self) -> None:
         for work, _ in self.pending:

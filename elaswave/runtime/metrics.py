@@ -67,7 +67,9 @@ class MetricsWriter:
     def __init__(self, path: str | None, show_progress: bool = True, total_steps: int = 0, append: bool = False):
         self.written: set[tuple[int, str]] = set()
         """(step, event) of the step and eval records in the file: a new writer appends to it."""
-        if path and append and os.path.exists(path):
+        self.continues = bool(path and append and os.path.exists(path))
+        """This writer goes on with a file an earlier run (or writer) of the job wrote."""
+        if self.continues:
             self.written = {(r["step"], r["event"]) for r in read_jsonl(path) if r.get("event") in _JOURNALED}
         self.fh: IO[str] | None = open(path, "a" if append else "w") if path else None
         self.show_progress = show_progress

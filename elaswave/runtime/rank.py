@@ -13,6 +13,7 @@ from elaswave.comm.groups import Communicator, Group
 from elaswave.config import JobConfig
 from elaswave.data.sampler import Sampler
 from elaswave.model.contract import counted_numels
+from elaswave.pipeline.balance import BalanceRelay
 from elaswave.pipeline.emulate import EmulatedCompute, layer_forward_s
 from elaswave.pipeline.executor import Executor
 from elaswave.pipeline.p2p import P2P, incoming_of
@@ -109,6 +110,11 @@ def build_rank(cfg: JobConfig, plan: Plan, rank: int, stage: Stage, sampler: Sam
     executor = Executor(stage, p2p, sampler, step_tokens, accumulator.add_micro_batch, before, emulated,
                         pieces_of(plan, t) if k > 1 else None)
     executor.step_rows = t.num_micro_batches * t.micro_batch_size
+    m = getattr(model, "cfg", None)
+    # The loss spans every stage a micro-batch passes: its pipeline's, or another's on a detour (a
+    # pipeline of one rank may send its micro-batches through another pipeline's stages).
+    if getattr(m, "num_experts", 0) and m.moe_aux_loss_coef:
+        executor.relay = BalanceRelay(model, executor.step_rows)
     return RankState(
         rank=rank, plan=plan, stage=stage, shards=shards,
         schedule=schedule,

@@ -94,8 +94,8 @@ def run(cfg: JobConfig, rank: int, world_size: int, metrics_out: str | None) -> 
     # The job as configured, first: reports and the simulator's calibration read the run from it.
     writer.write({"event": "job", "config": cfg.to_dict(), "world_size": world_size, "wall_time": time.time(),
                   "memory_limit": ctx.memory_limit})
-    if resumed:
-        for record in resumed.manifest.records:  # steps the job died before writing (the writer skips those it has)
+    if resumed and writer.continues:  # the steps the job died before writing into this file (it skips those it has)
+        for record in resumed.manifest.records:
             writer.write(record)
         writer.write({"event": "resume", "step": step, "checkpoint": str(resumed.manifest.path),
                       "load_s": resumed.load_s, "wall_time": time.time()})

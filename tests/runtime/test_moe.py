@@ -32,14 +32,33 @@ def test_experts_with_the_balancing_loss_train_bit_identical_to_the_reference(tm
     assert [r["lost_ranks"] for r in res.records if r["event"] == "recovery"] == [[k] for k in killed]
 
 
-def test_a_pipeline_of_experts_without_the_balancing_loss_is_bit_identical(tmp_path):
-    plain = [*EXPERTS, "model.moe_aux_loss_coef=0"]
-    ref = run_reference(tmp_path, STEPS, True, 4, extra=plain)
-    res = run_job(tmp_path, 2, 2, STEPS, True, extra=[*plain, "elastic.inject=kill:rank=3,step=2,phase=forward"])
-    assert_same_run(res, ref, STEPS)
+@pytest.mark.parametrize("dp,pp,extra", [
+    (2, 2, ["elastic.inject=kill:rank=3,step=2,phase=backward"]),
+    (1, 3, ["train.activation_checkpointing=every_2"]),
+    (1, 6, []),  # the first and last stages hold no MoE block: the statistics pass through
+], ids=["2x2-kill", "1x3-recompute", "1x6"])
+def test_the_balancing_loss_spans_a_pipeline_bit_identical_to_the_reference(tmp_path, reference, dp, pp, extra):
+    """Each forward's routing statistics travel beside the activation, the totals back beside the
+    gradient, and every stage's blocks take the same gradient as in the reference."""
+    res = run_job(tmp_path, dp, pp, STEPS, True, extra=[*BALANCED, *extra, f"parallel.pp={pp}"])
+    assert_same_run(res, reference, STEPS)
+    steps = [r for r in res.records if r["event"] == "step"]
+    assert [r["aux_loss"] for r in steps] == [r["aux_loss"] for r in reference.records if r["event"] == "step"]
 
 
-def test_the_balancing_loss_in_a_pipeline_is_one_line(tmp_path):
-    res = run_cli(job_args(1, 2, 2, True, [*EXPERTS, "model.moe_aux_loss_coef=0.05"]), tmp_path, timeout_s=60)
-    assert res.returncode == 2 and "pipelines are not built yet: use parallel.pp=1" in res.stderr, res.stderr
+def test_the_balancing_loss_with_another_schedule_is_one_line(tmp_path):
+    res = run_cli(job_args(1, 2, 2, True, [*BALANCED, "parallel.pp=2", "parallel.schedule=zb-h1"]), tmp_path,
+                  timeout_s=60)
+    assert res.returncode == 2 and "use parallel.schedule=1f1b" in res.stderr, res.stderr
     assert len(res.stderr.strip().splitlines()) == 1, res.stderr
+
+
+def test_a_reshaped_deal_keeps_each_units_balancing_loss(tmp_path):
+    """elastic.reshape deals sequences after a loss; each unit is a forward of its own (in the
+    reference too), so its load-balancing loss and gradient are the same wherever it runs."""
+    sets = [*BALANCED, "elastic.reshape=true"]
+    ref = run_reference(tmp_path, STEPS, True, 4, extra=sets)
+    res = run_job(tmp_path, 3, 2, STEPS, True, extra=[*sets, "parallel.pp=2",
+                                                      "elastic.inject=kill:rank=2,step=2,phase=backward"])
+    assert_same_run(res, ref, STEPS)
+    assert [r["aux_loss"] for r in res.steps] == [r["aux_loss"] for r in ref.records if r["event"] == "step"]

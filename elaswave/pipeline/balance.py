@@ -1,0 +1,96 @@
+"""A mixture of experts' load-balancing loss across the stages of a pipeline.
+
+The loss couples every MoE block a forward passes (:mod:`elaswave.model.moe`): its value needs each
+block's summed router probabilities and all blocks' assignments, and each block's gradient the
+forward's total assignments ``n`` and rows ``R``. So the statistics travel with the forward -- the
+rows and assignments so far and each block's summed probabilities, stage to stage beside the
+activation -- and the totals travel back beside the gradient. Each stage's blocks then take, in
+their backward, the gradient of the very expression the single-process reference differentiates
+(the other stages' blocks as constants): the same products in the same order, so the same bits.
+
+One row of statistics per piece of a micro-batch (a reshaped micro-batch's units are forwards of
+their own), float32 whatever the compute dtype: counts are integers that bf16 would round.
+"""
+from __future__ import annotations
+
+import torch
+
+from elaswave.model.moe import aux_of, num_moe_blocks
+
+
+class BalanceRelay:
+    """``step_rows``: sequences in the step's global batch (a forward's weight is its share)."""
+
+    def __init__(self, model, step_rows: int):
+        m = model.cfg
+        self.E, self.L, self.coef, self.step_rows = m.num_experts, num_moe_blocks(m), m.moe_aux_loss_coef, step_rows
+        self.forward_width = 1 + self.E + self.L * self.E
+        """A forward's row: rows so far, assignments so far (E), each block's summed probabilities (L x E)."""
+        self.backward_width = 1 + self.E
+        """A backward's row: the forward's rows and assignments over every block."""
+        self.reset()
+
+    def reset(self) -> None:
+        self._arrived: dict[int, torch.Tensor] = {}
+        self._own: dict[tuple[int, int], list] = {}
+        self._going: dict[int, list[torch.Tensor]] = {}
+        self._totals: dict[int, torch.Tensor] = {}
+
+    # -- the forward ---------------------------------------------------------------------------
+    def arrived(self, mb: int, rows: torch.Tensor) -> None:
+        """The stage before's rows for ``mb`` (``[pieces, forward_width]``)."""
+        self._arrived[mb] = rows
+
+    def forwarded(self, mb: int, piece: int, record: list) -> torch.Tensor:
+        """This stage's blocks (``record``) folded into piece ``piece``'s row; returns the row."""
+        E = self.E
+        row = (self._arrived[mb][piece].clone() if mb in self._arrived
+               else torch.zeros(self.forward_width, dtype=torch.float32))
+        for counts, probs, rows, ordinal in record:
+            row[0] += rows
+            row[1:1 + E] += counts.cpu()
+            row[1 + E + ordinal * E:1 + E + (ordinal + 1) * E] = probs.detach().float().cpu()
+        self._own[(mb, piece)] = record
+        self._going.setdefault(mb, []).append(row)
+        return row
+
+    def outgoing(self, mb: int) -> torch.Tensor:
+        """What goes with ``mb``'s activation to the next stage."""
+        self._arrived.pop(mb, None)
+        return torch.stack(self._going.pop(mb))
+
+    def loss_term(self, mb: int, piece: int, rows: int) -> tuple[torch.Tensor | None, float]:
+        """On the last stage, once the piece's forward is folded in: its term in the objective (with
+        this stage's blocks' graph) and the load-balancing loss's value; keeps the totals to send back."""
+        row = self._going[mb][piece]
+        counts, total = row[1:1 + self.E], int(row[0])
+        value = float(aux_of(counts, row[1 + self.E:].view(self.L, self.E).sum(0), total, self.E))
+        return self._term(mb, piece, counts, total, rows), value
+
+    def last_forward_done(self, mb: int) -> None:
+        """On the last stage, after every piece of ``mb``: its totals wait for the gradient's send."""
+        self._arrived.pop(mb, None)
+        self._totals[mb] = torch.stack([row[:1 + self.E] for row in self._going.pop(mb)])
+
+    # -- the backward --------------------------------------------------------------------------
+    def totals_arrived(self, mb: int, rows: torch.Tensor) -> None:
+        self._totals[mb] = rows
+
+    def surrogate(self, mb: int, piece: int, rows: int) -> torch.Tensor | None:
+        """The term whose gradient this stage's blocks take in ``mb``'s backward (None: none here)."""
+        row = self._totals[mb][piece]
+        return self._term(mb, piece, row[1:], int(row[0]), rows)
+
+    def returning(self, mb: int) -> torch.Tensor:
+        """What goes with ``mb``'s gradient to the stage before."""
+        return self._totals.pop(mb)
+
+    def _term(self, mb: int, piece: int, counts: torch.Tensor, total: int, rows: int) -> torch.Tensor | None:
+        record = self._own.pop((mb, piece), [])
+        if not record or not self.coef:
+            return None
+        probs = [torch.zeros(self.E, dtype=torch.float32, device=record[0][1].device)] * self.L
+        for _, p, _, ordinal in record:
+            probs[ordinal] = p
+        counts = counts.to(record[0][1].device)
+        return self.coef * aux_of(counts, torch.stack(probs).sum(0), total, self.E) * (rows / self.step_rows)
