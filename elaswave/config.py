@@ -21,7 +21,7 @@ from elaswave.control import faults
 from elaswave.control.config import ElasticConfig
 from elaswave.data.config import DataConfig
 from elaswave.errors import ConfigError, fail as _fail
-from elaswave.model.config import ModelConfig, resolve as resolve_model
+from elaswave.model.config import ModelConfig, hf_architecture, resolve as resolve_model
 from elaswave.plan.frequency import PowerModel
 from elaswave.precision import PRECISIONS
 from elaswave.tensor.split import check_job as check_tensor_parallel_job
@@ -234,9 +234,12 @@ class JobConfig:
             _fail("elastic.policy", self.elastic.policy, "sends micro-batches through other pipelines' stages, which "
                   "interleaved pipelines do not share; use elastic.policy=elaswave or drop_replica")
         moe = self.model.num_experts and self._llama
-        if moe and self.checkpoint.export_hf and not self.model.init_from:
-            _fail("checkpoint.export_hf", self.checkpoint.export_hf, "a mixture of experts built here, not read from "
-                  "a folder (model.init_from), has no Hugging Face config to export with yet")
+        if self.checkpoint.export_hf and self._llama and not self.model.init_from:
+            try:
+                hf_architecture(self.model)
+            except ValueError as exc:
+                _fail("checkpoint.export_hf", self.checkpoint.export_hf, f"this model's shape is no Hugging Face "
+                      f"family's, so no folder could hold it: {exc}")
         if moe and self.parallel.tp > 1:
             _fail("model.num_experts", self.model.num_experts, f"a mixture of experts on tensor-parallel shards is not "
                   f"built yet (parallel.tp={self.parallel.tp}); use parallel.tp=1")

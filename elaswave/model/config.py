@@ -321,11 +321,37 @@ def _experts_of(doc: dict, arch: str, where: str) -> dict:
     return {}
 
 
+def hf_architecture(m: ModelConfig) -> str:
+    """The transformers class a llama-architecture config is written as, or a ValueError saying
+    why none computes it (a shape no family has)."""
+    qkv_only = m.attention_bias and m.qkv_bias_only
+    if m.num_experts and m.moe_names == "mixtral":
+        if m.qk_norm or m.attention_bias or m.mlp_bias or m.shared_expert_ffn_dim or m.moe_sparse_step != 1 \
+                or not m.moe_norm_topk:
+            raise ValueError("Mixtral has no query/key norms, biases, shared expert, dense blocks or unnormalised top k")
+        return "MixtralForCausalLM"
+    if m.num_experts:
+        if m.mlp_bias:
+            raise ValueError("Qwen's MoE blocks have no MLP biases")
+        if m.qk_norm:
+            if qkv_only or m.shared_expert_ffn_dim:
+                raise ValueError("Qwen3-MoE has no q/k/v-only biases and no shared expert")
+            return "Qwen3MoeForCausalLM"
+        if not m.shared_expert_ffn_dim or (m.attention_bias and not qkv_only):
+            raise ValueError("Qwen2-MoE always has a shared expert and biases on q, k and v only (or none)")
+        return "Qwen2MoeForCausalLM"
+    if m.qk_norm:
+        if qkv_only:
+            raise ValueError("Qwen3 has no q/k/v-only biases")
+        return "Qwen3ForCausalLM"
+    return "Qwen2ForCausalLM" if qkv_only else "LlamaForCausalLM"
+
+
 def to_hf_config(m: ModelConfig) -> dict:
-    """A Hugging Face ``config.json`` (LlamaForCausalLM) for a llama-architecture config."""
-    qwen2 = m.attention_bias and m.qkv_bias_only  # Llama's attention_bias would add an output bias
-    doc = {"architectures": ["Qwen2ForCausalLM" if qwen2 else "LlamaForCausalLM"],
-           "model_type": "qwen2" if qwen2 else "llama", "vocab_size": m.vocab_size,
+    """A Hugging Face ``config.json`` for a llama-architecture config (:func:`hf_architecture`)."""
+    arch = hf_architecture(m)
+    qwen2 = arch == "Qwen2ForCausalLM"  # Llama's attention_bias would add an output bias
+    doc = {"architectures": [arch], "model_type": _MODEL_TYPES[arch], "vocab_size": m.vocab_size,
            "hidden_size": m.d_model, "intermediate_size": m.ffn_width, "num_hidden_layers": m.num_blocks,
            "num_attention_heads": m.num_heads, "num_key_value_heads": m.kv_heads, "head_dim": m.head_width,
            "hidden_act": "silu", "max_position_embeddings": max(m.seq_len, m.rope_original_max_positions
@@ -338,7 +364,25 @@ def to_hf_config(m: ModelConfig) -> dict:
         doc["rope_scaling"] = {"rope_type": "llama3", "factor": m.rope_scaling_factor,
                                "low_freq_factor": m.rope_low_freq_factor, "high_freq_factor": m.rope_high_freq_factor,
                                "original_max_position_embeddings": m.rope_original_max_positions}
+    if arch == "MixtralForCausalLM":
+        doc.update(intermediate_size=m.expert_ffn_width, num_local_experts=m.num_experts, sliding_window=None,
+                   num_experts_per_tok=m.experts_per_token, router_aux_loss_coef=m.moe_aux_loss_coef,
+                   router_jitter_noise=0.0, output_router_logits=False)
+    elif arch in ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"):
+        doc.update(num_experts=m.num_experts, num_experts_per_tok=m.experts_per_token,
+                   moe_intermediate_size=m.expert_ffn_width, norm_topk_prob=m.moe_norm_topk,
+                   decoder_sparse_step=m.moe_sparse_step, mlp_only_layers=[], router_aux_loss_coef=m.moe_aux_loss_coef,
+                   output_router_logits=False, use_sliding_window=False, sliding_window=None)
+        if arch == "Qwen2MoeForCausalLM":
+            doc.update(shared_expert_intermediate_size=m.shared_expert_ffn_dim, qkv_bias=m.attention_bias,
+                       attention_bias=False)
+    elif arch == "Qwen3ForCausalLM":
+        doc.update(use_sliding_window=False, sliding_window=None)
     return doc
+
+
+_MODEL_TYPES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
+                "MixtralForCausalLM": "mixtral", "Qwen2MoeForCausalLM": "qwen2_moe", "Qwen3MoeForCausalLM": "qwen3_moe"}
 
 
 def read_hf_config(path: str) -> dict:

@@ -196,6 +196,37 @@ def test_a_moe_folder_comes_back_exactly_and_its_trained_export_loads_in_transfo
     with torch.no_grad():
         ours = Stage(cfg, (0, model.num_layers), torch.device("cpu"), model).forward(ids, 0, 0, train=False)
         assert float((back(ids).logits - ours).abs().max()) <= 1e-5
-    refused = run_cli(["run", "--set", "model.num_experts=4", "--set", "parallel.pp=1", "--set",
-                       f"checkpoint.export_hf={tmp_path / 'x'}"], tmp_path, timeout_s=60)
-    assert refused.returncode == 2 and "has no Hugging Face config to export with yet" in refused.stderr
+
+
+SHAPES = {  # models built from keys (no folder): written as the family that computes them
+    "MixtralForCausalLM": ["model.num_experts=4", "model.moe_names=mixtral", "model.tie_embeddings=false"],
+    "Qwen2MoeForCausalLM": ["model.num_experts=4", "model.expert_ffn_dim=24", "model.shared_expert_ffn_dim=40",
+                            "model.moe_norm_topk=false", "model.attention_bias=true", "model.qkv_bias_only=true"],
+    "Qwen3MoeForCausalLM": ["model.num_experts=6", "model.experts_per_token=3", "model.expert_ffn_dim=24",
+                            "model.qk_norm=true", "model.moe_sparse_step=2"],
+    "Qwen3ForCausalLM": ["model.qk_norm=true", "model.head_dim=24"],
+}
+
+
+@pytest.mark.parametrize("arch", sorted(SHAPES))
+def test_a_model_built_from_keys_exports_as_its_family_with_its_logits(tmp_path, arch):
+    from tests.helpers.spawn import run_cli
+    sets = [f"model.seq_len={SEQ}", "model.dropout=0", "parallel.pp=1", "parallel.dp=1", *SHAPES[arch]]
+    res = run_cli(["run", *[x for s in [*sets, "train.steps=0", "checkpoint.export_dtype=fp32",
+                                        f"checkpoint.export_hf={tmp_path / 'out'}"] for x in ("--set", s)]], tmp_path)
+    assert res.returncode == 0, res.stderr
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+    assert type(theirs).__name__ == arch
+    cfg = config.load(None, [*sets, "train.deterministic=true"])
+    model = model_for(cfg)
+    ids = torch.randint(0, cfg.model.vocab_size, (2, SEQ), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        ours = Stage(cfg, (0, model.num_layers), torch.device("cpu"), model).forward(ids, 0, 0, train=False)
+        assert float((theirs(ids).logits - ours).abs().max()) <= 1e-5
+
+
+def test_a_shape_no_family_has_is_refused_before_it_trains(tmp_path):
+    from tests.helpers.spawn import run_cli
+    res = run_cli(["run", "--set", "model.num_experts=4", "--set", "parallel.pp=1", "--set",
+                   f"checkpoint.export_hf={tmp_path / 'x'}"], tmp_path, timeout_s=60)  # Qwen names, no shared expert
+    assert res.returncode == 2 and "no Hugging Face family's" in res.stderr and "shared expert" in res.stderr, res.stderr
