@@ -173,9 +173,9 @@ class ModelConfig:
             if self.moe_sparse_step < 1 or self.moe_aux_loss_coef < 0:
                 _fail("model.moe_sparse_step" if self.moe_sparse_step < 1 else "model.moe_aux_loss_coef",
                       self.moe_sparse_step if self.moe_sparse_step < 1 else self.moe_aux_loss_coef, "must be >= 1 (>= 0)")
-            if self.num_experts and self.lora.enabled:
-                _fail("model.lora.rank", self.lora.rank, "adapters on mixture-of-experts blocks are not built yet "
-                                                         "(model.num_experts > 0)")
+            if self.num_experts and self.lora.enabled and any(p.startswith("mlp.") for p in self.lora.paths()):
+                _fail("model.lora.targets", list(self.lora.targets), "adapters on a mixture of experts' MLPs are not "
+                      "built yet (model.num_experts > 0): target the attention's projections, q;k;v;o")
             if self.rope_scaling_factor < 0 or (self.rope_scaling_factor and not
                                                 self.rope_high_freq_factor > self.rope_low_freq_factor > 0):
                 _fail("model.rope_scaling_factor", self.rope_scaling_factor,

@@ -95,6 +95,28 @@ def test_an_adapter_folder_loads_in_peft_with_elaswaves_logits(tmp_path, qwen2):
     assert moved and all(k.endswith("_proj.weight") for k in moved), sorted(moved)
 
 
+def test_attention_adapters_on_a_mixture_of_experts_load_in_peft_with_elaswaves_logits(tmp_path):
+    """A Qwen3-MoE folder tuned at pp=2 (its load-balancing loss across the stages) with adapters
+    on q, k, v and o; the experts' MLPs take none yet (one line)."""
+    torch.manual_seed(4)
+    base = tmp_path / "base"
+    transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(**dict(
+        HF, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24, head_dim=16))).save_pretrained(base)
+    out = tmp_path / "adapter"
+    _run(tmp_path, base, out, "parallel.pp=2", "model.lora.targets=q;k;v;o")
+    saved = load_file(out / "adapter_model.safetensors")
+    assert len(saved) == 2 * 4 * HF["num_hidden_layers"]
+    tokens = torch.randint(0, HF["vocab_size"], (2, 32), generator=torch.Generator().manual_seed(0))
+    tuned = peft.PeftModel.from_pretrained(transformers.Qwen3MoeForCausalLM.from_pretrained(base), out).eval()
+    with torch.no_grad():
+        theirs = tuned(tokens).logits
+    ours = _own_logits(base, dict(saved), tokens, targets=("q", "k", "v", "o"))
+    assert (ours - theirs).abs().max() < 1e-5
+    res = run_cli(["run", "--set", f"model.init_from={base}", "--set", "model.lora.rank=4", "--set",
+                   "model.seq_len=32"], tmp_path, timeout_s=60)
+    assert res.returncode == 2 and "target the attention's projections, q;k;v;o" in res.stderr, res.stderr
+
+
 def test_only_the_adapters_train_and_hold_optimizer_state():
     cfg = config.load(None, [*TINY[:4], "model.lora.rank=2", "model.lora.targets=q;v"])
     m = model_for(cfg)
