@@ -231,9 +231,13 @@ class Executor:
         """ZB-H1's B: the input's gradient now (the stage before waits for it), the weights' at W."""
         began, cpu = self._begin_backward()
         mb = a.micro_batch
-        self.weight_passes[mb] = [backward_input(out, grad, self.inputs.get((mb, 0)), self._weights,
-                                                  self._recomputed_weights)
-                                  for out, grad in self._output_grads(mb)]
+        passes = []
+        for piece, (out, grad) in enumerate(self._output_grads(mb)):
+            term = self.relay.surrogate(mb, piece, out.shape[0]) if self.relay is not None and grad is not None else None
+            if term is not None:  # one root: the gradient reaching ``out`` is ``grad`` exactly (1 x grad)
+                out, grad = (out * grad).sum() + term, None
+            passes.append(backward_input(out, grad, self.inputs.get((mb, 0)), self._weights, self._recomputed_weights))
+        self.weight_passes[mb] = passes
         self._end_compute(began, cpu, BACKWARD_INPUT_SHARE)
 
     def _backward_weight(self, a: Action) -> None:
