@@ -3,13 +3,15 @@
 The loss couples every MoE block a forward passes (:mod:`elaswave.model.moe`): its value needs each
 block's summed router probabilities and all blocks' assignments, and each block's gradient the
 forward's total assignments ``n`` and rows ``R``. So the statistics travel with the forward -- the
-rows and assignments so far and each block's summed probabilities, stage to stage beside the
-activation -- and the totals travel back beside the gradient. Each stage's blocks then take, in
+assignments so far and each block's summed probabilities, stage to stage beside the activation --
+and the total assignments travel back beside the gradient. Each stage's blocks then take, in
 their backward, the gradient of the very expression the single-process reference differentiates
 (the other stages' blocks as constants): the same products in the same order, so the same bits.
 
 One row of statistics per piece of a micro-batch (a reshaped micro-batch's units are forwards of
-their own), float32 whatever the compute dtype: counts are integers that bf16 would round.
+their own), float32 whatever the compute dtype (counts are integers that bf16 would round), kept on
+the device: no block's statistics wait for the host. A forward's rows over every block, ``R``, are
+known without them: every MoE block sees the piece's ``sequences x seq_len`` tokens.
 """
 from __future__ import annotations
 
@@ -21,13 +23,14 @@ from elaswave.model.moe import aux_of, num_moe_blocks
 class BalanceRelay:
     """``step_rows``: sequences in the step's global batch (a forward's weight is its share)."""
 
-    def __init__(self, model, step_rows: int):
+    def __init__(self, model, step_rows: int, device: torch.device = torch.device("cpu")):
         m = model.cfg
         self.E, self.L, self.coef, self.step_rows = m.num_experts, num_moe_blocks(m), m.moe_aux_loss_coef, step_rows
-        self.forward_width = 1 + self.E + self.L * self.E
-        """A forward's row: rows so far, assignments so far (E), each block's summed probabilities (L x E)."""
-        self.backward_width = 1 + self.E
-        """A backward's row: the forward's rows and assignments over every block."""
+        self.seq_len, self.device = m.seq_len, device
+        self.forward_width = self.E + self.L * self.E
+        """A forward's row: its assignments so far (E), each block's summed probabilities (L x E)."""
+        self.backward_width = self.E
+        """A backward's row: the forward's assignments over every block."""
         self.reset()
 
     def reset(self) -> None:
@@ -45,11 +48,10 @@ class BalanceRelay:
         """This stage's blocks (``record``) folded into piece ``piece``'s row; returns the row."""
         E = self.E
         row = (self._arrived[mb][piece].clone() if mb in self._arrived
-               else torch.zeros(self.forward_width, dtype=torch.float32))
-        for counts, probs, rows, ordinal in record:
-            row[0] += rows
-            row[1:1 + E] += counts.cpu()
-            row[1 + E + ordinal * E:1 + E + (ordinal + 1) * E] = probs.detach().float().cpu()
+               else torch.zeros(self.forward_width, dtype=torch.float32, device=self.device))
+        for counts, probs, _, ordinal in record:
+            row[:E] += counts
+            row[E + ordinal * E:E + (ordinal + 1) * E] = probs.detach().float()
         self._own[(mb, piece)] = record
         self._going.setdefault(mb, []).append(row)
         return row
@@ -63,14 +65,14 @@ class BalanceRelay:
         """On the last stage, once the piece's forward is folded in: its term in the objective (with
         this stage's blocks' graph) and the load-balancing loss's value; keeps the totals to send back."""
         row = self._going[mb][piece]
-        counts, total = row[1:1 + self.E], int(row[0])
-        value = float(aux_of(counts, row[1 + self.E:].view(self.L, self.E).sum(0), total, self.E))
+        counts, total = row[:self.E], self.L * rows * self.seq_len
+        value = float(aux_of(counts, row[self.E:].view(self.L, self.E).sum(0), total, self.E))
         return self._term(mb, piece, counts, total, rows), value
 
     def last_forward_done(self, mb: int) -> None:
         """On the last stage, after every piece of ``mb``: its totals wait for the gradient's send."""
         self._arrived.pop(mb, None)
-        self._totals[mb] = torch.stack([row[:1 + self.E] for row in self._going.pop(mb)])
+        self._totals[mb] = torch.stack([row[:self.E] for row in self._going.pop(mb)])
 
     # -- the backward --------------------------------------------------------------------------
     def totals_arrived(self, mb: int, rows: torch.Tensor) -> None:
@@ -78,8 +80,7 @@ class BalanceRelay:
 
     def surrogate(self, mb: int, piece: int, rows: int) -> torch.Tensor | None:
         """The term whose gradient this stage's blocks take in ``mb``'s backward (None: none here)."""
-        row = self._totals[mb][piece]
-        return self._term(mb, piece, row[1:], int(row[0]), rows)
+        return self._term(mb, piece, self._totals[mb][piece], self.L * rows * self.seq_len, rows)
 
     def returning(self, mb: int) -> torch.Tensor:
         """What goes with ``mb``'s gradient to the stage before."""
@@ -89,8 +90,7 @@ class BalanceRelay:
         record = self._own.pop((mb, piece), [])
         if not record or not self.coef:
             return None
-        probs = [torch.zeros(self.E, dtype=torch.float32, device=record[0][1].device)] * self.L
+        probs = [torch.zeros(self.E, dtype=torch.float32, device=self.device)] * self.L
         for _, p, _, ordinal in record:
             probs[ordinal] = p
-        counts = counts.to(record[0][1].device)
         return self.coef * aux_of(counts, torch.stack(probs).sum(0), total, self.E) * (rows / self.step_rows)

@@ -157,7 +157,7 @@ class P2P:
         self.group.wait(self.group.irecv(buf, src, SIDE + self._tag(mb, 0, grad)),
                         f"routing statistics beside the {'gradient' if grad else 'activation'} of micro-batch {mb} "
                         f"from rank {src}")
-        return buf.cpu()
+        return buf
 
     def drain(self) -> None:
         for work, _ in self.pending:

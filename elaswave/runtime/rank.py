@@ -114,7 +114,7 @@ def build_rank(cfg: JobConfig, plan: Plan, rank: int, stage: Stage, sampler: Sam
     # The loss spans every stage a micro-batch passes: its pipeline's, or another's on a detour (a
     # pipeline of one rank may send its micro-batches through another pipeline's stages).
     if getattr(m, "num_experts", 0) and m.moe_aux_loss_coef:
-        executor.relay = BalanceRelay(model, executor.step_rows)
+        executor.relay = BalanceRelay(model, executor.step_rows, device)
     return RankState(
         rank=rank, plan=plan, stage=stage, shards=shards,
         schedule=schedule,
