@@ -8,12 +8,11 @@ place (see :mod:`elaswave.checkpoint.hf_folder`: what the folder holds, and why 
 """
 from __future__ import annotations
 
+import os
+import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Iterable
-
-import os
-import sys
 
 import torch
 

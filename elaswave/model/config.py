@@ -114,6 +114,10 @@ class ModelConfig:
         """Block ``block`` (0-based) is a mixture of experts."""
         return self.num_experts > 0 and (block + 1) % self.moe_sparse_step == 0
 
+    def moe_blocks_before(self, block: int) -> int:
+        """Mixtures of experts among blocks 0..block-1 (a block's place among them: its ordinal)."""
+        return sum(self.is_moe_block(b) for b in range(block))
+
     @property
     def ffn_width(self) -> int:
         if self.ffn_dim:

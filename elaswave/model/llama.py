@@ -162,8 +162,7 @@ class Block(nn.Module):
         self.post_attention_layernorm = RMSNorm(m.d_model, m.norm_eps)
         # Under the name its checkpoints give it: Mixtral's experts are block_sparse_moe, Qwen's mlp.
         self.ffn = "block_sparse_moe" if m.is_moe_block(block) and m.moe_names == "mixtral" else "mlp"
-        ordinal = sum(m.is_moe_block(b) for b in range(block))
-        setattr(self, self.ffn, SparseMoE(m, ordinal) if m.is_moe_block(block) else MLP(m))
+        setattr(self, self.ffn, SparseMoE(m, m.moe_blocks_before(block)) if m.is_moe_block(block) else MLP(m))
 
     def forward(self, x: torch.Tensor, gen: torch.Generator | None, documents: torch.Tensor | None = None) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), gen, documents)

@@ -54,7 +54,7 @@ def aux_of(counts: torch.Tensor, probs: torch.Tensor, rows: int, num_experts: in
 
 
 def num_moe_blocks(m) -> int:
-    return sum(m.is_moe_block(b) for b in range(m.num_blocks))
+    return m.moe_blocks_before(m.num_blocks)
 
 
 class Expert(nn.Module):
@@ -124,5 +124,11 @@ def balance_term(record: list, model, rows: int, step_rows: int) -> tuple[torch.
     aux = aux_loss(record, m.num_experts) if getattr(m, "num_experts", 0) else None
     if aux is None:
         return None, None
-    term = m.moe_aux_loss_coef * aux * (rows / step_rows) if m.moe_aux_loss_coef else None
-    return term, float(aux.detach())
+    return weighted(m.moe_aux_loss_coef, aux, rows, step_rows), float(aux.detach())
+
+
+def weighted(coef: float, aux: torch.Tensor, rows: int, step_rows: int) -> torch.Tensor | None:
+    """A forward's load-balancing loss as its share of the step's objective (None: coefficient 0).
+    One expression for the reference and every pipeline stage: the same float operations, so the
+    same gradient bits."""
+    return coef * aux * (rows / step_rows) if coef else None

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from elaswave.model.moe import aux_of, num_moe_blocks
+from elaswave.model.moe import aux_of, num_moe_blocks, weighted
 
 
 class BalanceRelay:
@@ -93,4 +93,4 @@ class BalanceRelay:
         probs = [torch.zeros(self.E, dtype=torch.float32, device=self.device)] * self.L
         for _, p, _, ordinal in record:
             probs[ordinal] = p
-        return self.coef * aux_of(counts, torch.stack(probs).sum(0), total, self.E) * (rows / self.step_rows)
+        return weighted(self.coef, aux_of(counts, torch.stack(probs).sum(0), total, self.E), rows, self.step_rows)

@@ -58,8 +58,6 @@ class Executor:
         rank's own speed, which the planner balances by."""
         self.slowdown = 1.0
         """Each forward and backward takes this many times as long (an injected straggler)."""
-        self.step_rows = 1
-        """Sequences in the step's global batch: a forward's share of the load-balancing loss (moe.py)."""
         self.relay: BalanceRelay | None = None
         """A mixture of experts' load-balancing loss across this pipeline's stages (pipeline/balance.py)."""
         self._table = {
@@ -171,7 +169,7 @@ class Executor:
             if last:
                 loss_sum = self.stage.model.loss_sum(out, batch.targets.to(self.stage.device))
                 term, aux = (self.relay.loss_term(mb, piece, batch.targets.shape[0]) if self.relay is not None else
-                             moe.balance_term(record, self.stage.model, batch.targets.shape[0], self.step_rows))
+                             (None, self._aux_alone(record)))
                 self.losses[key] = (float(loss_sum.detach()), batch.loss_tokens, aux)
                 # Scale by the *global* count of loss tokens: the gradient is the mean over the whole
                 # batch, whichever pipeline runs this micro-batch and however many pipelines are alive.
@@ -183,6 +181,14 @@ class Executor:
             self.relay.last_forward_done(mb)
         self.outputs[at] = outs
         self._end_compute(began, cpu, chunk=a.chunk)
+
+    def _aux_alone(self, record: list) -> float | None:
+        """Without a relay (no experts; a schedule that carries no statistics, where the loss is
+        off): the load-balancing loss's value where this rank runs every block in one chunk, else
+        None (it would be a part's)."""
+        if not record or self.stage.chunks != ((0, self.stage.model.num_layers),):
+            return None
+        return float(moe.aux_loss(record, self.stage.model.cfg.num_experts).detach())
 
     def _send_act(self, a: Action) -> None:
         self.p2p.send_act(_joined(self.outputs[(a.micro_batch, a.chunk)]), a.micro_batch, a.peer, a.chunk)

@@ -109,12 +109,13 @@ def build_rank(cfg: JobConfig, plan: Plan, rank: int, stage: Stage, sampler: Sam
     shards = TensorShards(model, stage.layers, buckets, model.cut.group) if par.tp > 1 else None
     executor = Executor(stage, p2p, sampler, step_tokens, accumulator.add_micro_batch, before, emulated,
                         pieces_of(plan, t) if k > 1 else None)
-    executor.step_rows = t.num_micro_batches * t.micro_batch_size
-    m = getattr(model, "cfg", None)
-    # The loss spans every stage a micro-batch passes: its pipeline's, or another's on a detour (a
-    # pipeline of one rank may send its micro-batches through another pipeline's stages).
-    if getattr(m, "num_experts", 0) and m.moe_aux_loss_coef:
-        executor.relay = BalanceRelay(model, executor.step_rows, device)
+    # A mixture of experts' load-balancing loss spans every stage a micro-batch passes: its
+    # pipeline's, or another's on a detour (a pipeline of one rank may send its micro-batches through
+    # another pipeline's stages). Relayed with any coefficient, so the recorded value is whole; the
+    # interleaved schedule and the reroute baseline carry none (the config refuses the loss there).
+    if getattr(getattr(model, "cfg", None), "num_experts", 0) and plan.virtual_stages == 1 \
+            and cfg.elastic.policy != "reroute":
+        executor.relay = BalanceRelay(model, t.num_micro_batches * t.micro_batch_size, device)
     return RankState(
         rank=rank, plan=plan, stage=stage, shards=shards,
         schedule=schedule,

@@ -63,3 +63,13 @@ def test_a_reshaped_deal_keeps_each_units_balancing_loss(tmp_path):
                                                       "elastic.inject=kill:rank=2,step=2,phase=backward"])
     assert_same_run(res, ref, STEPS)
     assert [r["aux_loss"] for r in res.steps] == [r["aux_loss"] for r in ref.records if r["event"] == "step"]
+
+
+def test_a_pipeline_without_the_balancing_loss_still_records_its_whole_value(tmp_path):
+    """moe_aux_loss_coef=0: no term in the objective, but the recorded aux_loss is over every
+    block of the pipeline, as the reference's (it was the last stage's blocks' alone)."""
+    plain = [*EXPERTS, "model.moe_aux_loss_coef=0"]
+    ref = run_reference(tmp_path, STEPS, True, 4, extra=plain)
+    res = run_job(tmp_path, 1, 3, STEPS, True, extra=plain)
+    assert_same_run(res, ref, STEPS)
+    assert [r["aux_loss"] for r in res.steps] == [r["aux_loss"] for r in ref.records if r["event"] == "step"]
