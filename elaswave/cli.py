@@ -44,38 +44,10 @@ def _load(args: argparse.Namespace) -> config.JobConfig:
     return config.load(args.config, overrides)
 
 
-def _hosts_from_launcher(args: argparse.Namespace, cfg: config.JobConfig) -> None:
-    """Fill the host flags not given from the Slurm step this agent runs in (``--launcher``)."""
-    from elaswave.control import slurm
-
-    use = args.launcher == "slurm" or (args.launcher == "auto" and slurm.in_step()
-                                       and os.environ.get("SLURM_STEP_NUM_NODES", "1") != "1")
-    step = slurm.step() if use else None
-    if step is not None:
-        wrong = [f"{flag}={given}" for flag, given, says in (("--nnodes", args.nnodes, step.nnodes),
-                                                                ("--node-rank", args.node_rank, step.node_rank))
-                 if given is not None and given != says]
-        if wrong:
-            raise ConfigError(f"{' and '.join(wrong)} disagree with the Slurm step (node {step.node_rank} of "
-                              f"{step.nnodes}); leave them out, or use --launcher none")
-        if args.nproc_per_node is None and cfg.world_size % step.nnodes:
-            raise ConfigError(f"the Slurm step's {step.nnodes} nodes cannot share the job's {cfg.world_size} ranks "
-                              "(parallel.dp x parallel.pp x parallel.tp) evenly: allocate a node count that divides it, "
-                              "or give --nproc-per-node")
-        args.rdzv_endpoint = args.rdzv_endpoint or (step.endpoint if args.rdzv_backend == "c10d" else None)
-        args.rdzv_id = args.rdzv_id or step.rdzv_id
-        print(f"elaswave: Slurm job {step.job_id}: node {step.node_rank} of {step.nnodes}"
-              f"{f' ({step.node_name})' if step.node_name else ''}, the job's store at {args.rdzv_endpoint}", flush=True)
-    args.nnodes = args.nnodes if args.nnodes is not None else (step.nnodes if step else 1)
-    args.node_rank = args.node_rank if args.node_rank is not None else (step.node_rank if step else 0)
-    args.rdzv_id = args.rdzv_id or "elaswave"
-    if args.metrics_out:  # each host's agent its own file on a shared file system
-        args.metrics_out = args.metrics_out.replace("%n", str(args.node_rank))
-
-
 def cmd_run(args: argparse.Namespace) -> int:
     cfg = _load(args)
-    _hosts_from_launcher(args, cfg)
+    from elaswave.control import slurm
+    slurm.fill_host_flags(args, cfg)
     _rdzv_conf(args, args.rdzv_backend == "etcd")
     if args.nproc is not None and args.nproc != cfg.world_size:
         raise ConfigError(f"--nproc={args.nproc} is invalid: parallel.dp={cfg.parallel.dp} x "
@@ -84,7 +56,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         raise ConfigError(f"parallel.tp={cfg.parallel.tp} is invalid with --nproc-per-node={args.nproc_per_node}: a "
                           "tensor-parallel group's ranks must share a host (its products all-reduce every layer); "
                           f"use parallel.tp <= {args.nproc_per_node}")
-    per_host = args.nproc_per_node or (cfg.world_size // args.nnodes if args.nnodes else cfg.world_size)
+    per_host = args.nproc_per_node or cfg.world_size // max(1, args.nnodes - args.spare_nodes)
     if per_host % cfg.parallel.tp:
         raise ConfigError(f"--nproc-per-node={per_host} is invalid with parallel.tp={cfg.parallel.tp}: a host must hold "
                           "whole tensor-parallel groups; use a multiple of parallel.tp")
@@ -95,7 +67,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     from elaswave.runtime.metrics import TENSORBOARD_ENV
 
     node = Node(args.nnodes, args.node_rank, args.nproc_per_node, args.rdzv_endpoint, args.rdzv_id,
-                args.rdzv_backend)
+                args.rdzv_backend, args.spare_nodes, args.signpost)
     node.validate(cfg.world_size, job_token())
 
     if args.tensorboard:  # the workers' writer reads it (under torchrun, set it yourself)
@@ -108,14 +80,22 @@ def cmd_run(args: argparse.Namespace) -> int:
         from elaswave.control.health import HostHealth
         health = HostHealth(args.health_file)
         os.environ.update(health.env)  # the workers' word goes where the agent reads it
-    where = (f", this host node {node.node_rank} of {node.nnodes} (ranks {node.founding_ranks(cfg.world_size).start}-"
-             f"{node.founding_ranks(cfg.world_size).stop - 1})" if node.is_multi_host else "")
+    ranks = node.founding_ranks(cfg.world_size)
+    where = (f", this host node {node.node_rank} of {node.nnodes} " + (
+        f"(ranks {ranks.start}-{ranks.stop - 1})" if ranks else f"(a spare: {node.workers(cfg.world_size)} ranks stand by)")
+        if node.is_multi_host else "")
     tp = f" tp={cfg.parallel.tp}" if cfg.parallel.tp > 1 else ""
     print(f"elaswave: dp={cfg.parallel.dp} pp={cfg.parallel.pp}{tp} ({cfg.world_size} ranks{where}), "
           f"{cfg.model.num_layers} layers, global batch {cfg.train.num_micro_batches} x "
           f"{cfg.train.micro_batch_size} sequences, {'deterministic' if cfg.train.deterministic else 'fast'} mode",
           flush=True)
-    code = launch(cfg, args.metrics_out, timeout_s=args.timeout_s, node=node, health=health)
+    outcome: dict = {}
+    code = launch(cfg, args.metrics_out, timeout_s=args.timeout_s, node=node, health=health, outcome=outcome)
+    # Only an agent that followed the store can have lost the batch host (node 0's): no scontrol from the others.
+    if code == 0 and args.slurm_step is not None and getattr(outcome.get("watching"), "followed", False):
+        said = slurm.end_if_batch_host_lost(args.slurm_step.job_id, args.slurm_step.node_name, grace_s=5.0)
+        if said:
+            print(f"elaswave: {said}", flush=True)
     if args.metrics_out and os.path.exists(args.metrics_out):
         print(f"elaswave: metrics in {args.metrics_out}; plots and a page: elaswave report {args.metrics_out}", flush=True)
     return code
@@ -148,7 +128,7 @@ def cmd_join(args: argparse.Namespace) -> int:
         raise ConfigError("elaswave join needs one of --store HOST:PORT (as `elaswave run` printed it) and --slurm-job JOBID")
     if args.slurm_job:
         from elaswave.control import slurm
-        args.store = slurm.job_endpoint(args.slurm_job)
+        args.store = slurm.job_endpoint(args.slurm_job, args.timeout_s)
     _rdzv_conf(args, rendezvous.is_etcd(args.store))
     if ":" not in args.store:
         raise ConfigError(f"--store={args.store!r} is invalid: use HOST:PORT, as `elaswave run` prints it")
@@ -367,7 +347,9 @@ def main(argv: list[str] | None = None) -> int:
     hosts.add_argument("--nnodes", type=int, default=None, help="hosts in the job (default 1, or Slurm's)")
     hosts.add_argument("--node-rank", type=int, default=None,
                        help="this host's number, 0..nnodes-1 (0 hosts the store; default 0, or Slurm's)")
-    hosts.add_argument("--nproc-per-node", type=int, default=None, help="workers on each host (default: dp x pp x tp / nnodes)")
+    hosts.add_argument("--nproc-per-node", type=int, default=None, help="workers on each host (default: dp x pp x tp / (nnodes - spare nodes))")
+    hosts.add_argument("--spare-nodes", type=int, default=0, metavar="K",
+                       help="the last K hosts train only once a host is lost: their ranks stand by, warm (default 0)")
     hosts.add_argument("--rdzv-backend", default="c10d", metavar="c10d|etcd",
                        help="c10d: node 0's agent holds the job's store (a TCPStore); etcd: an etcd cluster holds "
                             "it, and a majority of its members decides (any value is checked: one line if invalid)")
@@ -394,7 +376,7 @@ def main(argv: list[str] | None = None) -> int:
     join = sub.add_parser("join", help="add a rank to a running job (needs the job's ELASWAVE_TOKEN)")
     join.add_argument("--store", metavar="HOST:PORT", help="the job's store, as `elaswave run` prints it")
     join.add_argument("--slurm-job", metavar="JOBID", help="instead of --store: the Slurm job the training runs as "
-                                                          "(its first node holds the store)")
+                                                          "(its nodes say where its store is)")
     join.add_argument("--metrics-out", metavar="F.jsonl", help="where to write metrics if this rank becomes the writer")
     join.add_argument("--timeout-s", type=float, default=30.0, help="how long to wait for the store")
     join.add_argument("--rdzv-conf", default="", metavar="KEY=VALUE,...", help=RDZV_CONF_HELP)

@@ -59,8 +59,9 @@ class TrainConfig:
     """fp32, or bf16 (bfloat16 layers, float32 master weights and Adam moments in the ZeRO shards);
     auto: bf16 on a CUDA device that supports it, fp32 on CPU. See elaswave/precision.py."""
     activation_checkpointing: str = "none"
-    """none, full (every block recomputes its forward in the backward), or every_N (every N-th
-    block): less activation memory for more compute; the same bits either way."""
+    """none, full (every block recomputes its forward in the backward), every_N (every N-th
+    block), or selective (every block's attention core, Megatron's: elaswave/model/recompute.py):
+    less activation memory for more compute; the same bits either way."""
 
     tokens: int = 0
     """A budget instead of ``steps``: train until this many tokens were seen (rounded up to whole
@@ -83,7 +84,7 @@ class TrainConfig:
 
     def checkpointed(self, layer: int, num_layers: int) -> bool:
         """Whether layer ``layer`` (of ``num_layers``; blocks are 1..num_layers-2) is recomputed."""
-        if self.activation_checkpointing == "none" or not 0 < layer < num_layers - 1:
+        if self.activation_checkpointing in ("none", "selective") or not 0 < layer < num_layers - 1:
             return False
         every = 1 if self.activation_checkpointing == "full" else int(self.activation_checkpointing[6:])
         return layer % every == 0
@@ -130,8 +131,9 @@ class TrainConfig:
         if self.precision not in PRECISIONS:
             _fail("train.precision", self.precision, f"must be one of {', '.join(PRECISIONS)}")
         ac = self.activation_checkpointing
-        if ac not in ("none", "full") and not re.fullmatch(r"every_[1-9][0-9]*", ac):
-            _fail("train.activation_checkpointing", ac, "must be none, full or every_N with N >= 1 (e.g. every_2)")
+        if ac not in ("none", "full", "selective") and not re.fullmatch(r"every_[1-9][0-9]*", ac):
+            _fail("train.activation_checkpointing", ac,
+                  "must be none, full, selective or every_N with N >= 1 (e.g. every_2)")
 
 
 @dataclass

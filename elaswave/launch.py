@@ -25,7 +25,7 @@ import torch.distributed as dist
 from elaswave.config import JobConfig
 from elaswave.errors import ConfigError
 from elaswave.forkserver import Starter, open_starter
-from elaswave.control import addresses, agents, failover, job_store, rank_numbers, rendezvous, seal
+from elaswave.control import addresses, agents, failover, job_store, rank_numbers, rendezvous, seal, signpost
 from elaswave.control.admission import job_token, new_token, Admission
 from elaswave.control.agents import AgentRefused, Node
 from elaswave.control.health import HostHealth
@@ -72,9 +72,10 @@ def _check_devices(cfg: JobConfig, node: Node) -> None:
 
 def launch(cfg: JobConfig, metrics_out: str | None = None, host: str = "127.0.0.1",
            timeout_s: float | None = None, done_grace_s: float = 10.0, node: Node = Node(),
-           health: HostHealth | None = None) -> int:
+           health: HostHealth | None = None, outcome: dict | None = None) -> int:
     """Run the job (or, with ``node``, this host's share of it) to completion; returns the exit
-    code (0 when the training finished). ``health``: where this host's state is kept for a probe.
+    code (0 when the training finished). ``health``: where this host's state is kept for a probe;
+    ``outcome``: filled with ``followed`` (this agent followed the store to where it moved).
 
     On one host the store binds to ``host`` (loopback unless told otherwise). Joining ranks must
     prove the job's token: ``ELASWAVE_TOKEN`` from the environment, or (one host only) a new random
@@ -83,7 +84,7 @@ def launch(cfg: JobConfig, metrics_out: str | None = None, host: str = "127.0.0.
     starter = open_starter()  # before any thread, socket or device context of this process
     code = 1
     try:
-        code = _launch(cfg, metrics_out, host, timeout_s, done_grace_s, node, starter, health)
+        code = _launch(cfg, metrics_out, host, timeout_s, done_grace_s, node, starter, health, outcome)
         return code
     except ConfigError:
         code = 2  # the one-line error's code (cli.main)
@@ -95,7 +96,7 @@ def launch(cfg: JobConfig, metrics_out: str | None = None, host: str = "127.0.0.
 
 
 def _launch(cfg: JobConfig, metrics_out: str | None, host: str, timeout_s: float | None, done_grace_s: float,
-            node: Node, starter: Starter, health: HostHealth | None = None) -> int:
+            node: Node, starter: Starter, health: HostHealth | None = None, outcome: dict | None = None) -> int:
     addresses.check_bind_address(cfg.parallel.bind_address)  # before anything listens
     _check_devices(cfg, node)
     if node.rdzv_backend == "etcd":
@@ -123,6 +124,7 @@ def _launch(cfg: JobConfig, metrics_out: str | None, host: str, timeout_s: float
             raise AgentRefused(f"--rdzv-endpoint={node.rdzv_endpoint}: node 0's agent did not publish the job's "
                                f"settings within parallel.timeout_s={cfg.parallel.timeout_s:g} s") from None
     membership = Membership(store, -1)
+    post = signpost.open_signpost(node.signpost, store_addr, cfg.parallel.timeout_s)
     with tempfile.NamedTemporaryFile("w", suffix=".json", prefix="elaswave-", delete=False) as fh:
         json.dump(cfg.to_dict(), fh)
         cfg_path = fh.name
@@ -138,10 +140,14 @@ def _launch(cfg: JobConfig, metrics_out: str | None, host: str, timeout_s: float
     try:
         for _ in node.founding_ranks(cfg.world_size):
             workers.spawn()
+        for _ in range(node.workers(cfg.world_size) if node.is_spare else 0):
+            workers.spawn(joining=True)  # a spare host's: warm, each asks in when a rank is lost
         for _ in range(cfg.elastic.spares if cfg.elastic.enabled else 0):
             workers.spawn_spare()
         watching = _Watching(cfg, node)
-        watching.health = health
+        watching.health, watching.signpost = health, post
+        if outcome is not None:
+            outcome["watching"] = watching
         while True:
             try:
                 code = _watch(cfg, workers, store, membership, timeout_s, done_grace_s, watching)
@@ -190,6 +196,10 @@ class _Watching:
         """The training finished (``ew/done``)."""
         self.health: HostHealth | None = None
         """Where this host's state is kept for a probe (``--health-file``)."""
+        self.signpost: signpost.Signpost | None = None
+        """Where this agent tells joiners the store's address (under Slurm)."""
+        self.followed = False
+        """This agent followed the store to where the members moved it."""
 
 
 def _watch(cfg: JobConfig, workers: Workers, store: dist.TCPStore, membership: Membership,
@@ -321,11 +331,20 @@ def _follow(cfg: JobConfig, workers: Workers, store, watching: _Watching, lost: 
     this agent goes there too, within ``parallel.timeout_s``; whether it did."""
     if watching.directory is None or not cfg.elastic.enabled:
         return False
+    # (A spare host follows even with none of its ranks left: they stand by again on the moved store.)
     addr = watching.directory.follow(store, cfg.parallel.timeout_s, cfg.parallel.timeout_s,
-                                     pointless=lambda: all(p.poll() is not None for p in workers.all()))
+                                     pointless=lambda: not workers.node.is_spare and
+                                     all(p.poll() is not None for p in workers.all()))
     if addr is None:
         return False
     workers.store_addr = addr  # the replacements and spares it starts from now on
+    watching.followed = True
+    if watching.signpost is not None:
+        watching.signpost.point(addr)
+    if workers.node.is_spare:  # its ranks that left with the old store (before this agent followed) start again
+        live = sum(p.poll() is None for p in workers.all())
+        for _ in range(workers.node.workers(cfg.world_size) - live):
+            workers.spawn(joining=True)
     workers.stop_stale_joiners(lambda rank: _is_member(cfg, store, workers.membership, rank))
     failover.followed(store, workers.node.node_rank)
     workers.membership.spares_standing(len(workers.standing))
@@ -383,7 +402,10 @@ class _OtherHosts:
         if time.monotonic() - self._checked >= self.every_s:
             self._checked = time.monotonic()
             self._ranks = rank_numbers.count(self.store, self._ranks)
-            ranks = [r for r in range(self._ranks) if r not in self.workers.procs]
+            membership = self.workers.membership
+            members = membership.members_of(membership.current_epoch())
+            # A joiner still asking in (a spare host's) trains nothing: a failed job does not wait for it.
+            ranks = [r for r in range(self._ranks) if r not in self.workers.procs and (members is None or r in members)]
             dead = self.workers.membership.proven_dead(ranks)  # by their agents (a port on another host proves nothing)
             self._answer = any(self.prober.is_alive(r, self.store) for r in ranks if r not in dead)
         return self._answer

@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from elaswave.config import JobConfig
 from elaswave.control import rank_numbers
-from elaswave.control.admission import JOIN_ENV, SPARE_ENV, STARTED_ENV, TOKEN_ENV, promote
+from elaswave.control.admission import JOIN_ENV, SPARE_ENV, SPARE_HOST_ENV, STARTED_ENV, TOKEN_ENV, promote
 from elaswave.control.agents import NODE_RANK_ENV, NODES_ENV, Node
 from elaswave.control.membership import Membership
 from elaswave.forkserver import Starter
@@ -104,13 +104,15 @@ class Workers:
         taken = {self.slots[r] for r, p in self.procs.items() if p.poll() is None}
         local = self.slots[rank] = min(set(range(len(self.procs) + 1)) - taken)
         env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(local),
-                   LOCAL_WORLD_SIZE=str(len(founding)), ELASWAVE_STORE=self.store_addr, OMP_NUM_THREADS="1")
+                   LOCAL_WORLD_SIZE=str(self.node.workers(world_size)), ELASWAVE_STORE=self.store_addr, OMP_NUM_THREADS="1")
         env[TOKEN_ENV], env[NODES_ENV], env[NODE_RANK_ENV] = self.token, str(self.node.nnodes), str(self.node.node_rank)
         if joining:
             env[JOIN_ENV], env[STARTED_ENV], env[rank_numbers.CLAIM_ENV] = "1", repr(time.time()), claim
             self.started_on[rank] = (self.store_addr, claim)
         if spare:
             env[SPARE_ENV] = "1"
+        if self.node.is_spare:  # a spare host's every rank waits for room in the job
+            env[SPARE_HOST_ENV] = "1"
         # The watchers' store waits time out every heartbeat interval by design; keep c10d quiet.
         env.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
         args = ["--config", self.cfg_path]

@@ -37,6 +37,9 @@ STARTED_ENV = "ELASWAVE_STARTED"
 """Wall time at which the launcher started a joining process (its start-up is part of a join's time)."""
 SPARE_ENV = "ELASWAVE_SPARE"
 """Set (to 1) in a warm spare: a joiner that stands by, started up, until its agent promotes it."""
+SPARE_HOST_ENV = "ELASWAVE_SPARE_HOST"
+"""Set (to 1) in a joiner of a spare host (``elaswave run --spare-nodes``): it asks in at once, and
+the leader admits it only while the job is below its founding size."""
 REQUESTS = PREFIX + "join/"
 
 
@@ -62,6 +65,8 @@ class Request:
     rank: int
     started_wall: float
     requested_wall: float
+    spare: bool = False
+    """A spare host's: admitted only into room a lost rank left (never to grow the job)."""
 
 
 @dataclass(frozen=True)
@@ -123,18 +128,19 @@ class Admission:
                 if deadline is not None and time.monotonic() >= deadline:
                     raise TimeoutError(key) from None
 
-    def request(self, started_wall: float) -> None:
-        doc = {"rank": self.rank, "started_wall": started_wall, "requested_wall": time.time()}
+    def request(self, started_wall: float, spare: bool = False) -> None:
+        doc = {"rank": self.rank, "started_wall": started_wall, "requested_wall": time.time(), "spare": spare}
         sequence.append(self.store, REQUESTS, json.dumps(doc))  # (a rank's request is unlike any other's)
 
-    def wait_verdict(self, attempt: int, timeout_s: float) -> Verdict | None:
+    def wait_verdict(self, attempt: int, timeout_s: float | None) -> Verdict | None:
         """The leader's answer to this rank's request (``attempt`` 1, or later ones after a failure
-        kept it out), or None if the job finished first; raises :class:`Refused` or TimeoutError."""
+        kept it out), or None if the job finished first; raises :class:`Refused` or TimeoutError
+        (``timeout_s`` None: a spare host's joiner, which waits as long as the job runs)."""
         key = f"{PREFIX}join/{self.rank}/verdict/{attempt}"
-        deadline = time.monotonic() + timeout_s
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while True:
             try:
-                if not self._wait_unless_done(key, max(0.0, deadline - time.monotonic())):
+                if not self._wait_unless_done(key, None if deadline is None else max(0.0, deadline - time.monotonic())):
                     return None
             except TimeoutError:
                 raise TimeoutError(f"rank {self.rank}: no answer to the join request within {timeout_s}s "
@@ -164,7 +170,8 @@ class Admission:
                 break
             self.seen = n
             doc = json.loads(raw)
-            self.requests[doc["rank"]] = Request(doc["rank"], doc["started_wall"], doc["requested_wall"])
+            self.requests[doc["rank"]] = Request(doc["rank"], doc["started_wall"], doc["requested_wall"],
+                                                 bool(doc.get("spare")))
         return [r for k, r in sorted(self.requests.items()) if k not in members and k not in self.refused
                 and self.store.read(f"{PREFIX}dead/{k}") is None]
 
@@ -190,9 +197,11 @@ class Admission:
         a rank that did not admit them."""
         if not all(r in self.requests and r in self.admitted_at for r in ranks):
             return {}
+        admitted = max(self.admitted_at[r] for r in ranks)
+        if all(self.requests[r].spare for r in ranks):  # warm and waiting for room: their join starts now
+            return {"started": admitted, "requested": admitted, "admitted": admitted}
         return {"started": min(self.requests[r].started_wall for r in ranks),
-                "requested": min(self.requests[r].requested_wall for r in ranks),
-                "admitted": max(self.admitted_at[r] for r in ranks)}
+                "requested": min(self.requests[r].requested_wall for r in ranks), "admitted": admitted}
 
     def joining(self, epoch: int) -> tuple[int, ...]:
         """The ranks admitted into ``epoch``, in the order :meth:`admit` was given them."""

@@ -68,17 +68,32 @@ class Node:
     rdzv_id: str = "elaswave"
     rdzv_backend: str = "c10d"
     """c10d: torch's TCPStore, held by node 0's agent; etcd: an etcd cluster (a majority decides)."""
+    spare_nodes: int = 0
+    """Hosts that start no founding rank (the last ``spare_nodes`` node ranks): their workers, warm,
+    ask in as spares, and the job admits them only while it is below its size (a host was lost)."""
+    signpost: str | None = None
+    """HOST:PORT where this agent tells joiners where the job's store is now (under Slurm, the
+    store's port on its own node: :mod:`elaswave.control.signpost`); None: nowhere."""
 
     @property
     def is_multi_host(self) -> bool:
         return self.nnodes > 1 or (self.rdzv_endpoint is not None and self.rdzv_backend == "c10d")
 
+    @property
+    def training_nodes(self) -> int:
+        return self.nnodes - self.spare_nodes
+
+    @property
+    def is_spare(self) -> bool:
+        return self.node_rank >= self.training_nodes
+
     def workers(self, world_size: int) -> int:
-        return self.nproc_per_node if self.nproc_per_node is not None else world_size // self.nnodes
+        """Workers on each host: a spare host stands by with as many as a training host runs."""
+        return self.nproc_per_node if self.nproc_per_node is not None else world_size // max(1, self.training_nodes)
 
     def founding_ranks(self, world_size: int) -> range:
         n = self.workers(world_size)
-        return range(self.node_rank * n, (self.node_rank + 1) * n)
+        return range(0) if self.is_spare else range(self.node_rank * n, (self.node_rank + 1) * n)
 
     def endpoint(self) -> tuple[str, int]:
         host, port = self.rdzv_endpoint.rsplit(":", 1)
@@ -106,13 +121,16 @@ class Node:
             if not host or not port.isdigit() or not 0 < int(port) < 65536:
                 raise ConfigError(f"--rdzv-endpoint={self.rdzv_endpoint!r} is invalid: use HOST:PORT with a port "
                                   f"in 1..65535")
-        if self.nproc_per_node is None and world_size % self.nnodes:
-            raise ConfigError(f"--nnodes={self.nnodes} is invalid: the job's {world_size} ranks do not divide "
-                              f"evenly over it; give --nproc-per-node")
-        if self.nproc_per_node is not None and (self.nproc_per_node < 1 or
-                                                self.nproc_per_node * self.nnodes != world_size):
-            raise ConfigError(f"--nnodes={self.nnodes} x --nproc-per-node={self.nproc_per_node} = "
-                              f"{self.nnodes * (self.nproc_per_node or 0)} ranks is invalid: parallel.dp x "
+        if not 0 <= self.spare_nodes < self.nnodes:
+            raise ConfigError(f"--spare-nodes={self.spare_nodes} is invalid with --nnodes={self.nnodes}: use "
+                              f"0..{self.nnodes - 1} (at least one host trains)")
+        nodes, spare = self.training_nodes, f" less --spare-nodes={self.spare_nodes}" if self.spare_nodes else ""
+        if self.nproc_per_node is None and world_size % nodes:
+            raise ConfigError(f"--nnodes={self.nnodes}{spare} is invalid: the job's {world_size} ranks do not divide "
+                              f"evenly over {nodes} hosts; give --nproc-per-node")
+        if self.nproc_per_node is not None and (self.nproc_per_node < 1 or self.nproc_per_node * nodes != world_size):
+            raise ConfigError(f"--nnodes={self.nnodes}{spare} x --nproc-per-node={self.nproc_per_node} = "
+                              f"{nodes * (self.nproc_per_node or 0)} ranks is invalid: parallel.dp x "
                               f"parallel.pp x parallel.tp needs {world_size}")
         if self.nnodes > 1 and not token:
             raise ConfigError("ELASWAVE_TOKEN is not set: with --nnodes > 1 every host's agent needs the same "
@@ -125,7 +143,7 @@ PER_HOST = ("bind_address",)
 
 def _settings(node: Node, world_size: int, config: dict) -> dict:
     config = {**config, "parallel": {k: v for k, v in config.get("parallel", {}).items() if k not in PER_HOST}}
-    return {"job id (--rdzv-id)": node.rdzv_id, "--nnodes": node.nnodes,
+    return {"job id (--rdzv-id)": node.rdzv_id, "--nnodes": node.nnodes, "--spare-nodes": node.spare_nodes,
             "--nproc-per-node": node.workers(world_size), "config": config}
 
 

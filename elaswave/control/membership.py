@@ -127,6 +127,7 @@ class Membership:
         """Tells whether a silent member is gone (:class:`~elaswave.control.liveness.Prober`); None: no probes."""
         self.requires_majority = requires_majority
         """A job on several hosts around one TCPStore: an agreement needs :func:`has_majority`."""
+        self._hosts: dict[int, str] = {}
         self._alerts: dict[tuple[int, int], Alert] = {}
         """(the store's generation, n) -> alert n, as read there."""
         self._counted: tuple[int, int, int] = (-1, 0, 0)
@@ -266,8 +267,10 @@ class Membership:
         self.store.set(f"{PREFIX}host/{self.rank}", host)
 
     def hosts(self, ranks: Sequence[int]) -> dict[int, str]:
-        """The hosts of ``ranks`` that announced theirs."""
-        return {r: v.decode() for r, v in self._per_rank("host", ranks).items()}
+        """The hosts of ``ranks`` that announced theirs, or that this process read before (a store
+        that moved has only the survivors': the recovery record names the lost ranks' hosts still)."""
+        self._hosts.update({r: v.decode() for r, v in self._per_rank("host", ranks).items()})
+        return {r: self._hosts[r] for r in ranks if r in self._hosts}
 
     def _probe_silent(self, prev: Sequence[int], checked: set[int], dead: set[int]) -> set[int]:
         """Members neither checked in nor known dead whose liveness port refuses us; each is

@@ -174,13 +174,16 @@ class _PricedAsFused(torch.overrides.TorchFunctionMode):
 
 
 def saved_activation_bytes(model: "Model", micro_batch_size: int, dtype: torch.dtype,
-                           fused_kernel: bool = False) -> list[int]:
+                           fused_kernel: bool = False, selective: bool = False) -> list[int]:
     """Bytes autograd keeps from one micro-batch's forward of each layer until its backward (the
     last layer's loss included), parameters not counted: measured, not declared, by running each
     layer once on the meta device under saved-tensor hooks -- any model that follows the contract
     gets its figures this way, at no cost in memory or time (a 70B layer runs as shapes only).
     ``fused_kernel``: price ``scaled_dot_product_attention`` as the fused GPU kernel keeps it
-    (otherwise as the meta device runs it: the math path, with the whole attention matrix)."""
+    (otherwise as the meta device runs it: the math path, with the whole attention matrix).
+    ``selective``: each attention keeps only its core's inputs (:mod:`elaswave.model.recompute`)."""
+    from elaswave.model import recompute
+
     out = []
     for i in range(model.num_layers):
         with on_meta():
@@ -188,6 +191,7 @@ def saved_activation_bytes(model: "Model", micro_batch_size: int, dtype: torch.d
         for _, parent, name, shape in untie(model, layer, i):  # a tied tensor: the owner's, not an activation
             setattr(parent, name, nn.Parameter(torch.empty(shape, device="meta")))
         layer.to(dtype)
+        recompute.select(layer, selective)
         params = {id(p) for p in layer.parameters()}
         seen: dict[int, int] = {}
 

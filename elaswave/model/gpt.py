@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from elaswave import rng
+from elaswave.model import recompute
 from elaswave.model.config import ModelConfig
 from elaswave.model.contract import LayerCost
 from elaswave.model.masks import causal_mask
@@ -39,6 +40,7 @@ class Block(nn.Module):
         super().__init__()
         self.p = cfg.dropout
         self.num_heads = cfg.num_heads
+        self.recompute_core = False  # train.activation_checkpointing=selective (model/recompute.py)
         self.ln1 = nn.LayerNorm(cfg.d_model)
         self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model)
         self.proj = nn.Linear(cfg.d_model, cfg.d_model)
@@ -51,12 +53,15 @@ class Block(nn.Module):
         h = self.num_heads
         q, k, v = self.qkv(self.ln1(x)).split(d, dim=2)
         q, k, v = (z.view(b, t, h, d // h).transpose(1, 2) for z in (q, k, v))
-        att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(d // h))
-        att = att.masked_fill(causal_mask(t, x.device), float("-inf")).softmax(dim=-1)
-        att = rng.keyed_dropout(att, self.p, gen)
-        y = (att @ v).transpose(1, 2).reshape(b, t, d)
+        y = recompute.attention_core(self, self._core, q, k, v, gen=gen).transpose(1, 2).reshape(b, t, d)
         x = x + rng.keyed_dropout(self.proj(y), self.p, gen)
         return x + rng.keyed_dropout(self.out(F.gelu(self.fc(self.ln2(x)))), self.p, gen)
+
+    def _core(self, q, k, v, gen=None):
+        t = q.shape[-2]
+        att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(q.shape[-1]))
+        att = att.masked_fill(causal_mask(t, q.device), float("-inf")).softmax(dim=-1)
+        return rng.keyed_dropout(att, self.p, gen) @ v
 
 
 class Head(nn.Module):

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from elaswave import rng
-from elaswave.model import lora
+from elaswave.model import lora, recompute
 from elaswave.model.moe import SparseMoE
 from elaswave.model.config import ModelConfig
 from elaswave.model.contract import LayerCost, Tie
@@ -79,6 +79,8 @@ class Attention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = m.num_heads, m.kv_heads, m.head_width
         self.p = m.dropout
         self.fused = fused
+        self.recompute_core = False
+        """train.activation_checkpointing=selective: the core runs again in the backward (model/recompute.py)."""
         bias, out_bias = m.attention_bias, m.attention_bias and not m.qkv_bias_only
         self.q_proj = nn.Linear(m.d_model, m.num_heads * m.head_width, bias=bias)
         self.k_proj = nn.Linear(m.d_model, m.kv_heads * m.head_width, bias=bias)
@@ -120,15 +122,20 @@ class Attention(nn.Module):
             blocked = causal_mask(t, x.device)
             if documents is not None:  # block-causal: a token sees the earlier tokens of its own document only
                 blocked = (blocked | (documents[:, :, None] != documents[:, None, :]))[:, None]
-        if fused:
-            y = (F.scaled_dot_product_attention(q, k, v, is_causal=True) if blocked is None else
-                 F.scaled_dot_product_attention(q, k, v, attn_mask=~blocked))
-        else:
-            att = (q @ k.transpose(-2, -1)) * self.head_dim ** -0.5
-            att = att.masked_fill(blocked, float("-inf")).softmax(dim=-1, dtype=torch.float32)
-            att = rng.keyed_dropout(att.to(q.dtype), self.p, gen)
-            y = att @ v
+        core = self._fused_core if fused else self._core
+        y = recompute.attention_core(self, core, q, k, v, *(() if blocked is None else (blocked,)), gen=gen)
         return lora.project(self.o_proj, y.transpose(1, 2).reshape(b, t, self.num_heads * self.head_dim), gen)
+
+    @staticmethod
+    def _fused_core(q, k, v, blocked=None, gen=None):
+        return (F.scaled_dot_product_attention(q, k, v, is_causal=True) if blocked is None else
+                F.scaled_dot_product_attention(q, k, v, attn_mask=~blocked))
+
+    def _core(self, q, k, v, blocked, gen=None):
+        att = (q @ k.transpose(-2, -1)) * self.head_dim ** -0.5
+        att = att.masked_fill(blocked, float("-inf")).softmax(dim=-1, dtype=torch.float32)
+        att = rng.keyed_dropout(att.to(q.dtype), self.p, gen)
+        return att @ v
 
 
 class MLP(nn.Module):

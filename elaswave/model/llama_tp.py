@@ -28,6 +28,7 @@ from elaswave.model.config import ModelConfig
 from elaswave.model.contract import LayerCost, counted_numels
 from elaswave.model.hf import Cut
 from elaswave.model.llama import Llama, RMSNorm, inverse_frequencies, rotate_half
+from elaswave.model import recompute
 from elaswave.model.masks import causal_mask
 from elaswave.tensor import ops
 from elaswave.tensor.split import BLOCKS, TensorSplit, check, padded_vocab
@@ -71,6 +72,7 @@ class Attention(nn.Module):
     def __init__(self, cut: _Cut):
         super().__init__()
         m, self.cut = cut.m, cut
+        self.recompute_core = False  # train.activation_checkpointing=selective (model/recompute.py)
         self.heads = m.num_heads // cut.split.degree
         self.first_head = cut.split.block(m.num_heads)[0]
         # Fewer key-value heads than ranks: each rank holds the one its query heads attend to.
@@ -110,23 +112,28 @@ class Attention(nn.Module):
         if gen is not None and m.dropout > 0.0:  # the whole model's draw, this rank's heads of it
             drawn = torch.rand((b, m.num_heads, t, t), generator=gen, device=x.device)
             keep = drawn[:, self.first_head:self.first_head + self.heads] >= m.dropout
-        if not c.exact and keep is None:
-            y = (F.scaled_dot_product_attention(q, k, v, is_causal=True) if documents is None else
-                 F.scaled_dot_product_attention(q, k, v, attn_mask=~blocked))
-        else:
-            # Deterministic: one head at a time, the same kernel on the same shape at every degree.
-            heads = [slice(h, h + 1) for h in range(self.heads)] if c.exact else [slice(0, self.heads)]
-            outs = []
-            for hs in heads:
-                att = (q[:, hs] @ k[:, hs].transpose(-2, -1)) * self.head_dim ** -0.5
-                att = att.masked_fill(blocked, float("-inf")).softmax(dim=-1, dtype=torch.float32).to(q.dtype)
-                if keep is not None:
-                    att = att * keep[:, hs] / (1.0 - m.dropout)
-                outs.append(att @ v[:, hs])
-            y = torch.cat(outs, dim=1)
+        fixed = (blocked,) if keep is None else (blocked, keep)
+        y = recompute.attention_core(self, self._core, q, k, v, *fixed)
         y = ops.row(y.transpose(1, 2).reshape(b, t, self.heads * self.head_dim), self.o_proj.weight,
                     c.blocks(self.heads), c.group, m.num_heads, c.seq)
         return c.add_bias(y, self.o_proj.bias)
+
+    def _core(self, q, k, v, blocked, keep=None, gen=None):
+        """Scores to values for this rank's heads (``keep``: their share of the whole model's dropout draw)."""
+        c, m = self.cut, self.cut.m
+        if not c.exact and keep is None:
+            return (F.scaled_dot_product_attention(q, k, v, is_causal=True) if blocked.dim() == 2 else
+                    F.scaled_dot_product_attention(q, k, v, attn_mask=~blocked))
+        # Deterministic: one head at a time, the same kernel on the same shape at every degree.
+        heads = [slice(h, h + 1) for h in range(self.heads)] if c.exact else [slice(0, self.heads)]
+        outs = []
+        for hs in heads:
+            att = (q[:, hs] @ k[:, hs].transpose(-2, -1)) * self.head_dim ** -0.5
+            att = att.masked_fill(blocked, float("-inf")).softmax(dim=-1, dtype=torch.float32).to(q.dtype)
+            if keep is not None:
+                att = att * keep[:, hs] / (1.0 - m.dropout)
+            outs.append(att @ v[:, hs])
+        return torch.cat(outs, dim=1)
 
 
 class MLP(nn.Module):

@@ -14,6 +14,7 @@ from torch.utils.checkpoint import checkpoint
 
 from elaswave import rng
 from elaswave.config import JobConfig
+from elaswave.model import recompute
 from elaswave.model.contract import Model, ModelContractError, untie
 from elaswave.model.registry import model_for
 from elaswave.precision import compute_dtype
@@ -40,6 +41,7 @@ class Stage:
         modules = {}
         for i in held:  # a frozen weight (LoRA's base) in the compute dtype at once, before the next layer is built
             modules[i] = self.model.build_layer(i, self.seed).to(device)
+            recompute.select(modules[i], cfg.train.activation_checkpointing == "selective")
             for p in modules[i].parameters():
                 if not p.requires_grad:
                     p.data = p.data.to(frozen_dtype)

@@ -195,6 +195,7 @@ class Context:
         if self.standby is not None:
             try:
                 self.standby.learn(self.store, self.plan.ranks)
+                self.membership.hosts(self.devices.every_rank(self.plan))  # kept: a moved store loses the dead's hosts
             except StoreLost:  # said in the step's exchange: it moves, or the ranks stop
                 pass
 

@@ -12,7 +12,7 @@ import os
 import sys
 import time
 
-from elaswave.control.admission import SPARE_ENV, STARTED_ENV
+from elaswave.control.admission import SPARE_ENV, SPARE_HOST_ENV, STARTED_ENV
 from elaswave.control.link import StoreLost
 from elaswave.control.membership import NoMajority
 from elaswave.interrupt import Disruption
@@ -47,9 +47,15 @@ def admit(ctx, st: RankState) -> int:
             ctx.admission.refuse(req.rank, why)
         return 0
     cfg, tp = ctx.cfg, ctx.cfg.parallel.tp
-    genuine = [req.rank for req in pending]
+    genuine = [req.rank for req in pending if not req.spare]
+    spares = [req.rank for req in pending if req.spare]
     if tp > 1:
-        genuine = whole_devices(genuine, ctx.membership.hosts(genuine), tp)
+        hosts = ctx.membership.hosts(genuine + spares)
+        genuine, spares = whole_devices(genuine, hosts, tp), whole_devices(spares, hosts, tp)
+    # A spare host's ranks fill the room lost ones left, never more: the founding devices (dp x pp),
+    # whole devices at a time.
+    room = (cfg.parallel.dp * cfg.parallel.pp - len(st.plan.ranks)) * tp - len(genuine)
+    genuine += spares[:max(0, room) // tp * tp]
     if not genuine:
         return 0
     try:
@@ -95,12 +101,14 @@ def join(ctx) -> tuple[RankState, recovery.Recovery]:
             raise StoodDown()
         started = promoted
     _reach_members(ctx)
-    ctx.admission.request(started)
+    spare_host = bool(os.environ.get(SPARE_HOST_ENV))
+    ctx.admission.request(started, spare=spare_host)
     ctx.injector.at(0, "admission")
     attempt = 1
     while True:
         try:
-            verdict = ctx.admission.wait_verdict(attempt, ctx.cfg.parallel.timeout_s)
+            # A spare host's rank waits for a loss as long as the job runs.
+            verdict = ctx.admission.wait_verdict(attempt, None if spare_host else ctx.cfg.parallel.timeout_s)
         except TimeoutError as exc:
             tp = ctx.cfg.parallel.tp
             if tp > 1:  # a lone joiner waits for the rest of a device

@@ -47,7 +47,8 @@ def job_memory_model(cfg: JobConfig, model: Model, dtype: torch.dtype, device: t
                 frozen.append(sum(p.numel() for p in layer.parameters() if not p.requires_grad))
     return MemoryModel(
         layer_numels=tuple(numels),
-        layer_activation_bytes=tuple(float(b) for b in saved_activation_bytes(model, t.micro_batch_size, dtype, fused)),
+        layer_activation_bytes=tuple(float(b) for b in saved_activation_bytes(
+            model, t.micro_batch_size, dtype, fused, selective=t.activation_checkpointing == "selective")),
         boundary_bytes=float(t.micro_batch_size * model.seq_len * model.hidden_size * itemsize),
         param_bytes=itemsize, sum_bytes=sums, chunk_numel=cfg.parallel.chunk_numel,
         grad_bytes=0 if sums == 4 else itemsize,  # fast bfloat16: gradients go straight into the sum

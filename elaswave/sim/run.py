@@ -78,7 +78,7 @@ def add_arguments(ap) -> None:
     ap.add_argument("--reserve-gib", type=float, default=8.0,
                     help="with --device-gib: memory no plan may use, for the CUDA context, NCCL's buffers and the "
                          "allocator's fragmentation (default 8, an assumption: 10 %% of 80 GiB)")
-    ap.add_argument("--checkpointing", default="none", help="activation checkpointing with --device-gib: none, full or every_N")
+    ap.add_argument("--checkpointing", default="none", help="activation checkpointing with --device-gib: none, full, selective or every_N")
     ap.add_argument("--spares", type=int, default=0,
                     help="every row: idle devices beside the layout; one takes a failed device's place after the "
                          "warm-spare join time (bench/results/join.md), the repaired device returns to the pool")

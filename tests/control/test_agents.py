@@ -12,6 +12,13 @@ def test_each_host_starts_its_own_share_of_the_founding_ranks():
     assert Node(3, 2, 2, "[::1]:29500").endpoint() == ("::1", 29500)
 
 
+def test_a_spare_host_starts_no_founding_rank_and_stands_by_with_as_many_as_a_training_host():
+    training, spare = Node(3, 1, None, "h:1", spare_nodes=1), Node(3, 2, None, "h:1", spare_nodes=1)
+    assert list(training.founding_ranks(4)) == [2, 3] and not training.is_spare
+    assert spare.is_spare and list(spare.founding_ranks(4)) == [] and spare.workers(4) == 2
+    spare.validate(4, "t")
+
+
 @pytest.mark.parametrize("node, world, token, says", [
     (Node(0), 4, "t", "--nnodes=0 is invalid"),
     (Node(2, 2, None, "h:1"), 4, "t", "--node-rank=2 is invalid: with --nnodes=2 it is 0..1"),
@@ -21,6 +28,9 @@ def test_each_host_starts_its_own_share_of_the_founding_ranks():
     (Node(3, 1, None, "h:1"), 4, "t", "the job's 4 ranks do not divide evenly"),
     (Node(2, 1, 3, "h:1"), 4, "t", "--nnodes=2 x --nproc-per-node=3 = 6 ranks is invalid: parallel.dp x parallel.pp x parallel.tp needs 4"),
     (Node(2, 1, None, "h:1"), 4, None, "ELASWAVE_TOKEN is not set"),
+    (Node(2, 1, None, "h:1", spare_nodes=2), 4, "t", "--spare-nodes=2 is invalid with --nnodes=2: use 0..1"),
+    (Node(3, 1, None, "h:1", spare_nodes=1), 5, "t",
+     "--nnodes=3 less --spare-nodes=1 is invalid: the job's 5 ranks do not divide evenly over 2 hosts"),
 ])
 def test_a_node_that_cannot_take_part_is_one_line(node, world, token, says):
     with pytest.raises(ConfigError, match=None) as err:

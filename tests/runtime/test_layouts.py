@@ -24,9 +24,10 @@ def test_deterministic_layout_is_bit_identical_to_reference(tmp_path, reference,
     assert res.losses[-1] < res.losses[0] - 0.5, "the loss should visibly fall"
 
 
-def test_recomputed_activations_give_the_same_bits(tmp_path, reference):
-    res = run_job(tmp_path, 1, 2, STEPS, deterministic=True, extra=["train.activation_checkpointing=every_2"])
-    assert res.records[0]["config"]["train"]["activation_checkpointing"] == "every_2"
+@pytest.mark.parametrize("how", ["every_2", "selective"])
+def test_recomputed_activations_give_the_same_bits(tmp_path, reference, how):
+    res = run_job(tmp_path, 1, 2, STEPS, deterministic=True, extra=[f"train.activation_checkpointing={how}"])
+    assert res.records[0]["config"]["train"]["activation_checkpointing"] == how
     assert res.losses == reference.losses
     assert res.summary["params_sha256"] == reference.summary["params_sha256"]
 

@@ -11,7 +11,8 @@ SHAPE = ["train.micro_batch_size=8", "train.num_micro_batches=4", "data.max_corp
 @pytest.mark.parametrize("dp,pp,deterministic,extra", [
     (2, 2, False, []),
     (1, 3, True, ["train.precision=bf16", "train.activation_checkpointing=full"]),
-    (2, 2, True, ["model.lora.rank=4"]),  # frozen weights: their bytes, no gradient, sum or optimizer state
+    (2, 2, True, ["model.lora.rank=4"]),
+    (1, 2, True, ["train.activation_checkpointing=selective"]),  # each attention keeps only q, k and v  # frozen weights: their bytes, no gradient, sum or optimizer state
     # experts: all held, each running on its share of the assignments (modelled as a balanced router's)
     (2, 1, False, ["model.num_experts=4", "model.expert_ffn_dim=64", "model.moe_aux_loss_coef=0.01"]),
 ])

@@ -53,6 +53,15 @@ def test_recomputed_activations_run_the_group_s_collectives_again_to_the_same_bi
     assert res.summary["params_sha256"] == reference.summary["params_sha256"]
 
 
+def test_a_selectively_recomputed_attention_core_keeps_the_bits_of_every_degree(tmp_path, reference):
+    """train.activation_checkpointing=selective with tp=2 and the sequence cut: each rank's heads run
+    their core again in the backward, on the whole sequence its column products gathered."""
+    res = run_job(tmp_path, 1, 2, STEPS, deterministic=True,
+                  extra=[*TP, "parallel.tp=2", "parallel.sequence_parallel=true", "train.activation_checkpointing=selective"])
+    assert res.losses == reference.losses
+    assert res.summary["params_sha256"] == reference.summary["params_sha256"]
+
+
 # Each SIGKILL takes a rank of a tensor-parallel group: its device's layers go to the other stages
 # (or its pipeline's micro-batches to the other pipeline), its group's survivors leave, and each
 # slice restores the lost chunks from its own snapshot ring.

@@ -11,7 +11,8 @@ reference = reference_fixture(STEPS, 4)  # run_job's global batch: max(4, dp) mi
 
 
 # Recomputed layers give the reference's bits too (tests/runtime/test_layouts.py): W recomputes them again.
-@pytest.mark.parametrize("dp,pp,extra", [(1, 2, []), (2, 2, []), (1, 4, ["train.activation_checkpointing=every_2"])])
+@pytest.mark.parametrize("dp,pp,extra", [(1, 2, []), (2, 2, ["train.activation_checkpointing=selective"]),
+                                         (1, 4, ["train.activation_checkpointing=every_2"])])
 def test_zb_h1_is_bit_identical_to_the_reference(tmp_path, reference, dp, pp, extra):
     res = run_job(tmp_path, dp, pp, STEPS, deterministic=True, extra=[*ZB, *extra])
     assert res.records[0]["config"]["parallel"]["schedule"] == "zb-h1"
