@@ -47,7 +47,7 @@ def _load(args: argparse.Namespace) -> config.JobConfig:
 def cmd_run(args: argparse.Namespace) -> int:
     cfg = _load(args)
     from elaswave.control import slurm
-    slurm.fill_host_flags(args, cfg)
+    slurm.fill_host_flags(args, cfg)  # (and --log: this host's output into its file from here on)
     _rdzv_conf(args, args.rdzv_backend == "etcd")
     if args.nproc is not None and args.nproc != cfg.world_size:
         raise ConfigError(f"--nproc={args.nproc} is invalid: parallel.dp={cfg.parallel.dp} x "
@@ -331,6 +331,12 @@ def cmd_etcd_role(args: argparse.Namespace) -> int:
     return 0
 
 
+def _pet(name: str, default=None):
+    """torchrun's flags default to its environment, ``PET_<FLAG>`` (how Kubeflow's PyTorchJob passes
+    them); a flag on the command line wins, and a bad value is argparse's one line naming the flag."""
+    return os.environ.get(f"PET_{name}") or default
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["health"]:  # an exec probe: answered without the other commands' imports (~0.2 s, not 3)
@@ -343,26 +349,32 @@ def main(argv: list[str] | None = None) -> int:
     run = sub.add_parser("run", help="train with dp x pp worker processes on this host")
     _job_args(run)
     run.add_argument("--nproc", type=int, help="number of ranks (must equal dp x pp)")
-    hosts = run.add_argument_group("several hosts: one `elaswave run` (an agent) per host, torchrun's flag names")
-    hosts.add_argument("--nnodes", type=int, default=None, help="hosts in the job (default 1, or Slurm's)")
-    hosts.add_argument("--node-rank", type=int, default=None,
+    hosts = run.add_argument_group("several hosts: one `elaswave run` (an agent) per host, torchrun's flag names; "
+                                   "as torchrun, each defaults to PET_<FLAG> (PET_NNODES, ...: Kubeflow's PyTorchJob)")
+    hosts.add_argument("--nnodes", type=int, default=_pet("NNODES"), help="hosts in the job (default 1, or Slurm's)")
+    hosts.add_argument("--node-rank", type=int, default=_pet("NODE_RANK"),
                        help="this host's number, 0..nnodes-1 (0 hosts the store; default 0, or Slurm's)")
-    hosts.add_argument("--nproc-per-node", type=int, default=None, help="workers on each host (default: dp x pp x tp / (nnodes - spare nodes))")
+    hosts.add_argument("--nproc-per-node", type=int, default=_pet("NPROC_PER_NODE"),
+                       help="workers on each host (default: dp x pp x tp / (nnodes - spare nodes))")
     hosts.add_argument("--spare-nodes", type=int, default=0, metavar="K",
                        help="the last K hosts train only once a host is lost: their ranks stand by, warm (default 0)")
-    hosts.add_argument("--rdzv-backend", default="c10d", metavar="c10d|etcd",
+    hosts.add_argument("--rdzv-backend", default=_pet("RDZV_BACKEND", "c10d"), metavar="c10d|etcd",
                        help="c10d: node 0's agent holds the job's store (a TCPStore); etcd: an etcd cluster holds "
                             "it, and a majority of its members decides (any value is checked: one line if invalid)")
-    hosts.add_argument("--rdzv-endpoint", default=None, metavar="HOST:PORT[,...]",
-                       help="c10d: node 0's address and a free port for the job's store; etcd: the cluster's members")
-    hosts.add_argument("--rdzv-id", default=None, help="the job's id; every agent must give the same (default "
-                                                       "elaswave, or slurm-JOBID)")
-    hosts.add_argument("--rdzv-conf", default="", metavar="KEY=VALUE,...", help=RDZV_CONF_HELP)
+    master = f"{_pet('MASTER_ADDR')}:{_pet('MASTER_PORT')}" if _pet("MASTER_ADDR") and _pet("MASTER_PORT") else None
+    hosts.add_argument("--rdzv-endpoint", default=_pet("RDZV_ENDPOINT", master), metavar="HOST:PORT[,...]",
+                       help="c10d: node 0's address and a free port for the job's store; etcd: the cluster's members "
+                            "(default PET_RDZV_ENDPOINT, else PET_MASTER_ADDR:PET_MASTER_PORT)")
+    hosts.add_argument("--rdzv-id", default=_pet("RDZV_ID"), help="the job's id; every agent must give the same "
+                                                                  "(default elaswave, or slurm-JOBID)")
+    hosts.add_argument("--rdzv-conf", default=_pet("RDZV_CONF", ""), metavar="KEY=VALUE,...", help=RDZV_CONF_HELP)
     hosts.add_argument("--launcher", default="auto", choices=("auto", "slurm", "none"),
                        help="where the hosts come from: slurm reads them from the srun step this agent is a task of "
                             "(one task per node); auto does so in a step of more than one node; none: the flags alone")
     run.add_argument("--timeout-s", type=float, default=None, help="stop the job after this many seconds")
     run.add_argument("--tensorboard", metavar="DIR", help="also log TensorBoard scalars in DIR (needs tensorboard)")
+    run.add_argument("--log", metavar="FILE", help="append this host's output (its workers' too) to FILE, not the "
+                                                   "terminal: %%n the node rank, %%N the Slurm node, %%j the Slurm job")
     run.add_argument("--health-file", metavar="FILE", help="keep this host's state in FILE (starting, training, "
                                                            "recovering, stopped) for a probe: `elaswave health FILE`")
     run.add_argument("--respawn-after", type=float, default=None, metavar="S",

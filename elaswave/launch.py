@@ -170,6 +170,8 @@ def _launch(cfg: JobConfig, metrics_out: str | None, host: str, timeout_s: float
         stop(workers.all())
         return 130
     except _Terminated as exc:
+        print(f"elaswave: this agent got {signal.Signals(exc.args[0]).name}; stopping this host's workers",
+              file=sys.stderr, flush=True)
         stop(workers.all())
         return 128 + exc.args[0]
     finally:

@@ -120,6 +120,10 @@ def check_model_and_data(cfg: JobConfig) -> None:
     model = model_for(cfg)
     if cfg.model.init_from:
         model.weights.check(model)
+    if cfg.train.activation_checkpointing == "selective":
+        from elaswave.model import recompute
+        recompute.require_core(model, f"model.factory={cfg.model.factory}" if cfg.model.factory else
+                               f"model.arch={cfg.model.arch}")
     open_sampler(cfg, model)
     if cfg.train.eval_every:
         open_eval_sampler(cfg, model)

@@ -61,7 +61,6 @@ def _reach_store(node: Node, host: str, port: int, timeout_s: float) -> dist.Sto
             return client(host, port, max(0.25, min(REACH_ATTEMPT_S, left / 2)), timeout_s)
         except (RuntimeError, OSError) as exc:  # torch raises DistStoreError (a RuntimeError) on a timeout
             _refuse_etcd_member(node, host, port, within_s=1.0)
-            time.sleep(0.1)  # node 0's agent not up yet: its port refuses at once
             if time.monotonic() >= deadline - 0.5:
                 raise AgentRefused(f"--rdzv-endpoint={node.rdzv_endpoint}: no job's store answered within "
                                    f"parallel.timeout_s={timeout_s:g} s ({type(exc).__name__}); is node 0's agent "

@@ -36,3 +36,18 @@ def test_a_node_that_cannot_take_part_is_one_line(node, world, token, says):
     with pytest.raises(ConfigError, match=None) as err:
         node.validate(world, token)
     assert says in str(err.value) and "\n" not in str(err.value)
+
+
+def test_the_host_flags_default_to_torchruns_environment_as_kubeflow_sets_it(tmp_path):
+    """PET_<FLAG>, as torchrun reads them (Kubeflow's PyTorchJob sets them); the store's endpoint
+    from PET_MASTER_ADDR:PET_MASTER_PORT when no rendezvous endpoint is given."""
+    from tests.helpers.spawn import TINY, run_cli
+    job = [x for s in [*TINY, "parallel.timeout_s=3"] for x in ("--set", s)]
+    wrong = run_cli(["run", *job], tmp_path, timeout_s=60,
+                    env={"PET_NNODES": "2", "PET_NODE_RANK": "5", "ELASWAVE_TOKEN": "t"})
+    assert wrong.returncode == 2 and "--node-rank=5 is invalid: with --nnodes=2 it is 0..1" in wrong.stderr, wrong.stderr
+    nobody = run_cli(["run", *job], tmp_path, timeout_s=60,
+                     env={"PET_NNODES": "2", "PET_NODE_RANK": "1", "PET_MASTER_ADDR": "127.0.0.1", "PET_MASTER_PORT": "9",
+                          "ELASWAVE_TOKEN": "t"})
+    assert nobody.returncode == 2 and "--rdzv-endpoint=127.0.0.1:9: no job's store answered" in nobody.stderr, \
+        nobody.stderr

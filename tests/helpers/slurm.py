@@ -201,8 +201,13 @@ PartitionName=main Nodes=ALL Default=YES MaxTime=INFINITE State=UP
             time.sleep(0.5)
 
     def kill_node(self, name: str) -> None:
-        """The node dies: its ``slurmd`` and every process on it SIGKILLed at once."""
-        _kill_namespace(self.hosts[self.names.index(name)].name)
+        """The node dies at once, as a machine does: it falls silent (both links down), then its
+        ``slurmd`` and every process on it are SIGKILLed. Killed one by one on a live link, a process
+        that outlived another by a moment could say so -- srun on the first node asked Slurm to
+        SIGKILL the step's tasks on every node (1 run in ~5 under load); a machine that dies says nothing."""
+        host = self.hosts[self.names.index(name)]
+        host.silence()
+        _kill_namespace(host.name)
 
 
 def _kill_namespace(name: str) -> None:

@@ -58,3 +58,13 @@ def test_selective_keeps_less_for_the_backward_by_the_cores_square_tensors(kind)
     assert all(full[i] - selective[i] >= 2 * square for i in blocks), (full, selective)
     assert all(full[i] == selective[i] for i in (0, model.num_layers - 1))
     assert all(selective[i] > 0 for i in blocks)
+
+
+def test_selective_on_a_model_that_names_no_attention_core_is_one_line(tmp_path):
+    from tests.helpers.spawn import TINY, run_cli
+    sets = [*TINY, "model.factory=examples.custom_model:build", "train.activation_checkpointing=selective"]
+    res = run_cli(["run", *[x for s in sets for x in ("--set", s)]], tmp_path, timeout_s=60)
+    assert res.returncode == 2, res.stderr
+    lines = [line for line in res.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "train.activation_checkpointing=selective is invalid for " \
+        "model.factory=examples.custom_model:build: its layers name no attention core" in lines[0], res.stderr
