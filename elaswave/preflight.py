@@ -121,13 +121,25 @@ def check_model_and_data(cfg: JobConfig) -> None:
     if cfg.model.init_from:
         model.weights.check(model)
     if cfg.train.activation_checkpointing == "selective":
-        from elaswave.model import recompute
-        recompute.require_core(model, f"model.factory={cfg.model.factory}" if cfg.model.factory else
-                               f"model.arch={cfg.model.arch}")
+        _require_attention_core(model, f"model.factory={cfg.model.factory}" if cfg.model.factory else
+                                f"model.arch={cfg.model.arch}")
     open_sampler(cfg, model)
     if cfg.train.eval_every:
         open_eval_sampler(cfg, model)
     note_unpacked_conversations(cfg)
+
+
+def _require_attention_core(model, what: str) -> None:
+    """One line unless the model's blocks name an attention core to recompute (a module with a
+    ``recompute_core`` flag that routes its core through ``model.recompute.attention_core``)."""
+    from elaswave.model.contract import on_meta
+
+    with on_meta():
+        layer = model.build_layer(1 if model.num_layers > 2 else 0, 0, init=False)
+    if not any(hasattr(m, "recompute_core") for m in layer.modules()):
+        raise ConfigError(f"train.activation_checkpointing=selective is invalid for {what}: its layers name no "
+                          "attention core to recompute (a module with a recompute_core flag, "
+                          "elaswave/model/recompute.py); use full or every_N")
 
 
 def note_unpacked_conversations(cfg: JobConfig) -> None:

@@ -22,8 +22,6 @@ from typing import Callable
 import torch
 from torch import nn
 
-from elaswave.errors import ConfigError
-
 Core = Callable[..., torch.Tensor]
 """``core(q, k, v, *fixed, gen) -> y``: ``fixed`` are tensors without gradient (masks)."""
 
@@ -74,15 +72,3 @@ def select(layer: nn.Module, on: bool) -> None:
         if hasattr(module, "recompute_core"):
             module.recompute_core = on
 
-
-def require_core(model, what: str) -> None:
-    """One line unless the model's blocks name an attention core to recompute (a module with a
-    ``recompute_core`` flag that routes its core through :func:`attention_core`)."""
-    from elaswave.model.contract import on_meta
-
-    with on_meta():
-        layer = model.build_layer(1 if model.num_layers > 2 else 0, 0, init=False)
-    if not any(hasattr(m, "recompute_core") for m in layer.modules()):
-        raise ConfigError(f"train.activation_checkpointing=selective is invalid for {what}: its layers name no "
-                          "attention core to recompute (a module with a recompute_core flag, "
-                          "elaswave/model/recompute.py); use full or every_N")
