@@ -92,7 +92,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     outcome: dict = {}
     code = launch(cfg, args.metrics_out, timeout_s=args.timeout_s, node=node, health=health, outcome=outcome)
     # Only an agent that followed the store can have lost the batch host (node 0's): no scontrol from the others.
-    if code == 0 and args.slurm_step is not None and getattr(outcome.get("watching"), "followed", False):
+    if code == 0 and args.slurm_step is not None and "watching" in outcome and outcome["watching"].followed:
         said = slurm.end_if_batch_host_lost(args.slurm_step.job_id, args.slurm_step.node_name, grace_s=5.0)
         if said:
             print(f"elaswave: {said}", flush=True)

@@ -75,7 +75,8 @@ def launch(cfg: JobConfig, metrics_out: str | None = None, host: str = "127.0.0.
            health: HostHealth | None = None, outcome: dict | None = None) -> int:
     """Run the job (or, with ``node``, this host's share of it) to completion; returns the exit
     code (0 when the training finished). ``health``: where this host's state is kept for a probe;
-    ``outcome``: filled with ``followed`` (this agent followed the store to where it moved).
+    ``outcome``: gets ``watching``, this agent's watch (``followed``: it followed the store to where
+    the members moved it).
 
     On one host the store binds to ``host`` (loopback unless told otherwise). Joining ranks must
     prove the job's token: ``ELASWAVE_TOKEN`` from the environment, or (one host only) a new random
@@ -140,8 +141,8 @@ def _launch(cfg: JobConfig, metrics_out: str | None, host: str, timeout_s: float
     try:
         for _ in node.founding_ranks(cfg.world_size):
             workers.spawn()
-        for _ in range(node.workers(cfg.world_size) if node.is_spare else 0):
-            workers.spawn(joining=True)  # a spare host's: warm, each asks in when a rank is lost
+        if node.is_spare:
+            workers.fill_spare_host()
         for _ in range(cfg.elastic.spares if cfg.elastic.enabled else 0):
             workers.spawn_spare()
         watching = _Watching(cfg, node)
@@ -344,9 +345,7 @@ def _follow(cfg: JobConfig, workers: Workers, store, watching: _Watching, lost: 
     if watching.signpost is not None:
         watching.signpost.point(addr)
     if workers.node.is_spare:  # its ranks that left with the old store (before this agent followed) start again
-        live = sum(p.poll() is None for p in workers.all())
-        for _ in range(workers.node.workers(cfg.world_size) - live):
-            workers.spawn(joining=True)
+        workers.fill_spare_host()
     workers.stop_stale_joiners(lambda rank: _is_member(cfg, store, workers.membership, rank))
     failover.followed(store, workers.node.node_rank)
     workers.membership.spares_standing(len(workers.standing))

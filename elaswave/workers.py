@@ -124,5 +124,12 @@ class Workers:
         self.procs[rank] = self.starter.start(args, env, rank)
         return rank
 
+    def fill_spare_host(self) -> None:
+        """A spare host: as many live ranks as a training host runs, each asking in (warm) for
+        the room a lost rank leaves; started at first, and again on a store the job moved to."""
+        live = sum(p.poll() is None for p in self.procs.values())
+        for _ in range(self.node.workers(self.cfg.world_size) - live):
+            self.spawn(joining=True)
+
     def all(self) -> list[subprocess.Popen]:
         return list(self.procs.values())

@@ -1,14 +1,11 @@
-"""With elasticity off, a rank that dies ends the job: promptly, non-zero, nothing left running;
-however the launcher itself ends, its workers end with it; and per-host agents: a worker's death
-costs that rank alone, bad settings are refused, and a host's dropped store connections that come
-back within the heartbeat timeout cost nothing, and a rank cut off from its peers but not from the
-store is left out at the first agreement."""
+"""Per-host agents: a worker's death costs that rank alone, bad settings are refused, a host's
+dropped store connections that come back within the heartbeat timeout cost nothing, and a rank cut
+off from its peers but not from the store is left out at the first agreement. (How a one-host
+launcher ends: tests/test_launch_endings.py.)"""
 import os
 import re
 import signal
 import socket
-import subprocess
-import sys
 import time
 
 import pytest
@@ -22,57 +19,6 @@ from tests.helpers.proxy import Proxy
 from tests.helpers.spawn import (TINY, Result, Running, alive, assert_honest_mttr, assert_same_run, children,
                                  fault_mid_run, free_port, rank_of, run_cli, run_reference, session_members,
                                  slowed, steps_written)
-
-
-def _start_long_job(extra=()):
-    sets = [*TINY, "train.steps=100000", "parallel.timeout_s=20", *extra]
-    cmd = [sys.executable, "-m", "elaswave.cli", "run"] + [x for s in sets for x in ("--set", s)]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
-    deadline = time.monotonic() + 120
-    line = ""
-    while "step" not in line and time.monotonic() < deadline:  # training is under way
-        line = proc.stdout.readline()
-    return proc
-
-
-def test_without_elasticity_a_sigkill_ends_the_job_cleanly():
-    proc = _start_long_job(["elastic.enabled=false"])
-    try:
-        workers = children(proc.pid)
-        assert len(workers) == 4, workers
-        os.kill(workers[2], signal.SIGKILL)
-        code = proc.wait(timeout=60)
-        assert code == 1, code  # docs/cluster.md: a failure the job could not absorb
-        assert "rank" in proc.stderr.read()
-        time.sleep(0.5)
-        assert not [w for w in workers if alive(w)], "workers outlived the job"
-    finally:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-
-
-def test_workers_end_with_the_launcher_however_it_ends(tmp_path):
-    # SIGKILL takes the store with it: without a failover the workers save their state
-    # (tests/runtime/test_rescue.py) and exit within the heartbeat timeout.
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        proc = _start_long_job([f"checkpoint.dir={tmp_path / sig.name}", "elastic.store_failover=false"])
-        try:
-            workers = children(proc.pid)
-            assert len(workers) == 4, workers
-            os.kill(proc.pid, sig)
-            code = proc.wait(timeout=30)
-            assert code == (128 + sig if sig == signal.SIGTERM else -sig), code  # docs/cluster.md: 143 on SIGTERM
-            deadline = time.monotonic() + 10
-            while [w for w in workers if alive(w)] and time.monotonic() < deadline:
-                time.sleep(0.1)
-            assert not [w for w in workers if alive(w)], f"workers outlived a launcher ended by {sig.name}"
-        finally:
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
 
 
 def _agent(sets: list[str], node_rank: int, endpoint: str, metrics, extra=(), nnodes: int = 2,
@@ -500,8 +446,3 @@ def test_the_store_holders_host_cut_off_alone_stops_every_process_of_its_side(tm
     assert [r["world_size"] for r in res1.steps][-1] == 4
     assert_same_run(res1, run_reference(tmp_path, steps, deterministic=True, num_micro_batches=6), steps)
 
-
-def test_a_job_past_its_timeout_stops_with_the_documented_code(tmp_path):
-    res = run_cli(["run", *[x for s in [*TINY, "train.steps=100000"] for x in ("--set", s)], "--timeout-s", "6"],
-                  tmp_path, timeout_s=60)
-    assert res.returncode == 124 and "exceeded 6.0s; stopping it" in res.stderr, (res.returncode, res.stderr[-2000:])

@@ -46,7 +46,7 @@ class SlurmStep:
 
     @property
     def port(self) -> int:
-        return PORT_BASE + int(self.job_id) % PORT_SPAN
+        return store_port(self.job_id)
 
     @property
     def endpoint(self) -> str:
@@ -61,6 +61,10 @@ class SlurmStep:
     @property
     def rdzv_id(self) -> str:
         return f"slurm-{self.job_id}"
+
+
+def store_port(job_id: str) -> int:
+    return PORT_BASE + int(job_id) % PORT_SPAN
 
 
 def in_step(env: Mapping[str, str] = os.environ) -> bool:
@@ -93,6 +97,7 @@ def fill_host_flags(args, cfg) -> None:
     use = args.launcher == "slurm" or (args.launcher == "auto" and in_step()
                                        and os.environ.get("SLURM_STEP_NUM_NODES", "1") != "1")
     here = step() if use else None
+    args.slurm_step, args.signpost = here, None
     if here is not None:
         wrong = [f"{flag}={given}" for flag, given, says in (("--nnodes", args.nnodes, here.nnodes),
                                                                 ("--node-rank", args.node_rank, here.node_rank))
@@ -117,7 +122,6 @@ def fill_host_flags(args, cfg) -> None:
         print(f"elaswave: Slurm job {here.job_id}: node {here.node_rank} of {here.nnodes}"
               f"{f' ({here.node_name})' if here.node_name else ''}, the job's store at {args.rdzv_endpoint}", flush=True)
     args.rdzv_id = args.rdzv_id or "elaswave"
-    args.slurm_step, args.signpost = here, getattr(args, "signpost", None)
     if args.spare_nodes and not cfg.elastic.enabled:
         raise ConfigError(f"--spare-nodes={args.spare_nodes} is invalid with elastic.enabled=false: spare hosts "
                           "join only an elastic job; set elastic.enabled=true or leave --spare-nodes out")
@@ -155,7 +159,7 @@ def job_endpoint(job_id: str, within_s: float = 30.0) -> str:
         raise ConfigError(f"--slurm-job={job_id}: the job is {fields.get('JobState')}, not RUNNING: there is no "
                           "training to join")
     hosts = hostnames(fields["NodeList"])
-    found = signpost.find_store(hosts, PORT_BASE + int(job_id) % PORT_SPAN, within_s)
+    found = signpost.find_store(hosts, store_port(job_id), within_s)
     if found is None:
         raise ConfigError(f"--slurm-job={job_id}: no host of the job ({', '.join(hosts)}) says where its store is "
                           f"within {within_s:g} s: is the training still running, and are those hosts reachable?")
@@ -175,9 +179,9 @@ def _job(job_id: str, bad: str) -> dict[str, str]:
 
 
 def end_if_batch_host_lost(job_id: str, node_name: str, grace_s: float) -> str | None:
-    """After the training finished, on each node: a job whose batch host was lost (the node running
-    the batch script; Slurm took it out of the allocation) would stay RUNNING for good -- its batch
-    script never ends (measured: Slurm 22.05 here, 200 s after the training). The first node left
+    """After the training finished, on an agent that followed a moved store: a job whose batch host
+    was lost (the node running the batch script; Slurm took it out of the allocation) would stay
+    RUNNING for good -- its batch script never ends (measured: Slurm 22.05 here, 200 s after the training). The first node left
     ends it with ``scancel`` after ``grace_s`` (the other agents finish meanwhile); Slurm records
     it CANCELLED. Returns what was done, for the log (None: nothing to do here)."""
     try:
