@@ -60,8 +60,10 @@ class TrainConfig:
     auto: bf16 on a CUDA device that supports it, fp32 on CPU. See elaswave/precision.py."""
     activation_checkpointing: str = "none"
     """none, full (every block recomputes its forward in the backward), every_N (every N-th
-    block), or selective (every block's attention core, Megatron's: elaswave/model/recompute.py):
-    less activation memory for more compute; the same bits either way."""
+    block), selective (every block's attention core, Megatron's: elaswave/model/recompute.py), or
+    auto (the planner recomputes, rank by rank, the fewest blocks that bring each rank within
+    parallel.stage_memory_mb -- none without a limit -- and chooses again at every re-plan:
+    elaswave/plan/recompute.py): less activation memory for more compute; the same bits either way."""
 
     tokens: int = 0
     """A budget instead of ``steps``: train until this many tokens were seen (rounded up to whole
@@ -83,8 +85,9 @@ class TrainConfig:
     the memory model's prediction. -1: no step."""
 
     def checkpointed(self, layer: int, num_layers: int) -> bool:
-        """Whether layer ``layer`` (of ``num_layers``; blocks are 1..num_layers-2) is recomputed."""
-        if self.activation_checkpointing in ("none", "selective") or not 0 < layer < num_layers - 1:
+        """Whether layer ``layer`` (of ``num_layers``; blocks are 1..num_layers-2) is recomputed
+        whatever the plan (``auto``: none is; the plan's ``recomputed`` says)."""
+        if self.activation_checkpointing in ("none", "selective", "auto") or not 0 < layer < num_layers - 1:
             return False
         every = 1 if self.activation_checkpointing == "full" else int(self.activation_checkpointing[6:])
         return layer % every == 0
@@ -131,9 +134,9 @@ class TrainConfig:
         if self.precision not in PRECISIONS:
             _fail("train.precision", self.precision, f"must be one of {', '.join(PRECISIONS)}")
         ac = self.activation_checkpointing
-        if ac not in ("none", "full", "selective") and not re.fullmatch(r"every_[1-9][0-9]*", ac):
+        if ac not in ("none", "full", "selective", "auto") and not re.fullmatch(r"every_[1-9][0-9]*", ac):
             _fail("train.activation_checkpointing", ac,
-                  "must be none, full, selective or every_N with N >= 1 (e.g. every_2)")
+                  "must be none, full, selective, auto or every_N with N >= 1 (e.g. every_2)")
 
 
 @dataclass

@@ -16,7 +16,12 @@ published one, with bounds that say where the difference sits:
 
 ZB-H1 here is the runtime's schedule priced by the simulator; the runtime refuses it with TP > 1
 today (parallel.schedule), and it keeps p micro-batches' activations on every stage until their W,
-so at 80 GiB it may not fit where 1F1B does (then its row says what it needs).
+so at 80 GiB it may not fit where 1F1B does (then its row says what it needs). The first two tables
+recompute nothing; the third tries every recomputation the runtime runs
+(train.activation_checkpointing: selective, every_N, full, and auto -- the planner's choice of the
+fewest blocks each GPU must recompute to fit, plan/recompute.py) on each schedule, priced in
+memory and in time (each backward runs again what it recomputes), and keeps the fastest plan that
+fits.
 
 Llama 3 ran an interleaved schedule: a second table prices the runtime's interleaved 1F1B
 (``--schedule interleaved --virtual-stages V``, V = 2 and 4: 32 and 64 chunks of the model's 128
@@ -24,8 +29,8 @@ layers, 126 blocks with the embedding and the head) on the planner's p x V chunk
 *interleaved* bound (fill and drain (p - 1) / (V m) on even chunks, by ``makespan`` of the
 ``interleaved_1f1b`` action lists). The planner splits chunks by cost alone, so a plan either fits
 80 GiB as split (its modelled peak, plan/memory.rank_bytes, checked against the limit after) or
-its row says what it needs; the runtime refuses interleaved with TP > 1 today too. Sequence
-parallelism in the runtime and overlapped communication are not modelled.
+its row says what it needs; the runtime runs interleaved with TP and the sequence cut (on CPU
+gloo here). Overlapped communication is not modelled.
 
     python bench/sim/llama3_405b.py
 """
@@ -51,6 +56,11 @@ TP, PP = 8, 16
 SCHEDULES = {"1f1b": one_f_one_b, "zb-h1": zb_h1}
 VIRTUAL_STAGES = (2, 4)
 """Interleaved 1F1B's model chunks a GPU (PP x V chunks, at least a layer each: V <= 8 here)."""
+CHECKPOINTING = ("none", "selective", "every_4", "every_3", "every_2", "full", "auto")
+"""What the runtime recomputes (train.activation_checkpointing), each priced: its memory and the
+time each backward spends running it again."""
+VARIANTS = {"1F1B": ("1f1b",), "ZB-H1": ("zb-h1",),
+            **{f"interleaved V={v}": ("interleaved", "--virtual-stages", str(v)) for v in VIRTUAL_STAGES}}
 
 
 def simulate(argv: list[str]) -> tuple[dict | None, str]:
@@ -119,7 +129,23 @@ def row(gpus: int, dp: int, published: float) -> dict:
         out[f"interleaved-v{v}"] = {**figures, "virtual_stages": v, "bound_s": bound,
                                     "peak_gib": config.get("peak_gib"),
                                     "peak_gib_after_first_failure": config.get("peak_gib_after_first_failure")}
+    out["recomputation"] = {label: best_recomputation(run, published, *args) for label, args in VARIANTS.items()}
     return out
+
+
+def best_recomputation(run, published: float, *schedule: str) -> dict:
+    """Every recomputation of ``CHECKPOINTING`` for one schedule at 80 GiB, and the fastest that fits."""
+    tried = {}
+    for kind in CHECKPOINTING:
+        doc, why = run(*schedule, "--checkpointing", kind)
+        free = doc["config"]["failure_free"] if doc else None
+        tried[kind] = ({"fits": True, "tflops_per_gpu": free["model_tflops_per_gpu"], "step_s": free["step_s"],
+                        "peak_gib": doc["config"]["peak_gib"]} if doc else
+                       {"fits": False, "needs_gib": float(re.search(r"needs ([0-9.]+) GiB", why).group(1))})
+    fitting = [k for k in CHECKPOINTING if tried[k]["fits"]]
+    best = max(fitting, key=lambda k: tried[k]["tflops_per_gpu"], default=None)
+    return {"tried": tried, "best": best,
+            "over_published": tried[best]["tflops_per_gpu"] / published if best else None}
 
 
 def _fitted(figures: dict, key: str, fmt: str) -> str:
@@ -167,11 +193,22 @@ def main() -> None:
                          f"{il['tflops_without_memory_limit'] / r['published_tflops_per_gpu']:.2f} | "
                          f"{_fitted(il, 'step_s', '.2f')} | {il['step_without_memory_limit_s']:.2f} | "
                          f"{il['bound_s']:.2f} | {r['one_f_one_b_bound_s']:.2f} | {r['published_step_s']:.2f} |")
+    lines += ["", "| GPUs | TP x PP x DP | schedule | " + " | ".join(CHECKPOINTING) + " | fastest that fits | "
+              "TFLOP/s/GPU | / published |", "|" + "---|" * (6 + len(CHECKPOINTING))]
+    for r in rows:
+        for label, rc in r["recomputation"].items():
+            cells = [f"{t['tflops_per_gpu']:.0f} ({t['peak_gib'] + 8:.0f} GiB)" if t["fits"]
+                     else f"needs {t['needs_gib']:.0f} GiB" for t in rc["tried"].values()]
+            best = rc["best"]
+            lines.append(f"| {r['gpus']:,} | {r['tp']} x {r['pp']} x {r['dp']} | {label} | " + " | ".join(cells) + " | "
+                         + (f"{best} | {rc['tried'][best]['tflops_per_gpu']:.0f} | {rc['over_published']:.2f} |"
+                            if best else "none | - | - |"))
     doc = {"rows": rows, "assumptions": "ZB-H1: the runtime's schedule (pipeline/schedule.zb_h1) priced by the "
            "simulator, W as long as B (input_share 0.5); the runtime refuses it with TP > 1 today. Interleaved: the "
            "runtime's interleaved 1F1B on the planner's p x V chunks (split by cost alone; the plan's modelled peak "
-           "checked against 80 GiB after); the runtime refuses it with TP > 1 today. Not modelled: "
-           "sequence parallelism in the runtime (the simulator assumes Megatron's), overlap."}
+           "checked against 80 GiB after). Not modelled: "
+           "overlap. Recomputation: each backward runs again what is recomputed (a block's forward and its TP "
+           "collectives; selective: the attention core), priced by the simulator since 2026-11-29 session 44."}
     write_results(Path(args.out) if args.out else RESULTS / "llama3_405b", doc, lines)
 
 

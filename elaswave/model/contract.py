@@ -34,6 +34,9 @@ class LayerCost:
     """Forward multiply-adds per token (a backward costs about twice)."""
     num_params: int
     """Parameters this layer's flat vector holds (a tied tensor counts with its owner only)."""
+    core_flops_per_token: float = 0.0
+    """Of ``flops_per_token``, the attention core's (scores and the weighted sum of values): what
+    selective recomputation runs again in the backward."""
 
 
 @dataclass(frozen=True)

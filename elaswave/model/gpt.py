@@ -134,7 +134,9 @@ class GPT:
         return build_layer(self.cfg, index, seed, init)
 
     def layer_costs(self) -> list[LayerCost]:
-        return [LayerCost(layer_flops(self.cfg, i), _layer_numel(self.cfg, i)) for i in range(self.num_layers)]
+        core = float(2 * self.cfg.seq_len * self.cfg.d_model)
+        return [LayerCost(layer_flops(self.cfg, i), _layer_numel(self.cfg, i), core if 0 < i < self.num_layers - 1 else 0.0)
+                for i in range(self.num_layers)]
 
     def loss_sum(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         return token_loss_sum(logits, targets)

@@ -252,7 +252,8 @@ class Llama:
                attn_flops + m.experts_per_token * 3 * d * fe + m.num_experts * d + shared[1])
         blocks = [moe if m.is_moe_block(b) else dense for b in range(m.num_blocks)]
         head_params = d + (0 if m.tie_embeddings else v * d)
-        return ([LayerCost(float(d), v * d)] + [LayerCost(float(flops), params) for params, flops in blocks]
+        core = float(2 * m.seq_len * q)  # the scores and the weighted sum: what selective recomputes
+        return ([LayerCost(float(d), v * d)] + [LayerCost(float(flops), params, core) for params, flops in blocks]
                 + [LayerCost(float(d * v), head_params)])
 
     def loss_sum(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

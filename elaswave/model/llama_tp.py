@@ -348,7 +348,7 @@ class TensorParallelLlama(Llama):
 
     def layer_costs(self) -> list[LayerCost]:
         """A shard's: its share of the multiply-adds, the parameters it holds."""
-        return [LayerCost(c.flops_per_token / self.split.degree, n)
+        return [LayerCost(c.flops_per_token / self.split.degree, n, c.core_flops_per_token / self.split.degree)
                 for c, n in zip(super().layer_costs(), counted_numels(self))]
 
     def loss_sum(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

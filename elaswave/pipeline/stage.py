@@ -25,7 +25,7 @@ class Stage:
     """``layers``: the (start, end) range of each model chunk, chunk 0 first, or one range."""
 
     def __init__(self, cfg: JobConfig, layers: tuple[int, int] | Sequence[tuple[int, int]], device: torch.device,
-                 model: Model | None = None):
+                 model: Model | None = None, recomputed: Sequence[int] = ()):
         self.model = model if model is not None else model_for(cfg)
         self.chunks: tuple[tuple[int, int], ...] = (
             (tuple(layers),) if isinstance(layers[0], int) else tuple(tuple(r) for r in layers))
@@ -65,9 +65,17 @@ class Stage:
         self._by_chunk = [[by_index[i] for i in range(start, end)] for start, end in self.chunks]
         self.running = [layer for chunk in self._by_chunk for layer in chunk]
         """The layers this stage runs, every chunk's, in layer order."""
-        self.recomputed = {i for i in ran if cfg.train.checkpointed(i, self.model.num_layers)}
+        self._configured = {i for i in ran if cfg.train.checkpointed(i, self.model.num_layers)}
+        self.recomputed: set[int] = set()
         """Layers whose activations are not kept: their forward runs again in the backward."""
+        self.recompute(recomputed)
         self.device = device
+
+    def recompute(self, planned: Sequence[int]) -> None:
+        """Recompute the configured layers and, of ``planned`` (the plan's ``recomputed``: chosen to
+        fit memory, train.activation_checkpointing=auto), the ones this stage runs."""
+        ran = {layer.index for layer in self.running}
+        self.recomputed = self._configured | (set(planned) & ran)
 
     @property
     def dtype(self) -> torch.dtype:

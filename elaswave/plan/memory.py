@@ -31,7 +31,7 @@ at every re-partition and join), and the simulator prices a cluster with the sam
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import Callable, Sequence
 
 
@@ -75,6 +75,9 @@ class MemoryModel:
     frozen_numels: tuple[int, ...] = ()
     """Values of each layer that never train (LoRA's base weights; empty: none): held in the compute
     dtype, with no gradient, sum or optimizer state -- not in ``layer_numels``."""
+    plan_recomputation: bool = False
+    """train.activation_checkpointing=auto: the plan chooses which blocks each rank recomputes
+    (``Plan.recomputed``, plan/recompute.py) to fit the limit, beside ``recomputed``."""
     split_backward: bool = False
     """ZB-H1 (parallel.schedule=zb-h1): a micro-batch keeps its graph from its forward to its W,
     which stage ``s`` holds back ``s`` micro-batches, so every stage has as many in flight as
@@ -231,7 +234,9 @@ def rank_bytes(model: MemoryModel, plan, rank: int) -> dict[str, float]:
     """The modelled peak of ``rank`` under ``plan`` (an elaswave Plan), by part, with chunk padding,
     the holder groups and snapshot pairing the plan really has. Under interleaved 1F1B every model
     chunk's layers count, and its activations as the schedule keeps them alive
-    (:func:`_interleaved_activations`)."""
+    (:func:`_interleaved_activations`). The blocks the plan recomputes count as ``recomputed``."""
+    if getattr(plan, "recomputed", ()):
+        model = replace(model, recomputed=model.recomputed | plan.recomputed_set)
     d, s = plan.position(rank)
     depth = len(plan.pipelines[d])
     mbs = len(plan.micro_batches[d])
@@ -283,10 +288,17 @@ def _interleaved_activations(model: MemoryModel, chunks, stage: int, depth: int,
     return peak + max(o - k for o, k in zip(one, kept)) + sent
 
 
+def by_cost(virtual_stages: int, memory: MemoryModel | None) -> bool:
+    """Whether the planner partitions by cost alone and checks memory after: under interleaved 1F1B
+    (a rank's chunks are not one range the partition's memory terms price), and where the plan
+    chooses what to recompute to fit (plan/recompute.py) rather than moving layers."""
+    return virtual_stages > 1 or (memory is not None and memory.plan_recomputation)
+
+
 def interleaved_over(plan) -> dict[int, float]:
-    """Under interleaved 1F1B the partition is by cost alone (plan.plan._split): each rank whose
-    modelled peak passes the plan's limit, with its MiB (none without a limit, or with V = 1)."""
-    if plan.virtual_stages == 1 or plan.memory is None or not plan.stage_memory_limit:
+    """Where the partition is by cost alone (:func:`by_cost`): each rank whose modelled peak passes
+    the plan's limit, with its MiB (none without a limit, or where the partition weighed memory)."""
+    if not by_cost(plan.virtual_stages, plan.memory) or not plan.stage_memory_limit:
         return {}
     need = {rank: rank_bytes(plan.memory, plan, rank)["total"] / MIB for rank in plan.ranks}
     return {rank: mib for rank, mib in need.items() if mib > plan.stage_memory_limit}
@@ -298,9 +310,12 @@ def interleaved_unfit(plan) -> str | None:
     if not over:
         return None
     rank = min(over)
+    if plan.virtual_stages == 1:  # the plan recomputes: every block of the rank's already is
+        return (f"rank {rank} would hold {over[rank]:.0f} MiB at its peak with every block it runs recomputed, "
+                f"over the limit of {plan.stage_memory_limit:.0f} MiB; more stages, or a larger limit")
     return (f"rank {rank} would hold {over[rank]:.0f} MiB at its peak under interleaved 1F1B "
-            f"({plan.virtual_stages} chunks), over the limit of {plan.stage_memory_limit:.0f} MiB; "
-            "parallel.virtual_stages=1 partitions by memory")
+            f"({plan.virtual_stages} chunks{', every block it runs recomputed' if plan.memory.plan_recomputation else ''}), "
+            f"over the limit of {plan.stage_memory_limit:.0f} MiB; parallel.virtual_stages=1 partitions by memory")
 
 
 def _slot_values(model: MemoryModel, plan, rank: int) -> int:

@@ -14,7 +14,8 @@ from elaswave.plan import microbatches
 from elaswave.plan.chunks import Owners, chunks_by_rank, reassign_owners, rebalance_owners, round_robin_owners, slot_chunks
 from elaswave.plan.deal import deal, detoured_step_s, step_s
 from elaswave.plan.frequency import PowerModel
-from elaswave.plan.memory import MemoryModel, interleaved_over, interleaved_unfit
+from elaswave.plan.memory import MemoryModel, by_cost, interleaved_over, interleaved_unfit
+from elaswave.plan.recompute import fit_recomputation
 from elaswave.plan.detours import covers, detour_routes
 from elaswave.plan.errors import PlanError  # noqa: F401 (where callers import it from)
 from elaswave.plan.partition import PartitionError, partition
@@ -66,6 +67,9 @@ class Plan:
     """micro_batch_units[id] = the units micro-batch ``id`` holds (empty: units_per_micro_batch each)."""
     frequency_solver: str = ""
     """What chose ``frequencies`` (:class:`~elaswave.plan.frequency.FrequencyPlan`'s ``solver``; empty: none)."""
+    recomputed: tuple[int, ...] = ()
+    """Blocks whose activations are not kept, chosen by the planner to fit the memory limit
+    (train.activation_checkpointing=auto; plan/recompute.py), beside the configured ones."""
     virtual_stages: int = 1
     """Model chunks a rank holds (parallel.virtual_stages, interleaved 1F1B): layer_ranges[d] then
     has ``len(pipelines[d]) * virtual_stages`` ranges, virtual stage ``k`` on rank
@@ -87,6 +91,10 @@ class Plan:
 
     # Lookups are indexed once per plan (cached on the frozen instance): a plan for 10^5 ranks is
     # queried by every rank, so nothing here may scan all pipelines per call.
+    @cached_property
+    def recomputed_set(self) -> frozenset[int]:
+        return frozenset(self.recomputed)
+
     @cached_property
     def ranks(self) -> tuple[int, ...]:
         return tuple(sorted(r for p in self.pipelines for r in p))
@@ -218,7 +226,7 @@ def initial_plan(world_size: int, dp: int, pp: int, layer_costs: Sequence[float]
     if dp * pp != world_size:
         raise ValueError(f"dp={dp} x pp={pp} = {dp * pp} must equal the world size {world_size}")
     try:
-        if virtual_stages > 1:
+        if by_cost(virtual_stages, memory):
             ranges = tuple(partition(layer_costs, pp * virtual_stages))
         else:
             ranges = tuple(partition(layer_costs, pp, layer_memory or None, stage_memory_limit or None,
@@ -243,6 +251,7 @@ def initial_plan(world_size: int, dp: int, pp: int, layer_costs: Sequence[float]
     )
     if layer_numels:
         plan = replace(plan, chunk_owners=round_robin_owners(plan.holder_groups(), layer_numels, chunk_numel))
+    plan = fit_recomputation(plan)
     if why := interleaved_unfit(plan):
         raise PlanError(f"the initial layout does not fit: {why}")
     return plan
@@ -357,7 +366,7 @@ def _split(prev: Plan, count: int, pipelines: int, num_micro_batches: int,
            speeds: Sequence[float] | None = None) -> tuple[tuple[int, int], ...]:
     """A pipeline of ``count`` stages, one of ``pipelines``, re-partitioned within the memory limit;
     with virtual stages, ``count x V`` chunks by cost (the memory model prices one range a rank)."""
-    if prev.virtual_stages > 1:
+    if by_cost(prev.virtual_stages, prev.memory):
         v = prev.virtual_stages
         return tuple(partition(_costs(prev), count * v, speeds=[speeds[k % count] for k in range(count * v)]
                                if speeds is not None else None))
@@ -380,9 +389,10 @@ def _build(prev: Plan, epoch: int, pipelines, ranges, mbs, freqs=(), routes=(), 
     joined = set(plan.ranks) - set(prev.ranks)
     if joined:
         owners = rebalance_owners(owners, plan.holder_groups(), joined)
-    if check and (why := interleaved_unfit(plan := replace(plan, chunk_owners=owners))):
+    plan = fit_recomputation(replace(plan, chunk_owners=owners))
+    if check and (why := interleaved_unfit(plan)):
         raise PlanError(f"epoch {epoch}: {why}")
-    return replace(plan, chunk_owners=owners)
+    return plan
 
 
 def _elaswave(prev: Plan, epoch: int, pipelines, kept_ranges, kept, num_micro_batches: int,
@@ -451,7 +461,8 @@ def _elaswave(prev: Plan, epoch: int, pipelines, kept_ranges, kept, num_micro_ba
         for i in over:
             ranges[i] = kept_ranges[i]
             standby.append(i)
-            why.append(f"ranks {list(pipelines[i])} hold too much as {prev.virtual_stages} interleaved chunks each")
+            why.append(f"ranks {list(pipelines[i])} hold too much as {prev.virtual_stages} interleaved chunks each"
+                       if prev.virtual_stages > 1 else f"ranks {list(pipelines[i])} hold too much with every block recomputed")
         mbs, freqs, units, solver, *_ = dealt()
         plan = _build(prev, epoch, pipelines, ranges, mbs, freqs, units=units, solver=solver, check=False)
     if refusal := interleaved_unfit(plan):  # an intact pipeline over the limit: nothing stands it by

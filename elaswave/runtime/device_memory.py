@@ -95,6 +95,9 @@ def unfit(cfg, agreed: dict, num_layers: int, memory) -> ConfigError:
     """The error for a layout the agreed memory cannot hold, naming the least it needs (``memory``:
     the job's MemoryModel)."""
     p = cfg.parallel
+    from elaswave.runtime.memory import most_recomputed  # late: it imports the model registry
+
+    memory = most_recomputed(memory, num_layers)
     least = least_memory(num_layers, p.pp, memory.stage_memory(p.pp, p.dp, cfg.train.num_micro_batches))
     return ConfigError(f"parallel.stage_memory_mb=auto is invalid for this layout: no partition of the model into "
                        f"{p.pp} stages at dp={p.dp} fits the {agreed['limit_mb']:.0f} MiB a rank the job's GPUs "

@@ -9,6 +9,8 @@ are not tensors and are not in it.
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 import gc
 import json
 import os
@@ -54,6 +56,7 @@ def job_memory_model(cfg: JobConfig, model: Model, dtype: torch.dtype, device: t
         grad_bytes=0 if sums == 4 else itemsize,  # fast bfloat16: gradients go straight into the sum
         ties=ties, tied_numels=tuple(shapes[p] for p in ties),
         recomputed=frozenset(i for i in range(model.num_layers) if t.checkpointed(i, model.num_layers)),
+        plan_recomputation=t.activation_checkpointing == "auto",
         snapshots=cfg.elastic.enabled and cfg.elastic.snapshots, snapshot_copies=cfg.elastic.snapshot_copies,
         snapshots_to_host=device.type == "cuda",
         generation_before_to_host=device.type == "cuda",
@@ -116,5 +119,14 @@ def least_stage_memory_mb(cfg: JobConfig, num_stages: int, pipelines: int, devic
     """The least ``parallel.stage_memory_mb`` under which the job's model splits into pipelines of
     ``num_stages`` stages, ``pipelines`` of them (what to ask for; what tests set limits around)."""
     model, memory = config_memory_model(cfg, device or torch.device("cpu"))
+    memory = most_recomputed(memory, model.num_layers)
     return least_memory(model.num_layers, num_stages, memory.stage_memory(num_stages, pipelines,
                                                                           cfg.train.num_micro_batches))
+
+
+def most_recomputed(memory: MemoryModel, num_layers: int) -> MemoryModel:
+    """``memory`` as the least it can be: where the plan chooses what to recompute
+    (train.activation_checkpointing=auto), with every block recomputed."""
+    if not memory.plan_recomputation:
+        return memory
+    return replace(memory, recomputed=frozenset(range(1, num_layers - 1)))

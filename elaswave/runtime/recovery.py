@@ -280,7 +280,8 @@ def recover(ctx, st: RankState | None, cause: Disruption | None, noticed_wall: f
     # A re-partitioned stage (or a joiner's) starts from fresh layers; the gather below fills in
     # their parameters from the chunk owners, who hold the same layers in the other pipelines.
     stage = (st.stage if st is not None and st.stage.chunks == layers
-             else Stage(cfg, layers, ctx.device, ctx.model))
+             else Stage(cfg, layers, ctx.device, ctx.model, plan.recomputed))
+    stage.recompute(plan.recomputed)  # a kept stage may recompute more, or less, under the new plan
     new = build_rank(cfg, plan, ctx.rank, stage, ctx.sampler_for(stage), world, ctx.comm, ctx.device,
                      ctx.backend_name, gen=restore.resume_step, chunks=chunks, before=ctx.before_action,
                      actuator=ctx.actuator)
@@ -403,13 +404,14 @@ def _power_model(cfg: JobConfig) -> PowerModel | None:
 
 def _layout(plan: Plan) -> dict:
     """The new plan as the metrics record it: who runs which layers, how many micro-batches (and the
-    units -- sequences when reshaped -- in each), at what level."""
+    units -- sequences when reshaped -- in each), at what level, which blocks it recomputes (chosen
+    to fit memory: train.activation_checkpointing=auto)."""
     return {"pipelines": [list(p) for p in plan.pipelines],
             "layer_ranges": [[list(r) for r in rs] for rs in plan.layer_ranges],
             "micro_batches": [len(m) for m in plan.micro_batches],
             "units": [[plan.units_of(mb) for mb in m] for m in plan.micro_batches],
             "frequencies": [list(f) for f in plan.frequencies] if plan.frequencies else None,
-            "detours": len(plan.routes), "virtual_stages": plan.virtual_stages}
+            "detours": len(plan.routes), "virtual_stages": plan.virtual_stages, "recomputed": list(plan.recomputed)}
 
 
 def _readable_checkpoint(ctx) -> int | None:

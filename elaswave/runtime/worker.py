@@ -303,7 +303,7 @@ def _start(ctx: Context, world_size: int):
     if not os.environ.get("ELASWAVE_STORE") or os.environ.get(NODES_ENV, "1") != "1":
         plan = replace(plan, ranks_per_node=int(os.environ.get("LOCAL_WORLD_SIZE", "0")))
     ctx.plan = plan = layout.founding_slice(plan, ctx.shard, tp)
-    stage = Stage(cfg, plan.chunk_ranges(rank), device, model)
+    stage = Stage(cfg, plan.chunk_ranges(rank), device, model, plan.recomputed)
     world = ctx.comm.group(plan.ranks, plan.epoch)
     if tp > 1:
         model.cut.group = ctx.comm.group(ctx.devices.tensor_group(rank), plan.epoch)

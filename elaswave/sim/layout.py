@@ -7,7 +7,7 @@ from dataclasses import replace
 
 from elaswave.errors import ConfigError
 from elaswave.pipeline.schedule import GENERATORS
-from elaswave.plan.memory import MemoryModel, rank_bytes
+from elaswave.plan.memory import MemoryModel, by_cost, rank_bytes
 from elaswave.plan.partition import least_memory
 from elaswave.plan.plan import Plan, PlanError, initial_plan, replan
 from elaswave.sim import policies
@@ -84,7 +84,7 @@ def first_fit(args, layouts, model, memory, m: int):
     over = []  # (GiB a GPU with the reserve, dp, pp) of interleaved plans above the limit
 
     def plan_of(dp: int, pp: int, limit_mib: float) -> Plan:
-        return initial_plan(dp * pp, dp, pp, [float(c) for c in model.layer_forward_s], m,
+        return initial_plan(dp * pp, dp, pp, [float(c) for c in model.layer_costs], m,
                             [-(-n // args.tp) for n in layer_numels(m_cfg)], chunk_numel=1 << 24,
                             stage_memory_limit=limit_mib, memory=memory,
                             units_per_micro_batch=1 if args.no_reshape else args.micro_batch_size,
@@ -97,9 +97,12 @@ def first_fit(args, layouts, model, memory, m: int):
                 raise ConfigError(f"the initial layout: {exc}") from None
             if (dp, pp) == layouts[0]:
                 failure = exc
-            if args.virtual_stages > 1:
+            if by_cost(args.virtual_stages, memory):
                 try:
-                    over.append((peak_gib(memory, plan_of(dp, pp, 0.0)) + args.reserve_gib, dp, pp))
+                    plan = plan_of(dp, pp, 0.0)
+                    if memory.plan_recomputation:  # the least it needs: every block recomputed
+                        plan = replace(plan, recomputed=tuple(range(1, plan.num_layers - 1)))
+                    over.append((peak_gib(memory, plan) + args.reserve_gib, dp, pp))
                 except PlanError:
                     pass
     # The layout that needs least (the deepest, mostly) is what the message names.
@@ -108,15 +111,15 @@ def first_fit(args, layouts, model, memory, m: int):
     if need <= args.device_gib:  # not memory: the preferred layout failed for its own reason
         raise ConfigError(f"the initial layout: {failure}") from None
     other = (["more stages"] if len(layouts) == 1 else []) + ["--tp"] + (
-        ["--checkpointing full"] if args.checkpointing != "full" else []) + (
+        ["--checkpointing auto"] if args.checkpointing not in ("full", "auto") else []) + (
         ["--schedule 1f1b"] if args.schedule != "1f1b" else []) + (
         ["fewer sequences a micro-batch"] if args.micro_batch_size > 1 else [])
     tried = (f" (of the layouts tried, pp={', '.join(str(p) for _, p in layouts)}, the one that needs least)"
              if len(layouts) > 1 else "")
     ways = other[0] if len(other) == 1 else f"{', '.join(other[:-1])} or {other[-1]}"
     schedule = args.schedule + (f" over {args.virtual_stages} virtual stages" if args.virtual_stages > 1 else "")
-    partition = ("its partition (by cost: the planner weighs no memory with virtual stages)" if over
-                 else "its best partition")
+    partition = ("its partition (by cost: the planner weighs no memory with virtual stages)" if over and
+                 args.virtual_stages > 1 else "its partition with every block recomputed" if over else "its best partition")
     raise ConfigError(f"--device-gib={args.device_gib:g} is too small for dp={dp} x pp={pp}"
                       f"{f' x tp={args.tp}' if args.tp > 1 else ''}{tried} ({args.model}, {args.micro_batch_size} "
                       f"sequence{'s' if args.micro_batch_size > 1 else ''} a micro-batch, checkpointing "

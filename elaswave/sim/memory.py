@@ -9,6 +9,7 @@ other pipelines carry the whole batch until ranks join -- or, with no other pipe
 """
 from __future__ import annotations
 
+import ctypes
 from dataclasses import replace
 
 import torch
@@ -57,7 +58,20 @@ def job_memory(sets: list[str], device: str = "cuda"):
     of that type."""
     cfg = config.load(None, sets)
     dev = torch.device(device)
-    return (cfg, *config_memory_model(cfg, dev, None if dev.type == "cpu" else _gpu_dtype(cfg.train.precision)))
+    try:
+        return (cfg, *config_memory_model(cfg, dev, None if dev.type == "cpu" else _gpu_dtype(cfg.train.precision)))
+    finally:
+        _return_freed_heap()
+
+
+def _return_freed_heap() -> None:
+    """Hand the heap the measurement freed back to the system. Measuring a large model frees
+    ~0.5 GB of small host allocations a call (llama3-405b) that glibc keeps; a sweep over many
+    configurations in one process (bench/sim/llama3_405b.py) grew to 23 GB and was OOM-killed."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: nothing to hand back this way
+        pass
 
 
 def _gpu_dtype(precision: str) -> torch.dtype:

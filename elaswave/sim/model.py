@@ -67,6 +67,13 @@ class ClusterModel:
     layer_tp_s: tuple[float, ...] = ()
     """Tensor parallelism: each layer's all-reduces inside its TP group per micro-batch in the
     forward (the backward has as many); not scaled by the clock. Empty: no TP."""
+    layer_recompute_s: tuple[float, ...] = ()
+    """Activation recomputation: what each layer runs again in its backward per micro-batch at
+    nominal clocks, kernels only (a recomputed block's forward, or selective's attention core:
+    ``workload.recompute_s``). Empty: none."""
+    layer_recompute_tp_s: tuple[float, ...] = ()
+    """The TP collectives a recomputed block runs again (its forward's ``layer_tp_s``; not scaled
+    by the clock). Empty: none."""
     # Recovery, in seconds (elaswave's measured phases; the baselines' own figures live with them).
     detect_s: float = 0.05
     agree_s: float = 0.01
@@ -80,6 +87,29 @@ class ClusterModel:
         if self.pipeline_schedule not in GENERATORS:
             raise ValueError(f"pipeline_schedule={self.pipeline_schedule!r} is invalid: choose from "
                              f"{', '.join(GENERATORS)}")
+
+    def split_factor(self, plan: Plan | None = None) -> float:
+        """Backward over forward, by which a schedule's timing splits a stage's time
+        (``makespan``'s ``backward_factor``): ``backward_factor``, plus what recomputation adds to the
+        backward over the forward's time (``plan``'s chosen blocks too). Exact for a stage whose
+        share of recomputation is the whole model's; every_N's stages differ by at most a block's,
+        a plan's choice by what it chose."""
+        again = sum(self.layer_recompute_s) + sum(self.layer_recompute_tp_s)
+        if plan is not None and plan.recomputed:
+            again += sum(self.layer_forward_s[k] + (self.layer_tp_s[k] if self.layer_tp_s else 0.0)
+                         for k in plan.recomputed)
+        if not again:
+            return self.backward_factor
+        whole = (1 + self.backward_factor) * sum(self.layer_forward_s) + 2 * sum(self.layer_tp_s)
+        return self.backward_factor + (1 + self.backward_factor) * again / whole
+
+    @property
+    def layer_costs(self) -> tuple[float, ...]:
+        """What the planner partitions by: each layer's forward, plus its recomputation as a share
+        of a forward and backward (proportional to its compute: a recomputed block weighs more)."""
+        if not self.layer_recompute_s:
+            return self.layer_forward_s
+        return tuple(f + r / (1 + self.backward_factor) for f, r in zip(self.layer_forward_s, self.layer_recompute_s))
 
     @property
     def num_layers(self) -> int:
@@ -109,6 +139,14 @@ class ClusterModel:
         compute = sum(self.layer_forward_s[i:j]) * (1 + self.backward_factor) / self.power.speed(plan.frequency(rank))
         if self.layer_tp_s:
             compute += 2 * sum(self.layer_tp_s[i:j])
+        if self.layer_recompute_s:  # the backward runs these again
+            compute += sum(self.layer_recompute_s[i:j]) / self.power.speed(plan.frequency(rank))
+        if self.layer_recompute_tp_s:
+            compute += sum(self.layer_recompute_tp_s[i:j])
+        if plan.recomputed:  # the blocks the plan chose to recompute (checkpointing auto): whole forwards again
+            again = [k for k in range(i, j) if k in plan.recomputed_set]
+            compute += sum(self.layer_forward_s[k] for k in again) / self.power.speed(plan.frequency(rank))
+            compute += sum(self.layer_tp_s[k] for k in again) if self.layer_tp_s else 0.0
         nxt = [pipe[(s + 1) % len(pipe)]] if k + 1 < len(plan.layer_ranges[d]) else []
         peers = nxt + ([pipe[s - 1]] if k else [])
         comm = sum(self.transfer_s(self.activation_bytes, rank, peer) for peer in peers
@@ -160,9 +198,9 @@ def step_time(plan: Plan, model: ClusterModel, schedule: str = "runtime") -> Ste
     if schedule == "lower_bound":
         compute = routed_lower_bound(plan, stage, virtual)
     elif plan.routes and len(plan.ranks) <= routed.EXACT_MAX_RANKS:
-        compute = _routed_compute(plan, stage, model.backward_factor)
+        compute = _routed_compute(plan, stage, model.split_factor(plan))
     else:
-        compute = _analytic_compute(plan, stage, virtual, model.backward_factor, model.pipeline_schedule)
+        compute = _analytic_compute(plan, stage, virtual, model.split_factor(plan), model.pipeline_schedule)
     collective = max((holder_collectives_s(model, holders, sum(model.layer_param_bytes[i] for i in layers))
                       for holders, layers in plan.holder_groups().items()), default=0.0) if model.layer_param_bytes else 0.0
     power = sum(model.power.power(plan.frequency(r)) for r in plan.ranks)

@@ -231,18 +231,25 @@ class Restart(Policy):
     name = "restart"
 
     def rebuild(self, live: Sequence[int]) -> Plan:
-        pp = len(self.initial.pipelines[0])
+        """The restarted job's plan: whole pipelines of the first one's depth on the live devices,
+        planned as the first one was -- its memory limit and model (a partition that fits, the
+        blocks to recompute), its ties and units. (Before session 44 it dropped the memory limit:
+        a restarted 1F1B job's plan need not have fitted.)"""
+        first = self.initial
+        pp = len(first.pipelines[0])
         dp = len(live) // pp
         if dp < 1:
             raise PlanError(f"{len(live)} devices cannot hold one {pp}-stage pipeline")
         ranks = sorted(live)[:dp * pp]
-        base = initial_plan(dp * pp, dp, pp, self.initial.layer_costs, self.m,
-                            virtual_stages=self.initial.virtual_stages)
+        chunk = first.memory.chunk_numel if first.memory is not None else 1
+        numels = [len(row) * chunk for row in first.chunk_owners] if first.chunk_owners else ()
+        base = initial_plan(dp * pp, dp, pp, first.layer_costs, self.m, numels, chunk,
+                            stage_memory_limit=first.stage_memory_limit, ties=first.ties, memory=first.memory,
+                            units_per_micro_batch=first.units_per_micro_batch, virtual_stages=first.virtual_stages)
         # The restarted job numbers its ranks afresh; place them on the live devices, in order.
         rename = dict(enumerate(ranks))
-        return Plan(0, base.num_layers, tuple(tuple(rename[r] for r in p) for p in base.pipelines),
-                    base.layer_ranges, base.micro_batches, layer_costs=base.layer_costs,
-                    virtual_stages=base.virtual_stages)
+        return replace(base, pipelines=tuple(tuple(rename[r] for r in p) for p in base.pipelines),
+                       chunk_owners=tuple(tuple(rename[r] for r in row) for row in base.chunk_owners))
 
     def layout(self, live: Sequence[int]) -> Plan:
         if len(live) == self.devices:

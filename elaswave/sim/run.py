@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 import time
 from dataclasses import asdict, replace
 
@@ -78,7 +79,11 @@ def add_arguments(ap) -> None:
     ap.add_argument("--reserve-gib", type=float, default=8.0,
                     help="with --device-gib: memory no plan may use, for the CUDA context, NCCL's buffers and the "
                          "allocator's fragmentation (default 8, an assumption: 10 %% of 80 GiB)")
-    ap.add_argument("--checkpointing", default="none", help="activation checkpointing with --device-gib: none, full, selective or every_N")
+    ap.add_argument("--checkpointing", default="none",
+                    help="activation checkpointing (train.activation_checkpointing): none, full, selective, every_N or "
+                         "auto (each rank recomputes the fewest blocks that fit --device-gib, chosen again at every "
+                         "re-plan); less memory, and each backward runs again what is recomputed (a block's forward "
+                         "with its TP collectives, or selective's attention core)")
     ap.add_argument("--spares", type=int, default=0,
                     help="every row: idle devices beside the layout; one takes a failed device's place after the "
                          "warm-spare join time (bench/results/join.md), the repaired device returns to the pool")
@@ -155,6 +160,10 @@ def run(args) -> int:
                               "name elaswave_no_dvfs, or drop --no-dvfs")
         names = list(dict.fromkeys(n for n in names if n != "elaswave"))
     names, left_out = layout.check_schedule(args, names)
+    if args.checkpointing not in ("none", "full", "selective", "auto") and not re.fullmatch(r"every_[1-9][0-9]*",
+                                                                                           args.checkpointing):
+        raise ConfigError(f"--checkpointing={args.checkpointing} is invalid: choose none, full, selective, auto or every_N "
+                          "with N >= 1 (e.g. every_2)")
     ctl = _control(args, names)
     layouts = layout.layouts(args)
     dp, pp = layouts[0]
@@ -182,7 +191,7 @@ def run(args) -> int:
     if args.clock_share is not None:
         power = replace(power, clock_share=args.clock_share)
     hw = replace(HARDWARE[args.hardware], devices_per_node=args.gpus_per_node)
-    model = replace(cluster(m_cfg, args.micro_batch_size, hw, args.tp, args.schedule), power=power)
+    model = replace(cluster(m_cfg, args.micro_batch_size, hw, args.tp, args.schedule, args.checkpointing), power=power)
     memory = _memory(args, m) if args.device_gib else None
     plan, dp, pp = layout.first_fit(args, layouts, model, memory, m)
     single = not (args.trace or args.mtbf_h)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from elaswave.config import TrainConfig
 from elaswave.model.config import PRESETS, ModelConfig, preset
 from elaswave.model.registry import family
 from elaswave.sim.model import ClusterModel, ring_s
@@ -57,13 +58,14 @@ def layer_numels(m: ModelConfig) -> list[int]:
 
 
 def cluster(m: ModelConfig, micro_batch_size: int = 1, hw: Hardware = Hardware(), tp: int = 1,
-            schedule: str = "1f1b") -> ClusterModel:
+            schedule: str = "1f1b", checkpointing: str = "none") -> ClusterModel:
     """The job on ``hw``, its pipelines running ``schedule`` (``parallel.schedule``); with ``tp`` > 1
     each device of the plan is a tensor-parallel group of ``tp`` GPUs in one node
     (:func:`tp_all_reduces`): Megatron's split with sequence parallelism, so a layer's compute,
     parameters, gradients and the activation sent between stages are each GPU's ``1/tp`` share,
     the groups' shards sum their gradients over data parallelism side by side, and a node holds
-    ``devices_per_node / tp`` groups."""
+    ``devices_per_node / tp`` groups. ``checkpointing`` (``train.activation_checkpointing``) prices
+    what recomputation runs again in each layer's backward (:func:`recompute_s`)."""
     if tp < 1 or hw.devices_per_node % tp:
         raise ValueError(f"tp={tp} is invalid: a TP group is GPUs of one node, so it must divide "
                          f"the {hw.devices_per_node} GPUs per node")
@@ -78,11 +80,31 @@ def cluster(m: ModelConfig, micro_batch_size: int = 1, hw: Hardware = Hardware()
         devices_per_node=hw.devices_per_node // tp,
         intra_node_bytes_per_s=hw.intra_node_gb_s * 1e9, inter_node_bytes_per_s=hw.inter_node_gb_s * 1e9,
         pipeline_schedule=schedule)
-    if tp == 1:
-        return model
-    # An all-reduce is a ring reduce-scatter and a ring all-gather.
-    ring = 2 * ring_s(tp, activation, model.intra_node_latency_s, model.intra_node_bytes_per_s)
-    return replace(model, layer_tp_s=tuple(ring * n for n in tp_all_reduces(len(costs))))
+    if tp > 1:
+        # An all-reduce is a ring reduce-scatter and a ring all-gather.
+        ring = 2 * ring_s(tp, activation, model.intra_node_latency_s, model.intra_node_bytes_per_s)
+        model = replace(model, layer_tp_s=tuple(ring * n for n in tp_all_reduces(len(costs))))
+    core = tuple(2.0 * c.core_flops_per_token * tokens / flops_s / tp for c in costs)
+    again, again_tp = recompute_s(checkpointing, forward, core, model.layer_tp_s)
+    return replace(model, layer_recompute_s=again, layer_recompute_tp_s=again_tp)
+
+
+def recompute_s(checkpointing: str, forward: tuple[float, ...], core: tuple[float, ...],
+                tp_s: tuple[float, ...] = ()) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """What each layer runs again in its backward under ``checkpointing``, as (kernels, the
+    tensor-parallel collectives among them): a recomputed block (``full``, ``every_N``:
+    ``TrainConfig.checkpointed``) its whole forward, collectives included; ``selective`` each
+    block's attention core (``core``: its forward time), which has no collective; ``none``
+    nothing. Empty tuples where nothing is run again."""
+    n = len(forward)
+    if checkpointing == "selective":
+        return tuple(core), ()
+    train = TrainConfig(activation_checkpointing=checkpointing)
+    again = [train.checkpointed(i, n) for i in range(n)]
+    if not any(again):
+        return (), ()
+    return (tuple(f if a else 0.0 for f, a in zip(forward, again)),
+            tuple(t if a else 0.0 for t, a in zip(tp_s, again)))
 
 
 def tp_all_reduces(num_layers: int) -> list[float]:

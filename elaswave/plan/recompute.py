@@ -1,0 +1,66 @@
+"""Which blocks each rank recomputes so that the plan fits the memory limit
+(``train.activation_checkpointing=auto``; pure).
+
+Megatron recomputes the same blocks on every stage (``--recompute-num-layers``), so every stage
+pays for the one that keeps most activations: 1F1B's first stage keeps ``p`` micro-batches', its
+last one; interleaved 1F1B's early ranks keep more micro-batch-chunks than its late ones. Here each
+rank recomputes the fewest of its blocks that bring its modelled peak
+(:func:`~elaswave.plan.memory.rank_bytes`) within the plan's limit, spread over its model chunks. Every re-plan chooses again: after a loss a re-split
+pipeline's ranks hold more layers and recompute more instead of standing by, and a join lets
+them recompute less. Recomputation does not change a bit of the result (the same forward kernels
+run again), so the choice is free to differ from plan to plan.
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+
+from elaswave.plan.memory import MIB, rank_bytes
+
+
+def fit_recomputation(plan):
+    """``plan`` with ``recomputed``: for each rank over the limit, the blocks it recomputes
+    (:func:`_fewest`), or all of them where even that does not fit (the caller's memory check then
+    names the rank). Unchanged without a memory model that plans recomputation, or without a limit."""
+    memory, limit = plan.memory, plan.stage_memory_limit * MIB
+    if memory is None or not memory.plan_recomputation or not limit:
+        return plan
+    plain = replace(plan, recomputed=()) if plan.recomputed else plan
+    last = plan.num_layers - 1
+    chosen: set[int] = set()
+    decided: dict[tuple, tuple[int, ...]] = {}  # the failure-free plan's pipelines are alike: decide once
+    for rank in plan.ranks:
+        d, s = plan.position(rank)
+        chunks = plan.chunk_ranges(rank)
+        parts = rank_bytes(memory, plain, rank)
+        fixed = parts["total"] - max(parts["activations"], parts["update"])
+        key = (chunks, s, len(plan.pipelines[d]), len(plan.micro_batches[d]), round(fixed))
+        if key not in decided:
+            decided[key] = _fewest(memory, plain, rank, chunks, limit, last) if parts["total"] > limit else ()
+        chosen.update(decided[key])
+    return replace(plan, recomputed=tuple(sorted(chosen)))
+
+
+def _fewest(memory, plan, rank: int, chunks, limit: float, last: int) -> tuple[int, ...]:
+    """Blocks added one at a time until the rank fits, then any that the later ones made needless
+    given back, so that every block left is needed. Which blocks lower an interleaved rank's peak
+    depends on which chunks are alive at that instant: of the blocks that lower it by at least half
+    as much as the best one, the next is in the chunk with fewest recomputed (so no chunk's time
+    grows far beyond the others'), then the one that lowers it most, then the lowest index."""
+    def peak(blocks) -> float:
+        return rank_bytes(replace(memory, recomputed=memory.recomputed | frozenset(blocks)), plan, rank)["total"]
+
+    chunk_of = {i: c for c, (start, end) in enumerate(chunks) for i in range(start, end) if 0 < i < last}
+    mine: list[int] = []
+    now = peak(mine)
+    while now > limit and chunk_of.keys() - set(mine):
+        per_chunk = [sum(chunk_of[i] == c for i in mine) for c in range(len(chunks))]
+        after = {i: peak([*mine, i]) for i in chunk_of.keys() - set(mine)}
+        best = now - min(after.values())
+        useful = [i for i, p in after.items() if now - p >= best / 2]
+        pick = min(useful, key=lambda i: (per_chunk[chunk_of[i]], after[i], i))
+        mine.append(pick)
+        now = after[pick]
+    for i in reversed(mine[:-1]):
+        if peak([j for j in mine if j != i]) <= limit:
+            mine.remove(i)
+    return tuple(mine)

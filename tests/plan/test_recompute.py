@@ -1,0 +1,73 @@
+"""The planner's recomputation (train.activation_checkpointing=auto): each rank recomputes the
+fewest blocks that fit the memory limit, chosen again at every re-plan."""
+from dataclasses import replace
+
+import pytest
+
+from elaswave.plan.memory import MIB, MemoryModel, rank_bytes
+from elaswave.plan.plan import Plan, PlanError, initial_plan, replan
+
+COSTS = [0.1] + [1.0] * 8 + [0.5]  # embedding, 8 blocks, head
+NUMELS = [64] * 10
+MEMORY = MemoryModel(layer_numels=tuple(NUMELS), layer_activation_bytes=(1.0 * MIB,) + (100.0 * MIB,) * 8 + (50.0 * MIB,),
+                     boundary_bytes=10.0 * MIB, param_bytes=4, sum_bytes=8, chunk_numel=16, snapshots=False,
+                     plan_recomputation=True)
+
+
+def _plan(limit_mib: float, dp=1, pp=2, v=1, mbs=8, memory=MEMORY) -> Plan:
+    return initial_plan(dp * pp, dp, pp, COSTS, mbs, NUMELS, chunk_numel=16, stage_memory_limit=limit_mib,
+                        memory=memory, virtual_stages=v)
+
+
+def _peak(plan: Plan, rank: int, recomputed=None) -> float:
+    if recomputed is not None:
+        plan = replace(plan, recomputed=tuple(sorted(recomputed)))
+    return rank_bytes(MEMORY, plan, rank)["total"] / MIB
+
+
+def _mine(plan: Plan, rank: int) -> set[int]:
+    return {i for a, b in plan.chunk_ranges(rank) for i in range(a, b)} & set(plan.recomputed)
+
+
+@pytest.mark.parametrize("v", [1, 2])
+def test_each_rank_recomputes_the_fewest_blocks_that_fit(v):
+    free = _plan(0.0, v=v)  # no limit: nothing recomputed
+    assert free.recomputed == ()
+    # A limit that the first rank (more micro-batches in flight) meets only by recomputing some blocks.
+    first = {i for a, b in free.chunk_ranges(0) for i in range(a, b) if 0 < i < 9}
+    limit = _peak(free, 0, set(sorted(first)[:2]))
+    plan = _plan(limit, v=v)
+    assert all(_peak(plan, r) <= limit for r in plan.ranks)
+    assert _mine(plan, 0) and len(_mine(plan, 0)) >= len(_mine(plan, 1))
+    for r in plan.ranks:  # the fewest: give back any one of its blocks and the rank no longer fits
+        for i in _mine(plan, r):
+            assert _peak(plan, r, set(plan.recomputed) - {i}) > limit
+    assert Plan.from_doc(plan.to_doc()).recomputed == plan.recomputed
+    # A tighter limit recomputes more; past every block the plan is refused, naming the rank.
+    tighter = _plan(limit - 60, v=v)
+    assert len(tighter.recomputed) > len(plan.recomputed)
+    with pytest.raises(PlanError, match="rank 0 would hold .* every block it runs recomputed.*, over the limit"):
+        _plan(_peak(free, 0, first) - 1, v=v)
+
+
+def test_after_a_loss_the_survivors_recompute_more_instead_of_standing_by():
+    """dp=2 x pp=2 and rank 1 lost: rank 0 alone must hold the whole model. Recomputing, it fits
+    and trains; with the same limit and nothing to recompute (a memory-aware partition), its
+    pipeline stands by (at a far larger limit) and the other takes the batch."""
+    free = _plan(0.0, dp=2)
+    alone = replan(free, [0, 2, 3], 1, 8)
+    # Between what rank 0 alone needs with every block recomputed and with none.
+    limit = (_peak(alone, 0, set(range(1, 9))) + _peak(alone, 0, set())) / 2
+    plan = _plan(limit, dp=2)
+    assert all(_peak(plan, r) <= limit for r in plan.ranks)
+    before = _mine(plan, 0)
+    after = replan(plan, [0, 2, 3], 1, 8)
+    assert after.micro_batches[0] and len(_mine(after, 0)) > len(before)
+    assert _peak(after, 0) <= limit
+    # The join gives rank 0 its partner back: it recomputes what it did before the loss.
+    back = replan(after, [0, 2, 3, 4], 2, 8)
+    assert _mine(back, 0) == before
+    # Recomputing nothing, rank 0 alone stands by even a MiB short of what it needs.
+    fixed = replace(MEMORY, plan_recomputation=False)
+    stood = replan(_plan(_peak(alone, 0, set()) - 1, dp=2, memory=fixed), [0, 2, 3], 1, 8)
+    assert stood.micro_batches[0] == () and not stood.recomputed
