@@ -236,7 +236,7 @@ def rank_bytes(model: MemoryModel, plan, rank: int) -> dict[str, float]:
     chunk's layers count, and its activations as the schedule keeps them alive
     (:func:`_interleaved_activations`). The blocks the plan recomputes count as ``recomputed``."""
     if getattr(plan, "recomputed", ()):
-        model = replace(model, recomputed=model.recomputed | plan.recomputed_set)
+        model = replace(model, recomputed=model.recomputed | plan.recomputed_of(rank))
     d, s = plan.position(rank)
     depth = len(plan.pipelines[d])
     mbs = len(plan.micro_batches[d])

@@ -67,9 +67,9 @@ class Plan:
     """micro_batch_units[id] = the units micro-batch ``id`` holds (empty: units_per_micro_batch each)."""
     frequency_solver: str = ""
     """What chose ``frequencies`` (:class:`~elaswave.plan.frequency.FrequencyPlan`'s ``solver``; empty: none)."""
-    recomputed: tuple[int, ...] = ()
-    """Blocks whose activations are not kept, chosen by the planner to fit the memory limit
-    (train.activation_checkpointing=auto; plan/recompute.py), beside the configured ones."""
+    recomputed: tuple[tuple[tuple[int, ...], ...], ...] = ()
+    """recomputed[d][s] = the blocks stage s of pipeline d recomputes to fit the memory limit, beside
+    the configured ones (train.activation_checkpointing=auto: plan/recompute.py; empty: none)."""
     virtual_stages: int = 1
     """Model chunks a rank holds (parallel.virtual_stages, interleaved 1F1B): layer_ranges[d] then
     has ``len(pipelines[d]) * virtual_stages`` ranges, virtual stage ``k`` on rank
@@ -91,9 +91,10 @@ class Plan:
 
     # Lookups are indexed once per plan (cached on the frozen instance): a plan for 10^5 ranks is
     # queried by every rank, so nothing here may scan all pipelines per call.
-    @cached_property
-    def recomputed_set(self) -> frozenset[int]:
-        return frozenset(self.recomputed)
+    def recomputed_of(self, rank: int) -> frozenset[int]:
+        """The blocks ``rank`` recomputes by the plan's choice (:attr:`recomputed`)."""
+        d, s = self.position(rank) if self.recomputed else (0, 0)
+        return frozenset(self.recomputed[d][s]) if self.recomputed else frozenset()
 
     @cached_property
     def ranks(self) -> tuple[int, ...]:
@@ -365,9 +366,8 @@ def _stage_memory(memory: MemoryModel | None, num_stages: int, pipelines: int, n
 def _split(prev: Plan, count: int, pipelines: int, num_micro_batches: int,
            speeds: Sequence[float] | None = None) -> tuple[tuple[int, int], ...]:
     """A pipeline of ``count`` stages, one of ``pipelines``, re-partitioned within the memory limit;
-    with virtual stages, ``count x V`` chunks by cost (the memory model prices one range a rank)."""
-    if by_cost(prev.virtual_stages, prev.memory):
-        v = prev.virtual_stages
+    ``count x V`` chunks by cost where the memory is checked after (plan.memory.by_cost)."""
+    if by_cost(v := prev.virtual_stages, prev.memory):
         return tuple(partition(_costs(prev), count * v, speeds=[speeds[k % count] for k in range(count * v)]
                                if speeds is not None else None))
     return tuple(partition(_costs(prev), count, prev.layer_memory or None, prev.stage_memory_limit or None, speeds,
@@ -454,15 +454,15 @@ def _elaswave(prev: Plan, epoch: int, pipelines, kept_ranges, kept, num_micro_ba
             if detoured_step_s(pipelines, kept_mbs, routes, forward) < step_s(at_levels, run_mbs, sizes, schedule) * (1 - 1e-3):
                 return _build(prev, epoch, pipelines, kept_ranges, kept_mbs, routes=routes)
     plan = _build(prev, epoch, pipelines, ranges, mbs, freqs, units=units, solver=solver, check=False)
-    # An interleaved partition is by cost: a re-split pipeline over the memory limit stands by, as a
-    # 1F1B one that no partition fits does (its survivors keep their layers; the others take its batch).
+    # A partition by cost (interleaved, or recomputing to fit): a re-split pipeline over the limit stands
+    # by, as one that no partition fits does (its survivors keep their layers; the others take its batch).
     while over := [i for i, pipe in enumerate(pipelines) if i not in standby and ranges[i] is not kept_ranges[i]
                    and not covers(kept_ranges[i], prev.num_layers) and set(pipe) & set(interleaved_over(plan))]:
         for i in over:
             ranges[i] = kept_ranges[i]
             standby.append(i)
-            why.append(f"ranks {list(pipelines[i])} hold too much as {prev.virtual_stages} interleaved chunks each"
-                       if prev.virtual_stages > 1 else f"ranks {list(pipelines[i])} hold too much with every block recomputed")
+            how = f"as {prev.virtual_stages} interleaved chunks each" if prev.virtual_stages > 1 else "recomputing every block"
+            why.append(f"ranks {list(pipelines[i])} hold too much {how}")
         mbs, freqs, units, solver, *_ = dealt()
         plan = _build(prev, epoch, pipelines, ranges, mbs, freqs, units=units, solver=solver, check=False)
     if refusal := interleaved_unfit(plan):  # an intact pipeline over the limit: nothing stands it by

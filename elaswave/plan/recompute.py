@@ -14,30 +14,50 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from elaswave.plan.memory import MIB, rank_bytes
+from elaswave.plan.errors import PlanError
+from elaswave.plan.memory import MIB, interleaved_unfit, rank_bytes
 
 
 def fit_recomputation(plan):
-    """``plan`` with ``recomputed``: for each rank over the limit, the blocks it recomputes
+    """``plan`` with ``recomputed``: for each rank over the limit, its own blocks to recompute
     (:func:`_fewest`), or all of them where even that does not fit (the caller's memory check then
-    names the rank). Unchanged without a memory model that plans recomputation, or without a limit."""
+    names the rank); by position, ``recomputed[d][s]``, so a rank recomputes only what it chose.
+    Unchanged without a memory model that plans recomputation, or without a limit."""
     memory, limit = plan.memory, plan.stage_memory_limit * MIB
     if memory is None or not memory.plan_recomputation or not limit:
         return plan
     plain = replace(plan, recomputed=()) if plan.recomputed else plan
     last = plan.num_layers - 1
-    chosen: set[int] = set()
     decided: dict[tuple, tuple[int, ...]] = {}  # the failure-free plan's pipelines are alike: decide once
-    for rank in plan.ranks:
+
+    def blocks(rank: int) -> tuple[int, ...]:
         d, s = plan.position(rank)
         chunks = plan.chunk_ranges(rank)
         parts = rank_bytes(memory, plain, rank)
         fixed = parts["total"] - max(parts["activations"], parts["update"])
         key = (chunks, s, len(plan.pipelines[d]), len(plan.micro_batches[d]), round(fixed))
         if key not in decided:
-            decided[key] = _fewest(memory, plain, rank, chunks, limit, last) if parts["total"] > limit else ()
-        chosen.update(decided[key])
-    return replace(plan, recomputed=tuple(sorted(chosen)))
+            decided[key] = tuple(sorted(_fewest(memory, plain, rank, chunks, limit, last))) if parts["total"] > limit else ()
+        return decided[key]
+    chosen = tuple(tuple(blocks(r) for r in pipe) for pipe in plan.pipelines)
+    return replace(plan, recomputed=chosen if any(b for pipe in chosen for b in pipe) else ())
+
+
+def refitted(plan):
+    """``plan`` with its recomputation chosen again and its memory checked again, after a change
+    the planner did not see (the snapshot copies a rank keeps, the hosts' rank numbering)."""
+    plan = fit_recomputation(plan)
+    if why := interleaved_unfit(plan):
+        raise PlanError(f"the initial layout does not fit: {why}")
+    return plan
+
+
+def every_block(plan):
+    """``plan`` with every block of every rank recomputed: the least its ranks can keep."""
+    last = plan.num_layers - 1
+    return replace(plan, recomputed=tuple(
+        tuple(tuple(i for start, end in plan.chunk_ranges(r) for i in range(start, end) if 0 < i < last) for r in pipe)
+        for pipe in plan.pipelines))
 
 
 def _fewest(memory, plan, rank: int, chunks, limit: float, last: int) -> tuple[int, ...]:

@@ -21,7 +21,6 @@ import torch
 from elaswave.control.link import StoreLost
 from elaswave.control.seal import PREFIX
 from elaswave.errors import ConfigError
-from elaswave.plan.partition import least_memory
 
 MIB = 2 ** 20
 POSTED = PREFIX + "device_mib/"
@@ -91,14 +90,13 @@ def stage_limit_mb(cfg, store, rank: int, world_size: int, mine: float | None) -
                    "reserve_mb": p.memory_reserve_mb}
 
 
-def unfit(cfg, agreed: dict, num_layers: int, memory) -> ConfigError:
-    """The error for a layout the agreed memory cannot hold, naming the least it needs (``memory``:
-    the job's MemoryModel)."""
+def unfit(cfg, agreed: dict, model, memory) -> ConfigError:
+    """The error for a layout the agreed memory cannot hold, naming the least it needs (``model``,
+    ``memory``: the job's model and its MemoryModel)."""
     p = cfg.parallel
-    from elaswave.runtime.memory import most_recomputed  # late: it imports the model registry
+    from elaswave.runtime.memory import least_mb  # late: it imports the model registry
 
-    memory = most_recomputed(memory, num_layers)
-    least = least_memory(num_layers, p.pp, memory.stage_memory(p.pp, p.dp, cfg.train.num_micro_batches))
+    least = least_mb(cfg, model, memory, p.pp, p.dp)
     return ConfigError(f"parallel.stage_memory_mb=auto is invalid for this layout: no partition of the model into "
                        f"{p.pp} stages at dp={p.dp} fits the {agreed['limit_mb']:.0f} MiB a rank the job's GPUs "
                        f"leave (the smallest's {agreed['smallest_device_mb']:.0f} MiB less parallel.memory_reserve_mb); "

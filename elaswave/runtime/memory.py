@@ -23,8 +23,10 @@ from elaswave.config import JobConfig
 from elaswave.data.corpus import corpus_bytes
 from elaswave.model.contract import Model, counted_numels, on_meta, saved_activation_bytes, tie_pairs, untie
 from elaswave.model.registry import model_for
-from elaswave.plan.memory import MemoryModel
+from elaswave.plan.memory import MIB, MemoryModel, by_cost, rank_bytes
 from elaswave.plan.partition import least_memory
+from elaswave.plan.plan import initial_plan
+from elaswave.plan.recompute import every_block
 from elaswave.precision import compute_dtype
 
 
@@ -119,14 +121,22 @@ def least_stage_memory_mb(cfg: JobConfig, num_stages: int, pipelines: int, devic
     """The least ``parallel.stage_memory_mb`` under which the job's model splits into pipelines of
     ``num_stages`` stages, ``pipelines`` of them (what to ask for; what tests set limits around)."""
     model, memory = config_memory_model(cfg, device or torch.device("cpu"))
-    memory = most_recomputed(memory, model.num_layers)
-    return least_memory(model.num_layers, num_stages, memory.stage_memory(num_stages, pipelines,
-                                                                          cfg.train.num_micro_batches))
+    return least_mb(cfg, model, memory, num_stages, pipelines)
 
 
-def most_recomputed(memory: MemoryModel, num_layers: int) -> MemoryModel:
-    """``memory`` as the least it can be: where the plan chooses what to recompute
-    (train.activation_checkpointing=auto), with every block recomputed."""
-    if not memory.plan_recomputation:
-        return memory
-    return replace(memory, recomputed=frozenset(range(1, num_layers - 1)))
+def least_mb(cfg: JobConfig, model: Model, memory: MemoryModel, num_stages: int, pipelines: int) -> float:
+    """:func:`least_stage_memory_mb` of ``model`` and its ``memory``. Where the planner partitions
+    by memory, the minimax of stage memory; where it partitions by cost and checks after (virtual
+    stages, or recomputation it chooses: plan/memory.by_cost), the largest rank of that plan --
+    with every block recomputed, where the plan recomputes what it must."""
+    t = cfg.train
+    if not by_cost(cfg.parallel.virtual_stages, memory):
+        return least_memory(model.num_layers, num_stages, memory.stage_memory(num_stages, pipelines, t.num_micro_batches))
+    plan = initial_plan(num_stages * pipelines, pipelines, num_stages, [c.flops_per_token for c in model.layer_costs()],
+                        t.num_micro_batches, counted_numels(model), cfg.parallel.chunk_numel, ties=tie_pairs(model),
+                        memory=memory, units_per_micro_batch=t.micro_batch_size if cfg.elastic.reshape else 1,
+                        virtual_stages=cfg.parallel.virtual_stages)
+    plan = replace(plan, snapshot_copies=cfg.elastic.snapshot_copies)
+    if memory.plan_recomputation:
+        plan = every_block(plan)
+    return max(rank_bytes(memory, plan, r)["total"] for r in plan.ranks) / MIB

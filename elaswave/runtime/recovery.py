@@ -280,8 +280,8 @@ def recover(ctx, st: RankState | None, cause: Disruption | None, noticed_wall: f
     # A re-partitioned stage (or a joiner's) starts from fresh layers; the gather below fills in
     # their parameters from the chunk owners, who hold the same layers in the other pipelines.
     stage = (st.stage if st is not None and st.stage.chunks == layers
-             else Stage(cfg, layers, ctx.device, ctx.model, plan.recomputed))
-    stage.recompute(plan.recomputed)  # a kept stage may recompute more, or less, under the new plan
+             else Stage(cfg, layers, ctx.device, ctx.model, plan.recomputed_of(ctx.rank)))
+    stage.recompute(plan.recomputed_of(ctx.rank))  # a kept stage may recompute more, or less, under the new plan
     new = build_rank(cfg, plan, ctx.rank, stage, ctx.sampler_for(stage), world, ctx.comm, ctx.device,
                      ctx.backend_name, gen=restore.resume_step, chunks=chunks, before=ctx.before_action,
                      actuator=ctx.actuator)
@@ -411,7 +411,7 @@ def _layout(plan: Plan) -> dict:
             "micro_batches": [len(m) for m in plan.micro_batches],
             "units": [[plan.units_of(mb) for mb in m] for m in plan.micro_batches],
             "frequencies": [list(f) for f in plan.frequencies] if plan.frequencies else None,
-            "detours": len(plan.routes), "virtual_stages": plan.virtual_stages, "recomputed": list(plan.recomputed)}
+            "detours": len(plan.routes), "virtual_stages": plan.virtual_stages, "recomputed": [[list(b) for b in pipe] for pipe in plan.recomputed]}
 
 
 def _readable_checkpoint(ctx) -> int | None:

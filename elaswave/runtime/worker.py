@@ -35,6 +35,7 @@ from elaswave.pipeline.stage import Stage
 from elaswave.plan.frequency import PowerModel
 from elaswave.plan.memory import rank_bytes
 from elaswave.plan.plan import PlanError, initial_plan
+from elaswave.plan.recompute import refitted
 from elaswave.precision import compute_dtype, name as precision_name, pin_kernels
 from elaswave.runtime import device_memory, join, recovery, rescue
 from elaswave.runtime.actuator import ActuatorError
@@ -292,18 +293,19 @@ def _start(ctx: Context, world_size: int):
                             memory=ctx.memory_model if limit else None,
                             units_per_micro_batch=t.micro_batch_size if cfg.elastic.reshape else 1,
                             virtual_stages=cfg.parallel.virtual_stages)
+        plan = replace(plan, snapshot_copies=cfg.elastic.snapshot_copies)
+        # Under torchrun and several agents, ranks are numbered host-major, LOCAL_WORLD_SIZE to a host;
+        # the one-host launcher's job is one host (its joiners' numbers say nothing about hosts).
+        if not os.environ.get("ELASWAVE_STORE") or os.environ.get(NODES_ENV, "1") != "1":
+            plan = replace(plan, ranks_per_node=int(os.environ.get("LOCAL_WORLD_SIZE", "0")))
+        plan = refitted(plan)  # the snapshots it keeps for its peers count in what a rank must recompute
     except PlanError:
         if ctx.memory_limit["source"] != "auto":
             raise
         # Preflight checks a configured limit; the agreed one is known only now.
-        raise device_memory.unfit(cfg, ctx.memory_limit, model.num_layers, ctx.memory_model) from None
-    plan = replace(plan, snapshot_copies=cfg.elastic.snapshot_copies)
-    # Under torchrun and several agents, ranks are numbered host-major, LOCAL_WORLD_SIZE to a host;
-    # the one-host launcher's job is one host (its joiners' numbers say nothing about hosts).
-    if not os.environ.get("ELASWAVE_STORE") or os.environ.get(NODES_ENV, "1") != "1":
-        plan = replace(plan, ranks_per_node=int(os.environ.get("LOCAL_WORLD_SIZE", "0")))
+        raise device_memory.unfit(cfg, ctx.memory_limit, model, ctx.memory_model) from None
     ctx.plan = plan = layout.founding_slice(plan, ctx.shard, tp)
-    stage = Stage(cfg, plan.chunk_ranges(rank), device, model, plan.recomputed)
+    stage = Stage(cfg, plan.chunk_ranges(rank), device, model, plan.recomputed_of(rank))
     world = ctx.comm.group(plan.ranks, plan.epoch)
     if tp > 1:
         model.cut.group = ctx.comm.group(ctx.devices.tensor_group(rank), plan.epoch)

@@ -10,6 +10,7 @@ from elaswave.pipeline.schedule import GENERATORS
 from elaswave.plan.memory import MemoryModel, by_cost, rank_bytes
 from elaswave.plan.partition import least_memory
 from elaswave.plan.plan import Plan, PlanError, initial_plan, replan
+from elaswave.plan.recompute import every_block
 from elaswave.sim import policies
 from elaswave.sim.workload import MODELS, choose_layout, layer_numels
 
@@ -101,7 +102,7 @@ def first_fit(args, layouts, model, memory, m: int):
                 try:
                     plan = plan_of(dp, pp, 0.0)
                     if memory.plan_recomputation:  # the least it needs: every block recomputed
-                        plan = replace(plan, recomputed=tuple(range(1, plan.num_layers - 1)))
+                        plan = every_block(plan)
                     over.append((peak_gib(memory, plan) + args.reserve_gib, dp, pp))
                 except PlanError:
                     pass

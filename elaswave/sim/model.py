@@ -88,6 +88,13 @@ class ClusterModel:
             raise ValueError(f"pipeline_schedule={self.pipeline_schedule!r} is invalid: choose from "
                              f"{', '.join(GENERATORS)}")
 
+    @property
+    def recompute_runs(self) -> int:
+        """Times a backward runs a recomputed block's forward: once; twice under ZB-H1, whose W
+        restarts autograd inside the block after B did (pipeline/zero_bubble.py) -- W's redoing of
+        the block's input gradient is not priced. (Selective's core runs once: W does not pass it.)"""
+        return 2 if self.pipeline_schedule == "zb-h1" else 1
+
     def split_factor(self, plan: Plan | None = None) -> float:
         """Backward over forward, by which a schedule's timing splits a stage's time
         (``makespan``'s ``backward_factor``): ``backward_factor``, plus what recomputation adds to the
@@ -95,9 +102,10 @@ class ClusterModel:
         share of recomputation is the whole model's; every_N's stages differ by at most a block's,
         a plan's choice by what it chose."""
         again = sum(self.layer_recompute_s) + sum(self.layer_recompute_tp_s)
-        if plan is not None and plan.recomputed:
-            again += sum(self.layer_forward_s[k] + (self.layer_tp_s[k] if self.layer_tp_s else 0.0)
-                         for k in plan.recomputed)
+        if plan is not None and plan.recomputed:  # a pipeline's worth, on average
+            again += self.recompute_runs * sum(
+                self.layer_forward_s[k] + (self.layer_tp_s[k] if self.layer_tp_s else 0.0)
+                for pipe in plan.recomputed for blocks in pipe for k in blocks) / len(plan.recomputed)
         if not again:
             return self.backward_factor
         whole = (1 + self.backward_factor) * sum(self.layer_forward_s) + 2 * sum(self.layer_tp_s)
@@ -139,14 +147,16 @@ class ClusterModel:
         compute = sum(self.layer_forward_s[i:j]) * (1 + self.backward_factor) / self.power.speed(plan.frequency(rank))
         if self.layer_tp_s:
             compute += 2 * sum(self.layer_tp_s[i:j])
+        runs = self.recompute_runs
         if self.layer_recompute_s:  # the backward runs these again
             compute += sum(self.layer_recompute_s[i:j]) / self.power.speed(plan.frequency(rank))
         if self.layer_recompute_tp_s:
             compute += sum(self.layer_recompute_tp_s[i:j])
-        if plan.recomputed:  # the blocks the plan chose to recompute (checkpointing auto): whole forwards again
-            again = [k for k in range(i, j) if k in plan.recomputed_set]
-            compute += sum(self.layer_forward_s[k] for k in again) / self.power.speed(plan.frequency(rank))
-            compute += sum(self.layer_tp_s[k] for k in again) if self.layer_tp_s else 0.0
+        if plan.recomputed:  # the blocks the rank chose to recompute (checkpointing auto): whole forwards again
+            mine = plan.recomputed_of(rank)
+            again = [k for k in range(i, j) if k in mine]
+            compute += runs * sum(self.layer_forward_s[k] for k in again) / self.power.speed(plan.frequency(rank))
+            compute += runs * sum(self.layer_tp_s[k] for k in again) if self.layer_tp_s else 0.0
         nxt = [pipe[(s + 1) % len(pipe)]] if k + 1 < len(plan.layer_ranges[d]) else []
         peers = nxt + ([pipe[s - 1]] if k else [])
         comm = sum(self.transfer_s(self.activation_bytes, rank, peer) for peer in peers

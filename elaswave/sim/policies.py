@@ -53,6 +53,7 @@ from typing import Sequence
 from elaswave.plan import microbatches
 from elaswave.plan.frequency import PowerModel
 from elaswave.plan.plan import Plan, PlanError, initial_plan, replan
+from elaswave.plan.recompute import fit_recomputation
 from elaswave.sim.control import Control, slot_events
 from elaswave.sim.model import ClusterModel, held_layers, migration_s
 from elaswave.sim.trace import Event
@@ -173,8 +174,9 @@ def static_clocks(plan: Plan, start: Plan, deal: str = "", power: PowerModel | N
     else:
         counts, units = microbatches.balance(whole, *shape), ()
     dealt = dict(zip(run, counts))
-    return replace(clocked, micro_batches=tuple(dealt.get(d, ()) for d in range(len(plan.pipelines))),
-                   micro_batch_units=units)
+    # Another deal keeps other micro-batches in flight: what each rank recomputes is chosen again.
+    return fit_recomputation(replace(clocked, micro_batches=tuple(dealt.get(d, ()) for d in range(len(plan.pipelines))),
+                                     micro_batch_units=units))
 
 
 class Elaswave(Policy):

@@ -86,6 +86,8 @@ def cluster(m: ModelConfig, micro_batch_size: int = 1, hw: Hardware = Hardware()
         model = replace(model, layer_tp_s=tuple(ring * n for n in tp_all_reduces(len(costs))))
     core = tuple(2.0 * c.core_flops_per_token * tokens / flops_s / tp for c in costs)
     again, again_tp = recompute_s(checkpointing, forward, core, model.layer_tp_s)
+    if checkpointing != "selective" and model.recompute_runs > 1:  # ZB-H1 runs a recomputed block twice
+        again, again_tp = (tuple(model.recompute_runs * x for x in t) for t in (again, again_tp))
     return replace(model, layer_recompute_s=again, layer_recompute_tp_s=again_tp)
 
 

@@ -6,6 +6,7 @@ import pytest
 
 from elaswave.plan.memory import MIB, MemoryModel, rank_bytes
 from elaswave.plan.plan import Plan, PlanError, initial_plan, replan
+from elaswave.plan.recompute import refitted
 
 COSTS = [0.1] + [1.0] * 8 + [0.5]  # embedding, 8 blocks, head
 NUMELS = [64] * 10
@@ -20,13 +21,16 @@ def _plan(limit_mib: float, dp=1, pp=2, v=1, mbs=8, memory=MEMORY) -> Plan:
 
 
 def _peak(plan: Plan, rank: int, recomputed=None) -> float:
+    """``rank``'s modelled peak, recomputing ``recomputed`` (default: what the plan chose for it)."""
     if recomputed is not None:
-        plan = replace(plan, recomputed=tuple(sorted(recomputed)))
+        plan = replace(plan, recomputed=tuple(tuple(tuple(sorted(recomputed)) for _ in p) for p in plan.pipelines))
     return rank_bytes(MEMORY, plan, rank)["total"] / MIB
 
 
 def _mine(plan: Plan, rank: int) -> set[int]:
-    return {i for a, b in plan.chunk_ranges(rank) for i in range(a, b)} & set(plan.recomputed)
+    mine = set(plan.recomputed_of(rank))
+    assert mine <= {i for a, b in plan.chunk_ranges(rank) for i in range(a, b)}, "only blocks it runs"
+    return mine
 
 
 @pytest.mark.parametrize("v", [1, 2])
@@ -41,11 +45,11 @@ def test_each_rank_recomputes_the_fewest_blocks_that_fit(v):
     assert _mine(plan, 0) and len(_mine(plan, 0)) >= len(_mine(plan, 1))
     for r in plan.ranks:  # the fewest: give back any one of its blocks and the rank no longer fits
         for i in _mine(plan, r):
-            assert _peak(plan, r, set(plan.recomputed) - {i}) > limit
+            assert _peak(plan, r, _mine(plan, r) - {i}) > limit
     assert Plan.from_doc(plan.to_doc()).recomputed == plan.recomputed
     # A tighter limit recomputes more; past every block the plan is refused, naming the rank.
     tighter = _plan(limit - 60, v=v)
-    assert len(tighter.recomputed) > len(plan.recomputed)
+    assert sum(len(_mine(tighter, r)) for r in plan.ranks) > sum(len(_mine(plan, r)) for r in plan.ranks)
     with pytest.raises(PlanError, match="rank 0 would hold .* every block it runs recomputed.*, over the limit"):
         _plan(_peak(free, 0, first) - 1, v=v)
 
@@ -64,6 +68,8 @@ def test_after_a_loss_the_survivors_recompute_more_instead_of_standing_by():
     after = replan(plan, [0, 2, 3], 1, 8)
     assert after.micro_batches[0] and len(_mine(after, 0)) > len(before)
     assert _peak(after, 0) <= limit
+    # Each rank recomputes what it needs, not what another chose: the intact pipeline's ranks keep theirs.
+    assert [_mine(after, r) for r in (2, 3)] == [_mine(plan, r) for r in (2, 3)]
     # The join gives rank 0 its partner back: it recomputes what it did before the loss.
     back = replan(after, [0, 2, 3, 4], 2, 8)
     assert _mine(back, 0) == before
@@ -71,3 +77,25 @@ def test_after_a_loss_the_survivors_recompute_more_instead_of_standing_by():
     fixed = replace(MEMORY, plan_recomputation=False)
     stood = replan(_plan(_peak(alone, 0, set()) - 1, dp=2, memory=fixed), [0, 2, 3], 1, 8)
     assert stood.micro_batches[0] == () and not stood.recomputed
+
+
+def test_a_plan_refitted_after_its_snapshot_copies_change_still_fits():
+    """The runtime sets the snapshot copies after planning (elastic.snapshot_copies): each rank then
+    keeps more of its peers' optimizer state, and what it recomputes is chosen again to fit."""
+    numels = [1 << 20] * 10  # optimizer chunks large enough for snapshots to matter beside activations
+    memory = replace(MEMORY, snapshots=True, layer_numels=tuple(numels), chunk_numel=1 << 18)
+
+    def plan_of(limit):
+        return initial_plan(4, 2, 2, COSTS, 8, numels, chunk_numel=1 << 18, stage_memory_limit=limit, memory=memory)
+    free = plan_of(0.0)
+
+    def peak(plan, r):
+        return rank_bytes(memory, plan, r)["total"] / MIB
+    every = replace(free, recomputed=tuple(tuple(tuple(range(1, 9)) for _ in p) for p in free.pipelines))
+    limit = (peak(free, 0) + peak(every, 0)) / 2
+    plan = plan_of(limit)
+    more = refitted(replace(plan, snapshot_copies=3))
+    assert all(peak(more, r) <= limit for r in more.ranks)
+    assert sum(len(more.recomputed_of(r)) for r in more.ranks) > sum(len(plan.recomputed_of(r)) for r in plan.ranks)
+    stale = replace(plan, snapshot_copies=3)  # unrefitted, some rank would pass the limit
+    assert any(peak(stale, r) > limit for r in stale.ranks)

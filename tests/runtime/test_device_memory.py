@@ -96,6 +96,31 @@ def test_a_layout_the_agreed_memory_cannot_hold_names_the_least_it_needs():
     model, memory = config_memory_model(cfg, torch.device("cpu"))
     least = least_stage_memory_mb(cfg, cfg.parallel.pp, cfg.parallel.dp)
     err = device_memory.unfit(cfg, {"limit_mb": least / 2, "smallest_device_mb": least / 2 + 8192},
-                              model.num_layers, memory)
+                              model, memory)
     assert isinstance(err, ConfigError) and f"the least any needs is {least:.0f} MiB" in str(err)
     assert f"fits the {least / 2:.0f} MiB a rank" in str(err)
+
+
+def test_the_least_memory_under_auto_recomputation_is_a_limit_the_planner_meets():
+    """Where the plan recomputes what it must (train.activation_checkpointing=auto) it partitions by
+    cost: the least named is that plan's largest rank with every block recomputed, and a plan at it
+    fits (a memory-aware partition's minimax named less than any plan met)."""
+    import torch
+
+    from elaswave.model.contract import counted_numels, tie_pairs
+    from elaswave.plan.plan import PlanError, initial_plan
+    from elaswave.runtime.memory import config_memory_model, least_stage_memory_mb
+    for dp, pp in ((1, 2), (1, 3), (2, 4)):
+        cfg = config.load(None, ["train.activation_checkpointing=auto", f"parallel.dp={dp}", f"parallel.pp={pp}",
+                                 "elastic.snapshot_copies=1"])
+        model, memory = config_memory_model(cfg, torch.device("cpu"))
+        least = least_stage_memory_mb(cfg, pp, dp)
+
+        def plan(limit):
+            return initial_plan(dp * pp, dp, pp, [c.flops_per_token for c in model.layer_costs()],
+                                cfg.train.num_micro_batches, counted_numels(model), cfg.parallel.chunk_numel,
+                                stage_memory_limit=limit, ties=tie_pairs(model), memory=memory,
+                                units_per_micro_batch=cfg.train.micro_batch_size if cfg.elastic.reshape else 1)
+        assert plan(least * 1.0001).recomputed
+        with pytest.raises(PlanError, match="every block it runs recomputed"):
+            plan(least * 0.999)
