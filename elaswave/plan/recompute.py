@@ -4,8 +4,9 @@
 Megatron recomputes the same blocks on every stage (``--recompute-num-layers``), so every stage
 pays for the one that keeps most activations: 1F1B's first stage keeps ``p`` micro-batches', its
 last one; interleaved 1F1B's early ranks keep more micro-batch-chunks than its late ones. Here each
-rank recomputes the fewest of its blocks that bring its modelled peak
-(:func:`~elaswave.plan.memory.rank_bytes`) within the plan's limit, spread over its model chunks. Every re-plan chooses again: after a loss a re-split
+rank recomputes its own blocks, one at a time, until its modelled peak
+(:func:`~elaswave.plan.memory.rank_bytes`) is within the plan's limit, spread over its model
+chunks, and keeps none it could give back. Every re-plan chooses again: after a loss a re-split
 pipeline's ranks hold more layers and recompute more instead of standing by, and a join lets
 them recompute less. Recomputation does not change a bit of the result (the same forward kernels
 run again), so the choice is free to differ from plan to plan.
@@ -20,7 +21,7 @@ from elaswave.plan.memory import MIB, interleaved_unfit, rank_bytes
 
 def fit_recomputation(plan):
     """``plan`` with ``recomputed``: for each rank over the limit, its own blocks to recompute
-    (:func:`_fewest`), or all of them where even that does not fit (the caller's memory check then
+    (:func:`_needed`), or all of them where even that does not fit (the caller's memory check then
     names the rank); by position, ``recomputed[d][s]``, so a rank recomputes only what it chose.
     Unchanged without a memory model that plans recomputation, or without a limit."""
     memory, limit = plan.memory, plan.stage_memory_limit * MIB
@@ -37,7 +38,8 @@ def fit_recomputation(plan):
         fixed = parts["total"] - max(parts["activations"], parts["update"])
         key = (chunks, s, len(plan.pipelines[d]), len(plan.micro_batches[d]), round(fixed))
         if key not in decided:
-            decided[key] = tuple(sorted(_fewest(memory, plain, rank, chunks, limit, last))) if parts["total"] > limit else ()
+            over = parts["total"] > limit
+            decided[key] = tuple(sorted(_needed(memory, plain, rank, chunks, limit, last))) if over else ()
         return decided[key]
     chosen = tuple(tuple(blocks(r) for r in pipe) for pipe in plan.pipelines)
     return replace(plan, recomputed=chosen if any(b for pipe in chosen for b in pipe) else ())
@@ -60,7 +62,7 @@ def every_block(plan):
         for pipe in plan.pipelines))
 
 
-def _fewest(memory, plan, rank: int, chunks, limit: float, last: int) -> tuple[int, ...]:
+def _needed(memory, plan, rank: int, chunks, limit: float, last: int) -> tuple[int, ...]:
     """Blocks added one at a time until the rank fits, then any that the later ones made needless
     given back, so that every block left is needed. Which blocks lower an interleaved rank's peak
     depends on which chunks are alive at that instant: of the blocks that lower it by at least half
