@@ -41,12 +41,20 @@ class Group:
 
     def wait(self, work: dist.Work, what: str) -> None:
         backend.wait(work, self.timeout_s, what, self.interrupt, self.epoch)
+        self._done(work)
 
     def wait_direct(self, work: dist.Work, what: str, timeout_s: float | None = None) -> None:
         """Wait on this thread, at most ``timeout_s`` (default: the group's), for work that is done
         or nearly so; an interrupt cannot cut it short, so no helper thread is needed."""
         self.interrupt.check(self.epoch)
         backend.wait(work, self.timeout_s if timeout_s is None else timeout_s, what)
+        self._done(work)
+
+    def _done(self, work: dist.Work) -> None:
+        """A waited operation needs no parking: let go of it, and of the tensors it holds (a
+        recovery's migration buffers were kept alive by it until the group's next call, or the
+        epoch's end where none came)."""
+        self.inflight = [w for w in self.inflight if w is not work]
 
     def _call(self, fn, *args) -> dist.Work:
         try:
