@@ -35,6 +35,14 @@ except ModuleNotFoundError:  # pragma: no cover - exercised only on 3.9/3.10
     import tomli as tomllib  # type: ignore[no-redef]
 
 
+CHECKPOINTING = "none, full, selective, auto or every_N with N >= 1 (e.g. every_2)"
+"""What train.activation_checkpointing may be (the simulator's --checkpointing too)."""
+
+
+def is_checkpointing(value: str) -> bool:
+    return value in ("none", "full", "selective", "auto") or bool(re.fullmatch(r"every_[1-9][0-9]*", value))
+
+
 @dataclass
 class TrainConfig:
     steps: int = 40
@@ -133,10 +141,8 @@ class TrainConfig:
             _fail("train.grad_fixed_point_bits", self.grad_fixed_point_bits, "must be in [8, 48]")
         if self.precision not in PRECISIONS:
             _fail("train.precision", self.precision, f"must be one of {', '.join(PRECISIONS)}")
-        ac = self.activation_checkpointing
-        if ac not in ("none", "full", "selective", "auto") and not re.fullmatch(r"every_[1-9][0-9]*", ac):
-            _fail("train.activation_checkpointing", ac,
-                  "must be none, full, selective, auto or every_N with N >= 1 (e.g. every_2)")
+        if not is_checkpointing(self.activation_checkpointing):
+            _fail("train.activation_checkpointing", self.activation_checkpointing, f"must be {CHECKPOINTING}")
 
 
 @dataclass

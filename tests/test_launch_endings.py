@@ -1,6 +1,7 @@
 """How a one-host launcher ends, and with the exit code docs/cluster.md gives: with elasticity off a
 rank that dies ends the job (1), promptly, nothing left running; however the launcher itself ends
 (143 on SIGTERM), its workers end with it; past --timeout-s it stops (124)."""
+import contextlib
 import os
 import signal
 import subprocess
@@ -10,28 +11,21 @@ import time
 from tests.helpers.spawn import TINY, alive, children, run_cli
 
 
-def _start_long_job(extra=()):
+@contextlib.contextmanager
+def _long_job(extra=()):
+    """A one-host job under way (its first step printed): (the launcher, its 4 workers); the
+    launcher's process group is killed on the way out, whatever the test did."""
     sets = [*TINY, "train.steps=100000", "parallel.timeout_s=20", *extra]
     cmd = [sys.executable, "-m", "elaswave.cli", "run"] + [x for s in sets for x in ("--set", s)]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
-    deadline = time.monotonic() + 120
-    line = ""
-    while "step" not in line and time.monotonic() < deadline:  # training is under way
-        line = proc.stdout.readline()
-    return proc
-
-
-def test_without_elasticity_a_sigkill_ends_the_job_cleanly():
-    proc = _start_long_job(["elastic.enabled=false"])
     try:
+        deadline = time.monotonic() + 120
+        line = ""
+        while "step" not in line and time.monotonic() < deadline:  # training is under way
+            line = proc.stdout.readline()
         workers = children(proc.pid)
         assert len(workers) == 4, workers
-        os.kill(workers[2], signal.SIGKILL)
-        code = proc.wait(timeout=60)
-        assert code == 1, code  # docs/cluster.md: a failure the job could not absorb
-        assert "rank" in proc.stderr.read()
-        time.sleep(0.5)
-        assert not [w for w in workers if alive(w)], "workers outlived the job"
+        yield proc, workers
     finally:
         try:
             os.killpg(proc.pid, signal.SIGKILL)
@@ -39,14 +33,21 @@ def test_without_elasticity_a_sigkill_ends_the_job_cleanly():
             pass
 
 
+def test_without_elasticity_a_sigkill_ends_the_job_cleanly():
+    with _long_job(["elastic.enabled=false"]) as (proc, workers):
+        os.kill(workers[2], signal.SIGKILL)
+        code = proc.wait(timeout=60)
+        assert code == 1, code  # docs/cluster.md: a failure the job could not absorb
+        assert "rank" in proc.stderr.read()
+        time.sleep(0.5)
+        assert not [w for w in workers if alive(w)], "workers outlived the job"
+
+
 def test_workers_end_with_the_launcher_however_it_ends(tmp_path):
     # SIGKILL takes the store with it: without a failover the workers save their state
     # (tests/runtime/test_rescue.py) and exit within the heartbeat timeout.
     for sig in (signal.SIGTERM, signal.SIGKILL):
-        proc = _start_long_job([f"checkpoint.dir={tmp_path / sig.name}", "elastic.store_failover=false"])
-        try:
-            workers = children(proc.pid)
-            assert len(workers) == 4, workers
+        with _long_job([f"checkpoint.dir={tmp_path / sig.name}", "elastic.store_failover=false"]) as (proc, workers):
             os.kill(proc.pid, sig)
             code = proc.wait(timeout=30)
             assert code == (128 + sig if sig == signal.SIGTERM else -sig), code  # docs/cluster.md: 143 on SIGTERM
@@ -54,11 +55,6 @@ def test_workers_end_with_the_launcher_however_it_ends(tmp_path):
             while [w for w in workers if alive(w)] and time.monotonic() < deadline:
                 time.sleep(0.1)
             assert not [w for w in workers if alive(w)], f"workers outlived a launcher ended by {sig.name}"
-        finally:
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
 
 
 def test_a_job_past_its_timeout_stops_with_the_documented_code(tmp_path):

@@ -295,7 +295,7 @@ def by_cost(virtual_stages: int, memory: MemoryModel | None) -> bool:
     return virtual_stages > 1 or (memory is not None and memory.plan_recomputation)
 
 
-def interleaved_over(plan) -> dict[int, float]:
+def over_limit(plan) -> dict[int, float]:
     """Where the partition is by cost alone (:func:`by_cost`): each rank whose modelled peak passes
     the plan's limit, with its MiB (none without a limit, or where the partition weighed memory)."""
     if not by_cost(plan.virtual_stages, plan.memory) or not plan.stage_memory_limit:
@@ -304,9 +304,9 @@ def interleaved_over(plan) -> dict[int, float]:
     return {rank: mib for rank, mib in need.items() if mib > plan.stage_memory_limit}
 
 
-def interleaved_unfit(plan) -> str | None:
-    """:func:`interleaved_over`'s first rank in words; None when every rank fits."""
-    over = interleaved_over(plan)
+def limit_refusal(plan) -> str | None:
+    """:func:`over_limit`'s first rank in words; None when every rank fits."""
+    over = over_limit(plan)
     if not over:
         return None
     rank = min(over)

@@ -14,7 +14,7 @@ from elaswave.plan import microbatches
 from elaswave.plan.chunks import Owners, chunks_by_rank, reassign_owners, rebalance_owners, round_robin_owners, slot_chunks
 from elaswave.plan.deal import deal, detoured_step_s, step_s
 from elaswave.plan.frequency import PowerModel
-from elaswave.plan.memory import MemoryModel, by_cost, interleaved_over, interleaved_unfit
+from elaswave.plan.memory import MemoryModel, by_cost, over_limit, limit_refusal
 from elaswave.plan.recompute import fit_recomputation
 from elaswave.plan.detours import covers, detour_routes
 from elaswave.plan.errors import PlanError  # noqa: F401 (where callers import it from)
@@ -253,7 +253,7 @@ def initial_plan(world_size: int, dp: int, pp: int, layer_costs: Sequence[float]
     if layer_numels:
         plan = replace(plan, chunk_owners=round_robin_owners(plan.holder_groups(), layer_numels, chunk_numel))
     plan = fit_recomputation(plan)
-    if why := interleaved_unfit(plan):
+    if why := limit_refusal(plan):
         raise PlanError(f"the initial layout does not fit: {why}")
     return plan
 
@@ -390,7 +390,7 @@ def _build(prev: Plan, epoch: int, pipelines, ranges, mbs, freqs=(), routes=(), 
     if joined:
         owners = rebalance_owners(owners, plan.holder_groups(), joined)
     plan = fit_recomputation(replace(plan, chunk_owners=owners))
-    if check and (why := interleaved_unfit(plan)):
+    if check and (why := limit_refusal(plan)):
         raise PlanError(f"epoch {epoch}: {why}")
     return plan
 
@@ -457,7 +457,7 @@ def _elaswave(prev: Plan, epoch: int, pipelines, kept_ranges, kept, num_micro_ba
     # A partition by cost (interleaved, or recomputing to fit): a re-split pipeline over the limit stands
     # by, as one that no partition fits does (its survivors keep their layers; the others take its batch).
     while over := [i for i, pipe in enumerate(pipelines) if i not in standby and ranges[i] is not kept_ranges[i]
-                   and not covers(kept_ranges[i], prev.num_layers) and set(pipe) & set(interleaved_over(plan))]:
+                   and not covers(kept_ranges[i], prev.num_layers) and set(pipe) & set(over_limit(plan))]:
         for i in over:
             ranges[i] = kept_ranges[i]
             standby.append(i)
@@ -465,7 +465,7 @@ def _elaswave(prev: Plan, epoch: int, pipelines, kept_ranges, kept, num_micro_ba
             why.append(f"ranks {list(pipelines[i])} hold too much {how}")
         mbs, freqs, units, solver, *_ = dealt()
         plan = _build(prev, epoch, pipelines, ranges, mbs, freqs, units=units, solver=solver, check=False)
-    if refusal := interleaved_unfit(plan):  # an intact pipeline over the limit: nothing stands it by
+    if refusal := limit_refusal(plan):  # an intact pipeline over the limit: nothing stands it by
         raise PlanError(f"epoch {epoch}: {refusal}")
     return plan
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from elaswave.plan.errors import PlanError
-from elaswave.plan.memory import MIB, interleaved_unfit, rank_bytes
+from elaswave.plan.memory import MIB, limit_refusal, rank_bytes
 
 
 def fit_recomputation(plan):
@@ -49,7 +49,7 @@ def refitted(plan):
     """``plan`` with its recomputation chosen again and its memory checked again, after a change
     the planner did not see (the snapshot copies a rank keeps, the hosts' rank numbering)."""
     plan = fit_recomputation(plan)
-    if why := interleaved_unfit(plan):
+    if why := limit_refusal(plan):
         raise PlanError(f"the initial layout does not fit: {why}")
     return plan
 

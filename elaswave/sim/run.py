@@ -3,10 +3,10 @@ from __future__ import annotations
 
 import functools
 import json
-import re
 import time
 from dataclasses import asdict, replace
 
+from elaswave.config import CHECKPOINTING, is_checkpointing
 from elaswave.errors import ConfigError
 from elaswave.plan.frequency import CLOCKS
 from elaswave.plan.memory import bytes_per_parameter
@@ -160,10 +160,8 @@ def run(args) -> int:
                               "name elaswave_no_dvfs, or drop --no-dvfs")
         names = list(dict.fromkeys(n for n in names if n != "elaswave"))
     names, left_out = layout.check_schedule(args, names)
-    if args.checkpointing not in ("none", "full", "selective", "auto") and not re.fullmatch(r"every_[1-9][0-9]*",
-                                                                                           args.checkpointing):
-        raise ConfigError(f"--checkpointing={args.checkpointing} is invalid: choose none, full, selective, auto or every_N "
-                          "with N >= 1 (e.g. every_2)")
+    if not is_checkpointing(args.checkpointing):
+        raise ConfigError(f"--checkpointing={args.checkpointing} is invalid: choose {CHECKPOINTING}")
     ctl = _control(args, names)
     layouts = layout.layouts(args)
     dp, pp = layouts[0]
