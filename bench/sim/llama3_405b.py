@@ -14,8 +14,8 @@ published one, with bounds that say where the difference sits:
   output): (m + p - 1) / m for 1F1B; (m + (p - 1) / 3) / m for ZB-H1 with W as long as B
   (``BACKWARD_INPUT_SHARE``, the modelling assumption: the ZB-H1 paper's bubble (p - 1)(F + B - W)).
 
-ZB-H1 here is the runtime's schedule priced by the simulator; the runtime refuses it with TP > 1
-today (parallel.schedule), and it keeps p micro-batches' activations on every stage until their W,
+ZB-H1 here is the runtime's schedule priced by the simulator (the runtime runs it with TP > 1 and
+the sequence cut, tests/runtime/test_tensor_parallel.py); it keeps p micro-batches' activations on every stage until their W,
 so at 80 GiB it may not fit where 1F1B does (then its row says what it needs). The first two tables
 recompute nothing; the third tries every recomputation the runtime runs
 (train.activation_checkpointing: selective, every_N, full, and auto -- the planner's choice of the

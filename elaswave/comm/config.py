@@ -77,10 +77,6 @@ class ParallelConfig:
                 _fail(f"parallel.{name}", getattr(self, name), "must be >= 1")
         if self.schedule not in SCHEDULES:
             _fail("parallel.schedule", self.schedule, f"must be one of {', '.join(SCHEDULES)}")
-        if self.schedule == "zb-h1" and self.tp > 1:
-            _fail("parallel.schedule", self.schedule, f"does not run with parallel.tp={self.tp}: a tensor-parallel "
-                  "product computes its input's and its weight's gradients in one backward, with a collective; "
-                  "use parallel.schedule=1f1b")
         if self.schedule == "interleaved" and self.virtual_stages < 2:
             _fail("parallel.virtual_stages", self.virtual_stages, "must be >= 2 with parallel.schedule=interleaved "
                   "(1 is parallel.schedule=1f1b)")

@@ -20,9 +20,11 @@ backward's: refused. The built-in families never do this on a stage that has a B
 is the embedding's, and layer 0 runs on the first stage, which has no B).
 
 A stage whose input carries no gradient (the first: token ids) has no B: its W is the whole
-backward. A custom autograd Function on a boundary computes every gradient in each half, so it
-runs twice (correct, not cheaper) -- which is why a tensor-parallel job, whose products are such
-Functions with a collective in their backward, is refused ``parallel.schedule=zb-h1``.
+backward. A custom autograd Function on a boundary would compute every gradient in each half; one
+that declares ``splits_backward`` (the tensor-parallel products of :mod:`elaswave.tensor.ops`,
+whose backward holds a collective) is told which half runs (``split_pass`` on its node: "input"
+in B, "weight" in W) and computes that half's gradients and collectives only. Every rank of a
+tensor-parallel group runs the same B and W in the same order, so their collectives match.
 """
 from __future__ import annotations
 
@@ -96,11 +98,16 @@ def backward_input(out: torch.Tensor, grad: torch.Tensor | None, x: torch.Tensor
     branches = _branches(boundary_nodes, reached, on_input_path)
     flowing: dict[Node, tuple] = {}
     handles = [n.register_prehook(lambda g, n=n: flowing.__setitem__(n, g)) for n in boundary_nodes]
+    split = [n for n in boundary_nodes if getattr(getattr(type(n), "_forward_cls", None), "splits_backward", False)]
+    for n in split:
+        n.split_pass = "input"
     try:
         torch.autograd.backward(out, grad, inputs=[x], retain_graph=True)
     finally:
         for h in handles:
             h.remove()
+        for n in split:
+            n.split_pass = "weight"
     return WeightPass(_restarts([n for n in boundary_nodes if n in flowing], flowing, branches, reached, together))
 
 

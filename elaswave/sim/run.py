@@ -238,7 +238,6 @@ def run(args) -> int:
               "virtual_stages": args.virtual_stages, "policies_left_out": left_out,
               "peak_gib": layout.peak_gib(memory, plan) if memory is not None else None,
               "peak_gib_after_first_failure": after_gib,
-              "runtime_runs_schedule_with_tp": args.schedule == "1f1b" or args.tp == 1,
               "micro_batch_size": args.micro_batch_size, "reshape": not args.no_reshape and args.micro_batch_size > 1,
               "device_gib": args.device_gib, "reserve_gib": args.reserve_gib if args.device_gib else None,
               "bytes_per_parameter": bytes_per_parameter(memory, dp) if memory is not None else None,
@@ -276,9 +275,6 @@ def run(args) -> int:
     chunks = f", {args.virtual_stages} virtual stages" if args.virtual_stages > 1 else ""
     print(f"failure-free ({args.schedule}{chunks}): step {step_s:.2f} s, {tflops:.0f} model TFLOP/s per GPU, MFU {100 * tflops / hw.device_tflops:.1f} % "
           f"of {hw.device_tflops:g} ({args.hardware} hardware, {hw.efficiency:g} of the peak in a layer's compute)")
-    if not config["runtime_runs_schedule_with_tp"]:
-        print(f"--schedule {args.schedule} with --tp {args.tp}: the runtime refuses this pair today (parallel.schedule); "
-              "priced as if it ran")
     if not args.no_dvfs:
         solver = {"exact": "the exact DP", "greedy": "the greedy LP relaxation (within one level's upgrade of the "
                   "least power)"}.get(start.frequency_solver, "none: nominal clocks")

@@ -19,6 +19,12 @@ sequence instead of all-reduced. Deterministic mode sums the same integers eithe
 do not change; the norms and a row product's bias, which then see only a shard's tokens, sum their
 weights' gradients over :data:`~elaswave.tensor.split.BLOCKS` canonical blocks of the sequence
 (:func:`norm`, :func:`add_bias`), on one rank or across ranks alike.
+
+ZB-H1 splits a backward in two (:mod:`elaswave.pipeline.zero_bubble`): B asks a product for its
+input's gradient alone, W later for its weights' alone, by setting ``split_pass`` on the product's
+autograd node. Each half computes only its own gradients and runs only its own collectives (the
+input gradient's sum in B; the weights' sums, and the gather of a sequence shard they read again,
+in W), so B + W do one backward's work and every gradient has its bits.
 """
 from __future__ import annotations
 
@@ -93,6 +99,13 @@ def _all_reduce(t: torch.Tensor, group: Group | None, what: str) -> torch.Tensor
     return t
 
 
+def _halves(ctx) -> tuple[bool, bool]:
+    """Whether this backward computes the input's gradient and the weights': both, unless ZB-H1's
+    B (``split_pass`` "input") or W ("weight") asks for one."""
+    half = getattr(ctx, "split_pass", None)
+    return half != "weight", half != "input"
+
+
 def _rows(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1, t.shape[-1])
 
@@ -118,21 +131,26 @@ class _Columns(torch.autograd.Function):
                 outs.append(torch.cat([F.linear(x, wb, bb) for wb, bb in zip(w.chunk(blocks), bs)], dim=-1))
         return tuple(outs)
 
+    splits_backward = True  # see _halves
+
     @staticmethod
     def backward(ctx, *dys):
         x, *weights = ctx.saved_tensors
-        if ctx.seq:
+        want_x, want_w = _halves(ctx)
+        if ctx.seq and want_w:
             x = _seq_gather(x, ctx.group)
         grads, partials = [], []
         for (blocks, has_bias, counted), w, dy in zip(ctx.spec, weights, dys):
             n = max(1, blocks)
             dyc, wc = dy.chunk(n, dim=-1), w.chunk(n)
-            grads.append(torch.cat([_rows(d).T @ _rows(x) for d in dyc]))
+            grads.append(torch.cat([_rows(d).T @ _rows(x) for d in dyc]) if want_w else None)
             if has_bias:
-                grads.append(torch.cat([_rows(d).sum(0) for d in dyc]))
-            if counted:  # a replicated product's share of the input's gradient counts on one holder
+                grads.append(torch.cat([_rows(d).sum(0) for d in dyc]) if want_w else None)
+            if counted and want_x:  # a replicated product's share of the input's gradient counts on one holder
                 partials.extend(d @ wb for d, wb in zip(dyc, wc))
-        if not ctx.spec[0][0]:
+        if not want_x:
+            d_x = None
+        elif not ctx.spec[0][0]:
             d_x = torch.stack(partials).sum(0) if len(partials) > 1 else partials[0]
             d_x = (_seq_scatter(d_x, ctx.group, "sequence-parallel input gradient") if ctx.seq
                    else _all_reduce(d_x, ctx.group, "tensor-parallel input gradient"))
@@ -165,15 +183,18 @@ class _Row(torch.autograd.Function):
         return exact_sum([F.linear(xb, wb) for xb, wb in zip(x.chunk(blocks, dim=-1), weight.chunk(blocks, dim=1))],
                          group, total, seq)
 
+    splits_backward = True  # see _halves
+
     @staticmethod
     def backward(ctx, dy):
         x, weight = ctx.saved_tensors
-        if ctx.seq:
+        want_x, want_w = _halves(ctx)
+        if ctx.seq:  # each half gathers it (W's would otherwise keep a whole sequence's from B)
             dy = _seq_gather(dy, ctx.group)
         n = max(1, ctx.blocks)
         xs, ws = x.chunk(n, dim=-1), weight.chunk(n, dim=1)
-        d_x = torch.cat([dy @ w for w in ws], dim=-1)
-        d_weight = torch.cat([_rows(dy).T @ _rows(xb) for xb in xs], dim=1)
+        d_x = torch.cat([dy @ w for w in ws], dim=-1) if want_x else None
+        d_weight = torch.cat([_rows(dy).T @ _rows(xb) for xb in xs], dim=1) if want_w else None
         return d_x, d_weight, None, None, None, None
 
 
@@ -305,19 +326,26 @@ class _Norm(torch.autograd.Function):
         ctx.args = (eps, blocks, group, total)
         return torch.cat([_rms(xb, weight, eps) for xb in x.chunk(max(1, blocks), dim=1)], dim=1)
 
+    splits_backward = True  # see _halves
+
     @staticmethod
     def backward(ctx, dy):
         x, weight = ctx.saved_tensors
         eps, blocks, group, total = ctx.args
+        want_x, want_w = _halves(ctx)
         d_xs, d_ws = [], []
         for xb, db in zip(x.chunk(max(1, blocks), dim=1), dy.chunk(max(1, blocks), dim=1)):
             with torch.enable_grad():
-                xb, w = xb.detach().requires_grad_(True), weight.detach().requires_grad_(True)
-                d_x, d_w = torch.autograd.grad(_rms(xb, w, eps), (xb, w), db)
-            d_xs.append(d_x)
-            d_ws.append(d_w)
+                xb, w = xb.detach().requires_grad_(want_x), weight.detach().requires_grad_(want_w)
+                wanted = [t for t in (xb, w) if t.requires_grad]
+                got = list(torch.autograd.grad(_rms(xb, w, eps), wanted, db))
+            d_xs.append(got.pop(0) if want_x else None)
+            d_ws.append(got.pop(0) if want_w else None)
+        d_x = torch.cat(d_xs, dim=1) if want_x else None
+        if not want_w:
+            return d_x, None, None, None, None, None
         d_w = exact_sum(d_ws, group, total) if blocks else _all_reduce(d_ws[0], group, "sequence-parallel norm")
-        return torch.cat(d_xs, dim=1), d_w, None, None, None, None
+        return d_x, d_w, None, None, None, None
 
 
 def norm(x: torch.Tensor, weight: torch.Tensor, eps: float, blocks: int, group: Group | None,
@@ -334,14 +362,19 @@ class _Bias(torch.autograd.Function):
         ctx.args = (blocks, group, total)
         return y + bias
 
+    splits_backward = True  # see _halves
+
     @staticmethod
     def backward(ctx, dy):
         blocks, group, total = ctx.args
+        want_x, want_w = _halves(ctx)
+        if not want_w:
+            return dy, None, None, None, None
         if blocks:
             d_b = exact_sum([db.sum(dim=(0, 1)) for db in dy.chunk(blocks, dim=1)], group, total)
         else:
             d_b = _all_reduce(dy.sum(dim=(0, 1)), group, "sequence-parallel bias")
-        return dy, d_b, None, None, None
+        return (dy if want_x else None), d_b, None, None, None
 
 
 def add_bias(y: torch.Tensor, bias: torch.Tensor, blocks: int, group: Group | None, total: int) -> torch.Tensor:

@@ -125,3 +125,56 @@ def test_a_weight_used_twice_on_a_stage_is_refused():
     alias = w.detach().requires_grad_(True)  # a tie's owner and user on one stage
     with pytest.raises(ValueError, match="tied"):
         backward_input((x @ w @ alias).sum(), None, x, [w, alias])
+
+
+def tensor_parallel_rank(group, exact: bool, sequence: bool):
+    """B then W against one whole backward on this rank's shard of a tensor-parallel Llama stage (two
+    blocks with biases, the head and its loss): every gradient's bits, and the FLOPs of the two halves."""
+    from elaswave.model.llama_tp import TensorParallelLlama
+    from elaswave.tensor.split import TensorSplit
+    m = config.load(None, ["model.preset=llama-tiny", "model.seq_len=16", "model.dropout=0.0", "model.num_blocks=2",
+                           "model.tie_embeddings=false", "model.attention_bias=true", "model.mlp_bias=true"]).model
+    model = TensorParallelLlama(m, TensorSplit(group.size, group.group_rank), group, exact, sequence_parallel=sequence)
+    layers = [model.build_layer(i, 0) for i in (1, 2, 3)]
+    weights = [p for layer in layers for p in layer.parameters()]
+    gen = torch.Generator().manual_seed(group.group_rank if sequence else 0)  # a shard of the sequence each
+    x = torch.randn(2, model.boundary_tokens, m.d_model, generator=gen).requires_grad_(True)
+    targets = torch.randint(0, m.vocab_size, (2, m.seq_len), generator=torch.Generator().manual_seed(1))
+
+    def loss():
+        y = x
+        for layer in layers:
+            y = layer(y, None)
+        return model.loss_sum(y, targets) / 100
+
+    out = {}
+    for split in (False, True):
+        y = loss()
+        with FlopCounterMode(display=False) as counter:
+            if split:
+                pass_ = backward_input(y, None, x, weights)
+                b = counter.get_total_flops()
+                pass_.run()
+            else:
+                y.backward()
+        out[split] = {"grads": [t.grad.clone() for t in [*weights, x]], "flops": counter.get_total_flops(),
+                      "b_flops": b if split else None}
+        for t in [*weights, x]:
+            t.grad = None
+    return out
+
+
+@pytest.mark.parametrize("exact,sequence", [(True, False), (True, True), (False, True), (False, False)])
+def test_b_then_w_splits_tensor_parallel_products(tmp_path, exact, sequence):
+    """The tensor-parallel products (column, row, norm and bias Functions with collectives in their
+    backward) compute the input's gradient alone in B and the weights' alone in W: the bits of one
+    whole backward on every rank of a group of 2, and B + W the FLOPs of one backward, not more."""
+    from tests.helpers.spawn import run_group
+    for rank, res in enumerate(run_group("tests.pipeline.test_zero_bubble:tensor_parallel_rank", 2, tmp_path,
+                                         exact=exact, sequence=sequence)):
+        whole, split = res[False], res[True]
+        assert len(whole["grads"]) == len(split["grads"]) > 10
+        for i, (a, b) in enumerate(zip(whole["grads"], split["grads"])):
+            assert torch.equal(a, b), (rank, i)
+        assert sum(bool(g.any()) for g in split["grads"]) == len(split["grads"])
+        assert 0 < split["b_flops"] < split["flops"] == whole["flops"], (rank, whole["flops"], split)

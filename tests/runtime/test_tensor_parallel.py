@@ -318,3 +318,20 @@ def test_interleaved_pipelines_of_tensor_parallel_devices_keep_the_bits(tmp_path
     assert res.losses == reference.losses
     assert res.summary["params_sha256"] == reference.summary["params_sha256"]
     assert res.summary["state_sha256"] == reference.summary["state_sha256"]
+
+
+@pytest.mark.parametrize("dp,kill", [(1, []), pytest.param(2, ["elastic.enabled=true", "elastic.inject=kill:rank=5,step=3,phase=weight"],
+                                                        marks=pytest.mark.slow)])
+def test_zb_h1_over_tensor_parallel_devices_keeps_the_bits(tmp_path, reference, dp, kill):
+    """parallel.schedule=zb-h1 with tp=2 and the sequence cut: B runs each product's input gradient
+    and its collectives, W the weights' (tensor/ops.py); with `pytest -m slow` also at dp=2 through
+    a SIGKILL of one rank of a group as its first W starts."""
+    res = run_job(tmp_path, dp, 2, STEPS, deterministic=True,
+                  extra=[*TP, "parallel.tp=2", "parallel.sequence_parallel=true", "parallel.schedule=zb-h1", *kill])
+    assert res.records[0]["config"]["parallel"]["schedule"] == "zb-h1"
+    if kill:
+        assert "injecting kill into rank 5 at step 3 (weight)" in res.stderr
+        assert any(r["event"] == "recovery" for r in res.records)
+    assert res.losses == reference.losses
+    assert res.summary["params_sha256"] == reference.summary["params_sha256"]
+    assert res.summary["state_sha256"] == reference.summary["state_sha256"]

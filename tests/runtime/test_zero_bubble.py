@@ -1,8 +1,9 @@
 """Real gloo ranks: the ZB-H1 schedule (each backward split into B and W) trains the same run as
-1F1B and the single-process reference, bit for bit, also through a SIGKILL in a B."""
+1F1B and the single-process reference, bit for bit, also through a SIGKILL in a B. With tensor
+parallelism: tests/runtime/test_tensor_parallel.py."""
 import pytest
 
-from tests.helpers.spawn import assert_same_run, job_args, run_cli, run_job, reference_fixture
+from tests.helpers.spawn import assert_same_run, run_job, reference_fixture
 
 STEPS = 6
 ZB = ["parallel.schedule=zb-h1"]
@@ -29,12 +30,6 @@ def test_a_kill_in_a_split_backward_still_ends_bit_identical(tmp_path, reference
     assert f"injecting kill into rank 3 at step 2 ({phase})" in res.stderr
     assert any(r["event"] == "recovery" for r in res.records)
     assert_same_run(res, reference, STEPS)
-
-
-def test_zb_h1_with_tensor_parallelism_is_one_line(tmp_path):
-    res = run_cli(job_args(1, 2, 2, True, [*ZB, "model.arch=llama", "parallel.tp=2"]), tmp_path, timeout_s=60)
-    assert res.returncode == 2 and "parallel.schedule" in res.stderr and "parallel.tp=2" in res.stderr, res.stderr
-    assert len(res.stderr.strip().splitlines()) == 1, res.stderr
 
 
 def test_fast_bf16_zb_h1_keeps_the_bits_of_1f1b(tmp_path):

@@ -61,10 +61,6 @@ def test_simulate_prices_the_schedule_it_is_given_and_reports_it(capsys):
         assert config["pipeline_schedule"] == schedule
         steps[schedule] = config["failure_free"]["step_s"]
     assert steps["zb-h1"] < steps["1f1b"]
-    assert config["runtime_runs_schedule_with_tp"]
-    # The runtime refuses ZB-H1 with TP today: priced, and the JSON says so.
-    assert cli.main(["simulate", "--devices", "16", "--tp", "2", *base[3:], "--schedule", "zb-h1"]) == 0
-    assert not json.loads(capsys.readouterr().out)["config"]["runtime_runs_schedule_with_tp"]
     assert cli.main(base + ["--schedule", "zb-h2"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.endswith("--schedule=zb-h2 is invalid: choose from 1f1b, zb-h1, interleaved") and "\n" not in err
