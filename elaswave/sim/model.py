@@ -211,8 +211,7 @@ def step_time(plan: Plan, model: ClusterModel, schedule: str = "runtime") -> Ste
         compute = _routed_compute(plan, stage, model.split_factor(plan))
     else:
         compute = _analytic_compute(plan, stage, virtual, model.split_factor(plan), model.pipeline_schedule)
-    collective = max((holder_collectives_s(model, holders, sum(model.layer_param_bytes[i] for i in layers))
-                      for holders, layers in plan.holder_groups().items()), default=0.0) if model.layer_param_bytes else 0.0
+    collective = rank_collectives_s(plan, model)
     power = sum(model.power.power(plan.frequency(r)) for r in plan.ranks)
     return StepEstimate(compute + collective + model.step_overhead_s, compute, collective,
                         plan.batch_units / plan.units_per_micro_batch, power)
@@ -299,6 +298,20 @@ def ring_s(n: int, nbytes: float, latency_s: float, bytes_per_s: float) -> float
     """One ring reduce-scatter or all-gather of ``nbytes`` over ``n`` ranks: ``n-1`` hops, each a
     latency and an ``n``-th of the bytes."""
     return (n - 1) * (latency_s + nbytes / n / bytes_per_s) if n > 1 else 0.0
+
+
+def rank_collectives_s(plan: Plan, model: ClusterModel) -> float:
+    """The step's gradient sums and parameter all-gathers: the busiest rank's, which runs its holder
+    groups' one after another (a rank in several groups after an uneven re-split, as the runtime's
+    ``runtime/step.py`` does bucket by bucket), each at its group's speed."""
+    if not model.layer_param_bytes:
+        return 0.0
+    per_rank: dict[int, float] = {}
+    for holders, layers in plan.holder_groups().items():
+        t = holder_collectives_s(model, holders, sum(model.layer_param_bytes[i] for i in layers))
+        for r in holders:
+            per_rank[r] = per_rank.get(r, 0.0) + t
+    return max(per_rank.values(), default=0.0)
 
 
 def holder_collectives_s(model: ClusterModel, holders: Sequence[int], param_bytes: float) -> float:

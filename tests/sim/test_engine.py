@@ -178,13 +178,16 @@ def _after_over_before(capsys, *extra):
 def test_reshaping_at_16384_devices_keeps_the_batch_and_catches_up_with_dropping_a_replica(capsys):
     """One failure at 16,384 devices: dealing whole micro-batches, the pipelines that take the
     broken one's extra micro-batches cost every pipeline a micro-batch's time (elaswave 0.984,
-    TorchFT's policy 0.999 with a smaller batch); dealing sequences, a sequence's time."""
+    TorchFT's policy 0.999 with a smaller batch); dealing sequences, a sequence's time. Not quite
+    drop_replica's (0.9987 against 0.9990): the re-split pipeline's ranks each sum their gradients in
+    two holder groups, one ring after the other (priced as one, the larger, until session 45)."""
     whole, _ = _after_over_before(capsys, "--micro-batch-size", "16", "--no-reshape")
     shaped, config = _after_over_before(capsys, "--micro-batch-size", "16")
     assert config["reshape"] and config["micro_batch_size"] == 16
     assert config["frequency_solver"] in ("greedy", None)  # 1,024 pipelines: above the exact DP's bound
     assert whole["elaswave"] < 0.99 < shaped["elaswave"] <= 1.0
-    assert shaped["elaswave"] >= shaped["drop_replica"] == pytest.approx(1023 / 1024)
+    assert shaped["drop_replica"] == pytest.approx(1023 / 1024)
+    assert shaped["elaswave"] > shaped["drop_replica"] - 1e-3
 
 
 def test_a_failure_under_interleaved_keeps_the_virtual_stages_and_is_priced_on_them():

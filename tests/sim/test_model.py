@@ -45,6 +45,24 @@ def test_idle_pipelines_cost_nothing_and_their_micro_batches_are_not_counted():
     assert est.samples == 8 and est.step_s == pytest.approx(before.step_s)
 
 
+def test_a_rank_in_two_holder_groups_sums_them_one_after_the_other():
+    """After a re-split a rank may hold layers of two holder groups: the runtime reduces its buckets
+    one after another, so the step's collectives are the busiest rank's sum, not the largest group's
+    (which priced a re-split pipeline's smaller groups as if they made the step shorter)."""
+    from elaswave.sim.model import holder_collectives_s
+    plan = initial_plan(12, 3, 4, [1.0] * 8, 24, [1000] * 8, 100)
+    after = replan(plan, [r for r in plan.ranks if r != 5], 1, 24, detours=False)
+    model = _model(layer_param_bytes=(4000.0,) * 8, inter_node_bytes_per_s=1e6)
+    groups = after.holder_groups()
+    each = {h: holder_collectives_s(model, h, 4000.0 * len(ls)) for h, ls in groups.items()}
+    busiest = max(sum(t for h, t in each.items() if r in h) for r in after.ranks)
+    assert any(sum(r in h for h in groups) > 1 for r in after.ranks)  # some rank is in two
+    assert step_time(after, model).collective_s == pytest.approx(busiest)
+    assert busiest > max(each.values())
+    assert step_time(plan, model).collective_s == pytest.approx(max(
+        holder_collectives_s(model, h, 4000.0 * len(ls)) for h, ls in plan.holder_groups().items()))
+
+
 def test_migration_is_the_slowest_receiver_and_nothing_when_nothing_changes():
     plan = initial_plan(8, 2, 4, [1.0] * 8, 16, [1000] * 8, 100)
     model = _model(layer_param_bytes=(4000.0,) * 8, inter_node_bytes_per_s=1e6)
