@@ -48,17 +48,20 @@ def deal(stage_s: Sequence[Sequence[float]], num_micro_batches: int, k: int, pow
 
 
 def step_s(stage_s: Sequence[Sequence[float]], mbs, sizes: Sequence[Sequence[float]] | None = None,
-           schedule: str = "1f1b") -> float:
-    """The pipelines' step as a plan with detours is compared with: the runtime's order of
-    ``schedule`` (parallel.schedule: 1f1b or zb-h1) up to the routed schedule's size limit, the
-    frequency planner's price (1F1B's upper bound) above it. ``sizes``: each pipeline's
+           schedule: str = "1f1b", num_chunks: int = 1) -> float:
+    """The pipelines' step as the planner compares its candidate plans by: the runtime's order of
+    ``schedule`` (parallel.schedule; ``num_chunks`` model chunks a rank, interleaved) up to the
+    routed schedule's size limit, an analytic bound above it. ``sizes``: each pipeline's
     micro-batches as shares of a whole one (reshaped)."""
     exact = sum(map(len, stage_s)) <= routed.EXACT_MAX_RANKS
     if sizes is None:
         sizes = [[1.0] * len(m) for m in mbs]
-    # Above the limit: fill and drain once at the first micro-batch's size (a whole one), then the
-    # slowest stage for the rest of the pipeline's work.
-    return max((schedule_makespan(schedule, p, len(m), sizes=z) if exact else sum(p) * z[0] + (sum(z) - z[0]) * max(p))
+    # Above the limit: fill and drain once at the first micro-batch's size (a whole one; with V
+    # chunks a V-th of it, Megatron's (p - 1) / V bubble on even stages), then the slowest stage
+    # for the rest of the pipeline's work.
+    v = num_chunks
+    return max((schedule_makespan(schedule, p, len(m), sizes=z, num_chunks=v) if exact
+                else sum(p) * z[0] / v + (sum(z) - z[0] / v) * max(p))
                for p, m, z in zip(stage_s, mbs, sizes) if m)
 
 

@@ -4,7 +4,6 @@ Every rank computes the same plan from the same inputs; nothing here touches a p
 """
 from __future__ import annotations
 
-import statistics
 from dataclasses import dataclass, fields, replace
 from functools import cached_property
 from itertools import accumulate
@@ -19,6 +18,7 @@ from elaswave.plan.recompute import fit_recomputation
 from elaswave.plan.detours import covers, detour_routes
 from elaswave.plan.errors import PlanError  # noqa: F401 (where callers import it from)
 from elaswave.plan.partition import PartitionError, partition
+from elaswave.plan.rates import layer_costs, priced_step_s, range_cost, rank_costs, rank_rates
 
 
 @dataclass(frozen=True)
@@ -368,9 +368,9 @@ def _split(prev: Plan, count: int, pipelines: int, num_micro_batches: int,
     """A pipeline of ``count`` stages, one of ``pipelines``, re-partitioned within the memory limit;
     ``count x V`` chunks by cost where the memory is checked after (plan.memory.by_cost)."""
     if by_cost(v := prev.virtual_stages, prev.memory):
-        return tuple(partition(_costs(prev), count * v, speeds=[speeds[k % count] for k in range(count * v)]
+        return tuple(partition(layer_costs(prev), count * v, speeds=[speeds[k % count] for k in range(count * v)]
                                if speeds is not None else None))
-    return tuple(partition(_costs(prev), count, prev.layer_memory or None, prev.stage_memory_limit or None, speeds,
+    return tuple(partition(layer_costs(prev), count, prev.layer_memory or None, prev.stage_memory_limit or None, speeds,
                            _stage_memory(prev.memory, count, pipelines, num_micro_batches)))
 
 
@@ -406,7 +406,7 @@ def _elaswave(prev: Plan, epoch: int, pipelines, kept_ranges, kept, num_micro_ba
     a re-partitioned pipeline's bottleneck is a whole layer heavier, so micro-batches must move to
     other pipelines, each of which then takes a whole micro-batch more (+1/(m+S-1) of the step),
     while a host absorbs one guest in its slack."""
-    rate = _rank_rates(prev, speeds, [r for p in pipelines for r in p], power)
+    rate = rank_rates(prev, speeds, [r for p in pipelines for r in p], power)
     ranges, standby, why = [], [], []
     for d, survivors, rng in zip(kept, pipelines, kept_ranges):
         if covers(rng, prev.num_layers) and not rebalance:
@@ -430,7 +430,7 @@ def _elaswave(prev: Plan, epoch: int, pipelines, kept_ranges, kept, num_micro_ba
             raise PlanError(f"epoch {epoch}: no pipeline can hold the model: {'; '.join(why)}")
         if len(run) > num_micro_batches:
             raise PlanError(f"epoch {epoch}: {num_micro_batches} micro-batches cannot feed {len(run)} pipelines")
-        stage_s = [[c / rate[r] for r, c in zip(pipelines[k], _rank_costs(prev, pipelines[k], ranges[k]))] for k in run]
+        stage_s = [[c / rate[r] for r, c in zip(pipelines[k], rank_costs(prev, pipelines[k], ranges[k]))] for k in run]
         mbs, freqs, units, sizes, at_levels, solver = deal(stage_s, num_micro_batches, prev.units_per_micro_batch,
                                                             power, power_cap_w)
         run_mbs = mbs
@@ -440,6 +440,23 @@ def _elaswave(prev: Plan, epoch: int, pipelines, kept_ranges, kept, num_micro_ba
             freqs = tuple(freqs[at[k]] if k in at else (1.0,) * len(pipelines[k]) for k in range(len(pipelines))) if freqs else ()
         return mbs, freqs, units, solver, run_mbs, sizes, at_levels
     mbs, freqs, units, solver, run_mbs, sizes, at_levels = dealt()
+    # Or the re-split pipelines stand by, as restarting on whole pipelines would leave them: faster
+    # where a re-split rank holds a layer more than its peers (and recomputes more to fit) while the
+    # lost share of the batch is a micro-batch or two over many pipelines (Llama 3 405B's layout at
+    # 16,384 GPUs). Both plans priced with their recomputation (plan.rates.priced_step_s).
+    resplit = [i for i, pipe in enumerate(pipelines) if i not in standby and ranges[i] is not kept_ranges[i]
+               and not covers(kept_ranges[i], prev.num_layers)]
+    built = None
+    if resplit and len(resplit) + len(standby) < len(pipelines):
+        built = _build(prev, epoch, pipelines, ranges, mbs, freqs, units=units, solver=solver, check=False)
+        chosen = list(ranges), list(standby), (mbs, freqs, units, solver, run_mbs, sizes, at_levels), built
+        for i in resplit:
+            ranges[i] = kept_ranges[i]
+        standby.extend(resplit)
+        mbs, freqs, units, solver, run_mbs, sizes, at_levels = dealt()
+        built = _build(prev, epoch, pipelines, ranges, mbs, freqs, units=units, solver=solver, check=False)
+        if not priced_step_s(built, rate, schedule) < priced_step_s(chosen[3], rate, schedule) * (1 - 1e-3):
+            ranges[:], standby[:], (mbs, freqs, units, solver, run_mbs, sizes, at_levels), built = chosen
     complete = [covers(rng, prev.num_layers) for rng in kept_ranges]
     # Interleaved pipelines share no stage layout a detour could pass through.
     if detours and prev.virtual_stages == 1 and any(complete) and not all(complete):
@@ -449,11 +466,11 @@ def _elaswave(prev: Plan, epoch: int, pipelines, kept_ranges, kept, num_micro_ba
         except PlanError:
             routes = None
         if routes is not None and sum(map(len, kept_mbs)) == num_micro_batches:
-            forward = {r: _cost(prev, i, j) / rate[r] for pipe, rng in zip(pipelines, kept_ranges)
+            forward = {r: range_cost(prev, i, j) / rate[r] for pipe, rng in zip(pipelines, kept_ranges)
                        for r, (i, j) in zip(pipe, rng)}
             if detoured_step_s(pipelines, kept_mbs, routes, forward) < step_s(at_levels, run_mbs, sizes, schedule) * (1 - 1e-3):
                 return _build(prev, epoch, pipelines, kept_ranges, kept_mbs, routes=routes)
-    plan = _build(prev, epoch, pipelines, ranges, mbs, freqs, units=units, solver=solver, check=False)
+    plan = built or _build(prev, epoch, pipelines, ranges, mbs, freqs, units=units, solver=solver, check=False)
     # A partition by cost (interleaved, or recomputing to fit): a re-split pipeline over the limit stands
     # by, as one that no partition fits does (its survivors keep their layers; the others take its batch).
     while over := [i for i, pipe in enumerate(pipelines) if i not in standby and ranges[i] is not kept_ranges[i]
@@ -468,33 +485,3 @@ def _elaswave(prev: Plan, epoch: int, pipelines, kept_ranges, kept, num_micro_ba
     if refusal := limit_refusal(plan):  # an intact pipeline over the limit: nothing stands it by
         raise PlanError(f"epoch {epoch}: {refusal}")
     return plan
-
-
-def _costs(plan: Plan) -> tuple[float, ...]:
-    return plan.layer_costs or (1.0,) * plan.num_layers
-
-
-def _cost(plan: Plan, start: int, end: int) -> float:
-    return sum(_costs(plan)[start:end])
-
-
-def _rank_costs(plan: Plan, pipe: Sequence[int], ranges: Sequence[tuple[int, int]]) -> list[float]:
-    """Each rank's summed layer cost in a pipeline of ``ranges`` (its chunks' together)."""
-    return [sum(_cost(plan, i, j) for i, j in ranges[s::len(pipe)]) for s in range(len(pipe))]
-
-
-def _rank_rates(prev: Plan, speeds: Mapping[int, float], ranks: Sequence[int] = (),
-                power: PowerModel | None = None) -> dict[int, float]:
-    """Layer cost per second each rank sustains at nominal frequency: its measured micro-batch rate
-    times the cost of the layers it ran, over the speed its frequency level gave it (``power``'s;
-    in proportion without one). Ranks that did not measure (joiners among ``ranks``, or every rank
-    before any step) count as the median one."""
-    speed_at = power.speed if power is not None else float
-    measured = {}
-    for r in prev.ranks:
-        speed = float(speeds.get(r, 0.0))
-        if speed > 0:
-            cost = sum(_cost(prev, i, j) for i, j in prev.chunk_ranges(r))
-            measured[r] = speed * cost / speed_at(prev.frequency(r))
-    typical = statistics.median(measured.values()) if measured else 1.0
-    return {r: measured.get(r, typical) for r in (*prev.ranks, *ranks)}

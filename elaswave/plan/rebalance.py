@@ -4,7 +4,8 @@ from __future__ import annotations
 from typing import Mapping
 
 from elaswave.plan.errors import PlanError
-from elaswave.plan.plan import Plan, _cost, _rank_costs, _rank_rates, replan
+from elaswave.plan.plan import Plan, replan
+from elaswave.plan.rates import range_cost, rank_costs, rank_rates
 
 
 def rebalance_gain(prev: Plan, speeds: Mapping[int, float], num_micro_batches: int,
@@ -21,15 +22,15 @@ def rebalance_gain(prev: Plan, speeds: Mapping[int, float], num_micro_batches: i
     speeds even -- no re-plan is made: (the bound, None)."""
     if prev.routes or not all(prev.micro_batches) or not all(speeds.get(r, 0) > 0 for r in prev.ranks):
         return 0.0, None
-    rate = _rank_rates(prev, speeds)
+    rate = rank_rates(prev, speeds)
 
     def step_s(plan: Plan) -> float:
-        return max((len(m) + len(p) - 1) * max(c / rate[r] for r, c in zip(p, _rank_costs(plan, p, rng)))
+        return max((len(m) + len(p) - 1) * max(c / rate[r] for r, c in zip(p, rank_costs(plan, p, rng)))
                    for p, rng, m in zip(plan.pipelines, plan.layer_ranges, plan.micro_batches))
 
     now = step_s(prev)
     slots = sum(len(m) + len(p) - 1 for p, m in zip(prev.pipelines, prev.micro_batches))
-    bound = 1.0 - _cost(prev, 0, prev.num_layers) * slots / sum(rate.values()) / now
+    bound = 1.0 - range_cost(prev, 0, prev.num_layers) * slots / sum(rate.values()) / now
     if bound < min_gain:
         return bound, None
     try:

@@ -91,9 +91,11 @@ class Context:
         self.actuator = actuator.make(cfg.actuator, device)
         self.measured_memory: dict | None = None
         """This rank's peak in train.measure_memory_step, beside what the memory model predicted for it."""
-        self.speed = 1.0
+        self.speed = 0.0
         """Micro-batches per second of this rank's own forward and backward time, measured at its
-        frequency level (median of the epoch's last steps); the re-plan balances by it."""
+        frequency level (median of the epoch's last steps); the re-plan balances by it. 0 until a
+        step has measured it: the planner then counts the rank as the median one (a placeholder of
+        1.0 read as measured made a rank of cheaper layers look slower after a loss in step 0)."""
         self.speeds = SpeedWindow()
         self.agreed_epoch = 0
         """The newest epoch whose members this rank agreed on (it may not have trained yet)."""

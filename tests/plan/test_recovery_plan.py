@@ -264,3 +264,28 @@ def test_the_step_a_re_partition_is_weighed_by_is_the_schedules_own_timing():
     zb = max(makespan([zb_h1(s, len(p), range(len(m))) for s in range(len(p))], p) for p, m in zip(stages, mbs))
     assert step_s(stages, mbs, schedule="zb-h1") == zb
     assert step_s(stages, mbs) == max(one_f_one_b_makespan(p, len(m)) for p, m in zip(stages, mbs)) > zb
+
+
+@pytest.mark.parametrize("mbs,stands_by", [(32, True), (16, False)])
+def test_a_broken_pipeline_stands_by_when_that_is_faster_than_re_splitting_it(monkeypatch, mbs, stands_by):
+    """8 interleaved pipelines (V = 2) of 4 stages over 10 even layers, rank 1 lost. Re-split over 3
+    ranks (6 chunks of 10 layers) the slowest holds 4 layers where an intact one holds 3 (or 2); at 4
+    micro-batches a pipeline its survivors standing by (keeping their layers, as a restart on whole
+    pipelines would leave them) and the others taking a fifth is the faster plan, at 2 re-splitting
+    is. Each plan is the faster of the two by the planner's own timing (plan.rates.priced_step_s)."""
+    from elaswave.plan import plan as planner
+    from elaswave.plan.rates import priced_step_s, rank_rates
+    plan = initial_plan(32, 8, 4, [1.0] * 10, mbs, [8] * 10, chunk_numel=4, virtual_stages=2)
+    live = [r for r in plan.ranks if r != 1]
+    after = replan(plan, live, 1, mbs, schedule="interleaved")
+    assert sorted(m for ids in after.micro_batches for m in ids) == list(range(mbs)) and not after.routes
+    assert (after.micro_batches[0] == ()) == stands_by
+    if stands_by:  # the survivors keep their chunks of the old layout
+        assert after.layer_ranges[0] == tuple(r for k, r in enumerate(plan.layer_ranges[0]) if k % 4 != 1)
+    # The other candidate: with every plan priced alike the planner keeps the re-split one.
+    monkeypatch.setattr(planner, "priced_step_s", lambda *_: 1.0)
+    resplit = replan(plan, live, 1, mbs, schedule="interleaved")
+    assert resplit.micro_batches[0] and resplit.is_complete(0)
+    rate = rank_rates(plan, {})
+    mine, other = priced_step_s(after, rate, "interleaved"), priced_step_s(resplit, rate, "interleaved")
+    assert mine < other if stands_by else mine == other

@@ -91,3 +91,20 @@ def test_a_pair_receives_in_its_peers_send_order_and_keeps_the_bits(tmp_path, od
     one, as NCCL's order matching requires -- and the run equals the reference."""
     res = run_job(tmp_path, 1, 2, STEPS, deterministic=True, extra=[*interleaved(2), f"train.num_micro_batches={ODD}"])
     assert_same_run(res, odd_reference, STEPS)
+
+
+reference_of_6 = reference_fixture(STEPS, 6)
+
+
+def test_a_broken_pipeline_stands_by_where_that_is_the_faster_plan(tmp_path, reference_of_6):
+    """dp=3 x pp=2, V=2, 6 micro-batches, rank 1 SIGKILLed in the first step (before any speed is
+    measured, so the planner weighs the layers' modelled costs alone -- until session 45 a
+    placeholder speed of 1.0 was read as measured): rank 0 re-split to run the whole model as two
+    chunks is dealt 2 micro-batches, slower than the two intact pipelines taking 3 each (plan.plan:
+    the faster of re-splitting and standing by), so it stands by with its layers and ZeRO chunks;
+    the run keeps the reference's bits."""
+    res = run_job(tmp_path, 3, 2, STEPS, deterministic=True,
+                  extra=[*interleaved(2), "train.num_micro_batches=6", "elastic.inject=kill:rank=1,step=0,phase=forward"])
+    (rec,) = [r for r in res.records if r["event"] == "recovery"]
+    assert rec["plan"]["pipelines"][0] == [0] and rec["plan"]["micro_batches"] == [0, 3, 3]  # counts
+    assert_same_run(res, reference_of_6, STEPS)

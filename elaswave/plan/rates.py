@@ -1,0 +1,58 @@
+"""What the planner balances by (pure): each layer's cost, a rank's summed cost in a pipeline, and
+the rate (cost per second) each rank sustains, from its measured speed."""
+from __future__ import annotations
+
+import statistics
+from typing import Mapping, Sequence
+
+from elaswave.plan.deal import step_s
+from elaswave.plan.frequency import PowerModel
+
+
+def layer_costs(plan) -> tuple[float, ...]:
+    return plan.layer_costs or (1.0,) * plan.num_layers
+
+
+def range_cost(plan, start: int, end: int) -> float:
+    return sum(layer_costs(plan)[start:end])
+
+
+def rank_costs(plan, pipe: Sequence[int], ranges: Sequence[tuple[int, int]]) -> list[float]:
+    """Each rank's summed layer cost in a pipeline of ``ranges`` (its chunks' together)."""
+    return [sum(range_cost(plan, i, j) for i, j in ranges[s::len(pipe)]) for s in range(len(pipe))]
+
+
+def rank_rates(prev, speeds: Mapping[int, float], ranks: Sequence[int] = (),
+               power: PowerModel | None = None) -> dict[int, float]:
+    """Layer cost per second each rank sustains at nominal frequency: its measured micro-batch rate
+    times the cost of the layers it ran, over the speed its frequency level gave it (``power``'s;
+    in proportion without one). Ranks that did not measure (joiners among ``ranks``, or every rank
+    before any step) count as the median one."""
+    speed_at = power.speed if power is not None else float
+    measured = {}
+    for r in prev.ranks:
+        speed = float(speeds.get(r, 0.0))
+        if speed > 0:
+            cost = sum(range_cost(prev, i, j) for i, j in prev.chunk_ranges(r))
+            measured[r] = speed * cost / speed_at(prev.frequency(r))
+    typical = statistics.median(measured.values()) if measured else 1.0
+    return {r: measured.get(r, typical) for r in (*prev.ranks, *ranks)}
+
+
+def priced_step_s(plan, rate: Mapping[int, float], schedule: str) -> float:
+    """The plan's step as the planner times it (:func:`~elaswave.plan.deal.step_s`), each rank's
+    stage including the forwards of the blocks it recomputes (``plan.recomputed``: a block's forward
+    is a third of its forward + backward; ZB-H1's W runs it once more), at nominal clocks."""
+    costs = layer_costs(plan)
+    runs = 2 if schedule == "zb-h1" else 1
+    stage_s, mbs, sizes = [], [], []
+    for d, pipe in enumerate(plan.pipelines):
+        if not plan.micro_batches[d]:
+            continue
+        own = rank_costs(plan, pipe, plan.layer_ranges[d])
+        stage_s.append([(c + runs * sum(costs[i] for i in plan.recomputed_of(r)) / 3.0) / rate[r]
+                        for r, c in zip(pipe, own)])
+        mbs.append(plan.micro_batches[d])
+        sizes.append([plan.units_of(mb) / plan.units_per_micro_batch for mb in plan.micro_batches[d]])
+    v = plan.virtual_stages
+    return step_s(stage_s, mbs, sizes, "interleaved" if v > 1 else schedule, v)
