@@ -2,6 +2,7 @@
 units (reshaped), with or without a frequency plan, and what the pipelines' step then takes."""
 from __future__ import annotations
 
+from functools import lru_cache
 from typing import Mapping, Sequence
 
 from elaswave.pipeline import routed
@@ -49,20 +50,18 @@ def deal(stage_s: Sequence[Sequence[float]], num_micro_batches: int, k: int, pow
 
 def step_s(stage_s: Sequence[Sequence[float]], mbs, sizes: Sequence[Sequence[float]] | None = None,
            schedule: str = "1f1b", num_chunks: int = 1) -> float:
-    """The pipelines' step as the planner compares its candidate plans by: the runtime's order of
-    ``schedule`` (parallel.schedule; ``num_chunks`` model chunks a rank, interleaved) up to the
-    routed schedule's size limit, an analytic bound above it. ``sizes``: each pipeline's
-    micro-batches as shares of a whole one (reshaped)."""
-    exact = sum(map(len, stage_s)) <= routed.EXACT_MAX_RANKS
+    """The pipelines' step as the planner compares its candidate plans by: each pipeline timed by
+    the runtime's order of ``schedule`` (parallel.schedule; ``num_chunks`` model chunks a rank,
+    interleaved), each kind of pipeline once (at 10^4 devices most are alike). ``sizes``: each
+    pipeline's micro-batches as shares of a whole one (reshaped)."""
     if sizes is None:
         sizes = [[1.0] * len(m) for m in mbs]
-    # Above the limit: fill and drain once at the first micro-batch's size (a whole one; with V
-    # chunks a V-th of it, Megatron's (p - 1) / V bubble on even stages), then the slowest stage
-    # for the rest of the pipeline's work.
-    v = num_chunks
-    return max((schedule_makespan(schedule, p, len(m), sizes=z, num_chunks=v) if exact
-                else sum(p) * z[0] / v + (sum(z) - z[0] / v) * max(p))
-               for p, m, z in zip(stage_s, mbs, sizes) if m)
+    return max(_pipeline_s(schedule, tuple(p), tuple(z), num_chunks) for p, m, z in zip(stage_s, mbs, sizes) if m)
+
+
+@lru_cache(maxsize=4096)
+def _pipeline_s(schedule: str, stage_s: tuple[float, ...], sizes: tuple[float, ...], num_chunks: int) -> float:
+    return schedule_makespan(schedule, stage_s, len(sizes), sizes=sizes, num_chunks=num_chunks)
 
 
 def detoured_step_s(pipelines, mbs, routes, stage_s: Mapping[int, float]) -> float:

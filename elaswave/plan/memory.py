@@ -321,3 +321,9 @@ def limit_refusal(plan) -> str | None:
 def _slot_values(model: MemoryModel, plan, rank: int) -> int:
     """Values of ``rank``'s optimizer slots (Plan.slot_chunks)."""
     return sum(plan.slot_chunks(rank)) * model.chunk_numel
+
+
+def stages_memory(memory: MemoryModel | None, num_stages: int, pipelines: int, num_micro_batches: int):
+    """:meth:`MemoryModel.stage_memory` for a partition into ``num_stages`` stages, one of
+    ``pipelines`` pipelines (None without a model: no limit to fit)."""
+    return memory.stage_memory(num_stages, max(1, pipelines), num_micro_batches) if memory is not None else None

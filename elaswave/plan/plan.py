@@ -13,12 +13,12 @@ from elaswave.plan import microbatches
 from elaswave.plan.chunks import Owners, chunks_by_rank, reassign_owners, rebalance_owners, round_robin_owners, slot_chunks
 from elaswave.plan.deal import deal, detoured_step_s, step_s
 from elaswave.plan.frequency import PowerModel
-from elaswave.plan.memory import MemoryModel, by_cost, over_limit, limit_refusal
+from elaswave.plan.memory import MemoryModel, by_cost, limit_refusal, over_limit, stages_memory
 from elaswave.plan.recompute import fit_recomputation
 from elaswave.plan.detours import covers, detour_routes
 from elaswave.plan.errors import PlanError  # noqa: F401 (where callers import it from)
 from elaswave.plan.partition import PartitionError, partition
-from elaswave.plan.rates import layer_costs, priced_step_s, range_cost, rank_costs, rank_rates
+from elaswave.plan.rates import layer_costs, priced_step_s, range_cost, rank_costs, rank_rates, recompute_cost
 
 
 @dataclass(frozen=True)
@@ -231,7 +231,7 @@ def initial_plan(world_size: int, dp: int, pp: int, layer_costs: Sequence[float]
             ranges = tuple(partition(layer_costs, pp * virtual_stages))
         else:
             ranges = tuple(partition(layer_costs, pp, layer_memory or None, stage_memory_limit or None,
-                                     stage_memory=_stage_memory(memory, pp, dp, num_micro_batches)))
+                                     stage_memory=stages_memory(memory, pp, dp, num_micro_batches)))
     except PartitionError as exc:
         raise PlanError(f"the initial layout does not fit: {exc}") from None
     pipelines = tuple(tuple(d * pp + s for s in range(pp)) for d in range(dp))
@@ -359,10 +359,6 @@ def _place_joiners(prev: Plan, epoch: int, joined: Sequence[int], pipelines: lis
         kept.append(None)
 
 
-def _stage_memory(memory: MemoryModel | None, num_stages: int, pipelines: int, num_micro_batches: int):
-    return memory.stage_memory(num_stages, max(1, pipelines), num_micro_batches) if memory is not None else None
-
-
 def _split(prev: Plan, count: int, pipelines: int, num_micro_batches: int,
            speeds: Sequence[float] | None = None) -> tuple[tuple[int, int], ...]:
     """A pipeline of ``count`` stages, one of ``pipelines``, re-partitioned within the memory limit;
@@ -371,7 +367,7 @@ def _split(prev: Plan, count: int, pipelines: int, num_micro_batches: int,
         return tuple(partition(layer_costs(prev), count * v, speeds=[speeds[k % count] for k in range(count * v)]
                                if speeds is not None else None))
     return tuple(partition(layer_costs(prev), count, prev.layer_memory or None, prev.stage_memory_limit or None, speeds,
-                           _stage_memory(prev.memory, count, pipelines, num_micro_batches)))
+                           stages_memory(prev.memory, count, pipelines, num_micro_batches)))
 
 
 def _build(prev: Plan, epoch: int, pipelines, ranges, mbs, freqs=(), routes=(), units=None, solver="",
@@ -424,37 +420,53 @@ def _elaswave(prev: Plan, epoch: int, pipelines, kept_ranges, kept, num_micro_ba
                 which = f"pipeline {d} is left with" if d is not None else "a new pipeline has"
                 why.append(f"{which} ranks {list(survivors)}: {exc}")
 
-    def dealt():
+    extra: dict[int, float] = {}  # each rank's recomputation, in layer cost, as the last plan built chose it
+    how, v = ("interleaved", prev.virtual_stages) if prev.virtual_stages > 1 else (schedule, 1)
+    timed = lambda d: step_s(d[6], d[4], d[5], how, v)  # noqa: E731 (a deal's step by the schedule's timing)
+
+    def dealt(levels: bool = True):
         run = [i for i in range(len(pipelines)) if i not in standby]
         if not run:
             raise PlanError(f"epoch {epoch}: no pipeline can hold the model: {'; '.join(why)}")
         if len(run) > num_micro_batches:
             raise PlanError(f"epoch {epoch}: {num_micro_batches} micro-batches cannot feed {len(run)} pipelines")
-        stage_s = [[c / rate[r] for r, c in zip(pipelines[k], rank_costs(prev, pipelines[k], ranges[k]))] for k in run]
+        stage_s = [[(c + extra.get(r, 0.0)) / rate[r] for r, c in zip(pipelines[k], rank_costs(prev, pipelines[k], ranges[k]))]
+                   for k in run]
         mbs, freqs, units, sizes, at_levels, solver = deal(stage_s, num_micro_batches, prev.units_per_micro_batch,
-                                                            power, power_cap_w)
+                                                            power if levels else None, power_cap_w)
         run_mbs = mbs
         if standby:
             at = dict(zip(run, range(len(run))))
             mbs = tuple(mbs[at[k]] if k in at else () for k in range(len(pipelines)))
             freqs = tuple(freqs[at[k]] if k in at else (1.0,) * len(pipelines[k]) for k in range(len(pipelines))) if freqs else ()
         return mbs, freqs, units, solver, run_mbs, sizes, at_levels
-    mbs, freqs, units, solver, run_mbs, sizes, at_levels = dealt()
-    # Or the re-split pipelines stand by, as restarting on whole pipelines would leave them: faster
-    # where a re-split rank holds a layer more than its peers (and recomputes more to fit) while the
-    # lost share of the batch is a micro-batch or two over many pipelines (Llama 3 405B's layout at
-    # 16,384 GPUs). Both plans priced with their recomputation (plan.rates.priced_step_s).
+
+    def settled():
+        """The deal and its plan; where the plan recomputes (chosen after the deal, by the micro-batches in
+        flight), dealt again with that counted (a rank that recomputes is slower) and built again."""
+        extra.clear()
+        for _ in range(2):
+            d = dealt()
+            # The clock planner times 1F1B: levels the schedule's own timing finds slower give way to nominal.
+            if d[1] and timed(n := dealt(False)) < timed(d) * (1 - 1e-3):
+                d = n
+            built = _build(prev, epoch, pipelines, ranges, d[0], d[1], units=d[2], solver=d[3], check=False)
+            if not built.recomputed or extra:
+                break
+            extra.update(recompute_cost(built, schedule))
+        return d, built
+    (mbs, freqs, units, solver, run_mbs, sizes, at_levels), built = settled()
+    # Or the re-split pipelines stand by, as a restart on whole pipelines would leave them: faster where a
+    # re-split rank holds a layer more than its peers (and recomputes more) while the lost share of the batch
+    # is a micro-batch or two over many pipelines (Llama 3 405B at 16,384 GPUs). Priced by plan.rates.
     resplit = [i for i, pipe in enumerate(pipelines) if i not in standby and ranges[i] is not kept_ranges[i]
                and not covers(kept_ranges[i], prev.num_layers)]
-    built = None
     if resplit and len(resplit) + len(standby) < len(pipelines):
-        built = _build(prev, epoch, pipelines, ranges, mbs, freqs, units=units, solver=solver, check=False)
         chosen = list(ranges), list(standby), (mbs, freqs, units, solver, run_mbs, sizes, at_levels), built
         for i in resplit:
             ranges[i] = kept_ranges[i]
         standby.extend(resplit)
-        mbs, freqs, units, solver, run_mbs, sizes, at_levels = dealt()
-        built = _build(prev, epoch, pipelines, ranges, mbs, freqs, units=units, solver=solver, check=False)
+        (mbs, freqs, units, solver, run_mbs, sizes, at_levels), built = settled()
         if not priced_step_s(built, rate, schedule) < priced_step_s(chosen[3], rate, schedule) * (1 - 1e-3):
             ranges[:], standby[:], (mbs, freqs, units, solver, run_mbs, sizes, at_levels), built = chosen
     complete = [covers(rng, prev.num_layers) for rng in kept_ranges]
@@ -470,7 +482,7 @@ def _elaswave(prev: Plan, epoch: int, pipelines, kept_ranges, kept, num_micro_ba
                        for r, (i, j) in zip(pipe, rng)}
             if detoured_step_s(pipelines, kept_mbs, routes, forward) < step_s(at_levels, run_mbs, sizes, schedule) * (1 - 1e-3):
                 return _build(prev, epoch, pipelines, kept_ranges, kept_mbs, routes=routes)
-    plan = built or _build(prev, epoch, pipelines, ranges, mbs, freqs, units=units, solver=solver, check=False)
+    plan = built
     # A partition by cost (interleaved, or recomputing to fit): a re-split pipeline over the limit stands
     # by, as one that no partition fits does (its survivors keep their layers; the others take its batch).
     while over := [i for i, pipe in enumerate(pipelines) if i not in standby and ranges[i] is not kept_ranges[i]
@@ -480,8 +492,7 @@ def _elaswave(prev: Plan, epoch: int, pipelines, kept_ranges, kept, num_micro_ba
             standby.append(i)
             how = f"as {prev.virtual_stages} interleaved chunks each" if prev.virtual_stages > 1 else "recomputing every block"
             why.append(f"ranks {list(pipelines[i])} hold too much {how}")
-        mbs, freqs, units, solver, *_ = dealt()
-        plan = _build(prev, epoch, pipelines, ranges, mbs, freqs, units=units, solver=solver, check=False)
+        _, plan = settled()
     if refusal := limit_refusal(plan):  # an intact pipeline over the limit: nothing stands it by
         raise PlanError(f"epoch {epoch}: {refusal}")
     return plan

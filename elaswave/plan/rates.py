@@ -39,19 +39,26 @@ def rank_rates(prev, speeds: Mapping[int, float], ranks: Sequence[int] = (),
     return {r: measured.get(r, typical) for r in (*prev.ranks, *ranks)}
 
 
+def recompute_cost(plan, schedule: str) -> dict[int, float]:
+    """Each rank's recomputation a micro-batch, in layer cost: the forwards of the blocks the plan
+    has it recompute (``plan.recomputed``; a block's forward is a third of its forward + backward),
+    twice under ZB-H1 (its W runs a recomputed block again)."""
+    if not plan.recomputed:
+        return {}
+    costs, runs = layer_costs(plan), 2 if schedule == "zb-h1" else 1
+    return {r: runs * sum(costs[i] for i in plan.recomputed_of(r)) / 3.0 for r in plan.ranks}
+
+
 def priced_step_s(plan, rate: Mapping[int, float], schedule: str) -> float:
     """The plan's step as the planner times it (:func:`~elaswave.plan.deal.step_s`), each rank's
-    stage including the forwards of the blocks it recomputes (``plan.recomputed``: a block's forward
-    is a third of its forward + backward; ZB-H1's W runs it once more), at nominal clocks."""
-    costs = layer_costs(plan)
-    runs = 2 if schedule == "zb-h1" else 1
+    stage including its recomputation (:func:`recompute_cost`), at nominal clocks."""
+    extra = recompute_cost(plan, schedule)
     stage_s, mbs, sizes = [], [], []
     for d, pipe in enumerate(plan.pipelines):
         if not plan.micro_batches[d]:
             continue
         own = rank_costs(plan, pipe, plan.layer_ranges[d])
-        stage_s.append([(c + runs * sum(costs[i] for i in plan.recomputed_of(r)) / 3.0) / rate[r]
-                        for r, c in zip(pipe, own)])
+        stage_s.append([(c + extra.get(r, 0.0)) / rate[r] for r, c in zip(pipe, own)])
         mbs.append(plan.micro_batches[d])
         sizes.append([plan.units_of(mb) / plan.units_per_micro_batch for mb in plan.micro_batches[d]])
     v = plan.virtual_stages
