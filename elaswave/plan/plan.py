@@ -394,14 +394,12 @@ def _build(prev: Plan, epoch: int, pipelines, ranges, mbs, freqs=(), routes=(), 
 def _elaswave(prev: Plan, epoch: int, pipelines, kept_ranges, kept, num_micro_batches: int,
               speeds: Mapping[int, float], power: PowerModel | None, power_cap_w: float | None,
               detours: bool, rebalance: bool = False, schedule: str = "1f1b") -> Plan:
-    """Re-partition every pipeline that no longer holds every layer, balance (and plan
-    frequencies); or, when predicted faster, leave the survivors in place and send the broken
-    pipelines' micro-batches through the complete pipelines' same stage.
-
-    The second wins when many pipelines share the loss and the lost stage was not the bottleneck:
-    a re-partitioned pipeline's bottleneck is a whole layer heavier, so micro-batches must move to
-    other pipelines, each of which then takes a whole micro-batch more (+1/(m+S-1) of the step),
-    while a host absorbs one guest in its slack."""
+    """Re-partition every pipeline that no longer holds every layer, balance (and plan frequencies);
+    or, when predicted faster, stand its survivors by, or leave them in place and send its
+    micro-batches through the complete pipelines' same stage (detours). Detours win when many
+    pipelines share the loss and the lost stage was not the bottleneck: a re-partitioned pipeline's
+    bottleneck is a whole layer heavier, so micro-batches move to other pipelines, each of which
+    then takes a whole micro-batch more (+1/(m+S-1) of the step), while a host absorbs one guest."""
     rate = rank_rates(prev, speeds, [r for p in pipelines for r in p], power)
     ranges, standby, why = [], [], []
     for d, survivors, rng in zip(kept, pipelines, kept_ranges):
@@ -442,8 +440,7 @@ def _elaswave(prev: Plan, epoch: int, pipelines, kept_ranges, kept, num_micro_ba
         return mbs, freqs, units, solver, run_mbs, sizes, at_levels
 
     def settled():
-        """The deal and its plan; where the plan recomputes (chosen after the deal, by the micro-batches in
-        flight), dealt again with that counted (a rank that recomputes is slower) and built again."""
+        """The deal and its plan, dealt and built again with the recomputation that plan chose counted."""
         extra.clear()
         for _ in range(2):
             d = dealt()

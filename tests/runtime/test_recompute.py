@@ -32,7 +32,10 @@ def test_a_survivor_recomputes_to_hold_its_pipeline_alone_with_the_reference_bit
     least = least_stage_memory_mb(auto, 1, 2)  # the same, every block recomputed
     assert least < 0.8 * one, (least, one)
     limit = round((least + one) / 2, 2)
-    sets = [*EXTRA, "elastic.detours=false", "elastic.inject=kill:rank=1,step=4", "train.measure_memory_step=7"]
+    # The loss in the first step, before speeds are measured: the plan asserted below is the modelled
+    # costs' choice. Measured, rank 0 alone (recomputing) and its standing by are near a tie, and one
+    # run in four stood it by.
+    sets = [*EXTRA, "elastic.detours=false", "elastic.inject=kill:rank=1,step=0,phase=forward", "train.measure_memory_step=7"]
     (tmp_path / "auto").mkdir()
     (tmp_path / "none").mkdir()
     res = run_job(tmp_path / "auto", 2, 2, STEPS, True, extra=[
