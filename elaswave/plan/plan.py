@@ -475,8 +475,8 @@ def _elaswave(prev: Plan, epoch: int, pipelines, kept_ranges, kept, num_micro_ba
         except PlanError:
             routes = None
         if routes is not None and sum(map(len, kept_mbs)) == num_micro_batches:
-            forward = {r: range_cost(prev, i, j) / rate[r] for pipe, rng in zip(pipelines, kept_ranges)
-                       for r, (i, j) in zip(pipe, rng)}
+            forward = {r: (range_cost(prev, i, j) + extra.get(r, 0.0)) / rate[r] for pipe, rng in zip(pipelines, kept_ranges)
+                       for r, (i, j) in zip(pipe, rng)}  # recomputing as in the re-split plan: both priced alike
             if detoured_step_s(pipelines, kept_mbs, routes, forward) < step_s(at_levels, run_mbs, sizes, schedule) * (1 - 1e-3):
                 return _build(prev, epoch, pipelines, kept_ranges, kept_mbs, routes=routes)
     plan = built

@@ -139,12 +139,14 @@ def replan_peak_gib(memory: MemoryModel, plan: Plan, events, num_micro_batches: 
     lost), whatever the limit (None: no failure, or no layout left). With virtual stages the planner
     splits the survivors' p' x V chunks by cost alone and checks the plan after: a re-split pipeline
     over the limit stands by (the others take its micro-batches), and when the others then pass it
-    too the re-plan is refused; this says what the unlimited re-plan needs."""
+    too the re-plan is refused; this says what the unlimited re-plan needs. Where the planner
+    recomputes to fit (auto) the limit is what it recomputes against, so the re-plan is taken within
+    it: what it holds (an unlimited one would recompute nothing, and read as if it could not fit)."""
     lost = next((e.device for e in events if e.kind == "fail"), None)
     if lost is None:
         return None
     try:
-        unlimited = replace(plan, stage_memory_limit=0.0)
-        return peak_gib(memory, replan(unlimited, [r for r in plan.ranks if r != lost], 1, num_micro_batches))
+        within = plan if memory.plan_recomputation else replace(plan, stage_memory_limit=0.0)
+        return peak_gib(memory, replan(within, [r for r in plan.ranks if r != lost], 1, num_micro_batches))
     except PlanError:
         return None

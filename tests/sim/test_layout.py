@@ -105,3 +105,17 @@ def test_without_a_layout_each_fitting_candidate_is_checked_and_the_least_needin
     err = capsys.readouterr().err
     assert "of the layouts tried, pp=16, 24, 32, the one that needs least" in err and f"x pp={least} " in err
     assert f"needs {need[least]:.1f} GiB" in err
+
+
+def test_under_auto_the_first_re_plan_is_reported_within_the_limit_it_recomputes_to_fit(capsys):
+    """--checkpointing auto: the planner recomputes against the limit, so the re-plan after the first
+    failure is reported as it runs, recomputing to fit (an unlimited one recomputes nothing: it read
+    18.6 GiB against the 15 a plan that fits holds)."""
+    argv = [*BASE, "--schedule", "interleaved", "--virtual-stages", "2", "--checkpointing", "auto", "--no-dvfs",
+            "--policies", "elaswave_no_dvfs", "--device-gib", "16", "--reserve-gib", "1"]
+    assert cli.main(argv + ["--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["config"]["peak_gib"] <= 15.0 + 1e-9
+    assert 0 < doc["config"]["peak_gib_after_first_failure"] <= 15.0 + 1e-9
+    assert cli.main(argv) == 0
+    assert "re-plan holds" in capsys.readouterr().out
