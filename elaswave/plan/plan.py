@@ -421,6 +421,7 @@ def _elaswave(prev: Plan, epoch: int, pipelines, kept_ranges, kept, num_micro_ba
     extra: dict[int, float] = {}  # each rank's recomputation, in layer cost, as the last plan built chose it
     how, v = ("interleaved", prev.virtual_stages) if prev.virtual_stages > 1 else (schedule, 1)
     timed = lambda d: step_s(d[6], d[4], d[5], how, v)  # noqa: E731 (a deal's step by the schedule's timing)
+    nominal_ok = power is None or power_cap_w is None or power.power(1.0) * sum(map(len, pipelines)) <= power_cap_w * (1 + 1e-9)
 
     def dealt(levels: bool = True):
         run = [i for i in range(len(pipelines)) if i not in standby]
@@ -445,7 +446,7 @@ def _elaswave(prev: Plan, epoch: int, pipelines, kept_ranges, kept, num_micro_ba
         for _ in range(2):
             d = dealt()
             # The clock planner times 1F1B: levels the schedule's own timing finds slower give way to nominal.
-            if d[1] and timed(n := dealt(False)) < timed(d) * (1 - 1e-3):
+            if d[1] and nominal_ok and timed(n := dealt(False)) < timed(d) * (1 - 1e-3):
                 d = n
             built = _build(prev, epoch, pipelines, ranges, d[0], d[1], units=d[2], solver=d[3], check=False)
             if not built.recomputed or extra:
@@ -459,13 +460,15 @@ def _elaswave(prev: Plan, epoch: int, pipelines, kept_ranges, kept, num_micro_ba
     resplit = [i for i, pipe in enumerate(pipelines) if i not in standby and ranges[i] is not kept_ranges[i]
                and not covers(kept_ranges[i], prev.num_layers)]
     if resplit and len(resplit) + len(standby) < len(pipelines):
-        chosen = list(ranges), list(standby), (mbs, freqs, units, solver, run_mbs, sizes, at_levels), built
+        chosen = list(ranges), list(standby), (mbs, freqs, units, solver, run_mbs, sizes, at_levels), built, dict(extra)
         for i in resplit:
             ranges[i] = kept_ranges[i]
         standby.extend(resplit)
         (mbs, freqs, units, solver, run_mbs, sizes, at_levels), built = settled()
-        if not priced_step_s(built, rate, schedule) < priced_step_s(chosen[3], rate, schedule) * (1 - 1e-3):
-            ranges[:], standby[:], (mbs, freqs, units, solver, run_mbs, sizes, at_levels), built = chosen
+        if limit_refusal(built) or not priced_step_s(built, rate, schedule) < priced_step_s(chosen[3], rate, schedule) * (1 - 1e-3):
+            ranges[:], standby[:], (mbs, freqs, units, solver, run_mbs, sizes, at_levels), built, kept_extra = chosen
+            extra.clear()
+            extra.update(kept_extra)
     complete = [covers(rng, prev.num_layers) for rng in kept_ranges]
     # Interleaved pipelines share no stage layout a detour could pass through.
     if detours and prev.virtual_stages == 1 and any(complete) and not all(complete):
@@ -487,8 +490,8 @@ def _elaswave(prev: Plan, epoch: int, pipelines, kept_ranges, kept, num_micro_ba
         for i in over:
             ranges[i] = kept_ranges[i]
             standby.append(i)
-            how = f"as {prev.virtual_stages} interleaved chunks each" if prev.virtual_stages > 1 else "recomputing every block"
-            why.append(f"ranks {list(pipelines[i])} hold too much {how}")
+            held = f"as {prev.virtual_stages} interleaved chunks each" if prev.virtual_stages > 1 else "recomputing every block"
+            why.append(f"ranks {list(pipelines[i])} hold too much {held}")
         _, plan = settled()
     if refusal := limit_refusal(plan):  # an intact pipeline over the limit: nothing stands it by
         raise PlanError(f"epoch {epoch}: {refusal}")

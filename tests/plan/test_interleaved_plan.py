@@ -99,6 +99,8 @@ def test_a_memory_limit_is_kept_on_the_interleaved_plan_or_said():
     after = replan(limited, [0, 2, 3], 1, 8)
     assert after.micro_batches[0] == () and len(after.micro_batches[1]) == 8
     assert after.chunk_ranges(0) == plan.chunk_ranges(0)  # it keeps its layers (and ZeRO chunks) for a join
+    from elaswave.plan.frequency import PowerModel  # and with clocks planned (a re-deal after standing it by)
+    assert replan(limited, [0, 2, 3], 1, 8, power=PowerModel(), schedule="interleaved").micro_batches[0] == ()
     back = replan(after, [0, 2, 3, 4], 2, 8)  # a join completes its pipeline, which trains again
     assert back.pipelines[0] == (0, 4) and len(back.micro_batches[0]) > 0
     with pytest.raises(PlanError, match=r"epoch 1: no pipeline can hold the model: ranks \[0\] hold too much"):
