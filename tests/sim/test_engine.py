@@ -227,6 +227,7 @@ def test_a_failure_under_interleaved_keeps_the_virtual_stages_and_is_priced_on_t
     assert all(r.failures == 1 for r in res.values())
 
 
+@pytest.mark.slow  # 15 s: a 405B model's memory measured; the planner's check is the same at every size
 def test_clock_planning_never_slows_an_interleaved_job_at_sustained_clocks(capsys):
     """Sustained clocks (none above nominal) leave clock planning energy to save, never time. The
     frequency planner times a rank's chunks as one 1F1B stage; after a loss at Llama 3 405B's
