@@ -48,6 +48,10 @@ def deal(stage_s: Sequence[Sequence[float]], num_micro_batches: int, k: int, pow
     return best
 
 
+TIMED = 8
+"""Above ``routed.EXACT_MAX_RANKS`` ranks, how many pipelines :func:`step_s` times exactly."""
+
+
 def step_s(stage_s: Sequence[Sequence[float]], mbs, sizes: Sequence[Sequence[float]] | None = None,
            schedule: str = "1f1b", num_chunks: int = 1) -> float:
     """The pipelines' step as the planner compares its candidate plans by: each pipeline timed by
@@ -65,9 +69,6 @@ def step_s(stage_s: Sequence[Sequence[float]], mbs, sizes: Sequence[Sequence[flo
         v = num_chunks
         run = sorted(run, key=lambda pz: sum(pz[0]) * pz[1][0] / v + (sum(pz[1]) - pz[1][0] / v) * max(pz[0]))[-TIMED:]
     return max(_pipeline_s(schedule, p, z, num_chunks) for p, z in run)
-
-
-TIMED = 8
 
 
 @lru_cache(maxsize=4096)

@@ -18,7 +18,7 @@ from elaswave.plan.recompute import fit_recomputation
 from elaswave.plan.detours import covers, detour_routes
 from elaswave.plan.errors import PlanError  # noqa: F401 (where callers import it from)
 from elaswave.plan.partition import PartitionError, partition
-from elaswave.plan.rates import layer_costs, priced_step_s, range_cost, rank_costs, rank_rates, recompute_cost
+from elaswave.plan.rates import layer_costs, priced_step_s, range_cost, rank_rates, recompute_cost, stage_times, timing
 
 
 @dataclass(frozen=True)
@@ -419,8 +419,7 @@ def _elaswave(prev: Plan, epoch: int, pipelines, kept_ranges, kept, num_micro_ba
                 why.append(f"{which} ranks {list(survivors)}: {exc}")
 
     extra: dict[int, float] = {}  # each rank's recomputation, in layer cost, as the last plan built chose it
-    how, v = ("interleaved", prev.virtual_stages) if prev.virtual_stages > 1 else (schedule, 1)
-    timed = lambda d: step_s(d[6], d[4], d[5], how, v)  # noqa: E731 (a deal's step by the schedule's timing)
+    timed = lambda d: step_s(d[6], d[4], d[5], *timing(schedule, prev.virtual_stages))  # noqa: E731 (a deal's step)
     nominal_ok = power is None or power_cap_w is None or power.power(1.0) * sum(map(len, pipelines)) <= power_cap_w * (1 + 1e-9)
 
     def dealt(levels: bool = True):
@@ -429,8 +428,7 @@ def _elaswave(prev: Plan, epoch: int, pipelines, kept_ranges, kept, num_micro_ba
             raise PlanError(f"epoch {epoch}: no pipeline can hold the model: {'; '.join(why)}")
         if len(run) > num_micro_batches:
             raise PlanError(f"epoch {epoch}: {num_micro_batches} micro-batches cannot feed {len(run)} pipelines")
-        stage_s = [[(c + extra.get(r, 0.0)) / rate[r] for r, c in zip(pipelines[k], rank_costs(prev, pipelines[k], ranges[k]))]
-                   for k in run]
+        stage_s = [stage_times(prev, pipelines[k], ranges[k], rate, extra) for k in run]
         mbs, freqs, units, sizes, at_levels, solver = deal(stage_s, num_micro_batches, prev.units_per_micro_batch,
                                                             power if levels else None, power_cap_w)
         run_mbs = mbs

@@ -1,5 +1,6 @@
-"""What the planner balances by (pure): each layer's cost, a rank's summed cost in a pipeline, and
-the rate (cost per second) each rank sustains, from its measured speed."""
+"""What the planner balances and compares plans by (pure): each layer's cost, a rank's summed cost
+in a pipeline, the rate (cost per second) each rank sustains from its measured speed, and from
+them a rank's time a micro-batch and a plan's step."""
 from __future__ import annotations
 
 import statistics
@@ -49,17 +50,25 @@ def recompute_cost(plan, schedule: str) -> dict[int, float]:
     return {r: runs * sum(costs[i] for i in plan.recomputed_of(r)) / 3.0 for r in plan.ranks}
 
 
+def stage_times(plan, pipe: Sequence[int], ranges: Sequence[tuple[int, int]], rate: Mapping[int, float],
+                extra: Mapping[int, float]) -> list[float]:
+    """Each rank's time a micro-batch in a pipeline of ``ranges``: its layers' cost and its
+    recomputation (``extra``, :func:`recompute_cost`), over its rate."""
+    return [(c + extra.get(r, 0.0)) / rate[r] for r, c in zip(pipe, rank_costs(plan, pipe, ranges))]
+
+
+def timing(schedule: str, virtual_stages: int) -> tuple[str, int]:
+    """The schedule and chunks a rank by which pipelines are timed: interleaved wherever a plan has
+    virtual stages (the planner's callers may name parallel.schedule as 1f1b there)."""
+    return ("interleaved", virtual_stages) if virtual_stages > 1 else (schedule, 1)
+
+
 def priced_step_s(plan, rate: Mapping[int, float], schedule: str) -> float:
     """The plan's step as the planner times it (:func:`~elaswave.plan.deal.step_s`), each rank's
     stage including its recomputation (:func:`recompute_cost`), at nominal clocks."""
     extra = recompute_cost(plan, schedule)
-    stage_s, mbs, sizes = [], [], []
-    for d, pipe in enumerate(plan.pipelines):
-        if not plan.micro_batches[d]:
-            continue
-        own = rank_costs(plan, pipe, plan.layer_ranges[d])
-        stage_s.append([(c + extra.get(r, 0.0)) / rate[r] for r, c in zip(pipe, own)])
-        mbs.append(plan.micro_batches[d])
-        sizes.append([plan.units_of(mb) / plan.units_per_micro_batch for mb in plan.micro_batches[d]])
-    v = plan.virtual_stages
-    return step_s(stage_s, mbs, sizes, "interleaved" if v > 1 else schedule, v)
+    run = [d for d in range(len(plan.pipelines)) if plan.micro_batches[d]]
+    return step_s([stage_times(plan, plan.pipelines[d], plan.layer_ranges[d], rate, extra) for d in run],
+                  [plan.micro_batches[d] for d in run],
+                  [[plan.units_of(mb) / plan.units_per_micro_batch for mb in plan.micro_batches[d]] for d in run],
+                  *timing(schedule, plan.virtual_stages))

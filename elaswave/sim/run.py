@@ -283,12 +283,13 @@ def run(args) -> int:
               f"{_span(gain_band)}; every row starts from it, a baseline keeps each stage's clock after a change")
     if memory is not None:
         peak = config["peak_gib"]
+        after = "" if after_gib is None else (
+            f" (the first failure's re-plan holds {after_gib:.1f} GiB, recomputing to fit)" if memory.plan_recomputation
+            else f" (the first failure's re-plan needs {after_gib:.1f} GiB without a limit)")
         kept = ("every re-plan keeps within the rest or stands survivors by" if args.virtual_stages == 1 else
                 "the planner splits interleaved chunks by cost and checks the plan against the rest: after a loss a "
                 "re-split pipeline over it stands by, and with the others over it too the job stalls until a repair"
-                + ("" if after_gib is None else f" (the first failure's re-plan holds {after_gib:.1f} GiB, recomputing to "
-                   "fit)" if memory.plan_recomputation else f" (the first failure's re-plan needs {after_gib:.1f} GiB "
-                   "without a limit)"))
+                + after)
         said = " (the default for GPU presets; --device-gib)" if args.device_gib == DEVICE_GIB else ""
         moved = (f"; pp={pp}: the first layout that fits, from pp={layouts[0][1]} to deeper pipelines"
                  if (dp, pp) != layouts[0] else "")
