@@ -82,18 +82,20 @@ def _logs(folder: Path) -> str:
     return "\n".join(p.read_text() for p in sorted(folder.glob("log-*.log")))
 
 
-STEPS = 120
-SETS = [*TINY, "parallel.dp=3", "parallel.pp=2", f"train.steps={STEPS}", "train.num_micro_batches=6",
+STEPS = 75  # a second allocation's joiners start in ~20 s; standing-by spares come at the next step
+SPARE_STEPS = 40
+SETS = [*TINY, "parallel.dp=3", "parallel.pp=2", "train.num_micro_batches=6",
         "train.deterministic=true", "elastic.respawn_after_s=-1", "parallel.timeout_s=30",
         "emulate.enabled=true", "emulate.block_forward_ms=10"]  # steps of sleeps: the joiners start in ~20 s
 
 
-def _lose_a_node(tmp_path: Path, c, node: str, sbatch_options: list[str], extra: list[str] = ()) -> tuple[int, float]:
+def _lose_a_node(tmp_path: Path, c, node: str, sbatch_options: list[str], steps: int,
+                 extra: list[str] = ()) -> tuple[int, float]:
     """sbatch examples/slurm/train.sbatch (dp=3 x pp=2, two ranks a node), SIGKILL ``node`` whole
     after step 5 and wait for the first step without it; the job id and the kill's wall time."""
     c.env.update({"ELASWAVE": f"{sys.executable} -m elaswave.cli", "ELASWAVE_TOKEN": "slurm-test", "OMP_NUM_THREADS": "1",
                   "TORCH_CPP_LOG_LEVEL": "ERROR", "ELASWAVE_LOG": str(tmp_path / "log-%N.log")})
-    args = [x for s in SETS for x in ("--set", s)] + ["--metrics-out", str(tmp_path / "m-%n.jsonl"), *extra]
+    args = [x for s in [*SETS, f"train.steps={steps}"] for x in ("--set", s)] + ["--metrics-out", str(tmp_path / "m-%n.jsonl"), *extra]
     job = c.sbatch(SBATCH, *sbatch_options, f"--output={tmp_path / 'job.out'}", args=args)
     deadline = time.monotonic() + 180
     while not _steps(tmp_path, 5):
@@ -108,7 +110,7 @@ def _lose_a_node(tmp_path: Path, c, node: str, sbatch_options: list[str], extra:
     return job, lost_at
 
 
-def _check_the_run(tmp_path: Path, lost: list[int], joined: list[int], lost_at: float) -> None:
+def _check_the_run(tmp_path: Path, lost: list[int], joined: list[int], lost_at: float, steps: int) -> None:
     records = _merged(tmp_path)
     res = Result(0, _logs(tmp_path), "", records)
     [rec] = [r for r in records if r["event"] == "recovery"]
@@ -119,7 +121,7 @@ def _check_the_run(tmp_path: Path, lost: list[int], joined: list[int], lost_at: 
     assert first_after - lost_at < 30, first_after - lost_at
     worlds = [r["world_size"] for r in res.steps]
     assert worlds[0] == 6 and 4 in worlds and worlds[-1] == 6 and max(worlds) == 6, worlds  # spares only fill
-    assert_same_run(res, run_reference(tmp_path, STEPS, deterministic=True, num_micro_batches=6), STEPS)
+    assert_same_run(res, run_reference(tmp_path, steps, deterministic=True, num_micro_batches=6), steps)
 
 
 def _sacct(c, job: int) -> str:
@@ -137,7 +139,8 @@ def test_a_node_lost_under_slurm_leaves_the_job_running_and_a_spare_node_takes_i
     if reason:
         pytest.skip(reason)
     with cluster.SlurmCluster(tmp_path / "cluster", nodes=4) as c:
-        job, lost_at = _lose_a_node(tmp_path, c, "n3", ["--nodes=4", "--nodelist=n[1-4]"], ["--spare-nodes", "1"])
+        job, lost_at = _lose_a_node(tmp_path, c, "n3", ["--nodes=4", "--nodelist=n[1-4]"], SPARE_STEPS,
+                                     ["--spare-nodes", "1"])
         running = c.job(job)["JobState"]  # while the survivors train
         final = c.wait_job(job, 240)
         nodes = c.run("sinfo", "--noheader", "--Node", "--format=%N %t")
@@ -149,7 +152,7 @@ def test_a_node_lost_under_slurm_leaves_the_job_running_and_a_spare_node_takes_i
     assert "n3 down" in nodes, nodes
     assert "node 3 of 4 (n4)" in text and "a spare: 2 ranks stand by" in text, text[-3000:]
     assert "lost ranks [4, 5] on node 2 (n3)" in text and "nothing for a scheduler to do" in text, text[-3000:]
-    _check_the_run(tmp_path, [4, 5], [6, 7], lost_at)
+    _check_the_run(tmp_path, [4, 5], [6, 7], lost_at, SPARE_STEPS)
 
 
 def test_the_first_node_lost_under_slurm_a_replacement_finds_the_moved_store_and_the_job_ends(tmp_path):
@@ -163,7 +166,7 @@ def test_the_first_node_lost_under_slurm_a_replacement_finds_the_moved_store_and
     if reason:
         pytest.skip(reason)
     with cluster.SlurmCluster(tmp_path / "cluster", nodes=4) as c:
-        job, lost_at = _lose_a_node(tmp_path, c, "n1", ["--nodes=3", "--nodelist=n[1-3]"])
+        job, lost_at = _lose_a_node(tmp_path, c, "n1", ["--nodes=3", "--nodelist=n[1-3]"], STEPS)
         running = c.job(job)["JobState"]
         joiner = c.sbatch(SBATCH.with_name("join.sbatch"), "--nodes=1", "--nodelist=n4", "--ntasks-per-node=2",
                           f"--output={tmp_path / 'join.out'}", args=[str(job)])
@@ -177,4 +180,4 @@ def test_the_first_node_lost_under_slurm_a_replacement_finds_the_moved_store_and
     assert accounted.splitlines()[-1].startswith("CANCELLED|"), accounted
     assert "batch host n1 was lost" in text and "ended the job with scancel" in text, text[-3000:]
     assert "lost ranks [0, 1] on node 0 (n1)" in text, text[-3000:]
-    _check_the_run(tmp_path, [0, 1], [6, 7], lost_at)
+    _check_the_run(tmp_path, [0, 1], [6, 7], lost_at, STEPS)
