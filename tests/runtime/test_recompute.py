@@ -58,7 +58,10 @@ def test_a_survivor_recomputes_to_hold_its_pipeline_alone_with_the_reference_bit
 def _saves_what_the_model_says(tmp_path, sets: list[str], dp: int, pp: int, reference, steps: int = STEPS) -> None:
     """The job keeping every activation, then the same job with auto recomputation within 0.93 of
     what its largest rank kept: both with the reference's bits, and that rank's measured peak at
-    step 3 falls by what the memory model says its recomputed blocks save."""
+    step 3 falls by what the memory model says its recomputed blocks save (within 15 %, and on an
+    interleaved ring 16 messages: one that arrives before its chunk needs it is kept, and how many
+    are in at the peak is each run's timing -- at tp=2 nine runs' peaks differed by up to 14 times
+    a message's 64 KiB, 0.79-0.95 of the saving)."""
     (tmp_path / "auto").mkdir()
     (tmp_path / "none").mkdir()
     kept = run_job(tmp_path / "none", dp, pp, steps, True, extra=[*sets, "train.measure_memory_step=3"])
@@ -73,7 +76,11 @@ def _saves_what_the_model_says(tmp_path, sets: list[str], dp: int, pp: int, refe
     got, full = (_measured(r, rank, 3) for r in (res, kept))
     saved = full["peak_bytes"] - got["peak_bytes"]
     predicted = full["predicted"]["total"] - got["predicted"]["total"]
-    assert predicted > 0 and 0.85 <= saved / predicted <= 1.15, (saved, predicted, got, full)
+    cfg = config.load(None, [*TINY, *sets])
+    message = cfg.train.micro_batch_size * cfg.model.seq_len * cfg.model.d_model * 4 // (
+        cfg.parallel.tp if cfg.parallel.sequence_parallel else 1)
+    slack = 16 * message if cfg.parallel.schedule == "interleaved" else 0
+    assert predicted > 0 and abs(saved - predicted) <= 0.15 * predicted + slack, (saved, predicted, slack, got, full)
     assert got["predicted"]["total"] / 2 ** 20 <= limit
 
 
