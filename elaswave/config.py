@@ -157,10 +157,17 @@ class EmulateConfig:
     head take their share by the model's cost profile (multiply-adds per token)."""
     backward_factor: float = 2.0
     """Backward time as a multiple of forward time."""
+    link_gbps: float = 0.0
+    """The data-parallel gradient sums also take a modelled time: a ring all-reduce of each bucket
+    over a link of this many GB/s (``2 (n-1)/n`` of its bytes), counted from when the sum started,
+    so an overlapped one (parallel.overlap_grad_reduce) hides it behind the compute. 0: only the
+    real transfer's time. Sums still run for real; the pipeline's sends are not slowed."""
 
     def validate(self) -> None:
         if self.block_forward_ms <= 0:
             _fail("emulate.block_forward_ms", self.block_forward_ms, "must be > 0")
+        if not self.link_gbps >= 0:
+            _fail("emulate.link_gbps", self.link_gbps, "must be >= 0 (0: no modelled link time)")
         if self.backward_factor <= 0:
             _fail("emulate.backward_factor", self.backward_factor, "must be > 0")
 

@@ -32,6 +32,11 @@ class ParallelConfig:
     what a stage sends are each rank's 1/tp of the sequence, gathered and reduce-scattered around the
     cut products instead of all-reduced (the same bits in deterministic mode; model.seq_len a
     multiple of 8)."""
+    overlap_grad_reduce: bool = True
+    """Start each gradient bucket's sum over its holder group as soon as this rank's schedule has
+    made it whole -- under interleaved 1F1B a chunk's last backward -- while the rest computes
+    (Megatron's name; integer sums in deterministic mode, so the same bits). false: every sum
+    starts when the rank's schedule ends (elaswave/zero/reduce.py)."""
     backend: str = "auto"
     """auto: nccl when CUDA is available, else gloo."""
     chunk_numel: int = 4096

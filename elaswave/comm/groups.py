@@ -84,11 +84,16 @@ class Group:
         self.wait(self._call(backend.all_gather, out, inp), what)
 
     def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, what: str = "reduce-scatter") -> None:
+        work = self.reduce_scatter_async(out, inp)
+        if work is not None:
+            self.wait(work, what)
+
+    def reduce_scatter_async(self, out: torch.Tensor, inp: torch.Tensor) -> dist.Work | None:
         if self.size == 1:
             out.copy_(inp)
-            return
+            return None
         self.payload_bytes += inp.numel() * inp.element_size()
-        self.wait(self._call(backend.reduce_scatter, out, inp), what)
+        return self._call(backend.reduce_scatter, out, inp)
 
     def isend(self, t: torch.Tensor, dst: int, tag: int) -> dist.Work:
         return self._call(backend.send, t, self.members.index(dst), tag)

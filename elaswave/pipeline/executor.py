@@ -37,18 +37,20 @@ class Executor:
     ``pieces``: micro-batch id -> its computations (default: the micro-batch itself). A reshaped
     micro-batch is one piece of its sequences in fast mode, one piece per unit in deterministic
     mode: each unit's forward, backward and fixed-point gradient alone, as the reference computes
-    it, so the bits do not depend on how units were packed into micro-batches."""
+    it, so the bits do not depend on how units were packed into micro-batches. ``after``: called with
+    each training action's index once it has run (the gradient sums start as they become whole)."""
 
     def __init__(self, stage: Stage, p2p: P2P, sampler: Sampler | None, global_tokens: Callable[[int], int],
                  on_backward: Callable[[], None], before: Callable[[int, Action], None] | None = None,
-                 emulated: EmulatedCompute | None = None, pieces: Callable[[int], list[Piece]] | None = None):
+                 emulated: EmulatedCompute | None = None, pieces: Callable[[int], list[Piece]] | None = None,
+                 after: Callable[[int], None] | None = None):
         self.stage, self.p2p, self.sampler = stage, p2p, sampler
         p2p.rows_of = self._rows  # a message received early is sized by its micro-batch
         self.pieces = pieces or (lambda mb: [(mb, None)])
         self.global_tokens = global_tokens
         """Step -> the loss tokens of its whole global batch (what every micro-batch's loss is divided by)."""
         self.on_backward = on_backward
-        self.before = before
+        self.before, self.after = before, after
         self.emulated = emulated
         self.first_backward: Callable[[], None] | None = None
         """Run once, before the next backward (or at the end of the run if there is none): a
@@ -85,10 +87,12 @@ class Executor:
             self.relay.reset()
         self.busy_s = 0.0
         self.p2p.arm(training=True)
-        for action in actions:
+        for i, action in enumerate(actions):
             if self.before is not None:
                 self.before(step, action)
             self._table[action.op](action)
+            if self.after is not None:
+                self.after(i)
         self._run_first_backward_hook()
         self.p2p.drain()
         return self.losses

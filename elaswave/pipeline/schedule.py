@@ -275,6 +275,26 @@ def one_f_one_b_makespan(stage_s: Sequence[float], num_micro_batches: int, backw
 
 def makespan(schedules: Sequence[Sequence[Action]], stage_s: Sequence[float], backward_factor: float = 2.0,
              input_share: float = BACKWARD_INPUT_SHARE, sizes: Sequence[float] | None = None) -> float:
+    """See :func:`timeline`: when the last stage is done."""
+    return max(timeline(schedules, stage_s, backward_factor, input_share, sizes)[1], default=0.0)
+
+
+def gradients_whole(schedules: Sequence[Sequence[Action]], stage_s: Sequence[float], backward_factor: float = 2.0,
+                    sizes: Sequence[float] | None = None) -> tuple[float, ...]:
+    """When each virtual stage's (``chunk * p + stage``) weight gradients are whole, timed as
+    :func:`makespan` times the schedules: its last backward's (or W's) end, 0 if it runs none.
+    A rank's gradient sums start then (zero/reduce.Reduction)."""
+    done, _ = timeline(schedules, stage_s, backward_factor, sizes=sizes)
+    out = [0.0] * len(stage_s)
+    for (op, k, _), end in done.items():
+        if op in (Op.BACKWARD, Op.BACKWARD_WEIGHT):
+            out[k] = max(out[k], end)
+    return tuple(out)
+
+
+def timeline(schedules: Sequence[Sequence[Action]], stage_s: Sequence[float], backward_factor: float = 2.0,
+             input_share: float = BACKWARD_INPUT_SHARE, sizes: Sequence[float] | None = None,
+             ) -> tuple[dict[tuple[Op, int, int], float], list[float]]:
     """The time a pipeline's stage schedules take, each stage running its computations in its own
     order, each as soon as its stage is free and its input is there: a forward once the stage
     before sent its activations, a backward (or B) once the stage after sent the gradient, a W
@@ -282,7 +302,8 @@ def makespan(schedules: Sequence[Sequence[Action]], stage_s: Sequence[float], ba
     micro-batch (split ``1 : backward_factor``), indexed ``chunk * p + stage`` -- one per stage
     without chunks; a rank's chunks may differ, as the planner's p x V partition will make them.
     A split backward's B takes ``input_share`` of it, W the rest. ``sizes``: each micro-batch's
-    work as a share of a whole one's (default all 1). Messages take no time."""
+    work as a share of a whole one's (default all 1). Messages take no time. Returns each
+    computation's end by (op, virtual stage, micro-batch), and each stage's last end."""
     num_stages, num_virtual = len(schedules), len(schedules) * _num_chunks(schedules)
     if len(stage_s) != num_virtual:
         raise ValueError(f"stage_s has {len(stage_s)} times for {num_stages} stages x "
@@ -319,7 +340,7 @@ def makespan(schedules: Sequence[Sequence[Action]], stage_s: Sequence[float], ba
                 progressed = True
         if not progressed:
             raise DeadlockError(f"the schedules' timing is stuck at stages {pos}")
-    return max(free, default=0.0)
+    return done, free
 
 
 GENERATORS = {"1f1b": one_f_one_b, "zb-h1": zb_h1, "interleaved": interleaved_1f1b}

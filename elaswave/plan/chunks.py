@@ -33,26 +33,37 @@ def owner(holders: Sequence[int], group_chunk: int) -> int:
     return holders[group_chunk % len(holders)]
 
 
-def round_robin_owners(holder_groups: Mapping[tuple[int, ...], Sequence[int]],
-                       layer_numels: Sequence[int], chunk_numel: int) -> Owners:
+Groups = "Mapping[tuple[int, ...], Sequence[int]] | Sequence[tuple[tuple[int, ...], Sequence[int]]]"
+"""Holders -> their layers, or (holders, layers) pairs: a plan's gradient buckets, where one holder
+group's layers are cut at model chunks (plan/buckets.py). Chunks are dealt within each, so that
+every bucket's slots are even (a bucket's slot is its most-loaded holder's)."""
+
+
+def _pairs(groups) -> Sequence[tuple[tuple[int, ...], Sequence[int]]]:
+    return list(groups.items()) if isinstance(groups, Mapping) else list(groups)
+
+
+def round_robin_owners(holder_groups: Groups, layer_numels: Sequence[int], chunk_numel: int) -> Owners:
     out: list[tuple[int, ...]] = [()] * len(layer_numels)
-    for holders, layers in holder_groups.items():
-        k = 0
+    dealt: dict[tuple[int, ...], int] = {}  # a group's count goes on across its buckets: even over the group too
+    for holders, layers in _pairs(holder_groups):
+        k = dealt.get(holders, 0)
         for layer in layers:
             n = num_chunks(layer_numels[layer], chunk_numel)
             out[layer] = tuple(owner(holders, k + c) for c in range(n))
             k += n
+        dealt[holders] = k
     return tuple(out)
 
 
-def reassign_owners(owners: Owners, holder_groups: Mapping[tuple[int, ...], Sequence[int]]) -> Owners:
+def reassign_owners(owners: Owners, holder_groups: Groups) -> Owners:
     """Keep every chunk whose owner still holds its layer; deal the others to the least-loaded holder
     of the group (ties to the lower rank), in chunk order. A plan made without chunks (layouts
     only, as the simulator's calibration makes them) has none to deal."""
     if not owners:
         return ()
     out = [list(o) for o in owners]
-    for holders, layers in holder_groups.items():
+    for holders, layers in _pairs(holder_groups):
         load = {h: 0 for h in holders}
         for layer in layers:
             for o in owners[layer]:
@@ -67,8 +78,7 @@ def reassign_owners(owners: Owners, holder_groups: Mapping[tuple[int, ...], Sequ
     return tuple(tuple(o) for o in out)
 
 
-def rebalance_owners(owners: Owners, holder_groups: Mapping[tuple[int, ...], Sequence[int]],
-                     joined: set[int]) -> Owners:
+def rebalance_owners(owners: Owners, holder_groups: Groups, joined: set[int]) -> Owners:
     """Even out ownership in every holder group that a joining rank is in: each holder ends with
     ``total // n`` or one more chunks (the extra ones stay with the most loaded, so as little as
     possible moves), and a chunk moves only from a holder above its share to the one furthest
@@ -76,7 +86,7 @@ def rebalance_owners(owners: Owners, holder_groups: Mapping[tuple[int, ...], Seq
     if not owners:
         return ()
     out = [list(o) for o in owners]
-    for holders, layers in holder_groups.items():
+    for holders, layers in _pairs(holder_groups):
         if not joined & set(holders):
             continue
         keys = [(layer, c) for layer in layers for c in range(len(owners[layer]))]
@@ -109,11 +119,12 @@ def chunks_by_rank(owners: Owners) -> dict[int, tuple[ChunkKey, ...]]:
     return {r: tuple(keys) for r, keys in out.items()}
 
 
-def slot_chunks(owners: Owners, holder_groups: Mapping[tuple[int, ...], Sequence[int]]) -> dict[int, tuple[int, ...]]:
-    """Chunks in each rank's optimizer slot of each holder group it is in (``holder_groups``'
-    order): the group's most-loaded holder's chunk count, as every slot of a bucket has that size."""
+def slot_chunks(owners: Owners, buckets: Sequence[tuple[tuple[int, ...], Sequence[int]]]) -> dict[int, tuple[int, ...]]:
+    """Chunks in each rank's optimizer slot of each gradient bucket it holds (``buckets``' order,
+    (holders, layers) each): the bucket's most-loaded holder's chunk count, as every slot of a
+    bucket has that size."""
     out: dict[int, list[int]] = {}
-    for holders, layers in holder_groups.items():
+    for holders, layers in buckets:
         counts: dict[int, int] = {}
         for layer in layers:
             for owner in owners[layer] if layer < len(owners) else ():

@@ -32,6 +32,7 @@ at every re-partition and join), and the simulator prices a cluster with the sam
 from __future__ import annotations
 
 from dataclasses import dataclass, fields, replace
+from functools import lru_cache
 from typing import Callable, Sequence
 
 
@@ -82,6 +83,9 @@ class MemoryModel:
     """ZB-H1 (parallel.schedule=zb-h1): a micro-batch keeps its graph from its forward to its W,
     which stage ``s`` holds back ``s`` micro-batches, so every stage has as many in flight as
     1F1B's first stage."""
+    overlap_grad_reduce: bool = True
+    """parallel.overlap_grad_reduce: under interleaved 1F1B a chunk's packed sums are alive while
+    the chunks before it still hold activations (:func:`_overlap_peak`)."""
 
     def in_flight(self, stage: int, num_stages: int, num_micro_batches: int) -> int:
         """Micro-batches whose activations stage ``stage`` of ``num_stages`` holds at its peak."""
@@ -258,11 +262,27 @@ def rank_bytes(model: MemoryModel, plan, rank: int) -> dict[str, float]:
                                                     end == plan.num_layers)
     else:
         out["activations"] = _interleaved_activations(model, chunks, s, depth, mbs, plan.num_layers)
-    # After the backward the activations are gone and the reduce packs the sums: one or the other.
+    # After the backward the activations are gone and the reduce packs the sums: one or the other --
+    # but a chunk's sum that starts early is packed while the chunks before it still compute.
     out["update"] = model.update_bytes(sum(model.layer_numels[i] for i in held), _slot_values(model, plan, rank))
-    out["total"] = sum(v for k, v in out.items() if k not in ("activations", "update")) + max(
-        out["activations"], out["update"])
+    out["overlap"] = (_overlap_peak(model, chunks, s, depth, mbs) if mbs and len(chunks) > 1
+                      and model.overlap_grad_reduce else 0.0)
+    out["total"] = sum(v for k, v in out.items() if k not in ("activations", "update", "overlap")) + max(
+        out["activations"], out["update"], out["overlap"])
     return out
+
+
+def _overlap_peak(model: MemoryModel, chunks, stage: int, depth: int, mbs: int) -> float:
+    """Under interleaved 1F1B with overlapped sums: right after chunk ``c``'s last backward its sums
+    are packed (a copy of each layer's sum) and started, beside the packed sums of the chunks after
+    it and the activations the schedule still keeps then -- the most of that over ``c`` >= 1."""
+    one = [model.activation_bytes(start, end, 1, 0, True, True) for start, end in chunks]
+    kept = [model.activation_bytes(start, end, 2, 0, True, True) - o for (start, end), o in zip(chunks, one)]
+    summed = model.sum_bytes or model.param_bytes
+    packed = [summed * sum(model.layer_numels[i] for i in range(start, end)) for start, end in chunks]
+    after = _alive_after_last_backward(stage, depth, len(chunks), mbs)
+    return max((sum(n * k for n, k in zip(after[c], kept)) + sum(packed[c:]) for c in range(1, len(chunks))),
+               default=0.0)
 
 
 def _interleaved_activations(model: MemoryModel, chunks, stage: int, depth: int, mbs: int, num_layers: int) -> float:
@@ -270,22 +290,50 @@ def _interleaved_activations(model: MemoryModel, chunks, stage: int, depth: int,
     most its alive (micro-batch, chunk) pairs keep together -- each chunk keeps its own layers'
     (a head chunk's logits are not an embedding chunk's) -- plus one backward's extra peak and every
     chunk's send and receive buffers."""
-    from elaswave.pipeline.schedule import Op, interleaved_1f1b  # late: the plan needs no schedule
-
     one = [model.activation_bytes(start, end, 1, 0, True, True) for start, end in chunks]  # a micro-batch's peak
     kept = [model.activation_bytes(start, end, 2, 0, True, True) - o for (start, end), o in zip(chunks, one)]
     sent = sum(model.activation_bytes(start, end, 1, mbs, start == 0, end == num_layers) - o
                for (start, end), o in zip(chunks, one))
-    alive, total, peak = set(), 0.0, 0.0
-    for a in interleaved_1f1b(stage, depth, len(chunks), range(mbs)):
+    peak = max((sum(n * k for n, k in zip(counts, kept)) for counts in _alive_counts(stage, depth, len(chunks), mbs)),
+               default=0.0)
+    return peak + max(o - k for o, k in zip(one, kept)) + sent
+
+
+@lru_cache(maxsize=4096)
+def _alive_after_last_backward(stage: int, depth: int, num_chunks: int, mbs: int) -> tuple[tuple[int, ...], ...]:
+    """Each chunk's count of micro-batches still alive right after chunk ``c``'s last backward, by ``c``."""
+    from elaswave.pipeline.schedule import Op, interleaved_1f1b  # late: the plan needs no schedule
+
+    actions = interleaved_1f1b(stage, depth, num_chunks, range(mbs))
+    last = {a.chunk: i for i, a in enumerate(actions) if a.op is Op.BACKWARD}
+    counts, out = [0] * num_chunks, {}
+    for i, a in enumerate(actions):
+        if a.op is Op.FORWARD:
+            counts[a.chunk] += 1
+        elif a.op is Op.BACKWARD:
+            counts[a.chunk] -= 1
+            if last.get(a.chunk) == i:
+                out[a.chunk] = tuple(counts)
+    return tuple(out.get(c, (0,) * num_chunks) for c in range(num_chunks))
+
+
+@lru_cache(maxsize=4096)
+def _alive_counts(stage: int, depth: int, num_chunks: int, mbs: int) -> frozenset[tuple[int, ...]]:
+    """Each chunk's count of micro-batches alive after every forward of the stage's interleaved 1F1B
+    schedule (distinct ones): a peak is at one of them. The same for every rank of a shape, so a
+    plan of 10^4 ranks walks a few schedules, not one per rank."""
+    from elaswave.pipeline.schedule import Op, interleaved_1f1b  # late: the plan needs no schedule
+
+    counts, alive, out = [0] * num_chunks, set(), set()
+    for a in interleaved_1f1b(stage, depth, num_chunks, range(mbs)):
         if a.op is Op.FORWARD:
             alive.add((a.micro_batch, a.chunk))
-            total += kept[a.chunk]
-            peak = max(peak, total)
+            counts[a.chunk] += 1
+            out.add(tuple(counts))
         elif a.op is Op.BACKWARD and (a.micro_batch, a.chunk) in alive:
             alive.discard((a.micro_batch, a.chunk))
-            total -= kept[a.chunk]
-    return peak + max(o - k for o, k in zip(one, kept)) + sent
+            counts[a.chunk] -= 1
+    return frozenset(out)
 
 
 def by_cost(virtual_stages: int, memory: MemoryModel | None) -> bool:

@@ -10,6 +10,7 @@ from itertools import accumulate
 from typing import Mapping, Sequence
 
 from elaswave.plan import microbatches
+from elaswave.plan.buckets import gradient_buckets
 from elaswave.plan.chunks import Owners, chunks_by_rank, reassign_owners, rebalance_owners, round_robin_owners, slot_chunks
 from elaswave.plan.deal import deal, detoured_step_s, step_s
 from elaswave.plan.frequency import PowerModel
@@ -182,8 +183,11 @@ class Plan:
         return self._holders[layer]
 
     def holder_groups(self) -> dict[tuple[int, ...], tuple[int, ...]]:
-        """Distinct holder sets -> the layers they hold together (one gradient bucket each)."""
+        """Distinct holder sets -> the layers they hold together."""
         return dict(self._indexed[0])
+
+    def gradient_buckets(self) -> tuple[tuple[tuple[int, ...], tuple[int, ...]], ...]:
+        return self._indexed[3]  # (holders, layers) each: holder groups cut at model chunks (plan/buckets.py)
 
     def chunks_of(self, rank: int) -> tuple[tuple[int, int], ...]:
         """The (layer, chunk) keys ``rank`` owns, in canonical order."""
@@ -194,13 +198,14 @@ class Plan:
         return self._indexed[2].get(rank, ())
 
     @cached_property
-    def _indexed(self) -> tuple[dict, dict, dict]:
-        """Holder groups, each rank's chunks, each rank's slot size: the memory model asks for every rank's."""
+    def _indexed(self) -> tuple[dict, dict, dict, tuple]:
+        """Holder groups, each rank's chunks and slot sizes, the buckets: the memory model asks for every rank's."""
         groups: dict[tuple[int, ...], list[int]] = {}
         for layer, holders in enumerate(self._holders):
             groups.setdefault(holders, []).append(layer)
         by_holders = {h: tuple(ls) for h, ls in sorted(groups.items())}
-        return by_holders, chunks_by_rank(self.chunk_owners), slot_chunks(self.chunk_owners, by_holders)
+        buckets = gradient_buckets(self, by_holders)
+        return by_holders, chunks_by_rank(self.chunk_owners), slot_chunks(self.chunk_owners, buckets), buckets
 
     def snapshot_holders(self, rank: int) -> tuple[int, ...]:
         """Who keeps ``rank``'s snapshot: the next ``snapshot_copies`` ranks on the ring (none when alone)."""
@@ -251,7 +256,7 @@ def initial_plan(world_size: int, dp: int, pp: int, layer_costs: Sequence[float]
         virtual_stages=virtual_stages,
     )
     if layer_numels:
-        plan = replace(plan, chunk_owners=round_robin_owners(plan.holder_groups(), layer_numels, chunk_numel))
+        plan = replace(plan, chunk_owners=round_robin_owners(plan.gradient_buckets(), layer_numels, chunk_numel))
     plan = fit_recomputation(plan)
     if why := limit_refusal(plan):
         raise PlanError(f"the initial layout does not fit: {why}")
@@ -381,10 +386,10 @@ def _build(prev: Plan, epoch: int, pipelines, ranges, mbs, freqs=(), routes=(), 
                 units_per_micro_batch=prev.units_per_micro_batch,
                 micro_batch_units=prev.micro_batch_units if units is None else tuple(units),
                 frequency_solver=solver if freqs else "", virtual_stages=prev.virtual_stages)
-    owners = reassign_owners(prev.chunk_owners, plan.holder_groups())
+    owners = reassign_owners(prev.chunk_owners, plan.gradient_buckets())
     joined = set(plan.ranks) - set(prev.ranks)
     if joined:
-        owners = rebalance_owners(owners, plan.holder_groups(), joined)
+        owners = rebalance_owners(owners, plan.gradient_buckets(), joined)
     plan = fit_recomputation(replace(plan, chunk_owners=owners))
     if check and (why := limit_refusal(plan)):
         raise PlanError(f"epoch {epoch}: {why}")
@@ -396,10 +401,9 @@ def _elaswave(prev: Plan, epoch: int, pipelines, kept_ranges, kept, num_micro_ba
               detours: bool, rebalance: bool = False, schedule: str = "1f1b") -> Plan:
     """Re-partition every pipeline that no longer holds every layer, balance (and plan frequencies);
     or, when predicted faster, stand its survivors by, or leave them in place and send its
-    micro-batches through the complete pipelines' same stage (detours). Detours win when many
-    pipelines share the loss and the lost stage was not the bottleneck: a re-partitioned pipeline's
-    bottleneck is a whole layer heavier, so micro-batches move to other pipelines, each of which
-    then takes a whole micro-batch more (+1/(m+S-1) of the step), while a host absorbs one guest."""
+    micro-batches through the complete pipelines' same stage (detours), which win where many pipelines
+    share the loss: a re-split pipeline's bottleneck is a layer heavier, so other pipelines take a whole
+    micro-batch more each (+1/(m+S-1) of the step), while a host absorbs one guest."""
     rate = rank_rates(prev, speeds, [r for p in pipelines for r in p], power)
     ranges, standby, why = [], [], []
     for d, survivors, rng in zip(kept, pipelines, kept_ranges):

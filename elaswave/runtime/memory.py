@@ -64,6 +64,7 @@ def job_memory_model(cfg: JobConfig, model: Model, dtype: torch.dtype, device: t
         generation_before_to_host=device.type == "cuda",
         reduce_whole=device.type != "cuda",  # gloo off a GPU: the reduce-scatter is an all-reduce
         split_backward=cfg.parallel.schedule == "zb-h1", frozen_numels=tuple(frozen),
+        overlap_grad_reduce=cfg.parallel.overlap_grad_reduce,
         data_bytes=float(corpus_bytes(cfg.data)))
 
 

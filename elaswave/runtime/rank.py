@@ -20,6 +20,7 @@ from elaswave.pipeline.p2p import P2P, incoming_of
 from elaswave.pipeline.routed import plan_schedules
 from elaswave.pipeline.schedule import Action, stage_schedule
 from elaswave.pipeline.stage import Stage
+from elaswave.plan.buckets import gradient_chunks, issue_order, ready_after
 from elaswave.plan.chunks import ChunkIndex, ChunkKey
 from elaswave.plan.plan import Plan
 from elaswave.precision import compute_dtype
@@ -27,7 +28,7 @@ from elaswave.runtime.actuator import Actuator
 from elaswave.tensor.shards import TensorShards
 from elaswave.zero.bucket import Bucket
 from elaswave.zero.optimizer import ShardedAdamW
-from elaswave.zero.reduce import GradAccumulator
+from elaswave.zero.reduce import GradAccumulator, Reduction
 
 
 @dataclass
@@ -42,6 +43,8 @@ class RankState:
     groups: list[Group]
     world: Group
     """Every rank of the epoch: loss exchange, norms, snapshots, pipeline p2p."""
+    reduction: Reduction
+    """The step's gradient sums, bucket by bucket as the schedule makes them whole."""
     optimizer: ShardedAdamW
     chunk_index: ChunkIndex
     device: torch.device
@@ -69,15 +72,16 @@ def build_rank(cfg: JobConfig, plan: Plan, rank: int, stage: Stage, sampler: Sam
     pipeline = plan.pipelines[d]
     model = stage.model
     numels = counted_numels(model)
-    buckets, groups = [], []
-    for holders, layers in plan.holder_groups().items():
+    buckets, groups, built = [], [], {}
+    for holders, layers in plan.gradient_buckets():
         if rank not in holders:
             continue
-        group = world if holders == world.members else comm.adopt(
-            comm.build(holders, plan.epoch, kind="holders"), holders, plan.epoch)
+        if holders not in built:  # one group, however many buckets its layers are cut into
+            built[holders] = world if holders == world.members else comm.adopt(
+                comm.build(holders, plan.epoch, kind="holders"), holders, plan.epoch)
         buckets.append(Bucket(holders, layers, [numels[i] for i in layers], par.chunk_numel, rank, device,
                               owners=[plan.chunk_owners[i] for i in layers]))
-        groups.append(group)
+        groups.append(built[holders])
     # The float32 masters come from the layers as built (or from ``chunks``), before the layers
     # are rounded to the compute dtype.
     optimizer = ShardedAdamW(buckets, stage.layers, t, gen, chunks)
@@ -107,8 +111,14 @@ def build_rank(cfg: JobConfig, plan: Plan, rank: int, stage: Stage, sampler: Sam
         emulated = EmulatedCompute(layer_forward_s(cfg, model), cfg.emulate.backward_factor, stage.chunks,
                                    actuator or Actuator())
     shards = TensorShards(model, stage.layers, buckets, model.cut.group) if par.tp > 1 else None
+    # Each bucket's sum starts once this rank's schedule has made its gradients whole (plan/buckets.py).
+    ready = [ready_after(schedule, frozenset(c for i in b.layers for c in gradient_chunks(plan, rank, i)))
+             if par.overlap_grad_reduce else len(schedule) for b in buckets]
+    reduction = Reduction(buckets, groups, accumulator, reduce_scatter_is_all_reduce(backend_name),
+                          issue_order([(b.holders, b.layers) for b in buckets]), ready, len(schedule),
+                          cfg.emulate.link_gbps if cfg.emulate.enabled else 0.0)
     executor = Executor(stage, p2p, sampler, step_tokens, accumulator.add_micro_batch, before, emulated,
-                        pieces_of(plan, t) if k > 1 else None)
+                        pieces_of(plan, t) if k > 1 else None, after=reduction.after)
     # A mixture of experts' load-balancing loss spans every stage a micro-batch passes: its
     # pipeline's, or another's on a detour (a pipeline of one rank may send its micro-batches through
     # another pipeline's stages). Relayed with any coefficient, so the recorded value is whole; the
@@ -120,7 +130,7 @@ def build_rank(cfg: JobConfig, plan: Plan, rank: int, stage: Stage, sampler: Sam
         rank=rank, plan=plan, stage=stage, shards=shards,
         schedule=schedule,
         executor=executor,
-        accumulator=accumulator, buckets=buckets, groups=groups, world=world,
+        accumulator=accumulator, buckets=buckets, groups=groups, world=world, reduction=reduction,
         optimizer=optimizer,
         chunk_index=ChunkIndex.build(numels, par.chunk_numel), device=device, backend_name=backend_name,
         norm_needs_exchange=not (reduce_scatter_is_all_reduce(backend_name) and all(

@@ -8,7 +8,6 @@ from typing import Callable
 
 import torch
 
-from elaswave.comm import backend
 from elaswave.config import JobConfig
 from elaswave.pipeline.schedule import Op
 from elaswave.runtime.rank import RankState
@@ -40,6 +39,8 @@ class StepResult:
     """Of them, the ones trained (all, unless the corpus has a loss mask): the loss is their mean."""
     tp_bytes: int = 0
     """Bytes this rank gave its tensor-parallel group's collectives in the step (0 without tp)."""
+    early_sums: int = 0
+    """Gradient buckets whose sum this rank started while its schedule still computed."""
 
 
 class _Laps:
@@ -92,7 +93,10 @@ def train_step(st: RankState, cfg: JobConfig, step: int, pool: SnapshotPool | No
     tp_sent = _tp_sent(st)
     # 1. Forward and backward of this pipeline's micro-batches (1F1B); each micro-batch's gradient
     #    is folded into the sums as soon as its backward ends (fixed point in deterministic mode).
+    #    Each bucket's sum over the holder group starts as soon as its gradients are whole here
+    #    (a chunk's last backward under interleaved 1F1B), overlapping the compute still to run.
     st.accumulator.zero()
+    st.reduction.reset()
     losses = st.executor.run(st.schedule, step)
     # The losses travel with one flag per rank: "I hold a verified snapshot of my peer's state at
     # the start of this step". Nobody updates until every flag is in, so nobody drops the older
@@ -116,15 +120,16 @@ def train_step(st: RankState, cfg: JobConfig, step: int, pool: SnapshotPool | No
     forwards = sum(1 for a in st.schedule if a.op is Op.FORWARD)
     exchange[M + 3 + st.world.group_rank] = forwards / st.executor.busy_s if forwards and st.executor.busy_s > 0 else 0.0
     exchange = exchange.to(st.device)
-    exchange_work = st.world.all_reduce_async(exchange)
     lap("compute")
 
     # 2. Sum over all M micro-batches within each holder group: each owner gets its chunks
-    #    (on gloo every holder gets the whole bucket, at the same cost).
+    #    (on gloo every holder gets the whole bucket, at the same cost). What is left starts now,
+    #    before the exchange: on the world group every rank issues them in this order.
     fault(step, "reduce")
-    whole = backend.reduce_scatter_is_all_reduce(st.backend_name)
-    reduced = [st.accumulator.to_float(reduce.reduce(b, st.accumulator.sums, g, whole))
-               for b, g in zip(st.buckets, st.groups)]
+    early_sums = st.reduction.early
+    st.reduction.start_rest()
+    exchange_work = st.world.all_reduce_async(exchange)
+    reduced = st.reduction.finish()
     lap("reduce")
 
     # 3. Global norm for clipping (see _norm).
@@ -171,7 +176,7 @@ def train_step(st: RankState, cfg: JobConfig, step: int, pool: SnapshotPool | No
                       speeds=speeds, store_lost=store_gone,
                       tokens=samples_of(st.plan, t) * st.stage.model.seq_len,
                       loss_tokens=loss_tokens, aux_loss=aux_loss,
-                      tp_bytes=_tp_sent(st) - tp_sent)
+                      tp_bytes=_tp_sent(st) - tp_sent, early_sums=early_sums)
 
 
 def _tp_sent(st: RankState) -> int:

@@ -147,7 +147,7 @@ def run(cfg: JobConfig, rank: int, world_size: int, metrics_out: str | None) -> 
                                  "loss_tokens": result.loss_tokens, "world_size": len(st.plan.ranks) * cfg.parallel.tp,
                                  **({"aux_loss": result.aux_loss} if result.aux_loss is not None else {}),
                                  "epoch": st.epoch, "step_time_s": took, "tokens_per_s": samples * ctx.model.seq_len / took,
-                                 "wall_time": time.time(), "phases_s": result.phases_s,
+                                 "wall_time": time.time(), "phases_s": result.phases_s, "early_sums": result.early_sums,
                                  "modelled_power_w": _modelled_power(st.plan), **ctx.source_tokens(step),
                                  **({"tp_bytes": result.tp_bytes} if cfg.parallel.tp > 1 else {})})
                     if pending is not None:  # (a no-op writer on ranks that do not write)

@@ -18,10 +18,14 @@ The same :class:`~elaswave.plan.plan.Plan` the runtime trains with is priced her
   rank that hosts detoured micro-batches is bounded by its own and its guests' work plus one fill
   at the slowest stage. The ``lower_bound`` pricing (:func:`routed_lower_bound`) does not depend
   on the schedule;
-- the step ends when the slowest pipeline has finished and the slowest holder group has summed
-  its gradients and re-gathered its parameters (ring algorithms over the group's slowest link: a
-  reduce-scatter and an all-gather each move ``(n-1)/n`` of the bytes in ``n-1`` hops; gloo sums
-  with a whole all-reduce, twice that), plus a fixed per-step cost (norm, optimizer, launch).
+- each gradient bucket's sum starts when its holders' schedules have made its gradients whole
+  (a rank's last stage long before the first, and under interleaved 1F1B a chunk's last backward:
+  :func:`overlapped_collectives_s`, as ``zero/reduce.Reduction`` runs them), a rank's sums one
+  after another; the step ends when the slowest pipeline has finished and the last sum has ended,
+  and the busiest rank has re-gathered its parameters (ring algorithms over the group's slowest
+  link: a reduce-scatter and an all-gather each move ``(n-1)/n`` of the bytes in ``n-1`` hops;
+  gloo sums with a whole all-reduce, twice that), plus a fixed per-step cost (norm, optimizer,
+  launch).
 
 Devices are numbered node-major (``devices_per_node`` per node) as the launchers number ranks.
 With tensor parallelism a device of the plan is a TP group of GPUs inside a node
@@ -32,10 +36,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from functools import lru_cache
-from typing import Sequence
+from typing import Callable, Sequence
 
 from elaswave.pipeline import routed
-from elaswave.pipeline.schedule import GENERATORS, makespan, schedule_makespan, stage_schedule
+from elaswave.pipeline.schedule import GENERATORS, gradients_whole, makespan, schedule_makespan, stage_schedule
+from elaswave.plan.buckets import gradient_chunks
 from elaswave.plan.frequency import PowerModel
 from elaswave.plan.plan import Plan
 
@@ -79,6 +84,9 @@ class ClusterModel:
     agree_s: float = 0.01
     communicator_s: float = 0.0
     plan_s: float = 0.001
+    overlap_grad_reduce: bool = True
+    """A bucket's gradient sum starts when its chunk is whole (``parallel.overlap_grad_reduce``);
+    False: when the rank's schedule ends."""
     pipeline_schedule: str = "1f1b"
     """The schedule a complete pipeline without detours runs (``parallel.schedule``): 1f1b, zb-h1, or
     interleaved over the plan's ``virtual_stages`` model chunks a rank."""
@@ -179,6 +187,7 @@ class StepEstimate:
     step_s: float
     compute_s: float
     collective_s: float
+    """What the collectives add to the compute: the sums that end after it, and the all-gathers."""
     samples: float
     """Micro-batches in the step, whole ones' worth (the global batch, unless a baseline dropped some)."""
     power_w: float
@@ -211,10 +220,50 @@ def step_time(plan: Plan, model: ClusterModel, schedule: str = "runtime") -> Ste
         compute = _routed_compute(plan, stage, model.split_factor(plan))
     else:
         compute = _analytic_compute(plan, stage, virtual, model.split_factor(plan), model.pipeline_schedule)
-    collective = rank_collectives_s(plan, model)
+    # A plan with detours is priced as if every sum waited for the step's compute (the routed
+    # schedules start them earlier in the runtime: conservative, and little at one chunk a rank).
+    whole = (_whole_at(plan, virtual, model.split_factor(plan), model.pipeline_schedule, model.overlap_grad_reduce)
+             if schedule == "runtime" and not plan.routes else None)
+    summed, gathers = overlapped_collectives_s(plan, model, whole or (lambda rank, chunks: compute))
+    step = max(compute, summed) + gathers
     power = sum(model.power.power(plan.frequency(r)) for r in plan.ranks)
-    return StepEstimate(compute + collective + model.step_overhead_s, compute, collective,
+    return StepEstimate(step + model.step_overhead_s, compute, step - compute,
                         plan.batch_units / plan.units_per_micro_batch, power)
+
+
+def _whole_at(plan: Plan, virtual: dict[int, tuple[float, ...]], backward_factor: float, schedule: str,
+              overlap: bool):
+    """(rank, its model chunks) -> when their gradients are whole in the step, by the schedule's own
+    timing of the rank's pipeline (0 on a pipeline that runs nothing); without ``overlap``, when
+    all the rank's are."""
+    by_pipeline: dict[int, tuple[float, ...]] = {}
+
+    def whole(d: int) -> tuple[float, ...]:
+        if d not in by_pipeline:
+            m = len(plan.micro_batches[d])
+            sizes = (tuple(plan.units_of(mb) / plan.units_per_micro_batch for mb in plan.micro_batches[d])
+                     if plan.micro_batch_units else m)
+            by_pipeline[d] = _gradients_whole(schedule, virtual[d], sizes, backward_factor, plan.virtual_stages)
+        return by_pipeline[d]
+
+    def at(rank: int, chunks: frozenset[int]) -> float:
+        d, s = plan.position(rank)
+        if not overlap and chunks:
+            chunks = frozenset(range(plan.virtual_stages))
+        if not plan.micro_batches[d] or not chunks:
+            return 0.0
+        times = whole(d)
+        return max(times[c * len(plan.pipelines[d]) + s] for c in chunks)
+    return at
+
+
+@lru_cache(maxsize=4096)
+def _gradients_whole(schedule: str, times: tuple[float, ...], m: int | tuple[float, ...], backward_factor: float,
+                     num_chunks: int) -> tuple[float, ...]:
+    count, sizes = (len(m), m) if isinstance(m, tuple) else (m, None)
+    num_stages = len(times) // num_chunks
+    return gradients_whole([stage_schedule(schedule, s, num_stages, range(count), num_chunks)
+                            for s in range(num_stages)], times, backward_factor, sizes=sizes)
 
 
 def _analytic_compute(plan: Plan, stage: dict[int, float], virtual: dict[int, tuple[float, ...]],
@@ -300,28 +349,47 @@ def ring_s(n: int, nbytes: float, latency_s: float, bytes_per_s: float) -> float
     return (n - 1) * (latency_s + nbytes / n / bytes_per_s) if n > 1 else 0.0
 
 
-def rank_collectives_s(plan: Plan, model: ClusterModel) -> float:
-    """The step's gradient sums and parameter all-gathers: the busiest rank's, which runs its holder
-    groups' one after another (a rank in several groups after an uneven re-split, as the runtime's
-    ``runtime/step.py`` does bucket by bucket), each at its group's speed."""
+def overlapped_collectives_s(plan: Plan, model: ClusterModel,
+                             whole_at: Callable[[int, frozenset[int]], float]) -> tuple[float, float]:
+    """(when the step's last gradient sum ends, the busiest rank's parameter all-gathers after it).
+    Each bucket's sum can start, as the runtime starts it (zero/reduce.Reduction), once every
+    holder has made its gradients whole (``whole_at``: by rank and its chunks); a rank's link runs
+    its sums one after another as they come (so when all come at once, the busiest rank's sum --
+    a rank holds layers of several groups after an uneven re-split). The all-gathers follow the
+    optimizer, each rank's one after another."""
     if not model.layer_param_bytes:
-        return 0.0
-    per_rank: dict[int, float] = {}
-    for holders, layers in plan.holder_groups().items():
-        t = holder_collectives_s(model, holders, sum(model.layer_param_bytes[i] for i in layers))
-        for r in holders:
-            per_rank[r] = per_rank.get(r, 0.0) + t
-    return max(per_rank.values(), default=0.0)
+        return 0.0, 0.0
+    sums: dict[int, list[tuple[float, float]]] = {}
+    gathers: dict[int, float] = {}
+    for holders, layers in plan.gradient_buckets():
+        summed, gathered = _holder_parts(model, holders, sum(model.layer_param_bytes[k] for k in layers))
+        # A bucket's layers are computed by the same chunks on each holder (plan/buckets.py): its first tells.
+        start = max(whole_at(h, gradient_chunks(plan, h, layers[0])) for h in holders)
+        for h in holders:
+            sums.setdefault(h, []).append((start, summed))
+            gathers[h] = gathers.get(h, 0.0) + gathered
+    end = 0.0
+    for queue in sums.values():
+        free = 0.0
+        for start, took in sorted(queue):
+            free = max(free, start) + took
+        end = max(end, free)
+    return end, max(gathers.values(), default=0.0)
 
 
 def holder_collectives_s(model: ClusterModel, holders: Sequence[int], param_bytes: float) -> float:
     """A holder group's gradient sum and parameter all-gather in one step, over its slowest link."""
+    return sum(_holder_parts(model, holders, param_bytes))
+
+
+def _holder_parts(model: ClusterModel, holders: Sequence[int], param_bytes: float) -> tuple[float, float]:
+    """(the gradient sum, the parameter all-gather) of :func:`holder_collectives_s`."""
     n = len(holders)
     nodes = {h // model.devices_per_node for h in holders}
     bw, lat = ((model.intra_node_bytes_per_s, model.intra_node_latency_s) if len(nodes) == 1
                else (model.inter_node_bytes_per_s, model.inter_node_latency_s))
     reduce = ring_s(n, param_bytes * model.gradient_bytes_factor, lat, bw) * (2 if model.reduce_is_all_reduce else 1)
-    return reduce + ring_s(n, param_bytes, lat, bw)
+    return reduce, ring_s(n, param_bytes, lat, bw)
 
 
 def migration_s(before: Plan, after: Plan, model: ClusterModel) -> float:

@@ -57,6 +57,9 @@ def add_arguments(ap) -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--policies", default=",".join(policies.POLICIES),
                     help=f"comma-separated, from {', '.join(policies.POLICIES)}")
+    ap.add_argument("--no-overlap", action="store_true",
+                    help="the gradient sums start when a GPU's schedule ends (parallel.overlap_grad_reduce=false), "
+                         "not as each model chunk's gradients are whole")
     ap.add_argument("--no-dvfs", action="store_true",
                     help="no frequency planning: every device at nominal clocks (elaswave's rows are elaswave_no_dvfs)")
     ap.add_argument("--clocks", choices=sorted(CLOCKS), default=None,
@@ -189,7 +192,8 @@ def run(args) -> int:
     if args.clock_share is not None:
         power = replace(power, clock_share=args.clock_share)
     hw = replace(HARDWARE[args.hardware], devices_per_node=args.gpus_per_node)
-    model = replace(cluster(m_cfg, args.micro_batch_size, hw, args.tp, args.schedule, args.checkpointing), power=power)
+    model = replace(cluster(m_cfg, args.micro_batch_size, hw, args.tp, args.schedule, args.checkpointing), power=power,
+                    overlap_grad_reduce=not args.no_overlap)
     memory = _memory(args, m) if args.device_gib else None
     plan, dp, pp = layout.first_fit(args, layouts, model, memory, m)
     single = not (args.trace or args.mtbf_h)
@@ -235,6 +239,7 @@ def run(args) -> int:
     config = {"hardware": {"name": args.hardware, **asdict(hw)}, "failure_free": failure_free,
               "devices": args.devices, "dp": dp, "pp": pp, "preferred_layout": list(layouts[0]), "tp": args.tp, "gpus_per_node": args.gpus_per_node,
               "model": args.model, "micro_batches": m, "pipeline_schedule": args.schedule,
+              "overlap_grad_reduce": not args.no_overlap,
               "virtual_stages": args.virtual_stages, "policies_left_out": left_out,
               "peak_gib": layout.peak_gib(memory, plan) if memory is not None else None,
               "peak_gib_after_first_failure": after_gib,

@@ -7,6 +7,7 @@ reduce-scatter adds them. Fast mode adds float32 gradients as they come.
 """
 from __future__ import annotations
 
+import time
 from typing import Sequence
 
 import torch
@@ -85,18 +86,79 @@ class GradAccumulator:
         return (t.double() / self.scale).float()  # dividing by a power of two is exact
 
 
-def reduce(bucket: Bucket, sums: dict[int, torch.Tensor], group: Group, whole: bool) -> torch.Tensor:
-    """The holder group's summed gradient: the whole bucket if ``whole`` (an all-reduce), else only
-    this rank's slot (a reduce-scatter)."""
+def start_sum(bucket: Bucket, sums: dict[int, torch.Tensor], group: Group, whole: bool):
+    """Start the holder group's sum of the bucket: (what will hold it, the operation to wait for, or
+    None). It holds the whole bucket if ``whole`` (an all-reduce), else only this rank's slot (a
+    reduce-scatter)."""
     packed = bucket.pack([sums[l] for l in bucket.layers])
     if bucket.num_holders == 1:
-        return packed
+        return packed, None
     if whole:
-        group.all_reduce(packed, "gradient all-reduce")
-        return packed
+        return packed, group.all_reduce_async(packed)
     out = torch.empty(bucket.slot_numel, dtype=packed.dtype, device=packed.device)
-    group.reduce_scatter(out, packed, "gradient reduce-scatter")
-    return out
+    return out, group.reduce_scatter_async(out, packed)
+
+
+class Reduction:
+    """The step's gradient sums, each bucket's started as soon as this rank's schedule has made its
+    gradients whole (``ready_after[i]``: after that action; -1: none computed here) and the buckets
+    before it in ``order`` are started: one order on every rank, so two buckets of one group start
+    in the same order everywhere -- a collective is matched by its place in its group's sequence.
+    A schedule issues no other collective on a holder group or the world group (its sends are
+    point-to-point, tagged apart), and the step's own come after :meth:`start_rest`. The packed
+    copy is what travels, so later folds (of other chunks) cannot touch it."""
+
+    def __init__(self, buckets: Sequence[Bucket], groups: Sequence[Group], accumulator: GradAccumulator,
+                 whole: bool, order: Sequence[int], ready_after: Sequence[int], num_actions: int,
+                 link_gbps: float = 0.0):
+        """``num_actions``: the schedule's; ``link_gbps`` (emulate.link_gbps): a sum also takes a
+        ring all-reduce's (or reduce-scatter's) time on such a link, from when this rank started it."""
+        self.buckets, self.groups, self.accumulator, self.whole = list(buckets), list(groups), accumulator, whole
+        self.order = list(order)
+        self.ready_after = list(ready_after)
+        self.link_gbps, self.num_actions = link_gbps, num_actions
+        self.reset()
+
+    def reset(self) -> None:
+        """A new step (what a failed one started is the broken epoch's, parked with its group)."""
+        self._started: dict[int, tuple[torch.Tensor, object, float]] = {}
+        self._next = 0
+        self.early = 0
+        """Sums started before the schedule's last action (overlapping its compute)."""
+
+    def after(self, index: int) -> None:
+        """Action ``index`` of the step's schedule has run: start what it made whole."""
+        while self._next < len(self.order) and self.ready_after[self.order[self._next]] <= index:
+            self._begin(self.order[self._next])
+            self._next += 1
+            self.early += index < self.num_actions - 1
+
+    def _begin(self, i: int) -> None:
+        self._started[i] = (*start_sum(self.buckets[i], self.accumulator.sums, self.groups[i], self.whole),
+                            time.perf_counter())
+
+    def start_rest(self) -> None:
+        """The schedule has run: start every sum not started yet."""
+        for i in self.order[self._next:]:
+            self._begin(i)
+        self._next = len(self.order)
+
+    def finish(self) -> list[torch.Tensor]:
+        """Wait for every sum (starting what is left); each bucket's (float) sum, in bucket order."""
+        self.start_rest()
+        out, link_free = [], 0.0
+        for i in self.order:  # (the order they took the link in)
+            t, work, began = self._started[i]
+            if work is not None:
+                self.groups[i].wait(work, "gradient all-reduce" if self.whole else "gradient reduce-scatter")
+                if self.link_gbps > 0:  # one after another on the rank's link, each from its start
+                    ring = ((2 if self.whole else 1) * (self.buckets[i].num_holders - 1) * self.buckets[i].slot_numel
+                            * t.element_size())  # an all-reduce moves twice a reduce-scatter's
+                    link_free = max(link_free, began) + ring / (self.link_gbps * 1e9)
+                    time.sleep(max(0.0, link_free - time.perf_counter()))
+        for i in range(len(self.buckets)):
+            out.append(self.accumulator.to_float(self._started.pop(i)[0]))
+        return out
 
 
 def all_gather(bucket: Bucket, shard: torch.Tensor, group: Group | None, into: list[torch.Tensor]) -> None:

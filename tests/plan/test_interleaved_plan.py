@@ -127,3 +127,22 @@ def test_a_rebalance_over_the_limit_keeps_a_whole_pipeline_training():
     assert rebalance_gain(limited, speeds, 8) == (0.0, None)  # the straggler logic keeps the layout
     gain, candidate = rebalance_gain(plan, speeds, 8)  # without the limit the re-split is taken
     assert gain > 0 and all(candidate.micro_batches)
+
+
+def test_a_chunks_sum_packed_early_counts_beside_the_activations_still_kept():
+    """With overlapped sums (parallel.overlap_grad_reduce) chunk 1's sums are packed right after
+    its last backward, while chunk 0 still keeps micro-batches' activations. With chunk 1's layers
+    wide and activations long, that moment is rank 0's peak, above both the activations' peak and
+    the reduce's (a reduce-scatter over 4 holders)."""
+    numels = [40, 64, 64, 64, 64, 100_000, 100_000, 64, 64, 40]  # rank 0: chunk 0 = layers 0-2, chunk 1 = 5-6
+    memory = MemoryModel(layer_numels=tuple(numels), layer_activation_bytes=(40_000.0,) * len(COSTS),
+                         boundary_bytes=100.0, param_bytes=4, sum_bytes=4, chunk_numel=16)
+    plan = initial_plan(8, 4, 2, COSTS, 32, numels, chunk_numel=16, memory=memory, virtual_stages=2)
+    assert plan.chunk_ranges(0) == ((0, 3), (5, 7))
+    on, off = rank_bytes(memory, plan, 0), rank_bytes(replace(memory, overlap_grad_reduce=False), plan, 0)
+    assert off["overlap"] == 0.0 and on["overlap"] > max(on["activations"], on["update"]), on
+    assert on["total"] - off["total"] == pytest.approx(on["overlap"] - max(off["activations"], off["update"]))
+    chunk1 = 4 * 200_000  # chunk 1's sums, packed
+    assert chunk1 < on["overlap"] < on["activations"] + chunk1  # and fewer activations than at their peak
+    one_f_one_b = initial_plan(8, 4, 2, COSTS, 32, numels, chunk_numel=16, memory=memory)
+    assert rank_bytes(memory, one_f_one_b, 0)["overlap"] == 0.0  # a rank's one chunk is whole at its end

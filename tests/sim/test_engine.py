@@ -54,6 +54,20 @@ def test_simulate_json_has_every_policy(capsys):
     assert doc["policies"]["elaswave"]["throughput_after_over_before"] > doc["policies"]["drop_replica"]["throughput_after_over_before"]
 
 
+def test_simulate_prices_the_gradient_sums_overlapped_unless_told_not_to(capsys):
+    """Interleaved 1F1B: a GPU's later chunks are whole before its first, so their sums run during
+    the compute (parallel.overlap_grad_reduce); --no-overlap starts them at the schedule's end."""
+    argv = ["simulate", "--devices", "64", "--dp", "4", "--pp", "16", "--model", "gpt-13b", "--json", "--device-gib",
+            "0", "--schedule", "interleaved", "--virtual-stages", "2", "--policies", "elaswave_no_dvfs", "--no-dvfs"]
+    steps = []
+    for extra in ([], ["--no-overlap"]):
+        assert cli.main([*argv, *extra]) == 0
+        doc = json.loads(capsys.readouterr().out)
+        assert doc["config"]["overlap_grad_reduce"] == (not extra)
+        steps.append(doc["config"]["failure_free"]["step_s"])
+    assert steps[0] < steps[1] * 0.999, steps
+
+
 @pytest.mark.parametrize("argv,needle", [
     (["--devices", "96", "--dp", "5"], "dp x pp x tp must equal the devices"),
     (["--devices", "96", "--policies", "elaswave,magic"], "choose from"),

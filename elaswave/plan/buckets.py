@@ -1,0 +1,60 @@
+"""Gradient buckets: which layers' gradients are summed together, and when a rank's are whole (pure).
+
+A holder group (the ranks that hold the same layers, one from each pipeline) sums its layers'
+gradients each step. Under interleaved 1F1B a rank's layers sit in several model chunks, and a
+chunk's gradients are whole as soon as its last backward ends -- for chunk V-1 long before the
+step's compute does. So a holder group's layers are cut into *buckets* wherever the chunk that
+computes them changes on any holder: each bucket's sum can start while the rank still computes
+the chunks before it (runtime/step.py, zero/reduce.Reduction). Without virtual stages a group is
+one bucket, as before.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+from elaswave.pipeline.schedule import Action, Op
+
+Bucket = tuple[tuple[int, ...], tuple[int, ...]]
+"""(holders, layers): a holder group's ranks and the layers of one bucket, in layer order."""
+
+
+def gradient_chunks(plan, rank: int, layer: int) -> frozenset[int]:
+    """The model chunks of ``rank`` whose backwards add to ``layer``'s gradient in ``plan`` (a
+    :class:`~elaswave.plan.plan.Plan`, which asks this module for its buckets): the chunk that runs
+    it, and the chunk of every tied use of its tensors that ``rank`` runs."""
+    ranges = plan.chunk_ranges(rank)
+    users = {layer} | {user for owner, user in plan.ties if owner == layer}
+    return frozenset(c for c, (start, end) in enumerate(ranges) if any(start <= u < end for u in users))
+
+
+def gradient_buckets(plan, holder_groups: dict[tuple[int, ...], tuple[int, ...]]) -> tuple[Bucket, ...]:
+    """Each holder group's layers, cut into runs that every holder computes in one model chunk (and
+    the same chunks throughout), groups in ``holder_groups``' order."""
+    out: list[Bucket] = []
+    for holders, layers in holder_groups.items():
+        run: list[int] = []
+        key = None
+        for layer in layers:
+            here = tuple(gradient_chunks(plan, h, layer) for h in holders) if plan.virtual_stages > 1 else ()
+            if run and here != key:
+                out.append((holders, tuple(run)))
+                run = []
+            run.append(layer)
+            key = here
+        if run:
+            out.append((holders, tuple(run)))
+    return tuple(out)
+
+
+def issue_order(buckets: Sequence[Bucket]) -> list[int]:
+    """The order every rank starts its buckets' sums in: the last layers first, as backwards finish
+    them. One order for all, so that two buckets of one group are started in the same order by all
+    its holders (a collective is matched by its place in the group's sequence)."""
+    return sorted(range(len(buckets)), key=lambda i: -max(buckets[i][1]))
+
+
+def ready_after(actions: Sequence[Action], chunks: frozenset[int]) -> int:
+    """The index of the action after which every gradient ``chunks`` compute is whole: their last
+    backward (or W, when the backward is split); -1 when they run none this step."""
+    return max((i for i, a in enumerate(actions)
+                if a.op in (Op.BACKWARD, Op.BACKWARD_WEIGHT) and a.chunk in chunks), default=-1)
