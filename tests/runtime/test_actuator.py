@@ -30,6 +30,7 @@ def test_nvml_on_a_cpu_rank_is_refused_with_what_to_use_instead():
     (["frequency.actuator=turbo"], "must be one of auto, none, emulated, nvml"),
     (["frequency.power_cap_w=-1"], "must be >= 0"),
     (["emulate.block_forward_ms=0"], "must be > 0"),
+    (["emulate.link_gbps=-1"], r"emulate.link_gbps=-1.0 is invalid: must be >= 0"),
 ])
 def test_bad_frequency_and_emulation_settings_are_one_line_errors(sets, needle):
     with pytest.raises(ConfigError, match=needle):
