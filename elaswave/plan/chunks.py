@@ -10,7 +10,7 @@ the holder that owns the fewest so far -- a re-shard moves the lost chunks and n
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Mapping, Sequence
+from typing import Sequence
 
 ChunkKey = tuple[int, int]
 """(layer, chunk within the layer)."""
@@ -33,20 +33,16 @@ def owner(holders: Sequence[int], group_chunk: int) -> int:
     return holders[group_chunk % len(holders)]
 
 
-Groups = "Mapping[tuple[int, ...], Sequence[int]] | Sequence[tuple[tuple[int, ...], Sequence[int]]]"
-"""Holders -> their layers, or (holders, layers) pairs: a plan's gradient buckets, where one holder
-group's layers are cut at model chunks (plan/buckets.py). Chunks are dealt within each, so that
-every bucket's slots are even (a bucket's slot is its most-loaded holder's)."""
+Buckets = Sequence[tuple[tuple[int, ...], Sequence[int]]]
+"""(holders, layers) pairs: a plan's gradient buckets, where a holder group's layers are cut at
+model chunks (plan/buckets.py). Chunks are dealt within each, so that every bucket's slots are even
+(a bucket's slot is its most-loaded holder's)."""
 
 
-def _pairs(groups) -> Sequence[tuple[tuple[int, ...], Sequence[int]]]:
-    return list(groups.items()) if isinstance(groups, Mapping) else list(groups)
-
-
-def round_robin_owners(holder_groups: Groups, layer_numels: Sequence[int], chunk_numel: int) -> Owners:
+def round_robin_owners(buckets: Buckets, layer_numels: Sequence[int], chunk_numel: int) -> Owners:
     out: list[tuple[int, ...]] = [()] * len(layer_numels)
     dealt: dict[tuple[int, ...], int] = {}  # a group's count goes on across its buckets: even over the group too
-    for holders, layers in _pairs(holder_groups):
+    for holders, layers in buckets:
         k = dealt.get(holders, 0)
         for layer in layers:
             n = num_chunks(layer_numels[layer], chunk_numel)
@@ -56,14 +52,14 @@ def round_robin_owners(holder_groups: Groups, layer_numels: Sequence[int], chunk
     return tuple(out)
 
 
-def reassign_owners(owners: Owners, holder_groups: Groups) -> Owners:
+def reassign_owners(owners: Owners, buckets: Buckets) -> Owners:
     """Keep every chunk whose owner still holds its layer; deal the others to the least-loaded holder
-    of the group (ties to the lower rank), in chunk order. A plan made without chunks (layouts
+    of the bucket (ties to the lower rank), in chunk order. A plan made without chunks (layouts
     only, as the simulator's calibration makes them) has none to deal."""
     if not owners:
         return ()
     out = [list(o) for o in owners]
-    for holders, layers in _pairs(holder_groups):
+    for holders, layers in buckets:
         load = {h: 0 for h in holders}
         for layer in layers:
             for o in owners[layer]:
@@ -78,15 +74,15 @@ def reassign_owners(owners: Owners, holder_groups: Groups) -> Owners:
     return tuple(tuple(o) for o in out)
 
 
-def rebalance_owners(owners: Owners, holder_groups: Groups, joined: set[int]) -> Owners:
-    """Even out ownership in every holder group that a joining rank is in: each holder ends with
+def rebalance_owners(owners: Owners, buckets: Buckets, joined: set[int]) -> Owners:
+    """Even out ownership in every bucket that a joining rank holds: each holder ends with
     ``total // n`` or one more chunks (the extra ones stay with the most loaded, so as little as
     possible moves), and a chunk moves only from a holder above its share to the one furthest
-    below, in chunk order. Other groups keep their owners."""
+    below, in chunk order. Other buckets keep their owners."""
     if not owners:
         return ()
     out = [list(o) for o in owners]
-    for holders, layers in _pairs(holder_groups):
+    for holders, layers in buckets:
         if not joined & set(holders):
             continue
         keys = [(layer, c) for layer in layers for c in range(len(owners[layer]))]
@@ -119,7 +115,7 @@ def chunks_by_rank(owners: Owners) -> dict[int, tuple[ChunkKey, ...]]:
     return {r: tuple(keys) for r, keys in out.items()}
 
 
-def slot_chunks(owners: Owners, buckets: Sequence[tuple[tuple[int, ...], Sequence[int]]]) -> dict[int, tuple[int, ...]]:
+def slot_chunks(owners: Owners, buckets: Buckets) -> dict[int, tuple[int, ...]]:
     """Chunks in each rank's optimizer slot of each gradient bucket it holds (``buckets``' order,
     (holders, layers) each): the bucket's most-loaded holder's chunk count, as every slot of a
     bucket has that size."""

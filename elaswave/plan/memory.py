@@ -280,7 +280,7 @@ def _overlap_peak(model: MemoryModel, chunks, stage: int, depth: int, mbs: int) 
     kept = [model.activation_bytes(start, end, 2, 0, True, True) - o for (start, end), o in zip(chunks, one)]
     summed = model.sum_bytes or model.param_bytes
     packed = [summed * sum(model.layer_numels[i] for i in range(start, end)) for start, end in chunks]
-    after = _alive_after_last_backward(stage, depth, len(chunks), mbs)
+    after = _walk(stage, depth, len(chunks), mbs)[1]
     return max((sum(n * k for n, k in zip(after[c], kept)) + sum(packed[c:]) for c in range(1, len(chunks))),
                default=0.0)
 
@@ -294,46 +294,30 @@ def _interleaved_activations(model: MemoryModel, chunks, stage: int, depth: int,
     kept = [model.activation_bytes(start, end, 2, 0, True, True) - o for (start, end), o in zip(chunks, one)]
     sent = sum(model.activation_bytes(start, end, 1, mbs, start == 0, end == num_layers) - o
                for (start, end), o in zip(chunks, one))
-    peak = max((sum(n * k for n, k in zip(counts, kept)) for counts in _alive_counts(stage, depth, len(chunks), mbs)),
+    peak = max((sum(n * k for n, k in zip(counts, kept)) for counts in _walk(stage, depth, len(chunks), mbs)[0]),
                default=0.0)
     return peak + max(o - k for o, k in zip(one, kept)) + sent
 
 
 @lru_cache(maxsize=4096)
-def _alive_after_last_backward(stage: int, depth: int, num_chunks: int, mbs: int) -> tuple[tuple[int, ...], ...]:
-    """Each chunk's count of micro-batches still alive right after chunk ``c``'s last backward, by ``c``."""
+def _walk(stage: int, depth: int, num_chunks: int, mbs: int) -> tuple[frozenset, tuple[tuple[int, ...], ...]]:
+    """The stage's interleaved 1F1B schedule, walked once per shape (a plan of 10^4 ranks has a few):
+    each chunk's count of micro-batches alive after every forward (the distinct ones: a peak is at
+    one of them), and right after each chunk's last backward, by chunk."""
     from elaswave.pipeline.schedule import Op, interleaved_1f1b  # late: the plan needs no schedule
 
     actions = interleaved_1f1b(stage, depth, num_chunks, range(mbs))
     last = {a.chunk: i for i, a in enumerate(actions) if a.op is Op.BACKWARD}
-    counts, out = [0] * num_chunks, {}
+    counts, forwards, after = [0] * num_chunks, set(), {}
     for i, a in enumerate(actions):
         if a.op is Op.FORWARD:
             counts[a.chunk] += 1
+            forwards.add(tuple(counts))
         elif a.op is Op.BACKWARD:
             counts[a.chunk] -= 1
-            if last.get(a.chunk) == i:
-                out[a.chunk] = tuple(counts)
-    return tuple(out.get(c, (0,) * num_chunks) for c in range(num_chunks))
-
-
-@lru_cache(maxsize=4096)
-def _alive_counts(stage: int, depth: int, num_chunks: int, mbs: int) -> frozenset[tuple[int, ...]]:
-    """Each chunk's count of micro-batches alive after every forward of the stage's interleaved 1F1B
-    schedule (distinct ones): a peak is at one of them. The same for every rank of a shape, so a
-    plan of 10^4 ranks walks a few schedules, not one per rank."""
-    from elaswave.pipeline.schedule import Op, interleaved_1f1b  # late: the plan needs no schedule
-
-    counts, alive, out = [0] * num_chunks, set(), set()
-    for a in interleaved_1f1b(stage, depth, num_chunks, range(mbs)):
-        if a.op is Op.FORWARD:
-            alive.add((a.micro_batch, a.chunk))
-            counts[a.chunk] += 1
-            out.add(tuple(counts))
-        elif a.op is Op.BACKWARD and (a.micro_batch, a.chunk) in alive:
-            alive.discard((a.micro_batch, a.chunk))
-            counts[a.chunk] -= 1
-    return frozenset(out)
+            if last[a.chunk] == i:
+                after[a.chunk] = tuple(counts)
+    return frozenset(forwards), tuple(after.get(c, (0,) * num_chunks) for c in range(num_chunks))
 
 
 def by_cost(virtual_stages: int, memory: MemoryModel | None) -> bool:

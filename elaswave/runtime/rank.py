@@ -111,9 +111,10 @@ def build_rank(cfg: JobConfig, plan: Plan, rank: int, stage: Stage, sampler: Sam
         emulated = EmulatedCompute(layer_forward_s(cfg, model), cfg.emulate.backward_factor, stage.chunks,
                                    actuator or Actuator())
     shards = TensorShards(model, stage.layers, buckets, model.cut.group) if par.tp > 1 else None
-    # Each bucket's sum starts once this rank's schedule has made its gradients whole (plan/buckets.py).
-    ready = [ready_after(schedule, frozenset(c for i in b.layers for c in gradient_chunks(plan, rank, i)))
-             if par.overlap_grad_reduce else len(schedule) for b in buckets]
+    # Each bucket's sum starts once this rank's schedule has made its gradients whole (plan/buckets.py:
+    # a bucket's layers are computed by the same chunks, so its first tells).
+    ready = [ready_after(schedule, gradient_chunks(plan, rank, b.layers[0])) if par.overlap_grad_reduce
+             else len(schedule) for b in buckets]
     reduction = Reduction(buckets, groups, accumulator, reduce_scatter_is_all_reduce(backend_name),
                           issue_order([(b.holders, b.layers) for b in buckets]), ready, len(schedule),
                           cfg.emulate.link_gbps if cfg.emulate.enabled else 0.0)

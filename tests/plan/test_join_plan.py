@@ -60,10 +60,10 @@ def test_joiners_take_an_even_share_of_chunks_and_only_from_their_holder_groups(
 
 
 def test_rebalance_leaves_groups_without_joiners_alone():
-    owners = round_robin_owners({(0, 1): [0], (2, 3): [1]}, [30, 30], 10)
+    owners = round_robin_owners({(0, 1): [0], (2, 3): [1]}.items(), [30, 30], 10)
     uneven = ((0, 0, 0), owners[1])
-    assert rebalance_owners(uneven, {(0, 1, 9): [0], (2, 3): [1]}, {9}) != uneven
-    assert rebalance_owners(uneven, {(0, 1, 9): [0], (2, 3): [1]}, {9})[1] == owners[1]
+    assert rebalance_owners(uneven, {(0, 1, 9): [0], (2, 3): [1]}.items(), {9}) != uneven
+    assert rebalance_owners(uneven, {(0, 1, 9): [0], (2, 3): [1]}.items(), {9})[1] == owners[1]
 
 
 def test_a_join_and_a_loss_in_the_same_change():

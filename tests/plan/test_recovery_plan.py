@@ -193,9 +193,9 @@ def test_memory_is_preferred_to_disk_when_both_have_the_generation():
 
 
 def test_round_robin_matches_the_initial_rule():
-    owners = round_robin_owners({(0, 1): (0, 1)}, [9, 9], 4)
+    owners = round_robin_owners({(0, 1): (0, 1)}.items(), [9, 9], 4)
     assert owners == ((0, 1, 0), (1, 0, 1))
-    assert reassign_owners(owners, {(1,): (0, 1)}) == ((1, 1, 1), (1, 1, 1))
+    assert reassign_owners(owners, {(1,): (0, 1)}.items()) == ((1, 1, 1), (1, 1, 1))
 
 
 def test_replan_scales_to_ten_thousand_ranks():
