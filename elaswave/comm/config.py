@@ -37,6 +37,11 @@ class ParallelConfig:
     made it whole -- under interleaved 1F1B a chunk's last backward -- while the rest computes
     (Megatron's name; integer sums in deterministic mode, so the same bits). false: every sum
     starts when the rank's schedule ends (elaswave/zero/reduce.py)."""
+    overlap_param_gather: bool = True
+    """Start the parameter all-gathers that follow ZeRO-1's update at the step's end and wait for
+    each bucket's only before the next step's first forward of a chunk that reads it (Megatron's
+    name), so they overlap that step's first forwards -- under interleaved 1F1B every chunk's but
+    the first. false: every all-gather is waited for before the step ends."""
     backend: str = "auto"
     """auto: nccl when CUDA is available, else gloo."""
     chunk_numel: int = 4096

@@ -77,11 +77,16 @@ class Group:
             self.wait(work, what)
 
     def all_gather(self, out: torch.Tensor, inp: torch.Tensor, what: str = "all-gather") -> None:
+        work = self.all_gather_async(out, inp)
+        if work is not None:
+            self.wait(work, what)
+
+    def all_gather_async(self, out: torch.Tensor, inp: torch.Tensor) -> dist.Work | None:
         if self.size == 1:
             out.copy_(inp)
-            return
+            return None
         self.payload_bytes += inp.numel() * inp.element_size()
-        self.wait(self._call(backend.all_gather, out, inp), what)
+        return self._call(backend.all_gather, out, inp)
 
     def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, what: str = "reduce-scatter") -> None:
         work = self.reduce_scatter_async(out, inp)

@@ -28,7 +28,7 @@ from elaswave.runtime.actuator import Actuator
 from elaswave.tensor.shards import TensorShards
 from elaswave.zero.bucket import Bucket
 from elaswave.zero.optimizer import ShardedAdamW
-from elaswave.zero.reduce import GradAccumulator, Reduction
+from elaswave.zero.reduce import Gathering, GradAccumulator, Reduction
 
 
 @dataclass
@@ -45,6 +45,8 @@ class RankState:
     """Every rank of the epoch: loss exchange, norms, snapshots, pipeline p2p."""
     reduction: Reduction
     """The step's gradient sums, bucket by bucket as the schedule makes them whole."""
+    gathering: Gathering
+    """The last update's parameter all-gathers, each waited for by the first forward that reads it."""
     optimizer: ShardedAdamW
     chunk_index: ChunkIndex
     device: torch.device
@@ -118,8 +120,11 @@ def build_rank(cfg: JobConfig, plan: Plan, rank: int, stage: Stage, sampler: Sam
     reduction = Reduction(buckets, groups, accumulator, reduce_scatter_is_all_reduce(backend_name),
                           issue_order([(b.holders, b.layers) for b in buckets]), ready, len(schedule),
                           cfg.emulate.link_gbps if cfg.emulate.enabled else 0.0)
+    # A bucket's all-gather is waited for at the first forward of a chunk that reads its layers.
+    gathering = Gathering(buckets, groups, [gradient_chunks(plan, rank, b.layers[0]) for b in buckets],
+                          cfg.emulate.link_gbps if cfg.emulate.enabled else 0.0)
     executor = Executor(stage, p2p, sampler, step_tokens, accumulator.add_micro_batch, before, emulated,
-                        pieces_of(plan, t) if k > 1 else None, after=reduction.after)
+                        pieces_of(plan, t) if k > 1 else None, after=reduction.after, reads=gathering.before_forward)
     # A mixture of experts' load-balancing loss spans every stage a micro-batch passes: its
     # pipeline's, or another's on a detour (a pipeline of one rank may send its micro-batches through
     # another pipeline's stages). Relayed with any coefficient, so the recorded value is whole; the
@@ -131,7 +136,7 @@ def build_rank(cfg: JobConfig, plan: Plan, rank: int, stage: Stage, sampler: Sam
         rank=rank, plan=plan, stage=stage, shards=shards,
         schedule=schedule,
         executor=executor,
-        accumulator=accumulator, buckets=buckets, groups=groups, world=world, reduction=reduction,
+        accumulator=accumulator, buckets=buckets, groups=groups, world=world, reduction=reduction, gathering=gathering,
         optimizer=optimizer,
         chunk_index=ChunkIndex.build(numels, par.chunk_numel), device=device, backend_name=backend_name,
         norm_needs_exchange=not (reduce_scatter_is_all_reduce(backend_name) and all(

@@ -12,7 +12,6 @@ from elaswave.config import JobConfig
 from elaswave.pipeline.schedule import Op
 from elaswave.runtime.rank import RankState
 from elaswave.snapshot.pool import SnapshotPool
-from elaswave.zero import reduce
 from elaswave.zero.optimizer import clip_coef, clip_of_norm, lr_at
 
 
@@ -41,6 +40,8 @@ class StepResult:
     """Bytes this rank gave its tensor-parallel group's collectives in the step (0 without tp)."""
     early_sums: int = 0
     """Gradient buckets whose sum this rank started while its schedule still computed."""
+    gathers_in_forwards: int = 0
+    """Parameter all-gathers of the last update that this step's forwards waited for (overlapped)."""
 
 
 class _Laps:
@@ -97,7 +98,10 @@ def train_step(st: RankState, cfg: JobConfig, step: int, pool: SnapshotPool | No
     #    (a chunk's last backward under interleaved 1F1B), overlapping the compute still to run.
     st.accumulator.zero()
     st.reduction.reset()
+    st.gathering.in_forwards = 0
     losses = st.executor.run(st.schedule, step)
+    gathers_in_forwards = st.gathering.in_forwards
+    st.gathering.settle()  # the last step's all-gathers of chunks that ran no forward here
     # The losses travel with one flag per rank: "I hold a verified snapshot of my peer's state at
     # the start of this step". Nobody updates until every flag is in, so nobody drops the older
     # generation while some chunk exists only there. With them, the leader's count of ranks it
@@ -150,7 +154,10 @@ def train_step(st: RankState, cfg: JobConfig, step: int, pool: SnapshotPool | No
     fault(step, "optimizer")
     lap("optimizer")
     reduced = grads = None  # not alive beside the all-gather's bucket
-    gather_params(st)
+    # With parallel.overlap_param_gather they are waited for by the next step's first forwards.
+    start_gathers(st)
+    if not cfg.parallel.overlap_param_gather:
+        st.gathering.settle()
     lap("gather")
 
     # 5. Snapshot: the new state of this rank's chunks goes to its holder while the next step computes.
@@ -176,7 +183,8 @@ def train_step(st: RankState, cfg: JobConfig, step: int, pool: SnapshotPool | No
                       speeds=speeds, store_lost=store_gone,
                       tokens=samples_of(st.plan, t) * st.stage.model.seq_len,
                       loss_tokens=loss_tokens, aux_loss=aux_loss,
-                      tp_bytes=_tp_sent(st) - tp_sent, early_sums=early_sums)
+                      tp_bytes=_tp_sent(st) - tp_sent, early_sums=early_sums,
+                      gathers_in_forwards=gathers_in_forwards)
 
 
 def _tp_sent(st: RankState) -> int:
@@ -189,13 +197,19 @@ def samples_of(plan, t) -> int:
     return plan.batch_units * t.micro_batch_size // plan.units_per_micro_batch
 
 
-def gather_params(st: RankState) -> None:
+def start_gathers(st: RankState) -> None:
     """Every holder's owned chunks -> whole layers on every holder, rounded to the layers' dtype
-    before they travel (a bfloat16 copy of a float32 master is the same wherever it is rounded)."""
+    before they travel (a bfloat16 copy of a float32 master is the same wherever it is rounded);
+    started, not waited for (zero/reduce.Gathering)."""
     by_index = {l.index: l for l in st.stage.layers}
     with torch.no_grad():
-        for b, g, shard in zip(st.buckets, st.groups, st.optimizer.params):
-            reduce.all_gather(b, shard.to(by_index[b.layers[0]].flat.dtype), g, [by_index[i].flat for i in b.layers])
+        st.gathering.start(st.optimizer.params, [[by_index[i].flat for i in b.layers] for b in st.buckets])
+
+
+def gather_params(st: RankState) -> None:
+    """:func:`start_gathers`, and wait for them."""
+    start_gathers(st)
+    st.gathering.settle()
 
 
 def gather_masters(st: RankState) -> None:

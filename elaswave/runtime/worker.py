@@ -109,6 +109,7 @@ def run(cfg: JobConfig, rank: int, world_size: int, metrics_out: str | None) -> 
             try:
                 while True:
                     if t.eval_due(step):  # the state after `step` steps, on the layout that runs the next
+                        st.gathering.settle()
                         evaluated = ctx.evaluation.run(st, step, lambda j, a, s=step: ctx.before_eval(s, j, a))
                         journal.add(evaluated)
                         if pending is not None:
@@ -132,6 +133,7 @@ def run(cfg: JobConfig, rank: int, world_size: int, metrics_out: str | None) -> 
                     else:
                         result = one_step()
                     for what in ctx.injector.flips(step):
+                        st.gathering.settle()
                         if ctx.pool is not None:  # the step's snapshot is sent from the state: let it go first
                             ctx.pool.wait_sends(st.world)
                         flip_low_bit(st, what)
@@ -148,6 +150,7 @@ def run(cfg: JobConfig, rank: int, world_size: int, metrics_out: str | None) -> 
                                  **({"aux_loss": result.aux_loss} if result.aux_loss is not None else {}),
                                  "epoch": st.epoch, "step_time_s": took, "tokens_per_s": samples * ctx.model.seq_len / took,
                                  "wall_time": time.time(), "phases_s": result.phases_s, "early_sums": result.early_sums,
+                                 "gathers_in_forwards": result.gathers_in_forwards,
                                  "modelled_power_w": _modelled_power(st.plan), **ctx.source_tokens(step),
                                  **({"tp_bytes": result.tp_bytes} if cfg.parallel.tp > 1 else {})})
                     if pending is not None:  # (a no-op writer on ranks that do not write)
@@ -162,12 +165,14 @@ def run(cfg: JobConfig, rank: int, world_size: int, metrics_out: str | None) -> 
                     if result.store_lost:  # the step stays pending, as any: a death in the next may redo it
                         moved = ctx.move_store(st, step)
                     if ctx.checkpointer is not None and ctx.checkpointer.due(step):
+                        st.gathering.settle()
                         ctx.checkpointer.save(step, st.plan.chunk_owners, st.optimizer.keys(), st.optimizer.payload(),
                                               is_writer=rank == st.plan.ranks[0], epoch=st.epoch,
                                               records=journal.unwritten())
                     if ctx.stamps_steps and rank == st.plan.ranks[0]:
                         _stamp_step(ctx, step)
                     if result.joining:  # admitted during this step: the job grows at its end
+                        st.gathering.settle()  # (the change gathers every layer again, on its new groups)
                         cause = join.GROW
                         break
                     # (Each slice sees its own ranks' speeds: a tp job does not re-plan for stragglers.)
@@ -178,6 +183,7 @@ def run(cfg: JobConfig, rank: int, world_size: int, metrics_out: str | None) -> 
                             slowest = min(st.plan.ranks, key=ctx.speeds.median)
                             print(f"elaswave: re-planning at step {step} by measured speeds (slowest: rank {slowest}); "
                                   f"predicted to save {100 * gain:.0f}% of a step", file=sys.stderr, flush=True)
+                        st.gathering.settle()
                         cause = REBALANCE
                         break
                 if cause is None:
@@ -399,6 +405,7 @@ def _finish(ctx: Context, st, cfg: JobConfig) -> tuple[dict[int, dict], Path | N
     checks that the copies agree (:func:`elaswave.zero.digest.check_replicas`) and finishes the export
     (returned: the parts, and the export's folder on the member that wrote it)."""
     plan = st.plan
+    st.gathering.settle()
     if st.stage.dtype != torch.float32:
         gather_masters(st)
     usage = resource.getrusage(resource.RUSAGE_SELF)

@@ -161,11 +161,70 @@ class Reduction:
         return out
 
 
-def all_gather(bucket: Bucket, shard: torch.Tensor, group: Group | None, into: list[torch.Tensor]) -> None:
-    """Every holder's updated chunks -> ``into``, the per-layer parameter vectors."""
-    if bucket.num_holders == 1:
-        bucket.unpack_into(shard, into)
-        return
-    packed = torch.empty(bucket.num_holders * bucket.slot_numel, dtype=shard.dtype, device=shard.device)
-    group.all_gather(packed, shard.contiguous(), "parameter all-gather")
-    bucket.unpack_into(packed, into)
+class Gathering:
+    """The parameter all-gathers after ZeRO-1's update, started at the step's end (:meth:`start`)
+    and each waited for only when the next step's schedule first reads its bucket
+    (:meth:`before_forward`: a forward of a chunk in ``read_by[i]``, the chunks that run the
+    bucket's layers or a tied use of them). They start in one order on every rank, the first
+    layers first, as forwards need them; nothing else is issued on a holder group before the next
+    step's sums, which come after every wait (a rank whose chunks run no forward settles at its
+    schedule's end). Anything else that reads the layers between steps settles first
+    (:meth:`settle`); a broken epoch's are let go with its groups, since a recovery gathers every
+    layer again from the chunks it restores."""
+
+    def __init__(self, buckets: Sequence[Bucket], groups: Sequence[Group], read_by: Sequence[frozenset[int]],
+                 link_gbps: float = 0.0):
+        """``link_gbps`` (emulate.link_gbps): an all-gather also takes a ring all-gather's time on such
+        a link, one after another from their start."""
+        self.buckets, self.groups, self.read_by = list(buckets), list(groups), list(read_by)
+        self.order = sorted(range(len(self.buckets)), key=lambda i: min(self.buckets[i].layers))
+        self.link_gbps = link_gbps
+        self._pending: dict[int, tuple[torch.Tensor, object, torch.Tensor, list[torch.Tensor], float]] = {}
+        self.in_forwards = 0
+        """All-gathers of other ranks' chunks waited for by a forward (the caller zeroes it a step)."""
+
+    @property
+    def pending(self) -> int:
+        return len(self._pending)
+
+    def start(self, shards: Sequence[torch.Tensor], into: Sequence[list[torch.Tensor]]) -> None:
+        """Bucket ``i``'s updated chunks (``shards[i]``, the owner's float32) go out to its holders,
+        rounded to the layers' dtype before they travel, and land in ``into[i]`` (its layers' vectors)."""
+        self.settle()  # (a gather started again before the last was read: one order on the group still)
+        link_free = time.perf_counter()
+        for i in self.order:
+            b = self.buckets[i]
+            shard = shards[i].to(into[i][0].dtype).contiguous()
+            if b.num_holders == 1:
+                with torch.no_grad():
+                    b.unpack_into(shard, into[i])
+                continue
+            packed = torch.empty(b.num_holders * b.slot_numel, dtype=shard.dtype, device=shard.device)
+            work = self.groups[i].all_gather_async(packed, shard)
+            if self.link_gbps > 0:
+                link_free += (b.num_holders - 1) * b.slot_numel * shard.element_size() / (self.link_gbps * 1e9)
+            self._pending[i] = (packed, work, shard, into[i], link_free)
+
+    def before_forward(self, chunk: int) -> None:
+        for i in [i for i in self.order if i in self._pending and chunk in self.read_by[i]]:
+            self.in_forwards += self._pending[i][1] is not None
+            self._finish(i)
+
+    def settle(self) -> None:
+        """Wait for every all-gather still out."""
+        for i in [i for i in self.order if i in self._pending]:
+            self._finish(i)
+
+    def abandon(self) -> None:
+        """The epoch broke: its groups are parked with what they had in flight."""
+        self._pending.clear()
+
+    def _finish(self, i: int) -> None:
+        packed, work, _, into, ends = self._pending.pop(i)
+        if work is not None:
+            self.groups[i].wait(work, "parameter all-gather")
+        if self.link_gbps > 0:
+            time.sleep(max(0.0, ends - time.perf_counter()))
+        with torch.no_grad():
+            self.buckets[i].unpack_into(packed, into)
+

@@ -40,6 +40,12 @@ def test_a_kill_leaves_the_survivors_interleaved_and_bit_identical(tmp_path, ref
     # Before the loss, rank 0 (whose records these are) summed its chunk 1's gradients while it still
     # computed its chunk 0 (parallel.overlap_grad_reduce), with the reference's bits all the same.
     assert all(r["early_sums"] >= 1 for r in res.steps if r["epoch"] == 0), [r["early_sums"] for r in res.steps]
+    # And in every step after another of its epoch, its forwards waited for the last update's parameter
+    # all-gathers (parallel.overlap_param_gather): the first forward of a chunk needs them, not the
+    # step's end. (A change gathers every layer before its first step.)
+    followers = [r for prev, r in zip(res.steps, res.steps[1:]) if prev["epoch"] == r["epoch"]]
+    assert followers and all(r["gathers_in_forwards"] >= 1 for r in followers), \
+        [(r["step"], r["epoch"], r["gathers_in_forwards"]) for r in res.steps]
     assert_same_run(res, reference, STEPS)
 
 
