@@ -60,7 +60,7 @@ RUNS = {
 }
 
 # Collectives big enough for their bytes to show: the whole model on each of 4 holders.
-LINK_JOB = ["parallel.dp=4", "parallel.pp=1", "emulate.enabled=true", "emulate.block_forward_ms=5",
+LINK_JOB = ["parallel.dp=4", "parallel.pp=1", "parallel.overlap_param_gather=false", "emulate.enabled=true", "emulate.block_forward_ms=5",
             "model.num_heads=2", "model.seq_len=16", "model.num_blocks=4", "train.micro_batch_size=1",
             "train.num_micro_batches=8", "train.steps=10"]
 LINK_FIT = {f"link fit d_model={d}": [f"model.d_model={d}"] for d in (64, 256, 384)}

@@ -274,17 +274,18 @@ def one_f_one_b_makespan(stage_s: Sequence[float], num_micro_batches: int, backw
 
 
 def makespan(schedules: Sequence[Sequence[Action]], stage_s: Sequence[float], backward_factor: float = 2.0,
-             input_share: float = BACKWARD_INPUT_SHARE, sizes: Sequence[float] | None = None) -> float:
+             input_share: float = BACKWARD_INPUT_SHARE, sizes: Sequence[float] | None = None,
+             released: Sequence[float] | None = None) -> float:
     """See :func:`timeline`: when the last stage is done."""
-    return max(timeline(schedules, stage_s, backward_factor, input_share, sizes)[1], default=0.0)
+    return max(timeline(schedules, stage_s, backward_factor, input_share, sizes, released)[1], default=0.0)
 
 
 def gradients_whole(schedules: Sequence[Sequence[Action]], stage_s: Sequence[float], backward_factor: float = 2.0,
-                    sizes: Sequence[float] | None = None) -> tuple[float, ...]:
+                    sizes: Sequence[float] | None = None, released: Sequence[float] | None = None) -> tuple[float, ...]:
     """When each virtual stage's (``chunk * p + stage``) weight gradients are whole, timed as
     :func:`makespan` times the schedules: its last backward's (or W's) end, 0 if it runs none.
     A rank's gradient sums start then (zero/reduce.Reduction)."""
-    done, _ = timeline(schedules, stage_s, backward_factor, sizes=sizes)
+    done, _ = timeline(schedules, stage_s, backward_factor, sizes=sizes, released=released)
     out = [0.0] * len(stage_s)
     for (op, k, _), end in done.items():
         if op in (Op.BACKWARD, Op.BACKWARD_WEIGHT):
@@ -294,7 +295,7 @@ def gradients_whole(schedules: Sequence[Sequence[Action]], stage_s: Sequence[flo
 
 def timeline(schedules: Sequence[Sequence[Action]], stage_s: Sequence[float], backward_factor: float = 2.0,
              input_share: float = BACKWARD_INPUT_SHARE, sizes: Sequence[float] | None = None,
-             ) -> tuple[dict[tuple[Op, int, int], float], list[float]]:
+             released: Sequence[float] | None = None) -> tuple[dict[tuple[Op, int, int], float], list[float]]:
     """The time a pipeline's stage schedules take, each stage running its computations in its own
     order, each as soon as its stage is free and its input is there: a forward once the stage
     before sent its activations, a backward (or B) once the stage after sent the gradient, a W
@@ -302,8 +303,9 @@ def timeline(schedules: Sequence[Sequence[Action]], stage_s: Sequence[float], ba
     micro-batch (split ``1 : backward_factor``), indexed ``chunk * p + stage`` -- one per stage
     without chunks; a rank's chunks may differ, as the planner's p x V partition will make them.
     A split backward's B takes ``input_share`` of it, W the rest. ``sizes``: each micro-batch's
-    work as a share of a whole one's (default all 1). Messages take no time. Returns each
-    computation's end by (op, virtual stage, micro-batch), and each stage's last end."""
+    work as a share of a whole one's (default all 1). ``released``: by virtual stage, when its
+    forwards may start at the earliest (its parameters' all-gather; default 0). Messages take no
+    time. Returns each computation's end by (op, virtual stage, micro-batch), and each stage's last end."""
     num_stages, num_virtual = len(schedules), len(schedules) * _num_chunks(schedules)
     if len(stage_s) != num_virtual:
         raise ValueError(f"stage_s has {len(stage_s)} times for {num_stages} stages x "
@@ -326,6 +328,8 @@ def timeline(schedules: Sequence[Sequence[Action]], stage_s: Sequence[float], ba
                 mb, k = a.micro_batch, a.chunk * num_stages + s
                 if a.op is Op.FORWARD:
                     ready = 0.0 if k == 0 else done.get((Op.FORWARD, k - 1, mb))
+                    if ready is not None and released is not None:
+                        ready = max(ready, released[k])
                 elif a.op is Op.BACKWARD_WEIGHT:
                     ready = done.get((Op.BACKWARD_INPUT, k, mb))
                 elif k == num_virtual - 1:

@@ -102,6 +102,10 @@ def fit_links(runs: list[list[dict]]) -> tuple[float, float]:
     rows = []
     for records in runs:  # per run: gradient sum and parameter gather together (which one a wait lands in varies)
         cfg, _, before, _ = _parts(records)
+        if cfg.parallel.overlap_param_gather:
+            raise CalibrationError("a run with parallel.overlap_param_gather=true waits for its all-gathers inside "
+                                   "the next step's compute, so its timed collectives miss them: fit a link from "
+                                   "runs with parallel.overlap_param_gather=false")
         terms = _link_terms(cfg, _initial(cfg))
         if terms:
             rows.append((sum(h for _, h, _ in terms), sum(b for _, _, b in terms),
@@ -155,6 +159,7 @@ def fit(records: list[dict], links: tuple[float, float] | None = None) -> Cluste
         layer_forward_s=tuple(forward), backward_factor=beta,
         detect_s=phases.get("detect", 0.0), agree_s=phases.get("agree", 0.0),
         communicator_s=phases.get("communicator", 0.0), plan_s=phases.get("plan", 0.0) + phases.get("state", 0.0),
+        overlap_grad_reduce=cfg.parallel.overlap_grad_reduce, overlap_param_gather=cfg.parallel.overlap_param_gather,
         **wire)
     # What the layers leave of each 1F1B slot is a fixed cost per micro-batch and stage; what
     # compute and collectives leave of the step, a fixed cost per step.

@@ -87,6 +87,9 @@ class ClusterModel:
     overlap_grad_reduce: bool = True
     """A bucket's gradient sum starts when its chunk is whole (``parallel.overlap_grad_reduce``);
     False: when the rank's schedule ends."""
+    overlap_param_gather: bool = True
+    """The parameter all-gathers run during the next step's first forwards, each chunk's forwards
+    waiting for the buckets it reads (``parallel.overlap_param_gather``); False: after the sums."""
     pipeline_schedule: str = "1f1b"
     """The schedule a complete pipeline without detours runs (``parallel.schedule``): 1f1b, zb-h1, or
     interleaved over the plan's ``virtual_stages`` model chunks a rank."""
@@ -214,28 +217,32 @@ def step_time(plan: Plan, model: ClusterModel, schedule: str = "runtime") -> Ste
                          f"schedule runs; the cluster model's pipeline_schedule is {model.pipeline_schedule!r}")
     virtual = {d: model.virtual_stage_s(plan, d) for d in range(len(plan.pipelines))}
     stage = {r: sum(virtual[d][s::len(pipe)]) for d, pipe in enumerate(plan.pipelines) for s, r in enumerate(pipe)}
+    # A plan with detours is priced as if every sum waited for the step's compute and every
+    # all-gather came after (the runtime overlaps them there too: conservative).
+    released = (gather_releases(plan, model) if model.overlap_param_gather and schedule == "runtime"
+                and not plan.routes and model.layer_param_bytes else None)
     if schedule == "lower_bound":
         compute = routed_lower_bound(plan, stage, virtual)
     elif plan.routes and len(plan.ranks) <= routed.EXACT_MAX_RANKS:
         compute = _routed_compute(plan, stage, model.split_factor(plan))
     else:
-        compute = _analytic_compute(plan, stage, virtual, model.split_factor(plan), model.pipeline_schedule)
-    # A plan with detours is priced as if every sum waited for the step's compute (the routed
-    # schedules start them earlier in the runtime: conservative, and little at one chunk a rank).
-    whole = (_whole_at(plan, virtual, model.split_factor(plan), model.pipeline_schedule, model.overlap_grad_reduce)
+        compute = _analytic_compute(plan, stage, virtual, model.split_factor(plan), model.pipeline_schedule, released)
+    whole = (_whole_at(plan, virtual, model.split_factor(plan), model.pipeline_schedule, model.overlap_grad_reduce,
+                       released)
              if schedule == "runtime" and not plan.routes else None)
     summed, gathers = overlapped_collectives_s(plan, model, whole or (lambda rank, chunks: compute))
-    step = max(compute, summed) + gathers
+    step = max(compute, summed) + (0.0 if released is not None else gathers)
     power = sum(model.power.power(plan.frequency(r)) for r in plan.ranks)
     return StepEstimate(step + model.step_overhead_s, compute, step - compute,
                         plan.batch_units / plan.units_per_micro_batch, power)
 
 
 def _whole_at(plan: Plan, virtual: dict[int, tuple[float, ...]], backward_factor: float, schedule: str,
-              overlap: bool):
+              overlap: bool, released: dict[int, tuple[float, ...]] | None = None):
     """(rank, its model chunks) -> when their gradients are whole in the step, by the schedule's own
-    timing of the rank's pipeline (0 on a pipeline that runs nothing); without ``overlap``, when
-    all the rank's are."""
+    timing of the rank's pipeline (0 on a pipeline that runs nothing), its forwards after the
+    all-gathers they read (``released``: :func:`gather_releases`); without ``overlap``, when all
+    the rank's are."""
     by_pipeline: dict[int, tuple[float, ...]] = {}
 
     def whole(d: int) -> tuple[float, ...]:
@@ -243,7 +250,8 @@ def _whole_at(plan: Plan, virtual: dict[int, tuple[float, ...]], backward_factor
             m = len(plan.micro_batches[d])
             sizes = (tuple(plan.units_of(mb) / plan.units_per_micro_batch for mb in plan.micro_batches[d])
                      if plan.micro_batch_units else m)
-            by_pipeline[d] = _gradients_whole(schedule, virtual[d], sizes, backward_factor, plan.virtual_stages)
+            by_pipeline[d] = _gradients_whole(schedule, virtual[d], sizes, backward_factor, plan.virtual_stages,
+                                              _released_of(plan, d, released))
         return by_pipeline[d]
 
     def at(rank: int, chunks: frozenset[int]) -> float:
@@ -259,15 +267,48 @@ def _whole_at(plan: Plan, virtual: dict[int, tuple[float, ...]], backward_factor
 
 @lru_cache(maxsize=4096)
 def _gradients_whole(schedule: str, times: tuple[float, ...], m: int | tuple[float, ...], backward_factor: float,
-                     num_chunks: int) -> tuple[float, ...]:
+                     num_chunks: int, released: tuple[float, ...] | None = None) -> tuple[float, ...]:
     count, sizes = (len(m), m) if isinstance(m, tuple) else (m, None)
     num_stages = len(times) // num_chunks
     return gradients_whole([stage_schedule(schedule, s, num_stages, range(count), num_chunks)
-                            for s in range(num_stages)], times, backward_factor, sizes=sizes)
+                            for s in range(num_stages)], times, backward_factor, sizes=sizes, released=released)
+
+
+def gather_releases(plan: Plan, model: ClusterModel) -> dict[int, tuple[float, ...]]:
+    """Each rank's model chunks -> when the step's first forward of each may start: after the
+    all-gathers of the buckets it reads (zero/reduce.Gathering), started at the step's start in
+    the runtime's order -- the first layers first --, a rank's one after another on its link, each
+    done when its slowest holder's is."""
+    buckets = plan.gradient_buckets()
+    ends: dict[tuple[int, int], float] = {}
+    free: dict[int, float] = {}
+    for i in sorted(range(len(buckets)), key=lambda i: min(buckets[i][1])):
+        holders, layers = buckets[i]
+        took = _holder_parts(model, holders, sum(model.layer_param_bytes[k] for k in layers))[1]
+        for h in holders:
+            free[h] = ends[(h, i)] = free.get(h, 0.0) + took
+    out: dict[int, list[float]] = {}
+    for i, (holders, layers) in enumerate(buckets):
+        done = max(ends[(h, i)] for h in holders)
+        for h in holders:
+            at = out.setdefault(h, [0.0] * plan.virtual_stages)
+            for c in gradient_chunks(plan, h, layers[0]):
+                at[c] = max(at[c], done)
+    return {r: tuple(v) for r, v in out.items()}
+
+
+def _released_of(plan: Plan, d: int, released: dict[int, tuple[float, ...]] | None) -> tuple[float, ...] | None:
+    """Pipeline ``d``'s releases by virtual stage (``chunk * p + stage``), or None where none waits."""
+    if released is None:
+        return None
+    pipe = plan.pipelines[d]
+    out = tuple(released.get(r, (0.0,) * plan.virtual_stages)[c] for c in range(plan.virtual_stages) for r in pipe)
+    return out if any(out) else None
 
 
 def _analytic_compute(plan: Plan, stage: dict[int, float], virtual: dict[int, tuple[float, ...]],
-                      backward_factor: float, schedule: str) -> float:
+                      backward_factor: float, schedule: str,
+                      released: dict[int, tuple[float, ...]] | None = None) -> float:
     guests: dict[int, int] = {}
     for _, route in plan.routes:
         for r in route:
@@ -280,7 +321,8 @@ def _analytic_compute(plan: Plan, stage: dict[int, float], virtual: dict[int, tu
         if not any(guests.get(r) for r in pipe):
             sizes = tuple(plan.units_of(mb) / plan.units_per_micro_batch for mb in plan.micro_batches[d])
             compute = max(compute, pipeline_compute_s(schedule, virtual[d], sizes if plan.micro_batch_units else m,
-                                                      backward_factor, plan.virtual_stages))
+                                                      backward_factor, plan.virtual_stages,
+                                                      _released_of(plan, d, released)))
             continue
         times = tuple(stage[r] for r in pipe)
         # A host of detours: fill and drain once, then the slowest stage sets the pace for its
@@ -292,7 +334,7 @@ def _analytic_compute(plan: Plan, stage: dict[int, float], virtual: dict[int, tu
 
 @lru_cache(maxsize=4096)
 def pipeline_compute_s(schedule: str, times: tuple[float, ...], m: int | tuple[float, ...],
-                       backward_factor: float, num_chunks: int = 1) -> float:
+                       backward_factor: float, num_chunks: int = 1, released: tuple[float, ...] | None = None) -> float:
     """One pipeline's compute under ``schedule`` on virtual stages of ``times`` (forward + backward
     per micro-batch, index ``chunk * p + stage``; the stages' own with ``num_chunks`` 1). ``m``: the
     count of whole micro-batches, or each one's size (reshaped).
@@ -302,14 +344,15 @@ def pipeline_compute_s(schedule: str, times: tuple[float, ...], m: int | tuple[f
     each chunk's own time, not ``schedule_makespan``'s even split of a rank's time over its chunks:
     the planner's p x V minimax partition leaves chunks uneven (whole layers a chunk; the embedding
     and the head cost unlike a block), and fill and drain are set by the first and last chunks, not
-    by a rank's average."""
+    by a rank's average. ``released``: by virtual stage, when its first forward may start (its
+    parameters' all-gather, :func:`gather_releases`)."""
     # At 10^4+ devices most pipelines have the same stage times: each kind is timed once.
     count, sizes = (len(m), m) if isinstance(m, tuple) else (m, None)
-    if num_chunks == 1:
+    if num_chunks == 1 and released is None:
         return schedule_makespan(schedule, times, count, backward_factor, sizes)
     num_stages = len(times) // num_chunks
     return makespan([stage_schedule(schedule, s, num_stages, range(count), num_chunks) for s in range(num_stages)],
-                    times, backward_factor, sizes=sizes)
+                    times, backward_factor, sizes=sizes, released=released)
 
 
 def _routed_compute(plan: Plan, stage: dict[int, float], backward_factor: float) -> float:

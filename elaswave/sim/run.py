@@ -59,7 +59,8 @@ def add_arguments(ap) -> None:
                     help=f"comma-separated, from {', '.join(policies.POLICIES)}")
     ap.add_argument("--no-overlap", action="store_true",
                     help="the gradient sums start when a GPU's schedule ends (parallel.overlap_grad_reduce=false), "
-                         "not as each model chunk's gradients are whole")
+                         "not as each model chunk's gradients are whole, and the parameter all-gathers end before "
+                         "the next step (parallel.overlap_param_gather=false), not during its first forwards")
     ap.add_argument("--no-dvfs", action="store_true",
                     help="no frequency planning: every device at nominal clocks (elaswave's rows are elaswave_no_dvfs)")
     ap.add_argument("--clocks", choices=sorted(CLOCKS), default=None,
@@ -193,7 +194,7 @@ def run(args) -> int:
         power = replace(power, clock_share=args.clock_share)
     hw = replace(HARDWARE[args.hardware], devices_per_node=args.gpus_per_node)
     model = replace(cluster(m_cfg, args.micro_batch_size, hw, args.tp, args.schedule, args.checkpointing), power=power,
-                    overlap_grad_reduce=not args.no_overlap)
+                    overlap_grad_reduce=not args.no_overlap, overlap_param_gather=not args.no_overlap)
     memory = _memory(args, m) if args.device_gib else None
     plan, dp, pp = layout.first_fit(args, layouts, model, memory, m)
     single = not (args.trace or args.mtbf_h)
@@ -239,7 +240,7 @@ def run(args) -> int:
     config = {"hardware": {"name": args.hardware, **asdict(hw)}, "failure_free": failure_free,
               "devices": args.devices, "dp": dp, "pp": pp, "preferred_layout": list(layouts[0]), "tp": args.tp, "gpus_per_node": args.gpus_per_node,
               "model": args.model, "micro_batches": m, "pipeline_schedule": args.schedule,
-              "overlap_grad_reduce": not args.no_overlap,
+              "overlap_grad_reduce": not args.no_overlap, "overlap_param_gather": not args.no_overlap,
               "virtual_stages": args.virtual_stages, "policies_left_out": left_out,
               "peak_gib": layout.peak_gib(memory, plan) if memory is not None else None,
               "peak_gib_after_first_failure": after_gib,

@@ -12,7 +12,7 @@ LATENCY_S, BYTES_PER_S = 300e-6, 1.5e9
 
 def _run(d_model: int, dp: int = 4, deterministic: bool = False, steps: int = 6) -> list[dict]:
     """Metrics of a failure-free run whose collectives took what a known ring link takes."""
-    cfg = config.load(None, [f"parallel.dp={dp}", "parallel.pp=1", f"model.d_model={d_model}",
+    cfg = config.load(None, [f"parallel.dp={dp}", "parallel.pp=1", "parallel.overlap_param_gather=false", f"model.d_model={d_model}",
                              "model.num_heads=2", f"train.deterministic={str(deterministic).lower()}"])
     nbytes = 4.0 * sum(counted_numels(model_for(cfg)))
     grad = nbytes * (2 if deterministic else 1)

@@ -55,7 +55,8 @@ def test_a_rank_in_two_holder_groups_sums_them_one_after_the_other():
     from elaswave.sim.model import holder_collectives_s
     plan = initial_plan(12, 3, 4, [1.0] * 8, 24, [1000] * 8, 100)
     after = replan(plan, [r for r in plan.ranks if r != 5], 1, 24, detours=False)
-    model = _model(layer_param_bytes=(4000.0,) * 8, inter_node_bytes_per_s=1e3)  # compute: a rounding error
+    model = _model(layer_param_bytes=(4000.0,) * 8, inter_node_bytes_per_s=1e3,  # compute: a rounding error
+                   overlap_param_gather=False)  # (both the sums and the all-gathers after the compute)
     groups = after.holder_groups()
     each = {h: holder_collectives_s(model, h, 4000.0 * len(ls)) for h, ls in groups.items()}
     busiest = max(sum(t for h, t in each.items() if r in h) for r in after.ranks)
@@ -74,7 +75,7 @@ def test_a_stage_sums_its_gradients_while_the_stages_before_it_still_compute():
     plan = initial_plan(8, 2, 4, [1.0] * 8, 16, [1000] * 8, 100)
     # Stage sums take about a backward (0.04 s), the last stage's (a wide head) twice that.
     model = _model(layer_param_bytes=(400.0,) * 6 + (800.0,) * 2, intra_node_bytes_per_s=2e6,
-                   gradient_bytes_factor=200.0)
+                   gradient_bytes_factor=200.0, overlap_param_gather=False)  # the all-gathers: the next test
     est = step_time(plan, model)
     first, _ = _holder_parts(model, (0, 4), 800.0)
     _, last_gathers = _holder_parts(model, (3, 7), 1600.0)
@@ -88,6 +89,29 @@ def test_a_stage_sums_its_gradients_while_the_stages_before_it_still_compute():
     assert est2.collective_s == pytest.approx(first / 2 + gathers)  # layer 0's sum alone is left
     serial = step_time(interleaved, replace(model, pipeline_schedule="interleaved", overlap_grad_reduce=False))
     assert serial.collective_s == pytest.approx(first + gathers)  # parallel.overlap_grad_reduce=false
+
+
+def test_the_all_gathers_run_during_the_next_forwards_each_chunk_waiting_for_what_it_reads():
+    """parallel.overlap_param_gather: a rank's all-gathers start with the step, the first layers
+    first, one after another, and a chunk's first forward waits for the buckets it reads. Under
+    1F1B the first stage's first forward needs its whole gather, and the pipeline runs that much
+    later (no gain: the stages after it gather during the fill, as before they gathered after the
+    step); under interleaved 1F1B a rank's chunk 1 is gathered while its chunk 0 computes."""
+    from elaswave.sim.model import _holder_parts, gather_releases
+    model = _model(layer_param_bytes=(400.0,) * 8, intra_node_bytes_per_s=8e3)
+    plan = initial_plan(8, 2, 4, [1.0] * 8, 16, [1000] * 8, 100)
+    _, whole = _holder_parts(model, (0, 4), 800.0)  # a stage's two layers: 0.05 s, a forward's 2.5 times
+    assert gather_releases(plan, model) == {r: (pytest.approx(whole),) for r in plan.ranks}
+    on, off = step_time(plan, model), step_time(plan, replace(model, overlap_param_gather=False))
+    assert on.compute_s == pytest.approx(off.compute_s + whole)
+    assert on.step_s == pytest.approx(off.step_s)
+    interleaved = initial_plan(8, 2, 4, [1.0] * 8, 16, [1000] * 8, 100, virtual_stages=2)
+    model = replace(model, pipeline_schedule="interleaved")
+    _, half = _holder_parts(model, (0, 4), 400.0)  # one layer a chunk, a bucket a chunk
+    assert gather_releases(interleaved, model) == {r: (pytest.approx(half), pytest.approx(2 * half))
+                                                   for r in interleaved.ranks}
+    on, off = step_time(interleaved, model), step_time(interleaved, replace(model, overlap_param_gather=False))
+    assert on.step_s < off.step_s - half
 
 
 def test_migration_is_the_slowest_receiver_and_nothing_when_nothing_changes():
