@@ -160,8 +160,9 @@ class EmulateConfig:
     link_gbps: float = 0.0
     """The data-parallel gradient sums also take a modelled time: a ring all-reduce of each bucket
     over a link of this many GB/s (``2 (n-1)/n`` of its bytes), counted from when the sum started,
-    so an overlapped one (parallel.overlap_grad_reduce) hides it behind the compute. 0: only the
-    real transfer's time. Sums still run for real; the pipeline's sends are not slowed."""
+    so an overlapped one (parallel.overlap_grad_reduce) hides it behind the compute; so do the
+    parameter all-gathers, a ring all-gather each (parallel.overlap_param_gather). 0: only the
+    real transfer's time. They still run for real; the pipeline's sends are not slowed."""
 
     def validate(self) -> None:
         if self.block_forward_ms <= 0:
