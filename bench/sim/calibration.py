@@ -60,7 +60,10 @@ RUNS = {
 }
 
 # Collectives big enough for their bytes to show: the whole model on each of 4 holders.
-LINK_JOB = ["parallel.dp=4", "parallel.pp=1", "parallel.overlap_param_gather=false", "emulate.enabled=true", "emulate.block_forward_ms=5",
+# The fitted model's collectives are timed from the step's phases: every run waits for its
+# all-gathers within its step (sim.calibrate refuses a priced link on a run that does not).
+SYNC = ["parallel.overlap_param_gather=false"]
+LINK_JOB = ["parallel.dp=4", "parallel.pp=1", *SYNC, "emulate.enabled=true", "emulate.block_forward_ms=5",
             "model.num_heads=2", "model.seq_len=16", "model.num_blocks=4", "train.micro_batch_size=1",
             "train.num_micro_batches=8", "train.steps=10"]
 LINK_FIT = {f"link fit d_model={d}": [f"model.d_model={d}"] for d in (64, 256, 384)}
@@ -101,7 +104,7 @@ def emulated(args) -> None:
     else:
         keep = Path(args.keep or tempfile.mkdtemp(prefix="elaswave-calibration-"))
         keep.mkdir(parents=True, exist_ok=True)
-        jobs = {**{n: JOB + s for n, s in RUNS.items()}, **{n: LINK_JOB + s for n, s in {**LINK_FIT, **LINK_CHECK}.items()}}
+        jobs = {**{n: JOB + SYNC + s for n, s in RUNS.items()}, **{n: LINK_JOB + s for n, s in {**LINK_FIT, **LINK_CHECK}.items()}}
         for name, sets in jobs.items():
             records[name] = run_job(sets, keep / _file(name))
             print(f"  ran {name} -> {keep / _file(name)}", flush=True)
@@ -158,7 +161,7 @@ def _cores() -> int:
 def _real_jobs(smoke: bool) -> dict[str, list[str]]:
     steps, kill = (SMOKE_STEPS, SMOKE_KILL_STEP) if smoke else (REAL_STEPS, REAL_KILL_STEP)
     names = SMOKE_RUNS if smoke else tuple(REAL_RUNS)
-    return {n: REAL_JOB + REAL_RUNS[n][0] + [f"train.steps={steps}",
+    return {n: REAL_JOB + SYNC + REAL_RUNS[n][0] + [f"train.steps={steps}",
                                              f"elastic.inject=kill:rank={REAL_RUNS[n][1]},step={kill},phase=backward"]
             for n in names}
 

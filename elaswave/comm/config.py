@@ -42,6 +42,11 @@ class ParallelConfig:
     each bucket's only before the next step's first forward of a chunk that reads it (Megatron's
     name), so they overlap that step's first forwards -- under interleaved 1F1B every chunk's but
     the first. false: every all-gather is waited for before the step ends."""
+    bucket_numel: int = 40_000_000
+    """Most values in one gradient bucket (Megatron's bucket size): a holder group's layers are cut
+    into buckets at model chunks and at this size (never within a layer), each bucket summed and
+    all-gathered on its own, so a forward waits only for its own layer's all-gather. 0: cut at
+    model chunks only."""
     backend: str = "auto"
     """auto: nccl when CUDA is available, else gloo."""
     chunk_numel: int = 4096
@@ -98,6 +103,8 @@ class ParallelConfig:
                   "across a tensor-parallel group")
         if self.backend not in BACKENDS:
             _fail("parallel.backend", self.backend, f"must be one of {', '.join(BACKENDS)}")
+        if self.bucket_numel < 0:
+            _fail("parallel.bucket_numel", self.bucket_numel, "must be >= 0 (0: one bucket a holder group's model chunk)")
         if self.chunk_numel < 64:
             _fail("parallel.chunk_numel", self.chunk_numel, "must be >= 64")
         if self.timeout_s <= 0:

@@ -38,21 +38,19 @@ class Executor:
     micro-batch is one piece of its sequences in fast mode, one piece per unit in deterministic
     mode: each unit's forward, backward and fixed-point gradient alone, as the reference computes
     it, so the bits do not depend on how units were packed into micro-batches. ``after``: called with
-    each training action's index once it has run (the gradient sums start as they become whole);
-    ``reads``: called with a forward's model chunk before it runs (the parameter all-gathers still
-    out that the chunk reads are waited for)."""
+    each training action's index once it has run (the gradient sums start as they become whole)."""
 
     def __init__(self, stage: Stage, p2p: P2P, sampler: Sampler | None, global_tokens: Callable[[int], int],
                  on_backward: Callable[[], None], before: Callable[[int, Action], None] | None = None,
                  emulated: EmulatedCompute | None = None, pieces: Callable[[int], list[Piece]] | None = None,
-                 after: Callable[[int], None] | None = None, reads: Callable[[int], None] | None = None):
+                 after: Callable[[int], None] | None = None):
         self.stage, self.p2p, self.sampler = stage, p2p, sampler
         p2p.rows_of = self._rows  # a message received early is sized by its micro-batch
         self.pieces = pieces or (lambda mb: [(mb, None)])
         self.global_tokens = global_tokens
         """Step -> the loss tokens of its whole global batch (what every micro-batch's loss is divided by)."""
         self.on_backward = on_backward
-        self.before, self.after, self.reads = before, after, reads
+        self.before, self.after = before, after
         self.emulated = emulated
         self.first_backward: Callable[[], None] | None = None
         """Run once, before the next backward (or at the end of the run if there is none): a
@@ -92,8 +90,6 @@ class Executor:
         for i, action in enumerate(actions):
             if self.before is not None:
                 self.before(step, action)
-            if self.reads is not None and action.op is Op.FORWARD:
-                self.reads(action.chunk)
             self._table[action.op](action)
             if self.after is not None:
                 self.after(i)
@@ -166,7 +162,7 @@ class Executor:
 
     def _forward(self, a: Action) -> None:
         mb, at = a.micro_batch, (a.micro_batch, a.chunk)
-        began, cpu = time.perf_counter(), time.process_time()
+        began, cpu, waited = time.perf_counter(), time.process_time(), self.stage.waited_s
         outs, last = [], self.stage.chunk_is_last(a.chunk)
         for piece, (key, x, batch) in enumerate(self._inputs(mb, self.step, self.sampler, self.inputs.get(at), a.chunk)):
             with moe.recording() as record:
@@ -188,7 +184,9 @@ class Executor:
         if last and self.relay is not None:
             self.relay.last_forward_done(mb)
         self.outputs[at] = outs
-        self._end_compute(began, cpu, chunk=a.chunk)
+        # Waits for parameter all-gathers between layers are not compute: neither the rank's speed
+        # nor emulated time (which then runs after them, as if they had all come first).
+        self._end_compute(began + self.stage.waited_s - waited, cpu, chunk=a.chunk)
 
     def _aux_alone(self, record: list) -> float | None:
         """Without a relay (no experts; a schedule that carries no statistics, where the loss is

@@ -7,7 +7,8 @@ folded into the owner's sum as a use of its own (see :class:`elaswave.zero.flat.
 """
 from __future__ import annotations
 
-from typing import Sequence
+import time
+from typing import Callable, Sequence
 
 import torch
 from torch.utils.checkpoint import checkpoint
@@ -68,6 +69,10 @@ class Stage:
         self._configured = {i for i in ran if cfg.train.checkpointed(i, self.model.num_layers)}
         self.recomputed: set[int] = set()
         """Layers whose activations are not kept: their forward runs again in the backward."""
+        self.reads: Callable[[int], None] | None = None
+        """Called with a layer's index before each forward runs it (the parameter all-gathers it
+        waits for: zero/reduce.Gathering); ``waited_s`` sums the time it took, which is not compute."""
+        self.waited_s = 0.0
         self.recompute(recomputed)
         self.device = device
 
@@ -96,6 +101,10 @@ class Stage:
         if documents is not None:
             documents = documents.to(self.device)
         for layer in self._by_chunk[chunk]:
+            if self.reads is not None:
+                waiting = time.perf_counter()
+                self.reads(layer.index)
+                self.waited_s += time.perf_counter() - waiting
             if train and layer.index in self.recomputed and torch.is_grad_enabled():
                 # The recomputation makes its generator anew from the same key: the same masks.
                 x = checkpoint(self._run, layer, x, step, micro_batch, train, documents, use_reentrant=False,

@@ -5,8 +5,10 @@ gradients each step. Under interleaved 1F1B a rank's layers sit in several model
 chunk's gradients are whole as soon as its last backward ends -- for chunk V-1 long before the
 step's compute does. So a holder group's layers are cut into *buckets* wherever the chunk that
 computes them changes on any holder: each bucket's sum can start while the rank still computes
-the chunks before it (runtime/step.py, zero/reduce.Reduction). Without virtual stages a group is
-one bucket, as before.
+the chunks before it (runtime/step.py, zero/reduce.Reduction). Buckets are also cut by size
+(``Plan.bucket_starts``, from ``parallel.bucket_numel``, Megatron's bucket size), so that a chunk's
+first layers' all-gathers end before its last ones' (zero/reduce.Gathering: a forward waits only
+for the layer it runs). A layer is never cut.
 """
 from __future__ import annotations
 
@@ -27,16 +29,31 @@ def gradient_chunks(plan, rank: int, layer: int) -> frozenset[int]:
     return frozenset(c for c, (start, end) in enumerate(ranges) if any(start <= u < end for u in users))
 
 
+def size_starts(layer_numels: Sequence[int], bucket_numel: int) -> tuple[int, ...]:
+    """The layers that start a bucket when the model's layers, in order, are cut into runs of at most
+    ``bucket_numel`` values (a larger layer alone); 0: no cut. A holder group's run of layers is a
+    part of that order, so its pieces between these starts are no larger."""
+    starts, size = [], 0
+    for layer, n in enumerate(layer_numels):
+        if bucket_numel and size and size + n > bucket_numel:
+            starts.append(layer)
+            size = 0
+        size += n
+    return tuple(starts)
+
+
 def gradient_buckets(plan, holder_groups: dict[tuple[int, ...], tuple[int, ...]]) -> tuple[Bucket, ...]:
     """Each holder group's layers, cut into runs that every holder computes in one model chunk (and
-    the same chunks throughout), groups in ``holder_groups``' order."""
+    the same chunks throughout) and at the plan's size cuts (``bucket_starts``), groups in
+    ``holder_groups``' order."""
     out: list[Bucket] = []
+    cuts = frozenset(plan.bucket_starts)
     for holders, layers in holder_groups.items():
         run: list[int] = []
         key = None
         for layer in layers:
             here = tuple(gradient_chunks(plan, h, layer) for h in holders) if plan.virtual_stages > 1 else ()
-            if run and here != key:
+            if run and (here != key or layer in cuts):
                 out.append((holders, tuple(run)))
                 run = []
             run.append(layer)

@@ -86,6 +86,9 @@ class MemoryModel:
     overlap_grad_reduce: bool = True
     """parallel.overlap_grad_reduce: under interleaved 1F1B a chunk's packed sums are alive while
     the chunks before it still hold activations (:func:`_overlap_peak`)."""
+    overlap_param_gather: bool = True
+    """parallel.overlap_param_gather: the last update's all-gather buffers are alive until the
+    forward that reads them, beside the activations kept by then (:func:`_gather_peak`)."""
 
     def in_flight(self, stage: int, num_stages: int, num_micro_batches: int) -> int:
         """Micro-batches whose activations stage ``stage`` of ``num_stages`` holds at its peak."""
@@ -267,8 +270,10 @@ def rank_bytes(model: MemoryModel, plan, rank: int) -> dict[str, float]:
     out["update"] = model.update_bytes(sum(model.layer_numels[i] for i in held), _slot_values(model, plan, rank))
     out["overlap"] = (_overlap_peak(model, chunks, s, depth, mbs) if mbs and len(chunks) > 1
                       and model.overlap_grad_reduce else 0.0)
-    out["total"] = sum(v for k, v in out.items() if k not in ("activations", "update", "overlap")) + max(
-        out["activations"], out["update"], out["overlap"])
+    out["gather"] = (_gather_peak(model, chunks, s, depth, mbs, _slot_values(model, plan, rank))
+                     if mbs and model.overlap_param_gather else 0.0)
+    phases = ("activations", "update", "overlap", "gather")
+    out["total"] = sum(v for k, v in out.items() if k not in phases) + max(out[k] for k in phases)
     return out
 
 
@@ -283,6 +288,25 @@ def _overlap_peak(model: MemoryModel, chunks, stage: int, depth: int, mbs: int) 
     after = _walk(stage, depth, len(chunks), mbs)[1]
     return max((sum(n * k for n, k in zip(after[c], kept)) + sum(packed[c:]) for c in range(1, len(chunks))),
                default=0.0)
+
+
+def _gather_peak(model: MemoryModel, chunks, stage: int, depth: int, mbs: int, slot: float) -> float:
+    """With overlapped all-gathers (zero/reduce.Gathering) each bucket's packed parameters in the
+    compute dtype, and the shards cast to it, wait for the forward that reads them. Under
+    interleaved 1F1B, before chunk ``c``'s first forward the buffers of chunks ``c`` on are alive
+    beside the activations the chunks before it keep then (the warm-up's first forwards), and as
+    chunk ``c``'s forward goes its buffers give way to its micro-batch's activations -- the most of
+    that over ``c`` >= 1. In one chunk (and chunk 0) the buffers go as the first micro-batch's
+    forward reaches each layer: at most one micro-batch's activations beside them, which the
+    activations and update terms bound (to within the cast shards, 1/holders of the layers)."""
+    if len(chunks) == 1:
+        return 0.0
+    values = [sum(model.layer_numels[i] for i in model.held_layers(start, end)) for start, end in chunks]
+    one = [model.activation_bytes(start, end, 1, 0, True, True) for start, end in chunks]
+    kept = [model.activation_bytes(start, end, 2, 0, True, True) - o for (start, end), o in zip(chunks, one)]
+    before = _walk(stage, depth, len(chunks), mbs)[2]
+    return max(model.param_bytes * (sum(values[c + 1:]) + slot) + sum(n * k for n, k in zip(before[c], kept))
+               + max(model.param_bytes * values[c], one[c]) for c in range(1, len(chunks)))
 
 
 def _interleaved_activations(model: MemoryModel, chunks, stage: int, depth: int, mbs: int, num_layers: int) -> float:
@@ -300,24 +324,26 @@ def _interleaved_activations(model: MemoryModel, chunks, stage: int, depth: int,
 
 
 @lru_cache(maxsize=4096)
-def _walk(stage: int, depth: int, num_chunks: int, mbs: int) -> tuple[frozenset, tuple[tuple[int, ...], ...]]:
+def _walk(stage: int, depth: int, num_chunks: int, mbs: int) -> tuple[frozenset, tuple, tuple]:
     """The stage's interleaved 1F1B schedule, walked once per shape (a plan of 10^4 ranks has a few):
     each chunk's count of micro-batches alive after every forward (the distinct ones: a peak is at
-    one of them), and right after each chunk's last backward, by chunk."""
+    one of them), right after each chunk's last backward, and right before its first forward, by chunk."""
     from elaswave.pipeline.schedule import Op, interleaved_1f1b  # late: the plan needs no schedule
 
     actions = interleaved_1f1b(stage, depth, num_chunks, range(mbs))
     last = {a.chunk: i for i, a in enumerate(actions) if a.op is Op.BACKWARD}
-    counts, forwards, after = [0] * num_chunks, set(), {}
+    counts, forwards, after, first = [0] * num_chunks, set(), {}, {}
     for i, a in enumerate(actions):
         if a.op is Op.FORWARD:
+            first.setdefault(a.chunk, tuple(counts))
             counts[a.chunk] += 1
             forwards.add(tuple(counts))
         elif a.op is Op.BACKWARD:
             counts[a.chunk] -= 1
             if last[a.chunk] == i:
                 after[a.chunk] = tuple(counts)
-    return frozenset(forwards), tuple(after.get(c, (0,) * num_chunks) for c in range(num_chunks))
+    return (frozenset(forwards), tuple(after.get(c, (0,) * num_chunks) for c in range(num_chunks)),
+            tuple(first.get(c, (0,) * num_chunks) for c in range(num_chunks)))
 
 
 def by_cost(virtual_stages: int, memory: MemoryModel | None) -> bool:

@@ -19,7 +19,8 @@ from elaswave.plan.recompute import fit_recomputation
 from elaswave.plan.detours import covers, detour_routes
 from elaswave.plan.errors import PlanError  # noqa: F401 (where callers import it from)
 from elaswave.plan.partition import PartitionError, partition
-from elaswave.plan.rates import layer_costs, priced_step_s, range_cost, rank_rates, recompute_cost, stage_times, timing
+from elaswave.plan.rates import priced_step_s, range_cost, rank_rates, recompute_cost, stage_times, timing
+from elaswave.plan.resplit import place_joiners, split
 
 
 @dataclass(frozen=True)
@@ -71,6 +72,8 @@ class Plan:
     recomputed: tuple[tuple[tuple[int, ...], ...], ...] = ()
     """recomputed[d][s] = the blocks stage s of pipeline d recomputes to fit the memory limit, beside
     the configured ones (train.activation_checkpointing=auto: plan/recompute.py; empty: none)."""
+    bucket_starts: tuple[int, ...] = ()
+    """Layers where a gradient bucket is cut by size (plan/buckets.size_starts; empty: at chunks only)."""
     virtual_stages: int = 1
     """Model chunks a rank holds (parallel.virtual_stages, interleaved 1F1B): layer_ranges[d] then
     has ``len(pipelines[d]) * virtual_stages`` ranges, virtual stage ``k`` on rank
@@ -102,7 +105,7 @@ class Plan:
         return tuple(sorted(r for p in self.pipelines for r in p))
 
     @cached_property
-    def _where(self) -> dict[int, tuple[int, int]]:
+    def _where(self) -> dict[int, tuple[int, int]]:  # rank -> (pipeline, stage)
         return {r: (d, s) for d, pipe in enumerate(self.pipelines) for s, r in enumerate(pipe)}
 
     @cached_property
@@ -129,10 +132,8 @@ class Plan:
         return dict(self.routes)
 
     def frequency(self, rank: int) -> float:
-        if not self.frequencies:
-            return 1.0
-        d, s = self.position(rank)
-        return self.frequencies[d][s]
+        d, s = self.position(rank) if self.frequencies else (0, 0)
+        return self.frequencies[d][s] if self.frequencies else 1.0
 
     def is_complete(self, d: int) -> bool:
         """Pipeline ``d`` holds every layer (baselines leave a broken pipeline's survivors in place)."""
@@ -223,7 +224,8 @@ class Plan:
 def initial_plan(world_size: int, dp: int, pp: int, layer_costs: Sequence[float], num_micro_batches: int,
                  layer_numels: Sequence[int] = (), chunk_numel: int = 1, layer_memory: Sequence[float] = (),
                  stage_memory_limit: float = 0.0, ties: Sequence[tuple[int, int]] = (),
-                 memory: MemoryModel | None = None, units_per_micro_batch: int = 1, virtual_stages: int = 1) -> Plan:
+                 memory: MemoryModel | None = None, units_per_micro_batch: int = 1, virtual_stages: int = 1,
+                 bucket_starts: Sequence[int] = ()) -> Plan:
     """Rank ``d * pp + s`` is stage ``s`` of pipeline ``d``: a pipeline's stages are neighbours.
     ``units_per_micro_batch`` > 1: re-plans reshape micro-batches in units (see Plan);
     ``virtual_stages`` > 1: ``pp x virtual_stages`` chunks, minimax on the layer costs (interleaved 1F1B)."""
@@ -253,7 +255,7 @@ def initial_plan(world_size: int, dp: int, pp: int, layer_costs: Sequence[float]
         depth=pp,
         ties=tuple(tuple(t) for t in ties),
         units_per_micro_batch=units_per_micro_batch,
-        virtual_stages=virtual_stages,
+        virtual_stages=virtual_stages, bucket_starts=tuple(bucket_starts),
     )
     if layer_numels:
         plan = replace(plan, chunk_owners=round_robin_owners(plan.gradient_buckets(), layer_numels, chunk_numel))
@@ -314,7 +316,7 @@ def replan(prev: Plan, live: Sequence[int], epoch: int, num_micro_batches: int,
             kept_ranges.append(tuple(rng for k, rng in enumerate(prev.layer_ranges[d]) if pipe[k % len(pipe)] in alive))
             kept.append(d)
     if joined:
-        _place_joiners(prev, epoch, joined, pipelines, kept_ranges, kept)
+        place_joiners(prev, epoch, joined, pipelines, kept_ranges, kept)
     if num_micro_batches < len(pipelines):
         raise PlanError(f"epoch {epoch}: {num_micro_batches} micro-batches cannot feed {len(pipelines)} pipelines")
     if policy == "elaswave":
@@ -332,49 +334,6 @@ def replan(prev: Plan, live: Sequence[int], epoch: int, num_micro_batches: int,
                   routes=detour_routes(prev, pipelines, kept_ranges, complete, mbs, epoch))
 
 
-def _place_joiners(prev: Plan, epoch: int, joined: Sequence[int], pipelines: list, ranges: list, kept: list) -> None:
-    """Put ``joined`` into the survivors' layout (in place): see :func:`replan`. New pipelines
-    are marked ``None`` in ``kept`` (they had no index in ``prev``)."""
-    depth = prev.depth or max(len(p) for p in prev.pipelines)
-    waiting = list(joined)
-
-    def split(count: int, who) -> tuple[tuple[int, int], ...]:
-        try:
-            return _split(prev, count, len(pipelines) + -(-len(waiting) // depth), prev.num_micro_batches)
-        except PartitionError as exc:
-            raise PlanError(f"epoch {epoch}: no layout for ranks {list(who)} joining: {exc}") from None
-
-    whole = split(depth, joined)
-    for i, (pipe, rng) in enumerate(zip(pipelines, ranges)):
-        take, waiting = waiting[:max(0, depth - len(pipe))], waiting[max(0, depth - len(pipe)):]
-        if not take:
-            continue
-        if prev.virtual_stages == 1 and not covers(rng, prev.num_layers) and all(r in whole for r in rng):
-            # The survivors kept their stages of the whole layout: the joiners take the missing ones.
-            missing = [r for r in whole if r not in rng]
-            slots = sorted(list(zip(rng, pipe)) + list(zip(missing, take)))
-            ranges[i], pipelines[i] = tuple(x for x, _ in slots), tuple(r for _, r in slots)
-        else:
-            pipelines[i] = tuple(pipe) + tuple(take)
-            ranges[i] = split(len(pipelines[i]), pipelines[i])
-    while waiting:
-        take, waiting = tuple(waiting[:depth]), waiting[depth:]
-        pipelines.append(take)
-        ranges.append(split(len(take), take))
-        kept.append(None)
-
-
-def _split(prev: Plan, count: int, pipelines: int, num_micro_batches: int,
-           speeds: Sequence[float] | None = None) -> tuple[tuple[int, int], ...]:
-    """A pipeline of ``count`` stages, one of ``pipelines``, re-partitioned within the memory limit;
-    ``count x V`` chunks by cost where the memory is checked after (plan.memory.by_cost)."""
-    if by_cost(v := prev.virtual_stages, prev.memory):
-        return tuple(partition(layer_costs(prev), count * v, speeds=[speeds[k % count] for k in range(count * v)]
-                               if speeds is not None else None))
-    return tuple(partition(layer_costs(prev), count, prev.layer_memory or None, prev.stage_memory_limit or None, speeds,
-                           stages_memory(prev.memory, count, pipelines, num_micro_batches)))
-
-
 def _build(prev: Plan, epoch: int, pipelines, ranges, mbs, freqs=(), routes=(), units=None, solver="",
            check: bool = True) -> Plan:
     """``units``: each micro-batch id's units (None: ``prev``'s, whose ids ``mbs`` then are);
@@ -385,7 +344,8 @@ def _build(prev: Plan, epoch: int, pipelines, ranges, mbs, freqs=(), routes=(), 
                 depth=prev.depth, ties=prev.ties, ranks_per_node=prev.ranks_per_node, snapshot_copies=prev.snapshot_copies,
                 units_per_micro_batch=prev.units_per_micro_batch,
                 micro_batch_units=prev.micro_batch_units if units is None else tuple(units),
-                frequency_solver=solver if freqs else "", virtual_stages=prev.virtual_stages)
+                frequency_solver=solver if freqs else "", virtual_stages=prev.virtual_stages,
+                bucket_starts=prev.bucket_starts)
     owners = reassign_owners(prev.chunk_owners, plan.gradient_buckets())
     joined = set(plan.ranks) - set(prev.ranks)
     if joined:
@@ -411,8 +371,8 @@ def _elaswave(prev: Plan, epoch: int, pipelines, kept_ranges, kept, num_micro_ba
             ranges.append(rng)
             continue
         try:
-            ranges.append(_split(prev, len(survivors), len(pipelines), num_micro_batches,
-                                 [rate[r] for r in survivors] if rebalance else None))
+            ranges.append(split(prev, len(survivors), len(pipelines), num_micro_batches,
+                                [rate[r] for r in survivors] if rebalance else None))
         except PartitionError as exc:
             # Survivors that cannot hold the model stand by: they keep their layers and ZeRO chunks,
             # get no micro-batches (the others take them: the batch is kept), and a join completes them.

@@ -35,7 +35,7 @@ def fit_recomputation(plan):
         d, s = plan.position(rank)
         chunks = plan.chunk_ranges(rank)
         parts = rank_bytes(memory, plain, rank)
-        fixed = parts["total"] - max(parts["activations"], parts["update"], parts["overlap"])
+        fixed = parts["total"] - max(parts[k] for k in ("activations", "update", "overlap", "gather"))
         key = (chunks, s, len(plan.pipelines[d]), len(plan.micro_batches[d]), round(fixed))
         if key not in decided:
             over = parts["total"] > limit

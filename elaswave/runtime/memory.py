@@ -23,6 +23,7 @@ from elaswave.config import JobConfig
 from elaswave.data.corpus import corpus_bytes
 from elaswave.model.contract import Model, counted_numels, on_meta, saved_activation_bytes, tie_pairs, untie
 from elaswave.model.registry import model_for
+from elaswave.plan.buckets import size_starts
 from elaswave.plan.memory import MIB, MemoryModel, by_cost, rank_bytes
 from elaswave.plan.partition import least_memory
 from elaswave.plan.plan import initial_plan
@@ -64,7 +65,7 @@ def job_memory_model(cfg: JobConfig, model: Model, dtype: torch.dtype, device: t
         generation_before_to_host=device.type == "cuda",
         reduce_whole=device.type != "cuda",  # gloo off a GPU: the reduce-scatter is an all-reduce
         split_backward=cfg.parallel.schedule == "zb-h1", frozen_numels=tuple(frozen),
-        overlap_grad_reduce=cfg.parallel.overlap_grad_reduce,
+        overlap_grad_reduce=cfg.parallel.overlap_grad_reduce, overlap_param_gather=cfg.parallel.overlap_param_gather,
         data_bytes=float(corpus_bytes(cfg.data)))
 
 
@@ -111,6 +112,19 @@ def measure_peak(fn: Callable[[], object], device: torch.device) -> tuple[object
     return result, before, before + peak
 
 
+def measure_step(st, train_step: Callable[[], object], device: torch.device) -> tuple[object, int, int]:
+    """:func:`measure_peak` of a training step with none of its parameter all-gathers out at its
+    start or its end: torch's CPU profiler crashed ranks (SIGSEGV, 1-3 runs in 8) with all-gathers
+    running on gloo's threads as it started or stopped (``st``: the rank's RankState)."""
+    st.gathering.settle()
+
+    def measured():
+        out = train_step()
+        st.gathering.settle()
+        return out
+    return measure_peak(measured, device)
+
+
 def config_memory_model(cfg: JobConfig, device: torch.device, dtype: torch.dtype | None = None) -> tuple[Model, MemoryModel]:
     """(the job's model, its memory model) from the config alone, on a ``device`` of that type
     (``dtype``: the compute dtype, when the device is not here to ask: the simulator's GPUs)."""
@@ -136,7 +150,8 @@ def least_mb(cfg: JobConfig, model: Model, memory: MemoryModel, num_stages: int,
     plan = initial_plan(num_stages * pipelines, pipelines, num_stages, [c.flops_per_token for c in model.layer_costs()],
                         t.num_micro_batches, counted_numels(model), cfg.parallel.chunk_numel, ties=tie_pairs(model),
                         memory=memory, units_per_micro_batch=t.micro_batch_size if cfg.elastic.reshape else 1,
-                        virtual_stages=cfg.parallel.virtual_stages)
+                        virtual_stages=cfg.parallel.virtual_stages,
+                        bucket_starts=size_starts(counted_numels(model), cfg.parallel.bucket_numel))
     plan = replace(plan, snapshot_copies=cfg.elastic.snapshot_copies)
     if memory.plan_recomputation:
         plan = every_block(plan)

@@ -120,11 +120,12 @@ def build_rank(cfg: JobConfig, plan: Plan, rank: int, stage: Stage, sampler: Sam
     reduction = Reduction(buckets, groups, accumulator, reduce_scatter_is_all_reduce(backend_name),
                           issue_order([(b.holders, b.layers) for b in buckets]), ready, len(schedule),
                           cfg.emulate.link_gbps if cfg.emulate.enabled else 0.0)
-    # A bucket's all-gather is waited for at the first forward of a chunk that reads its layers.
-    gathering = Gathering(buckets, groups, [gradient_chunks(plan, rank, b.layers[0]) for b in buckets],
+    # A bucket's all-gather is waited for at the first forward of a layer that reads it: its own, or a tied use.
+    gathering = Gathering(buckets, groups, [{*b.layers, *(u for o, u in plan.ties if o in b.layers)} for b in buckets],
                           cfg.emulate.link_gbps if cfg.emulate.enabled else 0.0)
+    stage.reads = gathering.before_layer
     executor = Executor(stage, p2p, sampler, step_tokens, accumulator.add_micro_batch, before, emulated,
-                        pieces_of(plan, t) if k > 1 else None, after=reduction.after, reads=gathering.before_forward)
+                        pieces_of(plan, t) if k > 1 else None, after=reduction.after)
     # A mixture of experts' load-balancing loss spans every stage a micro-batch passes: its
     # pipeline's, or another's on a detour (a pipeline of one rank may send its micro-batches through
     # another pipeline's stages). Relayed with any coefficient, so the recorded value is whole; the

@@ -32,6 +32,7 @@ from elaswave.control.link import EXIT_EXCLUDED, EXIT_GROUP_LEFT, EXIT_STORE_LOS
 from elaswave.interrupt import Disruption
 from elaswave.model.contract import counted_numels, tie_pairs
 from elaswave.pipeline.stage import Stage
+from elaswave.plan.buckets import size_starts
 from elaswave.plan.frequency import PowerModel
 from elaswave.plan.memory import rank_bytes
 from elaswave.plan.plan import PlanError, initial_plan
@@ -39,7 +40,7 @@ from elaswave.plan.recompute import refitted
 from elaswave.precision import compute_dtype, name as precision_name, pin_kernels
 from elaswave.runtime import device_memory, join, recovery, rescue
 from elaswave.runtime.actuator import ActuatorError
-from elaswave.runtime.memory import measure_peak
+from elaswave.runtime.memory import measure_step
 from elaswave.runtime.metrics import MetricsWriter, print_error
 from elaswave.runtime.context import Context
 from elaswave.runtime.flip import flip_low_bit
@@ -126,7 +127,7 @@ def run(cfg: JobConfig, rank: int, world_size: int, metrics_out: str | None) -> 
                         return train_step(st, cfg, step, ctx.pool, ctx.injector.at, ctx.admit, ctx.injector.corrupts,
                                           ctx.store.lost.is_set)
                     if step == t.measure_memory_step:
-                        result, before, peak = measure_peak(one_step, device)
+                        result, before, peak = measure_step(st, one_step, device)
                         ctx.measured_memory = {"step": step, "before_bytes": before, "peak_bytes": peak,
                                                "predicted": rank_bytes(ctx.memory_model, st.plan, rank),
                                                "held_values": sum(layer.numel for layer in st.stage.layers)}
@@ -298,7 +299,8 @@ def _start(ctx: Context, world_size: int):
                             numels, cfg.parallel.chunk_numel, stage_memory_limit=limit, ties=tie_pairs(model),
                             memory=ctx.memory_model if limit else None,
                             units_per_micro_batch=t.micro_batch_size if cfg.elastic.reshape else 1,
-                            virtual_stages=cfg.parallel.virtual_stages)
+                            virtual_stages=cfg.parallel.virtual_stages,
+                            bucket_starts=size_starts(numels, cfg.parallel.bucket_numel))
         plan = replace(plan, snapshot_copies=cfg.elastic.snapshot_copies)
         # Under torchrun and several agents, ranks are numbered host-major, LOCAL_WORLD_SIZE to a host;
         # the one-host launcher's job is one host (its joiners' numbers say nothing about hosts).

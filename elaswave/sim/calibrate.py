@@ -134,6 +134,10 @@ def fit(records: list[dict], links: tuple[float, float] | None = None) -> Cluste
     """``links``: (latency, bandwidth) from :func:`fit_links`; then the holder groups' collectives
     are priced from bytes, and the fixed cost per step is what they leave."""
     cfg, rec, before, _ = _parts(records)
+    if links is not None and cfg.parallel.overlap_param_gather:
+        raise CalibrationError("a run with parallel.overlap_param_gather=true waits for its all-gathers inside "
+                               "its forwards, so its measured compute holds them: fit a priced link on a run "
+                               "with parallel.overlap_param_gather=false")
     plan = _initial(cfg)
     beta = cfg.emulate.backward_factor
     compute = statistics.median(r["phases_s"]["compute"] for r in before)
@@ -207,7 +211,9 @@ def for_run(model: ClusterModel, fitted: list[dict], records: list[dict]) -> Clu
         per_madd = sum(model.layer_forward_s) / sum(_flops(src)) / (src.train.micro_batch_size * src.model.seq_len)
         forward = [c * per_madd * dst.train.micro_batch_size * dst.model.seq_len for c in _flops(dst)]
     out = replace(model, layer_forward_s=tuple(forward),
-                  backward_factor=dst.emulate.backward_factor if dst.emulate.enabled else model.backward_factor)
+                  backward_factor=dst.emulate.backward_factor if dst.emulate.enabled else model.backward_factor,
+                  overlap_grad_reduce=dst.parallel.overlap_grad_reduce,
+                  overlap_param_gather=dst.parallel.overlap_param_gather)
     if model.layer_param_bytes:
         out = replace(out, layer_param_bytes=tuple(4.0 * n for n in counted_numels(model_for(dst))),
                       devices_per_node=dst.world_size, gradient_bytes_factor=2.0 if dst.train.deterministic else 1.0,
@@ -224,7 +230,9 @@ def predict(records: list[dict], model: ClusterModel) -> dict:
     meas_before = statistics.median(r["step_time_s"] for r in before)
     out["step_before_s"] = (pred_before.step_s, meas_before)
     terms = _link_terms(cfg, _initial(cfg))
-    if model.layer_param_bytes and terms:  # the writer's collectives, over the fitted link, in this run's mode
+    # The writer's collectives, over the fitted link, in this run's mode (timed only where its
+    # all-gathers end within the step).
+    if model.layer_param_bytes and terms and not cfg.parallel.overlap_param_gather:
         out["collectives_s"] = (sum(h * model.intra_node_latency_s + b / model.intra_node_bytes_per_s
                                     for _, h, b in terms),
                                 statistics.median(r["phases_s"]["reduce"] + r["phases_s"]["gather"] for r in before))

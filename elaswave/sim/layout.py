@@ -7,6 +7,7 @@ from dataclasses import replace
 
 from elaswave.errors import ConfigError
 from elaswave.pipeline.schedule import GENERATORS
+from elaswave.plan.buckets import size_starts
 from elaswave.plan.memory import MemoryModel, by_cost, rank_bytes
 from elaswave.plan.partition import least_memory
 from elaswave.plan.plan import Plan, PlanError, initial_plan, replan
@@ -85,11 +86,11 @@ def first_fit(args, layouts, model, memory, m: int):
     over = []  # (GiB a GPU with the reserve, dp, pp) of interleaved plans above the limit
 
     def plan_of(dp: int, pp: int, limit_mib: float) -> Plan:
-        return initial_plan(dp * pp, dp, pp, [float(c) for c in model.layer_costs], m,
-                            [-(-n // args.tp) for n in layer_numels(m_cfg)], chunk_numel=1 << 24,
+        numels = [-(-n // args.tp) for n in layer_numels(m_cfg)]
+        return initial_plan(dp * pp, dp, pp, [float(c) for c in model.layer_costs], m, numels, chunk_numel=1 << 24,
                             stage_memory_limit=limit_mib, memory=memory,
                             units_per_micro_batch=1 if args.no_reshape else args.micro_batch_size,
-                            virtual_stages=args.virtual_stages)
+                            virtual_stages=args.virtual_stages, bucket_starts=size_starts(numels, args.bucket_numel))
     for dp, pp in layouts:
         try:
             return plan_of(dp, pp, 1024 * usable_gib), dp, pp

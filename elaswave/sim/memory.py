@@ -16,6 +16,7 @@ import torch
 
 from elaswave import config
 from elaswave.model.contract import counted_numels, tie_pairs
+from elaswave.plan.buckets import size_starts
 from elaswave.plan.memory import MIB, MemoryModel, rank_bytes
 from elaswave.plan.plan import PlanError, initial_plan, replan
 from elaswave.runtime.memory import config_memory_model
@@ -31,7 +32,8 @@ def survival(sets: list[str], layouts: list[tuple[int, int]], limit_mib: float, 
         row = {"dp": dp, "pp": pp, "activation_checkpointing": cfg.train.activation_checkpointing}
         try:
             plan = initial_plan(dp * pp, dp, pp, costs, cfg.train.num_micro_batches, numels, cfg.parallel.chunk_numel,
-                                stage_memory_limit=limit_mib, ties=tie_pairs(model), memory=memory)
+                                stage_memory_limit=limit_mib, ties=tie_pairs(model), memory=memory,
+                                bucket_starts=size_starts(numels, cfg.parallel.bucket_numel))
         except PlanError as exc:
             out.append({**row, "starts": False, "why": str(exc)})
             continue

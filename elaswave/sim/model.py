@@ -275,26 +275,42 @@ def _gradients_whole(schedule: str, times: tuple[float, ...], m: int | tuple[flo
 
 
 def gather_releases(plan: Plan, model: ClusterModel) -> dict[int, tuple[float, ...]]:
-    """Each rank's model chunks -> when the step's first forward of each may start: after the
-    all-gathers of the buckets it reads (zero/reduce.Gathering), started at the step's start in
-    the runtime's order -- the first layers first --, a rank's one after another on its link, each
-    done when its slowest holder's is."""
+    """Each rank's model chunks -> when the step's first forward of each may start: the
+    all-gathers (zero/reduce.Gathering) start with the step in the runtime's order -- the first
+    layers first --, a rank's one after another on its link, each done when its slowest holder's
+    is; the forward waits before each layer for the bucket it reads (and a tied use for its
+    owner's), so it may start early by the forward time of the layers before that one."""
     buckets = plan.gradient_buckets()
-    ends: dict[tuple[int, int], float] = {}
     free: dict[int, float] = {}
+    ends: dict[tuple[int, int], float] = {}
     for i in sorted(range(len(buckets)), key=lambda i: min(buckets[i][1])):
         holders, layers = buckets[i]
         took = _holder_parts(model, holders, sum(model.layer_param_bytes[k] for k in layers))[1]
         for h in holders:
             free[h] = ends[(h, i)] = free.get(h, 0.0) + took
-    out: dict[int, list[float]] = {}
+    # Each holder's link, not the ring, is the queue: holder groups are process groups of their own,
+    # whose collectives gloo and NCCL run side by side. (Starting a ring only once every holder was
+    # free of its earlier ones chained a re-split pipeline's groups through all 16 stages of Llama 3
+    # 405B: releases of 3.7 s in a 6.6 s step, a serialisation neither backend makes.)
+    done: dict[int, float] = {}  # by layer: when its bucket's all-gather is done on every holder
     for i, (holders, layers) in enumerate(buckets):
-        done = max(ends[(h, i)] for h in holders)
-        for h in holders:
-            at = out.setdefault(h, [0.0] * plan.virtual_stages)
-            for c in gradient_chunks(plan, h, layers[0]):
-                at[c] = max(at[c], done)
-    return {r: tuple(v) for r, v in out.items()}
+        for layer in layers:
+            done[layer] = max(ends[(h, i)] for h in holders)
+    owners: dict[int, list[int]] = {}
+    for owner, user in plan.ties:
+        owners.setdefault(user, []).append(owner)
+    out: dict[int, tuple[float, ...]] = {}
+    for r in plan.ranks:
+        at = []
+        for start, end in plan.chunk_ranges(r):
+            release, before = 0.0, 0.0
+            for layer in range(start, end):
+                need = max([done.get(layer, 0.0), *(done.get(o, 0.0) for o in owners.get(layer, ()))])
+                release = max(release, need - before)
+                before += model.layer_forward_s[layer] / plan.frequency(r)
+            at.append(release)
+        out[r] = tuple(at)
+    return out
 
 
 def _released_of(plan: Plan, d: int, released: dict[int, tuple[float, ...]] | None) -> tuple[float, ...] | None:

@@ -247,7 +247,8 @@ class Restart(Policy):
         numels = [len(row) * chunk for row in first.chunk_owners] if first.chunk_owners else ()
         base = initial_plan(dp * pp, dp, pp, first.layer_costs, self.m, numels, chunk,
                             stage_memory_limit=first.stage_memory_limit, ties=first.ties, memory=first.memory,
-                            units_per_micro_batch=first.units_per_micro_batch, virtual_stages=first.virtual_stages)
+                            units_per_micro_batch=first.units_per_micro_batch, virtual_stages=first.virtual_stages,
+                            bucket_starts=first.bucket_starts)
         # The restarted job numbers its ranks afresh; place them on the live devices, in order.
         rename = dict(enumerate(ranks))
         return replace(base, pipelines=tuple(tuple(rename[r] for r in p) for p in base.pipelines),

@@ -6,6 +6,7 @@ import json
 import time
 from dataclasses import asdict, replace
 
+from elaswave.comm.config import ParallelConfig
 from elaswave.config import CHECKPOINTING, is_checkpointing
 from elaswave.errors import ConfigError
 from elaswave.plan.frequency import CLOCKS
@@ -40,6 +41,12 @@ def add_arguments(ap) -> None:
     ap.add_argument("--virtual-stages", type=int, default=1,
                     help="model chunks a GPU holds (parallel.virtual_stages): >= 2 with --schedule interleaved, "
                          "1 (the default) otherwise; pp x it must not exceed the model's layers")
+    ap.add_argument("--bucket-numel", type=int, default=0,
+                    help="most values a GPU's gradient bucket holds (parallel.bucket_numel; the runtime's default "
+                         f"is {ParallelConfig.bucket_numel}), each bucket summed and all-gathered on its own. Default "
+                         "0: a bucket a model chunk -- the simulator's ZeRO chunks are 2^24 values (the runtime's "
+                         "4,096), and each bucket pads its slots to whole chunks: at Llama 3 405B's sizes a bucket a "
+                         "layer pads ~2 GiB a GPU that the runtime does not")
     ap.add_argument("--micro-batches", type=int, help="global batch in micro-batches (default 2 x pp per pipeline)")
     ap.add_argument("--micro-batch-size", type=int, default=1,
                     help="sequences per micro-batch (default 1); above 1 elaswave reshapes after a change: it deals "
@@ -151,6 +158,8 @@ def run(args) -> int:
     began = time.perf_counter()
     if args.devices < 2:
         raise ConfigError(f"--devices={args.devices} is invalid: need at least 2")
+    if args.bucket_numel < 0:
+        raise ConfigError(f"--bucket-numel={args.bucket_numel} is invalid: must be >= 0 (0: a bucket a model chunk)")
     names = [p.strip() for p in args.policies.split(",") if p.strip()]
     bad = [p for p in names if p not in policies.POLICIES]
     if bad or not names:

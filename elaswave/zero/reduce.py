@@ -8,7 +8,7 @@ reduce-scatter adds them. Fast mode adds float32 gradients as they come.
 from __future__ import annotations
 
 import time
-from typing import Sequence
+from typing import Collection, Sequence
 
 import torch
 
@@ -163,16 +163,17 @@ class Reduction:
 
 class Gathering:
     """The parameter all-gathers after ZeRO-1's update, started at the step's end (:meth:`start`)
-    and each waited for only when the next step's schedule first reads its bucket
-    (:meth:`before_forward`: a forward of a chunk in ``read_by[i]``, the chunks that run the
-    bucket's layers or a tied use of them). They start in one order on every rank, the first
+    and each waited for only when the next step's forward first reads its bucket
+    (:meth:`before_layer`: a layer in ``read_by[i]``, the bucket's layers and the tied uses of
+    them). They start in one order on every rank, the first
     layers first, as forwards need them; nothing else is issued on a holder group before the next
     step's sums, which come after every wait (a rank whose chunks run no forward settles at its
     schedule's end). Anything else that reads the layers between steps settles first
-    (:meth:`settle`); a broken epoch's are let go with its groups, since a recovery gathers every
-    layer again from the chunks it restores."""
+    (:meth:`settle`). A broken epoch's are never waited for: a recovery builds the rank anew, with
+    a new one of these, and gathers every layer again from the chunks it restores (the old
+    operations stay parked with their groups)."""
 
-    def __init__(self, buckets: Sequence[Bucket], groups: Sequence[Group], read_by: Sequence[frozenset[int]],
+    def __init__(self, buckets: Sequence[Bucket], groups: Sequence[Group], read_by: Sequence[Collection[int]],
                  link_gbps: float = 0.0):
         """``link_gbps`` (emulate.link_gbps): an all-gather also takes a ring all-gather's time on such
         a link, one after another from their start."""
@@ -205,8 +206,8 @@ class Gathering:
                 link_free += (b.num_holders - 1) * b.slot_numel * shard.element_size() / (self.link_gbps * 1e9)
             self._pending[i] = (packed, work, shard, into[i], link_free)
 
-    def before_forward(self, chunk: int) -> None:
-        for i in [i for i in self.order if i in self._pending and chunk in self.read_by[i]]:
+    def before_layer(self, layer: int) -> None:
+        for i in [i for i in self.order if i in self._pending and layer in self.read_by[i]]:
             self.in_forwards += self._pending[i][1] is not None
             self._finish(i)
 
@@ -214,10 +215,6 @@ class Gathering:
         """Wait for every all-gather still out."""
         for i in [i for i in self.order if i in self._pending]:
             self._finish(i)
-
-    def abandon(self) -> None:
-        """The epoch broke: its groups are parked with what they had in flight."""
-        self._pending.clear()
 
     def _finish(self, i: int) -> None:
         packed, work, _, into, ends = self._pending.pop(i)

@@ -1,6 +1,6 @@
 """Gradient buckets: holder groups cut where a holder's model chunk changes, started in one order."""
 from elaswave.pipeline.schedule import Op, stage_schedule
-from elaswave.plan.buckets import gradient_chunks, issue_order, ready_after
+from elaswave.plan.buckets import gradient_chunks, issue_order, ready_after, size_starts
 from elaswave.plan.plan import initial_plan, replan
 
 
@@ -23,6 +23,24 @@ def test_a_holder_group_is_cut_at_its_model_chunks_and_a_tie_goes_with_its_user(
     assert gradient_chunks(plan, 1, 0) == {1} and gradient_chunks(plan, 0, 0) == {0}
     # Slots are per bucket: rank 0's chunks of layer 1 (3 chunks over 2 holders) fill a slot of 2.
     assert plan.slot_chunks(0) == (1, 2, 3)
+
+
+def test_buckets_are_cut_by_size_never_within_a_layer_and_the_cut_survives_a_re_plan():
+    """parallel.bucket_numel: the model's layers, in order, in runs of at most that many values (a
+    larger layer alone), so a holder group's buckets are no larger; a re-split pipeline keeps them."""
+    assert size_starts([10, 10, 10, 25, 5, 5], 20) == (2, 3, 4)
+    assert size_starts([10, 10, 10, 25, 5, 5], 30) == (3, 5)
+    assert size_starts([10] * 6, 0) == ()
+    plan = initial_plan(4, 2, 2, [1.0] * 8, 8, layer_numels=[10] * 8, chunk_numel=4, ties=[(0, 7)],
+                        bucket_starts=size_starts([10] * 8, 20))
+    assert plan.gradient_buckets() == (((0, 1, 2, 3), (0,)), ((0, 2), (1,)), ((0, 2), (2, 3)),
+                                       ((1, 3), (4, 5)), ((1, 3), (6, 7)))
+    # A slot per bucket: layer 0's 3 chunks over 4 holders, layer 1's over 2, layers 2-3's 6 over 2.
+    assert plan.slot_chunks(0) == (1, 2, 3) and plan.slot_chunks(1) == (1, 3, 3)
+    after = replan(plan, [0, 1, 2], 1, 8, detours=False)
+    assert after.bucket_starts == plan.bucket_starts
+    for holders, layers in after.gradient_buckets():
+        assert sum(10 for _ in layers) <= 20, (holders, layers)
 
 
 def test_after_a_loss_every_bucket_is_one_chunk_on_each_holder():

@@ -136,7 +136,8 @@ def test_a_chunks_sum_packed_early_counts_beside_the_activations_still_kept():
     the reduce's (a reduce-scatter over 4 holders)."""
     numels = [40, 64, 64, 64, 64, 100_000, 100_000, 64, 64, 40]  # rank 0: chunk 0 = layers 0-2, chunk 1 = 5-6
     memory = MemoryModel(layer_numels=tuple(numels), layer_activation_bytes=(40_000.0,) * len(COSTS),
-                         boundary_bytes=100.0, param_bytes=4, sum_bytes=4, chunk_numel=16)
+                         boundary_bytes=100.0, param_bytes=4, sum_bytes=4, chunk_numel=16,
+                         overlap_param_gather=False)  # (the all-gathers: the next test)
     plan = initial_plan(8, 4, 2, COSTS, 32, numels, chunk_numel=16, memory=memory, virtual_stages=2)
     assert plan.chunk_ranges(0) == ((0, 3), (5, 7))
     on, off = rank_bytes(memory, plan, 0), rank_bytes(replace(memory, overlap_grad_reduce=False), plan, 0)
@@ -146,3 +147,19 @@ def test_a_chunks_sum_packed_early_counts_beside_the_activations_still_kept():
     assert chunk1 < on["overlap"] < on["activations"] + chunk1  # and fewer activations than at their peak
     one_f_one_b = initial_plan(8, 4, 2, COSTS, 32, numels, chunk_numel=16, memory=memory)
     assert rank_bytes(memory, one_f_one_b, 0)["overlap"] == 0.0  # a rank's one chunk is whole at its end
+
+
+def test_all_gathers_still_out_count_beside_the_warm_ups_first_activations():
+    """With overlapped all-gathers (parallel.overlap_param_gather) chunk 1's parameters arrive in a
+    packed buffer that waits for chunk 1's first forward, while chunk 0 already keeps the warm-up's
+    activations: with chunk 1's layers wide, that moment is rank 0's peak (a helper's review found
+    it missing: the model then under-counted, and a partition could pass a limit it breaks)."""
+    numels = [40, 64, 64, 64, 64, 100_000, 100_000, 64, 64, 40]
+    memory = MemoryModel(layer_numels=tuple(numels), layer_activation_bytes=(40_000.0,) * len(COSTS),
+                         boundary_bytes=100.0, param_bytes=4, sum_bytes=4, chunk_numel=16, overlap_grad_reduce=False)
+    plan = initial_plan(8, 4, 2, COSTS, 32, numels, chunk_numel=16, memory=memory, virtual_stages=2)
+    on, off = rank_bytes(memory, plan, 0), rank_bytes(replace(memory, overlap_param_gather=False), plan, 0)
+    assert off["gather"] == 0.0 and on["gather"] > max(on["activations"], on["update"]), on
+    assert on["total"] - off["total"] == pytest.approx(on["gather"] - max(off["activations"], off["update"]))
+    chunk1 = 4 * 200_000  # chunk 1's parameters, gathered
+    assert chunk1 < on["gather"] < on["activations"] + chunk1 + memory.param_bytes * sum(numels)

@@ -1,6 +1,11 @@
 """Real gloo ranks: every dp x pp layout trains the same run as the single-process reference."""
 import pytest
 
+from elaswave import config
+from elaswave.model.contract import counted_numels, tie_pairs
+from elaswave.model.registry import model_for
+from elaswave.plan.buckets import size_starts
+from elaswave.plan.plan import initial_plan
 from tests.helpers.spawn import run_job, run_reference
 
 STEPS = 20
@@ -22,6 +27,28 @@ def test_deterministic_layout_is_bit_identical_to_reference(tmp_path, reference,
     assert res.losses == reference.losses  # exact float equality, every step
     assert res.summary["params_sha256"] == reference.summary["params_sha256"]
     assert res.losses[-1] < res.losses[0] - 0.5, "the loss should visibly fall"
+
+
+def test_a_bucket_a_layer_keeps_the_bits_through_a_kill_with_all_gathers_out(tmp_path, reference):
+    """parallel.bucket_numel=1: every layer its own gradient bucket, summed and all-gathered on its
+    own, each forward waiting for its own layer's all-gather only. dp=2 x pp=2, rank 3 SIGKILLed
+    after its update, its all-gathers still out (its peers wait for them in the next forwards)."""
+    res = run_job(tmp_path, 2, 2, STEPS, deterministic=True,
+                  extra=["parallel.bucket_numel=1", "elastic.inject=kill:rank=3,step=6,phase=snapshot"])
+    assert "injecting kill into rank 3 at step 6 (snapshot)" in res.stderr
+    assert res.losses == reference.losses
+    assert res.summary["params_sha256"] == reference.summary["params_sha256"]
+    # Rank 0 (stage 0 of 2: the embedding and the first blocks, a bucket each) waited in its forwards
+    # for every one of its buckets' all-gathers in each step after another of its epoch.
+    cfg = config.from_dict(res.records[0]["config"])
+    model = model_for(cfg)
+    numels = counted_numels(model)
+    plan = initial_plan(4, 2, 2, [c.flops_per_token for c in model.layer_costs()], cfg.train.num_micro_batches, numels,
+                        cfg.parallel.chunk_numel, ties=tie_pairs(model), bucket_starts=size_starts(numels, 1))
+    mine = sum(0 in holders for holders, _ in plan.gradient_buckets())
+    followers = [r for prev, r in zip(res.steps, res.steps[1:]) if prev["epoch"] == r["epoch"] == 0]
+    assert mine >= 3 and followers
+    assert all(r["gathers_in_forwards"] == mine for r in followers), (mine, [r["gathers_in_forwards"] for r in res.steps])
 
 
 @pytest.mark.parametrize("how", ["every_2", "selective"])

@@ -93,8 +93,8 @@ def test_a_stage_sums_its_gradients_while_the_stages_before_it_still_compute():
 
 def test_the_all_gathers_run_during_the_next_forwards_each_chunk_waiting_for_what_it_reads():
     """parallel.overlap_param_gather: a rank's all-gathers start with the step, the first layers
-    first, one after another, and a chunk's first forward waits for the buckets it reads. Under
-    1F1B the first stage's first forward needs its whole gather, and the pipeline runs that much
+    first, one after another, and a forward waits before each layer for the bucket it reads. Under
+    1F1B with a bucket a stage its first forward needs the whole gather, and the pipeline runs that much
     later (no gain: the stages after it gather during the fill, as before they gathered after the
     step); under interleaved 1F1B a rank's chunk 1 is gathered while its chunk 0 computes."""
     from elaswave.sim.model import _holder_parts, gather_releases
@@ -105,9 +105,15 @@ def test_the_all_gathers_run_during_the_next_forwards_each_chunk_waiting_for_wha
     on, off = step_time(plan, model), step_time(plan, replace(model, overlap_param_gather=False))
     assert on.compute_s == pytest.approx(off.compute_s + whole)
     assert on.step_s == pytest.approx(off.step_s)
+    # A bucket a layer (parallel.bucket_numel): a stage's first forward waits for its first layer's
+    # gather only, its second layer's ends while the first computes (0.01 s): that much sooner.
+    _, half = _holder_parts(model, (0, 4), 400.0)
+    layered = initial_plan(8, 2, 4, [1.0] * 8, 16, [1000] * 8, 100, bucket_starts=range(1, 8))
+    assert gather_releases(layered, model) == {r: (pytest.approx(2 * half - 0.01),) for r in layered.ranks}
+    on, off = step_time(layered, model), step_time(layered, replace(model, overlap_param_gather=False))
+    assert on.step_s == pytest.approx(off.step_s - 0.01)
     interleaved = initial_plan(8, 2, 4, [1.0] * 8, 16, [1000] * 8, 100, virtual_stages=2)
-    model = replace(model, pipeline_schedule="interleaved")
-    _, half = _holder_parts(model, (0, 4), 400.0)  # one layer a chunk, a bucket a chunk
+    model = replace(model, pipeline_schedule="interleaved")  # one layer a chunk, a bucket a chunk
     assert gather_releases(interleaved, model) == {r: (pytest.approx(half), pytest.approx(2 * half))
                                                    for r in interleaved.ranks}
     on, off = step_time(interleaved, model), step_time(interleaved, replace(model, overlap_param_gather=False))
