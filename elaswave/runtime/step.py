@@ -98,7 +98,6 @@ def train_step(st: RankState, cfg: JobConfig, step: int, pool: SnapshotPool | No
     #    (a chunk's last backward under interleaved 1F1B), overlapping the compute still to run.
     st.accumulator.zero()
     st.reduction.reset()
-    st.gathering.in_forwards = 0
     losses = st.executor.run(st.schedule, step)
     gathers_in_forwards = st.gathering.in_forwards
     st.gathering.settle()  # the last step's all-gathers of chunks that ran no forward here

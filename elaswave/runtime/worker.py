@@ -165,8 +165,7 @@ def run(cfg: JobConfig, rank: int, world_size: int, metrics_out: str | None) -> 
                     health("training", step, st.epoch)
                     if result.store_lost:  # the step stays pending, as any: a death in the next may redo it
                         moved = ctx.move_store(st, step)
-                    if ctx.checkpointer is not None and ctx.checkpointer.due(step):
-                        st.gathering.settle()
+                    if ctx.checkpointer is not None and ctx.checkpointer.due(step):  # (optimizer state only)
                         ctx.checkpointer.save(step, st.plan.chunk_owners, st.optimizer.keys(), st.optimizer.payload(),
                                               is_writer=rank == st.plan.ranks[0], epoch=st.epoch,
                                               records=journal.unwritten())

@@ -102,10 +102,7 @@ def fit_links(runs: list[list[dict]]) -> tuple[float, float]:
     rows = []
     for records in runs:  # per run: gradient sum and parameter gather together (which one a wait lands in varies)
         cfg, _, before, _ = _parts(records)
-        if cfg.parallel.overlap_param_gather:
-            raise CalibrationError("a run with parallel.overlap_param_gather=true waits for its all-gathers inside "
-                                   "the next step's compute, so its timed collectives miss them: fit a link from "
-                                   "runs with parallel.overlap_param_gather=false")
+        _refuse_overlapped_gathers(cfg, "fit a link from")
         terms = _link_terms(cfg, _initial(cfg))
         if terms:
             rows.append((sum(h for _, h, _ in terms), sum(b for _, _, b in terms),
@@ -130,14 +127,19 @@ def fit_links(runs: list[list[dict]]) -> tuple[float, float]:
     return lat, 1.0 / inv_bw
 
 
+def _refuse_overlapped_gathers(cfg, what: str) -> None:
+    if cfg.parallel.overlap_param_gather:
+        raise CalibrationError("a run with parallel.overlap_param_gather=true waits for its all-gathers inside its "
+                               f"next step's forwards, so its timed phases put them in the compute: {what} runs "
+                               "with parallel.overlap_param_gather=false")
+
+
 def fit(records: list[dict], links: tuple[float, float] | None = None) -> ClusterModel:
     """``links``: (latency, bandwidth) from :func:`fit_links`; then the holder groups' collectives
     are priced from bytes, and the fixed cost per step is what they leave."""
     cfg, rec, before, _ = _parts(records)
-    if links is not None and cfg.parallel.overlap_param_gather:
-        raise CalibrationError("a run with parallel.overlap_param_gather=true waits for its all-gathers inside "
-                               "its forwards, so its measured compute holds them: fit a priced link on a run "
-                               "with parallel.overlap_param_gather=false")
+    if links is not None:
+        _refuse_overlapped_gathers(cfg, "price a link on")
     plan = _initial(cfg)
     beta = cfg.emulate.backward_factor
     compute = statistics.median(r["phases_s"]["compute"] for r in before)

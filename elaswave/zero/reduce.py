@@ -177,21 +177,24 @@ class Gathering:
                  link_gbps: float = 0.0):
         """``link_gbps`` (emulate.link_gbps): an all-gather also takes a ring all-gather's time on such
         a link, one after another from their start."""
-        self.buckets, self.groups, self.read_by = list(buckets), list(groups), list(read_by)
+        self.buckets, self.groups = list(buckets), list(groups)
         self.order = sorted(range(len(self.buckets)), key=lambda i: min(self.buckets[i].layers))
+        self._read_by: dict[int, list[int]] = {}  # layer -> the buckets it reads, in order
+        for i in self.order:
+            for layer in read_by[i]:
+                self._read_by.setdefault(layer, []).append(i)
         self.link_gbps = link_gbps
+        # Bucket -> (what arrives, the operation, the shard it sends -- kept alive until it is done,
+        # the layers' vectors it lands in, when the emulated link has carried it).
         self._pending: dict[int, tuple[torch.Tensor, object, torch.Tensor, list[torch.Tensor], float]] = {}
         self.in_forwards = 0
-        """All-gathers of other ranks' chunks waited for by a forward (the caller zeroes it a step)."""
-
-    @property
-    def pending(self) -> int:
-        return len(self._pending)
+        """All-gathers of other ranks' chunks that forwards waited for since the last :meth:`start`."""
 
     def start(self, shards: Sequence[torch.Tensor], into: Sequence[list[torch.Tensor]]) -> None:
         """Bucket ``i``'s updated chunks (``shards[i]``, the owner's float32) go out to its holders,
         rounded to the layers' dtype before they travel, and land in ``into[i]`` (its layers' vectors)."""
         self.settle()  # (a gather started again before the last was read: one order on the group still)
+        self.in_forwards = 0
         link_free = time.perf_counter()
         for i in self.order:
             b = self.buckets[i]
@@ -207,9 +210,13 @@ class Gathering:
             self._pending[i] = (packed, work, shard, into[i], link_free)
 
     def before_layer(self, layer: int) -> None:
-        for i in [i for i in self.order if i in self._pending and layer in self.read_by[i]]:
-            self.in_forwards += self._pending[i][1] is not None
-            self._finish(i)
+        """A forward is about to run ``layer`` (every forward of every layer: cheap when none is out)."""
+        if not self._pending:
+            return
+        for i in self._read_by.get(layer, ()):
+            if i in self._pending:
+                self.in_forwards += self._pending[i][1] is not None
+                self._finish(i)
 
     def settle(self) -> None:
         """Wait for every all-gather still out."""
