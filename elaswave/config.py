@@ -259,9 +259,7 @@ class JobConfig:
             except ValueError as exc:
                 _fail("checkpoint.export_hf", self.checkpoint.export_hf, f"this model's shape is no Hugging Face "
                       f"family's, so no folder could hold it: {exc}")
-        if moe and self.parallel.tp > 1:
-            _fail("model.num_experts", self.model.num_experts, f"a mixture of experts on tensor-parallel shards is not "
-                  f"built yet (parallel.tp={self.parallel.tp}); use parallel.tp=1")
+        self.parallel.check_experts(self.model.num_experts if moe else 0)
         if moe and self.model.moe_aux_loss_coef and (self.parallel.schedule == "interleaved"
                                                      or self.elastic.policy == "reroute"):
             key, value = (("parallel.schedule", self.parallel.schedule) if self.parallel.schedule == "interleaved"

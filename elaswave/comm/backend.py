@@ -201,6 +201,13 @@ def reduce_scatter(pg: dist.ProcessGroup, out: torch.Tensor, inp: torch.Tensor) 
     return pg._reduce_scatter_base(out, inp, opts)
 
 
+def all_to_all(pg: dist.ProcessGroup, out: torch.Tensor, inp: torch.Tensor, out_splits: list[int],
+               in_splits: list[int]) -> dist.Work:
+    """Rows ``in_splits[m]`` of ``inp`` (in order) to member m; ``out`` takes ``out_splits[m]`` rows
+    from member m, in member order."""
+    return pg.alltoall_base(out, inp, out_splits, in_splits, dist.AllToAllOptions())
+
+
 def send(pg: dist.ProcessGroup, t: torch.Tensor, dst_group_rank: int, tag: int) -> dist.Work:
     return pg.send([t], dst_group_rank, tag)
 

@@ -19,6 +19,10 @@ class ParallelConfig:
     tp: int = 1
     """Tensor-parallel degree (model.arch=llama; 1, 2, 4 or 8): each stage's layers cut across this
     many ranks, laid out dp x pp x tp, tp innermost (elaswave/tensor/layout.py)."""
+    ep: int = 1
+    """Expert parallelism (a mixture of experts): each MoE block's experts spread over this many
+    pipelines' ranks of a stage, tokens exchanged by all-to-all (elaswave/expert/exchange.py); must
+    divide parallel.dp and model.num_experts. The parameters stay on every data-parallel rank."""
     schedule: str = "1f1b"
     """The pipeline schedule: 1f1b; zb-h1 (zero bubble: each backward split into the input's
     gradient, sent on at once, and the weights', run later where 1F1B would wait; the same bits,
@@ -86,8 +90,19 @@ class ParallelConfig:
                   "or a number of MiB > 0")
         return value
 
+    def check_experts(self, num_experts: int) -> None:
+        """The settings a mixture of experts (``num_experts`` > 0; 0: a dense model) needs."""
+        if self.ep > 1 and not num_experts:
+            _fail("parallel.ep", self.ep, "needs a mixture of experts (model.num_experts > 0, model.arch=llama); "
+                  "use parallel.ep=1")
+        if self.ep > 1 and (self.dp % self.ep or num_experts % self.ep):
+            _fail("parallel.ep", self.ep, f"must divide parallel.dp={self.dp} and model.num_experts={num_experts}")
+        if num_experts and self.tp > 1:
+            _fail("model.num_experts", num_experts, f"a mixture of experts on tensor-parallel shards is not built yet "
+                  f"(parallel.tp={self.tp}); use parallel.tp=1")
+
     def validate(self) -> None:
-        for name in ("dp", "pp", "tp"):
+        for name in ("dp", "pp", "tp", "ep"):
             if getattr(self, name) < 1:
                 _fail(f"parallel.{name}", getattr(self, name), "must be >= 1")
         if self.schedule not in SCHEDULES:

@@ -100,6 +100,17 @@ class Group:
         self.payload_bytes += inp.numel() * inp.element_size()
         return self._call(backend.reduce_scatter, out, inp)
 
+    def all_to_all(self, out: torch.Tensor, inp: torch.Tensor, out_splits: Sequence[int],
+                   in_splits: Sequence[int], what: str = "all-to-all") -> None:
+        """Rows ``in_splits[m]`` of ``inp`` go to member m, ``out`` takes ``out_splits[m]`` from
+        member m (both in member order); waited for."""
+        if self.size == 1:
+            out.copy_(inp)
+            return
+        row_bytes = inp[0].numel() * inp.element_size() if inp.shape[0] else 0
+        self.payload_bytes += row_bytes * (sum(in_splits) - in_splits[self.group_rank])  # what leaves this rank
+        self.wait(self._call(backend.all_to_all, out, inp, list(out_splits), list(in_splits)), what)
+
     def isend(self, t: torch.Tensor, dst: int, tag: int) -> dist.Work:
         return self._call(backend.send, t, self.members.index(dst), tag)
 

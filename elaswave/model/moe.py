@@ -23,6 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from elaswave.expert.exchange import run_experts
+
 _RECORD: list | None = None
 """The routing record of the forward under way (None: none is kept, e.g. a recomputation)."""
 
@@ -80,6 +82,10 @@ class SparseMoE(nn.Module):
         super().__init__()
         self.num_experts, self.top_k, self.normalize = m.num_experts, m.experts_per_token, m.moe_norm_topk
         self.ordinal = ordinal
+        self.exchange = None
+        """Where its experts compute (expert/exchange.py; None: all here)."""
+        self.routed = torch.zeros(m.num_experts, dtype=torch.float64)
+        """Assignments of this rank's training tokens to each expert since :meth:`take_counts`."""
         self.gate = nn.Linear(m.d_model, m.num_experts, bias=False)
         names = NAMES[m.moe_names]
         self.experts = nn.ModuleList(Expert(m.d_model, m.expert_ffn_width, names) for _ in range(m.num_experts))
@@ -97,14 +103,23 @@ class SparseMoE(nn.Module):
             top = top / top.sum(dim=-1, keepdim=True)
         top = top.to(h.dtype)
         out = torch.zeros_like(h)
-        # On the meta device (the memory model: shapes only) no routing can be read: each expert runs
-        # on its even share of the assignments, what a balanced router gives it.
-        share = -(-h.shape[0] * self.top_k // self.num_experts) if h.is_meta else 0
-        for e, expert in enumerate(self.experts):  # in expert order, each on its tokens only: dropless
-            token, slot = ((torch.arange(share, device=h.device), torch.zeros(share, dtype=torch.long, device=h.device))
-                           if h.is_meta else torch.where(chosen == e))
-            if token.numel():
+        if h.is_meta:
+            # On the meta device (the memory model: shapes only) no routing can be read: each expert
+            # runs on its even share of the assignments, what a balanced router gives it.
+            share = -(-h.shape[0] * self.top_k // self.num_experts)
+            token, slot = torch.arange(share, device=h.device), torch.zeros(share, dtype=torch.long, device=h.device)
+            for expert in self.experts:
                 out.index_add_(0, token, expert(h[token]) * top[token, slot, None])
+        else:
+            routed = [torch.where(chosen == e) for e in range(self.num_experts)]
+            # Each expert on its tokens only (dropless), wherever it is placed (expert/exchange.py);
+            # weighed and added here, in expert order.
+            ys = run_experts(self, [h[token] for token, _ in routed])
+            if torch.is_grad_enabled():
+                self.routed += torch.tensor([float(token.numel()) for token, _ in routed], dtype=torch.float64)
+            for (token, slot), y in zip(routed, ys):
+                if token.numel():
+                    out.index_add_(0, token, y * top[token, slot, None])
         if hasattr(self, "shared_expert"):
             out = out + torch.sigmoid(self.shared_expert_gate(h)) * self.shared_expert(h)
         if _RECORD is not None:
@@ -112,6 +127,11 @@ class SparseMoE(nn.Module):
                       torch.bincount(chosen.reshape(-1), minlength=self.num_experts).to(torch.float32))
             _RECORD.append((counts, probs.sum(dim=0), h.shape[0], self.ordinal))
         return out.reshape(shape)
+
+
+def take_counts(block: SparseMoE) -> torch.Tensor:
+    counts, block.routed = block.routed, torch.zeros_like(block.routed)
+    return counts
 
 
 def balance_term(record: list, model, rows: int, step_rows: int) -> tuple[torch.Tensor | None, float | None]:

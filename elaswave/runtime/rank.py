@@ -25,6 +25,7 @@ from elaswave.plan.chunks import ChunkIndex, ChunkKey
 from elaswave.plan.plan import Plan
 from elaswave.precision import compute_dtype
 from elaswave.runtime.actuator import Actuator
+from elaswave.runtime.experts import attach as attach_experts
 from elaswave.tensor.shards import TensorShards
 from elaswave.zero.bucket import Bucket
 from elaswave.zero.optimizer import ShardedAdamW
@@ -56,6 +57,8 @@ class RankState:
     hold every layer and others do not, yet all must take part in the exchange."""
     shards: TensorShards | None = None
     """A tensor-parallel rank's view of the whole model (its norm and digests); None without tp."""
+    experts: dict | None = None
+    """Its MoE blocks' expert-parallel group and placement this epoch (runtime/experts.py)."""
 
     @property
     def epoch(self) -> int:
@@ -94,6 +97,7 @@ def build_rank(cfg: JobConfig, plan: Plan, rank: int, stage: Stage, sampler: Sam
     # One fold per unit when each is computed alone (deterministic reshaping): the reference's bound.
     folds = t.num_micro_batches * (k if t.deterministic else 1)
     accumulator = GradAccumulator(stage.layers, t.deterministic, t.grad_fixed_point_bits, folds)
+    experts = attach_experts(cfg, plan, rank, stage, accumulator, world, comm, device)
     # With model chunks the pipeline's ranks form a ring: the last one's chunk c feeds the first one's c + 1.
     ring, depth = plan.virtual_stages > 1, len(pipeline)
     p2p = P2P(world, pipeline[s - 1] if s > 0 or ring else None, pipeline[(s + 1) % depth] if s < depth - 1 or ring else None,
@@ -134,7 +138,7 @@ def build_rank(cfg: JobConfig, plan: Plan, rank: int, stage: Stage, sampler: Sam
             and cfg.elastic.policy != "reroute":
         executor.relay = BalanceRelay(model, t.num_micro_batches * t.micro_batch_size, device)
     return RankState(
-        rank=rank, plan=plan, stage=stage, shards=shards,
+        rank=rank, plan=plan, stage=stage, shards=shards, experts=experts,
         schedule=schedule,
         executor=executor,
         accumulator=accumulator, buckets=buckets, groups=groups, world=world, reduction=reduction, gathering=gathering,

@@ -42,6 +42,8 @@ class StepResult:
     """Gradient buckets whose sum this rank started while its schedule still computed."""
     gathers_in_forwards: int = 0
     """Parameter all-gathers of the last update that this step's forwards waited for (overlapped)."""
+    expert_bytes: int = 0
+    """Bytes this rank sent its expert-parallel group's all-to-alls in the step (0: none)."""
 
 
 class _Laps:
@@ -91,7 +93,7 @@ def train_step(st: RankState, cfg: JobConfig, step: int, pool: SnapshotPool | No
     when it is every rank, all stop after the same step."""
     t = cfg.train
     lap = _Laps()
-    tp_sent = _tp_sent(st)
+    tp_sent, expert_sent = _tp_sent(st), _expert_sent(st)
     # 1. Forward and backward of this pipeline's micro-batches (1F1B); each micro-batch's gradient
     #    is folded into the sums as soon as its backward ends (fixed point in deterministic mode).
     #    Each bucket's sum over the holder group starts as soon as its gradients are whole here
@@ -183,12 +185,16 @@ def train_step(st: RankState, cfg: JobConfig, step: int, pool: SnapshotPool | No
                       tokens=samples_of(st.plan, t) * st.stage.model.seq_len,
                       loss_tokens=loss_tokens, aux_loss=aux_loss,
                       tp_bytes=_tp_sent(st) - tp_sent, early_sums=early_sums,
-                      gathers_in_forwards=gathers_in_forwards)
+                      gathers_in_forwards=gathers_in_forwards, expert_bytes=_expert_sent(st) - expert_sent)
 
 
 def _tp_sent(st: RankState) -> int:
     group = st.shards.group if st.shards is not None else None
     return group.payload_bytes if group is not None else 0
+
+
+def _expert_sent(st: RankState) -> int:
+    return sum(x.sent_bytes for x in st.experts["exchanges"]) if st.experts else 0
 
 
 def samples_of(plan, t) -> int:

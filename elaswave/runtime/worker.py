@@ -153,7 +153,8 @@ def run(cfg: JobConfig, rank: int, world_size: int, metrics_out: str | None) -> 
                                  "wall_time": time.time(), "phases_s": result.phases_s, "early_sums": result.early_sums,
                                  "gathers_in_forwards": result.gathers_in_forwards,
                                  "modelled_power_w": _modelled_power(st.plan), **ctx.source_tokens(step),
-                                 **({"tp_bytes": result.tp_bytes} if cfg.parallel.tp > 1 else {})})
+                                 **({"tp_bytes": result.tp_bytes} if cfg.parallel.tp > 1 else {}),
+                                 **({"expert_bytes": result.expert_bytes, **st.experts["record"]} if cfg.parallel.ep > 1 else {})})
                     if pending is not None:  # (a no-op writer on ranks that do not write)
                         writer.write({**pending.record(time.time(), took, evaluation_s),
                                       "spares_standing": _spares_standing(ctx)})

@@ -25,6 +25,7 @@ class GradAccumulator:
     def __init__(self, layers: Sequence[FlatLayer], deterministic: bool, fixed_point_bits: int,
                  num_micro_batches: int):
         self.layers = list(layers)
+        self._layers = {l.index: l for l in self.layers}
         self.deterministic = deterministic
         self.bits = fixed_point_bits
         self.scale = float(2 ** fixed_point_bits)
@@ -69,6 +70,13 @@ class GradAccumulator:
             self._fold(layer.index, layer.grad, self.sums[layer.index])
             for alias, offset in layer.uses:
                 self._fold(layer.index, alias.grad.view(-1), self.sums[layer.index][offset:offset + alias.numel()])
+
+    def fold_part(self, index: int, start: int, numel: int) -> None:
+        """Deterministic mode: fold values [start, start + numel) of layer ``index``'s gradient now,
+        alone (an expert's, computed for one micro-batch's rows: expert/exchange.py). Rounding is
+        per value, so this is the fold the whole layer's would have made of them."""
+        layer = self._layers[index]
+        self._fold(index, layer.grad[start:start + numel], self.sums[index][start:start + numel])
 
     def _fold(self, index: int, g: torch.Tensor, into: torch.Tensor) -> None:
         peak = float(g.abs().max()) if g.numel() else 0.0

@@ -1,4 +1,6 @@
 """Policies replayed over traces, and the ``elaswave simulate`` command."""
+import contextlib
+import io
 import json
 
 import pytest
@@ -90,12 +92,26 @@ def test_simulate_draws_its_plot(tmp_path, capsys):
     assert "elaswave" in capsys.readouterr().out
 
 
-def test_every_policy_starts_from_the_same_plan_and_the_clock_gain_is_its_own_row(capsys):
+GPT_96 = ["simulate", "--devices", "96", "--dp", "2", "--pp", "48", "--model", "gpt-175b", "--json", "--device-gib", "0"]
+
+
+@pytest.fixture(scope="module")
+def gpt_96():
+    """``elaswave simulate`` of GPT_96 as it prints it, with clock planning and without (--no-dvfs)."""
+    out = {}
+    for extra in ((), ("--no-dvfs",)):
+        printed = io.StringIO()
+        with contextlib.redirect_stdout(printed):
+            assert cli.main([*GPT_96, *extra]) == 0
+        out[extra] = json.loads(printed.getvalue())
+    return out
+
+
+def test_every_policy_starts_from_the_same_plan_and_the_clock_gain_is_its_own_row(capsys, gpt_96):
     """The failure-free plan (clocks planned) is every row's: equal rates before the failure, the
     clocks' failure-free gain reported once; after the failure only elaswave re-plans clocks."""
-    argv = ["simulate", "--devices", "96", "--dp", "2", "--pp", "48", "--model", "gpt-175b", "--json", "--device-gib", "0"]
-    assert cli.main(argv) == 0
-    out = json.loads(capsys.readouterr().out)
+    argv = GPT_96
+    out = gpt_96[()]
     doc = out["policies"]
     before = {p["throughput_before"] for p in doc.values()}
     assert len(before) == 1, before
@@ -105,23 +121,19 @@ def test_every_policy_starts_from_the_same_plan_and_the_clock_gain_is_its_own_ro
     assert cli.main([*argv, "--clocks", "sustained"]) == 0
     sustained = json.loads(capsys.readouterr().out)
     assert sustained["config"]["failure_free_clock_gain"] == pytest.approx(1.0)
-    assert cli.main([*argv, "--no-dvfs"]) == 0
-    nominal = json.loads(capsys.readouterr().out)
+    nominal = gpt_96[("--no-dvfs",)]
     assert nominal["policies"]["templates"]["throughput_before"] == pytest.approx(
         doc["templates"]["throughput_before"] / out["config"]["failure_free_clock_gain"])
 
 
-def test_dvfs_shows_apart_and_a_model_without_boost_buys_no_time(capsys):
+def test_dvfs_shows_apart_and_a_model_without_boost_buys_no_time(gpt_96):
     """elaswave with and without frequency planning, side by side; with no level above nominal the
     planner can only lower waiting stages: the throughput of no DVFS at all, before and after."""
-    argv = ["simulate", "--devices", "96", "--dp", "2", "--pp", "48", "--model", "gpt-175b", "--json", "--device-gib", "0"]
-    assert cli.main(argv) == 0
-    doc = json.loads(capsys.readouterr().out)["policies"]
+    doc = gpt_96[()]["policies"]
     baselines = [p["throughput_after"] for n, p in doc.items() if not n.startswith("elaswave")]
     for p in doc.values():
         assert p["after_over_best_baseline_after"] == pytest.approx(p["throughput_after"] / max(baselines))
-    assert cli.main([*argv, "--no-dvfs"]) == 0
-    plain = json.loads(capsys.readouterr().out)
+    plain = gpt_96[("--no-dvfs",)]
     assert "elaswave" not in plain["policies"] and plain["config"]["dvfs"] is False
     events = trace.single_failure(5, 600.0)
     costs_s = (0.01,) * 7 + (0.017,)  # a heavier head: frequency planning has stages to lower

@@ -1,0 +1,187 @@
+"""Expert parallelism's all-to-all: a mixture-of-experts block's tokens go to the rank that owns
+their expert and come back, in the forward and again (as gradients) in the backward.
+
+The block hands :func:`run_experts` its rows cut by expert (``xs[e]``: the rows routed to expert e,
+in token order) and gets back each expert's output on them; it weighs and adds them itself, in
+expert order. Every block computes through the one autograd Function here, whether its experts are
+all on this rank (:class:`Local`: the reference, ``parallel.ep=1``) or spread over a group
+(:class:`AllToAll`), so the block's graph, and the order autograd adds its input's gradient in, is
+the same either way.
+
+An owner runs an expert on each member's rows alone: the rows the reference runs it on for that
+micro-batch, so the same products and the same bits. In deterministic mode each member's weight
+gradient is then folded into the fixed-point sums alone (``fold``), as the reference folds each
+micro-batch's; in fast mode they add up in ``.grad``. Every member of a group must run each block's
+forward and backward in the same order (the runtime makes sure: zero/one stage, equal schedules):
+each is one collective of the group.
+"""
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import torch
+
+Fold = Callable[[int], None]
+"""Fold expert e's weight gradient, just computed for one member's rows, into the sums."""
+
+
+class _Experts(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, exchange, block, graph, *xs):
+        ctx.call = exchange.forward(block, xs, graph)
+        return tuple(ctx.call.outputs)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        call, ctx.call = ctx.call, None
+        return (None, None, None, *call.backward(grads))
+
+
+def run_experts(block, xs: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    """Each expert of ``block`` on its rows ``xs[e]`` (zero rows: zero rows back)."""
+    exchange = getattr(block, "exchange", None) or LOCAL
+    return _Experts.apply(exchange, block, torch.is_grad_enabled(), *xs)
+
+
+def _kept(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
+class _Computed:
+    """One expert's forward on one member's rows, with its graph kept for the backward."""
+
+    def __init__(self, expert, x: torch.Tensor, graph: bool):
+        self.x = x.detach().requires_grad_(True) if graph else x
+        if not x.shape[0]:
+            self.y = x.new_zeros(x.shape)
+        elif graph:
+            # Kept whole, also inside a recomputed (checkpointed) block: the checkpoint would redo
+            # the block -- its exchanges too -- for each backward here, a graph task of its own.
+            with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(_kept, _kept):
+                self.y = expert(self.x)
+        else:
+            self.y = expert(x)
+
+    def backward(self, grad: torch.Tensor | None) -> torch.Tensor:
+        """The rows' input gradient; the expert's weight gradient accumulates into ``.grad``."""
+        if self.y.requires_grad and self.y.shape[0]:
+            torch.autograd.backward(self.y, grad if grad is not None else torch.zeros_like(self.y))
+        self.y = None
+        return self.x.grad if self.x.grad is not None else torch.zeros_like(self.x)
+
+
+class _LocalCall:
+    def __init__(self, block, xs, graph, fold: Fold | None):
+        self.computed = [_Computed(block.experts[e], x, graph) for e, x in enumerate(xs)]
+        self.outputs = [c.y.detach() for c in self.computed]
+        self.fold = fold
+
+    def backward(self, grads):
+        back = []
+        for e, (c, g) in enumerate(zip(self.computed, grads)):
+            back.append(c.backward(g))
+            if self.fold is not None and c.x.shape[0]:
+                self.fold(e)
+        return back
+
+
+class Local:
+    """Every expert on this rank. ``fold`` (deterministic mode): each expert's weight gradient is
+    folded as soon as it is computed, so a split backward (ZB-H1), which computes it in B where
+    the micro-batch's fold comes after W, still folds each micro-batch's alone."""
+
+    def __init__(self, fold: Fold | None = None):
+        self.fold = fold
+
+    def forward(self, block, xs, graph: bool) -> _LocalCall:
+        return _LocalCall(block, xs, graph, self.fold)
+
+
+LOCAL = Local()
+
+
+class AllToAll:
+    """A block's experts spread over ``group`` (comm.groups.Group): ``owners[e]`` is the group
+    index of the member that computes expert e; ``fold``: see the module's docstring (None in fast
+    mode)."""
+
+    def __init__(self, group, owners: Sequence[int], fold: Fold | None = None):
+        if max(owners) >= group.size:
+            raise ValueError(f"expert owners {list(owners)} name members past the group's {group.size}")
+        self.group, self.owners, self.fold = group, tuple(owners), fold
+        self.experts_of = [[e for e, o in enumerate(self.owners) if o == m] for m in range(group.size)]
+        self.sent_bytes = 0
+        """Bytes this rank sent other members (tokens and gradients, both ways)."""
+        self.rows_seen = torch.zeros(len(self.owners), dtype=torch.float64)
+        """Rows routed to each expert by every member since the last :meth:`take_rows`: its load."""
+
+    def take_rows(self) -> list[float]:
+        seen, self.rows_seen = self.rows_seen, torch.zeros_like(self.rows_seen)
+        return seen.tolist()
+
+    def forward(self, block, xs, graph: bool) -> "_Call":
+        return _Call(self, block, xs, graph)
+
+
+class _Call:
+    """One forward of a block over the group, kept for its backward."""
+
+    def __init__(self, ex: AllToAll, block, xs, graph: bool):
+        g, n, E = ex.group, ex.group.size, len(xs)
+        self.ex, self.block, self.width = ex, block, xs[0].shape[1]
+        self.dtype, self.device = xs[0].dtype, xs[0].device
+        mine = ex.experts_of[g.group_rank]
+        rows = torch.tensor([x.shape[0] for x in xs], dtype=torch.int64, device=self.device)  # (NCCL: on the GPU)
+        counts = torch.empty(n * E, dtype=torch.int64, device=self.device)
+        g.all_to_all(counts, rows.repeat(n), [E] * n, [E] * n, "expert counts")
+        counts = counts.cpu()
+        self.rows = counts.view(n, E).tolist()  # rows[m][e]: member m's rows for expert e
+        ex.rows_seen += counts.view(n, E).sum(0).double()
+        # What this rank sends member m (its experts' rows, in expert order), and takes from m.
+        self.send = [sum(x.shape[0] for e, x in enumerate(xs) if ex.owners[e] == m) for m in range(n)]
+        self.take = [sum(self.rows[m][e] for e in mine) for m in range(n)]
+        got = self._exchange([xs[e] for m in range(n) for e in ex.experts_of[m]], self.take, self.send, "dispatch")
+        self.computed, at = [], 0
+        for m in range(n):  # each member's rows alone: the products the reference computes
+            for e in mine:
+                count = self.rows[m][e]
+                self.computed.append((e, _Computed(block.experts[e], got[at:at + count], graph)))
+                at += count
+        back = self._exchange([c.y.detach() for _, c in self.computed], self.send, self.take, "combine")
+        self.outputs = self._by_expert(back, E)
+
+    def _exchange(self, parts: list[torch.Tensor], out_splits: list[int], in_splits: list[int], what: str):
+        inp = (torch.cat(parts) if parts else torch.zeros(0, self.width, dtype=self.dtype, device=self.device))
+        out = torch.empty(sum(out_splits), self.width, dtype=self.dtype, device=self.device)
+        me = self.ex.group.group_rank
+        self.ex.sent_bytes += (sum(in_splits) - in_splits[me]) * self.width * inp.element_size()
+        self.ex.group.all_to_all(out, inp.contiguous(), out_splits, in_splits, f"expert {what}")
+        return out
+
+    def _by_expert(self, came: torch.Tensor, E: int) -> list[torch.Tensor]:
+        """What came back from the owners (member order, each member's experts in order) -> by expert."""
+        out: list[torch.Tensor | None] = [None] * E
+        at, me = 0, self.ex.group.group_rank
+        for m in range(self.ex.group.size):
+            for e in self.ex.experts_of[m]:
+                count = self.rows[me][e]
+                out[e] = came[at:at + count]
+                at += count
+        return out
+
+    def backward(self, grads) -> list[torch.Tensor]:
+        ex, n, me = self.ex, self.ex.group.size, self.ex.group.group_rank
+        E = len(grads)
+        grads = [g if g is not None else torch.zeros(self.rows[me][e], self.width, dtype=self.dtype,
+                                                     device=self.device) for e, g in enumerate(grads)]
+        got = self._exchange([grads[e] for m in range(n) for e in ex.experts_of[m]], self.take, self.send,
+                             "gradient dispatch")
+        at, back = 0, []
+        for e, c in self.computed:  # member by member, expert by expert, as the forward
+            count = c.x.shape[0]
+            back.append(c.backward(got[at:at + count]))
+            at += count
+            if ex.fold is not None:
+                ex.fold(e)
+        self.computed = []
+        return self._by_expert(self._exchange(back, self.send, self.take, "gradient combine"), E)

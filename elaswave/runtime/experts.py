@@ -1,0 +1,99 @@
+"""Where this rank's mixture-of-experts blocks compute their experts in an epoch: all here, or
+spread over an expert-parallel group of the stage's pipelines (``parallel.ep``, expert/exchange.py).
+
+A group's members exchange tokens in every forward and backward of every MoE block, so they must
+run the same schedule: the same layers, the same number of micro-batches (none reshaped), the
+same blocks recomputed, no detours (the reroute baseline's routed schedule). Every rank decides from the plan alone,
+so all members decide alike; a group that fails it computes its experts locally this epoch (the
+parameters are on every data-parallel rank), which gives the same bits. Placement is by the
+router's counts over the last epoch, summed over the job (plan/experts.py).
+"""
+from __future__ import annotations
+
+import torch
+
+from elaswave.expert.exchange import AllToAll, Local
+from elaswave.model.moe import SparseMoE, take_counts
+from elaswave.plan.experts import busiest_share, groups_of, place
+
+
+def moe_blocks(stage) -> list[tuple[object, SparseMoE]]:
+    """(flat layer, block) for each MoE block this stage holds, in layer order."""
+    return [(layer, m) for layer in stage.layers for m in layer.module.modules() if isinstance(m, SparseMoE)]
+
+
+def expert_spans(layer, block: SparseMoE) -> list[tuple[int, int]]:
+    """Expert e's trainable parameters as (start, numel) in the layer's flat vector (they are
+    consecutive; (0, 0): a frozen expert, under adapters elsewhere)."""
+    offset = {id(p): o for p, o in zip(layer.params, layer.offsets.values())}
+    spans = []
+    for expert in block.experts:
+        ps = [p for p in expert.parameters() if p.requires_grad]
+        if not ps:
+            spans.append((0, 0))
+            continue
+        start = offset[id(ps[0])]
+        if [offset[id(p)] for p in ps] != [start + sum(q.numel() for q in ps[:i]) for i in range(len(ps))]:
+            raise AssertionError(f"layer {layer.index}: an expert's parameters are not consecutive")
+        spans.append((start, sum(p.numel() for p in ps)))
+    return spans
+
+
+def group_of(plan, rank: int, ep: int) -> tuple[int, ...]:
+    """The global ranks of ``rank``'s expert-parallel group this epoch, itself alone where the
+    group's pipelines would not run alike (see the module's docstring)."""
+    d, s = plan.position(rank)
+    if ep <= 1 or plan.routes or plan.units_per_micro_batch > 1:
+        return (rank,)
+    working = [p for p in range(len(plan.pipelines)) if plan.micro_batches[p]]
+    mine = next((g for g in groups_of(working, ep) if d in g), (d,))
+    alike = {(plan.layer_ranges[p], len(plan.micro_batches[p]),
+              tuple(frozenset(plan.recomputed[p][i]) for i in range(len(plan.pipelines[p]))) if plan.recomputed else ())
+             for p in mine}
+    return tuple(plan.pipelines[p][s] for p in mine) if len(alike) == 1 else (rank,)
+
+
+def loads_of(world, held: list[SparseMoE], blocks: int, num_experts: int, device) -> torch.Tensor:
+    """Every rank's tokens' routing counts since the last call, summed over the job: [blocks, E]
+    (every rank takes part, those without an MoE block with zeros)."""
+    mine = torch.zeros(blocks, num_experts, dtype=torch.float64)
+    for block in held:
+        mine[block.ordinal] += take_counts(block)
+    total = mine.to(device)
+    world.all_reduce(total, "expert loads")
+    return total.cpu()
+
+
+def attach(cfg, plan, rank: int, stage, accumulator, world, comm, device) -> dict:
+    """Set each MoE block's exchange for the epoch; returns what the step record says of it."""
+    blocks = moe_blocks(stage)
+    m = getattr(stage.model, "cfg", None)
+    if not getattr(m, "num_experts", 0):
+        return {"exchanges": [], "record": {}}
+    ep = cfg.parallel.ep
+    members = group_of(plan, rank, ep)
+    loads = (loads_of(world, [b for _, b in blocks], m.moe_blocks_before(m.num_blocks),
+                      m.num_experts, device) if ep > 1 else None)
+    group = None
+    if len(members) > 1:
+        group = world if members == world.members else comm.adopt(comm.build(members, plan.epoch, kind="experts"),
+                                                                    members, plan.epoch)
+    shares, exchanges = [], []
+    for layer, block in blocks:
+        fold = None
+        if cfg.train.deterministic:
+            spans = expert_spans(layer, block)
+            fold = lambda e, i=layer.index, spans=spans: accumulator.fold_part(i, *spans[e])  # noqa: E731
+        if group is None:
+            block.exchange = Local(fold) if fold is not None else None
+            continue
+        counts = loads[block.ordinal].tolist()
+        owners = place(m.num_experts, group.size, counts if any(counts) else None)
+        block.exchange = AllToAll(group, owners, fold)
+        exchanges.append(block.exchange)
+        if any(counts):
+            shares.append(busiest_share(owners, counts, group.size))
+    # The busiest member's share of the last epoch's tokens over an even share, by this placement.
+    return {"exchanges": exchanges, "record": {"expert_group": list(members),
+                                               "expert_busiest_share": max(shares) if shares else None}}
+

@@ -1,0 +1,118 @@
+"""Expert parallelism's all-to-all between real gloo ranks: each rank's block output, input
+gradient and router gradient, and every expert's fixed-point weight gradient, equal the
+reference's (every expert on one rank, each rank's rows a micro-batch of their own) bit for bit."""
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from elaswave.expert.exchange import AllToAll
+from elaswave.model.moe import SparseMoE
+from elaswave.plan.experts import place
+from tests.helpers.spawn import run_group
+
+ME = "tests.expert.test_exchange"
+BITS = 30
+
+
+def _block(num_experts: int) -> SparseMoE:
+    torch.manual_seed(0)
+    m = SimpleNamespace(d_model=16, num_experts=num_experts, experts_per_token=2, moe_norm_topk=True,
+                        expert_ffn_width=24, moe_names="qwen", shared_expert_ffn_dim=0)
+    return SparseMoE(m)
+
+
+def _rows(rank: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(100 + rank)
+    x = torch.randn(3, 5, 16, generator=g)
+    x[..., 0] += 2.0 * rank  # ranks route differently: some send an expert nothing
+    return x.requires_grad_(True)
+
+
+def _fixed(g: torch.Tensor) -> torch.Tensor:
+    return torch.round(g.double() * 2 ** BITS).to(torch.int64)
+
+
+def _expert_grads(block, e: int) -> torch.Tensor:
+    ps = list(block.experts[e].parameters())
+    out = torch.cat([_fixed(p.grad).reshape(-1) if p.grad is not None else torch.zeros(p.numel(), dtype=torch.int64)
+                     for p in ps])
+    for p in ps:
+        p.grad = None
+    return out
+
+
+def _run(block, x: torch.Tensor, sums: dict[int, torch.Tensor] | None = None) -> dict:
+    out = block(x)
+    (out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum().backward()
+    if sums is not None:  # the reference: one fold of every expert per micro-batch
+        for e in range(block.num_experts):
+            sums[e] = sums.get(e, 0) + _expert_grads(block, e)
+    return {"out": out.detach(), "x_grad": x.grad, "gate_grad": block.gate.weight.grad}
+
+
+def exchange_rank(group, num_experts: int, loads: list[float] | None):
+    block = _block(num_experts)
+    owners = place(num_experts, group.size, loads)
+    sums: dict[int, torch.Tensor] = {}
+
+    def fold(e: int) -> None:
+        sums[e] = sums.get(e, 0) + _expert_grads(block, e)
+
+    block.exchange = AllToAll(group, owners, fold)
+    got = _run(block, _rows(group.group_rank))
+    got["sums"] = sums
+    got["owners"] = owners
+    got["rows_seen"] = block.exchange.take_rows()
+    got["bytes"] = group.payload_bytes
+    return got
+
+
+@pytest.mark.parametrize("size,num_experts,loads", [
+    (2, 4, None),  # contiguous blocks
+    (3, 8, [40.0, 1.0, 1.0, 1.0, 30.0, 1.0, 1.0, 1.0]),  # by load: the two hot experts apart
+], ids=["2-ranks-blocks", "3-ranks-by-load"])
+def test_experts_over_ranks_give_the_references_bits(tmp_path, size, num_experts, loads):
+    results = run_group(f"{ME}:exchange_rank", size, tmp_path, num_experts=num_experts, loads=loads)
+    torch.set_num_threads(1)  # as the ranks compute
+    block, sums, routed = _block(num_experts), {}, torch.zeros(num_experts)
+    for rank, got in enumerate(results):
+        x = _rows(rank)
+        ref = _run(block, x, sums)
+        for key in ("out", "x_grad", "gate_grad"):
+            assert torch.equal(got[key], ref[key]), (rank, key)
+        block.gate.weight.grad = None
+        with torch.no_grad():
+            chosen = torch.topk(torch.softmax(block.gate(x.reshape(-1, 16)), -1), 2).indices
+        routed += torch.bincount(chosen.reshape(-1), minlength=num_experts)
+        assert got["rows_seen"] == routed.tolist() if rank == size - 1 else True
+        assert got["bytes"] > 0
+    owners = results[0]["owners"]
+    assert all(r["owners"] == owners for r in results) and len(set(owners)) == size
+    for e in range(num_experts):  # each expert folded only where it computes, once per member's rows
+        held = [r["sums"][e] for r in results if e in r["sums"]]
+        assert len(held) == 1 and [r for r in results if e in r["sums"]][0] is results[owners[e]]
+        assert torch.equal(held[0], sums[e]), e
+        assert held[0].abs().sum() > 0
+    assert all(rs["rows_seen"] == results[0]["rows_seen"] for rs in results)
+    assert results[0]["rows_seen"] == routed.tolist()
+
+
+def test_the_local_exchange_is_the_blocks_plain_computation():
+    """ep = 1: the Function-wrapped block equals calling each expert in the graph directly."""
+    block, x = _block(4), _rows(1)
+    got = _run(block, x)
+    x2 = _rows(1)
+    h = x2.reshape(-1, 16)
+    probs = torch.softmax(block.gate(h), -1, dtype=torch.float32)
+    top, chosen = torch.topk(probs, 2, -1)
+    top = top / top.sum(-1, keepdim=True)
+    out = torch.zeros_like(h)
+    for e, expert in enumerate(block.experts):
+        token, slot = torch.where(chosen == e)
+        if token.numel():
+            out.index_add_(0, token, expert(h[token]) * top[token, slot, None])
+    out = out.reshape(x2.shape)
+    assert torch.allclose(got["out"], out, atol=1e-6, rtol=0)
+    (out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum().backward()
+    assert torch.allclose(got["x_grad"], x2.grad, atol=1e-6, rtol=0)

@@ -1,0 +1,85 @@
+"""Expert parallelism between real gloo ranks (parallel.ep): each MoE block's experts computed by
+one member of an expert-parallel group on every member's tokens, exchanged by all-to-all -- and
+every run, through SIGKILLs in the forward (the dispatch and combine) and the backward, ends with
+the reference's bits, load-balancing loss included."""
+import pytest
+
+from elaswave.sim.experts import exchange_bytes
+from tests.helpers.spawn import assert_same_run, job_args, run_cli, run_job, run_reference
+
+STEPS = 5
+EXPERTS = ["model.num_experts=4", "model.experts_per_token=2", "model.expert_ffn_dim=48",
+           "model.moe_aux_loss_coef=0.05"]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    return run_reference(tmp_path_factory.mktemp("ref"), STEPS, True, 4, extra=[*EXPERTS, "parallel.pp=1"])
+
+
+def _expert_steps(res) -> list[tuple[list[int], bool]]:
+    """Each step's expert-parallel group (rank 0's) and whether it sent tokens to its peers."""
+    return [(r["expert_group"], r["expert_bytes"] > 0) for r in res.steps]
+
+
+@pytest.mark.parametrize("dp,pp,ep,extra,groups", [
+    (2, 1, 2, [], [[0, 1]] * STEPS),
+    # Killed before its first forward of the second step (1-based), while rank 0 waits in the
+    # first block's dispatch: rank 0 redoes the step alone, every expert its own.
+    (2, 1, 2, ["elastic.inject=kill:rank=1,step=2,phase=forward"], [[0, 1]] + [[0]] * 4),
+    # 2 pipelines x 2 stages, each stage's ranks a group; killed in the backward. The survivors'
+    # stages then hold other layers: each computes its experts alone.
+    (2, 2, 2, ["elastic.inject=kill:rank=3,step=2,phase=backward"], [[0, 2]] + [[0]] * 4),
+    # ZB-H1: killed in a W; before it, every expert's gradient folded per member's rows in B.
+    (2, 2, 2, ["parallel.schedule=zb-h1", "elastic.inject=kill:rank=2,step=3,phase=weight"], [[0, 2]] * 2 + [[0]] * 3),
+    # A spare joins after the loss: the group is whole again, its experts given back.
+    (2, 1, 2, ["elastic.inject=kill:rank=1,step=1", "elastic.spares=1"], [[0]] + [[0, 2]] * 4),
+    # Every block recomputed (each forward's exchange again in the backward), in bfloat16.
+    (2, 1, 2, ["train.activation_checkpointing=full", "train.precision=bf16"], [[0, 1]] * STEPS),
+    # Interleaved 1F1B (V = 2; no load-balancing loss there): the same schedule on both pipelines.
+    (2, 2, 2, ["parallel.schedule=interleaved", "parallel.virtual_stages=2", "model.moe_aux_loss_coef=0",
+               "elastic.inject=kill:rank=1,step=3,phase=backward"], [[0, 2]] * 2 + [[0]] * 3),
+], ids=["2", "2-kill-forward", "2x2-kill-backward", "2x2-zb-h1-kill-weight", "2-join", "2-recompute-bf16",
+        "2x2-interleaved-kill"])
+def test_experts_over_ranks_train_bit_identical_to_the_reference(tmp_path, reference, dp, pp, ep, extra, groups):
+    own = [x for x in extra if x.startswith(("train.precision", "model."))]  # what the reference computes too
+    if own:
+        reference = run_reference(tmp_path, STEPS, True, 4, extra=[*EXPERTS, "parallel.pp=1", *own])
+    res = run_job(tmp_path, dp, pp, STEPS, True,
+                  extra=[*EXPERTS, f"parallel.pp={pp}", f"parallel.ep={ep}", *extra])
+    assert_same_run(res, reference, STEPS)
+    if "model.moe_aux_loss_coef=0" not in extra:
+        assert [r["aux_loss"] for r in res.steps] == [r["aux_loss"] for r in reference.records if r["event"] == "step"]
+    assert _expert_steps(res) == [(g, len(g) > 1) for g in groups]
+    if not extra:  # what the simulator prices a balanced router's exchanges at: within 10 %
+        tokens = 4 * 2 * 32 // dp  # a rank's share of 4 micro-batches of 2 sequences of 32 tokens
+        priced = exchange_bytes(tokens, 2, 32, 4, ep, 4)
+        measured = sum(r["expert_bytes"] for r in res.steps) / STEPS
+        assert 0.9 < measured / priced < 1.1, (measured, priced)
+
+
+def test_a_group_of_four_loses_one_and_goes_on_as_three_placed_by_load(tmp_path):
+    """12 micro-batches: 3 a pipeline, then 4 on each survivor -- one group of three, whose experts
+    are placed by the tokens the router sent each (plan/experts.py)."""
+    sets = [*EXPERTS, "parallel.pp=1", "train.num_micro_batches=12"]
+    ref = run_reference(tmp_path, STEPS, True, 12, extra=sets)
+    res = run_job(tmp_path, 4, 1, STEPS, True, extra=[*sets, "parallel.ep=4",
+                                                      "elastic.inject=kill:rank=2,step=2,phase=backward"])
+    assert_same_run(res, ref, STEPS)
+    assert _expert_steps(res) == [([0, 1, 2, 3], True)] + [([0, 1, 3], True)] * 4
+    # The first epoch's placement is in blocks (no counts yet); the next one's by the counts.
+    shares = [r["expert_busiest_share"] for r in res.steps]
+    assert shares[0] is None and 1.0 <= shares[-1] < 2.0
+
+
+@pytest.mark.parametrize("sets,message", [
+    (["parallel.ep=3", "parallel.dp=3", "model.num_experts=4"], "parallel.ep=3 is invalid: must divide parallel.dp=3 "
+                                                                "and model.num_experts=4"),
+    (["parallel.ep=2"], "parallel.ep=2 is invalid: needs a mixture of experts"),
+])
+def test_a_bad_expert_parallel_degree_is_one_line(tmp_path, sets, message):
+    extra = [*([s for s in EXPERTS if not s.startswith("model.num_experts")] if "model.num_experts=4" in sets else []),
+             "parallel.pp=1", *sets]
+    res = run_cli(job_args(2, 1, 1, True, extra), tmp_path, timeout_s=60)
+    assert res.returncode == 2 and message in res.stderr, res.stderr
+    assert len(res.stderr.strip().splitlines()) == 1, res.stderr
