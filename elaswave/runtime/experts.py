@@ -3,9 +3,10 @@ spread over an expert-parallel group of the stage's pipelines (``parallel.ep``, 
 
 A group's members exchange tokens in every forward and backward of every MoE block, so they must
 run the same schedule: the same layers, the same number of micro-batches (none reshaped), the
-same blocks recomputed, no detours (the reroute baseline's routed schedule). Every rank decides from the plan alone,
-so all members decide alike; a group that fails it computes its experts locally this epoch (the
-parameters are on every data-parallel rank), which gives the same bits. Placement is by the
+same blocks recomputed, no detours (the reroute baseline's routed schedule). Every rank decides
+from the plan alone, so all members decide alike: groups are cut among the pipelines that run one
+schedule, and a rank whose pipeline runs one nobody else does computes its experts locally this
+epoch (the parameters are on every data-parallel rank), which gives the same bits. Placement is by the
 router's counts over the last epoch, summed over the job (plan/experts.py).
 """
 from __future__ import annotations
@@ -39,18 +40,23 @@ def expert_spans(layer, block: SparseMoE) -> list[tuple[int, int]]:
     return spans
 
 
+def _schedule_of(plan, p: int) -> tuple:
+    """What decides pipeline ``p``'s schedule: its layers by stage, micro-batch count, recomputation."""
+    return (plan.layer_ranges[p], len(plan.micro_batches[p]),
+            tuple(tuple(sorted(r)) for r in plan.recomputed[p]) if plan.recomputed else ())
+
+
 def group_of(plan, rank: int, ep: int) -> tuple[int, ...]:
-    """The global ranks of ``rank``'s expert-parallel group this epoch, itself alone where the
-    group's pipelines would not run alike (see the module's docstring)."""
+    """The global ranks of ``rank``'s expert-parallel group this epoch: its stage's ranks in the
+    pipelines that run its pipeline's schedule, ``ep`` pipelines at a time (after a loss that dealt
+    3, 3 and 2 micro-batches, the two pipelines of 3 form a group); itself alone where none other
+    does (see the module's docstring)."""
     d, s = plan.position(rank)
-    if ep <= 1 or plan.routes or plan.units_per_micro_batch > 1:
+    if ep <= 1 or plan.routes or plan.units_per_micro_batch > 1 or not plan.micro_batches[d]:
         return (rank,)
-    working = [p for p in range(len(plan.pipelines)) if plan.micro_batches[p]]
-    mine = next((g for g in groups_of(working, ep) if d in g), (d,))
-    alike = {(plan.layer_ranges[p], len(plan.micro_batches[p]),
-              tuple(frozenset(plan.recomputed[p][i]) for i in range(len(plan.pipelines[p]))) if plan.recomputed else ())
-             for p in mine}
-    return tuple(plan.pipelines[p][s] for p in mine) if len(alike) == 1 else (rank,)
+    alike = [p for p in range(len(plan.pipelines)) if _schedule_of(plan, p) == _schedule_of(plan, d)]
+    mine = next(g for g in groups_of(alike, ep) if d in g)
+    return tuple(plan.pipelines[p][s] for p in mine)
 
 
 def loads_of(world, held: list[SparseMoE], blocks: int, num_experts: int, device) -> torch.Tensor:
