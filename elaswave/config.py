@@ -217,12 +217,8 @@ class JobConfig:
     def validate(self) -> "JobConfig":
         self.model.validate()
         self.data.validate()
-        self.train.validate()
-        self.parallel.validate()
-        self.elastic.validate()
-        self.checkpoint.validate()
-        self.emulate.validate()
-        self.frequency.validate()
+        for section in (self.train, self.parallel, self.elastic, self.checkpoint, self.emulate, self.frequency):
+            section.validate()
         lowest = PowerModel().power(min(PowerModel().levels)) * self.world_size
         if 0 < self.frequency.power_cap_w < lowest:
             _fail("frequency.power_cap_w", self.frequency.power_cap_w, f"below what the {self.world_size} ranks draw "
@@ -235,6 +231,8 @@ class JobConfig:
             if fault.rank >= self.world_size and fault.phase != "admission":  # (a joiner's number is past them)
                 _fail("elastic.inject", text, f"rank {fault.rank} does not exist: the job has ranks "
                                               f"0..{self.world_size - 1}")
+            if fault.phase in ("dispatch", "combine") and self.parallel.ep == 1:
+                _fail("elastic.inject", text, f"phase={fault.phase} is an expert-parallel exchange's: needs parallel.ep > 1")
             if fault.what == "replica" and self.parallel.tp == 1:
                 _fail("elastic.inject", text, "needs parallel.tp > 1: only a tensor-parallel shard holds replicas")
         if self.elastic.snapshot_copies > max(1, self.world_size - 1):

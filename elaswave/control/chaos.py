@@ -17,7 +17,8 @@ from dataclasses import dataclass
 
 from elaswave.control.faults import PHASES
 
-STEP_PHASES = tuple(p for p in PHASES if p not in ("recovery", "weight"))  # (weight: ZB-H1 only)
+# (weight: ZB-H1 only; dispatch, combine: expert parallelism only)
+STEP_PHASES = tuple(p for p in PHASES if p not in ("recovery", "weight", "dispatch", "combine"))
 KINDS = ("kill", "stop", "double_kill", "kill_in_recovery", "join")
 
 

@@ -29,7 +29,8 @@ if TYPE_CHECKING:  # keeps this module free of torch: config validation imports 
 
 KINDS = ("kill", "stop", "corrupt", "slow", "flip", "join", "starve")
 FLIPPED = ("moment", "param", "replica")
-PHASES = ("forward", "backward", "weight", "reduce", "optimizer", "snapshot", "recovery", "eval", "admission")
+PHASES = ("forward", "backward", "weight", "reduce", "optimizer", "snapshot", "recovery", "eval", "admission",
+          "dispatch", "combine")
 """forward/backward: as the step's first forward/backward (its B, under ZB-H1) starts; weight: as
 its first W starts (ZB-H1's weight pass, parallel.schedule=zb-h1; never under 1F1B); reduce: as the gradient reduction
 starts; optimizer: after this rank's chunks were updated, before the parameters are gathered;

@@ -110,6 +110,9 @@ class AllToAll:
             raise ValueError(f"expert owners {list(owners)} name members past the group's {group.size}")
         self.group, self.owners, self.fold = group, tuple(owners), fold
         self.experts_of = [[e for e, o in enumerate(self.owners) if o == m] for m in range(group.size)]
+        self.fault: Callable[[str], None] | None = None
+        """Called before a training forward's dispatch and combine (fault injection: ``dispatch``,
+        ``combine``)."""
         self.sent_bytes = 0
         """Bytes this rank sent other members (tokens and gradients, both ways)."""
         self.rows_seen = torch.zeros(len(self.owners), dtype=torch.float64)
@@ -140,6 +143,8 @@ class _Call:
         # What this rank sends member m (its experts' rows, in expert order), and takes from m.
         self.send = [sum(x.shape[0] for e, x in enumerate(xs) if ex.owners[e] == m) for m in range(n)]
         self.take = [sum(self.rows[m][e] for e in mine) for m in range(n)]
+        if graph and ex.fault is not None:
+            ex.fault("dispatch")
         got = self._exchange([xs[e] for m in range(n) for e in ex.experts_of[m]], self.take, self.send, "dispatch")
         self.computed, at = [], 0
         for m in range(n):  # each member's rows alone: the products the reference computes
@@ -147,6 +152,8 @@ class _Call:
                 count = self.rows[m][e]
                 self.computed.append((e, _Computed(block.experts[e], got[at:at + count], graph)))
                 at += count
+        if graph and ex.fault is not None:
+            ex.fault("combine")
         back = self._exchange([c.y.detach() for _, c in self.computed], self.send, self.take, "combine")
         self.outputs = self._by_expert(back, E)
 

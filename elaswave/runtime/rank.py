@@ -69,9 +69,10 @@ def build_rank(cfg: JobConfig, plan: Plan, rank: int, stage: Stage, sampler: Sam
                comm: Communicator, device: torch.device, backend_name: str, gen: int = 0,
                chunks: Mapping[ChunkKey, torch.Tensor] | None = None,
                before: Callable[[int, Action], None] | None = None,
-               actuator: Actuator | None = None) -> RankState:
+               actuator: Actuator | None = None, fault: Callable[[int, str], None] | None = None) -> RankState:
     """``gen``/``chunks``: the optimizer generation and the chunk states to start from (a recovery);
-    ``actuator``: where this rank's planned frequency level goes (emulated compute reads it)."""
+    ``actuator``: where this rank's planned frequency level goes (emulated compute reads it);
+    ``fault``: (step, phase) -> fault injection inside an expert exchange."""
     t, par = cfg.train, cfg.parallel
     d, s = plan.position(rank)
     pipeline = plan.pipelines[d]
@@ -130,6 +131,8 @@ def build_rank(cfg: JobConfig, plan: Plan, rank: int, stage: Stage, sampler: Sam
     stage.reads = gathering.before_layer
     executor = Executor(stage, p2p, sampler, step_tokens, accumulator.add_micro_batch, before, emulated,
                         pieces_of(plan, t) if k > 1 else None, after=reduction.after)
+    for exchange in experts["exchanges"] if fault is not None else ():
+        exchange.fault = lambda what: fault(executor.step, what)
     # A mixture of experts' load-balancing loss spans every stage a micro-batch passes: its
     # pipeline's, or another's on a detour (a pipeline of one rank may send its micro-batches through
     # another pipeline's stages). Relayed with any coefficient, so the recorded value is whole; the

@@ -284,7 +284,7 @@ def recover(ctx, st: RankState | None, cause: Disruption | None, noticed_wall: f
     stage.recompute(plan.recomputed_of(ctx.rank))  # a kept stage may recompute more, or less, under the new plan
     new = build_rank(cfg, plan, ctx.rank, stage, ctx.sampler_for(stage), world, ctx.comm, ctx.device,
                      ctx.backend_name, gen=restore.resume_step, chunks=chunks, before=ctx.before_action,
-                     actuator=ctx.actuator)
+                     actuator=ctx.actuator, fault=ctx.injector.at)
     ctx.actuator.apply(plan.frequency(ctx.rank))
     for wait, keys, moments in arriving:
         new.optimizer.moments_arriving(wait, keys, moments)

@@ -322,7 +322,8 @@ def _start(ctx: Context, world_size: int):
     resumed = _resume_point(cfg, plan, rank, ctx.shard)
     gen, chunks = (resumed.manifest.step, resumed.chunks) if resumed else (0, None)
     st = build_rank(cfg, plan, rank, stage, ctx.sampler_for(stage), world, ctx.comm, device, ctx.backend_name,
-                    gen=gen, chunks=chunks, before=ctx.before_action, actuator=ctx.actuator)
+                    gen=gen, chunks=chunks, before=ctx.before_action, actuator=ctx.actuator,
+                    fault=ctx.injector.at)
     ctx.actuator.apply(plan.frequency(rank))
     if resumed:
         gather_params(st)

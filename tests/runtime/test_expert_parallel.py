@@ -4,6 +4,7 @@ every run, through SIGKILLs in the forward (the dispatch and combine) and the ba
 the reference's bits, load-balancing loss included."""
 import pytest
 
+from elaswave.control import faults
 from elaswave.sim.experts import exchange_bytes
 from tests.helpers.spawn import assert_same_run, job_args, run_cli, run_job, run_reference
 
@@ -24,9 +25,12 @@ def _expert_steps(res) -> list[tuple[list[int], bool]]:
 
 @pytest.mark.parametrize("dp,pp,ep,extra,groups", [
     (2, 1, 2, [], [[0, 1]] * STEPS),
-    # Killed before its first forward of the second step (1-based), while rank 0 waits in the
-    # first block's dispatch: rank 0 redoes the step alone, every expert its own.
-    (2, 1, 2, ["elastic.inject=kill:rank=1,step=2,phase=forward"], [[0, 1]] + [[0]] * 4),
+    # Killed as it starts the second step's first dispatch (steps count from 1), rank 0 waiting in
+    # the same exchange: rank 0 redoes the step alone, every expert its own.
+    (2, 1, 2, ["elastic.inject=kill:rank=1,step=2,phase=dispatch"], [[0, 1]] + [[0]] * 4),
+    # 4 pipelines x 2 stages, groups of 2 on each stage; rank 3 killed as it starts a combine, its
+    # experts computed for both members' rows but not sent back.
+    (4, 2, 2, ["elastic.inject=kill:rank=3,step=2,phase=combine"], [[0, 2]] + [None] * 4),
     # 2 pipelines x 2 stages, each stage's ranks a group; killed in the backward. The survivors'
     # stages then hold other layers: each computes its experts alone.
     (2, 2, 2, ["elastic.inject=kill:rank=3,step=2,phase=backward"], [[0, 2]] + [[0]] * 4),
@@ -39,7 +43,7 @@ def _expert_steps(res) -> list[tuple[list[int], bool]]:
     # Interleaved 1F1B (V = 2; no load-balancing loss there): the same schedule on both pipelines.
     (2, 2, 2, ["parallel.schedule=interleaved", "parallel.virtual_stages=2", "model.moe_aux_loss_coef=0",
                "elastic.inject=kill:rank=1,step=3,phase=backward"], [[0, 2]] * 2 + [[0]] * 3),
-], ids=["2", "2-kill-forward", "2x2-kill-backward", "2x2-zb-h1-kill-weight", "2-join", "2-recompute-bf16",
+], ids=["2", "2-kill-dispatch", "4x2-kill-combine", "2x2-kill-backward", "2x2-zb-h1-kill-weight", "2-join", "2-recompute-bf16",
         "2x2-interleaved-kill"])
 def test_experts_over_ranks_train_bit_identical_to_the_reference(tmp_path, reference, dp, pp, ep, extra, groups):
     own = [x for x in extra if x.startswith(("train.precision", "model."))]  # what the reference computes too
@@ -50,7 +54,12 @@ def test_experts_over_ranks_train_bit_identical_to_the_reference(tmp_path, refer
     assert_same_run(res, reference, STEPS)
     if "model.moe_aux_loss_coef=0" not in extra:
         assert [r["aux_loss"] for r in res.steps] == [r["aux_loss"] for r in reference.records if r["event"] == "step"]
-    assert _expert_steps(res) == [(g, len(g) > 1) for g in groups]
+    for kill in (faults.parse(x.split("=", 1)[1]) for x in extra if x.startswith("elastic.inject=kill")):
+        said = f"injecting kill into rank {kill.rank} at step {kill.step} ({kill.phase})"
+        assert said in res.stderr, res.stderr[-2000:]  # where it was killed: in that exchange
+        assert [r["lost_ranks"] for r in res.records if r["event"] == "recovery"] == [[kill.rank]]
+    assert [s for s, g in zip(_expert_steps(res), groups) if g is not None] == [(g, len(g) > 1) for g in groups
+                                                                                 if g is not None]
     if not extra:  # what the simulator prices a balanced router's exchanges at: within 10 %
         tokens = 4 * 2 * 32 // dp  # a rank's share of 4 micro-batches of 2 sequences of 32 tokens
         priced = exchange_bytes(tokens, 2, 32, 4, ep, 4)
@@ -76,6 +85,8 @@ def test_a_group_of_four_loses_one_and_goes_on_as_three_placed_by_load(tmp_path)
     (["parallel.ep=3", "parallel.dp=3", "model.num_experts=4"], "parallel.ep=3 is invalid: must divide parallel.dp=3 "
                                                                 "and model.num_experts=4"),
     (["parallel.ep=2"], "parallel.ep=2 is invalid: needs a mixture of experts"),
+    (["model.num_experts=4", "elastic.inject=kill:rank=1,step=2,phase=dispatch"],
+     "phase=dispatch is an expert-parallel exchange's: needs parallel.ep > 1"),
 ])
 def test_a_bad_expert_parallel_degree_is_one_line(tmp_path, sets, message):
     extra = [*([s for s in EXPERTS if not s.startswith("model.num_experts")] if "model.num_experts=4" in sets else []),
