@@ -258,6 +258,9 @@ class JobConfig:
                 _fail("checkpoint.export_hf", self.checkpoint.export_hf, f"this model's shape is no Hugging Face "
                       f"family's, so no folder could hold it: {exc}")
         self.parallel.check_experts(self.model.num_experts if moe else 0)
+        if self.parallel.ep > 1 and self.elastic.reshape:
+            _fail("parallel.ep", self.parallel.ep, "with elastic.reshape=true would never exchange: a reshaped "
+                  "micro-batch's units run alone (runtime/experts.py); leave one of them at its default")
         if moe and self.model.moe_aux_loss_coef and (self.parallel.schedule == "interleaved"
                                                      or self.elastic.policy == "reroute"):
             key, value = (("parallel.schedule", self.parallel.schedule) if self.parallel.schedule == "interleaved"

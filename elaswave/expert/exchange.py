@@ -17,6 +17,7 @@ each is one collective of the group.
 """
 from __future__ import annotations
 
+import time
 from typing import Callable, Sequence
 
 import torch
@@ -28,13 +29,23 @@ Fold = Callable[[int], None]
 class _Experts(torch.autograd.Function):
     @staticmethod
     def forward(ctx, exchange, block, graph, *xs):
-        ctx.call = exchange.forward(block, xs, graph)
-        return tuple(ctx.call.outputs)
+        # Inside a recomputed (checkpointed) block saved-tensor hooks are active: keep only the
+        # experts' rows, which the checkpoint drops and recomputes with the block, and run the
+        # experts again in the backward. (A graph kept here would escape the checkpoint; built
+        # under its hooks, each of its backwards -- a graph task of its own -- would redo the block.)
+        defer = graph and torch._C._autograd._top_saved_tensors_default_hooks(False) is not None
+        call = exchange.forward(block, xs, graph, defer)
+        outputs, call.outputs = tuple(call.outputs), None  # (they point back to ctx: no cycle kept)
+        if defer:
+            ctx.save_for_backward(*call.rows)
+            call.rows = None
+        ctx.call, ctx.defer = call, defer
+        return outputs
 
     @staticmethod
     def backward(ctx, *grads):
         call, ctx.call = ctx.call, None
-        return (None, None, None, *call.backward(grads))
+        return (None, None, None, *call.backward(grads, ctx.saved_tensors if ctx.defer else None))
 
 
 def run_experts(block, xs: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
@@ -43,45 +54,50 @@ def run_experts(block, xs: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
     return _Experts.apply(exchange, block, torch.is_grad_enabled(), *xs)
 
 
-def _kept(t: torch.Tensor) -> torch.Tensor:
-    return t
-
-
 class _Computed:
-    """One expert's forward on one member's rows, with its graph kept for the backward."""
+    """One expert's forward on one member's rows: with its graph kept for the backward (``graph``),
+    or, ``defer``, its rows to be handed back to :meth:`backward`, which runs the forward again."""
 
-    def __init__(self, expert, x: torch.Tensor, graph: bool):
-        self.x = x.detach().requires_grad_(True) if graph else x
+    def __init__(self, expert, x: torch.Tensor, graph: bool, defer: bool = False):
+        self.expert, self.rows = expert, x.shape[0]
+        keep = graph and not defer
+        self.x = x.detach().requires_grad_(True) if keep else None
         if not x.shape[0]:
             self.y = x.new_zeros(x.shape)
-        elif graph:
-            # Kept whole, also inside a recomputed (checkpointed) block: the checkpoint would redo
-            # the block -- its exchanges too -- for each backward here, a graph task of its own.
-            with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(_kept, _kept):
+        elif keep:
+            with torch.enable_grad():
                 self.y = expert(self.x)
         else:
             self.y = expert(x)
 
-    def backward(self, grad: torch.Tensor | None) -> torch.Tensor:
-        """The rows' input gradient; the expert's weight gradient accumulates into ``.grad``."""
-        if self.y.requires_grad and self.y.shape[0]:
+    def backward(self, grad: torch.Tensor | None, x: torch.Tensor | None = None) -> torch.Tensor:
+        """The rows' input gradient; the expert's weight gradient accumulates into ``.grad``.
+        ``x``: the rows again, where the forward kept no graph."""
+        if x is not None:
+            self.x = x.detach().requires_grad_(True)
+            if self.rows:
+                with torch.enable_grad():
+                    self.y = self.expert(self.x)
+        if self.y.requires_grad and self.rows:
             torch.autograd.backward(self.y, grad if grad is not None else torch.zeros_like(self.y))
         self.y = None
         return self.x.grad if self.x.grad is not None else torch.zeros_like(self.x)
 
 
 class _LocalCall:
-    def __init__(self, block, xs, graph, fold: Fold | None):
-        self.computed = [_Computed(block.experts[e], x, graph) for e, x in enumerate(xs)]
+    def __init__(self, block, xs, graph, defer: bool, fold: Fold | None):
+        self.computed = [_Computed(block.experts[e], x, graph, defer) for e, x in enumerate(xs)]
         self.outputs = [c.y.detach() for c in self.computed]
+        self.rows = list(xs) if defer else None
         self.fold = fold
 
-    def backward(self, grads):
+    def backward(self, grads, rows=None):
         back = []
         for e, (c, g) in enumerate(zip(self.computed, grads)):
-            back.append(c.backward(g))
-            if self.fold is not None and c.x.shape[0]:
+            back.append(c.backward(g, rows[e] if rows is not None else None))
+            if self.fold is not None and c.rows:
                 self.fold(e)
+        self.computed = []
         return back
 
 
@@ -93,8 +109,8 @@ class Local:
     def __init__(self, fold: Fold | None = None):
         self.fold = fold
 
-    def forward(self, block, xs, graph: bool) -> _LocalCall:
-        return _LocalCall(block, xs, graph, self.fold)
+    def forward(self, block, xs, graph: bool, defer: bool = False) -> _LocalCall:
+        return _LocalCall(block, xs, graph, defer, self.fold)
 
 
 LOCAL = Local()
@@ -113,6 +129,8 @@ class AllToAll:
         self.fault: Callable[[str], None] | None = None
         """Called before a training forward's dispatch and combine (fault injection: ``dispatch``,
         ``combine``)."""
+        self.clock = None
+        """What adds up the time spent in the exchanges (a pipeline Stage's ``waited_s``): not compute."""
         self.sent_bytes = 0
         """Bytes this rank sent other members (tokens and gradients, both ways)."""
         self.rows_seen = torch.zeros(len(self.owners), dtype=torch.float64)
@@ -122,36 +140,39 @@ class AllToAll:
         seen, self.rows_seen = self.rows_seen, torch.zeros_like(self.rows_seen)
         return seen.tolist()
 
-    def forward(self, block, xs, graph: bool) -> "_Call":
-        return _Call(self, block, xs, graph)
+    def forward(self, block, xs, graph: bool, defer: bool = False) -> "_Call":
+        return _Call(self, block, xs, graph, defer)
 
 
 class _Call:
     """One forward of a block over the group, kept for its backward."""
 
-    def __init__(self, ex: AllToAll, block, xs, graph: bool):
+    def __init__(self, ex: AllToAll, block, xs, graph: bool, defer: bool):
         g, n, E = ex.group, ex.group.size, len(xs)
         self.ex, self.block, self.width = ex, block, xs[0].shape[1]
         self.dtype, self.device = xs[0].dtype, xs[0].device
         mine = ex.experts_of[g.group_rank]
         rows = torch.tensor([x.shape[0] for x in xs], dtype=torch.int64, device=self.device)  # (NCCL: on the GPU)
         counts = torch.empty(n * E, dtype=torch.int64, device=self.device)
+        began = time.perf_counter()
         g.all_to_all(counts, rows.repeat(n), [E] * n, [E] * n, "expert counts")
+        self._waited(began)
         counts = counts.cpu()
-        self.rows = counts.view(n, E).tolist()  # rows[m][e]: member m's rows for expert e
+        self.routed = counts.view(n, E).tolist()  # routed[m][e]: member m's rows for expert e
         ex.rows_seen += counts.view(n, E).sum(0).double()
         # What this rank sends member m (its experts' rows, in expert order), and takes from m.
         self.send = [sum(x.shape[0] for e, x in enumerate(xs) if ex.owners[e] == m) for m in range(n)]
-        self.take = [sum(self.rows[m][e] for e in mine) for m in range(n)]
+        self.take = [sum(self.routed[m][e] for e in mine) for m in range(n)]
         if graph and ex.fault is not None:
             ex.fault("dispatch")
         got = self._exchange([xs[e] for m in range(n) for e in ex.experts_of[m]], self.take, self.send, "dispatch")
         self.computed, at = [], 0
         for m in range(n):  # each member's rows alone: the products the reference computes
             for e in mine:
-                count = self.rows[m][e]
-                self.computed.append((e, _Computed(block.experts[e], got[at:at + count], graph)))
+                count = self.routed[m][e]
+                self.computed.append((e, _Computed(block.experts[e], got[at:at + count], graph, defer)))
                 at += count
+        self.rows = [got] if defer else None
         if graph and ex.fault is not None:
             ex.fault("combine")
         back = self._exchange([c.y.detach() for _, c in self.computed], self.send, self.take, "combine")
@@ -162,8 +183,14 @@ class _Call:
         out = torch.empty(sum(out_splits), self.width, dtype=self.dtype, device=self.device)
         me = self.ex.group.group_rank
         self.ex.sent_bytes += (sum(in_splits) - in_splits[me]) * self.width * inp.element_size()
+        began = time.perf_counter()
         self.ex.group.all_to_all(out, inp.contiguous(), out_splits, in_splits, f"expert {what}")
+        self._waited(began)
         return out
+
+    def _waited(self, began: float) -> None:
+        if self.ex.clock is not None:
+            self.ex.clock.waited_s += time.perf_counter() - began
 
     def _by_expert(self, came: torch.Tensor, E: int) -> list[torch.Tensor]:
         """What came back from the owners (member order, each member's experts in order) -> by expert."""
@@ -171,24 +198,24 @@ class _Call:
         at, me = 0, self.ex.group.group_rank
         for m in range(self.ex.group.size):
             for e in self.ex.experts_of[m]:
-                count = self.rows[me][e]
+                count = self.routed[me][e]
                 out[e] = came[at:at + count]
                 at += count
         return out
 
-    def backward(self, grads) -> list[torch.Tensor]:
+    def backward(self, grads, rows=None) -> list[torch.Tensor]:
         ex, n, me = self.ex, self.ex.group.size, self.ex.group.group_rank
         E = len(grads)
-        grads = [g if g is not None else torch.zeros(self.rows[me][e], self.width, dtype=self.dtype,
+        grads = [g if g is not None else torch.zeros(self.routed[me][e], self.width, dtype=self.dtype,
                                                      device=self.device) for e, g in enumerate(grads)]
         got = self._exchange([grads[e] for m in range(n) for e in ex.experts_of[m]], self.take, self.send,
                              "gradient dispatch")
         at, back = 0, []
         for e, c in self.computed:  # member by member, expert by expert, as the forward
-            count = c.x.shape[0]
-            back.append(c.backward(got[at:at + count]))
+            count = c.rows
+            back.append(c.backward(got[at:at + count], rows[0][at:at + count] if rows is not None else None))
             at += count
-            if ex.fold is not None:
+            if ex.fold is not None and count:
                 ex.fold(e)
         self.computed = []
         return self._by_expert(self._exchange(back, self.send, self.take, "gradient combine"), E)

@@ -115,7 +115,7 @@ class SparseMoE(nn.Module):
             # Each expert on its tokens only (dropless), wherever it is placed (expert/exchange.py);
             # weighed and added here, in expert order.
             ys = run_experts(self, [h[token] for token, _ in routed])
-            if torch.is_grad_enabled():
+            if _RECORD is not None:  # a training forward's, not its recomputation's
                 self.routed += torch.tensor([float(token.numel()) for token, _ in routed], dtype=torch.float64)
             for (token, slot), y in zip(routed, ys):
                 if token.numel():

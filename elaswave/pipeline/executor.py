@@ -227,7 +227,7 @@ class Executor:
         return out_grads
 
     def _backward(self, a: Action) -> None:
-        began, cpu = self._begin_backward()
+        began, cpu, waited = self._begin_backward()
         for piece, (out, grad) in enumerate(self._output_grads(a.micro_batch, a.chunk)):  # each folded alone
             # Before the last stage, this stage's MoE blocks take the load-balancing loss's gradient too.
             term = (self.relay.surrogate(a.micro_batch, piece, out.shape[0])
@@ -237,11 +237,11 @@ class Executor:
             elif out.requires_grad:  # a chunk of frozen weights only, fed tokens (LoRA's embedding), has no graph
                 torch.autograd.backward(out, grad)
             self.on_backward()
-        self._end_compute(began, cpu, 1.0, a.chunk)
+        self._end_compute(began + self.stage.waited_s - waited, cpu, 1.0, a.chunk)
 
     def _backward_input(self, a: Action) -> None:
         """ZB-H1's B: the input's gradient now (the stage before waits for it), the weights' at W."""
-        began, cpu = self._begin_backward()
+        began, cpu, waited = self._begin_backward()
         mb = a.micro_batch
         passes = []
         for piece, (out, grad) in enumerate(self._output_grads(mb)):
@@ -250,18 +250,20 @@ class Executor:
                 out, grad = (out * grad).sum() + term, None
             passes.append(backward_input(out, grad, self.inputs.get((mb, 0)), self._weights, self._recomputed_weights))
         self.weight_passes[mb] = passes
-        self._end_compute(began, cpu, BACKWARD_INPUT_SHARE)
+        self._end_compute(began + self.stage.waited_s - waited, cpu, BACKWARD_INPUT_SHARE)
 
     def _backward_weight(self, a: Action) -> None:
-        began, cpu = self._begin_backward()
+        began, cpu, waited = self._begin_backward()
         for weight_pass in self.weight_passes.pop(a.micro_batch):
             weight_pass.run()
             self.on_backward()  # the piece's gradient is whole only now, into zeroed buffers as in _backward
-        self._end_compute(began, cpu, 1.0 - BACKWARD_INPUT_SHARE)
+        self._end_compute(began + self.stage.waited_s - waited, cpu, 1.0 - BACKWARD_INPUT_SHARE)
 
-    def _begin_backward(self) -> tuple[float, float]:
+    def _begin_backward(self) -> tuple[float, float, float]:
+        """(wall, CPU time, ``stage.waited_s``) as a backward starts: what it waited for in between
+        (a mixture of experts' exchanges) is not compute."""
         self._run_first_backward_hook()
-        return time.perf_counter(), time.process_time()
+        return time.perf_counter(), time.process_time(), self.stage.waited_s
 
     def _end_compute(self, began: float, cpu: float, backward_share: float | None = None, chunk: int = 0) -> None:
         """``backward_share``: the share of a whole backward's modelled time this computation takes

@@ -71,7 +71,8 @@ class Stage:
         """Layers whose activations are not kept: their forward runs again in the backward."""
         self.reads: Callable[[int], None] | None = None
         """Called with a layer's index before each forward runs it (the parameter all-gathers it
-        waits for: zero/reduce.Gathering); ``waited_s`` sums the time it took, which is not compute."""
+        waits for: zero/reduce.Gathering); ``waited_s`` sums the time it took, and a mixture of
+        experts' exchanges theirs (expert/exchange.py), which is not compute."""
         self.waited_s = 0.0
         self.recompute(recomputed)
         self.device = device

@@ -70,8 +70,9 @@ def loads_of(world, held: list[SparseMoE], blocks: int, num_experts: int, device
     return total.cpu()
 
 
-def attach(cfg, plan, rank: int, stage, accumulator, world, comm, device) -> dict:
-    """Set each MoE block's exchange for the epoch; returns what the step record says of it."""
+def attach(cfg, plan, rank: int, stage, accumulator, world, comm, device, built: dict) -> dict:
+    """Set each MoE block's exchange for the epoch; returns what the step record says of it.
+    ``built``: the epoch's holder groups by members (one with the same members serves)."""
     blocks = moe_blocks(stage)
     m = getattr(stage.model, "cfg", None)
     if not getattr(m, "num_experts", 0):
@@ -82,8 +83,8 @@ def attach(cfg, plan, rank: int, stage, accumulator, world, comm, device) -> dic
                       m.num_experts, device) if ep > 1 else None)
     group = None
     if len(members) > 1:
-        group = world if members == world.members else comm.adopt(comm.build(members, plan.epoch, kind="experts"),
-                                                                    members, plan.epoch)
+        group = (world if members == world.members else built.get(members) or
+                 comm.adopt(comm.build(members, plan.epoch, kind="experts"), members, plan.epoch))
     shares, exchanges = [], []
     for layer, block in blocks:
         fold = None
@@ -96,6 +97,7 @@ def attach(cfg, plan, rank: int, stage, accumulator, world, comm, device) -> dic
         counts = loads[block.ordinal].tolist()
         owners = place(m.num_experts, group.size, counts if any(counts) else None)
         block.exchange = AllToAll(group, owners, fold)
+        block.exchange.clock = stage  # its waits are not the rank's compute (its measured speed)
         exchanges.append(block.exchange)
         if any(counts):
             shares.append(busiest_share(owners, counts, group.size))

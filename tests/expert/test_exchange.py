@@ -1,11 +1,14 @@
 """Expert parallelism's all-to-all between real gloo ranks: each rank's block output, input
 gradient and router gradient, and every expert's fixed-point weight gradient, equal the
 reference's (every expert on one rank, each rank's rows a micro-batch of their own) bit for bit."""
+import gc
 from types import SimpleNamespace
 
 import pytest
 import torch
+from torch.utils.checkpoint import checkpoint
 
+from elaswave.expert import exchange
 from elaswave.expert.exchange import AllToAll
 from elaswave.model.moe import SparseMoE
 from elaswave.plan.experts import place
@@ -42,8 +45,8 @@ def _expert_grads(block, e: int) -> torch.Tensor:
     return out
 
 
-def _run(block, x: torch.Tensor, sums: dict[int, torch.Tensor] | None = None) -> dict:
-    out = block(x)
+def _run(block, x: torch.Tensor, sums: dict[int, torch.Tensor] | None = None, recompute: bool = False) -> dict:
+    out = checkpoint(block, x, use_reentrant=False) if recompute else block(x)
     (out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum().backward()
     if sums is not None:  # the reference: one fold of every expert per micro-batch
         for e in range(block.num_experts):
@@ -51,7 +54,7 @@ def _run(block, x: torch.Tensor, sums: dict[int, torch.Tensor] | None = None) ->
     return {"out": out.detach(), "x_grad": x.grad, "gate_grad": block.gate.weight.grad}
 
 
-def exchange_rank(group, num_experts: int, loads: list[float] | None):
+def exchange_rank(group, num_experts: int, loads: list[float] | None, recompute: bool = False):
     block = _block(num_experts)
     owners = place(num_experts, group.size, loads)
     sums: dict[int, torch.Tensor] = {}
@@ -60,7 +63,7 @@ def exchange_rank(group, num_experts: int, loads: list[float] | None):
         sums[e] = sums.get(e, 0) + _expert_grads(block, e)
 
     block.exchange = AllToAll(group, owners, fold)
-    got = _run(block, _rows(group.group_rank))
+    got = _run(block, _rows(group.group_rank), recompute=recompute)
     got["sums"] = sums
     got["owners"] = owners
     got["rows_seen"] = block.exchange.take_rows()
@@ -68,12 +71,14 @@ def exchange_rank(group, num_experts: int, loads: list[float] | None):
     return got
 
 
-@pytest.mark.parametrize("size,num_experts,loads", [
-    (2, 4, None),  # contiguous blocks
-    (3, 8, [40.0, 1.0, 1.0, 1.0, 30.0, 1.0, 1.0, 1.0]),  # by load: the two hot experts apart
-], ids=["2-ranks-blocks", "3-ranks-by-load"])
-def test_experts_over_ranks_give_the_references_bits(tmp_path, size, num_experts, loads):
-    results = run_group(f"{ME}:exchange_rank", size, tmp_path, num_experts=num_experts, loads=loads)
+@pytest.mark.parametrize("size,num_experts,loads,recompute", [
+    (2, 4, None, False),  # contiguous blocks
+    (3, 8, [40.0, 1.0, 1.0, 1.0, 30.0, 1.0, 1.0, 1.0], False),  # by load: the two hot experts apart
+    (2, 4, None, True),  # the block recomputed in the backward: rows kept, experts run again
+], ids=["2-ranks-blocks", "3-ranks-by-load", "2-ranks-recomputed"])
+def test_experts_over_ranks_give_the_references_bits(tmp_path, size, num_experts, loads, recompute):
+    results = run_group(f"{ME}:exchange_rank", size, tmp_path, num_experts=num_experts, loads=loads,
+                        recompute=recompute)
     torch.set_num_threads(1)  # as the ranks compute
     block, sums, routed = _block(num_experts), {}, torch.zeros(num_experts)
     for rank, got in enumerate(results):
@@ -85,7 +90,8 @@ def test_experts_over_ranks_give_the_references_bits(tmp_path, size, num_experts
         with torch.no_grad():
             chosen = torch.topk(torch.softmax(block.gate(x.reshape(-1, 16)), -1), 2).indices
         routed += torch.bincount(chosen.reshape(-1), minlength=num_experts)
-        assert got["rows_seen"] == routed.tolist() if rank == size - 1 else True
+        seen = routed * (2 if recompute else 1)  # a recomputation exchanges its counts again
+        assert got["rows_seen"] == seen.tolist() if rank == size - 1 else True
         assert got["bytes"] > 0
     owners = results[0]["owners"]
     assert all(r["owners"] == owners for r in results) and len(set(owners)) == size
@@ -95,7 +101,7 @@ def test_experts_over_ranks_give_the_references_bits(tmp_path, size, num_experts
         assert torch.equal(held[0], sums[e]), e
         assert held[0].abs().sum() > 0
     assert all(rs["rows_seen"] == results[0]["rows_seen"] for rs in results)
-    assert results[0]["rows_seen"] == routed.tolist()
+    assert results[0]["rows_seen"] == (routed * (2 if recompute else 1)).tolist()
 
 
 def test_the_local_exchange_is_the_blocks_plain_computation():
@@ -116,3 +122,20 @@ def test_the_local_exchange_is_the_blocks_plain_computation():
     assert torch.allclose(got["out"], out, atol=1e-6, rtol=0)
     (out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum().backward()
     assert torch.allclose(got["x_grad"], x2.grad, atol=1e-6, rtol=0)
+
+
+def test_a_recomputed_block_gives_the_same_bits_and_keeps_nothing_after_its_backward():
+    """Checkpointed, the exchange keeps only the rows and runs the experts again in the backward
+    (its graph would escape the checkpoint); no call outlives its backward -- a call that kept its
+    own outputs made a cycle through autograd, and every recomputation's leaked its graph."""
+    torch.set_num_threads(1)
+    plain, again = _block(4), _block(4)
+    for step in range(3):
+        want, got = _run(plain, _rows(step)), _run(again, _rows(step), recompute=True)
+        for key in ("out", "x_grad", "gate_grad"):
+            assert torch.equal(got[key], want[key]), (step, key)
+        for p, q in zip(plain.experts.parameters(), again.experts.parameters()):
+            assert torch.equal(p.grad, q.grad)
+    del want, got
+    gc.collect()
+    assert not [o for o in gc.get_objects() if type(o) in (exchange._LocalCall, exchange._Call)]

@@ -85,10 +85,12 @@ def test_a_group_of_four_loses_one_and_goes_on_as_three_placed_by_load(tmp_path)
     (["parallel.ep=3", "parallel.dp=3", "model.num_experts=4"], "parallel.ep=3 is invalid: must divide parallel.dp=3 "
                                                                 "and model.num_experts=4"),
     (["parallel.ep=2"], "parallel.ep=2 is invalid: needs a mixture of experts"),
+    (["model.num_experts=4", "parallel.ep=2", "elastic.reshape=true"],
+     "parallel.ep=2 is invalid: with elastic.reshape=true would never exchange"),
     (["model.num_experts=4", "elastic.inject=kill:rank=1,step=2,phase=dispatch"],
      "phase=dispatch is an expert-parallel exchange's: needs parallel.ep > 1"),
 ])
-def test_a_bad_expert_parallel_degree_is_one_line(tmp_path, sets, message):
+def test_bad_expert_parallel_input_is_one_line(tmp_path, sets, message):
     extra = [*([s for s in EXPERTS if not s.startswith("model.num_experts")] if "model.num_experts=4" in sets else []),
              "parallel.pp=1", *sets]
     res = run_cli(job_args(2, 1, 1, True, extra), tmp_path, timeout_s=60)
