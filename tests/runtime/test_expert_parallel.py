@@ -25,8 +25,8 @@ def _expert_steps(res) -> list[tuple[list[int], bool]]:
 
 @pytest.mark.parametrize("dp,pp,ep,extra,groups", [
     (2, 1, 2, [], [[0, 1]] * STEPS),
-    # Killed as it starts the second step's first dispatch (steps count from 1), rank 0 waiting in
-    # the same exchange: rank 0 redoes the step alone, every expert its own.
+    # Killed as it starts step 2's first dispatch, rank 0 waiting in the same exchange: the job
+    # resumes at step 1, whose update step 2 had not yet committed, rank 0 alone with every expert.
     (2, 1, 2, ["elastic.inject=kill:rank=1,step=2,phase=dispatch"], [[0, 1]] + [[0]] * 4),
     # 4 pipelines x 2 stages, groups of 2 on each stage; rank 3 killed as it starts a combine, its
     # experts computed for both members' rows but not sent back.

@@ -76,7 +76,8 @@ def test_the_step_before_a_checkpoint_keeps_its_record_when_the_job_dies_right_a
     metrics = tmp_path / "m.jsonl"
     # Step 4 slowed (a sleep: the same bits) so that the checkpoint's background write is done
     # before the kill in its backward: the checkpoint is complete, step 3's record not written.
-    faults = "slow:rank=0,step=4,factor=30;slow:rank=1,step=4,factor=30;kill:rank=1,step=4,phase=backward"
+    # (At factor 30 -- a second or so -- the write was not done once in a full suite's load.)
+    faults = "slow:rank=0,step=4,factor=80;slow:rank=1,step=4,factor=80;kill:rank=1,step=4,phase=backward"
     first = run_cli(["run"] + [x for s in _sets(tmp_path, 2, 1, [f"elastic.inject={faults}"])
                                for x in ("--set", s)], tmp_path, metrics=metrics)
     assert first.returncode != 0
