@@ -12,8 +12,8 @@ An owner runs an expert on each member's rows alone: the rows the reference runs
 micro-batch, so the same products and the same bits. In deterministic mode each member's weight
 gradient is then folded into the fixed-point sums alone (``fold``), as the reference folds each
 micro-batch's; in fast mode they add up in ``.grad``. Every member of a group must run each block's
-forward and backward in the same order (the runtime makes sure: zero/one stage, equal schedules):
-each is one collective of the group.
+forward and backward in the same order, each exchange being one collective of the group
+(runtime/experts.py groups only pipelines that run one schedule).
 """
 from __future__ import annotations
 
@@ -149,7 +149,7 @@ class _Call:
 
     def __init__(self, ex: AllToAll, block, xs, graph: bool, defer: bool):
         g, n, E = ex.group, ex.group.size, len(xs)
-        self.ex, self.block, self.width = ex, block, xs[0].shape[1]
+        self.ex, self.width = ex, xs[0].shape[1]
         self.dtype, self.device = xs[0].dtype, xs[0].device
         mine = ex.experts_of[g.group_rank]
         rows = torch.tensor([x.shape[0] for x in xs], dtype=torch.int64, device=self.device)  # (NCCL: on the GPU)
