@@ -38,7 +38,9 @@ snapshot: just after this rank posted the step's snapshot to its holder; recover
 recovery that resumes at the step, as the chunks are about to move (a failure during a recovery);
 eval: in the evaluation due before the step (train.eval_every), as its last batch starts;
 admission: a joining rank (numbered past the job's world size), just after it posted its join
-request -- before it knows the job's step, so ``step=0`` -- which the leader then admits."""
+request -- before it knows the job's step, so ``step=0`` -- which the leader then admits;
+dispatch/combine: as the step's first expert exchange of that kind starts (parallel.ep > 1: the
+rows going to their experts' owners, the outputs coming back; expert/exchange.py)."""
 USAGE = ("use kill:rank=R,step=S[,phase=P], stop:rank=R,step=S[,phase=P], corrupt:rank=R,step=S, "
          "slow:rank=R,step=S[,factor=F], flip:rank=R,step=S,what=moment|param|replica, starve:rank=R,step=S[,seconds=X] "
          "or join:step=S[,count=N]")

@@ -104,4 +104,3 @@ def attach(cfg, plan, rank: int, stage, accumulator, world, comm, device, built:
     # The busiest member's share of the last epoch's tokens over an even share, by this placement.
     return {"exchanges": exchanges, "record": {"expert_group": list(members),
                                                "expert_busiest_share": max(shares) if shares else None}}
-
