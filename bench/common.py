@@ -150,6 +150,21 @@ def in_turn(i: int, items: Sequence) -> list:
     return list(items) if i % 2 == 0 else list(reversed(items))
 
 
+def runs_in_turn(rounds: int, cases: Sequence, sets_of: Callable, failed: list[str], timeout_s: float,
+                 deterministic: bool = True, label: Callable = str):
+    """``rounds`` ``run`` jobs of each case (``sets_of(case)``: its --set items), the cases in turn
+    (:func:`in_turn`): yields (round, case, :func:`try_job`'s result) for each run that ended well;
+    one that failed is printed and added to ``failed`` -- a finding, left out of the medians."""
+    for k in range(rounds):
+        for case in in_turn(k, cases):
+            run = try_job("run", sets_of(case), deterministic=deterministic, timeout_s=timeout_s)
+            if run["exit_code"]:
+                failed.append(f"{label(case)}: {run['error']}")
+                print(f"  round {k}: {label(case)}: FAILED {run['error']}", flush=True)
+                continue
+            yield k, case, run
+
+
 # -- results files -----------------------------------------------------------------------------------
 def bench_args(doc: str, out: str | None = None, runs: int | None = None,
                parts: Sequence[str] | None = None) -> argparse.ArgumentParser:

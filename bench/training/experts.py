@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository: bench.common
-from bench.common import bench_args, in_turn, try_job, write_results  # noqa: E402
+from bench.common import bench_args, runs_in_turn, write_results  # noqa: E402
 from elaswave.sim.experts import exchange_bytes  # noqa: E402
 
 DP, M, MBS, SEQ, WIDTH, BLOCKS, EXPERTS, TOP_K, STEPS = 2, 8, 4, 64, 128, 4, 8, 2, 10
@@ -42,19 +42,12 @@ def main() -> None:
     step_s: dict[int, list[float]] = {ep: [] for ep in degrees}
     sent: dict[int, list[float]] = {ep: [] for ep in degrees}
     shas, failed = set(), []
-    for k in range(args.rounds):
-        for ep in in_turn(k, degrees):
-            run = try_job("run", job(ep), deterministic=True, timeout_s=600)
-            if run["exit_code"]:
-                failed.append(f"ep={ep}: {run['error']}")
-                print(f"  round {k}: ep={ep}: FAILED {run['error']}", flush=True)
-                continue
-            steps = run["steps"][3:]
-            step_s[ep].append(statistics.median(r["step_time_s"] for r in steps))
-            sent[ep].append(statistics.mean(r.get("expert_bytes", 0) for r in run["steps"]))
-            shas.add(run["sha"])
-            print(f"  round {k}: ep={ep}: step {step_s[ep][-1]:.3f} s, {sent[ep][-1]:.0f} B sent a step, "
-                  f"{run['sha'][:12]}", flush=True)
+    for k, ep, run in runs_in_turn(args.rounds, degrees, job, failed, 600, label=lambda ep: f"ep={ep}"):
+        step_s[ep].append(statistics.median(r["step_time_s"] for r in run["steps"][3:]))
+        sent[ep].append(statistics.mean(r.get("expert_bytes", 0) for r in run["steps"]))
+        shas.add(run["sha"])
+        print(f"  round {k}: ep={ep}: step {step_s[ep][-1]:.3f} s, {sent[ep][-1]:.0f} B sent a step, "
+              f"{run['sha'][:12]}", flush=True)
     measured = {ep: statistics.median(v) for ep, v in step_s.items() if v}
     bytes_ = {ep: statistics.median(v) for ep, v in sent.items() if v}
     priced = exchange_bytes(M * MBS * SEQ // DP, TOP_K, WIDTH, 4, DP, BLOCKS)

@@ -30,7 +30,7 @@ from dataclasses import replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository: bench.common
-from bench.common import bench_args, in_turn, try_job, write_results  # noqa: E402
+from bench.common import bench_args, runs_in_turn, write_results  # noqa: E402
 from elaswave import config  # noqa: E402
 from elaswave.model.contract import counted_numels, tie_pairs  # noqa: E402
 from elaswave.model.registry import model_for  # noqa: E402
@@ -88,22 +88,17 @@ def main() -> None:
     gather_s: dict[str, list[float]] = {k: [] for k in step_s}
     shas: dict[str, set] = {name: set() for name in SCHEDULES}
     failed: list[str] = []
-    for k in range(args.rounds):
-        for name, overlap in in_turn(k, cases):
-            key = f"{name} {overlap}"
-            run = try_job("run", job(args.width, name, overlap, args.link_gbps), deterministic=True, timeout_s=400)
-            if run["exit_code"]:
-                failed.append(f"{key}: {run['error']}")
-                print(f"  round {k}: {key}: FAILED {run['error']}", flush=True)
-                continue
-            steps = run["steps"][3:]
-            step_s[key].append(statistics.median(r["step_time_s"] for r in steps))
-            reduce_s[key].append(statistics.median(r["phases_s"]["reduce"] for r in steps))
-            gather_s[key].append(statistics.median(r["phases_s"]["gather"] for r in steps))
-            shas[name].add(run["sha"])
-            print(f"  round {k}: {key}: step {step_s[key][-1]:.3f} s, reduce phase {reduce_s[key][-1]:.3f} s, "
-                  f"gather phase {gather_s[key][-1]:.3f} s, "
-                  f"{run['sha'][:12]}", flush=True)
+    for k, (name, overlap), run in runs_in_turn(args.rounds, cases, lambda c: job(args.width, *c, args.link_gbps),
+                                                failed, 400, label=" ".join):
+        key = f"{name} {overlap}"
+        steps = run["steps"][3:]
+        step_s[key].append(statistics.median(r["step_time_s"] for r in steps))
+        reduce_s[key].append(statistics.median(r["phases_s"]["reduce"] for r in steps))
+        gather_s[key].append(statistics.median(r["phases_s"]["gather"] for r in steps))
+        shas[name].add(run["sha"])
+        print(f"  round {k}: {key}: step {step_s[key][-1]:.3f} s, reduce phase {reduce_s[key][-1]:.3f} s, "
+              f"gather phase {gather_s[key][-1]:.3f} s, "
+              f"{run['sha'][:12]}", flush=True)
     measured = {k: statistics.median(v) for k, v in step_s.items() if v}
     phases = {k: statistics.median(v) for k, v in reduce_s.items() if v}
     gathers = {k: statistics.median(v) for k, v in gather_s.items() if v}

@@ -115,8 +115,6 @@ class SparseMoE(nn.Module):
             # Each expert on its tokens only (dropless), wherever it is placed (expert/exchange.py);
             # weighed and added here, in expert order.
             ys = run_experts(self, [h[token] for token, _ in routed])
-            if _RECORD is not None:  # a training forward's, not its recomputation's
-                self.routed += torch.tensor([float(token.numel()) for token, _ in routed], dtype=torch.float64)
             for (token, slot), y in zip(routed, ys):
                 if token.numel():
                     out.index_add_(0, token, y * top[token, slot, None])
@@ -126,6 +124,8 @@ class SparseMoE(nn.Module):
             counts = (torch.zeros(self.num_experts, device=h.device) if h.is_meta else
                       torch.bincount(chosen.reshape(-1), minlength=self.num_experts).to(torch.float32))
             _RECORD.append((counts, probs.sum(dim=0), h.shape[0], self.ordinal))
+            if not h.is_meta:  # a training forward's, not its recomputation's (which keeps no record)
+                self.routed += counts.double().cpu()
         return out.reshape(shape)
 
 

@@ -184,9 +184,7 @@ class Executor:
         if last and self.relay is not None:
             self.relay.last_forward_done(mb)
         self.outputs[at] = outs
-        # Waits for parameter all-gathers between layers are not compute: neither the rank's speed
-        # nor emulated time (which then runs after them, as if they had all come first).
-        self._end_compute(began + self.stage.waited_s - waited, cpu, chunk=a.chunk)
+        self._end_compute(began, cpu, waited, chunk=a.chunk)
 
     def _aux_alone(self, record: list) -> float | None:
         """Without a relay (no experts; a schedule that carries no statistics, where the loss is
@@ -237,7 +235,7 @@ class Executor:
             elif out.requires_grad:  # a chunk of frozen weights only, fed tokens (LoRA's embedding), has no graph
                 torch.autograd.backward(out, grad)
             self.on_backward()
-        self._end_compute(began + self.stage.waited_s - waited, cpu, 1.0, a.chunk)
+        self._end_compute(began, cpu, waited, 1.0, a.chunk)
 
     def _backward_input(self, a: Action) -> None:
         """ZB-H1's B: the input's gradient now (the stage before waits for it), the weights' at W."""
@@ -250,24 +248,28 @@ class Executor:
                 out, grad = (out * grad).sum() + term, None
             passes.append(backward_input(out, grad, self.inputs.get((mb, 0)), self._weights, self._recomputed_weights))
         self.weight_passes[mb] = passes
-        self._end_compute(began + self.stage.waited_s - waited, cpu, BACKWARD_INPUT_SHARE)
+        self._end_compute(began, cpu, waited, BACKWARD_INPUT_SHARE)
 
     def _backward_weight(self, a: Action) -> None:
         began, cpu, waited = self._begin_backward()
         for weight_pass in self.weight_passes.pop(a.micro_batch):
             weight_pass.run()
             self.on_backward()  # the piece's gradient is whole only now, into zeroed buffers as in _backward
-        self._end_compute(began + self.stage.waited_s - waited, cpu, 1.0 - BACKWARD_INPUT_SHARE)
+        self._end_compute(began, cpu, waited, 1.0 - BACKWARD_INPUT_SHARE)
 
     def _begin_backward(self) -> tuple[float, float, float]:
-        """(wall, CPU time, ``stage.waited_s``) as a backward starts: what it waited for in between
-        (a mixture of experts' exchanges) is not compute."""
+        """(wall, CPU time, ``stage.waited_s``) as a backward starts (see :meth:`_end_compute`)."""
         self._run_first_backward_hook()
         return time.perf_counter(), time.process_time(), self.stage.waited_s
 
-    def _end_compute(self, began: float, cpu: float, backward_share: float | None = None, chunk: int = 0) -> None:
-        """``backward_share``: the share of a whole backward's modelled time this computation takes
+    def _end_compute(self, began: float, cpu: float, waited: float, backward_share: float | None = None,
+                     chunk: int = 0) -> None:
+        """``waited``: ``stage.waited_s`` when it began -- what it waited for since (parameter
+        all-gathers, a mixture of experts' exchanges) is not compute: neither the rank's speed nor
+        emulated time, which then runs after the waits, as if they had all come first;
+        ``backward_share``: the share of a whole backward's modelled time this computation takes
         (None: a forward); ``chunk``: the model chunk it ran."""
+        began += self.stage.waited_s - waited
         if self.emulated is not None:
             if backward_share is None:
                 self.emulated.forward(began, chunk)
