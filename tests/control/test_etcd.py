@@ -144,7 +144,9 @@ def test_one_member_lost_or_frozen_costs_nothing_and_two_lost_leave_nobody_able_
             fault(0 if fault == etcd.stop else 1)
             began = time.monotonic()
             assert link.compare_set("epoch", before, after) == after.encode()
-            assert time.monotonic() - began < 5
+            # Answered, not lost: the link raises StoreLost past its 5 s grace, so the answer is the
+            # claim. The wall bound only catches a hang (a loaded CI took 5.2 s through an election).
+            assert time.monotonic() - began < 15
             etcd.cont(0)
         etcd.kill(2)  # one of three left: no majority
         began = time.monotonic()
