@@ -27,6 +27,7 @@ class EmulatedCompute:
 
     def __init__(self, forward_s: Sequence[float], backward_factor: float, chunks: Sequence[tuple[int, int]],
                  actuator: Actuator):
+        self.layer_s, self.chunks = list(forward_s), list(chunks)
         self.forward_s = [sum(forward_s[start:end]) for start, end in chunks]
         self.backward_s = [f * backward_factor for f in self.forward_s]
         self.actuator = actuator
@@ -42,4 +43,12 @@ class EmulatedCompute:
 
     def backward(self, began: float, share: float = 1.0, chunk: int = 0) -> None:
         """``share``: the part of a whole backward this one is (ZB-H1's B and W split it)."""
+        self._take(self.backward_s[chunk] * share, began)
+
+    def backward_through(self, began: float, chunk: int, layer: int) -> None:
+        """A whole backward of ``chunk``, which runs its layers from the last down, has made
+        ``layer``'s gradient whole: take the modelled time of the layers from it up."""
+        start, end = self.chunks[chunk]
+        whole = sum(self.layer_s[start:end])
+        share = sum(self.layer_s[layer:end]) / whole if whole else 1.0
         self._take(self.backward_s[chunk] * share, began)

@@ -60,6 +60,8 @@ class Executor:
         rank's own speed, which the planner balances by."""
         self.slowdown = 1.0
         """Each forward and backward takes this many times as long (an injected straggler)."""
+        self.watch = None
+        """Its layers' gradients made whole within a backward (zero/watch.LayerWatch): their sums start then."""
         self.relay: BalanceRelay | None = None
         """A mixture of experts' load-balancing loss across this pipeline's stages (pipeline/balance.py)."""
         self._table = {
@@ -90,6 +92,7 @@ class Executor:
         for i, action in enumerate(actions):
             if self.before is not None:
                 self.before(step, action)
+            self.index = i
             self._table[action.op](action)
             if self.after is not None:
                 self.after(i)
@@ -226,14 +229,22 @@ class Executor:
 
     def _backward(self, a: Action) -> None:
         began, cpu, waited = self._begin_backward()
-        for piece, (out, grad) in enumerate(self._output_grads(a.micro_batch, a.chunk)):  # each folded alone
+        out_grads = self._output_grads(a.micro_batch, a.chunk)
+        for piece, (out, grad) in enumerate(out_grads):  # each folded alone
             # Before the last stage, this stage's MoE blocks take the load-balancing loss's gradient too.
             term = (self.relay.surrogate(a.micro_batch, piece, out.shape[0])
                     if self.relay is not None and grad is not None else None)
-            if term is not None:
-                torch.autograd.backward([out, term], [grad, torch.ones_like(term)])
-            elif out.requires_grad:  # a chunk of frozen weights only, fed tokens (LoRA's embedding), has no graph
-                torch.autograd.backward(out, grad)
+            # The last piece makes the micro-batch's gradients whole, layer by layer as it runs.
+            watched = self.watch is not None and piece == len(out_grads) - 1 and self.watch.arm(
+                self.index, a.chunk, lambda: began + self.stage.waited_s - waited)
+            try:
+                if term is not None:
+                    torch.autograd.backward([out, term], [grad, torch.ones_like(term)])
+                elif out.requires_grad:  # a chunk of frozen weights only, fed tokens (LoRA's embedding), has no graph
+                    torch.autograd.backward(out, grad)
+            finally:
+                if watched:
+                    self.watch.disarm()
             self.on_backward()
         self._end_compute(began, cpu, waited, 1.0, a.chunk)
 

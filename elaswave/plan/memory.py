@@ -31,6 +31,7 @@ at every re-partition and join), and the simulator prices a cluster with the sam
 """
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, fields, replace
 from functools import lru_cache
 from typing import Callable, Sequence
@@ -83,9 +84,15 @@ class MemoryModel:
     """ZB-H1 (parallel.schedule=zb-h1): a micro-batch keeps its graph from its forward to its W,
     which stage ``s`` holds back ``s`` micro-batches, so every stage has as many in flight as
     1F1B's first stage."""
+    slot_chunk_numel: int = 0
+    """The chunk size whose padding a rank's optimizer slots and snapshots pay, where the plan's
+    chunks are a coarser planning grain (the simulator's 2^24 values; the runtime's are
+    parallel.chunk_numel, 4,096): each bucket's slot is its values over its holders rounded up to
+    it. 0: the plan's own chunks (``chunk_numel``), as the runtime deals them."""
     overlap_grad_reduce: bool = True
     """parallel.overlap_grad_reduce: under interleaved 1F1B a chunk's packed sums are alive while
-    the chunks before it still hold activations (:func:`_overlap_peak`)."""
+    the chunks before it still hold activations (:func:`_overlap_peak`), and within a backward a
+    bucket's while the layers below it still hold theirs (:func:`_within_peak`)."""
     overlap_param_gather: bool = True
     """parallel.overlap_param_gather: the last update's all-gather buffers are alive until the
     forward that reads them, beside the activations kept by then (:func:`_gather_peak`)."""
@@ -252,8 +259,8 @@ def rank_bytes(model: MemoryModel, plan, rank: int) -> dict[str, float]:
     out = {"layers": sum(model.layer_bytes(start, end) for start, end in chunks)}
     out["optimizer"] = model.optimizer_bytes * _slot_values(model, plan, rank)
     if model.snapshots and len(plan.ranks) > 1:
-        peers = sum(sum(plan.slot_chunks(owner)) for owner in plan.snapshot_owners(rank))
-        out["snapshots"] = STATE_BYTES * model.chunk_numel * model.peer_copies() * peers
+        peers = sum(_slot_values(model, plan, owner) for owner in plan.snapshot_owners(rank))
+        out["snapshots"] = STATE_BYTES * model.peer_copies() * peers
     else:
         out["snapshots"] = 0.0
     out["data"] = model.data_bytes if s in (0, depth - 1) else 0.0
@@ -268,8 +275,8 @@ def rank_bytes(model: MemoryModel, plan, rank: int) -> dict[str, float]:
     # After the backward the activations are gone and the reduce packs the sums: one or the other --
     # but a chunk's sum that starts early is packed while the chunks before it still compute.
     out["update"] = model.update_bytes(sum(model.layer_numels[i] for i in held), _slot_values(model, plan, rank))
-    out["overlap"] = (_overlap_peak(model, chunks, s, depth, mbs) if mbs and len(chunks) > 1
-                      and model.overlap_grad_reduce else 0.0)
+    out["overlap"] = max(_overlap_peak(model, chunks, s, depth, mbs) if len(chunks) > 1 else 0.0,
+                         _within_peak(model, plan, rank, chunks, s, depth, mbs)) if mbs and model.overlap_grad_reduce else 0.0
     out["gather"] = (_gather_peak(model, chunks, s, depth, mbs, _slot_values(model, plan, rank))
                      if mbs and model.overlap_param_gather else 0.0)
     phases = ("activations", "update", "overlap", "gather")
@@ -288,6 +295,28 @@ def _overlap_peak(model: MemoryModel, chunks, stage: int, depth: int, mbs: int) 
     after = _walk(stage, depth, len(chunks), mbs)[1]
     return max((sum(n * k for n, k in zip(after[c], kept)) + sum(packed[c:]) for c in range(1, len(chunks))),
                default=0.0)
+
+
+def _within_peak(model: MemoryModel, plan, rank: int, chunks, stage: int, depth: int, mbs: int) -> float:
+    """With overlapped sums, a bucket's sum starts within the backward that makes it whole
+    (zero/watch.py), as the backward reaches the bucket's lowest layer ``a``: the packed sums of
+    chunk ``c``'s layers from ``a`` up (and of the chunks after it, under interleaved 1F1B) beside
+    the activations of its layers below ``a`` that the micro-batch still holds, and the micro-batches
+    the other chunks keep then -- the most of that over the rank's buckets."""
+    summed = model.sum_bytes or model.param_bytes
+    packed = [summed * sum(model.layer_numels[i] for i in range(start, end)) for start, end in chunks]
+    after = _walk(stage, depth, len(chunks), mbs)[1] if len(chunks) > 1 else ((0,),)
+    kept = [model.activation_bytes(start, end, 2, 0, True, True) - model.activation_bytes(start, end, 1, 0, True, True)
+            for start, end in chunks]
+    out, buckets = 0.0, plan.gradient_buckets()
+    for b in _buckets_of(plan).get(rank, ()):
+        a = buckets[b][1][0]
+        for c, (start, end) in enumerate(chunks):
+            if start < a < end:
+                out = max(out, sum(n * k for n, k in zip(after[c], kept)) + sum(packed[c + 1:])
+                          + summed * sum(model.layer_numels[i] for i in range(a, end))
+                          + model.activation_bytes(start, a, 1, 0, True, True))
+    return out
 
 
 def _gather_peak(model: MemoryModel, chunks, stage: int, depth: int, mbs: int, slot: float) -> float:
@@ -377,8 +406,35 @@ def limit_refusal(plan) -> str | None:
 
 
 def _slot_values(model: MemoryModel, plan, rank: int) -> int:
-    """Values of ``rank``'s optimizer slots (Plan.slot_chunks)."""
-    return sum(plan.slot_chunks(rank)) * model.chunk_numel
+    """Values of ``rank``'s optimizer slots (Plan.slot_chunks; with ``slot_chunk_numel``, each
+    bucket's share rounded up to that grain)."""
+    if not model.slot_chunk_numel:
+        return sum(plan.slot_chunks(rank)) * model.chunk_numel
+    buckets, grain, out = plan.gradient_buckets(), model.slot_chunk_numel, 0
+    for b in _buckets_of(plan).get(rank, ()):
+        holders, layers = buckets[b]
+        chunks = -(-sum(model.layer_numels[i] for i in layers) // grain)
+        out += -(-chunks // len(holders)) * grain  # a slot is the most any holder of the bucket gets
+    return out
+
+
+def _buckets_of(plan) -> dict[int, list[int]]:
+    """Each rank's gradient buckets (indices into ``plan.gradient_buckets()``): a plan of 10^4 ranks
+    is asked once a rank, and a bucket has up to 10^2 holders."""
+    kept = _BUCKETS.get(id(plan))
+    if kept is None or kept[0]() is not plan:  # (an id is reused only once its plan is gone)
+        index: dict[int, list[int]] = {}
+        for b, (holders, _) in enumerate(plan.gradient_buckets()):
+            for h in holders:
+                index.setdefault(h, []).append(b)
+        if len(_BUCKETS) > 64:
+            _BUCKETS.clear()
+        kept = _BUCKETS[id(plan)] = (weakref.ref(plan), index)
+    return kept[1]
+
+
+_BUCKETS: dict = {}
+"""A plan's id -> (the plan, weakly; :func:`_buckets_of`)."""
 
 
 def stages_memory(memory: MemoryModel | None, num_stages: int, pipelines: int, num_micro_batches: int):

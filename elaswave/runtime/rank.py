@@ -30,6 +30,7 @@ from elaswave.tensor.shards import TensorShards
 from elaswave.zero.bucket import Bucket
 from elaswave.zero.optimizer import ShardedAdamW
 from elaswave.zero.reduce import Gathering, GradAccumulator, Reduction
+from elaswave.zero.watch import LayerWatch
 
 
 @dataclass
@@ -131,6 +132,8 @@ def build_rank(cfg: JobConfig, plan: Plan, rank: int, stage: Stage, sampler: Sam
     stage.reads = gathering.before_layer
     executor = Executor(stage, p2p, sampler, step_tokens, accumulator.add_micro_batch, before, emulated,
                         pieces_of(plan, t) if k > 1 else None, after=reduction.after)
+    # ... and within the backward that makes them whole, layer by layer (zero/watch.py).
+    executor.watch = LayerWatch(stage.layers, accumulator, reduction, emulated) if par.overlap_grad_reduce else None
     for exchange in experts["exchanges"] if fault is not None else ():
         exchange.fault = lambda what: fault(executor.step, what)
     # A mixture of experts' load-balancing loss spans every stage a micro-batch passes: its

@@ -40,6 +40,8 @@ class StepResult:
     """Bytes this rank gave its tensor-parallel group's collectives in the step (0 without tp)."""
     early_sums: int = 0
     """Gradient buckets whose sum this rank started while its schedule still computed."""
+    sums_in_backwards: int = 0
+    """Of those, the ones started while the backward that made them whole still ran (zero/watch.py)."""
     gathers_in_forwards: int = 0
     """Parameter all-gathers of the last update that this step's forwards waited for (overlapped)."""
     expert_bytes: int = 0
@@ -131,7 +133,7 @@ def train_step(st: RankState, cfg: JobConfig, step: int, pool: SnapshotPool | No
     #    (on gloo every holder gets the whole bucket, at the same cost). What is left starts now,
     #    before the exchange: on the world group every rank issues them in this order.
     fault(step, "reduce")
-    early_sums = st.reduction.early
+    early_sums, sums_in_backwards = st.reduction.early, st.reduction.within
     st.reduction.start_rest()
     exchange_work = st.world.all_reduce_async(exchange)
     reduced = st.reduction.finish()
@@ -184,7 +186,7 @@ def train_step(st: RankState, cfg: JobConfig, step: int, pool: SnapshotPool | No
                       speeds=speeds, store_lost=store_gone,
                       tokens=samples_of(st.plan, t) * st.stage.model.seq_len,
                       loss_tokens=loss_tokens, aux_loss=aux_loss,
-                      tp_bytes=_tp_sent(st) - tp_sent, early_sums=early_sums,
+                      tp_bytes=_tp_sent(st) - tp_sent, early_sums=early_sums, sums_in_backwards=sums_in_backwards,
                       gathers_in_forwards=gathers_in_forwards, expert_bytes=_expert_sent(st) - expert_sent)
 
 

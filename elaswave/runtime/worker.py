@@ -151,7 +151,7 @@ def run(cfg: JobConfig, rank: int, world_size: int, metrics_out: str | None) -> 
                                  **({"aux_loss": result.aux_loss} if result.aux_loss is not None else {}),
                                  "epoch": st.epoch, "step_time_s": took, "tokens_per_s": samples * ctx.model.seq_len / took,
                                  "wall_time": time.time(), "phases_s": result.phases_s, "early_sums": result.early_sums,
-                                 "gathers_in_forwards": result.gathers_in_forwards,
+                                 "gathers_in_forwards": result.gathers_in_forwards, "sums_in_backwards": result.sums_in_backwards,
                                  "modelled_power_w": _modelled_power(st.plan), **ctx.source_tokens(step),
                                  **({"tp_bytes": result.tp_bytes} if cfg.parallel.tp > 1 else {}),
                                  **({"expert_bytes": result.expert_bytes, **st.experts["record"]} if cfg.parallel.ep > 1 else {})})

@@ -19,8 +19,9 @@ The same :class:`~elaswave.plan.plan.Plan` the runtime trains with is priced her
   at the slowest stage. The ``lower_bound`` pricing (:func:`routed_lower_bound`) does not depend
   on the schedule;
 - each gradient bucket's sum starts when its holders' schedules have made its gradients whole
-  (a rank's last stage long before the first, and under interleaved 1F1B a chunk's last backward:
-  :func:`overlapped_collectives_s`, as ``zero/reduce.Reduction`` runs them), a rank's sums one
+  (a rank's last stage long before the first, and under interleaved 1F1B a chunk's last backward;
+  within a whole backward as it reaches the bucket's lowest layer: :func:`overlapped_collectives_s`,
+  as ``zero/reduce.Reduction`` and ``zero/watch.py`` run them), a rank's sums one
   after another; the step ends when the slowest pipeline has finished and the last sum has ended,
   and the busiest rank has re-gathered its parameters (ring algorithms over the group's slowest
   link: a reduce-scatter and an all-gather each move ``(n-1)/n`` of the bytes in ``n-1`` hops;
@@ -228,9 +229,9 @@ def step_time(plan: Plan, model: ClusterModel, schedule: str = "runtime") -> Ste
     else:
         compute = _analytic_compute(plan, stage, virtual, model.split_factor(plan), model.pipeline_schedule, released)
     whole = (_whole_at(plan, virtual, model.split_factor(plan), model.pipeline_schedule, model.overlap_grad_reduce,
-                       released)
+                       released, model.layer_forward_s)
              if schedule == "runtime" and not plan.routes else None)
-    summed, gathers = overlapped_collectives_s(plan, model, whole or (lambda rank, chunks: compute))
+    summed, gathers = overlapped_collectives_s(plan, model, whole or (lambda rank, layers: compute))
     step = max(compute, summed) + (0.0 if released is not None else gathers)
     power = sum(model.power.power(plan.frequency(r)) for r in plan.ranks)
     return StepEstimate(step + model.step_overhead_s, compute, step - compute,
@@ -238,12 +239,15 @@ def step_time(plan: Plan, model: ClusterModel, schedule: str = "runtime") -> Ste
 
 
 def _whole_at(plan: Plan, virtual: dict[int, tuple[float, ...]], backward_factor: float, schedule: str,
-              overlap: bool, released: dict[int, tuple[float, ...]] | None = None):
-    """(rank, its model chunks) -> when their gradients are whole in the step, by the schedule's own
-    timing of the rank's pipeline (0 on a pipeline that runs nothing), its forwards after the
-    all-gathers they read (``released``: :func:`gather_releases`); without ``overlap``, when all
-    the rank's are."""
-    by_pipeline: dict[int, tuple[float, ...]] = {}
+              overlap: bool, released: dict[int, tuple[float, ...]] | None = None,
+              layer_s: Sequence[float] = ()):
+    """(rank, a bucket's layers) -> when their gradients are whole on the rank in the step, by the
+    schedule's own timing of the rank's pipeline (0 on a pipeline that runs nothing), its forwards
+    after the all-gathers they read (``released``: :func:`gather_releases`): the last backward of
+    the chunks that compute them, and within a whole backward once it has run the chunk's layers
+    from the bucket's lowest up (zero/watch.py; shares by ``layer_s``, each layer's forward);
+    without ``overlap``, when all the rank's chunks are done."""
+    by_pipeline: dict[int, tuple[tuple[float, float], ...]] = {}
 
     def whole(d: int) -> tuple[float, ...]:
         if d not in by_pipeline:
@@ -254,20 +258,30 @@ def _whole_at(plan: Plan, virtual: dict[int, tuple[float, ...]], backward_factor
                                               _released_of(plan, d, released))
         return by_pipeline[d]
 
-    def at(rank: int, chunks: frozenset[int]) -> float:
+    def at(rank: int, layers: Sequence[int]) -> float:
         d, s = plan.position(rank)
+        chunks = gradient_chunks(plan, rank, layers[0])
         if not overlap and chunks:
             chunks = frozenset(range(plan.virtual_stages))
         if not plan.micro_batches[d] or not chunks:
             return 0.0
-        times = whole(d)
-        return max(times[c * len(plan.pipelines[d]) + s] for c in chunks)
+        times, ranges = whole(d), plan.chunk_ranges(rank)
+        out = 0.0
+        for c in chunks:
+            end, backward = times[c * len(plan.pipelines[d]) + s]
+            start, stop = ranges[c]
+            # What it still runs below (the runtime counts a tied use's tensors too: one computed in
+            # another chunk leaves the bucket to the backward's end there).
+            if overlap and backward and len(chunks) == 1 and start <= layers[0] < stop and layer_s:
+                end -= backward * sum(layer_s[start:layers[0]]) / (sum(layer_s[start:stop]) or 1.0)
+            out = max(out, end)
+        return out
     return at
 
 
 @lru_cache(maxsize=4096)
 def _gradients_whole(schedule: str, times: tuple[float, ...], m: int | tuple[float, ...], backward_factor: float,
-                     num_chunks: int, released: tuple[float, ...] | None = None) -> tuple[float, ...]:
+                     num_chunks: int, released: tuple[float, ...] | None = None) -> tuple[tuple[float, float], ...]:
     count, sizes = (len(m), m) if isinstance(m, tuple) else (m, None)
     num_stages = len(times) // num_chunks
     return gradients_whole([stage_schedule(schedule, s, num_stages, range(count), num_chunks)
@@ -409,10 +423,10 @@ def ring_s(n: int, nbytes: float, latency_s: float, bytes_per_s: float) -> float
 
 
 def overlapped_collectives_s(plan: Plan, model: ClusterModel,
-                             whole_at: Callable[[int, frozenset[int]], float]) -> tuple[float, float]:
+                             whole_at: Callable[[int, Sequence[int]], float]) -> tuple[float, float]:
     """(when the step's last gradient sum ends, the busiest rank's parameter all-gathers after it).
     Each bucket's sum can start, as the runtime starts it (zero/reduce.Reduction), once every
-    holder has made its gradients whole (``whole_at``: by rank and its chunks); a rank's link runs
+    holder has made its gradients whole (``whole_at``: by rank and the bucket's layers); a rank's link runs
     its sums one after another as they come (so when all come at once, the busiest rank's sum --
     a rank holds layers of several groups after an uneven re-split). The all-gathers follow the
     optimizer, each rank's one after another."""
@@ -422,8 +436,7 @@ def overlapped_collectives_s(plan: Plan, model: ClusterModel,
     gathers: dict[int, float] = {}
     for holders, layers in plan.gradient_buckets():
         summed, gathered = _holder_parts(model, holders, sum(model.layer_param_bytes[k] for k in layers))
-        # A bucket's layers are computed by the same chunks on each holder (plan/buckets.py): its first tells.
-        start = max(whole_at(h, gradient_chunks(plan, h, layers[0])) for h in holders)
+        start = max(whole_at(h, layers) for h in holders)
         for h in holders:
             sums.setdefault(h, []).append((start, summed))
             gathers[h] = gathers.get(h, 0.0) + gathered

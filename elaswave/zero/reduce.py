@@ -41,8 +41,11 @@ class GradAccumulator:
         for layer in self.layers:
             if self.sums[layer.index] is not layer.grad and not deterministic:
                 layer.sum_gradients_into(self.sums[layer.index])
+        self._folded: set[int] = set()
+        """Layers the backward running now has already folded (:meth:`fold_layer`)."""
 
     def zero(self) -> None:
+        self._folded.clear()
         for layer in self.layers:
             self.sums[layer.index].zero_()
             if layer.grad is not None:
@@ -59,17 +62,28 @@ class GradAccumulator:
         A tied tensor's uses elsewhere (``layer.uses``) are folded in as gradients of their own:
         each use is rounded alone, whether or not the other use ran on this rank, so the integer
         sum is the same wherever the uses sit."""
-        if not self.deterministic:  # autograd added them already: into the flat gradient or the sum
-            for layer in self.layers:
-                if layer.grad is not None:  # float32: only the tied uses elsewhere are left
-                    for alias, offset in layer.uses:
-                        layer.grad[offset:offset + alias.numel()].add_(alias.grad.view(-1))
-                        alias.grad.zero_()
-            return
         for layer in self.layers:
-            self._fold(layer.index, layer.grad, self.sums[layer.index])
-            for alias, offset in layer.uses:
-                self._fold(layer.index, alias.grad.view(-1), self.sums[layer.index][offset:offset + alias.numel()])
+            if layer.index not in self._folded:
+                self._fold_layer(layer)
+        self._folded.clear()
+
+    def fold_layer(self, index: int) -> None:
+        """Fold layer ``index``'s gradient of the backward running now, which has made it whole
+        (zero/watch.py): its sum can start before that backward ends. :meth:`add_micro_batch` then
+        leaves it alone; the bits are those of folding it there."""
+        self._fold_layer(self._layers[index])
+        self._folded.add(index)
+
+    def _fold_layer(self, layer: FlatLayer) -> None:
+        if not self.deterministic:  # autograd added them already: into the flat gradient or the sum
+            if layer.grad is not None:  # float32: only the tied uses elsewhere are left
+                for alias, offset in layer.uses:
+                    layer.grad[offset:offset + alias.numel()].add_(alias.grad.view(-1))
+                    alias.grad.zero_()
+            return
+        self._fold(layer.index, layer.grad, self.sums[layer.index])
+        for alias, offset in layer.uses:
+            self._fold(layer.index, alias.grad.view(-1), self.sums[layer.index][offset:offset + alias.numel()])
 
     def fold_part(self, index: int, start: int, numel: int) -> None:
         """Deterministic mode: fold values [start, start + numel) of layer ``index``'s gradient now,
@@ -131,8 +145,38 @@ class Reduction:
         """A new step (what a failed one started is the broken epoch's, parked with its group)."""
         self._started: dict[int, tuple[torch.Tensor, object, float]] = {}
         self._next = 0
+        self._watched: tuple[int, set[int]] = (-1, set())
+        """(the action running, the layers it has made whole so far): :meth:`watched`."""
         self.early = 0
-        """Sums started before the schedule's last action (overlapping its compute)."""
+        """Sums started before the schedule's last action ended (overlapping its compute)."""
+        self.within = 0
+        """Of those, the sums started while a backward still ran (:meth:`layer_whole`)."""
+
+    def watched(self, index: int) -> set[int]:
+        """Action ``index``, a whole backward, is about to run: the layers whose gradients it makes
+        whole for the sums that may start before it ends -- the buckets it readies, the next in
+        the order first (a later one never starts before it)."""
+        self._watched = (index, set())
+        out: set[int] = set()
+        for i in self.order[self._next:]:
+            if self.ready_after[i] != index:
+                break
+            out.update(self.buckets[i].layers)
+        return out
+
+    def layer_whole(self, layer: int) -> None:
+        """The watched backward has made ``layer``'s gradient whole and folded it: start every
+        bucket, in the order, whose layers all are."""
+        index, done = self._watched
+        done.add(layer)
+        while self._next < len(self.order):
+            i = self.order[self._next]
+            if self.ready_after[i] != index or not done.issuperset(self.buckets[i].layers):
+                break
+            self._begin(i)
+            self._next += 1
+            self.early += 1
+            self.within += 1
 
     def after(self, index: int) -> None:
         """Action ``index`` of the step's schedule has run: start what it made whole."""

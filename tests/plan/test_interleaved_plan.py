@@ -149,6 +149,26 @@ def test_a_chunks_sum_packed_early_counts_beside_the_activations_still_kept():
     assert rank_bytes(memory, one_f_one_b, 0)["overlap"] == 0.0  # a rank's one chunk is whole at its end
 
 
+def test_a_layers_sum_packed_within_its_backward_counts_beside_the_layers_below():
+    """With a bucket a layer, a 1F1B stage's last backward starts each layer's sum as it passes it
+    (zero/watch.py): the packed sums of its wide upper layers are alive while its lower layers still
+    hold the micro-batch's activations -- here above the activations' peak and the reduce's (a
+    reduce-scatter over 4 holders)."""
+    from elaswave.plan.buckets import size_starts
+    numels = [40, 64, 64, 100_000, 100_000, 64, 64, 64, 64, 40]
+    memory = MemoryModel(layer_numels=tuple(numels), layer_activation_bytes=(90_000.0,) * len(COSTS),
+                         boundary_bytes=100.0, param_bytes=4, sum_bytes=4, chunk_numel=16, overlap_param_gather=False)
+    plan = initial_plan(8, 4, 2, COSTS, 8, numels, chunk_numel=16, memory=memory, bucket_starts=size_starts(numels, 1))
+    (start, end), = plan.chunk_ranges(0)
+    assert start == 0 and end == 5, plan.chunk_ranges(0)
+    on, off = rank_bytes(memory, plan, 0), rank_bytes(replace(memory, overlap_grad_reduce=False), plan, 0)
+    at = {a: 4 * sum(numels[a:end]) + memory.activation_bytes(start, a, 1, 0, True, True) for a in range(1, end)}
+    assert off["overlap"] == 0.0 and on["overlap"] == pytest.approx(max(at.values()))
+    assert max(at, key=at.get) == 3 and on["overlap"] > max(on["activations"], on["update"]), on
+    per_stage = replace(plan, bucket_starts=())  # a bucket a stage: it starts at the backward's end
+    assert rank_bytes(memory, per_stage, 0)["overlap"] == 0.0
+
+
 def test_all_gathers_still_out_count_beside_the_warm_ups_first_activations():
     """With overlapped all-gathers (parallel.overlap_param_gather) chunk 1's parameters arrive in a
     packed buffer that waits for chunk 1's first forward, while chunk 0 already keeps the warm-up's

@@ -49,6 +49,10 @@ def test_a_bucket_a_layer_keeps_the_bits_through_a_kill_with_all_gathers_out(tmp
     followers = [r for prev, r in zip(res.steps, res.steps[1:]) if prev["epoch"] == r["epoch"] == 0]
     assert mine >= 3 and followers
     assert all(r["gathers_in_forwards"] == mine for r in followers), (mine, [r["gathers_in_forwards"] for r in res.steps])
+    # Its 1F1B stage's gradients are whole only in its last backward, layer by layer: each bucket's
+    # sum started in it, as its layer was (zero/watch.py), not after it.
+    assert all(r["sums_in_backwards"] == mine for r in res.steps if r["epoch"] == 0), \
+        [r["sums_in_backwards"] for r in res.steps]
 
 
 @pytest.mark.parametrize("how", ["every_2", "selective"])
@@ -68,6 +72,22 @@ def test_fast_mode_matches_reference_closely(tmp_path, dp, pp, precision, tolera
     res = run_job(tmp_path, dp, pp, STEPS, deterministic=False, extra=sets)
     for step, (a, b) in enumerate(zip(res.losses, ref.losses)):
         assert abs(a - b) / abs(b) < tolerance, f"step {step}: {a} vs reference {b}"
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_sums_started_within_the_backward_keep_fast_modes_bits(tmp_path, precision):
+    """Fast mode adds gradients as autograd writes them (float32: into the flat gradient; bf16:
+    into a float32 sum, hook by hook): a bucket's sum started as its layer is whole packs what one
+    started after the backward would. dp=2 x pp=2, a bucket a layer, sums overlapped or not."""
+    runs = {}
+    for overlap in ("true", "false"):
+        (tmp_path / overlap).mkdir()
+        runs[overlap] = run_job(tmp_path / overlap, 2, 2, 6, deterministic=False, extra=[
+            f"train.precision={precision}", "parallel.bucket_numel=1", f"parallel.overlap_grad_reduce={overlap}"])
+    on, off = runs["true"], runs["false"]
+    assert on.losses == off.losses
+    assert on.summary["params_sha256"] == off.summary["params_sha256"]
+    assert all(r["sums_in_backwards"] >= 3 for r in on.steps) and not any(r["sums_in_backwards"] for r in off.steps)
 
 
 def test_deterministic_and_fast_mode_differ_only_slightly(tmp_path, reference):

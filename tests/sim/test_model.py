@@ -91,6 +91,25 @@ def test_a_stage_sums_its_gradients_while_the_stages_before_it_still_compute():
     assert serial.collective_s == pytest.approx(first + gathers)  # parallel.overlap_grad_reduce=false
 
 
+def test_a_1f1b_stage_sums_a_layer_bucket_while_its_last_backward_runs_the_layers_below():
+    """With a bucket a layer, a 1F1B stage's last backward makes its upper layer whole halfway
+    (zero/watch.py): that bucket's sum starts then, and only what it has not done by the backward's
+    end delays the lower layer's, which starts at the end."""
+    from elaswave.plan.buckets import size_starts
+    from elaswave.sim.model import _holder_parts
+    plan = initial_plan(8, 2, 4, [1.0] * 8, 16, [1000] * 8, 100, bucket_starts=size_starts([1000] * 8, 1))
+    model = _model(layer_param_bytes=(400.0,) * 8, intra_node_bytes_per_s=2e6, gradient_bytes_factor=300.0,
+                   overlap_param_gather=False)
+    est = step_time(plan, model)
+    layer, _ = _holder_parts(model, (0, 4), 400.0)
+    _, gathers = _holder_parts(model, (3, 7), 800.0)
+    backward = 2 * 0.01 * 2  # rank 0's last backward: two layers, each half of it
+    assert layer > backward / 2  # its sum outlasts the lower layer's backward
+    assert est.collective_s == pytest.approx(layer - backward / 2 + layer + gathers)
+    serial = step_time(plan, replace(model, overlap_grad_reduce=False))
+    assert serial.collective_s == pytest.approx(2 * layer + gathers)
+
+
 def test_the_all_gathers_run_during_the_next_forwards_each_chunk_waiting_for_what_it_reads():
     """parallel.overlap_param_gather: a rank's all-gathers start with the step, the first layers
     first, one after another, and a forward waits before each layer for the bucket it reads. Under

@@ -1,0 +1,82 @@
+"""Each layer's gradient whole within a backward, so that its bucket's sum starts before the
+backward ends (Megatron's per-bucket hooks).
+
+A rank's last backward of a model chunk in a step makes the chunk's gradients whole layer by layer,
+the last layer first: under plain 1F1B that is every layer of the rank, and without this all its
+sums waited for the whole backward. Every weight tensor of a stage (its layers' parameters and tied
+uses) carries one post-accumulate hook for its life; while a backward is watched, the hook counts the
+tensors of each layer that autograd has given their gradient. When all of a layer's have, the layer
+is folded (``GradAccumulator.fold_layer``: the same bits as folding it after the backward) and the
+reduction told (``Reduction.layer_whole``), which starts every bucket whose layers are all whole, in its
+one order.
+
+A layer one of whose tensors gets no gradient in that backward -- an expert no row was routed to, an
+expert another rank owns, a tied use computed in another chunk -- is never whole here: its bucket
+starts once the action has run, as without the watch. One backward call gives each leaf its
+gradient once, so a tensor counted is a tensor done; inside an expert exchange nested backwards give
+an expert's weights several (folded as they come, expert/exchange.py), all before the block's
+router and attention get theirs, so the layer is whole only after them.
+"""
+from __future__ import annotations
+
+import weakref
+from typing import Callable, Sequence
+
+import torch
+
+from elaswave.pipeline.emulate import EmulatedCompute
+from elaswave.zero.flat import FlatLayer
+from elaswave.zero.reduce import GradAccumulator, Reduction
+
+
+class LayerWatch:
+    def __init__(self, layers: Sequence[FlatLayer], accumulator: GradAccumulator, reduction: Reduction,
+                 emulated: EmulatedCompute | None = None):
+        """``emulated``: a watched backward also takes each layer's modelled time before its sum starts."""
+        self.accumulator, self.reduction, self.emulated = accumulator, reduction, emulated
+        self._tensors = {layer.index: len(layer.params) + len(layer.uses) for layer in layers}
+        self._wanted: set[int] = set()
+        self._given: dict[int, set[int]] = {}
+        self._chunk, self._began = 0, (lambda: 0.0)
+        # A hook outlives epochs (a tensor's hooks cannot be listed or dropped one by one without
+        # their handles) and holds only its slot, whose watch is weak: an old epoch's watch is freed
+        # with its rank, and a hook reaching back to a layer would be a cycle the collector misses.
+        ref = weakref.ref(self)
+        for layer in layers:
+            for t in (*layer.params, *(alias for alias, _ in layer.uses)):
+                slot = getattr(t, "_elaswave_watch", None)
+                if slot is None:
+                    slot = t._elaswave_watch = [layer.index, None]
+                    t.register_post_accumulate_grad_hook(_counter(slot))
+                slot[0], slot[1] = layer.index, ref
+
+    def arm(self, index: int, chunk: int, began: Callable[[], float]) -> bool:
+        """Action ``index``, a whole backward of ``chunk``, is about to run its last piece;
+        ``began``: when it began, as emulated compute counts it. False: nothing of it to watch."""
+        self._wanted = {layer for layer in self.reduction.watched(index) if self._tensors.get(layer)}
+        self._given, self._chunk, self._began = {}, chunk, began
+        return bool(self._wanted)
+
+    def disarm(self) -> None:
+        self._wanted = set()
+
+    def given(self, layer: int, t: torch.Tensor) -> None:
+        if layer not in self._wanted:
+            return
+        given = self._given.setdefault(layer, set())
+        given.add(id(t))
+        if len(given) < self._tensors[layer]:
+            return
+        self._wanted.discard(layer)
+        if self.emulated is not None:
+            self.emulated.backward_through(self._began(), self._chunk, layer)
+        self.accumulator.fold_layer(layer)
+        self.reduction.layer_whole(layer)
+
+
+def _counter(slot: list):
+    def counted(t: torch.Tensor) -> None:
+        watch = slot[1]() if slot[1] is not None else None
+        if watch is not None:
+            watch.given(slot[0], t)
+    return counted
