@@ -6,7 +6,7 @@ from functools import lru_cache
 from typing import Mapping, Sequence
 
 from elaswave.pipeline import routed
-from elaswave.pipeline.schedule import schedule_makespan
+from elaswave.pipeline.schedule import makespan, schedule_makespan, stage_schedule
 from elaswave.plan import microbatches
 from elaswave.plan.frequency import PowerModel, plan_frequencies
 
@@ -63,6 +63,20 @@ def step_s(stage_s: Sequence[Sequence[float]], mbs, sizes: Sequence[Sequence[flo
 @lru_cache(maxsize=4096)
 def _pipeline_s(schedule: str, stage_s: tuple[float, ...], sizes: tuple[float, ...], num_chunks: int) -> float:
     return schedule_makespan(schedule, stage_s, len(sizes), sizes=sizes, num_chunks=num_chunks)
+
+
+def chunks_step_s(virtual_s: Sequence[Sequence[float]], mbs, sizes: Sequence[Sequence[float]],
+                  num_chunks: int) -> float:
+    """:func:`step_s` of interleaved pipelines from each virtual stage's own time (``chunk * p +
+    stage``), not a rank's time split evenly over its chunks."""
+    return max(_chunked_s(tuple(v), tuple(z), num_chunks) for v, z, m in zip(virtual_s, sizes, mbs) if m)
+
+
+@lru_cache(maxsize=4096)
+def _chunked_s(virtual_s: tuple[float, ...], sizes: tuple[float, ...], num_chunks: int) -> float:
+    depth = len(virtual_s) // num_chunks
+    return makespan([stage_schedule("interleaved", s, depth, range(len(sizes)), num_chunks) for s in range(depth)],
+                    virtual_s, sizes=sizes)
 
 
 def detoured_step_s(pipelines, mbs, routes, stage_s: Mapping[int, float]) -> float:

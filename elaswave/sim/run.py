@@ -41,12 +41,12 @@ def add_arguments(ap) -> None:
     ap.add_argument("--virtual-stages", type=int, default=1,
                     help="model chunks a GPU holds (parallel.virtual_stages): >= 2 with --schedule interleaved, "
                          "1 (the default) otherwise; pp x it must not exceed the model's layers")
-    ap.add_argument("--bucket-numel", type=int, default=0,
-                    help="most values a GPU's gradient bucket holds (parallel.bucket_numel; the runtime's default "
-                         f"is {ParallelConfig.bucket_numel}), each bucket summed and all-gathered on its own. Default "
-                         "0: a bucket a model chunk -- the simulator's ZeRO chunks are 2^24 values (the runtime's "
-                         "4,096), and each bucket pads its slots to whole chunks: at Llama 3 405B's sizes a bucket a "
-                         "layer pads ~2 GiB a GPU that the runtime does not")
+    ap.add_argument("--bucket-numel", type=int, default=ParallelConfig.bucket_numel,
+                    help="most values a GPU's gradient bucket holds (parallel.bucket_numel; default the runtime's, "
+                         f"{ParallelConfig.bucket_numel:,}), each bucket summed and all-gathered on its own, and a "
+                         "bucket's sum started within the backward that makes it whole; 0: a bucket a model chunk. "
+                         "Its optimizer slots are padded as the runtime's 4,096-value chunks pad them (the "
+                         "simulator plans with 2^24-value chunks)")
     ap.add_argument("--micro-batches", type=int, help="global batch in micro-batches (default 2 x pp per pipeline)")
     ap.add_argument("--micro-batch-size", type=int, default=1,
                     help="sequences per micro-batch (default 1); above 1 elaswave reshapes after a change: it deals "
@@ -116,8 +116,10 @@ def _memory(args, micro_batches: int):
     if not 0 <= args.reserve_gib < args.device_gib:
         raise ConfigError(f"--reserve-gib={args.reserve_gib:g} is invalid with --device-gib={args.device_gib:g}: the "
                           "reserve is a part of the device's memory, >= 0 and below it")
-    return tp_shard(_job_memory(args.model, args.micro_batch_size, micro_batches, args.checkpointing, args.schedule,
-                                args.virtual_stages), args.tp)
+    # Its ZeRO chunks are 2^24 values, a planning grain: slots pad as the runtime's chunks do.
+    return replace(tp_shard(_job_memory(args.model, args.micro_batch_size, micro_batches, args.checkpointing,
+                                        args.schedule, args.virtual_stages), args.tp),
+                   slot_chunk_numel=ParallelConfig.chunk_numel)
 
 
 @functools.lru_cache(maxsize=16)

@@ -6,6 +6,8 @@ import re
 import pytest
 
 from elaswave import cli
+from elaswave.comm.config import ParallelConfig
+from elaswave.plan.buckets import size_starts
 from elaswave.plan.memory import rank_bytes
 from elaswave.plan.plan import initial_plan, replan
 from elaswave.sim import policies, run
@@ -35,8 +37,9 @@ def _plan(v: int, schedule: str):
     """The plan ``elaswave simulate`` should start from on BASE's layout, built here."""
     cfg = MODELS["gpt-1.3b"]
     model = cluster(cfg, schedule=schedule)
-    return initial_plan(8, 2, 4, list(model.layer_forward_s), 16, layer_numels(cfg), chunk_numel=1 << 24,
-                        virtual_stages=v), model
+    numels = layer_numels(cfg)
+    return initial_plan(8, 2, 4, list(model.layer_forward_s), 16, numels, chunk_numel=1 << 24, virtual_stages=v,
+                        bucket_starts=size_starts(numels, ParallelConfig.bucket_numel)), model  # the runtime's buckets
 
 
 def test_interleaved_starts_from_the_planners_chunks_and_every_policy_that_can_keep_them_runs(capsys):
