@@ -276,7 +276,9 @@ def rank_bytes(model: MemoryModel, plan, rank: int) -> dict[str, float]:
     # but a chunk's sum that starts early is packed while the chunks before it still compute.
     out["update"] = model.update_bytes(sum(model.layer_numels[i] for i in held), _slot_values(model, plan, rank))
     out["overlap"] = max(_overlap_peak(model, chunks, s, depth, mbs) if len(chunks) > 1 else 0.0,
-                         _within_peak(model, plan, rank, chunks, s, depth, mbs)) if mbs and model.overlap_grad_reduce else 0.0
+                         # (ZB-H1's sums start after each W, never within a B)
+                         0.0 if model.split_backward else _within_peak(model, plan, rank, chunks, s, depth, mbs)
+                         ) if mbs and model.overlap_grad_reduce else 0.0
     out["gather"] = (_gather_peak(model, chunks, s, depth, mbs, _slot_values(model, plan, rank))
                      if mbs and model.overlap_param_gather else 0.0)
     phases = ("activations", "update", "overlap", "gather")
@@ -413,7 +415,7 @@ def _slot_values(model: MemoryModel, plan, rank: int) -> int:
     buckets, grain, out = plan.gradient_buckets(), model.slot_chunk_numel, 0
     for b in _buckets_of(plan).get(rank, ()):
         holders, layers = buckets[b]
-        chunks = -(-sum(model.layer_numels[i] for i in layers) // grain)
+        chunks = sum(-(-model.layer_numels[i] // grain) for i in layers)  # (a layer's chunks never span two)
         out += -(-chunks // len(holders)) * grain  # a slot is the most any holder of the bucket gets
     return out
 

@@ -25,7 +25,7 @@ from elaswave.plan.chunks import ChunkIndex, ChunkKey
 from elaswave.plan.plan import Plan
 from elaswave.precision import compute_dtype
 from elaswave.runtime.actuator import Actuator
-from elaswave.runtime.experts import attach as attach_experts
+from elaswave.runtime.experts import attach as attach_experts, moe_blocks
 from elaswave.tensor.shards import TensorShards
 from elaswave.zero.bucket import Bucket
 from elaswave.zero.optimizer import ShardedAdamW
@@ -133,7 +133,8 @@ def build_rank(cfg: JobConfig, plan: Plan, rank: int, stage: Stage, sampler: Sam
     executor = Executor(stage, p2p, sampler, step_tokens, accumulator.add_micro_batch, before, emulated,
                         pieces_of(plan, t) if k > 1 else None, after=reduction.after)
     # ... and within the backward that makes them whole, layer by layer (zero/watch.py).
-    executor.watch = LayerWatch(stage.layers, accumulator, reduction, emulated) if par.overlap_grad_reduce else None
+    executor.watch = LayerWatch(stage.layers, accumulator, reduction, emulated, late={
+        id(p) for _, block in moe_blocks(stage) for p in block.experts.parameters()}) if par.overlap_grad_reduce else None
     for exchange in experts["exchanges"] if fault is not None else ():
         exchange.fault = lambda what: fault(executor.step, what)
     # A mixture of experts' load-balancing loss spans every stage a micro-batch passes: its

@@ -10,17 +10,19 @@ is folded (``GradAccumulator.fold_layer``: the same bits as folding it after the
 reduction told (``Reduction.layer_whole``), which starts every bucket whose layers are all whole, in its
 one order.
 
-A layer one of whose tensors gets no gradient in that backward -- an expert no row was routed to, an
-expert another rank owns, a tied use computed in another chunk -- is never whole here: its bucket
-starts once the action has run, as without the watch. One backward call gives each leaf its
-gradient once, so a tensor counted is a tensor done; inside an expert exchange nested backwards give
-an expert's weights several (folded as they come, expert/exchange.py), all before the block's
-router and attention get theirs, so the layer is whole only after them.
+One backward call gives each leaf its gradient once, so a tensor counted is a tensor done. A
+mixture of experts' experts are not counted (``late``): an exchange gives their weights their
+gradients in nested backwards (folded as they come, expert/exchange.py), all of which end before
+the block's router and attention get theirs -- and an expert no row reached, or another rank owns,
+gets none. A layer with nothing to count (a head without adapters under LoRA) is whole at once. A
+layer one of whose counted tensors gets no gradient in that backward (a tied use computed in another
+chunk) is never whole here: its bucket, and the buckets after it in the order, start once the
+action has run, as without the watch.
 """
 from __future__ import annotations
 
 import weakref
-from typing import Callable, Sequence
+from typing import Callable, Collection, Sequence
 
 import torch
 
@@ -31,10 +33,18 @@ from elaswave.zero.reduce import GradAccumulator, Reduction
 
 class LayerWatch:
     def __init__(self, layers: Sequence[FlatLayer], accumulator: GradAccumulator, reduction: Reduction,
-                 emulated: EmulatedCompute | None = None):
-        """``emulated``: a watched backward also takes each layer's modelled time before its sum starts."""
+                 emulated: EmulatedCompute | None = None, late: Collection[int] = ()):
+        """``emulated``: a watched backward also takes each layer's modelled time before its sum
+        starts; ``late``: the ids of tensors not counted (a mixture of experts' experts, above)."""
         self.accumulator, self.reduction, self.emulated = accumulator, reduction, emulated
-        self._tensors = {layer.index: len(layer.params) + len(layer.uses) for layer in layers}
+        self._tensors: dict[int, int] = {}
+        self._late: set[int] = set()
+        for layer in layers:
+            tensors = [*layer.params, *(alias for alias, _ in layer.uses)]
+            counted = [t for t in tensors if id(t) not in late]
+            # (a layer of experts alone would be whole before they are: count them, it never is)
+            self._tensors[layer.index] = len(counted) if counted or not tensors else len(tensors)
+            self._late.update(id(t) for t in tensors if id(t) in late and counted)
         self._wanted: set[int] = set()
         self._given: dict[int, set[int]] = {}
         self._chunk, self._began = 0, (lambda: 0.0)
@@ -53,15 +63,19 @@ class LayerWatch:
     def arm(self, index: int, chunk: int, began: Callable[[], float]) -> bool:
         """Action ``index``, a whole backward of ``chunk``, is about to run its last piece;
         ``began``: when it began, as emulated compute counts it. False: nothing of it to watch."""
-        self._wanted = {layer for layer in self.reduction.watched(index) if self._tensors.get(layer)}
+        watched = self.reduction.watched(index)
+        self._wanted = {layer for layer in watched if self._tensors.get(layer)}
         self._given, self._chunk, self._began = {}, chunk, began
+        for layer in sorted(watched - self._wanted, reverse=True):  # nothing to wait for
+            if layer in self._tensors:
+                self.reduction.layer_whole(layer)
         return bool(self._wanted)
 
     def disarm(self) -> None:
         self._wanted = set()
 
     def given(self, layer: int, t: torch.Tensor) -> None:
-        if layer not in self._wanted:
+        if layer not in self._wanted or id(t) in self._late:
             return
         given = self._given.setdefault(layer, set())
         given.add(id(t))

@@ -24,10 +24,16 @@ def reference(tmp_path_factory):
     # pp=6: stage 0 holds the embedding alone, no weight of it trains, and it has no backward to run
     (1, 6, None, ["parallel.schedule=zb-h1"]),
     (1, 3, None, ["parallel.schedule=interleaved", "parallel.virtual_stages=2", "train.activation_checkpointing=full"]),
-], ids=["kill-backward", "kill-forward", "join", "frozen-stage-zb-h1", "interleaved-recompute"])
+    (2, 1, None, []),  # rank 0 holds the head, whose weights all stay frozen
+], ids=["kill-backward", "kill-forward", "join", "frozen-stage-zb-h1", "interleaved-recompute", "one-stage"])
 def test_adapters_train_bit_identical_to_the_reference(tmp_path, reference, dp, pp, killed, extra):
     res = run_job(tmp_path, dp, pp, STEPS, True, extra=[*LORA, *extra])
     assert_same_run(res, reference, STEPS)
+    # Each step's sums started within the backward that made them whole (zero/watch.py): a layer
+    # with nothing trainable (the embedding, the head) is whole at once, not never.
+    if "parallel.schedule=zb-h1" not in extra:  # (whose sums start after each W)
+        assert all(r["sums_in_backwards"] >= 1 for r in res.steps if r["epoch"] == 0), \
+            [r["sums_in_backwards"] for r in res.steps]
     # Only the injected kill is a loss: a rank whose code failed would be "lost" too, and hidden.
     lost = [r["lost_ranks"] for r in res.records if r["event"] == "recovery"]
     assert lost == ([] if killed is None else [[killed]]), res.stderr

@@ -24,6 +24,9 @@ def reference(tmp_path_factory):
 def test_experts_with_the_balancing_loss_train_bit_identical_to_the_reference(tmp_path, reference, dp, extra):
     res = run_job(tmp_path, dp, 1, STEPS, True, extra=[*BALANCED, *extra])
     assert_same_run(res, reference, STEPS)
+    # The sums started within the backward that made them whole (zero/watch.py): a block is whole
+    # once its router and attention are, whichever experts its rows reached.
+    assert all(r["sums_in_backwards"] >= 1 for r in res.steps if r["epoch"] == 0), [r["sums_in_backwards"] for r in res.steps]
     steps = [r for r in res.records if r["event"] == "step"]
     assert [r["aux_loss"] for r in steps] == [r["aux_loss"] for r in reference.records if r["event"] == "step"]
     # E * sum_e f_e P_e is k (2) at perfect balance, where f_e (the share of assignments) sums to k
