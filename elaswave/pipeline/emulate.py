@@ -45,10 +45,11 @@ class EmulatedCompute:
         """``share``: the part of a whole backward this one is (ZB-H1's B and W split it)."""
         self._take(self.backward_s[chunk] * share, began)
 
-    def backward_through(self, began: float, chunk: int, layer: int) -> None:
-        """A whole backward of ``chunk``, which runs its layers from the last down, has made
-        ``layer``'s gradient whole: take the modelled time of the layers from it up."""
+    def backward_through(self, began: float, chunk: int, layer: int, share: float = 1.0) -> None:
+        """A backward of ``chunk`` (``share`` of a whole one: ZB-H1's W), which runs its layers from
+        the last down, has made ``layer``'s gradient whole: take the modelled time of the layers
+        from it up."""
         start, end = self.chunks[chunk]
         whole = sum(self.layer_s[start:end])
-        share = sum(self.layer_s[layer:end]) / whole if whole else 1.0
-        self._take(self.backward_s[chunk] * share, began)
+        done = sum(self.layer_s[layer:end]) / whole if whole else 1.0
+        self._take(self.backward_s[chunk] * share * done, began)

@@ -263,8 +263,16 @@ class Executor:
 
     def _backward_weight(self, a: Action) -> None:
         began, cpu, waited = self._begin_backward()
-        for weight_pass in self.weight_passes.pop(a.micro_batch):
-            weight_pass.run()
+        passes = self.weight_passes.pop(a.micro_batch)
+        for piece, weight_pass in enumerate(passes):
+            # W runs the layers from the last down too (B met their boundaries in that order).
+            watched = self.watch is not None and piece == len(passes) - 1 and self.watch.arm(
+                self.index, a.chunk, lambda: began + self.stage.waited_s - waited, 1.0 - BACKWARD_INPUT_SHARE)
+            try:
+                weight_pass.run()
+            finally:
+                if watched:
+                    self.watch.disarm()
             self.on_backward()  # the piece's gradient is whole only now, into zeroed buffers as in _backward
         self._end_compute(began, cpu, waited, 1.0 - BACKWARD_INPUT_SHARE)
 

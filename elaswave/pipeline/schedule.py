@@ -284,16 +284,16 @@ def gradients_whole(schedules: Sequence[Sequence[Action]], stage_s: Sequence[flo
                     sizes: Sequence[float] | None = None,
                     released: Sequence[float] | None = None) -> tuple[tuple[float, float], ...]:
     """When each virtual stage's (``chunk * p + stage``) weight gradients are whole, timed as
-    :func:`makespan` times the schedules: (its last backward's (or W's) end, that backward's
-    duration if it is a whole one, which makes them whole layer by layer, the last layer first --
-    0 for a W), (0, 0) if it runs none. A rank's gradient sums start then (zero/reduce.Reduction,
-    zero/watch.py)."""
+    :func:`makespan` times the schedules: (its last backward's (or W's) end, that computation's
+    duration, which makes them whole layer by layer, the last layer first), (0, 0) if it runs
+    none. A rank's gradient sums start then (zero/reduce.Reduction, zero/watch.py)."""
     done, _ = timeline(schedules, stage_s, backward_factor, sizes=sizes, released=released)
     out = [(0.0, 0.0)] * len(stage_s)
     backward = [t * backward_factor / (1 + backward_factor) for t in stage_s]
     for (op, k, mb), end in done.items():
         if op in (Op.BACKWARD, Op.BACKWARD_WEIGHT) and end > out[k][0]:
-            out[k] = (end, backward[k] * (1.0 if sizes is None else sizes[mb]) if op is Op.BACKWARD else 0.0)
+            share = 1.0 if op is Op.BACKWARD else 1.0 - BACKWARD_INPUT_SHARE
+            out[k] = (end, backward[k] * share * (1.0 if sizes is None else sizes[mb]))
     return tuple(out)
 
 

@@ -63,7 +63,9 @@ class WeightPass:
             return
         restarts, self.restarts = self.restarts, []  # the graph below the boundary goes with them
         while restarts:
-            r = restarts.pop(0)
+            # The last layers first, as a whole backward runs them: their sums can start while W
+            # goes on (zero/watch.py). Each restart gives its own weights alone: any order, same bits.
+            r = restarts.pop()
             edges = [(GradientEdge(node, i), g) for node, flowing in r.boundary for i, g in enumerate(flowing)
                      if g is not None]
             if not edges:

@@ -276,9 +276,7 @@ def rank_bytes(model: MemoryModel, plan, rank: int) -> dict[str, float]:
     # but a chunk's sum that starts early is packed while the chunks before it still compute.
     out["update"] = model.update_bytes(sum(model.layer_numels[i] for i in held), _slot_values(model, plan, rank))
     out["overlap"] = max(_overlap_peak(model, chunks, s, depth, mbs) if len(chunks) > 1 else 0.0,
-                         # (ZB-H1's sums start after each W, never within a B)
-                         0.0 if model.split_backward else _within_peak(model, plan, rank, chunks, s, depth, mbs)
-                         ) if mbs and model.overlap_grad_reduce else 0.0
+                         _within_peak(model, plan, rank, chunks, s, depth, mbs)) if mbs and model.overlap_grad_reduce else 0.0
     out["gather"] = (_gather_peak(model, chunks, s, depth, mbs, _slot_values(model, plan, rank))
                      if mbs and model.overlap_param_gather else 0.0)
     phases = ("activations", "update", "overlap", "gather")
@@ -300,8 +298,8 @@ def _overlap_peak(model: MemoryModel, chunks, stage: int, depth: int, mbs: int) 
 
 
 def _within_peak(model: MemoryModel, plan, rank: int, chunks, stage: int, depth: int, mbs: int) -> float:
-    """With overlapped sums, a bucket's sum starts within the backward that makes it whole
-    (zero/watch.py), as the backward reaches the bucket's lowest layer ``a``: the packed sums of
+    """With overlapped sums, a bucket's sum starts within the backward (or ZB-H1's W) that makes it
+    whole (zero/watch.py), as it reaches the bucket's lowest layer ``a``: the packed sums of
     chunk ``c``'s layers from ``a`` up (and of the chunks after it, under interleaved 1F1B) beside
     the activations of its layers below ``a`` that the micro-batch still holds, and the micro-batches
     the other chunks keep then -- the most of that over the rank's buckets."""

@@ -1,8 +1,8 @@
 """Each layer's gradient whole within a backward, so that its bucket's sum starts before the
 backward ends (Megatron's per-bucket hooks).
 
-A rank's last backward of a model chunk in a step makes the chunk's gradients whole layer by layer,
-the last layer first: under plain 1F1B that is every layer of the rank, and without this all its
+A rank's last backward of a model chunk in a step (or ZB-H1's last W) makes the chunk's gradients
+whole layer by layer, the last layer first: under plain 1F1B that is every layer of the rank, and without this all its
 sums waited for the whole backward. Every weight tensor of a stage (its layers' parameters and tied
 uses) carries one post-accumulate hook for its life; while a backward is watched, the hook counts the
 tensors of each layer that autograd has given their gradient. When all of a layer's have, the layer
@@ -47,7 +47,7 @@ class LayerWatch:
             self._late.update(id(t) for t in tensors if id(t) in late and counted)
         self._wanted: set[int] = set()
         self._given: dict[int, set[int]] = {}
-        self._chunk, self._began = 0, (lambda: 0.0)
+        self._chunk, self._began, self._share = 0, (lambda: 0.0), 1.0
         # A hook outlives epochs (a tensor's hooks cannot be listed or dropped one by one without
         # their handles) and holds only its slot, whose watch is weak: an old epoch's watch is freed
         # with its rank, and a hook reaching back to a layer would be a cycle the collector misses.
@@ -60,12 +60,13 @@ class LayerWatch:
                     t.register_post_accumulate_grad_hook(_counter(slot))
                 slot[0], slot[1] = layer.index, ref
 
-    def arm(self, index: int, chunk: int, began: Callable[[], float]) -> bool:
-        """Action ``index``, a whole backward of ``chunk``, is about to run its last piece;
-        ``began``: when it began, as emulated compute counts it. False: nothing of it to watch."""
+    def arm(self, index: int, chunk: int, began: Callable[[], float], share: float = 1.0) -> bool:
+        """Action ``index``, a whole backward of ``chunk`` (or ZB-H1's W, ``share`` of one), is
+        about to run its last piece; ``began``: when it began, as emulated compute counts it.
+        False: nothing of it to watch."""
         watched = self.reduction.watched(index)
         self._wanted = {layer for layer in watched if self._tensors.get(layer)}
-        self._given, self._chunk, self._began = {}, chunk, began
+        self._given, self._chunk, self._began, self._share = {}, chunk, began, share
         for layer in sorted(watched - self._wanted, reverse=True):  # nothing to wait for
             if layer in self._tensors:
                 self.reduction.layer_whole(layer)
@@ -83,7 +84,7 @@ class LayerWatch:
             return
         self._wanted.discard(layer)
         if self.emulated is not None:
-            self.emulated.backward_through(self._began(), self._chunk, layer)
+            self.emulated.backward_through(self._began(), self._chunk, layer, self._share)
         self.accumulator.fold_layer(layer)
         self.reduction.layer_whole(layer)
 

@@ -76,6 +76,25 @@ def test_b_then_w_gives_the_bits_of_one_backward(arch, sets, pieces, into_sums):
         assert sum(bool(g.any()) for g in split) >= len(split) // 2  # gradients that are there to compare
 
 
+def test_w_gives_the_last_layers_their_gradients_first():
+    """W restarts the last layers' branches first, as a whole backward runs them, so their buckets'
+    sums can start while it goes on (zero/watch.py): a middle stage's layers get their last
+    weight gradient in W from the last layer down."""
+    cfg = config.load(None, [*TINY, "model.num_blocks=4"])
+    stage = Stage(cfg, (1, 4), torch.device("cpu"))
+    x = torch.randn(2, cfg.model.seq_len, cfg.model.d_model).requires_grad_(True)
+    y = stage.forward(x, step=3, micro_batch=0)
+    weight_pass = backward_input(y, torch.randn_like(y), x, _weights(stage))
+    assert all(t.grad is None or not t.grad.any() for t in _weights(stage)), "B wrote a weight's gradient"
+    order = []
+    for layer in stage.layers:
+        for t in layer.params:
+            t.register_post_accumulate_grad_hook(lambda t, i=layer.index: order.append(i))
+    weight_pass.run()
+    whole = [i for k, i in enumerate(order) if i not in order[k + 1:]]  # each layer at its last tensor
+    assert whole == [3, 2, 1], order
+
+
 def _flops(fn) -> int:
     with FlopCounterMode(display=False) as counter:
         fn()

@@ -18,6 +18,8 @@ def test_zb_h1_is_bit_identical_to_the_reference(tmp_path, reference, dp, pp, ex
     res = run_job(tmp_path, dp, pp, STEPS, deterministic=True, extra=[*ZB, *extra])
     assert res.records[0]["config"]["parallel"]["schedule"] == "zb-h1"
     assert_same_run(res, reference, STEPS)
+    # Rank 0's sums started within its last W (zero/watch.py), which is its stage's whole backward.
+    assert all(r["sums_in_backwards"] >= 1 for r in res.steps), [r["sums_in_backwards"] for r in res.steps]
 
 
 @pytest.mark.parametrize("phase", ["backward", "weight"])
