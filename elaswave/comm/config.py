@@ -38,9 +38,9 @@ class ParallelConfig:
     multiple of 8)."""
     overlap_grad_reduce: bool = True
     """Start each gradient bucket's sum over its holder group as soon as this rank's schedule has
-    made it whole -- under interleaved 1F1B a chunk's last backward -- while the rest computes
-    (Megatron's name; integer sums in deterministic mode, so the same bits). false: every sum
-    starts when the rank's schedule ends (elaswave/zero/reduce.py)."""
+    made it whole -- within the backward (or ZB-H1's W) that does, as it passes the bucket's layers
+    -- while the rest computes (Megatron's name; integer sums in deterministic mode, so the same
+    bits). false: every sum starts when the rank's schedule ends (zero/reduce.py, zero/watch.py)."""
     overlap_param_gather: bool = True
     """Start the parameter all-gathers that follow ZeRO-1's update at the step's end and wait for
     each bucket's only before the next step's first forward of a chunk that reads it (Megatron's
