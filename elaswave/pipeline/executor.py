@@ -5,6 +5,7 @@ What a micro-batch leaves between actions (its input, outputs, incoming gradient
 from __future__ import annotations
 
 import time
+from contextlib import nullcontext
 from typing import Callable, Sequence
 
 import torch
@@ -234,17 +235,11 @@ class Executor:
             # Before the last stage, this stage's MoE blocks take the load-balancing loss's gradient too.
             term = (self.relay.surrogate(a.micro_batch, piece, out.shape[0])
                     if self.relay is not None and grad is not None else None)
-            # The last piece makes the micro-batch's gradients whole, layer by layer as it runs.
-            watched = self.watch is not None and piece == len(out_grads) - 1 and self.watch.arm(
-                self.index, a.chunk, lambda: began + self.stage.waited_s - waited)
-            try:
+            with self._watching(piece == len(out_grads) - 1, a.chunk, began, waited):
                 if term is not None:
                     torch.autograd.backward([out, term], [grad, torch.ones_like(term)])
                 elif out.requires_grad:  # a chunk of frozen weights only, fed tokens (LoRA's embedding), has no graph
                     torch.autograd.backward(out, grad)
-            finally:
-                if watched:
-                    self.watch.disarm()
             self.on_backward()
         self._end_compute(began, cpu, waited, 1.0, a.chunk)
 
@@ -265,16 +260,17 @@ class Executor:
         began, cpu, waited = self._begin_backward()
         passes = self.weight_passes.pop(a.micro_batch)
         for piece, weight_pass in enumerate(passes):
-            # W runs the layers from the last down too (B met their boundaries in that order).
-            watched = self.watch is not None and piece == len(passes) - 1 and self.watch.arm(
-                self.index, a.chunk, lambda: began + self.stage.waited_s - waited, 1.0 - BACKWARD_INPUT_SHARE)
-            try:
-                weight_pass.run()
-            finally:
-                if watched:
-                    self.watch.disarm()
+            with self._watching(piece == len(passes) - 1, a.chunk, began, waited, 1.0 - BACKWARD_INPUT_SHARE):
+                weight_pass.run()  # (the last layers first, as a whole backward)
             self.on_backward()  # the piece's gradient is whole only now, into zeroed buffers as in _backward
         self._end_compute(began, cpu, waited, 1.0 - BACKWARD_INPUT_SHARE)
+
+    def _watching(self, last: bool, chunk: int, began: float, waited: float, share: float = 1.0):
+        """Around a piece's backward (or W): the last piece makes the micro-batch's gradients whole,
+        layer by layer as it runs, and their sums start then (zero/watch.py)."""
+        if self.watch is None or not last:
+            return nullcontext()
+        return self.watch.watching(self.index, chunk, lambda: began + self.stage.waited_s - waited, share)
 
     def _begin_backward(self) -> tuple[float, float, float]:
         """(wall, CPU time, ``stage.waited_s``) as a backward starts (see :meth:`_end_compute`)."""

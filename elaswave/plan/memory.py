@@ -31,7 +31,6 @@ at every re-partition and join), and the simulator prices a cluster with the sam
 """
 from __future__ import annotations
 
-import weakref
 from dataclasses import dataclass, fields, replace
 from functools import lru_cache
 from typing import Callable, Sequence
@@ -284,12 +283,18 @@ def rank_bytes(model: MemoryModel, plan, rank: int) -> dict[str, float]:
     return out
 
 
+def _one_and_kept(model: MemoryModel, chunks) -> tuple[list[float], list[float]]:
+    """Per model chunk: one micro-batch's activation peak, and what each micro-batch keeps alive
+    between its forward and its backward."""
+    one = [model.activation_bytes(start, end, 1, 0, True, True) for start, end in chunks]
+    return one, [model.activation_bytes(start, end, 2, 0, True, True) - o for (start, end), o in zip(chunks, one)]
+
+
 def _overlap_peak(model: MemoryModel, chunks, stage: int, depth: int, mbs: int) -> float:
     """Under interleaved 1F1B with overlapped sums: right after chunk ``c``'s last backward its sums
     are packed (a copy of each layer's sum) and started, beside the packed sums of the chunks after
     it and the activations the schedule still keeps then -- the most of that over ``c`` >= 1."""
-    one = [model.activation_bytes(start, end, 1, 0, True, True) for start, end in chunks]
-    kept = [model.activation_bytes(start, end, 2, 0, True, True) - o for (start, end), o in zip(chunks, one)]
+    kept = _one_and_kept(model, chunks)[1]
     summed = model.sum_bytes or model.param_bytes
     packed = [summed * sum(model.layer_numels[i] for i in range(start, end)) for start, end in chunks]
     after = _walk(stage, depth, len(chunks), mbs)[1]
@@ -306,10 +311,9 @@ def _within_peak(model: MemoryModel, plan, rank: int, chunks, stage: int, depth:
     summed = model.sum_bytes or model.param_bytes
     packed = [summed * sum(model.layer_numels[i] for i in range(start, end)) for start, end in chunks]
     after = _walk(stage, depth, len(chunks), mbs)[1] if len(chunks) > 1 else ((0,),)
-    kept = [model.activation_bytes(start, end, 2, 0, True, True) - model.activation_bytes(start, end, 1, 0, True, True)
-            for start, end in chunks]
+    kept = _one_and_kept(model, chunks)[1]
     out, buckets = 0.0, plan.gradient_buckets()
-    for b in _buckets_of(plan).get(rank, ()):
+    for b in plan.buckets_of(rank):
         a = buckets[b][1][0]
         for c, (start, end) in enumerate(chunks):
             if start < a < end:
@@ -331,8 +335,7 @@ def _gather_peak(model: MemoryModel, chunks, stage: int, depth: int, mbs: int, s
     if len(chunks) == 1:
         return 0.0
     values = [sum(model.layer_numels[i] for i in model.held_layers(start, end)) for start, end in chunks]
-    one = [model.activation_bytes(start, end, 1, 0, True, True) for start, end in chunks]
-    kept = [model.activation_bytes(start, end, 2, 0, True, True) - o for (start, end), o in zip(chunks, one)]
+    one, kept = _one_and_kept(model, chunks)
     before = _walk(stage, depth, len(chunks), mbs)[2]
     return max(model.param_bytes * (sum(values[c + 1:]) + slot) + sum(n * k for n, k in zip(before[c], kept))
                + max(model.param_bytes * values[c], one[c]) for c in range(1, len(chunks)))
@@ -343,8 +346,7 @@ def _interleaved_activations(model: MemoryModel, chunks, stage: int, depth: int,
     most its alive (micro-batch, chunk) pairs keep together -- each chunk keeps its own layers'
     (a head chunk's logits are not an embedding chunk's) -- plus one backward's extra peak and every
     chunk's send and receive buffers."""
-    one = [model.activation_bytes(start, end, 1, 0, True, True) for start, end in chunks]  # a micro-batch's peak
-    kept = [model.activation_bytes(start, end, 2, 0, True, True) - o for (start, end), o in zip(chunks, one)]
+    one, kept = _one_and_kept(model, chunks)  # one: a micro-batch's peak
     sent = sum(model.activation_bytes(start, end, 1, mbs, start == 0, end == num_layers) - o
                for (start, end), o in zip(chunks, one))
     peak = max((sum(n * k for n, k in zip(counts, kept)) for counts in _walk(stage, depth, len(chunks), mbs)[0]),
@@ -411,30 +413,14 @@ def _slot_values(model: MemoryModel, plan, rank: int) -> int:
     if not model.slot_chunk_numel:
         return sum(plan.slot_chunks(rank)) * model.chunk_numel
     buckets, grain, out = plan.gradient_buckets(), model.slot_chunk_numel, 0
-    for b in _buckets_of(plan).get(rank, ()):
+    for b in plan.buckets_of(rank):
         holders, layers = buckets[b]
         chunks = sum(-(-model.layer_numels[i] // grain) for i in layers)  # (a layer's chunks never span two)
         out += -(-chunks // len(holders)) * grain  # a slot is the most any holder of the bucket gets
     return out
 
 
-def _buckets_of(plan) -> dict[int, list[int]]:
-    """Each rank's gradient buckets (indices into ``plan.gradient_buckets()``): a plan of 10^4 ranks
-    is asked once a rank, and a bucket has up to 10^2 holders."""
-    kept = _BUCKETS.get(id(plan))
-    if kept is None or kept[0]() is not plan:  # (an id is reused only once its plan is gone)
-        index: dict[int, list[int]] = {}
-        for b, (holders, _) in enumerate(plan.gradient_buckets()):
-            for h in holders:
-                index.setdefault(h, []).append(b)
-        if len(_BUCKETS) > 64:
-            _BUCKETS.clear()
-        kept = _BUCKETS[id(plan)] = (weakref.ref(plan), index)
-    return kept[1]
 
-
-_BUCKETS: dict = {}
-"""A plan's id -> (the plan, weakly; :func:`_buckets_of`)."""
 
 
 def stages_memory(memory: MemoryModel | None, num_stages: int, pipelines: int, num_micro_batches: int):

@@ -190,6 +190,18 @@ class Plan:
     def gradient_buckets(self) -> tuple[tuple[tuple[int, ...], tuple[int, ...]], ...]:
         return self._indexed[3]  # (holders, layers) each: holder groups cut at model chunks (plan/buckets.py)
 
+    def buckets_of(self, rank: int) -> tuple[int, ...]:
+        """Indices into :meth:`gradient_buckets` of the buckets ``rank`` holds."""
+        return self._buckets_by_rank.get(rank, ())
+
+    @cached_property
+    def _buckets_by_rank(self) -> dict[int, tuple[int, ...]]:
+        index: dict[int, list[int]] = {}
+        for b, (holders, _) in enumerate(self.gradient_buckets()):
+            for h in holders:
+                index.setdefault(h, []).append(b)
+        return {r: tuple(bs) for r, bs in index.items()}
+
     def chunks_of(self, rank: int) -> tuple[tuple[int, int], ...]:
         """The (layer, chunk) keys ``rank`` owns, in canonical order."""
         return self._indexed[1].get(rank, ())

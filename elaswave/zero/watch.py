@@ -22,6 +22,7 @@ action has run, as without the watch.
 from __future__ import annotations
 
 import weakref
+from contextlib import contextmanager
 from typing import Callable, Collection, Sequence
 
 import torch
@@ -39,12 +40,6 @@ class LayerWatch:
         self.accumulator, self.reduction, self.emulated = accumulator, reduction, emulated
         self._tensors: dict[int, int] = {}
         self._late: set[int] = set()
-        for layer in layers:
-            tensors = [*layer.params, *(alias for alias, _ in layer.uses)]
-            counted = [t for t in tensors if id(t) not in late]
-            # (a layer of experts alone would be whole before they are: count them, it never is)
-            self._tensors[layer.index] = len(counted) if counted or not tensors else len(tensors)
-            self._late.update(id(t) for t in tensors if id(t) in late and counted)
         self._wanted: set[int] = set()
         self._given: dict[int, set[int]] = {}
         self._chunk, self._began, self._share = 0, (lambda: 0.0), 1.0
@@ -53,27 +48,32 @@ class LayerWatch:
         # with its rank, and a hook reaching back to a layer would be a cycle the collector misses.
         ref = weakref.ref(self)
         for layer in layers:
-            for t in (*layer.params, *(alias for alias, _ in layer.uses)):
+            tensors = [*layer.params, *(alias for alias, _ in layer.uses)]
+            counted = [t for t in tensors if id(t) not in late]
+            # (a layer of experts alone would be whole before they are: count them, it never is)
+            self._tensors[layer.index] = len(counted) if counted or not tensors else len(tensors)
+            self._late.update(id(t) for t in tensors if id(t) in late and counted)
+            for t in tensors:
                 slot = getattr(t, "_elaswave_watch", None)
                 if slot is None:
                     slot = t._elaswave_watch = [layer.index, None]
                     t.register_post_accumulate_grad_hook(_counter(slot))
                 slot[0], slot[1] = layer.index, ref
 
-    def arm(self, index: int, chunk: int, began: Callable[[], float], share: float = 1.0) -> bool:
-        """Action ``index``, a whole backward of ``chunk`` (or ZB-H1's W, ``share`` of one), is
-        about to run its last piece; ``began``: when it began, as emulated compute counts it.
-        False: nothing of it to watch."""
+    @contextmanager
+    def watching(self, index: int, chunk: int, began: Callable[[], float], share: float = 1.0):
+        """While action ``index``, a whole backward of ``chunk`` (or ZB-H1's W, ``share`` of one),
+        runs its last piece; ``began``: when it began, as emulated compute counts it."""
         watched = self.reduction.watched(index)
         self._wanted = {layer for layer in watched if self._tensors.get(layer)}
         self._given, self._chunk, self._began, self._share = {}, chunk, began, share
         for layer in sorted(watched - self._wanted, reverse=True):  # nothing to wait for
             if layer in self._tensors:
                 self.reduction.layer_whole(layer)
-        return bool(self._wanted)
-
-    def disarm(self) -> None:
-        self._wanted = set()
+        try:
+            yield
+        finally:
+            self._wanted = set()
 
     def given(self, layer: int, t: torch.Tensor) -> None:
         if layer not in self._wanted or id(t) in self._late:
