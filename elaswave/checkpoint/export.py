@@ -23,6 +23,7 @@ from elaswave.model.config import ModelConfig, from_hf_config
 from elaswave.model.lora_config import LoraConfig
 from elaswave.model.contract import untie
 from elaswave.model.registry import family
+from elaswave.model.units import layer_units
 from elaswave.plan.chunks import chunk_range, num_chunks
 from elaswave.plan.plan import Plan
 from elaswave.zero.flat import FlatLayer
@@ -66,7 +67,8 @@ def write_my_shards(target: Target, plan: Plan, rank: int, layers: list[FlatLaye
                     seed: int = 0) -> list[dict]:
     """This rank's shards (none if it writes none): the layers it is the first holder of, in pieces.
     ``model``, ``seed``: where a merged export reads each base weight again (see :func:`_fresh_base`)."""
-    mine = [layer for layer in sorted(layers, key=lambda l: l.index) if plan.holders(layer.index)[0] == rank]
+    mine = [layer for layer in sorted(layers, key=lambda l: l.index)
+            if layer.index < plan.num_layers and plan.holders(layer.index)[0] == rank]
     return _write(target, mine, plan.num_layers, f"r{rank:05d}", model, seed)
 
 
@@ -94,9 +96,10 @@ def _finish(target: Target, m: ModelConfig, parts: list[dict]) -> Path:
 def _write(target: Target, layers: Iterable[FlatLayer], num_layers: int, tag: str, model=None,
            seed: int = 0) -> list[dict]:
     fresh = target.adapters == "merged" and model is not None
+    # A layer's module holds its experts (units of their own, model/units.py: written with it).
     by_layer = ((layer.index, hf.layer_tensors(_fresh_base(model, seed, layer) if fresh else layer.module, layer.index,
                                                num_layers, target.dtype, target.adapters))
-                for layer in layers)
+                for layer in layers if layer.index < num_layers)
     return [hf_folder.write_part(target.out, f"{tag}-{j:03d}", first, tensors)
             for j, (first, tensors) in enumerate(hf_folder.pieces(by_layer, target.max_shard_bytes))]
 
@@ -166,16 +169,16 @@ def export_checkpoint(ckpt: str, out: str, max_shard_bytes: int = int(DEFAULT_MA
     seed = int(manifest.data.get("seed", 0))
 
     def rebuilt(i: int) -> FlatLayer:
-        module = model.build_layer(i, seed, init=merged)
-        untie(model, module, i)
-        layer = FlatLayer(module, i)
-        keys = [(i, c) for c in range(num_chunks(layer.numel, manifest.chunk_numel))]
+        units = layer_units(model, i, seed, init=merged)
+        keys = [(u.index, c) for u in units for c in range(num_chunks(u.numel, manifest.chunk_numel))]
         chunks = disk.load_chunks(manifest, keys)
+        by_index = {u.index: u for u in units}
         with torch.no_grad():
             for key in keys:
-                start, end = chunk_range(layer.numel, manifest.chunk_numel, key[1])
-                layer.flat[start:end] = chunks[key][0, :end - start]
-        return layer
+                unit = by_index[key[0]]
+                start, end = chunk_range(unit.numel, manifest.chunk_numel, key[1])
+                unit.flat[start:end] = chunks[key][0, :end - start]
+        return units[0]  # its module holds the experts' values too
 
     mode = ("merged" if merge else "adapter") if m.lora.enabled else ""
     return write_layers(Target(out, hf_folder.export_dtype(dtype, found), max_shard_bytes, overwrite, found, mode,

@@ -72,7 +72,8 @@ class Executor:
         }
         self._weights = [t for layer in stage.layers for t in (*layer.params, *(alias for alias, _ in layer.uses))]
         """Every tensor whose gradient a backward accumulates: the layers' parameters and tied uses."""
-        self._recomputed_weights = [layer.params for layer in stage.running if layer.index in stage.recomputed]
+        self._recomputed_weights = [[*layer.params, *(p for u in stage.followers.get(layer.index, ()) for p in u.params)]
+                                    for layer in stage.running if layer.index in stage.recomputed]
         """A split backward's W takes each recomputed layer's weights in one autograd call: every
         call that reads the layer runs its forward again."""
 

@@ -18,6 +18,7 @@ from elaswave.config import JobConfig
 from elaswave.model import recompute
 from elaswave.model.contract import Model, ModelContractError, untie
 from elaswave.model.registry import model_for
+from elaswave.model.units import flat_units, units_of
 from elaswave.precision import compute_dtype
 from elaswave.zero.flat import FlatLayer
 
@@ -48,8 +49,13 @@ class Stage:
                     p.data = p.data.to(frozen_dtype)
         # The user's own copy goes before flattening: the tensor is the owner's.
         slots = [slot for i in ran for slot in untie(self.model, modules[i], i)]
-        self.layers = [FlatLayer(modules[i], i) for i in held]
-        """Every layer this stage holds (its range and tie owners), in layer order."""
+        self.units = units_of(self.model, self.seed)
+        of_layer = {i: flat_units(modules[i], i, self.units) for i in held}
+        self.layers = sorted((u for i in held for u in of_layer[i]), key=lambda u: u.index)
+        """Every unit this stage holds (model/units.py: its layers and tie owners, each without its
+        experts, then the experts), in unit order: what is summed, sharded and snapshotted."""
+        self.followers = {i: of_layer[i][1:] for i in held if len(of_layer[i]) > 1}
+        """Layer -> the units of its experts (their gradients come within its backward)."""
         by_index = {layer.index: layer for layer in self.layers}
         for t, parent, name, shape in slots:
             owner = by_index[t.owner]

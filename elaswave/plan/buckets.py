@@ -29,17 +29,25 @@ def gradient_chunks(plan, rank: int, layer: int) -> frozenset[int]:
     return frozenset(c for c, (start, end) in enumerate(ranges) if any(start <= u < end for u in users))
 
 
-def size_starts(layer_numels: Sequence[int], bucket_numel: int) -> tuple[int, ...]:
-    """The layers that start a bucket when the model's layers, in order, are cut into runs of at most
-    ``bucket_numel`` values (a larger layer alone); 0: no cut. A holder group's run of layers is a
+def size_starts(numels: Sequence[int], bucket_numel: int, unit_layers: Sequence[int] = ()) -> tuple[int, ...]:
+    """The units that start a bucket when the model's units (``numels``; ``unit_layers``: see
+    :class:`~elaswave.plan.plan.Plan`), in layer order, are cut into runs of at most
+    ``bucket_numel`` values (a larger unit alone); 0: no cut. A holder group's run of units is a
     part of that order, so its pieces between these starts are no larger."""
     starts, size = [], 0
-    for layer, n in enumerate(layer_numels):
+    for unit in in_layer_order(len(numels) - len(unit_layers), unit_layers):
+        n = numels[unit]
         if bucket_numel and size and size + n > bucket_numel:
-            starts.append(layer)
+            starts.append(unit)
             size = 0
         size += n
     return tuple(starts)
+
+
+def in_layer_order(num_layers: int, unit_layers: Sequence[int]) -> list[int]:
+    """Every unit, each layer's own before its experts' (model/units.py)."""
+    return sorted(range(num_layers + len(unit_layers)),
+                  key=lambda u: (u if u < num_layers else unit_layers[u - num_layers], u))
 
 
 def gradient_buckets(plan, holder_groups: dict[tuple[int, ...], tuple[int, ...]]) -> tuple[Bucket, ...]:
@@ -51,23 +59,24 @@ def gradient_buckets(plan, holder_groups: dict[tuple[int, ...], tuple[int, ...]]
     for holders, layers in holder_groups.items():
         run: list[int] = []
         key = None
-        for layer in layers:
-            here = tuple(gradient_chunks(plan, h, layer) for h in holders) if plan.virtual_stages > 1 else ()
-            if run and (here != key or layer in cuts):
+        for unit in layers:
+            here = tuple(gradient_chunks(plan, h, plan.layer_of(unit)) for h in holders) if plan.virtual_stages > 1 else ()
+            if run and (here != key or unit in cuts):
                 out.append((holders, tuple(run)))
                 run = []
-            run.append(layer)
+            run.append(unit)
             key = here
         if run:
             out.append((holders, tuple(run)))
     return tuple(out)
 
 
-def issue_order(buckets: Sequence[Bucket]) -> list[int]:
+def issue_order(buckets: Sequence[Bucket], layer_of=lambda unit: unit) -> list[int]:
     """The order every rank starts its buckets' sums in: the last layers first, as backwards finish
-    them. One order for all, so that two buckets of one group are started in the same order by all
-    its holders (a collective is matched by its place in the group's sequence)."""
-    return sorted(range(len(buckets)), key=lambda i: -max(buckets[i][1]))
+    them (a bucket's units are ``layer_of`` its layers). One order for all, so that two buckets of
+    one group are started in the same order by all its holders (a collective is matched by its
+    place in the group's sequence)."""
+    return sorted(range(len(buckets)), key=lambda i: -max(map(layer_of, buckets[i][1])))
 
 
 def ready_after(actions: Sequence[Action], chunks: frozenset[int]) -> int:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 ChunkKey = tuple[int, int]
-"""(layer, chunk within the layer)."""
+"""(unit, chunk within the unit): a layer's unit, or an expert's (model/units.py)."""
 
 Owners = tuple[tuple[int, ...], ...]
 """owners[layer][c] = the rank that owns chunk c of that layer."""

@@ -314,7 +314,7 @@ def _within_peak(model: MemoryModel, plan, rank: int, chunks, stage: int, depth:
     kept = _one_and_kept(model, chunks)[1]
     out, buckets = 0.0, plan.gradient_buckets()
     for b in plan.buckets_of(rank):
-        a = buckets[b][1][0]
+        a = plan.layer_of(buckets[b][1][0])  # (its units are in layer order)
         for c, (start, end) in enumerate(chunks):
             if start < a < end:
                 out = max(out, sum(n * k for n, k in zip(after[c], kept)) + sum(packed[c + 1:])
@@ -410,7 +410,7 @@ def limit_refusal(plan) -> str | None:
 def _slot_values(model: MemoryModel, plan, rank: int) -> int:
     """Values of ``rank``'s optimizer slots (Plan.slot_chunks; with ``slot_chunk_numel``, each
     bucket's share rounded up to that grain)."""
-    if not model.slot_chunk_numel:
+    if not model.slot_chunk_numel or plan.unit_layers:  # (the grain is the simulator's, of dense models)
         return sum(plan.slot_chunks(rank)) * model.chunk_numel
     buckets, grain, out = plan.gradient_buckets(), model.slot_chunk_numel, 0
     for b in plan.buckets_of(rank):

@@ -74,6 +74,9 @@ class Plan:
     the configured ones (train.activation_checkpointing=auto: plan/recompute.py; empty: none)."""
     bucket_starts: tuple[int, ...] = ()
     """Layers where a gradient bucket is cut by size (plan/buckets.size_starts; empty: at chunks only)."""
+    unit_layers: tuple[int, ...] = ()
+    """The layer of each unit after the layers (model/units.py: a mixture of experts' experts,
+    unit ``num_layers + k``); its holders are its layer's. ``chunk_owners`` has a row per unit."""
     virtual_stages: int = 1
     """Model chunks a rank holds (parallel.virtual_stages, interleaved 1F1B): layer_ranges[d] then
     has ``len(pipelines[d]) * virtual_stages`` ranges, virtual stage ``k`` on rank
@@ -116,6 +119,14 @@ class Plan:
         ring = tuple(sorted(self.ranks, key=lambda r: (r % per, r // per))) if per > 0 else self.ranks
         return ring, {r: i for i, r in enumerate(ring)}
 
+    @property
+    def num_units(self) -> int:
+        return self.num_layers + len(self.unit_layers)
+
+    def layer_of(self, unit: int) -> int:
+        """The layer a unit is part of (itself, for a layer's own unit)."""
+        return unit if unit < self.num_layers else self.unit_layers[unit - self.num_layers]
+
     @cached_property
     def _holders(self) -> tuple[tuple[int, ...], ...]:
         out: list[list[int]] = [[] for _ in range(self.num_layers)]
@@ -125,6 +136,7 @@ class Plan:
                     out[layer].append(pipe[k % len(pipe)])
         for owner, user in self.ties:
             out[owner].extend(out[user])
+        out += [out[layer] for layer in self.unit_layers]
         return tuple(tuple(sorted(set(h))) for h in out)
 
     @cached_property
@@ -179,12 +191,13 @@ class Plan:
         d, s = self.position(rank)
         return self.layer_ranges[d][s::len(self.pipelines[d])]
 
-    def holders(self, layer: int) -> tuple[int, ...]:
-        """The holder group of a layer: the rank of each pipeline that holds it, sorted."""
-        return self._holders[layer]
+    def holders(self, unit: int) -> tuple[int, ...]:
+        """The holder group of a unit (a layer's): the rank of each pipeline that holds it, sorted."""
+        return self._holders[unit]
 
     def holder_groups(self) -> dict[tuple[int, ...], tuple[int, ...]]:
-        """Distinct holder sets -> the layers they hold together."""
+        """Distinct holder sets -> the units they hold together, in layer order (a layer's own
+        unit before its experts')."""
         return dict(self._indexed[0])
 
     def gradient_buckets(self) -> tuple[tuple[tuple[int, ...], tuple[int, ...]], ...]:
@@ -214,8 +227,8 @@ class Plan:
     def _indexed(self) -> tuple[dict, dict, dict, tuple]:
         """Holder groups, each rank's chunks and slot sizes, the buckets: the memory model asks for every rank's."""
         groups: dict[tuple[int, ...], list[int]] = {}
-        for layer, holders in enumerate(self._holders):
-            groups.setdefault(holders, []).append(layer)
+        for unit in sorted(range(self.num_units), key=lambda u: (self.layer_of(u), u)):
+            groups.setdefault(self._holders[unit], []).append(unit)
         by_holders = {h: tuple(ls) for h, ls in sorted(groups.items())}
         buckets = gradient_buckets(self, by_holders)
         return by_holders, chunks_by_rank(self.chunk_owners), slot_chunks(self.chunk_owners, buckets), buckets
@@ -237,10 +250,11 @@ def initial_plan(world_size: int, dp: int, pp: int, layer_costs: Sequence[float]
                  layer_numels: Sequence[int] = (), chunk_numel: int = 1, layer_memory: Sequence[float] = (),
                  stage_memory_limit: float = 0.0, ties: Sequence[tuple[int, int]] = (),
                  memory: MemoryModel | None = None, units_per_micro_batch: int = 1, virtual_stages: int = 1,
-                 bucket_starts: Sequence[int] = ()) -> Plan:
+                 bucket_starts: Sequence[int] = (), unit_layers: Sequence[int] = ()) -> Plan:
     """Rank ``d * pp + s`` is stage ``s`` of pipeline ``d``: a pipeline's stages are neighbours.
     ``units_per_micro_batch`` > 1: re-plans reshape micro-batches in units (see Plan);
-    ``virtual_stages`` > 1: ``pp x virtual_stages`` chunks, minimax on the layer costs (interleaved 1F1B)."""
+    ``virtual_stages`` > 1: ``pp x virtual_stages`` chunks, minimax on the layer costs (interleaved 1F1B);
+    ``unit_layers``: the layer of each unit after the layers (see Plan), ``layer_numels`` then a unit's each."""
     if units_per_micro_batch < 1:
         raise ValueError(f"units_per_micro_batch={units_per_micro_batch} must be >= 1")
     if dp * pp != world_size:
@@ -267,7 +281,7 @@ def initial_plan(world_size: int, dp: int, pp: int, layer_costs: Sequence[float]
         depth=pp,
         ties=tuple(tuple(t) for t in ties),
         units_per_micro_batch=units_per_micro_batch,
-        virtual_stages=virtual_stages, bucket_starts=tuple(bucket_starts),
+        virtual_stages=virtual_stages, bucket_starts=tuple(bucket_starts), unit_layers=tuple(unit_layers),
     )
     if layer_numels:
         plan = replace(plan, chunk_owners=round_robin_owners(plan.gradient_buckets(), layer_numels, chunk_numel))
@@ -357,7 +371,7 @@ def _build(prev: Plan, epoch: int, pipelines, ranges, mbs, freqs=(), routes=(), 
                 units_per_micro_batch=prev.units_per_micro_batch,
                 micro_batch_units=prev.micro_batch_units if units is None else tuple(units),
                 frequency_solver=solver if freqs else "", virtual_stages=prev.virtual_stages,
-                bucket_starts=prev.bucket_starts)
+                bucket_starts=prev.bucket_starts, unit_layers=prev.unit_layers)
     owners = reassign_owners(prev.chunk_owners, plan.gradient_buckets())
     joined = set(plan.ranks) - set(prev.ranks)
     if joined:

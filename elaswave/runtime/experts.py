@@ -23,23 +23,6 @@ def moe_blocks(stage) -> list[tuple[object, SparseMoE]]:
     return [(layer, m) for layer in stage.layers for m in layer.module.modules() if isinstance(m, SparseMoE)]
 
 
-def expert_spans(layer, block: SparseMoE) -> list[tuple[int, int]]:
-    """Expert e's trainable parameters as (start, numel) in the layer's flat vector (they are
-    consecutive; (0, 0): a frozen expert, under adapters elsewhere)."""
-    offset = {id(p): o for p, o in zip(layer.params, layer.offsets.values())}
-    spans = []
-    for expert in block.experts:
-        ps = [p for p in expert.parameters() if p.requires_grad]
-        if not ps:
-            spans.append((0, 0))
-            continue
-        start = offset[id(ps[0])]
-        if [offset[id(p)] for p in ps] != [start + sum(q.numel() for q in ps[:i]) for i in range(len(ps))]:
-            raise AssertionError(f"layer {layer.index}: an expert's parameters are not consecutive")
-        spans.append((start, sum(p.numel() for p in ps)))
-    return spans
-
-
 def _schedule_of(plan, p: int) -> tuple:
     """What decides pipeline ``p``'s schedule: its layers by stage, micro-batch count, recomputation."""
     return (plan.layer_ranges[p], len(plan.micro_batches[p]),
@@ -88,9 +71,9 @@ def attach(cfg, plan, rank: int, stage, accumulator, world, comm, device, built:
     shares, exchanges = [], []
     for layer, block in blocks:
         fold = None
-        if cfg.train.deterministic:
-            spans = expert_spans(layer, block)
-            fold = lambda e, i=layer.index, spans=spans: accumulator.fold_part(i, *spans[e])  # noqa: E731
+        if cfg.train.deterministic:  # each expert's gradient, one member's rows at a time, into its unit's sum
+            units = [u.index for u in stage.followers[layer.index]]
+            fold = lambda e, units=units: accumulator.fold_part(units[e])  # noqa: E731
         if group is None:
             block.exchange = Local(fold) if fold is not None else None
             continue

@@ -23,6 +23,7 @@ from elaswave.config import JobConfig
 from elaswave.data.corpus import corpus_bytes
 from elaswave.model.contract import Model, counted_numels, on_meta, saved_activation_bytes, tie_pairs, untie
 from elaswave.model.registry import model_for
+from elaswave.model.units import units_of
 from elaswave.plan.buckets import size_starts
 from elaswave.plan.memory import MIB, MemoryModel, by_cost, rank_bytes
 from elaswave.plan.partition import least_memory
@@ -147,11 +148,12 @@ def least_mb(cfg: JobConfig, model: Model, memory: MemoryModel, num_stages: int,
     t = cfg.train
     if not by_cost(cfg.parallel.virtual_stages, memory):
         return least_memory(model.num_layers, num_stages, memory.stage_memory(num_stages, pipelines, t.num_micro_batches))
+    units = units_of(model)
     plan = initial_plan(num_stages * pipelines, pipelines, num_stages, [c.flops_per_token for c in model.layer_costs()],
-                        t.num_micro_batches, counted_numels(model), cfg.parallel.chunk_numel, ties=tie_pairs(model),
+                        t.num_micro_batches, units.numels, cfg.parallel.chunk_numel, ties=tie_pairs(model),
                         memory=memory, units_per_micro_batch=t.micro_batch_size if cfg.elastic.reshape else 1,
-                        virtual_stages=cfg.parallel.virtual_stages,
-                        bucket_starts=size_starts(counted_numels(model), cfg.parallel.bucket_numel))
+                        virtual_stages=cfg.parallel.virtual_stages, unit_layers=units.expert_layers,
+                        bucket_starts=size_starts(units.numels, cfg.parallel.bucket_numel, units.expert_layers))
     plan = replace(plan, snapshot_copies=cfg.elastic.snapshot_copies)
     if memory.plan_recomputation:
         plan = every_block(plan)

@@ -17,11 +17,10 @@ from __future__ import annotations
 import torch
 
 from elaswave.checkpoint import disk
-from elaswave.model.contract import untie
+from elaswave.model.units import layer_units, units_of
 from elaswave.plan.chunks import ChunkKey, chunk_range
 from elaswave.plan.recovery import Restore
 from elaswave.snapshot.staging import checksum_of
-from elaswave.zero.flat import FlatLayer
 
 TAG_MIGRATE = 2_000_000
 
@@ -97,7 +96,7 @@ def restore_chunks(ctx, st, world, new_owners, restore: Restore):
             settle()
             for k, part in zip(keys, moments):
                 chunks[k][1:] = part
-    fresh: dict[int, FlatLayer] = {}
+    fresh: dict = {}  # unit -> FlatLayer, built once
     from_disk = []
     for key, (src, kind) in restore.sources.items():
         if new_owners[key[0]][key[1]] != me or key in chunks:
@@ -117,12 +116,10 @@ def restore_chunks(ctx, st, world, new_owners, restore: Restore):
 def initial_chunk(ctx, key: ChunkKey, cache: dict) -> torch.Tensor:
     """A chunk's state at step 0: the initial weights (keyed, or the checkpoint's) and zero moments."""
     cfg, device = ctx.cfg, ctx.device
-    layer, c = key
-    if layer not in cache:
-        module = ctx.model.build_layer(layer, cfg.train.seed)
-        untie(ctx.model, module, layer)  # a tied tensor's chunks are its owner layer's
-        cache[layer] = FlatLayer(module, layer)
-    flat = cache[layer].flat
+    unit, c = key
+    if unit not in cache:
+        cache.update({u.index: u for u in layer_units(ctx.model, units_of(ctx.model).layer_of(unit), cfg.train.seed)})
+    flat = cache[unit].flat
     start, end = chunk_range(flat.numel(), cfg.parallel.chunk_numel, c)
     out = torch.zeros(3, cfg.parallel.chunk_numel, device=device)
     out[0, :end - start] = flat[start:end]

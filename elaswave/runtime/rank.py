@@ -12,7 +12,6 @@ from elaswave.comm.backend import reduce_scatter_is_all_reduce
 from elaswave.comm.groups import Communicator, Group
 from elaswave.config import JobConfig
 from elaswave.data.sampler import Sampler
-from elaswave.model.contract import counted_numels
 from elaswave.pipeline.balance import BalanceRelay
 from elaswave.pipeline.emulate import EmulatedCompute, layer_forward_s
 from elaswave.pipeline.executor import Executor
@@ -25,7 +24,7 @@ from elaswave.plan.chunks import ChunkIndex, ChunkKey
 from elaswave.plan.plan import Plan
 from elaswave.precision import compute_dtype
 from elaswave.runtime.actuator import Actuator
-from elaswave.runtime.experts import attach as attach_experts, moe_blocks
+from elaswave.runtime.experts import attach as attach_experts
 from elaswave.tensor.shards import TensorShards
 from elaswave.zero.bucket import Bucket
 from elaswave.zero.optimizer import ShardedAdamW
@@ -78,7 +77,7 @@ def build_rank(cfg: JobConfig, plan: Plan, rank: int, stage: Stage, sampler: Sam
     d, s = plan.position(rank)
     pipeline = plan.pipelines[d]
     model = stage.model
-    numels = counted_numels(model)
+    numels = stage.units.numels
     buckets, groups, built = [], [], {}
     for holders, layers in plan.gradient_buckets():
         if rank not in holders:
@@ -121,20 +120,20 @@ def build_rank(cfg: JobConfig, plan: Plan, rank: int, stage: Stage, sampler: Sam
     shards = TensorShards(model, stage.layers, buckets, model.cut.group) if par.tp > 1 else None
     # Each bucket's sum starts once this rank's schedule has made its gradients whole (plan/buckets.py:
     # a bucket's layers are computed by the same chunks, so its first tells).
-    ready = [ready_after(schedule, gradient_chunks(plan, rank, b.layers[0])) if par.overlap_grad_reduce
+    ready = [ready_after(schedule, gradient_chunks(plan, rank, plan.layer_of(b.layers[0]))) if par.overlap_grad_reduce
              else len(schedule) for b in buckets]
     reduction = Reduction(buckets, groups, accumulator, reduce_scatter_is_all_reduce(backend_name),
-                          issue_order([(b.holders, b.layers) for b in buckets]), ready, len(schedule),
+                          issue_order([(b.holders, b.layers) for b in buckets], plan.layer_of), ready, len(schedule),
                           cfg.emulate.link_gbps if cfg.emulate.enabled else 0.0)
-    # A bucket's all-gather is waited for at the first forward of a layer that reads it: its own, or a tied use.
-    gathering = Gathering(buckets, groups, [{*b.layers, *(u for o, u in plan.ties if o in b.layers)} for b in buckets],
-                          cfg.emulate.link_gbps if cfg.emulate.enabled else 0.0)
+    # A bucket's all-gather is waited for at the first forward of a layer that reads it: its units', or a tied use.
+    gathering = Gathering(buckets, groups, [{*map(plan.layer_of, b.layers), *(u for o, u in plan.ties if o in b.layers)}
+                                            for b in buckets], cfg.emulate.link_gbps if cfg.emulate.enabled else 0.0)
     stage.reads = gathering.before_layer
     executor = Executor(stage, p2p, sampler, step_tokens, accumulator.add_micro_batch, before, emulated,
                         pieces_of(plan, t) if k > 1 else None, after=reduction.after)
     # ... and within the backward that makes them whole, layer by layer (zero/watch.py).
-    executor.watch = LayerWatch(stage.layers, accumulator, reduction, emulated, late={
-        id(p) for _, block in moe_blocks(stage) for p in block.experts.parameters()}) if par.overlap_grad_reduce else None
+    executor.watch = (LayerWatch(stage.layers, accumulator, reduction, emulated, stage.followers)
+                      if par.overlap_grad_reduce else None)
     for exchange in experts["exchanges"] if fault is not None else ():
         exchange.fault = lambda what: fault(executor.step, what)
     # A mixture of experts' load-balancing loss spans every stage a micro-batch passes: its

@@ -30,7 +30,8 @@ from elaswave.control.health import RankReport
 from elaswave.control import failover, rendezvous
 from elaswave.control.link import EXIT_EXCLUDED, EXIT_GROUP_LEFT, EXIT_STORE_LOST, StoreLink, StoreLost
 from elaswave.interrupt import Disruption
-from elaswave.model.contract import counted_numels, tie_pairs
+from elaswave.model.contract import tie_pairs
+from elaswave.model.units import units_of
 from elaswave.pipeline.stage import Stage
 from elaswave.plan.buckets import size_starts
 from elaswave.plan.frequency import PowerModel
@@ -251,7 +252,7 @@ def run(cfg: JobConfig, rank: int, world_size: int, metrics_out: str | None) -> 
         digests = {i: h for part in summary.values() for i, h in (part["whole_layers"] or part["layer_copies"]).items()}
         sums = [int(summary[r]["state_sum"], 16) for r in ranks]
         writer.write({"event": "summary", "steps": t.steps, "final_loss": result.loss if result else None,
-                      "params_sha256": params_sha256([bytes.fromhex(digests[str(i)]) for i in range(ctx.model.num_layers)]),
+                      "params_sha256": params_sha256([bytes.fromhex(digests[str(i)]) for i in range(st.plan.num_units)]),
                       "state_sha256": digest.state_sha256(summary[rank]["step_counter"],
                                                           [state_total(sums)] if cfg.parallel.tp > 1 else sums),
                       "wall_s": wall, "world_size": len(ranks), "dp": cfg.parallel.dp, "pp": cfg.parallel.pp,
@@ -285,7 +286,7 @@ def _start(ctx: Context, world_size: int):
     """The founding ranks' first epoch: the initial plan, from scratch or from a disk checkpoint."""
     cfg, rank, device = ctx.cfg, ctx.rank, ctx.device
     t, model, tp = cfg.train, ctx.model, cfg.parallel.tp
-    numels = counted_numels(model)
+    units = units_of(model)
     limit, ctx.memory_limit = device_memory.stage_limit_mb(cfg, ctx.store, rank, world_size,
                                                                 device_memory.own_mib(device))
     local = int(os.environ.get("LOCAL_WORLD_SIZE", "0"))
@@ -296,11 +297,12 @@ def _start(ctx: Context, world_size: int):
     try:
         plan = initial_plan(world_size // tp, cfg.parallel.dp, cfg.parallel.pp,
                             [c.flops_per_token for c in model.layer_costs()], t.num_micro_batches,
-                            numels, cfg.parallel.chunk_numel, stage_memory_limit=limit, ties=tie_pairs(model),
+                            units.numels, cfg.parallel.chunk_numel, stage_memory_limit=limit, ties=tie_pairs(model),
                             memory=ctx.memory_model if limit else None,
                             units_per_micro_batch=t.micro_batch_size if cfg.elastic.reshape else 1,
                             virtual_stages=cfg.parallel.virtual_stages,
-                            bucket_starts=size_starts(numels, cfg.parallel.bucket_numel))
+                            unit_layers=units.expert_layers,
+                            bucket_starts=size_starts(units.numels, cfg.parallel.bucket_numel, units.expert_layers))
         plan = replace(plan, snapshot_copies=cfg.elastic.snapshot_copies)
         # Under torchrun and several agents, ranks are numbered host-major, LOCAL_WORLD_SIZE to a host;
         # the one-host launcher's job is one host (its joiners' numbers say nothing about hosts).

@@ -8,17 +8,23 @@ dtype, and never summed, sharded, snapshotted or sent -- a layer with none train
 from __future__ import annotations
 
 import hashlib
+from typing import Collection
 
 import torch
 from torch import nn
 
 
 class FlatLayer:
-    def __init__(self, module: nn.Module, index: int):
+    def __init__(self, module: nn.Module, index: int, skip: Collection[int] = ()):
+        """``index``: the unit's (model/units.py: a layer's, or an expert's); ``skip``: the ids of
+        parameters of ``module`` that are other units' (its experts)."""
         self.module = module
         self.index = index
-        named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
-        self.frozen = {n: p for n, p in module.named_parameters() if not p.requires_grad}
+        self.label = f"layer {index}"
+        """What errors call it (an expert's unit: its layer and expert)."""
+        own = [(n, p) for n, p in module.named_parameters() if id(p) not in skip]
+        named = [(n, p) for n, p in own if p.requires_grad]
+        self.frozen = {n: p for n, p in own if not p.requires_grad}
         """Parameters that never change (see the module's docstring), by name."""
         self.params = [p for _, p in named]
         self.offsets: dict[str, int] = {}

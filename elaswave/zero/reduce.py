@@ -85,18 +85,18 @@ class GradAccumulator:
         for alias, offset in layer.uses:
             self._fold(layer.index, alias.grad.view(-1), self.sums[layer.index][offset:offset + alias.numel()])
 
-    def fold_part(self, index: int, start: int, numel: int) -> None:
-        """Deterministic mode: fold values [start, start + numel) of layer ``index``'s gradient now,
-        alone (an expert's, computed for one micro-batch's rows: expert/exchange.py). Rounding is
-        per value, so this is the fold the whole layer's would have made of them."""
+    def fold_part(self, index: int) -> None:
+        """Deterministic mode: fold unit ``index``'s gradient now, alone (an expert's, computed for
+        one member's rows of a micro-batch: expert/exchange.py), and again as more comes in the
+        same backward. Rounding is per value, so these are the folds of each part alone."""
         layer = self._layers[index]
-        self._fold(index, layer.grad[start:start + numel], self.sums[index][start:start + numel])
+        self._fold(index, layer.grad, self.sums[index])
 
     def _fold(self, index: int, g: torch.Tensor, into: torch.Tensor) -> None:
         peak = float(g.abs().max()) if g.numel() else 0.0
         if not peak < self.max_abs:  # also catches NaN/inf
             raise GradientOverflowError(
-                f"layer {index}: |gradient| = {peak:.3g} does not fit fixed point with "
+                f"{self._layers[index].label}: |gradient| = {peak:.3g} does not fit fixed point with "
                 f"train.grad_fixed_point_bits={self.bits} "
                 f"(limit {self.max_abs:.3g}); lower the bits or the learning rate")
         into.add_(torch.round(g.double() * self.scale).to(torch.int64))
@@ -216,8 +216,8 @@ class Reduction:
 class Gathering:
     """The parameter all-gathers after ZeRO-1's update, started at the step's end (:meth:`start`)
     and each waited for only when the next step's forward first reads its bucket
-    (:meth:`before_layer`: a layer in ``read_by[i]``, the bucket's layers and the tied uses of
-    them). They start in one order on every rank, the first
+    (:meth:`before_layer`: a layer in ``read_by[i]``, the layers of the bucket's units and the
+    tied uses of them). They start in one order on every rank, the first
     layers first, as forwards need them; nothing else is issued on a holder group before the next
     step's sums, which come after every wait (a rank whose chunks run no forward settles at its
     schedule's end). Anything else that reads the layers between steps settles first
@@ -230,7 +230,7 @@ class Gathering:
         """``link_gbps`` (emulate.link_gbps): an all-gather also takes a ring all-gather's time on such
         a link, one after another from their start."""
         self.buckets, self.groups = list(buckets), list(groups)
-        self.order = sorted(range(len(self.buckets)), key=lambda i: min(self.buckets[i].layers))
+        self.order = sorted(range(len(self.buckets)), key=lambda i: (min(read_by[i]), i))
         self._read_by: dict[int, list[int]] = {}  # layer -> the buckets it reads, in order
         for i in self.order:
             for layer in read_by[i]:

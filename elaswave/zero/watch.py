@@ -11,10 +11,11 @@ reduction told (``Reduction.layer_whole``), which starts every bucket whose laye
 one order.
 
 One backward call gives each leaf its gradient once, so a tensor counted is a tensor done. A
-mixture of experts' experts are not counted (``late``): an exchange gives their weights their
-gradients in nested backwards (folded as they come, expert/exchange.py), all of which end before
-the block's router and attention get theirs -- and an expert no row reached, or another rank owns,
-gets none. A layer with nothing to count (a head without adapters under LoRA) is whole at once. A
+mixture of experts' experts (units of their own, model/units.py) are not counted but follow their
+layer: an exchange gives their weights their gradients in nested backwards (folded as they come,
+expert/exchange.py), all of which end before the block's attention gets its -- and an expert no
+row reached, or another rank owns, gets none -- so they are whole when their layer is. A layer
+with nothing to count (a head without adapters under LoRA) is whole at once. A
 layer one of whose counted tensors gets no gradient in that backward (a tied use computed in another
 chunk) is never whole here: its bucket, and the buckets after it in the order, start once the
 action has run, as without the watch.
@@ -23,7 +24,7 @@ from __future__ import annotations
 
 import weakref
 from contextlib import contextmanager
-from typing import Callable, Collection, Sequence
+from typing import Callable, Mapping, Sequence
 
 import torch
 
@@ -34,12 +35,14 @@ from elaswave.zero.reduce import GradAccumulator, Reduction
 
 class LayerWatch:
     def __init__(self, layers: Sequence[FlatLayer], accumulator: GradAccumulator, reduction: Reduction,
-                 emulated: EmulatedCompute | None = None, late: Collection[int] = ()):
+                 emulated: EmulatedCompute | None = None, followers: Mapping[int, Sequence[FlatLayer]] = {}):
         """``emulated``: a watched backward also takes each layer's modelled time before its sum
-        starts; ``late``: the ids of tensors not counted (a mixture of experts' experts, above)."""
+        starts; ``followers``: layer -> the units whole when it is (its experts', above)."""
         self.accumulator, self.reduction, self.emulated = accumulator, reduction, emulated
         self._tensors: dict[int, int] = {}
-        self._late: set[int] = set()
+        self._follow = {layer: [u.index for u in us] for layer, us in followers.items()}
+        following = {u.index for us in followers.values() for u in us}
+        self._watched: set[int] = set()
         self._wanted: set[int] = set()
         self._given: dict[int, set[int]] = {}
         self._chunk, self._began, self._share = 0, (lambda: 0.0), 1.0
@@ -48,11 +51,10 @@ class LayerWatch:
         # with its rank, and a hook reaching back to a layer would be a cycle the collector misses.
         ref = weakref.ref(self)
         for layer in layers:
+            if layer.index in following:
+                continue
             tensors = [*layer.params, *(alias for alias, _ in layer.uses)]
-            counted = [t for t in tensors if id(t) not in late]
-            # (a layer of experts alone would be whole before they are: count them, it never is)
-            self._tensors[layer.index] = len(counted) if counted or not tensors else len(tensors)
-            self._late.update(id(t) for t in tensors if id(t) in late and counted)
+            self._tensors[layer.index] = len(tensors)
             for t in tensors:
                 slot = getattr(t, "_elaswave_watch", None)
                 if slot is None:
@@ -64,19 +66,19 @@ class LayerWatch:
     def watching(self, index: int, chunk: int, began: Callable[[], float], share: float = 1.0):
         """While action ``index``, a whole backward of ``chunk`` (or ZB-H1's W, ``share`` of one),
         runs its last piece; ``began``: when it began, as emulated compute counts it."""
-        watched = self.reduction.watched(index)
+        self._watched = watched = self.reduction.watched(index)
         self._wanted = {layer for layer in watched if self._tensors.get(layer)}
         self._given, self._chunk, self._began, self._share = {}, chunk, began, share
         for layer in sorted(watched - self._wanted, reverse=True):  # nothing to wait for
             if layer in self._tensors:
-                self.reduction.layer_whole(layer)
+                self._whole(layer)
         try:
             yield
         finally:
             self._wanted = set()
 
     def given(self, layer: int, t: torch.Tensor) -> None:
-        if layer not in self._wanted or id(t) in self._late:
+        if layer not in self._wanted:
             return
         given = self._given.setdefault(layer, set())
         given.add(id(t))
@@ -85,8 +87,15 @@ class LayerWatch:
         self._wanted.discard(layer)
         if self.emulated is not None:
             self.emulated.backward_through(self._began(), self._chunk, layer, self._share)
+        self._whole(layer)
+
+    def _whole(self, layer: int) -> None:
         self.accumulator.fold_layer(layer)
         self.reduction.layer_whole(layer)
+        for unit in self._follow.get(layer, ()):
+            if unit in self._watched:
+                self.accumulator.fold_layer(unit)
+                self.reduction.layer_whole(unit)
 
 
 def _counter(slot: list):
