@@ -19,7 +19,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository: bench.common
 from bench.common import RESULTS, write_results  # noqa: E402
 from elaswave.plan.frequency import PowerModel  # noqa: E402
-from elaswave.plan.plan import initial_plan, replan  # noqa: E402
+from elaswave.plan.plan import initial_plan  # noqa: E402
+from elaswave.plan.replan import replan  # noqa: E402
 from elaswave.plan.rebalance import rebalance_gain  # noqa: E402
 
 LAYOUTS = [(96, 12, 8), (10_000, 625, 16), (100_000, 6_250, 16)]  # devices, dp, pp

@@ -76,7 +76,8 @@ def planner_gain(dp: int, pp: int, model: str) -> dict | None:
     import types
     from dataclasses import replace
 
-    from elaswave.plan.plan import initial_plan, replan
+    from elaswave.plan.plan import initial_plan
+    from elaswave.plan.replan import replan
     from elaswave.sim.model import step_time
     from elaswave.sim.workload import MODELS, cluster, layer_numels
     try:

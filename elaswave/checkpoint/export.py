@@ -9,6 +9,7 @@ place (see :mod:`elaswave.checkpoint.hf_folder`: what the folder holds, and why 
 from __future__ import annotations
 
 import os
+import re
 import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -65,11 +66,23 @@ def writers(plan: Plan) -> list[int]:
 
 def write_my_shards(target: Target, plan: Plan, rank: int, layers: list[FlatLayer], model=None,
                     seed: int = 0) -> list[dict]:
-    """This rank's shards (none if it writes none): the layers it is the first holder of, in pieces.
+    """This rank's shards (none if it writes none): the units it is the first holder of -- a
+    layer's own tensors, an expert's (model/units.py: its owners alone hold it) -- in pieces.
     ``model``, ``seed``: where a merged export reads each base weight again (see :func:`_fresh_base`)."""
-    mine = [layer for layer in sorted(layers, key=lambda l: l.index)
-            if layer.index < plan.num_layers and plan.holders(layer.index)[0] == rank]
-    return _write(target, mine, plan.num_layers, f"r{rank:05d}", model, seed)
+    experts: dict[int, list[int]] = {}
+    for u in range(plan.num_layers, plan.num_units):
+        experts.setdefault(plan.layer_of(u), []).append(u)
+
+    def mine(layer: int, name: str) -> bool:
+        expert = _EXPERT.search(name)
+        return plan.holders(layer if expert is None else experts[layer][int(expert.group(1))])[0] == rank
+    held = [layer for layer in sorted(layers, key=lambda l: l.index) if layer.index < plan.num_layers
+            and any(plan.holders(u)[0] == rank for u in [layer.index, *experts.get(layer.index, ())])]
+    return _write(target, held, plan.num_layers, f"r{rank:05d}", model, seed, mine)
+
+
+_EXPERT = re.compile(r"\.experts\.(\d+)\.")
+"""An expert's tensor, by its Hugging Face name (Mixtral's and Qwen's alike)."""
 
 
 def finish_run_export(target: Target, m: ModelConfig, parts: list[list[dict]]) -> Path:
@@ -94,12 +107,13 @@ def _finish(target: Target, m: ModelConfig, parts: list[dict]) -> Path:
 
 
 def _write(target: Target, layers: Iterable[FlatLayer], num_layers: int, tag: str, model=None,
-           seed: int = 0) -> list[dict]:
+           seed: int = 0, keep=lambda layer, name: True) -> list[dict]:
+    """``layers``: layers' own units, whose modules hold their experts; ``keep(layer, name)``:
+    whether a tensor is written here."""
     fresh = target.adapters == "merged" and model is not None
-    # A layer's module holds its experts (units of their own, model/units.py: written with it).
-    by_layer = ((layer.index, hf.layer_tensors(_fresh_base(model, seed, layer) if fresh else layer.module, layer.index,
-                                               num_layers, target.dtype, target.adapters))
-                for layer in layers if layer.index < num_layers)
+    by_layer = ((layer.index, {k: t for k, t in hf.layer_tensors(
+        _fresh_base(model, seed, layer) if fresh else layer.module, layer.index, num_layers, target.dtype,
+        target.adapters).items() if keep(layer.index, k)}) for layer in layers if layer.index < num_layers)
     return [hf_folder.write_part(target.out, f"{tag}-{j:03d}", first, tensors)
             for j, (first, tensors) in enumerate(hf_folder.pieces(by_layer, target.max_shard_bytes))]
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import cached_property
+from typing import Collection
 
 from torch import nn
 
@@ -87,9 +88,10 @@ def experts_in(module: nn.Module) -> list[nn.Module]:
     return [e for block in module.modules() if isinstance(block, SparseMoE) for e in block.experts]
 
 
-def flat_units(module: nn.Module, layer: int, units: Units) -> list[FlatLayer]:
+def flat_units(module: nn.Module, layer: int, units: Units, held: Collection[int] | None = None) -> list[FlatLayer]:
     """Layer ``layer`` (built as ``module``) as its units' flat vectors: itself without its
-    experts, then each expert."""
+    experts, then each expert -- of those in ``held`` only (None: all), the others' values
+    dropped (:func:`drop_experts`)."""
     inside = experts_in(module)
     if not inside:
         return [FlatLayer(module, layer)]
@@ -97,10 +99,30 @@ def flat_units(module: nn.Module, layer: int, units: Units) -> list[FlatLayer]:
     if len(ids) != len(inside) + 1:
         raise AssertionError(f"layer {layer} has {len(inside)} experts, its units say {len(ids) - 1}")
     skip = {id(p) for e in inside for p in e.parameters()}
-    experts = [FlatLayer(e, u) for u, e in zip(ids[1:], inside)]
-    for e, unit in enumerate(experts):
-        unit.label = f"layer {layer} expert {e}"
+    drop_experts(module, layer, units, held)
+    experts = []
+    for e, (u, expert) in enumerate(zip(ids[1:], inside)):
+        if held is None or u in held:
+            experts.append(FlatLayer(expert, u))
+            experts[-1].label = f"layer {layer} expert {e}"
     return [FlatLayer(module, layer, skip), *experts]
+
+
+def drop_experts(module: nn.Module, layer: int, units: Units, held: Collection[int] | None) -> None:
+    """Free the values of the experts of ``module`` (layer ``layer``) whose units are not in
+    ``held`` (another rank of the expert-parallel group owns them and computes them: its exchange
+    never runs them here). Their tensors stay, empty, so the module keeps its names."""
+    if held is None:
+        return
+    for u, expert in zip(units.of_layer(layer)[1:], experts_in(module)):
+        if u not in held:
+            for p in expert.parameters():
+                p.data = p.data.new_empty(0)
+
+
+def dropped(tensor) -> bool:
+    """A tensor :func:`drop_experts` freed."""
+    return tensor.numel() == 0
 
 
 def layer_units(model, layer: int, seed: int, init: bool = True) -> list[FlatLayer]:

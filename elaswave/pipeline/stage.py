@@ -8,7 +8,7 @@ folded into the owner's sum as a use of its own (see :class:`elaswave.zero.flat.
 from __future__ import annotations
 
 import time
-from typing import Callable, Sequence
+from typing import Callable, Collection, Sequence
 
 import torch
 from torch.utils.checkpoint import checkpoint
@@ -18,7 +18,7 @@ from elaswave.config import JobConfig
 from elaswave.model import recompute
 from elaswave.model.contract import Model, ModelContractError, untie
 from elaswave.model.registry import model_for
-from elaswave.model.units import flat_units, units_of
+from elaswave.model.units import drop_experts, flat_units, units_of
 from elaswave.precision import compute_dtype
 from elaswave.zero.flat import FlatLayer
 
@@ -27,7 +27,8 @@ class Stage:
     """``layers``: the (start, end) range of each model chunk, chunk 0 first, or one range."""
 
     def __init__(self, cfg: JobConfig, layers: tuple[int, int] | Sequence[tuple[int, int]], device: torch.device,
-                 model: Model | None = None, recomputed: Sequence[int] = ()):
+                 model: Model | None = None, recomputed: Sequence[int] = (), experts: Collection[int] | None = None):
+        """``experts``: the expert units held (Plan.expert_units_of; None: every one of its layers')."""
         self.model = model if model is not None else model_for(cfg)
         self.chunks: tuple[tuple[int, int], ...] = (
             (tuple(layers),) if isinstance(layers[0], int) else tuple(tuple(r) for r in layers))
@@ -40,17 +41,20 @@ class Stage:
         ties = [t for t in self.model.ties if t.user in ran]
         held = sorted(set(ran) | {t.owner for t in ties})
         frozen_dtype = compute_dtype(cfg.train.precision, device)
+        self.units = units_of(self.model, self.seed)
+        self.experts = None if experts is None else frozenset(experts)
         modules = {}
         for i in held:  # a frozen weight (LoRA's base) in the compute dtype at once, before the next layer is built
-            modules[i] = self.model.build_layer(i, self.seed).to(device)
+            modules[i] = self.model.build_layer(i, self.seed)
+            drop_experts(modules[i], i, self.units, self.experts)  # (before it reaches the device)
+            modules[i] = modules[i].to(device)
             recompute.select(modules[i], cfg.train.activation_checkpointing == "selective")
             for p in modules[i].parameters():
                 if not p.requires_grad:
                     p.data = p.data.to(frozen_dtype)
         # The user's own copy goes before flattening: the tensor is the owner's.
         slots = [slot for i in ran for slot in untie(self.model, modules[i], i)]
-        self.units = units_of(self.model, self.seed)
-        of_layer = {i: flat_units(modules[i], i, self.units) for i in held}
+        of_layer = {i: flat_units(modules[i], i, self.units, self.experts) for i in held}
         self.layers = sorted((u for i in held for u in of_layer[i]), key=lambda u: u.index)
         """Every unit this stage holds (model/units.py: its layers and tie owners, each without its
         experts, then the experts), in unit order: what is summed, sharded and snapshotted."""

@@ -1,16 +1,26 @@
-"""Where each expert of a mixture-of-experts block computes: its expert-parallel group and owner
-(pure functions, no process groups).
+"""Where each expert of a mixture-of-experts block computes and is held: its expert-parallel group
+and owner (pure functions, no process groups).
 
 A stage's pipelines are cut into expert-parallel groups of ``ep`` consecutive pipelines (the last
-may be smaller after a loss); within a group every expert of a block has one owner, which runs it
-on the tokens every member routes to it (all-to-all). Placement is the minimax of the planner's
-layers applied to experts: each expert, heaviest first, goes to the member with the least load so
-far (longest processing time first), by the router's measured counts; without counts (the first
-epoch), experts are dealt in contiguous blocks, Megatron's and DeepSpeed's layout. The placement
-changes which rank computes an expert, never what it computes: the bits do not depend on it.
+may be smaller after a loss) among the pipelines that run one schedule -- the same layers, the
+same number of micro-batches, none reshaped, no detours: a group's members exchange tokens in
+every forward and backward of every MoE block, so they must issue the same exchanges; a rank whose
+pipeline runs a schedule nobody else does is a group of its own. Within a group every expert of a
+block has one owner, which runs it on the tokens every member routes to it (all-to-all) and holds
+it: an expert's holders are its owners, one in each group of its stage (model/units.py), so a rank
+holds only ``1/ep`` of its experts' values, sums and optimizer state.
+
+Placement is the minimax of the planner's layers applied to experts: each expert, heaviest first,
+goes to the member with the least load so far (longest processing time first), by the router's
+measured counts; without counts (the first epoch), experts are dealt in contiguous blocks,
+Megatron's and DeepSpeed's layout. A re-plan keeps every expert where a member of its group
+already holds it and places only the others (a lost owner's; a new group's) by load, so as little
+as possible moves. The placement changes which rank computes an expert, never what it computes:
+the bits do not depend on it.
 """
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Sequence
 
 
@@ -68,3 +78,104 @@ def busiest_share(owners: Sequence[int], loads: Sequence[float], members: int) -
     for e, m in enumerate(owners):
         per[m] += loads[e]
     return max(per) * members / total
+
+
+def _schedule_of(plan, p: int) -> tuple:
+    """What decides pipeline ``p``'s exchanges: its layers by stage and its micro-batch count (the
+    blocks it recomputes are made alike within a group: :func:`unite_recomputation`)."""
+    return plan.layer_ranges[p], len(plan.micro_batches[p])
+
+
+def expert_groups(plan) -> dict[int, tuple[int, ...]]:
+    """Each rank -> the ranks of its expert-parallel group under ``plan`` (itself alone where
+    ``plan.ep`` is 1, the plan reroutes or reshapes, or its pipeline runs no micro-batch)."""
+    alone = plan.ep <= 1 or bool(plan.routes) or plan.units_per_micro_batch > 1
+    out: dict[int, tuple[int, ...]] = {}
+    by_schedule: dict[tuple, list[int]] = {}
+    for p, pipe in enumerate(plan.pipelines):
+        if alone or not plan.micro_batches[p]:
+            out.update({r: (r,) for r in pipe})
+        else:
+            by_schedule.setdefault(_schedule_of(plan, p), []).append(p)
+    for alike in by_schedule.values():
+        for group in groups_of(alike, plan.ep):
+            for s in range(len(plan.pipelines[group[0]])):
+                members = tuple(plan.pipelines[p][s] for p in group)
+                out.update({r: members for r in members})
+    return out
+
+
+def place_holders(plan, prev_holders: Sequence[Sequence[int]] | None, loads: Sequence[float] = ()
+                  ) -> tuple[tuple[int, ...], ...]:
+    """Each expert unit's holders under ``plan`` (``plan.unit_layers``: their layers): its owner in
+    every group of the ranks that hold its layer. An expert stays with a member that held it in
+    ``prev_holders`` (the last plan's; None: a first plan), the lowest such rank; the others are
+    placed by ``loads`` (tokens routed to each expert unit; empty or all zero: contiguous blocks
+    in a first plan, else the fewest experts) among the members, a block's at a time."""
+    groups = expert_groups(plan)
+    by_layer: dict[int, list[int]] = {}
+    for k, layer in enumerate(plan.unit_layers):
+        by_layer.setdefault(layer, []).append(k)
+    holders: list[set[int]] = [set() for _ in plan.unit_layers]
+    done: set[tuple[int, ...]] = set()
+    for rank in plan.ranks:
+        group = groups[rank]
+        if group in done:
+            continue
+        done.add(group)
+        layers = {i for start, end in plan.chunk_ranges(rank) for i in range(start, end)}
+        for layer in sorted(layers & by_layer.keys()):
+            ks = by_layer[layer]
+            weights = [loads[k] for k in ks] if loads else []
+            if prev_holders is None:
+                owners = place(len(ks), len(group), weights if any(weights) else None)
+            else:
+                owners = _keep_and_place([[m for m in group if m in prev_holders[k]] for k in ks], group, weights)
+            for k, m in zip(ks, owners):
+                holders[k].add(group[m])
+    return tuple(tuple(sorted(h)) for h in holders)
+
+
+def _keep_and_place(held: Sequence[Sequence[int]], group: Sequence[int], weights: Sequence[float]) -> list[int]:
+    """Expert -> owner index in ``group``: the lowest member already holding it (``held``), else
+    the member least loaded so far (by ``weights``; without: by count), heaviest orphan first."""
+    owners = [group.index(min(h)) if h else -1 for h in held]
+    load = [0.0] * len(group)
+    count = [0] * len(group)
+    for e, m in enumerate(owners):
+        if m >= 0:
+            load[m] += weights[e] if weights else 0.0
+            count[m] += 1
+    for e in sorted((e for e, m in enumerate(owners) if m < 0), key=lambda e: (-(weights[e] if weights else 0.0), e)):
+        m = min(range(len(group)), key=lambda m: (load[m], count[m], m))
+        owners[e] = m
+        load[m] += weights[e] if weights else 0.0
+        count[m] += 1
+    # A member with two experts fewer than another (a joiner; two groups made one) takes the
+    # other's last one, until the counts are even: a join gives experts back.
+    while max(count) - min(count) > 1:
+        src = min(range(len(group)), key=lambda m: (-count[m], m))
+        dst = min(range(len(group)), key=lambda m: (count[m], m))
+        e = max(e for e, m in enumerate(owners) if m == src)
+        owners[e] = dst
+        count[src] -= 1
+        count[dst] += 1
+    return owners
+
+
+def unite_recomputation(plan):
+    """``plan`` with each expert-parallel group recomputing the union of its members' blocks: a
+    recomputed MoE block runs its exchanges again in the backward, which every member must join
+    (recomputing more only lowers memory)."""
+    if plan.ep <= 1 or not plan.recomputed or not plan.unit_layers:
+        return plan
+    groups = expert_groups(plan)
+    chosen = [list(pipe) for pipe in plan.recomputed]
+    for d, pipe in enumerate(plan.pipelines):
+        for s, rank in enumerate(pipe):
+            union = set()
+            for m in groups[rank]:
+                e, t = plan.position(m)
+                union.update(plan.recomputed[e][t])
+            chosen[d][s] = tuple(sorted(union))
+    return replace(plan, recomputed=tuple(tuple(p) for p in chosen))

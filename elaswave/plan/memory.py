@@ -88,6 +88,9 @@ class MemoryModel:
     chunks are a coarser planning grain (the simulator's 2^24 values; the runtime's are
     parallel.chunk_numel, 4,096): each bucket's slot is its values over its holders rounded up to
     it. 0: the plan's own chunks (``chunk_numel``), as the runtime deals them."""
+    expert_numels: tuple[int, ...] = ()
+    """Values of each expert unit (Plan.unit_layers' order; counted in ``layer_numels`` too): a
+    rank holds only those the plan's ``expert_holders`` give it (plan/experts.py)."""
     overlap_grad_reduce: bool = True
     """parallel.overlap_grad_reduce: under interleaved 1F1B a chunk's packed sums are alive while
     the chunks before it still hold activations (:func:`_overlap_peak`), and within a backward a
@@ -255,7 +258,8 @@ def rank_bytes(model: MemoryModel, plan, rank: int) -> dict[str, float]:
     mbs = len(plan.micro_batches[d])
     chunks = plan.chunk_ranges(rank)
     held = sorted({i for start, end in chunks for i in model.held_layers(start, end)})
-    out = {"layers": sum(model.layer_bytes(start, end) for start, end in chunks)}
+    away = _experts_away(model, plan, rank, held)
+    out = {"layers": sum(model.layer_bytes(start, end) for start, end in chunks) - model.value_bytes * away}
     out["optimizer"] = model.optimizer_bytes * _slot_values(model, plan, rank)
     if model.snapshots and len(plan.ranks) > 1:
         peers = sum(_slot_values(model, plan, owner) for owner in plan.snapshot_owners(rank))
@@ -273,7 +277,7 @@ def rank_bytes(model: MemoryModel, plan, rank: int) -> dict[str, float]:
         out["activations"] = _interleaved_activations(model, chunks, s, depth, mbs, plan.num_layers)
     # After the backward the activations are gone and the reduce packs the sums: one or the other --
     # but a chunk's sum that starts early is packed while the chunks before it still compute.
-    out["update"] = model.update_bytes(sum(model.layer_numels[i] for i in held), _slot_values(model, plan, rank))
+    out["update"] = model.update_bytes(sum(model.layer_numels[i] for i in held) - away, _slot_values(model, plan, rank))
     out["overlap"] = max(_overlap_peak(model, chunks, s, depth, mbs) if len(chunks) > 1 else 0.0,
                          _within_peak(model, plan, rank, chunks, s, depth, mbs)) if mbs and model.overlap_grad_reduce else 0.0
     out["gather"] = (_gather_peak(model, chunks, s, depth, mbs, _slot_values(model, plan, rank))
@@ -281,6 +285,16 @@ def rank_bytes(model: MemoryModel, plan, rank: int) -> dict[str, float]:
     phases = ("activations", "update", "overlap", "gather")
     out["total"] = sum(v for k, v in out.items() if k not in phases) + max(out[k] for k in phases)
     return out
+
+
+def _experts_away(model: MemoryModel, plan, rank: int, held) -> int:
+    """Values of the experts of ``held`` layers that other ranks of ``rank``'s expert-parallel
+    groups hold instead (none without the plan's ``expert_holders``)."""
+    holders = getattr(plan, "expert_holders", ())
+    if not holders or not model.expert_numels:
+        return 0
+    layers = set(held)
+    return sum(n for n, layer, h in zip(model.expert_numels, plan.unit_layers, holders) if layer in layers and rank not in h)
 
 
 def _one_and_kept(model: MemoryModel, chunks) -> tuple[list[float], list[float]]:

@@ -4,7 +4,8 @@ from __future__ import annotations
 from typing import Mapping
 
 from elaswave.plan.errors import PlanError
-from elaswave.plan.plan import Plan, replan
+from elaswave.plan.plan import Plan
+from elaswave.plan.replan import replan
 from elaswave.plan.rates import range_cost, rank_costs, rank_rates
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from elaswave.plan.errors import PlanError
+from elaswave.plan.experts import unite_recomputation
 from elaswave.plan.memory import MIB, limit_refusal, rank_bytes
 
 
@@ -42,7 +43,7 @@ def fit_recomputation(plan):
             decided[key] = tuple(sorted(_needed(memory, plain, rank, chunks, limit, last))) if over else ()
         return decided[key]
     chosen = tuple(tuple(blocks(r) for r in pipe) for pipe in plan.pipelines)
-    return replace(plan, recomputed=chosen if any(b for pipe in chosen for b in pipe) else ())
+    return unite_recomputation(replace(plan, recomputed=chosen if any(b for pipe in chosen for b in pipe) else ()))
 
 
 def refitted(plan):

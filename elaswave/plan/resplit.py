@@ -11,7 +11,7 @@ from elaswave.plan.rates import layer_costs
 
 
 def place_joiners(prev, epoch: int, joined: Sequence[int], pipelines: list, ranges: list, kept: list) -> None:
-    """Put ``joined`` into the survivors' layout (in place): see :func:`~elaswave.plan.plan.replan`.
+    """Put ``joined`` into the survivors' layout (in place): see :func:`~elaswave.plan.replan.replan`.
     New pipelines are marked ``None`` in ``kept`` (they had no index in ``prev``)."""
     depth = prev.depth or max(len(p) for p in prev.pipelines)
     waiting = list(joined)

@@ -16,7 +16,8 @@ from elaswave.control.admission import SPARE_ENV, SPARE_HOST_ENV, STARTED_ENV
 from elaswave.control.link import StoreLost
 from elaswave.control.membership import NoMajority
 from elaswave.interrupt import Disruption
-from elaswave.plan.plan import Plan, PlanError, replan
+from elaswave.plan.plan import Plan, PlanError
+from elaswave.plan.replan import replan
 from elaswave.runtime import device_memory, recovery
 from elaswave.runtime.rank import RankState
 from elaswave.runtime.straggler import REBALANCE

@@ -52,7 +52,7 @@ def job_memory_model(cfg: JobConfig, model: Model, dtype: torch.dtype, device: t
                 untie(model, layer, i)
                 frozen.append(sum(p.numel() for p in layer.parameters() if not p.requires_grad))
     return MemoryModel(
-        layer_numels=tuple(numels),
+        layer_numels=tuple(numels), expert_numels=units_of(model).numels[model.num_layers:],
         layer_activation_bytes=tuple(float(b) for b in saved_activation_bytes(
             model, t.micro_batch_size, dtype, fused, selective=t.activation_checkpointing == "selective")),
         boundary_bytes=float(t.micro_batch_size * model.seq_len * model.hidden_size * itemsize),
@@ -152,7 +152,7 @@ def least_mb(cfg: JobConfig, model: Model, memory: MemoryModel, num_stages: int,
     plan = initial_plan(num_stages * pipelines, pipelines, num_stages, [c.flops_per_token for c in model.layer_costs()],
                         t.num_micro_batches, units.numels, cfg.parallel.chunk_numel, ties=tie_pairs(model),
                         memory=memory, units_per_micro_batch=t.micro_batch_size if cfg.elastic.reshape else 1,
-                        virtual_stages=cfg.parallel.virtual_stages, unit_layers=units.expert_layers,
+                        virtual_stages=cfg.parallel.virtual_stages, unit_layers=units.expert_layers, ep=cfg.parallel.ep,
                         bucket_starts=size_starts(units.numels, cfg.parallel.bucket_numel, units.expert_layers))
     plan = replace(plan, snapshot_copies=cfg.elastic.snapshot_copies)
     if memory.plan_recomputation:

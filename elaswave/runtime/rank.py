@@ -151,7 +151,8 @@ def build_rank(cfg: JobConfig, plan: Plan, rank: int, stage: Stage, sampler: Sam
         optimizer=optimizer,
         chunk_index=ChunkIndex.build(numels, par.chunk_numel), device=device, backend_name=backend_name,
         norm_needs_exchange=not (reduce_scatter_is_all_reduce(backend_name) and all(
-            plan.chunk_ranges(r) == ((0, plan.num_layers),) for r in plan.ranks)))
+            plan.chunk_ranges(r) == ((0, plan.num_layers),) for r in plan.ranks)
+            and all(h == plan.ranks for h in plan.expert_holders)))  # (experts held by their owners alone)
 
 
 def pieces_of(plan: Plan, t):

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -21,7 +21,8 @@ from elaswave.control.membership import MOVED_PATIENCE
 from elaswave.interrupt import CommError, Disruption
 from elaswave.pipeline.stage import Stage
 from elaswave.plan.frequency import PowerModel
-from elaswave.plan.plan import Plan, PlanError, replan
+from elaswave.plan.plan import Plan, PlanError
+from elaswave.plan.replan import replan
 from elaswave.plan.recovery import Holding, plan_restore, restorable
 from elaswave.runtime import migration
 from elaswave.runtime.rank import RankState, build_rank
@@ -218,6 +219,7 @@ def recover(ctx, st: RankState | None, cause: Disruption | None, noticed_wall: f
     holding = (Holding(ctx.rank, st.optimizer.holding(), ctx.pool.holding() if ctx.pool else {})
                if st is not None else Holding(ctx.rank, {}, {}))
     ctx.membership.post(epoch, "state", {"holding": holding.to_doc(), "speed": ctx.speed,
+                                         "expert_loads": (st.experts or {}).get("loads") if st is not None else None,
                                          "standby_ready": ctx.comm.standby_ready(members),
                                          "disk_step": _readable_checkpoint(ctx), "records": ctx.journal.unwritten()})
     reports = ctx.membership.gather(epoch, "state", everyone, cfg.parallel.timeout_s,
@@ -240,6 +242,11 @@ def recover(ctx, st: RankState | None, cause: Disruption | None, noticed_wall: f
     power = _power_model(cfg)
     holdings = [Holding.from_doc(r, doc["holding"]) for r, doc in reports.items()]
     old_devices, heads = full.on_slice(old, 0), devices.on_shard(everyone, 0)
+    # The router's counts every member of the old epoch summed alike at its start: experts without
+    # an owner are placed by them (plan/experts.py).
+    loads = next((doc["expert_loads"] for _, doc in sorted(reports.items()) if doc.get("expert_loads")), None)
+    if loads and old_devices.expert_holders:
+        old_devices = replace(old_devices, expert_loads=tuple(loads))
     try:
         plan = devices.on_slice(replan(old_devices, heads, epoch, cfg.train.num_micro_batches,
                                        {r: v for r, v in speeds.items() if r in old_devices.ranks}, cfg.elastic.policy,
@@ -279,8 +286,9 @@ def recover(ctx, st: RankState | None, cause: Disruption | None, noticed_wall: f
     layers = plan.chunk_ranges(ctx.rank)
     # A re-partitioned stage (or a joiner's) starts from fresh layers; the gather below fills in
     # their parameters from the chunk owners, who hold the same layers in the other pipelines.
-    stage = (st.stage if st is not None and st.stage.chunks == layers
-             else Stage(cfg, layers, ctx.device, ctx.model, plan.recomputed_of(ctx.rank)))
+    experts = plan.experts_held(ctx.rank)  # (its held experts may change with its layers kept)
+    stage = (st.stage if st is not None and st.stage.chunks == layers and st.stage.experts == experts
+             else Stage(cfg, layers, ctx.device, ctx.model, plan.recomputed_of(ctx.rank), experts))
     stage.recompute(plan.recomputed_of(ctx.rank))  # a kept stage may recompute more, or less, under the new plan
     new = build_rank(cfg, plan, ctx.rank, stage, ctx.sampler_for(stage), world, ctx.comm, ctx.device,
                      ctx.backend_name, gen=restore.resume_step, chunks=chunks, before=ctx.before_action,

@@ -301,7 +301,7 @@ def _start(ctx: Context, world_size: int):
                             memory=ctx.memory_model if limit else None,
                             units_per_micro_batch=t.micro_batch_size if cfg.elastic.reshape else 1,
                             virtual_stages=cfg.parallel.virtual_stages,
-                            unit_layers=units.expert_layers,
+                            unit_layers=units.expert_layers, ep=cfg.parallel.ep,
                             bucket_starts=size_starts(units.numels, cfg.parallel.bucket_numel, units.expert_layers))
         plan = replace(plan, snapshot_copies=cfg.elastic.snapshot_copies)
         # Under torchrun and several agents, ranks are numbered host-major, LOCAL_WORLD_SIZE to a host;
@@ -315,7 +315,7 @@ def _start(ctx: Context, world_size: int):
         # Preflight checks a configured limit; the agreed one is known only now.
         raise device_memory.unfit(cfg, ctx.memory_limit, model, ctx.memory_model) from None
     ctx.plan = plan = layout.founding_slice(plan, ctx.shard, tp)
-    stage = Stage(cfg, plan.chunk_ranges(rank), device, model, plan.recomputed_of(rank))
+    stage = Stage(cfg, plan.chunk_ranges(rank), device, model, plan.recomputed_of(rank), plan.experts_held(rank))
     world = ctx.comm.group(plan.ranks, plan.epoch)
     if tp > 1:
         model.cut.group = ctx.comm.group(ctx.devices.tensor_group(rank), plan.epoch)

@@ -38,7 +38,8 @@ from elaswave import config
 from elaswave.model.contract import counted_numels, tie_pairs
 from elaswave.model.registry import model_for
 from elaswave.pipeline.emulate import layer_forward_s
-from elaswave.plan.plan import Plan, initial_plan, replan
+from elaswave.plan.plan import Plan, initial_plan
+from elaswave.plan.replan import replan
 from elaswave.sim.model import ClusterModel, step_time
 
 

@@ -10,7 +10,8 @@ from elaswave.pipeline.schedule import GENERATORS
 from elaswave.plan.buckets import size_starts
 from elaswave.plan.memory import MemoryModel, by_cost, rank_bytes
 from elaswave.plan.partition import least_memory
-from elaswave.plan.plan import Plan, PlanError, initial_plan, replan
+from elaswave.plan.plan import Plan, PlanError, initial_plan
+from elaswave.plan.replan import replan
 from elaswave.plan.recompute import every_block
 from elaswave.sim import policies
 from elaswave.sim.workload import MODELS, choose_layout, layer_numels

@@ -18,7 +18,8 @@ from elaswave import config
 from elaswave.model.contract import counted_numels, tie_pairs
 from elaswave.plan.buckets import size_starts
 from elaswave.plan.memory import MIB, MemoryModel, rank_bytes
-from elaswave.plan.plan import PlanError, initial_plan, replan
+from elaswave.plan.plan import PlanError, initial_plan
+from elaswave.plan.replan import replan
 from elaswave.runtime.memory import config_memory_model
 
 

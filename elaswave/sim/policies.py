@@ -1,7 +1,7 @@
 """How each system answers a change of membership, as the simulator prices it (pure).
 
 Every policy turns the live devices into a plan with the runtime's own planner
-(:func:`~elaswave.plan.plan.replan`, which gives the layout for any set of losses) and says what the
+(:func:`~elaswave.plan.replan.replan`, which gives the layout for any set of losses) and says what the
 change costs. Every policy starts from the same failure-free plan (:func:`failure_free`): with
 clocks planned, the frequency planner's levels on every device, so the rate before a failure is
 equal across policies and the ratios after it measure recovery alone. After a change only
@@ -52,7 +52,8 @@ from typing import Sequence
 
 from elaswave.plan import microbatches
 from elaswave.plan.frequency import PowerModel
-from elaswave.plan.plan import Plan, PlanError, initial_plan, replan
+from elaswave.plan.plan import Plan, PlanError, initial_plan
+from elaswave.plan.replan import replan
 from elaswave.plan.recompute import fit_recomputation
 from elaswave.sim.control import Control, slot_events
 from elaswave.sim.model import ClusterModel, held_layers, migration_s

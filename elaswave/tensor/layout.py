@@ -31,6 +31,7 @@ def _mapped(plan: Plan, rank) -> Plan:
     return replace(plan,
                    pipelines=tuple(tuple(rank(k) for k in pipe) for pipe in plan.pipelines),
                    chunk_owners=tuple(tuple(rank(k) for k in row) for row in plan.chunk_owners),
+                   expert_holders=tuple(tuple(rank(k) for k in row) for row in plan.expert_holders),
                    routes=tuple((mb, tuple(rank(k) for k in ranks)) for mb, ranks in plan.routes))
 
 

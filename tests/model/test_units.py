@@ -1,6 +1,7 @@
 """A model's units (model/units.py): a dense model's are its layers; a mixture of experts' experts
 are units of their own, each its own flat vector, held, summed, sharded and checkpointed by key --
 and a run exported offline from its disk checkpoint equals the run's own export."""
+import pytest
 import torch
 from safetensors.torch import load_file
 
@@ -81,8 +82,10 @@ def test_a_plans_expert_units_are_held_with_their_layer_and_bucketed_in_layer_or
     assert sorted(seen) == list(range(units.count))
 
 
-def test_an_moe_runs_checkpoint_exports_offline_as_the_run_exported_it(tmp_path):
-    sets = [*MOE, "model.dropout=0", "parallel.dp=2", "train.steps=3", "train.num_micro_batches=2",
+@pytest.mark.parametrize("ep", [1, 2])
+def test_an_moe_runs_checkpoint_exports_offline_as_the_run_exported_it(tmp_path, ep):
+    """At ep=2 each expert is held by its owner alone: its owner writes it into the run's export."""
+    sets = [*MOE, "model.dropout=0", "parallel.dp=2", f"parallel.ep={ep}", "train.steps=3", "train.num_micro_batches=2",
             f"checkpoint.dir={tmp_path / 'ckpt'}", "checkpoint.every_steps=3", "checkpoint.export_dtype=fp32",
             f"checkpoint.export_hf={tmp_path / 'run'}"]
     res = run_cli(["run", *[x for s in sets for x in ("--set", s)]], tmp_path)

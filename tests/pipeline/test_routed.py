@@ -4,7 +4,8 @@ import pytest
 
 from elaswave.pipeline.routed import check_deadlock_free, plan_schedules, routed_schedules
 from elaswave.pipeline.schedule import Action, DeadlockError, Op, one_f_one_b
-from elaswave.plan.plan import initial_plan, replan
+from elaswave.plan.plan import initial_plan
+from elaswave.plan.replan import replan
 
 
 def _layout(dp, pp, m):

@@ -1,7 +1,8 @@
 """Gradient buckets: holder groups cut where a holder's model chunk changes, started in one order."""
 from elaswave.pipeline.schedule import Op, stage_schedule
 from elaswave.plan.buckets import gradient_chunks, issue_order, ready_after, size_starts
-from elaswave.plan.plan import initial_plan, replan
+from elaswave.plan.plan import initial_plan
+from elaswave.plan.replan import replan
 
 
 def _plan(virtual_stages: int, dp: int = 2, pp: int = 2, layers: int = 8):

@@ -1,10 +1,14 @@
-"""Expert placement: groups of a stage's pipelines, contiguous blocks, and the minimax by load."""
+"""Expert placement: groups of a stage's pipelines, contiguous blocks, the minimax by load, and
+each expert's holders in a plan -- its owners, kept through losses and given back by joins."""
 import itertools
 import random
+from dataclasses import replace
 
 import pytest
 
-from elaswave.plan.experts import busiest_share, by_load, contiguous, groups_of, place
+from elaswave.plan.experts import busiest_share, by_load, contiguous, groups_of, place, unite_recomputation
+from elaswave.plan.plan import initial_plan
+from elaswave.plan.replan import replan
 
 
 def test_groups_cut_the_pipelines_in_order_the_last_group_smaller():
@@ -48,3 +52,74 @@ def test_every_rank_computes_the_same_placement_from_the_same_counts():
     assert by_load(loads, 2) == (0, 1, 0, 1)
     with pytest.raises(ValueError, match="3 expert loads for 4 experts"):
         place(4, 2, [1.0, 2.0, 3.0])
+
+
+# -- holders: each expert held by its owner in each group of its stage (Plan.expert_holders) --------
+
+LAYERS = 6
+UNIT_LAYERS = (2,) * 4 + (3,) * 4  # layers 2 and 3 have 4 experts each: units 6..9 and 10..13
+NUMELS = [100] * LAYERS + [50] * 8
+
+
+def _plan(world: int, dp: int, pp: int, mbs: int, ep: int):
+    return initial_plan(world, dp, pp, [1.0] * LAYERS, mbs, NUMELS, 16, unit_layers=UNIT_LAYERS, ep=ep)
+
+
+def _owner_in(plan, unit: int, group) -> list[int]:
+    return [r for r in plan.holders(unit) if r in group]
+
+
+def test_each_expert_has_one_owner_in_each_group_and_its_chunks_are_its_owners():
+    plan = _plan(4, 4, 1, 8, 2)
+    assert set(plan.expert_group.values()) == {(0, 1), (2, 3)}
+    for u in range(LAYERS, LAYERS + 8):
+        assert all(len(_owner_in(plan, u, g)) == 1 for g in [(0, 1), (2, 3)])
+        assert set(plan.chunk_owners[u]) <= set(plan.holders(u))
+    # Contiguous blocks (no counts yet): the first member the first two experts of each block.
+    assert [plan.holders(u) for u in range(LAYERS, LAYERS + 4)] == [(0, 2), (0, 2), (1, 3), (1, 3)]
+    assert plan.experts_held(0) == frozenset({6, 7, 10, 11})
+    # Without expert parallelism every holder of a layer holds its experts.
+    assert _plan(4, 4, 1, 8, 1).experts_held(0) is None
+    assert _plan(4, 4, 1, 8, 1).holders(6) == (0, 1, 2, 3)
+
+
+def test_a_loss_keeps_every_survivors_experts_and_places_the_lost_owners_by_load():
+    plan = _plan(4, 4, 1, 12, 4)
+    assert [plan.holders(u) for u in range(LAYERS, LAYERS + 4)] == [(0,), (1,), (2,), (3,)]
+    loads = (1.0, 1.0, 1.0, 9.0) + (5.0, 1.0, 1.0, 1.0)  # expert 3 of layer 2 is hot; expert 0 of layer 3
+    after = replan(replace(plan, expert_loads=loads), [0, 1, 3], 1, 12)
+    assert after.expert_group[0] == (0, 1, 3)
+    kept = {u: plan.holders(u) for u in range(LAYERS, LAYERS + 8) if plan.holders(u) != (2,)}
+    assert all(after.holders(u) == h for u, h in kept.items())
+    # Rank 2's experts (units 8 and 12) go to the least loaded member of each block by the counts:
+    # in layer 2 not to rank 3 (the hot expert's); in layer 3 not to rank 0 (its hot one).
+    assert after.holders(8) == (0,) and after.holders(12) == (1,)
+    assert after.chunk_owners[8] == (0,) * len(after.chunk_owners[8])
+
+
+def test_a_pipeline_running_its_own_schedule_holds_every_expert_and_a_join_gives_them_back():
+    plan = _plan(4, 4, 1, 8, 2)
+    after = replan(plan, [0, 1, 3], 1, 8)  # 3, 3 and 2 micro-batches: rank 3 alone
+    assert after.expert_group[3] == (3,)
+    assert all(3 in after.holders(u) for u in range(LAYERS, LAYERS + 8))
+    joined = replan(after, [0, 1, 3, 4], 2, 8)
+    assert joined.expert_group[3] == (3, 4)
+    for layer_units in (range(6, 10), range(10, 14)):
+        mine = [u for u in layer_units if 3 in joined.holders(u)]
+        theirs = [u for u in layer_units if 4 in joined.holders(u)]
+        assert len(mine) == len(theirs) == 2 and not set(mine) & set(theirs)
+
+
+def test_the_reroute_baseline_and_reshaping_hold_every_expert_where_computed():
+    plan = _plan(4, 2, 2, 4, 2)
+    routed = replan(plan, [0, 1, 2], 1, 4, policy="reroute")
+    assert routed.routes and all(routed.expert_group[r] == (r,) for r in routed.ranks)
+    for u in range(LAYERS, LAYERS + 8):
+        layer = UNIT_LAYERS[u - LAYERS]
+        assert set(routed.holders(u)) == {r for r in routed.ranks if any(a <= layer < b for a, b in routed.chunk_ranges(r))}
+
+
+def test_a_group_recomputes_the_union_of_its_members_blocks():
+    plan = replace(_plan(4, 4, 1, 8, 2), recomputed=(((2,),), ((3,),), ((),), ((),)))
+    united = unite_recomputation(plan)
+    assert united.recomputed == (((2, 3),), ((2, 3),), ((),), ((),))

@@ -6,7 +6,8 @@ import pytest
 
 from elaswave.plan.chunks import chunks_of
 from elaswave.plan.memory import MemoryModel, rank_bytes
-from elaswave.plan.plan import PlanError, initial_plan, replan
+from elaswave.plan.plan import PlanError, initial_plan
+from elaswave.plan.replan import replan
 from elaswave.plan.rebalance import rebalance_gain
 
 COSTS = [1.0, 2.0, 2.0, 2.0, 2.0, 2.0, 2.0, 2.0, 2.0, 1.5]  # embedding, 8 blocks, head

@@ -4,7 +4,8 @@ import json
 import pytest
 
 from elaswave.plan.chunks import chunks_of, rebalance_owners, round_robin_owners
-from elaswave.plan.plan import Plan, PlanError, initial_plan, replan
+from elaswave.plan.plan import Plan, PlanError, initial_plan
+from elaswave.plan.replan import replan
 
 COSTS = [1.0, 2.0, 2.0, 2.0, 2.0, 1.0]
 NUMELS = [40, 80, 80, 80, 80, 40]

@@ -5,7 +5,8 @@ import pytest
 
 from elaswave.plan.memory import MIB, OPTIMIZER_BYTES, STATE_BYTES, MemoryModel, rank_bytes
 from elaswave.plan.partition import PartitionError, least_memory, partition
-from elaswave.plan.plan import Plan, PlanError, initial_plan, replan
+from elaswave.plan.plan import Plan, PlanError, initial_plan
+from elaswave.plan.replan import replan
 
 NUMELS = (64, 128, 128, 128, 128, 64)
 ACT = (10.0, 1000.0, 1000.0, 1000.0, 1000.0, 300.0)

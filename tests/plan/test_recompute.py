@@ -5,7 +5,8 @@ from dataclasses import replace
 import pytest
 
 from elaswave.plan.memory import MIB, MemoryModel, rank_bytes
-from elaswave.plan.plan import Plan, PlanError, initial_plan, replan
+from elaswave.plan.plan import Plan, PlanError, initial_plan
+from elaswave.plan.replan import replan
 from elaswave.plan.recompute import refitted
 
 COSTS = [0.1] + [1.0] * 8 + [0.5]  # embedding, 8 blocks, head

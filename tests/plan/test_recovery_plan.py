@@ -4,7 +4,8 @@ from dataclasses import replace
 import pytest
 
 from elaswave.plan.chunks import chunks_of, reassign_owners, round_robin_owners
-from elaswave.plan.plan import PlanError, initial_plan, replan
+from elaswave.plan.plan import PlanError, initial_plan
+from elaswave.plan.replan import replan
 from elaswave.plan.recovery import Holding, plan_restore
 
 NUMELS = [10, 33, 33, 7]
@@ -276,7 +277,7 @@ def test_a_broken_pipeline_stands_by_when_that_is_faster_than_re_splitting_it(mo
     each chunk timed as its own stage: the next test). (Over 10 layers the re-split is faster at
     every count of micro-batches by that timing; by even shares of a rank's chunks it had looked
     slower at 4 a pipeline.)"""
-    from elaswave.plan import plan as planner
+    from elaswave.plan import replan as planner
     from elaswave.plan.rates import priced_step_s, rank_rates
     plan = initial_plan(32, 8, 4, [1.0] * 8, mbs, [8] * 8, chunk_numel=4, virtual_stages=2)
     live = [r for r in plan.ranks if r != 1]

@@ -3,7 +3,8 @@ import pytest
 
 from elaswave.pipeline.schedule import one_f_one_b_makespan
 from elaswave.plan import microbatches
-from elaswave.plan.plan import Plan, initial_plan, replan
+from elaswave.plan.plan import Plan, initial_plan
+from elaswave.plan.replan import replan
 from elaswave.sim.model import ClusterModel, step_time
 
 

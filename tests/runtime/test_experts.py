@@ -1,6 +1,7 @@
 """Each epoch's expert-parallel groups, from real plans: cut among the pipelines that run one
 schedule, so every member issues the same exchanges (the runs: tests/runtime/test_expert_parallel.py)."""
-from elaswave.plan.plan import initial_plan, replan
+from elaswave.plan.plan import initial_plan
+from elaswave.plan.replan import replan
 from elaswave.runtime.experts import group_of
 
 

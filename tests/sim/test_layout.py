@@ -9,7 +9,8 @@ from elaswave import cli
 from elaswave.comm.config import ParallelConfig
 from elaswave.plan.buckets import size_starts
 from elaswave.plan.memory import rank_bytes
-from elaswave.plan.plan import initial_plan, replan
+from elaswave.plan.plan import initial_plan
+from elaswave.plan.replan import replan
 from elaswave.sim import policies, run
 from elaswave.sim.model import step_time
 from elaswave.sim.workload import MODELS, cluster, layer_numels

@@ -4,7 +4,8 @@ from dataclasses import replace
 import pytest
 
 from elaswave.pipeline.routed import plan_schedules, routed_schedules
-from elaswave.plan.plan import initial_plan, replan
+from elaswave.plan.plan import initial_plan
+from elaswave.plan.replan import replan
 from elaswave.pipeline import routed
 from elaswave.sim.model import ClusterModel, migration_s, step_time
 

@@ -118,7 +118,7 @@ def test_the_holders_layout_is_the_one_the_optimizers_buckets_send():
     """What a holder expects (the plan's slot sizes and chunks) against what an owner's buckets hold,
     built as a rank builds them: tied layers, uneven ownership after a loss, a slot whose holder
     owns nothing in it."""
-    from elaswave.plan.plan import replan
+    from elaswave.plan.replan import replan
     from elaswave.zero.bucket import Bucket
 
     numels = [300, 64, 700, 64, 300]
