@@ -13,8 +13,8 @@ from elaswave.model.config import PRESETS, ModelConfig, preset
 from elaswave.model.registry import family
 from elaswave.sim.model import ClusterModel, ring_s
 
-# Mixtures of experts are left out: their all-to-all and expert placement are not priced yet (the
-# runtime replicates experts across data-parallel ranks; expert parallelism is to come).
+# Mixtures of experts are left out: their all-to-all, experts held by their owners and their
+# re-placement are not priced yet (the runtime does all three: plan/experts.py).
 MODELS: dict[str, ModelConfig] = {name: preset(name) for name in PRESETS if not preset(name).num_experts}
 
 
