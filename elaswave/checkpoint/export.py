@@ -59,11 +59,6 @@ class Target:
                    os.path.abspath(cfg.model.init_from) if cfg.model.init_from else "")
 
 
-def writers(plan: Plan) -> list[int]:
-    """The ranks that write shards: each layer's first holder."""
-    return sorted({plan.holders(i)[0] for i in range(plan.num_layers)})
-
-
 def write_my_shards(target: Target, plan: Plan, rank: int, layers: list[FlatLayer], model=None,
                     seed: int = 0) -> list[dict]:
     """This rank's shards (none if it writes none): the units it is the first holder of -- a

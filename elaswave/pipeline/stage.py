@@ -28,7 +28,7 @@ class Stage:
 
     def __init__(self, cfg: JobConfig, layers: tuple[int, int] | Sequence[tuple[int, int]], device: torch.device,
                  model: Model | None = None, recomputed: Sequence[int] = (), experts: Collection[int] | None = None):
-        """``experts``: the expert units held (Plan.expert_units_of; None: every one of its layers')."""
+        """``experts``: the expert units held (Plan.experts_held; None: every one of its layers')."""
         self.model = model if model is not None else model_for(cfg)
         self.chunks: tuple[tuple[int, int], ...] = (
             (tuple(layers),) if isinstance(layers[0], int) else tuple(tuple(r) for r in layers))

@@ -108,10 +108,13 @@ def expert_groups(plan) -> dict[int, tuple[int, ...]]:
 def place_holders(plan, prev_holders: Sequence[Sequence[int]] | None, loads: Sequence[float] = ()
                   ) -> tuple[tuple[int, ...], ...]:
     """Each expert unit's holders under ``plan`` (``plan.unit_layers``: their layers): its owner in
-    every group of the ranks that hold its layer. An expert stays with a member that held it in
-    ``prev_holders`` (the last plan's; None: a first plan), the lowest such rank; the others are
-    placed by ``loads`` (tokens routed to each expert unit; empty or all zero: contiguous blocks
-    in a first plan, else the fewest experts) among the members, a block's at a time."""
+    every group of the ranks that hold its layer and run micro-batches (a pipeline standing by
+    computes nothing: it holds no expert, unless no other rank holds the layer). An expert stays
+    with a member that held it in ``prev_holders`` (the last plan's; None: a first plan), the
+    lowest such rank; the others are placed by ``loads`` (tokens routed to each expert unit; empty
+    or all zero: contiguous blocks in a first plan, else the fewest experts) among the members, a
+    block's at a time, and then moved while that lowers the busiest member's load (a joiner
+    takes its share)."""
     groups = expert_groups(plan)
     by_layer: dict[int, list[int]] = {}
     for k, layer in enumerate(plan.unit_layers):
@@ -120,7 +123,7 @@ def place_holders(plan, prev_holders: Sequence[Sequence[int]] | None, loads: Seq
     done: set[tuple[int, ...]] = set()
     for rank in plan.ranks:
         group = groups[rank]
-        if group in done:
+        if group in done or not plan.micro_batches[plan.position(rank)[0]]:
             continue
         done.add(group)
         layers = {i for start, end in plan.chunk_ranges(rank) for i in range(start, end)}
@@ -133,33 +136,42 @@ def place_holders(plan, prev_holders: Sequence[Sequence[int]] | None, loads: Seq
                 owners = _keep_and_place([[m for m in group if m in prev_holders[k]] for k in ks], group, weights)
             for k, m in zip(ks, owners):
                 holders[k].add(group[m])
+    for k, layer in enumerate(plan.unit_layers):
+        if not holders[k]:  # (every pipeline holding it stands by: they keep it)
+            holders[k].update(plan.holders(layer))
     return tuple(tuple(sorted(h)) for h in holders)
 
 
 def _keep_and_place(held: Sequence[Sequence[int]], group: Sequence[int], weights: Sequence[float]) -> list[int]:
     """Expert -> owner index in ``group``: the lowest member already holding it (``held``), else
-    the member least loaded so far (by ``weights``; without: by count), heaviest orphan first."""
+    the member least loaded so far, heaviest orphan first (by ``weights``; without any: one each,
+    so by count); then, while moving one of the busiest member's experts to the least loaded
+    lowers the busier of the two, the move that lowers it most (one the receiver held before,
+    then the last expert): a joiner gets its share, a load-balanced placement stays."""
+    n, w = len(group), [float(x) for x in weights] if any(weights) else [1.0] * len(held)
     owners = [group.index(min(h)) if h else -1 for h in held]
-    load = [0.0] * len(group)
-    count = [0] * len(group)
+    load, count = [0.0] * n, [0] * n
     for e, m in enumerate(owners):
         if m >= 0:
-            load[m] += weights[e] if weights else 0.0
+            load[m] += w[e]
             count[m] += 1
-    for e in sorted((e for e, m in enumerate(owners) if m < 0), key=lambda e: (-(weights[e] if weights else 0.0), e)):
-        m = min(range(len(group)), key=lambda m: (load[m], count[m], m))
+    for e in sorted((e for e, m in enumerate(owners) if m < 0), key=lambda e: (-w[e], e)):
+        m = min(range(n), key=lambda m: (load[m], count[m], m))
         owners[e] = m
-        load[m] += weights[e] if weights else 0.0
+        load[m] += w[e]
         count[m] += 1
-    # A member with two experts fewer than another (a joiner; two groups made one) takes the
-    # other's last one, until the counts are even: a join gives experts back.
-    while max(count) - min(count) > 1:
-        src = min(range(len(group)), key=lambda m: (-count[m], m))
-        dst = min(range(len(group)), key=lambda m: (count[m], m))
-        e = max(e for e, m in enumerate(owners) if m == src)
+    for _ in range(len(held) * n):  # (each move lowers the sum of squared loads: it ends)
+        src = max(range(n), key=lambda m: (load[m], count[m], -m))
+        dst = min(range(n), key=lambda m: (load[m], count[m], m))
+        if src == dst:
+            break
+        e = min((e for e, m in enumerate(owners) if m == src),
+                key=lambda e: (max(load[src] - w[e], load[dst] + w[e]), group[dst] not in held[e], -e))
+        if not max(load[src] - w[e], load[dst] + w[e]) < load[src]:
+            break
         owners[e] = dst
-        count[src] -= 1
-        count[dst] += 1
+        load[src], load[dst] = load[src] - w[e], load[dst] + w[e]
+        count[src], count[dst] = count[src] - 1, count[dst] + 1
     return owners
 
 

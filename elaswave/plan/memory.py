@@ -399,9 +399,12 @@ def by_cost(virtual_stages: int, memory: MemoryModel | None) -> bool:
 
 
 def over_limit(plan) -> dict[int, float]:
-    """Where the partition is by cost alone (:func:`by_cost`): each rank whose modelled peak passes
-    the plan's limit, with its MiB (none without a limit, or where the partition weighed memory)."""
-    if not by_cost(plan.virtual_stages, plan.memory) or not plan.stage_memory_limit:
+    """Where the partition is by cost alone (:func:`by_cost`), or experts are held by their owners
+    (which the partition's memory terms do not see: a rank alone in its expert-parallel group
+    holds every expert of its layers, plan/experts.py): each rank whose modelled peak passes the
+    plan's limit, with its MiB (none without a limit, or where the partition weighed it all)."""
+    experts = bool(getattr(plan, "expert_holders", ()))
+    if not (by_cost(plan.virtual_stages, plan.memory) or experts) or not plan.stage_memory_limit or plan.memory is None:
         return {}
     need = {rank: rank_bytes(plan.memory, plan, rank)["total"] / MIB for rank in plan.ranks}
     return {rank: mib for rank, mib in need.items() if mib > plan.stage_memory_limit}
@@ -413,6 +416,11 @@ def limit_refusal(plan) -> str | None:
     if not over:
         return None
     rank = min(over)
+    if not by_cost(plan.virtual_stages, plan.memory):  # experts held by their owners (over_limit)
+        return (f"rank {rank} would hold {over[rank]:.0f} MiB at its peak with the experts the plan gives it, over "
+                f"the limit of {plan.stage_memory_limit:.0f} MiB (an expert's state is shared by one rank of each "
+                "expert-parallel group of its stage, and a rank alone in its group holds every expert of its "
+                "layers); more stages, a larger limit, or parallel.ep=1")
     if plan.virtual_stages == 1:  # the plan recomputes: every block of the rank's already is
         return (f"rank {rank} would hold {over[rank]:.0f} MiB at its peak with every block it runs recomputed, "
                 f"over the limit of {plan.stage_memory_limit:.0f} MiB; more stages, or a larger limit")

@@ -14,7 +14,7 @@ from elaswave.plan.detours import covers, detour_routes
 from elaswave.plan.errors import PlanError
 from elaswave.plan.experts import place_holders
 from elaswave.plan.frequency import PowerModel
-from elaswave.plan.memory import limit_refusal, over_limit
+from elaswave.plan.memory import by_cost, limit_refusal, over_limit
 from elaswave.plan.partition import PartitionError
 from elaswave.plan.plan import Plan
 from elaswave.plan.rates import priced_step_s, range_cost, rank_rates, recompute_cost, stage_times, timing
@@ -207,12 +207,20 @@ def _elaswave(prev: Plan, epoch: int, pipelines, kept_ranges, kept, num_micro_ba
     plan = built
     # A partition by cost (interleaved, or recomputing to fit): a re-split pipeline over the limit stands
     # by, as one that no partition fits does (its survivors keep their layers; the others take its batch).
-    while over := [i for i, pipe in enumerate(pipelines) if i not in standby and ranges[i] is not kept_ranges[i]
-                   and not covers(kept_ranges[i], prev.num_layers) and set(pipe) & set(over_limit(plan))]:
+    # With experts held by their owners a pipeline alone in its expert-parallel groups (a re-split one,
+    # or one dealt a count of micro-batches no other runs) holds every expert of its layers: over the
+    # limit it stands by too, holding none (plan/experts.py).
+    def over_now() -> list[int]:
+        ranks = set(over_limit(plan))
+        return [i for i, pipe in enumerate(pipelines) if i not in standby and set(pipe) & ranks and (
+            ranges[i] is not kept_ranges[i] and not covers(kept_ranges[i], prev.num_layers)
+            or prev.expert_holders and all(plan.expert_group[r] == (r,) for r in pipe))]
+    while over := over_now():
         for i in over:
             ranges[i] = kept_ranges[i]
             standby.append(i)
-            held = f"as {prev.virtual_stages} interleaved chunks each" if prev.virtual_stages > 1 else "recomputing every block"
+            held = (f"as {prev.virtual_stages} interleaved chunks each" if prev.virtual_stages > 1 else
+                    "recomputing every block" if by_cost(1, prev.memory) else "holding every expert of their layers")
             why.append(f"ranks {list(pipelines[i])} hold too much {held}")
         _, plan = settled()
     if refusal := limit_refusal(plan):  # an intact pipeline over the limit: nothing stands it by

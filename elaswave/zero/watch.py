@@ -54,6 +54,8 @@ class LayerWatch:
             if layer.index in following:
                 continue
             tensors = [*layer.params, *(alias for alias, _ in layer.uses)]
+            if not tensors and any(u.numel for u in followers.get(layer.index, ())):
+                continue  # nothing tells when its experts are whole: their bucket starts at the action's end
             self._tensors[layer.index] = len(tensors)
             for t in tensors:
                 slot = getattr(t, "_elaswave_watch", None)

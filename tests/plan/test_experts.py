@@ -123,3 +123,46 @@ def test_a_group_recomputes_the_union_of_its_members_blocks():
     plan = replace(_plan(4, 4, 1, 8, 2), recomputed=(((2,),), ((3,),), ((),), ((),)))
     united = unite_recomputation(plan)
     assert united.recomputed == (((2, 3),), ((2, 3),), ((),), ((),))
+
+
+def test_a_pipeline_standing_by_holds_no_expert():
+    plan = _plan(8, 4, 2, 8, 2)
+    after = replan(plan, [r for r in range(8) if r != 3], 1, 8, policy="drop_replica")
+    assert after.micro_batches[1] == () and after.experts_held(2) == frozenset()
+    for u in range(LAYERS, LAYERS + 8):  # every expert still has an owner in each running group
+        layer = UNIT_LAYERS[u - LAYERS]
+        running = {after.expert_group[r] for r in after.holders(layer) if r != 2}
+        assert all(len(_owner_in(after, u, g)) == 1 for g in running)
+
+
+def test_a_new_groups_experts_are_placed_by_load_not_by_count():
+    from elaswave.plan.experts import _keep_and_place
+    assert _keep_and_place([[], [], [], []], (0, 2), [10, 1, 1, 1]) == [0, 1, 1, 1]  # loads 10 and 3
+    assert _keep_and_place([[3]] * 4, (3, 4), []) == [0, 0, 1, 1]  # a joiner takes its share
+
+
+def test_experts_concentrated_past_the_limit_by_a_loss_are_refused_in_words():
+    """Four pipelines of two stages at ep = 2 lose rank 3: 8 micro-batches go 3, 3 and 2, the pipeline
+    of 2 is alone in its groups and holds every expert of its layers; stood by, the two left share
+    each expert's state between two ranks instead of four. Over the limit: a refusal naming the way
+    out, where ep = 1 fits (the memory model's own peaks)."""
+    from elaswave.plan.memory import MIB, MemoryModel, rank_bytes
+    from elaswave.plan.plan import PlanError
+    layers, moe = 6, [1, 2, 3, 4]
+    unit_layers = tuple(layer for layer in moe for _ in range(4))
+    own, experts, m = [20 << 20] * layers, [25 << 20] * len(unit_layers), 1 << 20
+    whole = list(own)
+    for layer, n in zip(unit_layers, experts):
+        whole[layer] += n
+    memory = MemoryModel(layer_numels=tuple(whole), layer_activation_bytes=(50.0 * MIB,) * layers,
+                         boundary_bytes=4.0 * MIB, param_bytes=2, sum_bytes=4, chunk_numel=m, expert_numels=tuple(experts))
+    for ep in (1, 2):
+        plan = initial_plan(8, 4, 2, [1.0] * layers, 8, own + experts, m, memory=memory, unit_layers=unit_layers, ep=ep,
+                            stage_memory_limit=9000.0)
+        if ep == 1:
+            after = replan(plan, [r for r in range(8) if r != 3], 1, 8)
+            assert max(rank_bytes(memory, after, r)["total"] for r in after.ranks) / MIB <= 9000.0
+            continue
+        with pytest.raises(PlanError, match=r"would hold \d+ MiB at its peak with the experts the plan gives it.*"
+                                            r"parallel.ep=1"):
+            replan(plan, [r for r in range(8) if r != 3], 1, 8)
