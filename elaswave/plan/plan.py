@@ -81,8 +81,8 @@ class Plan:
     """expert_holders[k] = the holders of unit ``num_layers + k``: its owner in each expert-parallel
     group of its stage (plan/experts.place_holders; empty: its layer's holders, every one)."""
     expert_loads: tuple[float, ...] = ()
-    """Tokens the router sent each expert unit over the epoch before the last one, summed over the
-    job: what the next re-plan places experts by (empty: not measured)."""
+    """Tokens the router sent each expert unit in the last epoch, summed over the reports of the
+    change that made this plan: what it placed experts by (empty: not measured)."""
     virtual_stages: int = 1
     """Model chunks a rank holds (parallel.virtual_stages, interleaved 1F1B): layer_ranges[d] then
     has ``len(pipelines[d]) * virtual_stages`` ranges, virtual stage ``k`` on rank

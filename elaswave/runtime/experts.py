@@ -5,14 +5,12 @@ The plan decides both (plan/experts.py): the groups, cut among the pipelines tha
 so that every member issues the same exchanges, and each expert's owner in each group, which alone
 holds and computes it. A rank whose pipeline runs a schedule nobody else does is a group of its
 own: it holds every expert of its layers and computes them here, which gives the same bits. The
-router's counts are summed over the job at each epoch's start: the record's balance, and what the
-next re-plan places experts by.
+router's counts of each epoch go into the reports of the recovery or join that ends it, and the
+re-plan places experts by their sum (``Plan.expert_loads``, also the records' balance).
 """
 from __future__ import annotations
 
 from dataclasses import replace
-
-import torch
 
 from elaswave.expert.exchange import AllToAll, Local
 from elaswave.model.moe import SparseMoE, take_counts
@@ -31,28 +29,30 @@ def group_of(plan, rank: int, ep: int | None = None) -> tuple[int, ...]:
     return (plan if ep is None else replace(plan, ep=ep)).expert_group[rank]
 
 
-def loads_of(world, held: list[SparseMoE], blocks: int, num_experts: int, device) -> torch.Tensor:
-    """Every rank's tokens' routing counts since the last call, summed over the job: [blocks, E]
-    (every rank takes part, those without an MoE block with zeros)."""
-    mine = torch.zeros(blocks, num_experts, dtype=torch.float64)
-    for block in held:
-        mine[block.ordinal] += take_counts(block)
-    total = mine.to(device)
-    world.all_reduce(total, "expert loads")
-    return total.cpu()
+def counts_of(stage) -> list[float] | None:
+    """The router's assignments to each expert unit (model/units.py order) by this rank's training
+    forwards since the last call, its own blocks' (zeros elsewhere); None without experts. Each
+    rank posts them in a recovery's report, and the re-plan places experts by their sum."""
+    blocks = moe_blocks(stage)
+    m = getattr(stage.model, "cfg", None)
+    if not getattr(m, "num_experts", 0):
+        return None
+    out = [0.0] * len(stage.units.experts)
+    for layer, block in blocks:
+        first = stage.units.of_layer(layer.index)[1] - stage.units.num_layers
+        for e, n in enumerate(take_counts(block).tolist()):
+            out[first + e] += n
+    return out
 
 
-def attach(cfg, plan, rank: int, stage, accumulator, world, comm, device, built: dict) -> dict:
+def attach(cfg, plan, rank: int, stage, accumulator, world, comm, built: dict) -> dict:
     """Set each MoE block's exchange for the epoch; returns what the step record says of it.
     ``built``: the epoch's holder groups by members (one with the same members serves)."""
     blocks = moe_blocks(stage)
     m = getattr(stage.model, "cfg", None)
     if not getattr(m, "num_experts", 0):
         return {"exchanges": [], "record": {}}
-    ep = cfg.parallel.ep
     members = group_of(plan, rank)
-    loads = (loads_of(world, [b for _, b in blocks], m.moe_blocks_before(m.num_blocks),
-                      m.num_experts, device) if ep > 1 else None)
     group = None
     if len(members) > 1:
         group = (world if members == world.members else built.get(members) or
@@ -66,15 +66,15 @@ def attach(cfg, plan, rank: int, stage, accumulator, world, comm, device, built:
         if group is None:
             block.exchange = Local(fold) if fold is not None else None
             continue
-        counts = loads[block.ordinal].tolist()
         # Each expert's owner in this group: its one holder here (the plan placed it: plan/experts.py).
-        owners = [group.members.index(next(r for r in plan.holders(u) if r in members))
-                  for u in stage.units.of_layer(layer.index)[1:]]
+        units = stage.units.of_layer(layer.index)[1:]
+        owners = [group.members.index(next(r for r in plan.holders(u) if r in members)) for u in units]
+        counts = [plan.expert_loads[u - plan.num_layers] for u in units] if plan.expert_loads else [0.0]
         block.exchange = AllToAll(group, owners, fold)
         block.exchange.clock = stage  # its waits are not the rank's compute (its measured speed)
         exchanges.append(block.exchange)
         if any(counts):
             shares.append(busiest_share(owners, counts, group.size))
-    # The busiest member's share of the last epoch's tokens over an even share, by this placement.
-    return {"exchanges": exchanges, "loads": loads.reshape(-1).tolist() if loads is not None else None,
+    # The busiest member's share of the last epoch's tokens (the plan's loads) over an even share.
+    return {"exchanges": exchanges,
             "record": {"expert_group": list(members), "expert_busiest_share": max(shares) if shares else None}}

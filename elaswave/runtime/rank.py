@@ -98,7 +98,7 @@ def build_rank(cfg: JobConfig, plan: Plan, rank: int, stage: Stage, sampler: Sam
     # One fold per unit when each is computed alone (deterministic reshaping): the reference's bound.
     folds = t.num_micro_batches * (k if t.deterministic else 1)
     accumulator = GradAccumulator(stage.layers, t.deterministic, t.grad_fixed_point_bits, folds)
-    experts = attach_experts(cfg, plan, rank, stage, accumulator, world, comm, device, built)
+    experts = attach_experts(cfg, plan, rank, stage, accumulator, world, comm, built)
     # With model chunks the pipeline's ranks form a ring: the last one's chunk c feeds the first one's c + 1.
     ring, depth = plan.virtual_stages > 1, len(pipeline)
     p2p = P2P(world, pipeline[s - 1] if s > 0 or ring else None, pipeline[(s + 1) % depth] if s < depth - 1 or ring else None,

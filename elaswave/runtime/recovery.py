@@ -25,6 +25,7 @@ from elaswave.plan.plan import Plan, PlanError
 from elaswave.plan.replan import replan
 from elaswave.plan.recovery import Holding, plan_restore, restorable
 from elaswave.runtime import migration
+from elaswave.runtime.experts import counts_of
 from elaswave.runtime.rank import RankState, build_rank
 from elaswave.runtime.step import gather_params
 from elaswave.tensor import checkpoints, layout
@@ -219,7 +220,7 @@ def recover(ctx, st: RankState | None, cause: Disruption | None, noticed_wall: f
     holding = (Holding(ctx.rank, st.optimizer.holding(), ctx.pool.holding() if ctx.pool else {})
                if st is not None else Holding(ctx.rank, {}, {}))
     ctx.membership.post(epoch, "state", {"holding": holding.to_doc(), "speed": ctx.speed,
-                                         "expert_loads": (st.experts or {}).get("loads") if st is not None else None,
+                                         "expert_counts": counts_of(st.stage) if st is not None and cfg.parallel.ep > 1 else None,
                                          "standby_ready": ctx.comm.standby_ready(members),
                                          "disk_step": _readable_checkpoint(ctx), "records": ctx.journal.unwritten()})
     reports = ctx.membership.gather(epoch, "state", everyone, cfg.parallel.timeout_s,
@@ -242,11 +243,11 @@ def recover(ctx, st: RankState | None, cause: Disruption | None, noticed_wall: f
     power = _power_model(cfg)
     holdings = [Holding.from_doc(r, doc["holding"]) for r, doc in reports.items()]
     old_devices, heads = full.on_slice(old, 0), devices.on_shard(everyone, 0)
-    # The router's counts every member of the old epoch summed alike at its start: experts without
-    # an owner are placed by them (plan/experts.py).
-    loads = next((doc["expert_loads"] for _, doc in sorted(reports.items()) if doc.get("expert_loads")), None)
-    if loads and old_devices.expert_holders:
-        old_devices = replace(old_devices, expert_loads=tuple(loads))
+    # The router's counts over the old epoch, summed over the reports in rank order (every rank alike,
+    # joiners too): a re-plan places experts by them (plan/experts.py).
+    counts = [doc["expert_counts"] for _, doc in sorted(reports.items()) if doc.get("expert_counts")]
+    if counts and old_devices.expert_holders:
+        old_devices = replace(old_devices, expert_loads=tuple(sum(c[k] for c in counts) for k in range(len(counts[0]))))
     try:
         plan = devices.on_slice(replan(old_devices, heads, epoch, cfg.train.num_micro_batches,
                                        {r: v for r, v in speeds.items() if r in old_devices.ranks}, cfg.elastic.policy,

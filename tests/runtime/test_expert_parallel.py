@@ -85,7 +85,8 @@ def test_a_group_of_four_loses_one_and_goes_on_as_three_placed_by_load(tmp_path)
                                                       "elastic.inject=kill:rank=2,step=2,phase=backward"])
     assert_same_run(res, ref, STEPS)
     assert _expert_steps(res) == [([0, 1, 2, 3], True)] + [([0, 1, 3], True)] * 4
-    # The first epoch's placement is in blocks (no counts yet); the next one's by the counts.
+    # The first epoch's placement is in blocks (no counts yet); the next one keeps the survivors'
+    # experts and places rank 2's by the counts the survivors' reports carried.
     shares = [r["expert_busiest_share"] for r in res.steps]
     assert shares[0] is None and 1.0 <= shares[-1] < 2.0
 
