@@ -50,6 +50,20 @@ def test_a_new_run_resumes_the_checkpoint_in_another_layout(tmp_path, first_sets
     _assert_continues_the_same_run(second.records, reference, resumed_at=4)
 
 
+def test_a_checkpoint_of_experts_held_by_their_owners_resumes_with_experts_everywhere(tmp_path):
+    # Saved at dp = ep = 2 (each expert's chunks on its one owner), the job dies; the next run, one
+    # pipeline of two stages without expert parallelism, reads every expert's chunks by key.
+    moe = ["model.num_experts=4", "model.experts_per_token=2", "model.expert_ffn_dim=48", "model.moe_aux_loss_coef=0.05"]
+    metrics = tmp_path / "m.jsonl"
+    first = run_cli(["run"] + [x for s in _sets(tmp_path, 2, 1, [*moe, "parallel.ep=2", "elastic.inject=kill:rank=1,step=7"])
+                               for x in ("--set", s)], tmp_path, metrics=metrics)
+    assert first.returncode != 0
+    second = run_cli(["run"] + [x for s in _sets(tmp_path, 1, 2, moe) for x in ("--set", s)], tmp_path, metrics=metrics)
+    assert second.returncode == 0, second.stderr
+    reference = run_reference(tmp_path, STEPS, deterministic=True, num_micro_batches=MBS, extra=moe)
+    _assert_continues_the_same_run(second.records, reference, resumed_at=4)
+
+
 def test_a_checkpoint_of_another_model_is_refused_and_left_as_it_was(tmp_path):
     ckpt = tmp_path / "ckpt"
     first = run_cli(["run"] + [x for s in _sets(tmp_path, 2, 1) for x in ("--set", s)], tmp_path)
