@@ -91,6 +91,12 @@ class MemoryModel:
     expert_numels: tuple[int, ...] = ()
     """Values of each expert unit (Plan.unit_layers' order; counted in ``layer_numels`` too): a
     rank holds only those the plan's ``expert_holders`` give it (plan/experts.py)."""
+    expert_layers: tuple[int, ...] = ()
+    """The layer of each expert unit (Plan.unit_layers)."""
+    expert_share: float = 1.0
+    """The share of its layers' experts a rank holds in a whole expert-parallel group (1/ep): what
+    a partition prices a stage's experts at before the plan places them (:meth:`stage_memory`;
+    :func:`rank_bytes` counts the plan's own placement, and a re-plan is checked by it)."""
     overlap_grad_reduce: bool = True
     """parallel.overlap_grad_reduce: under interleaved 1F1B a chunk's packed sums are alive while
     the chunks before it still hold activations (:func:`_overlap_peak`), and within a backward a
@@ -190,10 +196,14 @@ class MemoryModel:
         kept = self.snapshot_copies * self.peer_copies()
         share = (self.optimizer_bytes + (kept * STATE_BYTES if self.snapshots else 0)) / holders
         kept = [self.boundary_bytes if i in self.recomputed else self.layer_activation_bytes[i] for i in range(n)]
-        values, acts = [0.0], [0.0]
+        values, acts, away = [0.0], [0.0], [0.0] * (n + 1)
         for i in range(n):
             values.append(values[-1] + self.layer_numels[i])
             acts.append(acts[-1] + kept[i])
+        for layer, numel in zip(self.expert_layers, self.expert_numels):  # other members' experts
+            away[layer + 1] += (1.0 - self.expert_share) * numel
+        for i in range(n):
+            away[i + 1] += away[i]
         # The backward's peak of one micro-batch (see _backward_peak) is acts[end] - acts[start] or
         # max over recomputed i in range of acts[i] + activations of i, less acts[start]: a range
         # maximum, answered from a sparse table in O(1) (the partitioner asks O(L^2 S) times).
@@ -215,8 +225,11 @@ class MemoryModel:
             lent = sum(self.layer_numels[o] for o in {o for o, u in self.ties if start <= o < end
                                                        and not start <= u < end})
             held = own + borrowed
-            # A tied owner's chunks are shared by the holders of both its layers: half each.
+            # A tied owner's chunks are shared by the holders of both its layers: half each. (An
+            # expert's chunks are shared by its owners, 1/ep of the holders, each holding 1/ep of
+            # the experts: the same share of the state as a layer's.)
             shared = own + (borrowed - lent) / 2
+            held -= away[end] - away[start]
             uses = sum(t for (o, u), t in zip(self.ties, self.tied_numels) if start <= u < end)
             sent = micro_batches * self.boundary_bytes * ((end < n) + (start > 0))
             in_flight = self.in_flight(stage, num_stages, num_micro_batches)
@@ -258,14 +271,14 @@ def rank_bytes(model: MemoryModel, plan, rank: int) -> dict[str, float]:
     mbs = len(plan.micro_batches[d])
     chunks = plan.chunk_ranges(rank)
     held = sorted({i for start, end in chunks for i in model.held_layers(start, end)})
-    away = _experts_away(model, plan, rank, held)
-    out = {"layers": sum(model.layer_bytes(start, end) for start, end in chunks) - model.value_bytes * away}
-    out["optimizer"] = model.optimizer_bytes * _slot_values(model, plan, rank)
-    if model.snapshots and len(plan.ranks) > 1:
-        peers = sum(_slot_values(model, plan, owner) for owner in plan.snapshot_owners(rank))
-        out["snapshots"] = STATE_BYTES * model.peer_copies() * peers
-    else:
-        out["snapshots"] = 0.0
+    slot = _slot_values(model, plan, rank)
+    peers = (sum(_slot_values(model, plan, owner) for owner in plan.snapshot_owners(rank))
+             if model.snapshots and len(plan.ranks) > 1 else 0)
+    # From here on each layer's values are what this rank holds of it: its own, and its experts.
+    model = _as_held(model, plan, rank, held)
+    out = {"layers": sum(model.layer_bytes(start, end) for start, end in chunks)}
+    out["optimizer"] = model.optimizer_bytes * slot
+    out["snapshots"] = STATE_BYTES * model.peer_copies() * peers
     out["data"] = model.data_bytes if s in (0, depth - 1) else 0.0
     if not mbs:
         out["activations"] = 0.0
@@ -277,24 +290,27 @@ def rank_bytes(model: MemoryModel, plan, rank: int) -> dict[str, float]:
         out["activations"] = _interleaved_activations(model, chunks, s, depth, mbs, plan.num_layers)
     # After the backward the activations are gone and the reduce packs the sums: one or the other --
     # but a chunk's sum that starts early is packed while the chunks before it still compute.
-    out["update"] = model.update_bytes(sum(model.layer_numels[i] for i in held) - away, _slot_values(model, plan, rank))
+    out["update"] = model.update_bytes(sum(model.layer_numels[i] for i in held), slot)
     out["overlap"] = max(_overlap_peak(model, chunks, s, depth, mbs) if len(chunks) > 1 else 0.0,
                          _within_peak(model, plan, rank, chunks, s, depth, mbs)) if mbs and model.overlap_grad_reduce else 0.0
-    out["gather"] = (_gather_peak(model, chunks, s, depth, mbs, _slot_values(model, plan, rank))
+    out["gather"] = (_gather_peak(model, chunks, s, depth, mbs, slot)
                      if mbs and model.overlap_param_gather else 0.0)
     phases = ("activations", "update", "overlap", "gather")
     out["total"] = sum(v for k, v in out.items() if k not in phases) + max(out[k] for k in phases)
     return out
 
 
-def _experts_away(model: MemoryModel, plan, rank: int, held) -> int:
-    """Values of the experts of ``held`` layers that other ranks of ``rank``'s expert-parallel
-    groups hold instead (none without the plan's ``expert_holders``)."""
+def _as_held(model: MemoryModel, plan, rank: int, held) -> MemoryModel:
+    """``model`` with each of the ``held`` layers' values less the experts other ranks of
+    ``rank``'s expert-parallel groups hold instead (unchanged without the plan's ``expert_holders``)."""
     holders = getattr(plan, "expert_holders", ())
     if not holders or not model.expert_numels:
-        return 0
-    layers = set(held)
-    return sum(n for n, layer, h in zip(model.expert_numels, plan.unit_layers, holders) if layer in layers and rank not in h)
+        return model
+    numels, layers = list(model.layer_numels), set(held)
+    for n, layer, h in zip(model.expert_numels, plan.unit_layers, holders):
+        if layer in layers and rank not in h:
+            numels[layer] -= n
+    return replace(model, layer_numels=tuple(numels))
 
 
 def _one_and_kept(model: MemoryModel, chunks) -> tuple[list[float], list[float]]:
@@ -432,14 +448,25 @@ def limit_refusal(plan) -> str | None:
 def _slot_values(model: MemoryModel, plan, rank: int) -> int:
     """Values of ``rank``'s optimizer slots (Plan.slot_chunks; with ``slot_chunk_numel``, each
     bucket's share rounded up to that grain)."""
-    if not model.slot_chunk_numel or plan.unit_layers:  # (the grain is the simulator's, of dense models)
+    if not model.slot_chunk_numel:
         return sum(plan.slot_chunks(rank)) * model.chunk_numel
     buckets, grain, out = plan.gradient_buckets(), model.slot_chunk_numel, 0
+    numels = _unit_numels(model, plan)
     for b in plan.buckets_of(rank):
-        holders, layers = buckets[b]
-        chunks = sum(-(-model.layer_numels[i] // grain) for i in layers)  # (a layer's chunks never span two)
+        holders, units = buckets[b]
+        chunks = sum(-(-numels[i] // grain) for i in units)  # (a unit's chunks never span two)
         out += -(-chunks // len(holders)) * grain  # a slot is the most any holder of the bucket gets
     return out
+
+
+def _unit_numels(model: MemoryModel, plan) -> list[int]:
+    """Each unit's values (model/units.py): a layer's own, then each expert's."""
+    if not plan.unit_layers or not model.expert_numels:
+        return list(model.layer_numels)
+    out = list(model.layer_numels)
+    for layer, n in zip(plan.unit_layers, model.expert_numels):
+        out[layer] -= n
+    return out + list(model.expert_numels)
 
 
 

@@ -84,8 +84,16 @@ def replan(prev: Plan, live: Sequence[int], epoch: int, num_micro_batches: int,
         raise PlanError(f"epoch {epoch}: elastic.policy={policy} needs a pipeline that still holds every layer, "
                         f"and none does (survivors {list(live)}); elastic.policy=elaswave re-partitions instead")
     if policy == "drop_replica":
+        # TorchFT keeps expert parallelism inside a replica group: a lost rank takes its whole
+        # expert-parallel group's pipelines out with it (they cannot compute its experts).
+        gone = {d for d, pipe in enumerate(prev.pipelines) if not alive.issuperset(pipe)}
+        if prev.expert_holders:
+            gone |= {prev.position(m)[0] for d in set(gone) for r in prev.pipelines[d] for m in prev.expert_group[r]}
+        if not any(ok and d not in gone and prev.micro_batches[d] for d, ok in zip(kept, complete)):
+            raise PlanError(f"epoch {epoch}: elastic.policy={policy} drops the expert-parallel groups of ranks "
+                            f"{sorted(set(prev.ranks) - alive)}, and none is left")
         return _build(prev, epoch, pipelines, kept_ranges,
-                      tuple(prev.micro_batches[d] if ok else () for d, ok in zip(kept, complete)))
+                      tuple(prev.micro_batches[d] if ok and d not in gone else () for d, ok in zip(kept, complete)))
     mbs = tuple(prev.micro_batches[d] for d in kept)
     return _build(prev, epoch, pipelines, kept_ranges, mbs,
                   routes=detour_routes(prev, pipelines, kept_ranges, complete, mbs, epoch))

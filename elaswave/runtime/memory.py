@@ -53,6 +53,7 @@ def job_memory_model(cfg: JobConfig, model: Model, dtype: torch.dtype, device: t
                 frozen.append(sum(p.numel() for p in layer.parameters() if not p.requires_grad))
     return MemoryModel(
         layer_numels=tuple(numels), expert_numels=units_of(model).numels[model.num_layers:],
+        expert_layers=units_of(model).expert_layers, expert_share=1.0 / cfg.parallel.ep,
         layer_activation_bytes=tuple(float(b) for b in saved_activation_bytes(
             model, t.micro_batch_size, dtype, fused, selective=t.activation_checkpointing == "selective")),
         boundary_bytes=float(t.micro_batch_size * model.seq_len * model.hidden_size * itemsize),

@@ -14,7 +14,7 @@ from elaswave.plan.plan import Plan, PlanError, initial_plan
 from elaswave.plan.replan import replan
 from elaswave.plan.recompute import every_block
 from elaswave.sim import policies
-from elaswave.sim.workload import MODELS, choose_layout, layer_numels
+from elaswave.sim.workload import MODELS, choose_layout, model_units
 
 REROUTE_INTERLEAVED = ("reroute sends micro-batches through other pipelines' stages, which interleaved pipelines do "
                        "not share (the runtime refuses elastic.policy=reroute with virtual stages)")
@@ -70,10 +70,29 @@ def layouts(args) -> list[tuple[int, int]]:
                           "or a smaller --pp")
     if dp * pp < 2:
         raise ConfigError(f"--devices={args.devices} is invalid with --tp={args.tp}: need at least 2 TP groups")
+    _check_experts(args, dp)
     if args.dp or args.pp:
         return [(dp, pp)]
     deepest = min(num_layers // args.virtual_stages, groups // 2)
-    return [(dp, pp)] + [(groups // d, d) for d in range(pp + 1, deepest + 1) if groups % d == 0]
+    return [(dp, pp)] + [(groups // d, d) for d in range(pp + 1, deepest + 1)
+                         if groups % d == 0 and (groups // d) % args.ep == 0]
+
+
+def _check_experts(args, dp: int) -> None:
+    """``--ep`` (parallel.ep) as the runtime takes it: a mixture of experts' experts over groups of
+    ``ep`` pipelines, dividing the pipelines and the experts; no tensor parallelism with experts."""
+    m = MODELS[args.model]
+    if m.num_experts and args.tp > 1:
+        raise ConfigError(f"--tp={args.tp} is invalid with {args.model}: the runtime splits no mixture of experts "
+                          "over tensor-parallel ranks (parallel.tp with experts is refused); use --ep")
+    if args.ep == 1:
+        return
+    if args.ep < 1 or not m.num_experts:
+        raise ConfigError(f"--ep={args.ep} is invalid with {args.model}: expert parallelism needs a mixture of experts "
+                          "(mixtral-8x7b, qwen3-30b-a3b, qwen3-235b-a22b) and ep >= 1")
+    if m.num_experts % args.ep or dp % args.ep:
+        raise ConfigError(f"--ep={args.ep} is invalid: must divide the pipelines (dp={dp}) and {args.model}'s "
+                          f"{m.num_experts} experts")
 
 
 def first_fit(args, layouts, model, memory, m: int):
@@ -87,11 +106,13 @@ def first_fit(args, layouts, model, memory, m: int):
     over = []  # (GiB a GPU with the reserve, dp, pp) of interleaved plans above the limit
 
     def plan_of(dp: int, pp: int, limit_mib: float) -> Plan:
-        numels = [-(-n // args.tp) for n in layer_numels(m_cfg)]
+        units = model_units(m_cfg)  # (a mixture of experts' experts each its own: model/units.py)
+        numels = [-(-n // args.tp) for n in units.numels]
         return initial_plan(dp * pp, dp, pp, [float(c) for c in model.layer_costs], m, numels, chunk_numel=1 << 24,
                             stage_memory_limit=limit_mib, memory=memory,
                             units_per_micro_batch=1 if args.no_reshape else args.micro_batch_size,
-                            virtual_stages=args.virtual_stages, bucket_starts=size_starts(numels, args.bucket_numel))
+                            virtual_stages=args.virtual_stages, unit_layers=units.expert_layers, ep=args.ep,
+                            bucket_starts=size_starts(numels, args.bucket_numel, units.expert_layers))
     for dp, pp in layouts:
         try:
             return plan_of(dp, pp, 1024 * usable_gib), dp, pp
@@ -113,7 +134,8 @@ def first_fit(args, layouts, model, memory, m: int):
                                  + args.reserve_gib, d, p) for d, p in layouts])
     if need <= args.device_gib:  # not memory: the preferred layout failed for its own reason
         raise ConfigError(f"the initial layout: {failure}") from None
-    other = (["more stages"] if len(layouts) == 1 else []) + ["--tp"] + (
+    experts = m_cfg.num_experts > 0  # (no tensor parallelism with experts: expert parallelism instead)
+    other = (["more stages"] if len(layouts) == 1 else []) + (["--ep"] if experts else ["--tp"]) + (
         ["--checkpointing auto"] if args.checkpointing not in ("full", "auto") else []) + (
         ["--schedule 1f1b"] if args.schedule != "1f1b" else []) + (
         ["fewer sequences a micro-batch"] if args.micro_batch_size > 1 else [])

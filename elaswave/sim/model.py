@@ -77,6 +77,11 @@ class ClusterModel:
     """Activation recomputation: what each layer runs again in its backward per micro-batch at
     nominal clocks, kernels only (a recomputed block's forward, or selective's attention core:
     ``workload.recompute_s``). Empty: none."""
+    layer_exchange_bytes: tuple[float, ...] = ()
+    """Expert parallelism: what one micro-batch's forward of each layer would send if all its rows
+    left the rank (a mixture of experts' dispatch and combine; 0 for a dense layer). A rank of a
+    group of ``n`` sends ``(n - 1) / n`` of it, in the forward and again in the backward, over the
+    group's slowest link, nothing overlapped (the runtime waits for each exchange). Empty: none."""
     layer_recompute_tp_s: tuple[float, ...] = ()
     """The TP collectives a recomputed block runs again (its forward's ``layer_tp_s``; not scaled
     by the clock). Empty: none."""
@@ -169,11 +174,27 @@ class ClusterModel:
             again = [k for k in range(i, j) if k in mine]
             compute += runs * sum(self.layer_forward_s[k] for k in again) / self.power.speed(plan.frequency(rank))
             compute += runs * sum(self.layer_tp_s[k] for k in again) if self.layer_tp_s else 0.0
+        if self.layer_exchange_bytes and any(self.layer_exchange_bytes[i:j]):
+            compute += 2 * self.exchange_s(plan, rank, sum(self.layer_exchange_bytes[i:j]),
+                                           sum(1 for b in self.layer_exchange_bytes[i:j] if b))
         nxt = [pipe[(s + 1) % len(pipe)]] if k + 1 < len(plan.layer_ranges[d]) else []
         peers = nxt + ([pipe[s - 1]] if k else [])
         comm = sum(self.transfer_s(self.activation_bytes, rank, peer) for peer in peers
                    if peer != rank and self.activation_bytes)
         return compute + self.per_microbatch_stage_s + comm
+
+    def exchange_s(self, plan: Plan, rank: int, nbytes: float, exchanges: int) -> float:
+        """``rank``'s all-to-alls of ``nbytes`` (all its rows; ``exchanges`` layers' worth, two each:
+        dispatch and combine) in its expert-parallel group under ``plan``: ``(n - 1) / n`` of them
+        leave, over the group's slowest link (sim/experts.py's pricing)."""
+        group = plan.expert_group[rank] if plan.ep > 1 else (rank,)
+        n = len(group)
+        if n == 1:
+            return 0.0
+        one_node = len({r // self.devices_per_node for r in group}) == 1
+        bw, lat = ((self.intra_node_bytes_per_s, self.intra_node_latency_s) if one_node
+                   else (self.inter_node_bytes_per_s, self.inter_node_latency_s))
+        return 2 * exchanges * lat + nbytes * (n - 1) / n / bw
 
     def virtual_stage_s(self, plan: Plan, d: int) -> tuple[float, ...]:
         """Pipeline ``d``'s :meth:`chunk_s` of every virtual stage ``k``, in order: chunk ``k // p``
@@ -260,7 +281,8 @@ def _whole_at(plan: Plan, virtual: dict[int, tuple[float, ...]], backward_factor
 
     def at(rank: int, layers: Sequence[int]) -> float:
         d, s = plan.position(rank)
-        chunks = gradient_chunks(plan, rank, layers[0])
+        lowest = plan.layer_of(layers[0])  # (a bucket's units are in layer order)
+        chunks = gradient_chunks(plan, rank, lowest)
         if not overlap and chunks:
             chunks = frozenset(range(plan.virtual_stages))
         if not plan.micro_batches[d] or not chunks:
@@ -272,8 +294,8 @@ def _whole_at(plan: Plan, virtual: dict[int, tuple[float, ...]], backward_factor
             start, stop = ranges[c]
             # What it still runs below (the runtime counts a tied use's tensors too: one computed in
             # another chunk leaves the bucket to the backward's end there).
-            if overlap and backward and len(chunks) == 1 and start <= layers[0] < stop and layer_s:
-                end -= backward * sum(layer_s[start:layers[0]]) / (sum(layer_s[start:stop]) or 1.0)
+            if overlap and backward and len(chunks) == 1 and start <= lowest < stop and layer_s:
+                end -= backward * sum(layer_s[start:lowest]) / (sum(layer_s[start:stop]) or 1.0)
             out = max(out, end)
         return out
     return at
@@ -297,7 +319,7 @@ def gather_releases(plan: Plan, model: ClusterModel) -> dict[int, tuple[float, .
     buckets = plan.gradient_buckets()
     free: dict[int, float] = {}
     ends: dict[tuple[int, int], float] = {}
-    for i in sorted(range(len(buckets)), key=lambda i: min(buckets[i][1])):
+    for i in sorted(range(len(buckets)), key=lambda i: (min(map(plan.layer_of, buckets[i][1])), i)):
         holders, layers = buckets[i]
         took = _holder_parts(model, holders, sum(model.layer_param_bytes[k] for k in layers))[1]
         for h in holders:
@@ -306,10 +328,11 @@ def gather_releases(plan: Plan, model: ClusterModel) -> dict[int, tuple[float, .
     # whose collectives gloo and NCCL run side by side. (Starting a ring only once every holder was
     # free of its earlier ones chained a re-split pipeline's groups through all 16 stages of Llama 3
     # 405B: releases of 3.7 s in a 6.6 s step, a serialisation neither backend makes.)
-    done: dict[int, float] = {}  # by layer: when its bucket's all-gather is done on every holder
+    done: dict[int, float] = {}  # by layer: when its units' all-gathers are done on every holder
     for i, (holders, layers) in enumerate(buckets):
-        for layer in layers:
-            done[layer] = max(ends[(h, i)] for h in holders)
+        for unit in layers:
+            layer = plan.layer_of(unit)
+            done[layer] = max(done.get(layer, 0.0), max(ends[(h, i)] for h in holders))
     owners: dict[int, list[int]] = {}
     for owner, user in plan.ties:
         owners.setdefault(user, []).append(owner)
@@ -467,14 +490,15 @@ def _holder_parts(model: ClusterModel, holders: Sequence[int], param_bytes: floa
 def migration_s(before: Plan, after: Plan, model: ClusterModel) -> float:
     """State that moves in a re-plan, as disjoint transfers in parallel: the slowest receiver's
     bytes over its link. A rank receives the ZeRO state (3x the parameters) of chunks it newly owns
-    and the parameters of layers it newly holds (in any of its model chunks)."""
+    and the parameters of units it newly holds (its layers', in any of its model chunks, and its
+    experts')."""
     if not model.layer_param_bytes:
         return 0.0
     incoming: dict[int, float] = {}
     for r in after.ranks:
-        new = held_layers(after, r) - held_layers(before, r)
+        new = held_units(after, r) - held_units(before, r)
         if new:
-            incoming[r] = sum(model.layer_param_bytes[layer] for layer in new)
+            incoming[r] = sum(model.layer_param_bytes[unit] for unit in new)
     for layer, (old_row, new_row) in enumerate(zip(before.chunk_owners, after.chunk_owners)):
         per_chunk = 3 * model.layer_param_bytes[layer] / max(1, len(new_row))
         for o, n in zip(old_row, new_row):
@@ -482,6 +506,16 @@ def migration_s(before: Plan, after: Plan, model: ClusterModel) -> float:
                 incoming[n] = incoming.get(n, 0.0) + per_chunk
     worst = max(incoming.values(), default=0.0)
     return worst / model.inter_node_bytes_per_s if worst else 0.0
+
+
+def held_units(plan: Plan, rank: int) -> frozenset[int]:
+    """The units ``rank`` holds under ``plan``: its layers' own and the experts the plan gives it
+    (model/units.py, plan/experts.py)."""
+    layers = held_layers(plan, rank)
+    experts = plan.experts_held(rank)
+    if experts is None:
+        experts = frozenset(u for u in range(plan.num_layers, plan.num_units) if plan.layer_of(u) in layers)
+    return layers | experts
 
 
 def held_layers(plan: Plan, rank: int) -> frozenset[int]:

@@ -56,7 +56,7 @@ from elaswave.plan.plan import Plan, PlanError, initial_plan
 from elaswave.plan.replan import replan
 from elaswave.plan.recompute import fit_recomputation
 from elaswave.sim.control import Control, slot_events
-from elaswave.sim.model import ClusterModel, held_layers, migration_s
+from elaswave.sim.model import ClusterModel, held_units, migration_s
 from elaswave.sim.trace import Event
 
 POLICIES = ("elaswave", "elaswave_no_dvfs", "reroute", "drop_replica", "restart", "templates")
@@ -249,11 +249,12 @@ class Restart(Policy):
         base = initial_plan(dp * pp, dp, pp, first.layer_costs, self.m, numels, chunk,
                             stage_memory_limit=first.stage_memory_limit, ties=first.ties, memory=first.memory,
                             units_per_micro_batch=first.units_per_micro_batch, virtual_stages=first.virtual_stages,
-                            bucket_starts=first.bucket_starts)
+                            bucket_starts=first.bucket_starts, unit_layers=first.unit_layers, ep=first.ep)
         # The restarted job numbers its ranks afresh; place them on the live devices, in order.
         rename = dict(enumerate(ranks))
         return replace(base, pipelines=tuple(tuple(rename[r] for r in p) for p in base.pipelines),
-                       chunk_owners=tuple(tuple(rename[r] for r in row) for row in base.chunk_owners))
+                       chunk_owners=tuple(tuple(rename[r] for r in row) for row in base.chunk_owners),
+                       expert_holders=tuple(tuple(rename[r] for r in row) for row in base.expert_holders))
 
     def layout(self, live: Sequence[int]) -> Plan:
         if len(live) == self.devices:
@@ -326,7 +327,7 @@ class Templates(Policy):
 def _whole_layers_s(plan: Plan, ranks, model: ClusterModel) -> float:
     if not model.layer_param_bytes or not ranks:
         return 0.0
-    worst = max(3 * sum(model.layer_param_bytes[i] for i in held_layers(plan, r)) for r in ranks)
+    worst = max(3 * sum(model.layer_param_bytes[i] for i in held_units(plan, r)) for r in ranks)
     return worst / model.inter_node_bytes_per_s
 
 

@@ -27,6 +27,11 @@ def add_arguments(ap) -> None:
     ap.add_argument("--tp", type=int, default=1,
                     help="tensor parallelism: GPUs of one node that split each stage's layers (Megatron's split with "
                          "sequence parallelism); dp x pp x tp = --devices; a GPU's failure takes its TP group")
+    ap.add_argument("--ep", type=int, default=1,
+                    help="expert parallelism (parallel.ep), a mixture of experts only: each MoE layer's experts spread "
+                         "over groups of ep pipelines' GPUs of a stage, each held by its owners alone, tokens to them "
+                         "and back by all-to-all (priced over the group's slowest link, not overlapped); must divide "
+                         "dp and the experts")
     ap.add_argument("--gpus-per-node", type=int, default=Hardware().devices_per_node,
                     help="GPUs per node (default 8): the fast link, and what a TP group must fit in")
     ap.add_argument("--hardware", default="generic", choices=sorted(HARDWARE),
@@ -119,7 +124,7 @@ def _memory(args, micro_batches: int):
     # Its ZeRO chunks are 2^24 values, a planning grain: slots pad as the runtime's chunks do.
     return replace(tp_shard(_job_memory(args.model, args.micro_batch_size, micro_batches, args.checkpointing,
                                         args.schedule, args.virtual_stages), args.tp),
-                   slot_chunk_numel=ParallelConfig.chunk_numel)
+                   slot_chunk_numel=ParallelConfig.chunk_numel, expert_share=1.0 / args.ep)
 
 
 @functools.lru_cache(maxsize=16)
@@ -204,7 +209,8 @@ def run(args) -> int:
     if args.clock_share is not None:
         power = replace(power, clock_share=args.clock_share)
     hw = replace(HARDWARE[args.hardware], devices_per_node=args.gpus_per_node)
-    model = replace(cluster(m_cfg, args.micro_batch_size, hw, args.tp, args.schedule, args.checkpointing), power=power,
+    model = replace(cluster(m_cfg, args.micro_batch_size, hw, args.tp, args.schedule, args.checkpointing, args.ep),
+                    power=power,
                     overlap_grad_reduce=not args.no_overlap, overlap_param_gather=not args.no_overlap)
     memory = _memory(args, m) if args.device_gib else None
     plan, dp, pp = layout.first_fit(args, layouts, model, memory, m)
@@ -249,7 +255,8 @@ def run(args) -> int:
     tflops = m * model_flops_per_micro_batch(m_cfg, args.micro_batch_size) / step_s / gpus / 1e12
     failure_free = {"step_s": step_s, "model_tflops_per_gpu": tflops, "mfu": tflops / hw.device_tflops}
     config = {"hardware": {"name": args.hardware, **asdict(hw)}, "failure_free": failure_free,
-              "devices": args.devices, "dp": dp, "pp": pp, "preferred_layout": list(layouts[0]), "tp": args.tp, "gpus_per_node": args.gpus_per_node,
+              "devices": args.devices, "dp": dp, "pp": pp, "preferred_layout": list(layouts[0]), "tp": args.tp, "ep": args.ep,
+              "gpus_per_node": args.gpus_per_node,
               "model": args.model, "micro_batches": m, "pipeline_schedule": args.schedule,
               "overlap_grad_reduce": not args.no_overlap, "overlap_param_gather": not args.no_overlap,
               "virtual_stages": args.virtual_stages, "policies_left_out": left_out,

@@ -11,11 +11,10 @@ from dataclasses import dataclass, replace
 from elaswave.config import TrainConfig
 from elaswave.model.config import PRESETS, ModelConfig, preset
 from elaswave.model.registry import family
+from elaswave.model.units import Units, units_of
 from elaswave.sim.model import ClusterModel, ring_s
 
-# Mixtures of experts are left out: their all-to-all, experts held by their owners and their
-# re-placement are not priced yet (the runtime does all three: plan/experts.py).
-MODELS: dict[str, ModelConfig] = {name: preset(name) for name in PRESETS if not preset(name).num_experts}
+MODELS: dict[str, ModelConfig] = {name: preset(name) for name in PRESETS}
 
 
 @dataclass(frozen=True)
@@ -57,15 +56,30 @@ def layer_numels(m: ModelConfig) -> list[int]:
     return [c.num_params for c in family(m).layer_costs()]
 
 
+_UNITS: dict[str, Units] = {}
+
+
+def model_units(m: ModelConfig) -> Units:
+    """The model's units (model/units.py: a mixture of experts' experts each its own; a dense
+    model's are its layers), counted once per shape (a 235B model's 12,032 experts: seconds)."""
+    key = repr(m)  # (a config is not hashable; its repr names every field)
+    if key not in _UNITS:
+        _UNITS[key] = units_of(family(m))
+    return _UNITS[key]
+
+
 def cluster(m: ModelConfig, micro_batch_size: int = 1, hw: Hardware = Hardware(), tp: int = 1,
-            schedule: str = "1f1b", checkpointing: str = "none") -> ClusterModel:
+            schedule: str = "1f1b", checkpointing: str = "none", ep: int = 1) -> ClusterModel:
     """The job on ``hw``, its pipelines running ``schedule`` (``parallel.schedule``); with ``tp`` > 1
     each device of the plan is a tensor-parallel group of ``tp`` GPUs in one node
     (:func:`tp_all_reduces`): Megatron's split with sequence parallelism, so a layer's compute,
     parameters, gradients and the activation sent between stages are each GPU's ``1/tp`` share,
     the groups' shards sum their gradients over data parallelism side by side, and a node holds
     ``devices_per_node / tp`` groups. ``checkpointing`` (``train.activation_checkpointing``) prices
-    what recomputation runs again in each layer's backward (:func:`recompute_s`)."""
+    what recomputation runs again in each layer's backward (:func:`recompute_s`). A mixture of
+    experts: each unit's parameters (an expert held by its owners alone, plan/experts.py) and, with
+    ``ep`` > 1, each MoE layer's all-to-all (:attr:`ClusterModel.layer_exchange_bytes`); its
+    compute is its top-k experts' on a balanced router's share."""
     if tp < 1 or hw.devices_per_node % tp:
         raise ValueError(f"tp={tp} is invalid: a TP group is GPUs of one node, so it must divide "
                          f"the {hw.devices_per_node} GPUs per node")
@@ -76,10 +90,14 @@ def cluster(m: ModelConfig, micro_batch_size: int = 1, hw: Hardware = Hardware()
     activation = float(tokens * m.d_model * hw.activation_bytes_per_value)
     model = ClusterModel(
         layer_forward_s=forward, backward_factor=2.0, activation_bytes=activation / tp,
-        layer_param_bytes=tuple(4.0 * c.num_params / tp for c in costs),
+        layer_param_bytes=tuple(4.0 * n / tp for n in model_units(m).numels),
         devices_per_node=hw.devices_per_node // tp,
         intra_node_bytes_per_s=hw.intra_node_gb_s * 1e9, inter_node_bytes_per_s=hw.inter_node_gb_s * 1e9,
         pipeline_schedule=schedule)
+    if ep > 1:  # a rank's rows to their experts' owners and back, each a d_model-wide row per top-k pick
+        moe = set(model_units(m).expert_layers)
+        rows = tokens * m.experts_per_token * m.d_model * hw.activation_bytes_per_value
+        model = replace(model, layer_exchange_bytes=tuple(2.0 * rows if i in moe else 0.0 for i in range(len(costs))))
     if tp > 1:
         # An all-reduce is a ring reduce-scatter and a ring all-gather.
         ring = 2 * ring_s(tp, activation, model.intra_node_latency_s, model.intra_node_bytes_per_s)

@@ -7,7 +7,7 @@ from dataclasses import replace
 import pytest
 
 from elaswave.plan.experts import busiest_share, by_load, contiguous, groups_of, place, unite_recomputation
-from elaswave.plan.plan import initial_plan
+from elaswave.plan.plan import PlanError, initial_plan
 from elaswave.plan.replan import replan
 
 
@@ -125,14 +125,16 @@ def test_a_group_recomputes_the_union_of_its_members_blocks():
     assert united.recomputed == (((2, 3),), ((2, 3),), ((),), ((),))
 
 
-def test_a_pipeline_standing_by_holds_no_expert():
+def test_a_pipeline_standing_by_holds_no_expert_and_drop_replica_drops_the_expert_parallel_group():
+    """TorchFT keeps expert parallelism inside a replica group: losing rank 3 (pipeline 1) takes
+    pipeline 0, its group mate, out too; the idle pipelines hold no expert, the others keep theirs."""
     plan = _plan(8, 4, 2, 8, 2)
     after = replan(plan, [r for r in range(8) if r != 3], 1, 8, policy="drop_replica")
-    assert after.micro_batches[1] == () and after.experts_held(2) == frozenset()
-    for u in range(LAYERS, LAYERS + 8):  # every expert still has an owner in each running group
-        layer = UNIT_LAYERS[u - LAYERS]
-        running = {after.expert_group[r] for r in after.holders(layer) if r != 2}
-        assert all(len(_owner_in(after, u, g)) == 1 for g in running)
+    assert after.micro_batches[:2] == ((), ()) and after.micro_batches[2:] == plan.micro_batches[2:]
+    assert all(after.experts_held(r) == frozenset() for r in (0, 1, 2))
+    assert all(after.experts_held(r) == plan.experts_held(r) for r in (4, 5, 6, 7))
+    with pytest.raises(PlanError, match="drops the expert-parallel groups"):
+        replan(after, [r for r in after.ranks if r != 5], 2, 8, policy="drop_replica")
 
 
 def test_a_new_groups_experts_are_placed_by_load_not_by_count():
