@@ -56,7 +56,8 @@ from elaswave.plan.plan import Plan, PlanError, initial_plan
 from elaswave.plan.replan import replan
 from elaswave.plan.recompute import fit_recomputation
 from elaswave.sim.control import Control, slot_events
-from elaswave.sim.model import ClusterModel, held_units, migration_s
+from elaswave.sim.model import ClusterModel
+from elaswave.sim.moves import held_units, migration_s
 from elaswave.sim.trace import Event
 
 POLICIES = ("elaswave", "elaswave_no_dvfs", "reroute", "drop_replica", "restart", "templates")

@@ -8,7 +8,8 @@ import pytest
 
 from elaswave import cli
 from elaswave.plan.plan import initial_plan
-from elaswave.sim.model import held_units, step_time
+from elaswave.sim.model import step_time
+from elaswave.sim.moves import held_units
 from elaswave.sim.workload import MODELS, cluster, model_units
 
 MOE = MODELS["mixtral-8x7b"]

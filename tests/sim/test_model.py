@@ -7,7 +7,8 @@ from elaswave.pipeline.routed import plan_schedules, routed_schedules
 from elaswave.plan.plan import initial_plan
 from elaswave.plan.replan import replan
 from elaswave.pipeline import routed
-from elaswave.sim.model import ClusterModel, migration_s, step_time
+from elaswave.sim.model import ClusterModel, step_time
+from elaswave.sim.moves import migration_s
 
 
 def _model(layers=8, **kw):
