@@ -78,10 +78,11 @@ class ClusterModel:
     nominal clocks, kernels only (a recomputed block's forward, or selective's attention core:
     ``workload.recompute_s``). Empty: none."""
     layer_exchange_bytes: tuple[float, ...] = ()
-    """Expert parallelism: what one micro-batch's forward of each layer would send if all its rows
-    left the rank (a mixture of experts' dispatch and combine; 0 for a dense layer). A rank of a
-    group of ``n`` sends ``(n - 1) / n`` of it, in the forward and again in the backward, over the
-    group's slowest link, nothing overlapped (the runtime waits for each exchange). Empty: none."""
+    """Expert parallelism: what one micro-batch's forward and backward of each layer would send if
+    all its rows left the rank (a mixture of experts' dispatch and combine each way, and again in a
+    recomputed block's forward; 0 for a dense layer). A rank of a group of ``n`` sends ``(n - 1) /
+    n`` of it over the group's slowest link, nothing overlapped (the runtime waits for each
+    exchange). Empty: none. (Blocks the plan chooses to recompute are not counted again.)"""
     layer_recompute_tp_s: tuple[float, ...] = ()
     """The TP collectives a recomputed block runs again (its forward's ``layer_tp_s``; not scaled
     by the clock). Empty: none."""
@@ -175,8 +176,8 @@ class ClusterModel:
             compute += runs * sum(self.layer_forward_s[k] for k in again) / self.power.speed(plan.frequency(rank))
             compute += runs * sum(self.layer_tp_s[k] for k in again) if self.layer_tp_s else 0.0
         if self.layer_exchange_bytes and any(self.layer_exchange_bytes[i:j]):
-            compute += 2 * self.exchange_s(plan, rank, sum(self.layer_exchange_bytes[i:j]),
-                                           sum(1 for b in self.layer_exchange_bytes[i:j] if b))
+            compute += self.exchange_s(plan, rank, sum(self.layer_exchange_bytes[i:j]),
+                                       4 * sum(1 for b in self.layer_exchange_bytes[i:j] if b))
         nxt = [pipe[(s + 1) % len(pipe)]] if k + 1 < len(plan.layer_ranges[d]) else []
         peers = nxt + ([pipe[s - 1]] if k else [])
         comm = sum(self.transfer_s(self.activation_bytes, rank, peer) for peer in peers
@@ -184,9 +185,9 @@ class ClusterModel:
         return compute + self.per_microbatch_stage_s + comm
 
     def exchange_s(self, plan: Plan, rank: int, nbytes: float, exchanges: int) -> float:
-        """``rank``'s all-to-alls of ``nbytes`` (all its rows; ``exchanges`` layers' worth, two each:
-        dispatch and combine) in its expert-parallel group under ``plan``: ``(n - 1) / n`` of them
-        leave, over the group's slowest link (sim/experts.py's pricing)."""
+        """``rank``'s ``exchanges`` all-to-alls of ``nbytes`` in all (if all its rows left) in its
+        expert-parallel group under ``plan``: ``(n - 1) / n`` of the bytes leave, over the group's
+        slowest link, and each exchange pays its latency (sim/experts.py's pricing)."""
         group = plan.expert_group[rank] if plan.ep > 1 else (rank,)
         n = len(group)
         if n == 1:
@@ -194,7 +195,7 @@ class ClusterModel:
         one_node = len({r // self.devices_per_node for r in group}) == 1
         bw, lat = ((self.intra_node_bytes_per_s, self.intra_node_latency_s) if one_node
                    else (self.inter_node_bytes_per_s, self.inter_node_latency_s))
-        return 2 * exchanges * lat + nbytes * (n - 1) / n / bw
+        return exchanges * lat + nbytes * (n - 1) / n / bw
 
     def virtual_stage_s(self, plan: Plan, d: int) -> tuple[float, ...]:
         """Pipeline ``d``'s :meth:`chunk_s` of every virtual stage ``k``, in order: chunk ``k // p``

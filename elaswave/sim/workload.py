@@ -97,7 +97,12 @@ def cluster(m: ModelConfig, micro_batch_size: int = 1, hw: Hardware = Hardware()
     if ep > 1:  # a rank's rows to their experts' owners and back, each a d_model-wide row per top-k pick
         moe = set(model_units(m).expert_layers)
         rows = tokens * m.experts_per_token * m.d_model * hw.activation_bytes_per_value
-        model = replace(model, layer_exchange_bytes=tuple(2.0 * rows if i in moe else 0.0 for i in range(len(costs))))
+        # Dispatch and combine in the forward and the backward, and again in a recomputed block's forward.
+        train = TrainConfig(activation_checkpointing=checkpointing)
+        again = [checkpointing != "selective" and checkpointing != "none" and train.checkpointed(i, len(costs))
+                 for i in range(len(costs))]
+        model = replace(model, layer_exchange_bytes=tuple(
+            2.0 * rows * (2 + model.recompute_runs * again[i]) if i in moe else 0.0 for i in range(len(costs))))
     if tp > 1:
         # An all-reduce is a ring reduce-scatter and a ring all-gather.
         ring = 2 * ring_s(tp, activation, model.intra_node_latency_s, model.intra_node_bytes_per_s)
