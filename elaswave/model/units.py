@@ -41,17 +41,15 @@ class Units:
         return unit if unit < self.num_layers else self.experts[unit - self.num_layers][0]
 
     @cached_property
-    def _first(self) -> dict[int, int]:
-        out: dict[int, int] = {}
+    def _experts_of(self) -> dict[int, list[int]]:
+        out: dict[int, list[int]] = {}
         for k, (layer, _) in enumerate(self.experts):
-            out.setdefault(layer, self.num_layers + k)
+            out.setdefault(layer, []).append(self.num_layers + k)
         return out
 
     def of_layer(self, layer: int) -> list[int]:
         """Layer ``layer``'s units: itself, then its experts'."""
-        first = self._first.get(layer)
-        n = sum(1 for l, _ in self.experts if l == layer) if first is not None else 0
-        return [layer, *range(first, first + n)] if n else [layer]
+        return [layer, *self._experts_of.get(layer, ())]
 
     @property
     def layer_numels(self) -> tuple[int, ...]:
@@ -90,8 +88,8 @@ def experts_in(module: nn.Module) -> list[nn.Module]:
 
 def flat_units(module: nn.Module, layer: int, units: Units, held: Collection[int] | None = None) -> list[FlatLayer]:
     """Layer ``layer`` (built as ``module``) as its units' flat vectors: itself without its
-    experts, then each expert -- of those in ``held`` only (None: all), the others' values
-    dropped (:func:`drop_experts`)."""
+    experts, then each expert -- of those in ``held`` only (None: all; the others' values the
+    caller has dropped: :func:`drop_experts`)."""
     inside = experts_in(module)
     if not inside:
         return [FlatLayer(module, layer)]
@@ -99,7 +97,6 @@ def flat_units(module: nn.Module, layer: int, units: Units, held: Collection[int
     if len(ids) != len(inside) + 1:
         raise AssertionError(f"layer {layer} has {len(inside)} experts, its units say {len(ids) - 1}")
     skip = {id(p) for e in inside for p in e.parameters()}
-    drop_experts(module, layer, units, held)
     experts = []
     for e, (u, expert) in enumerate(zip(ids[1:], inside)):
         if held is None or u in held:
@@ -118,11 +115,6 @@ def drop_experts(module: nn.Module, layer: int, units: Units, held: Collection[i
         if u not in held:
             for p in expert.parameters():
                 p.data = p.data.new_empty(0)
-
-
-def dropped(tensor) -> bool:
-    """A tensor :func:`drop_experts` freed."""
-    return tensor.numel() == 0
 
 
 def layer_units(model, layer: int, seed: int, init: bool = True) -> list[FlatLayer]:

@@ -10,8 +10,6 @@ re-plan places experts by their sum (``Plan.expert_loads``, also the records' ba
 """
 from __future__ import annotations
 
-from dataclasses import replace
-
 from elaswave.expert.exchange import AllToAll, Local
 from elaswave.model.moe import SparseMoE, take_counts
 from elaswave.plan.experts import busiest_share
@@ -20,13 +18,6 @@ from elaswave.plan.experts import busiest_share
 def moe_blocks(stage) -> list[tuple[object, SparseMoE]]:
     """(flat layer, block) for each MoE block this stage holds, in layer order."""
     return [(layer, m) for layer in stage.layers for m in layer.module.modules() if isinstance(m, SparseMoE)]
-
-
-def group_of(plan, rank: int, ep: int | None = None) -> tuple[int, ...]:
-    """The global ranks of ``rank``'s expert-parallel group this epoch (plan/experts.expert_groups:
-    after a loss that dealt 3, 3 and 2 micro-batches, the two pipelines of 3 form a group); itself
-    alone where none other runs its schedule. ``ep``: instead of the plan's (parallel.ep)."""
-    return (plan if ep is None else replace(plan, ep=ep)).expert_group[rank]
 
 
 def counts_of(stage) -> list[float] | None:
@@ -52,22 +43,21 @@ def attach(cfg, plan, rank: int, stage, accumulator, world, comm, built: dict) -
     m = getattr(stage.model, "cfg", None)
     if not getattr(m, "num_experts", 0):
         return {"exchanges": [], "record": {}}
-    members = group_of(plan, rank)
+    members = plan.expert_group[rank]
     group = None
     if len(members) > 1:
         group = (world if members == world.members else built.get(members) or
                  comm.adopt(comm.build(members, plan.epoch, kind="experts"), members, plan.epoch))
     shares, exchanges = [], []
     for layer, block in blocks:
+        units = stage.units.of_layer(layer.index)[1:]  # expert e's (this rank folds and runs only its own)
         fold = None
         if cfg.train.deterministic:  # each expert's gradient, one member's rows at a time, into its unit's sum
-            units = stage.units.of_layer(layer.index)[1:]  # (expert e's; this rank folds only those it holds)
             fold = lambda e, units=units: accumulator.fold_part(units[e])  # noqa: E731
         if group is None:
             block.exchange = Local(fold) if fold is not None else None
             continue
         # Each expert's owner in this group: its one holder here (the plan placed it: plan/experts.py).
-        units = stage.units.of_layer(layer.index)[1:]
         owners = [group.members.index(next(r for r in plan.holders(u) if r in members)) for u in units]
         counts = [plan.expert_loads[u - plan.num_layers] for u in units] if plan.expert_loads else [0.0]
         block.exchange = AllToAll(group, owners, fold)

@@ -21,7 +21,7 @@ import torch
 
 from elaswave.config import JobConfig
 from elaswave.data.corpus import corpus_bytes
-from elaswave.model.contract import Model, counted_numels, on_meta, saved_activation_bytes, tie_pairs, untie
+from elaswave.model.contract import Model, on_meta, saved_activation_bytes, tie_pairs, untie
 from elaswave.model.registry import model_for
 from elaswave.model.units import units_of
 from elaswave.plan.buckets import size_starts
@@ -34,7 +34,7 @@ from elaswave.precision import compute_dtype
 
 def job_memory_model(cfg: JobConfig, model: Model, dtype: torch.dtype, device: torch.device) -> MemoryModel:
     t = cfg.train
-    numels = counted_numels(model)
+    units = units_of(model)
     fused = not t.deterministic  # fast mode's scaled_dot_product_attention: a fused kernel on CPU and GPU
     sums = 8 if t.deterministic else (0 if dtype == torch.float32 else 4)
     itemsize = torch.empty(0, dtype=dtype).element_size()
@@ -52,8 +52,8 @@ def job_memory_model(cfg: JobConfig, model: Model, dtype: torch.dtype, device: t
                 untie(model, layer, i)
                 frozen.append(sum(p.numel() for p in layer.parameters() if not p.requires_grad))
     return MemoryModel(
-        layer_numels=tuple(numels), expert_numels=units_of(model).numels[model.num_layers:],
-        expert_layers=units_of(model).expert_layers, expert_share=1.0 / cfg.parallel.ep,
+        layer_numels=units.layer_numels, expert_numels=units.numels[model.num_layers:],
+        expert_layers=units.expert_layers, expert_share=1.0 / cfg.parallel.ep,
         layer_activation_bytes=tuple(float(b) for b in saved_activation_bytes(
             model, t.micro_batch_size, dtype, fused, selective=t.activation_checkpointing == "selective")),
         boundary_bytes=float(t.micro_batch_size * model.seq_len * model.hidden_size * itemsize),

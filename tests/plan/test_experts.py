@@ -168,3 +168,29 @@ def test_experts_concentrated_past_the_limit_by_a_loss_are_refused_in_words():
         with pytest.raises(PlanError, match=r"would hold \d+ MiB at its peak with the experts the plan gives it.*"
                                             r"parallel.ep=1"):
             replan(plan, [r for r in range(8) if r != 3], 1, 8)
+
+
+# -- groups: cut among the pipelines that run one schedule, so every member issues the same exchanges --
+def _group(plan, rank: int, ep: int) -> tuple[int, ...]:
+    return replace(plan, ep=ep).expert_group[rank]
+
+
+def test_groups_are_cut_among_pipelines_with_one_schedule():
+    plan = initial_plan(4, 4, 1, [1.0] * 6, 8)
+    assert [_group(plan, r, 2) for r in range(4)] == [(0, 1), (0, 1), (2, 3), (2, 3)]
+    assert [_group(plan, r, 4) for r in range(4)] == [(0, 1, 2, 3)] * 4
+    assert _group(plan, 2, 1) == (2,)
+    # 8 micro-batches over 3 survivors: 3, 3 and 2 -- the two pipelines of 3 form a group.
+    after = replan(plan, [0, 1, 3], 1, 8)
+    counts = {after.pipelines[p][0]: len(after.micro_batches[p]) for p in range(3)}
+    alike = sorted(r for r in counts if list(counts.values()).count(counts[r]) == 2)
+    odd = next(r for r in counts if r not in alike)
+    assert sorted(counts.values()) == [2, 3, 3]
+    assert [_group(after, r, 4) for r in alike] == [tuple(alike)] * 2 and _group(after, odd, 4) == (odd,)
+
+
+def test_a_stage_groups_with_the_same_stage_of_pipelines_split_alike():
+    plan = initial_plan(4, 2, 2, [1.0] * 6, 4)
+    assert [_group(plan, r, 2) for r in range(4)] == [(0, 2), (1, 3), (0, 2), (1, 3)]
+    after = replan(plan, [0, 1, 2], 1, 4)  # pipeline 1 lost its second stage: another schedule
+    assert all(_group(after, r, 2) == (r,) for r in after.ranks)
