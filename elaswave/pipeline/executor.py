@@ -1,7 +1,12 @@
 """Runs one step's schedule on a stage through a dispatch table, one handler per action.
 
 What a micro-batch leaves between actions (its input, outputs, incoming gradient) is kept by
-(micro-batch, chunk): under interleaved 1F1B a rank runs each micro-batch once per model chunk."""
+(micro-batch, chunk): under interleaved 1F1B a rank runs each micro-batch once per model chunk.
+
+A *ghost* micro-batch (plan.Plan.ghosts) has no rows: its stages run its forward and backward on
+an empty batch, so that they join their expert-parallel group's exchanges as the members dealt
+more micro-batches do (computing their experts on those members' rows), and nothing else: no
+message down the pipeline (both ends know it is a ghost), no loss, no modelled compute."""
 from __future__ import annotations
 
 import time
@@ -65,6 +70,8 @@ class Executor:
         """Its layers' gradients made whole within a backward (zero/watch.LayerWatch): their sums start then."""
         self.relay: BalanceRelay | None = None
         """A mixture of experts' load-balancing loss across this pipeline's stages (pipeline/balance.py)."""
+        self.ghosts: frozenset[int] = frozenset()
+        """The ghost micro-batches in the schedules this runs (see the module's docstring)."""
         self._table = {
             Op.RECV_ACT: self._recv_act, Op.FORWARD: self._forward, Op.SEND_ACT: self._send_act,
             Op.RECV_GRAD: self._recv_grad, Op.BACKWARD: self._backward, Op.SEND_GRAD: self._send_grad,
@@ -119,7 +126,10 @@ class Executor:
                 if before is not None:
                     before(a)
                 mb, at = a.micro_batch, (a.micro_batch, a.chunk)
-                if a.op is Op.RECV_ACT:
+                if mb in self.ghosts:
+                    if a.op is Op.FORWARD:
+                        self.stage.forward(self._nothing(a.chunk), batch, mb, train=False, chunk=a.chunk)
+                elif a.op is Op.RECV_ACT:
                     received[at] = self.p2p.recv_act(mb, a.peer, self._rows(mb), a.chunk)
                 elif a.op is Op.SEND_ACT:
                     self.p2p.send_act(_joined(outputs.pop(at)), mb, a.peer, a.chunk)
@@ -136,6 +146,21 @@ class Executor:
                         outputs[at] = outs
         self.p2p.drain()
         return losses
+
+    def _nothing(self, chunk: int) -> torch.Tensor:
+        """A ghost's input to ``chunk``: no tokens (the first stage's), or no rows of activations."""
+        if self.stage.chunk_is_first(chunk):
+            return torch.zeros((0, self.stage.model.seq_len), dtype=torch.long, device=self.stage.device)
+        return torch.zeros((0, *self.p2p.shape[1:]), dtype=self.p2p.dtype, device=self.stage.device)
+
+    def _ghost_forward(self, a: Action) -> None:
+        """A ghost's forward: the chunk's layers on no rows. On the last chunk the output's sum (zero)
+        roots the backward, which runs every exchange of the graph again."""
+        at = (a.micro_batch, a.chunk)
+        x = self.inputs[at] if at in self.inputs else self._nothing(a.chunk)
+        with moe.recording():  # (a record of no rows: no load-balancing loss)
+            out = self.stage.forward(x, self.step, a.micro_batch, chunk=a.chunk)
+        self.outputs[at] = [out.float().sum() if self.stage.chunk_is_last(a.chunk) else out]
 
     def _rows(self, mb: int) -> int | None:
         """Sequences of micro-batch ``mb`` (None: the configured size)."""
@@ -159,6 +184,9 @@ class Executor:
             yield key, x, data
 
     def _recv_act(self, a: Action) -> None:
+        if a.micro_batch in self.ghosts:
+            self.inputs[(a.micro_batch, a.chunk)] = self._nothing(a.chunk).requires_grad_(True)
+            return
         self.inputs[(a.micro_batch, a.chunk)] = self.p2p.recv_act(a.micro_batch, a.peer, self._rows(a.micro_batch),
                                                                   a.chunk).requires_grad_(True)
         if self.relay is not None:
@@ -166,6 +194,8 @@ class Executor:
                 a.micro_batch, False, (len(self.pieces(a.micro_batch)), self.relay.forward_width), a.peer))
 
     def _forward(self, a: Action) -> None:
+        if a.micro_batch in self.ghosts:
+            return self._ghost_forward(a)
         mb, at = a.micro_batch, (a.micro_batch, a.chunk)
         began, cpu, waited = time.perf_counter(), time.process_time(), self.stage.waited_s
         outs, last = [], self.stage.chunk_is_last(a.chunk)
@@ -200,11 +230,16 @@ class Executor:
         return float(moe.aux_loss(record, self.stage.model.cfg.num_experts).detach())
 
     def _send_act(self, a: Action) -> None:
+        if a.micro_batch in self.ghosts:
+            return
         self.p2p.send_act(_joined(self.outputs[(a.micro_batch, a.chunk)]), a.micro_batch, a.peer, a.chunk)
         if self.relay is not None:
             self.p2p.send_beside(self.relay.outgoing(a.micro_batch), a.micro_batch, False, a.peer)
 
     def _recv_grad(self, a: Action) -> None:
+        if a.micro_batch in self.ghosts:
+            self.grads[(a.micro_batch, a.chunk)] = torch.zeros_like(self.outputs[(a.micro_batch, a.chunk)][0])
+            return
         self.grads[(a.micro_batch, a.chunk)] = self.p2p.recv_grad(a.micro_batch, a.peer, self._rows(a.micro_batch),
                                                                   a.chunk)
         if self.relay is not None:
@@ -232,17 +267,18 @@ class Executor:
     def _backward(self, a: Action) -> None:
         began, cpu, waited = self._begin_backward()
         out_grads = self._output_grads(a.micro_batch, a.chunk)
+        ghost = a.micro_batch in self.ghosts
         for piece, (out, grad) in enumerate(out_grads):  # each folded alone
             # Before the last stage, this stage's MoE blocks take the load-balancing loss's gradient too.
             term = (self.relay.surrogate(a.micro_batch, piece, out.shape[0])
-                    if self.relay is not None and grad is not None else None)
+                    if self.relay is not None and grad is not None and not ghost else None)
             with self._watching(piece == len(out_grads) - 1, a.chunk, began, waited):
                 if term is not None:
                     torch.autograd.backward([out, term], [grad, torch.ones_like(term)])
                 elif out.requires_grad:  # a chunk of frozen weights only, fed tokens (LoRA's embedding), has no graph
                     torch.autograd.backward(out, grad)
             self.on_backward()
-        self._end_compute(began, cpu, waited, 1.0, a.chunk)
+        self._end_compute(began, cpu, waited, 1.0, a.chunk, ghost)
 
     def _backward_input(self, a: Action) -> None:
         """ZB-H1's B: the input's gradient now (the stage before waits for it), the weights' at W."""
@@ -250,12 +286,13 @@ class Executor:
         mb = a.micro_batch
         passes = []
         for piece, (out, grad) in enumerate(self._output_grads(mb)):
-            term = self.relay.surrogate(mb, piece, out.shape[0]) if self.relay is not None and grad is not None else None
+            term = (self.relay.surrogate(mb, piece, out.shape[0])
+                    if self.relay is not None and grad is not None and mb not in self.ghosts else None)
             if term is not None:  # one root: the gradient reaching ``out`` is ``grad`` exactly (1 x grad)
                 out, grad = (out * grad).sum() + term, None
             passes.append(backward_input(out, grad, self.inputs.get((mb, 0)), self._weights, self._recomputed_weights))
         self.weight_passes[mb] = passes
-        self._end_compute(began, cpu, waited, BACKWARD_INPUT_SHARE)
+        self._end_compute(began, cpu, waited, BACKWARD_INPUT_SHARE, ghost=mb in self.ghosts)
 
     def _backward_weight(self, a: Action) -> None:
         began, cpu, waited = self._begin_backward()
@@ -264,7 +301,7 @@ class Executor:
             with self._watching(piece == len(passes) - 1, a.chunk, began, waited, 1.0 - BACKWARD_INPUT_SHARE):
                 weight_pass.run()  # (the last layers first, as a whole backward)
             self.on_backward()  # the piece's gradient is whole only now, into zeroed buffers as in _backward
-        self._end_compute(began, cpu, waited, 1.0 - BACKWARD_INPUT_SHARE)
+        self._end_compute(began, cpu, waited, 1.0 - BACKWARD_INPUT_SHARE, ghost=a.micro_batch in self.ghosts)
 
     def _watching(self, last: bool, chunk: int, began: float, waited: float, share: float = 1.0):
         """Around a piece's backward (or W): the last piece makes the micro-batch's gradients whole,
@@ -279,14 +316,15 @@ class Executor:
         return time.perf_counter(), time.process_time(), self.stage.waited_s
 
     def _end_compute(self, began: float, cpu: float, waited: float, backward_share: float | None = None,
-                     chunk: int = 0) -> None:
+                     chunk: int = 0, ghost: bool = False) -> None:
         """``waited``: ``stage.waited_s`` when it began -- what it waited for since (parameter
         all-gathers, a mixture of experts' exchanges) is not compute: neither the rank's speed nor
         emulated time, which then runs after the waits, as if they had all come first;
         ``backward_share``: the share of a whole backward's modelled time this computation takes
-        (None: a forward); ``chunk``: the model chunk it ran."""
+        (None: a forward); ``chunk``: the model chunk it ran; ``ghost``: a ghost's, which models no
+        compute (its rows are none)."""
         began += self.stage.waited_s - waited
-        if self.emulated is not None:
+        if self.emulated is not None and not ghost:
             if backward_share is None:
                 self.emulated.forward(began, chunk)
             else:
@@ -306,6 +344,9 @@ class Executor:
             time.sleep((self.slowdown - 1.0) * spent)
 
     def _send_grad(self, a: Action) -> None:
+        if a.micro_batch in self.ghosts:
+            self.inputs.pop((a.micro_batch, a.chunk), None)
+            return
         self.p2p.send_grad(self.inputs.pop((a.micro_batch, a.chunk)).grad, a.micro_batch, a.peer, a.chunk)
         if self.relay is not None:
             self.p2p.send_beside(self.relay.returning(a.micro_batch), a.micro_batch, True, a.peer)

@@ -1,14 +1,22 @@
 """Where each expert of a mixture-of-experts block computes and is held: its expert-parallel group
 and owner (pure functions, no process groups).
 
-A stage's pipelines are cut into expert-parallel groups of ``ep`` consecutive pipelines (the last
-may be smaller after a loss) among the pipelines that run one schedule -- the same layers, the
-same number of micro-batches, none reshaped, no detours: a group's members exchange tokens in
-every forward and backward of every MoE block, so they must issue the same exchanges; a rank whose
-pipeline runs a schedule nobody else does is a group of its own. Within a group every expert of a
-block has one owner, which runs it on the tokens every member routes to it (all-to-all) and holds
-it: an expert's holders are its owners, one in each group of its stage (model/units.py), so a rank
-holds only ``1/ep`` of its experts' values, sums and optimizer state.
+The first plan lays pipelines out in teams of ``ep`` (:func:`team_layout`): a team's stage-``s``
+ranks are consecutive, so on hosts of ``ep`` or more ranks each all-to-all stays inside one host
+(Megatron orders expert parallelism inside data parallelism for the same reason); its pipeline
+sends cross hosts instead, a micro-batch's activation once per stage, where every MoE block
+exchanges its tokens twice each way. A stage's expert-parallel group is the stage's ranks of a
+team's pipelines that run the same layers by stage (a re-split pipeline runs others: it is a group
+of its own), and teams are kept through losses and joins, so a loss leaves the other groups as they
+were. Members dealt fewer micro-batches than their group's others run *ghost* micro-batches after
+theirs (:func:`ghost_counts`): no rows of their own, no messages down their pipeline, but every
+exchange of the group, where they still compute their experts on the others' rows. Every member of
+a group must issue the same exchanges in the same order, and with ghosts all run one schedule.
+
+Within a group every expert of a block has one owner, which runs it on the tokens every member
+routes to it (all-to-all) and holds it: an expert's holders are its owners, one in each group of
+its stage (model/units.py), so a rank holds only ``1/ep`` of its experts' values, sums and
+optimizer state. A rank whose pipeline reroutes, reshapes or runs no micro-batch exchanges nothing.
 
 Placement is the minimax of the planner's layers applied to experts: each expert, heaviest first,
 goes to the member with the least load so far (longest processing time first), by the router's
@@ -22,6 +30,15 @@ from __future__ import annotations
 
 from dataclasses import replace
 from typing import Sequence
+
+
+def team_layout(dp: int, pp: int, ep: int) -> tuple[tuple[int, ...], ...]:
+    """The first plan's pipelines: rank ``d * pp + s`` is stage ``s`` of pipeline ``d`` (a
+    pipeline's stages neighbours), or with ``ep`` > 1 dividing ``dp``, rank
+    ``((d // ep) * pp + s) * ep + d % ep``: a team of ``ep`` pipelines takes ``ep * pp`` consecutive
+    ranks, each stage's ``ep`` of them side by side (its expert-parallel group, inside a host)."""
+    g = ep if ep > 1 and dp % ep == 0 else 1
+    return tuple(tuple(((d // g) * pp + s) * g + d % g for s in range(pp)) for d in range(dp))
 
 
 def groups_of(pipelines: Sequence[int], ep: int) -> list[tuple[int, ...]]:
@@ -81,28 +98,46 @@ def busiest_share(owners: Sequence[int], loads: Sequence[float], members: int) -
 
 
 def _schedule_of(plan, p: int) -> tuple:
-    """What decides pipeline ``p``'s exchanges: its layers by stage and its micro-batch count (the
-    blocks it recomputes are made alike within a group: :func:`unite_recomputation`)."""
-    return plan.layer_ranges[p], len(plan.micro_batches[p])
+    """What decides which pipelines exchange: their team and layers by stage (their micro-batch
+    counts are evened by ghosts; the blocks they recompute made alike: :func:`unite_recomputation`)."""
+    return plan.team(p), plan.layer_ranges[p]
 
 
-def expert_groups(plan) -> dict[int, tuple[int, ...]]:
-    """Each rank -> the ranks of its expert-parallel group under ``plan`` (itself alone where
-    ``plan.ep`` is 1, the plan reroutes or reshapes, or its pipeline runs no micro-batch)."""
+def pipeline_groups(plan) -> list[tuple[int, ...]]:
+    """The pipelines whose stages exchange together, each a tuple (one alone where ``plan.ep`` is 1,
+    the plan reroutes or reshapes, or it runs no micro-batch)."""
     alone = plan.ep <= 1 or bool(plan.routes) or plan.units_per_micro_batch > 1
-    out: dict[int, tuple[int, ...]] = {}
+    out: list[tuple[int, ...]] = []
     by_schedule: dict[tuple, list[int]] = {}
-    for p, pipe in enumerate(plan.pipelines):
+    for p in range(len(plan.pipelines)):
         if alone or not plan.micro_batches[p]:
-            out.update({r: (r,) for r in pipe})
+            out.append((p,))
         else:
             by_schedule.setdefault(_schedule_of(plan, p), []).append(p)
     for alike in by_schedule.values():
-        for group in groups_of(alike, plan.ep):
-            for s in range(len(plan.pipelines[group[0]])):
-                members = tuple(plan.pipelines[p][s] for p in group)
-                out.update({r: members for r in members})
+        out += groups_of(alike, plan.ep)
     return out
+
+
+def expert_groups(plan) -> dict[int, tuple[int, ...]]:
+    """Each rank -> the ranks of its expert-parallel group under ``plan`` (itself alone where its
+    pipeline exchanges with none: :func:`pipeline_groups`)."""
+    out: dict[int, tuple[int, ...]] = {}
+    for group in pipeline_groups(plan):
+        for s in range(len(plan.pipelines[group[0]])):
+            members = tuple(plan.pipelines[p][s] for p in group)
+            out.update({r: members for r in members})
+    return out
+
+
+def ghost_counts(plan) -> tuple[int, ...]:
+    """Each pipeline's ghost micro-batches: how many fewer it runs than the most its group's run."""
+    out = [0] * len(plan.pipelines)
+    for group in pipeline_groups(plan):
+        most = max(len(plan.micro_batches[p]) for p in group)
+        for p in group:
+            out[p] = most - len(plan.micro_batches[p])
+    return tuple(out)
 
 
 def place_holders(plan, prev_holders: Sequence[Sequence[int]] | None, loads: Sequence[float] = ()

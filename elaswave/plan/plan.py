@@ -17,7 +17,7 @@ from elaswave.plan.detours import covers
 from elaswave.plan.memory import MemoryModel, by_cost, limit_refusal, stages_memory
 from elaswave.plan.recompute import fit_recomputation
 from elaswave.plan.errors import PlanError  # noqa: F401 (where callers import it from)
-from elaswave.plan.experts import expert_groups, place_holders
+from elaswave.plan.experts import expert_groups, ghost_counts, place_holders, team_layout
 from elaswave.plan.partition import PartitionError, partition
 
 
@@ -83,6 +83,10 @@ class Plan:
     expert_loads: tuple[float, ...] = ()
     """Tokens the router sent each expert unit in the last epoch, summed over the reports of the
     change that made this plan: what it placed experts by (empty: not measured)."""
+    teams: tuple[int, ...] = ()
+    """teams[d] = the expert-parallel team of pipeline d: the ``ep`` pipelines laid out together
+    (their stages' groups inside a host), kept through losses, a new one for joiners' pipelines
+    (empty: pipeline index // ep). Only a team's pipelines exchange tokens (plan/experts.py)."""
     virtual_stages: int = 1
     """Model chunks a rank holds (parallel.virtual_stages, interleaved 1F1B): layer_ranges[d] then
     has ``len(pipelines[d]) * virtual_stages`` ranges, virtual stage ``k`` on rank
@@ -161,6 +165,23 @@ class Plan:
     def expert_group(self) -> dict[int, tuple[int, ...]]:
         """Each rank's expert-parallel group (plan/experts.expert_groups)."""
         return expert_groups(self)
+
+    def team(self, d: int) -> int:
+        """Pipeline ``d``'s expert-parallel team (:attr:`teams`)."""
+        return self.teams[d] if self.teams else d // max(1, self.ep)
+
+    @cached_property
+    def ghosts(self) -> tuple[tuple[int, ...], ...]:
+        """ghosts[d] = the ids of the ghost micro-batches pipeline d runs after its own: it has
+        fewer than its expert-parallel group's others, and joins their exchanges with no rows
+        (plan/experts.ghost_counts). Numbered after every real id, so they never name one."""
+        counts = ghost_counts(self)
+        base = 1 + max((mb for m in self.micro_batches for mb in m), default=-1)
+        return tuple(tuple(range(base, base + c)) for c in counts)
+
+    def schedule_of(self, d: int) -> tuple[int, ...]:
+        """The micro-batches pipeline ``d``'s schedule runs: its own, then its ghosts."""
+        return self.micro_batches[d] + self.ghosts[d]
 
     @cached_property
     def route_of(self) -> dict[int, tuple[int, ...]]:
@@ -274,7 +295,8 @@ def initial_plan(world_size: int, dp: int, pp: int, layer_costs: Sequence[float]
                  stage_memory_limit: float = 0.0, ties: Sequence[tuple[int, int]] = (),
                  memory: MemoryModel | None = None, units_per_micro_batch: int = 1, virtual_stages: int = 1,
                  bucket_starts: Sequence[int] = (), unit_layers: Sequence[int] = (), ep: int = 1) -> Plan:
-    """Rank ``d * pp + s`` is stage ``s`` of pipeline ``d``: a pipeline's stages are neighbours.
+    """Rank ``d * pp + s`` is stage ``s`` of pipeline ``d``: a pipeline's stages are neighbours
+    (with ``ep`` > 1 and experts, each team's stage-``s`` ranks are: plan/experts.team_layout).
     ``units_per_micro_batch`` > 1: re-plans reshape micro-batches in units (see Plan);
     ``virtual_stages`` > 1: ``pp x virtual_stages`` chunks, minimax on the layer costs (interleaved 1F1B);
     ``unit_layers``: the layer of each unit after the layers (see Plan), ``layer_numels`` then a unit's each;
@@ -291,7 +313,7 @@ def initial_plan(world_size: int, dp: int, pp: int, layer_costs: Sequence[float]
                                      stage_memory=stages_memory(memory, pp, dp, num_micro_batches)))
     except PartitionError as exc:
         raise PlanError(f"the initial layout does not fit: {exc}") from None
-    pipelines = tuple(tuple(d * pp + s for s in range(pp)) for d in range(dp))
+    pipelines = team_layout(dp, pp, ep if unit_layers else 1)
     plan = Plan(
         epoch=0,
         num_layers=len(layer_costs),

@@ -74,11 +74,12 @@ def replan(prev: Plan, live: Sequence[int], epoch: int, num_micro_batches: int,
             kept.append(d)
     if joined:
         place_joiners(prev, epoch, joined, pipelines, kept_ranges, kept)
+    teams = _teams(prev, kept)
     if num_micro_batches < len(pipelines):
         raise PlanError(f"epoch {epoch}: {num_micro_batches} micro-batches cannot feed {len(pipelines)} pipelines")
     if policy == "elaswave":
         return _elaswave(prev, epoch, pipelines, kept_ranges, kept, num_micro_batches, speeds or {}, power,
-                         power_cap_w, detours and not rebalance, rebalance, schedule)
+                         power_cap_w, detours and not rebalance, rebalance, schedule, teams)
     complete = [covers(rng, prev.num_layers) for rng in kept_ranges]
     if not any(complete):
         raise PlanError(f"epoch {epoch}: elastic.policy={policy} needs a pipeline that still holds every layer, "
@@ -93,16 +94,39 @@ def replan(prev: Plan, live: Sequence[int], epoch: int, num_micro_batches: int,
             raise PlanError(f"epoch {epoch}: elastic.policy={policy} drops the expert-parallel groups of ranks "
                             f"{sorted(set(prev.ranks) - alive)}, and none is left")
         return _build(prev, epoch, pipelines, kept_ranges,
-                      tuple(prev.micro_batches[d] if ok and d not in gone else () for d, ok in zip(kept, complete)))
+                      tuple(prev.micro_batches[d] if ok and d not in gone else () for d, ok in zip(kept, complete)),
+                      teams=teams)
     mbs = tuple(prev.micro_batches[d] for d in kept)
     return _build(prev, epoch, pipelines, kept_ranges, mbs,
-                  routes=detour_routes(prev, pipelines, kept_ranges, complete, mbs, epoch))
+                  routes=detour_routes(prev, pipelines, kept_ranges, complete, mbs, epoch), teams=teams)
+
+
+def _teams(prev: Plan, kept: Sequence[int | None]) -> tuple[int, ...]:
+    """Each pipeline's expert-parallel team: its own in ``prev`` (``kept``: its index there); a new
+    pipeline (None) fills a team that lost pipelines, the lowest first, then new teams of ``ep``
+    (empty without expert parallelism)."""
+    if prev.ep <= 1:
+        return ()
+    out = [prev.team(d) if d is not None else -1 for d in kept]
+    size: dict[int, int] = {}
+    for t in out:
+        if t >= 0:
+            size[t] = size.get(t, 0) + 1
+    short = [t for t in sorted({prev.team(d) for d in range(len(prev.pipelines))}) for _ in range(prev.ep - size.get(t, 0))]
+    fresh, new = 1 + max((prev.team(d) for d in range(len(prev.pipelines))), default=-1), 0
+    for i in (i for i, t in enumerate(out) if t < 0):
+        if short:
+            out[i] = short.pop(0)
+        else:
+            out[i], new = fresh + new // prev.ep, new + 1
+    return tuple(out)
 
 
 def _build(prev: Plan, epoch: int, pipelines, ranges, mbs, freqs=(), routes=(), units=None, solver="",
-           check: bool = True) -> Plan:
+           check: bool = True, teams: tuple[int, ...] = ()) -> Plan:
     """``units``: each micro-batch id's units (None: ``prev``'s, whose ids ``mbs`` then are);
-    ``check``: refuse an interleaved plan over the memory limit (else the caller decides)."""
+    ``check``: refuse an interleaved plan over the memory limit (else the caller decides);
+    ``teams``: each pipeline's expert-parallel team (:func:`_teams`)."""
     plan = Plan(epoch=epoch, num_layers=prev.num_layers, pipelines=tuple(pipelines), layer_ranges=tuple(ranges),
                 micro_batches=tuple(mbs), layer_costs=prev.layer_costs, frequencies=tuple(freqs), routes=tuple(routes),
                 layer_memory=prev.layer_memory, stage_memory_limit=prev.stage_memory_limit, memory=prev.memory,
@@ -111,7 +135,7 @@ def _build(prev: Plan, epoch: int, pipelines, ranges, mbs, freqs=(), routes=(), 
                 micro_batch_units=prev.micro_batch_units if units is None else tuple(units),
                 frequency_solver=solver if freqs else "", virtual_stages=prev.virtual_stages,
                 bucket_starts=prev.bucket_starts, unit_layers=prev.unit_layers, ep=prev.ep,
-                expert_loads=prev.expert_loads)
+                expert_loads=prev.expert_loads, teams=tuple(teams))
     if prev.expert_holders:
         plan = replace(plan, expert_holders=place_holders(plan, prev.expert_holders, prev.expert_loads))
     owners = reassign_owners(prev.chunk_owners, plan.gradient_buckets())
@@ -126,7 +150,7 @@ def _build(prev: Plan, epoch: int, pipelines, ranges, mbs, freqs=(), routes=(), 
 
 def _elaswave(prev: Plan, epoch: int, pipelines, kept_ranges, kept, num_micro_batches: int,
               speeds: Mapping[int, float], power: PowerModel | None, power_cap_w: float | None,
-              detours: bool, rebalance: bool = False, schedule: str = "1f1b") -> Plan:
+              detours: bool, rebalance: bool = False, schedule: str = "1f1b", teams: tuple[int, ...] = ()) -> Plan:
     """Re-partition every pipeline that no longer holds every layer, balance (and plan frequencies);
     or, when predicted faster, stand its survivors by, or leave them in place and send its
     micro-batches through the complete pipelines' same stage (detours), which win where many pipelines
@@ -178,7 +202,7 @@ def _elaswave(prev: Plan, epoch: int, pipelines, kept_ranges, kept, num_micro_ba
             # The clock planner times 1F1B: levels the schedule's own timing finds slower give way to nominal.
             if d[1] and nominal_ok and timed(n := dealt(False)) < timed(d) * (1 - 1e-3):
                 d = n
-            built = _build(prev, epoch, pipelines, ranges, d[0], d[1], units=d[2], solver=d[3], check=False)
+            built = _build(prev, epoch, pipelines, ranges, d[0], d[1], units=d[2], solver=d[3], check=False, teams=teams)
             if not built.recomputed or extra:
                 break
             extra.update(recompute_cost(built, schedule))
@@ -211,24 +235,25 @@ def _elaswave(prev: Plan, epoch: int, pipelines, kept_ranges, kept, num_micro_ba
             forward = {r: (range_cost(prev, i, j) + extra.get(r, 0.0)) / rate[r] for pipe, rng in zip(pipelines, kept_ranges)
                        for r, (i, j) in zip(pipe, rng)}  # recomputing as in the re-split plan: both priced alike
             if detoured_step_s(pipelines, kept_mbs, routes, forward) < step_s(at_levels, run_mbs, sizes, schedule) * (1 - 1e-3):
-                return _build(prev, epoch, pipelines, kept_ranges, kept_mbs, routes=routes)
+                return _build(prev, epoch, pipelines, kept_ranges, kept_mbs, routes=routes, teams=teams)
     plan = built
     # A partition by cost (interleaved, or recomputing to fit): a re-split pipeline over the limit stands
     # by, as one that no partition fits does (its survivors keep their layers; the others take its batch).
-    # With experts held by their owners a pipeline alone in its expert-parallel groups (a re-split one,
-    # or one dealt a count of micro-batches no other runs) holds every expert of its layers: over the
-    # limit it stands by too, holding none (plan/experts.py).
+    # With experts held by their owners a pipeline alone in its expert-parallel groups (a re-split one)
+    # holds every expert of its layers, and one in a smaller group than ``ep`` (its team lost pipelines)
+    # a larger share of them: over the limit it stands by too, holding none (plan/experts.py), the whole
+    # team if need be (the batch is kept by the other teams, whose groups are untouched).
     def over_now() -> list[int]:
         ranks = set(over_limit(plan))
         return [i for i, pipe in enumerate(pipelines) if i not in standby and set(pipe) & ranks and (
             ranges[i] is not kept_ranges[i] and not covers(kept_ranges[i], prev.num_layers)
-            or prev.expert_holders and all(plan.expert_group[r] == (r,) for r in pipe))]
+            or prev.expert_holders and len(plan.expert_group[pipe[0]]) < prev.ep)]
     while over := over_now():
         for i in over:
             ranges[i] = kept_ranges[i]
             standby.append(i)
             held = (f"as {prev.virtual_stages} interleaved chunks each" if prev.virtual_stages > 1 else
-                    "recomputing every block" if by_cost(1, prev.memory) else "holding every expert of their layers")
+                    "recomputing every block" if by_cost(1, prev.memory) else "of their layers' experts, their groups short of parallel.ep")
             why.append(f"ranks {list(pipelines[i])} hold too much {held}")
         _, plan = settled()
     if refusal := limit_refusal(plan):  # an intact pipeline over the limit: nothing stands it by

@@ -65,6 +65,8 @@ def attach(cfg, plan, rank: int, stage, accumulator, world, comm, built: dict) -
         exchanges.append(block.exchange)
         if any(counts):
             shares.append(busiest_share(owners, counts, group.size))
-    # The busiest member's share of the last epoch's tokens (the plan's loads) over an even share.
+    # The busiest member's share of the last epoch's tokens (the plan's loads) over an even share;
+    # the ghost micro-batches each pipeline runs to match its group (plan/experts.py).
     return {"exchanges": exchanges,
-            "record": {"expert_group": list(members), "expert_busiest_share": max(shares) if shares else None}}
+            "record": {"expert_group": list(members), "expert_busiest_share": max(shares) if shares else None,
+                       "ghost_micro_batches": [len(g) for g in plan.ghosts]}}

@@ -124,7 +124,7 @@ def train_step(st: RankState, cfg: JobConfig, step: int, pool: SnapshotPool | No
     exchange[M] = admit(st) if admit is not None else 0
     exchange[M + 1] = 1.0 if is_verified else 0.0
     exchange[M + 2] = 1.0 if store_lost is not None and store_lost() else 0.0
-    forwards = sum(1 for a in st.schedule if a.op is Op.FORWARD)
+    forwards = sum(1 for a in st.schedule if a.op is Op.FORWARD and a.micro_batch not in st.executor.ghosts)
     exchange[M + 3 + st.world.group_rank] = forwards / st.executor.busy_s if forwards and st.executor.busy_s > 0 else 0.0
     exchange = exchange.to(st.device)
     lap("compute")

@@ -235,16 +235,22 @@ class Restart(Policy):
     name = "restart"
 
     def rebuild(self, live: Sequence[int]) -> Plan:
-        """The restarted job's plan: whole pipelines of the first one's depth on the live devices,
+        """The restarted job's plan: whole pipelines of the first one's depth on the live devices (a
+        multiple of ``ep`` of them, as its configuration must have),
         planned as the first one was -- its memory limit and model (a partition that fits, the
         blocks to recompute), its ties and units. (Before session 44 it dropped the memory limit:
         a restarted 1F1B job's plan need not have fitted.)"""
         first = self.initial
         pp = len(first.pipelines[0])
-        dp = len(live) // pp
+        dp = len(live) // pp // first.ep * first.ep  # (a job's data-parallel ranks are whole expert-parallel groups)
         if dp < 1:
-            raise PlanError(f"{len(live)} devices cannot hold one {pp}-stage pipeline")
-        ranks = sorted(live)[:dp * pp]
+            raise PlanError(f"{len(live)} devices cannot hold {first.ep} {pp}-stage pipeline(s)")
+        # With expert parallelism, whole hosts first (a host that lost a GPU is left out where the rest
+        # suffice), in device order: each stage's expert-parallel group stays inside a host, as in the
+        # first layout. (Dense jobs keep the live devices in order, as the published figures priced.)
+        per, alive = self.model.devices_per_node, set(live)
+        broken = {r // per for r in range(self.devices) if r not in alive} if first.ep > 1 else set()
+        ranks = sorted(sorted(live, key=lambda r: (r // per in broken, r))[:dp * pp])
         chunk = first.memory.chunk_numel if first.memory is not None else 1
         numels = [len(row) * chunk for row in first.chunk_owners] if first.chunk_owners else ()
         base = initial_plan(dp * pp, dp, pp, first.layer_costs, self.m, numels, chunk,

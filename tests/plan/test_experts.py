@@ -6,7 +6,7 @@ from dataclasses import replace
 
 import pytest
 
-from elaswave.plan.experts import busiest_share, by_load, contiguous, groups_of, place, unite_recomputation
+from elaswave.plan.experts import busiest_share, by_load, contiguous, groups_of, place, team_layout, unite_recomputation
 from elaswave.plan.plan import PlanError, initial_plan
 from elaswave.plan.replan import replan
 
@@ -17,6 +17,14 @@ def test_groups_cut_the_pipelines_in_order_the_last_group_smaller():
     assert groups_of([5], 4) == [(5,)]
     with pytest.raises(ValueError, match="parallel.ep=0"):
         groups_of([0, 1], 0)
+
+
+def test_the_team_layout_puts_each_stages_group_side_by_side():
+    """With ep > 1 a team of ep pipelines takes ep x pp consecutive ranks, each stage's ep side by
+    side (one host's GPUs); otherwise a pipeline's stages are neighbours."""
+    assert team_layout(4, 2, 2) == ((0, 2), (1, 3), (4, 6), (5, 7))
+    assert team_layout(4, 2, 1) == ((0, 1), (2, 3), (4, 5), (6, 7))
+    assert team_layout(3, 2, 2) == ((0, 1), (2, 3), (4, 5))  # (ep must divide dp: the configuration says so)
 
 
 def test_contiguous_blocks_as_megatron_lays_them_out():
@@ -99,15 +107,31 @@ def test_a_loss_keeps_every_survivors_experts_and_places_the_lost_owners_by_load
 
 def test_a_pipeline_running_its_own_schedule_holds_every_expert_and_a_join_gives_them_back():
     plan = _plan(4, 4, 1, 8, 2)
-    after = replan(plan, [0, 1, 3], 1, 8)  # 3, 3 and 2 micro-batches: rank 3 alone
+    after = replan(plan, [0, 1, 3], 1, 8)  # rank 2 lost: rank 3 alone in its team (2, 3)
     assert after.expert_group[3] == (3,)
     assert all(3 in after.holders(u) for u in range(LAYERS, LAYERS + 8))
     joined = replan(after, [0, 1, 3, 4], 2, 8)
-    assert joined.expert_group[3] == (3, 4)
+    assert joined.expert_group[3] == (3, 4) and joined.teams == (0, 0, 1, 1)  # the joiner fills team 1
     for layer_units in (range(6, 10), range(10, 14)):
         mine = [u for u in layer_units if 3 in joined.holders(u)]
         theirs = [u for u in layer_units if 4 in joined.holders(u)]
         assert len(mine) == len(theirs) == 2 and not set(mine) & set(theirs)
+
+
+def test_a_loss_leaves_the_other_teams_groups_and_experts_where_they_were():
+    """dp = 8 x pp = 2 at ep = 2 loses rank 3 (team 0): every rank of teams 1-3 keeps its group and
+    its experts, and within each group the counts are evened by ghosts. 17 micro-batches: at first
+    pipeline 0 runs 3, its team mate 2 and a ghost (numbered after every real id)."""
+    plan = _plan(16, 8, 2, 17, 2)
+    assert [len(m) for m in plan.micro_batches] == [3] + [2] * 7 and plan.ghosts == ((), (17,)) + ((),) * 6
+    after = replan(plan, [r for r in range(16) if r != 3], 1, 17)
+    for r in range(4, 16):
+        assert after.expert_group[r] == plan.expert_group[r] and after.experts_held(r) == plan.experts_held(r)
+    for p, pipe in enumerate(after.pipelines):
+        if after.micro_batches[p]:
+            mates = {after.position(m)[0] for m in after.expert_group[pipe[0]]}
+            assert {len(after.schedule_of(q)) for q in mates} == {max(len(after.micro_batches[q]) for q in mates)}
+    assert sum(map(len, after.micro_batches)) == 17
 
 
 def test_the_reroute_baseline_and_reshaping_hold_every_expert_where_computed():
@@ -143,13 +167,14 @@ def test_a_new_groups_experts_are_placed_by_load_not_by_count():
     assert _keep_and_place([[3]] * 4, (3, 4), []) == [0, 0, 1, 1]  # a joiner takes its share
 
 
-def test_experts_concentrated_past_the_limit_by_a_loss_are_refused_in_words():
-    """Four pipelines of two stages at ep = 2 lose rank 3: 8 micro-batches go 3, 3 and 2, the pipeline
-    of 2 is alone in its groups and holds every expert of its layers; stood by, the two left share
-    each expert's state between two ranks instead of four. Over the limit: a refusal naming the way
-    out, where ep = 1 fits (the memory model's own peaks)."""
+def test_a_loss_leaves_the_other_teams_groups_whole_and_concentration_past_the_limit_is_refused_in_words():
+    """Four pipelines of two stages at ep = 2 (teams (0, 1) and (2, 3)) lose rank 3, pipeline 1's
+    second stage: pipeline 1 stands by, pipeline 0 is left alone in its team and holds every expert
+    of its layers; team 1 keeps its groups, its pipeline dealt 2 micro-batches running a ghost to
+    match the other's 3. That fits 9000 MiB. Under 8500 pipeline 0 stands by too, and each expert's
+    state is then shared by the one group left instead of two: over the limit, a refusal naming the
+    way out, where ep = 1 fits (the memory model's own peaks)."""
     from elaswave.plan.memory import MIB, MemoryModel, rank_bytes
-    from elaswave.plan.plan import PlanError
     layers, moe = 6, [1, 2, 3, 4]
     unit_layers = tuple(layer for layer in moe for _ in range(4))
     own, experts, m = [20 << 20] * layers, [25 << 20] * len(unit_layers), 1 << 20
@@ -158,16 +183,21 @@ def test_experts_concentrated_past_the_limit_by_a_loss_are_refused_in_words():
         whole[layer] += n
     memory = MemoryModel(layer_numels=tuple(whole), layer_activation_bytes=(50.0 * MIB,) * layers,
                          boundary_bytes=4.0 * MIB, param_bytes=2, sum_bytes=4, chunk_numel=m, expert_numels=tuple(experts))
-    for ep in (1, 2):
-        plan = initial_plan(8, 4, 2, [1.0] * layers, 8, own + experts, m, memory=memory, unit_layers=unit_layers, ep=ep,
-                            stage_memory_limit=9000.0)
-        if ep == 1:
-            after = replan(plan, [r for r in range(8) if r != 3], 1, 8)
-            assert max(rank_bytes(memory, after, r)["total"] for r in after.ranks) / MIB <= 9000.0
-            continue
-        with pytest.raises(PlanError, match=r"would hold \d+ MiB at its peak with the experts the plan gives it.*"
-                                            r"parallel.ep=1"):
-            replan(plan, [r for r in range(8) if r != 3], 1, 8)
+
+    def lose_rank_3(ep: int, limit: float):
+        plan = initial_plan(8, 4, 2, [1.0] * layers, 8, own + experts, m, memory=memory, unit_layers=unit_layers,
+                            ep=ep, stage_memory_limit=limit)
+        return replan(plan, [r for r in range(8) if r != 3], 1, 8)
+    after = lose_rank_3(2, 9000.0)
+    assert after.pipelines == ((0, 2), (1,), (4, 6), (5, 7)) and after.micro_batches[1] == ()
+    assert [len(m) for m in after.micro_batches] == [3, 0, 3, 2] and after.ghosts == ((), (), (), (8,))
+    assert [after.expert_group[r] for r in (0, 2, 4, 6)] == [(0,), (2,), (4, 5), (6, 7)]
+    assert after.experts_held(0) == frozenset(u for u in range(layers, layers + 16) if unit_layers[u - layers] < 3)
+    assert max(rank_bytes(memory, after, r)["total"] for r in after.ranks) / MIB <= 9000.0
+    assert max(rank_bytes(memory, lose_rank_3(1, 8500.0), r)["total"] for r in range(8) if r != 3) / MIB <= 8500.0
+    with pytest.raises(PlanError, match=r"would hold \d+ MiB at its peak with the experts the plan gives it.*"
+                                        r"parallel.ep=1"):
+        lose_rank_3(2, 8500.0)
 
 
 # -- groups: cut among the pipelines that run one schedule, so every member issues the same exchanges --
@@ -180,13 +210,12 @@ def test_groups_are_cut_among_pipelines_with_one_schedule():
     assert [_group(plan, r, 2) for r in range(4)] == [(0, 1), (0, 1), (2, 3), (2, 3)]
     assert [_group(plan, r, 4) for r in range(4)] == [(0, 1, 2, 3)] * 4
     assert _group(plan, 2, 1) == (2,)
-    # 8 micro-batches over 3 survivors: 3, 3 and 2 -- the two pipelines of 3 form a group.
-    after = replan(plan, [0, 1, 3], 1, 8)
-    counts = {after.pipelines[p][0]: len(after.micro_batches[p]) for p in range(3)}
-    alike = sorted(r for r in counts if list(counts.values()).count(counts[r]) == 2)
-    odd = next(r for r in counts if r not in alike)
-    assert sorted(counts.values()) == [2, 3, 3]
-    assert [_group(after, r, 4) for r in alike] == [tuple(alike)] * 2 and _group(after, odd, 4) == (odd,)
+    # 8 micro-batches over 3 survivors: 3, 3 and 2 -- one group, the pipeline of 2 running a ghost.
+    after = replace(replan(plan, [0, 1, 3], 1, 8), ep=4)
+    assert sorted(map(len, after.micro_batches)) == [2, 3, 3]
+    assert [after.expert_group[r] for r in (0, 1, 3)] == [(0, 1, 3)] * 3
+    assert [len(m) + len(g) for m, g in zip(after.micro_batches, after.ghosts)] == [3, 3, 3]
+    assert sorted(after.schedule_of(p) for p in range(3))[-1][-1] == 8  # a ghost, after every real id
 
 
 def test_a_stage_groups_with_the_same_stage_of_pipelines_split_alike():

@@ -31,14 +31,16 @@ SLOW = pytest.mark.slow  # the default run keeps the kills, the join and the gro
     # Killed as it starts step 2's first dispatch, rank 0 waiting in the same exchange: the job
     # resumes at step 1, whose update step 2 had not yet committed, rank 0 alone with every expert.
     (2, 1, 2, ["elastic.inject=kill:rank=1,step=2,phase=dispatch"], [[0, 1]] + [[0]] * 4),
-    # 4 pipelines x 2 stages, groups of 2 on each stage; rank 3 killed as it starts a combine, its
-    # experts computed for both members' rows but not sent back.
-    (4, 2, 2, ["elastic.inject=kill:rank=3,step=2,phase=combine"], [[0, 2]] + [None] * 4),
+    # 4 pipelines x 2 stages in teams of 2, (0, 2) with (1, 3) and (4, 6) with (5, 7): groups of 2
+    # on each stage; rank 3 killed as it starts a combine, its experts computed for both members'
+    # rows but not sent back.
+    (4, 2, 2, ["elastic.inject=kill:rank=3,step=2,phase=combine"], [[0, 1]] + [None] * 4),
     # 2 pipelines x 2 stages, each stage's ranks a group; killed in the backward. The survivors'
     # stages then hold other layers: each computes its experts alone.
-    (2, 2, 2, ["elastic.inject=kill:rank=3,step=2,phase=backward"], [[0, 2]] + [[0]] * 4),
+    (2, 2, 2, ["elastic.inject=kill:rank=3,step=2,phase=backward"], [[0, 1]] + [[0]] * 4),
     # ZB-H1: killed in a W; before it, every expert's gradient folded per member's rows in B.
-    (2, 2, 2, ["parallel.schedule=zb-h1", "elastic.inject=kill:rank=2,step=3,phase=weight"], [[0, 2]] * 2 + [[0]] * 3),
+    # (Rank 2 is stage 1 of pipeline 0 in the team layout: the job resumes at step 3.)
+    (2, 2, 2, ["parallel.schedule=zb-h1", "elastic.inject=kill:rank=2,step=3,phase=weight"], [[0, 1]] * 3 + [[0]] * 2),
     # A spare joins after the loss: the group is whole again, its experts given back.
     (2, 1, 2, ["elastic.inject=kill:rank=1,step=1", "elastic.spares=1"], [[0]] + [[0, 2]] * 4),
     # Every block recomputed (each forward's exchange again in the backward), in bfloat16. (The
@@ -47,7 +49,7 @@ SLOW = pytest.mark.slow  # the default run keeps the kills, the join and the gro
                  marks=SLOW),
     # Interleaved 1F1B (V = 2; no load-balancing loss there): the same schedule on both pipelines.
     pytest.param(2, 2, 2, ["parallel.schedule=interleaved", "parallel.virtual_stages=2", "model.moe_aux_loss_coef=0",
-                           "elastic.inject=kill:rank=1,step=3,phase=backward"], [[0, 2]] * 2 + [[0]] * 3, marks=SLOW),
+                           "elastic.inject=kill:rank=1,step=3,phase=backward"], [[0, 1]] * 2 + [[0]] * 3, marks=SLOW),
 ], ids=["2", "2-kill-dispatch", "4x2-kill-combine", "2x2-kill-backward", "2x2-zb-h1-kill-weight", "2-join", "2-recompute-bf16",
         "2x2-interleaved-kill"])
 def test_experts_over_ranks_train_bit_identical_to_the_reference(tmp_path, reference, dp, pp, ep, extra, groups):
@@ -76,19 +78,38 @@ def test_experts_over_ranks_train_bit_identical_to_the_reference(tmp_path, refer
         assert all(0.9 < m / priced < 1.1 for m in measured), (measured, priced)
 
 
-def test_a_group_of_four_loses_one_and_goes_on_as_three_placed_by_load(tmp_path):
-    """12 micro-batches: 3 a pipeline, then 4 on each survivor -- one group of three, whose experts
-    are placed by the tokens the router sent each (plan/experts.py)."""
-    sets = [*EXPERTS, "parallel.pp=1", "train.num_micro_batches=12"]
-    ref = run_reference(tmp_path, STEPS, True, 12, extra=sets)
+def test_a_group_of_four_runs_ghosts_loses_one_and_goes_on_as_three_placed_by_load(tmp_path):
+    """10 micro-batches: 3, 3, 2 and 2 a pipeline, the two of 2 running a ghost each (no rows of
+    their own, every exchange of the group); then 4, 3 and 3 on the survivors -- still one group,
+    of three, whose experts are placed by the tokens the router sent each (plan/experts.py)."""
+    sets = [*EXPERTS, "parallel.pp=1", "train.num_micro_batches=10"]
+    ref = run_reference(tmp_path, STEPS, True, 10, extra=sets)
     res = run_job(tmp_path, 4, 1, STEPS, True, extra=[*sets, "parallel.ep=4",
                                                       "elastic.inject=kill:rank=2,step=2,phase=backward"])
     assert_same_run(res, ref, STEPS)
     assert _expert_steps(res) == [([0, 1, 2, 3], True)] + [([0, 1, 3], True)] * 4
+    ghosts = [r["ghost_micro_batches"] for r in res.steps]  # (who gets 4 goes by the measured speeds)
+    assert ghosts[0] == [0, 0, 1, 1] and all(sorted(g) == [0, 1, 1] for g in ghosts[1:]), ghosts
     # The first epoch's placement is in blocks (no counts yet); the next one keeps the survivors'
     # experts and places rank 2's by the counts the survivors' reports carried.
     shares = [r["expert_busiest_share"] for r in res.steps]
     assert shares[0] is None and 1.0 <= shares[-1] < 2.0
+
+
+def test_ghosts_run_down_a_pipeline_without_messages_in_training_and_evaluation(tmp_path):
+    """dp = 4 x pp = 2 at ep = 4, 10 micro-batches: 3, 3, 2 and 2 a pipeline, so two pipelines run a
+    ghost down both stages (nothing sent between them) under ZB-H1's split backward, and in every
+    evaluation's forwards. Rank 7, stage 1 of a pipeline with a ghost, is killed in a dispatch."""
+    from tests.runtime.test_evaluation import _prepared
+    sets = [*EXPERTS, "parallel.pp=1", "train.num_micro_batches=10", "train.eval_every=2", "train.eval_batches=1",
+            f"data.path={_prepared(tmp_path)}"]
+    ref = run_reference(tmp_path, STEPS, True, 10, extra=sets)
+    res = run_job(tmp_path, 4, 2, STEPS, True, extra=[*sets, "parallel.pp=2", "parallel.ep=4", "parallel.schedule=zb-h1",
+                                                      "elastic.inject=kill:rank=7,step=2,phase=dispatch"])
+    assert_same_run(res, ref, STEPS)
+    assert [r["event"] for r in res.records].count("eval") == [r["event"] for r in ref.records].count("eval") > 0
+    assert res.steps[0]["ghost_micro_batches"] == [0, 0, 1, 1] and res.steps[0]["expert_group"] == [0, 1, 2, 3]
+    assert [r["lost_ranks"] for r in res.records if r["event"] == "recovery"] == [[7]]
 
 
 @pytest.mark.parametrize("sets,message", [

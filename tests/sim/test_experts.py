@@ -7,6 +7,7 @@ from dataclasses import replace
 import pytest
 
 from elaswave import cli
+from elaswave.sim import policies
 from elaswave.plan.plan import initial_plan
 from elaswave.sim.model import step_time
 from elaswave.sim.moves import held_units
@@ -35,16 +36,17 @@ def test_each_unit_has_its_parameters_and_each_moe_layer_its_exchange():
     assert not cluster(MOE, 1).layer_exchange_bytes  # ep = 1: every expert where its tokens are
 
 
-@pytest.mark.parametrize("per_node", [8, 2])
+@pytest.mark.parametrize("per_node", [8, 2, 1])
 def test_a_stage_pays_its_exchanges_over_the_groups_slowest_link(per_node):
-    """dp = 2 x pp = 2 at ep = 2: stage 0's group is ranks 0 and 2, one node of 8 or two of 2."""
+    """dp = 2 x pp = 2 at ep = 2: the team layout makes stage 0's group ranks 0 and 1 (pipelines
+    (0, 2) and (1, 3)), inside one node of 8 or of 2, across two of 1."""
     model = replace(cluster(MOE, 1, ep=2), devices_per_node=per_node)
     plan = _plan(model, 2, 2, 2)
-    assert plan.expert_group[0] == (0, 2)
+    assert plan.pipelines == ((0, 2), (1, 3)) and plan.expert_group[0] == (0, 1)
     alone = replace(plan, ep=1)
     i, j = plan.layer_ranges[0][0]
     layers = sum(1 for b in model.layer_exchange_bytes[i:j] if b)
-    bw, lat = ((model.intra_node_bytes_per_s, model.intra_node_latency_s) if per_node == 8
+    bw, lat = ((model.intra_node_bytes_per_s, model.intra_node_latency_s) if per_node > 1
                else (model.inter_node_bytes_per_s, model.inter_node_latency_s))
     exchanged = sum(model.layer_exchange_bytes[i:j]) / 2 / bw + 4 * layers * lat  # half the rows leave
     assert model.chunk_s(plan, 0, 0) - model.chunk_s(alone, 0, 0) == pytest.approx(exchanged)
@@ -59,6 +61,18 @@ def test_a_rank_holds_its_layers_and_only_the_experts_it_owns():
     assert set(range(MOE.num_layers)) <= mine & theirs
     experts = set(range(units.num_layers, units.count))
     assert (mine | theirs) >= experts and not (mine & theirs & experts)
+
+
+def test_a_restart_runs_whole_expert_parallel_groups_on_whole_hosts():
+    """64 GPUs, dp = 4 x pp = 16 at ep = 2, a GPU of host 0 lost: the restarted job runs 2 pipelines
+    (its data-parallel ranks a multiple of ep), on whole hosts only, so that each stage's group is two
+    GPUs of one host as in the first layout."""
+    model = replace(cluster(MOE, 1, ep=2), devices_per_node=8)
+    plan = _plan(model, 4, 16, 2)
+    restart = policies.make("restart", plan, 8, model, policies.BaselineCosts())
+    after = restart.rebuild([r for r in range(64) if r != 5])
+    assert len(after.pipelines) == 2 and all(r >= 8 for r in after.ranks)
+    assert all(len({m // 8 for m in after.expert_group[r]}) == 1 and len(after.expert_group[r]) == 2 for r in after.ranks)
 
 
 def _simulate(capsys, *argv):
