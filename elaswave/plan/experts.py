@@ -140,8 +140,8 @@ def ghost_counts(plan) -> tuple[int, ...]:
     return tuple(out)
 
 
-def place_holders(plan, prev_holders: Sequence[Sequence[int]] | None, loads: Sequence[float] = ()
-                  ) -> tuple[tuple[int, ...], ...]:
+def place_holders(plan, prev_holders: Sequence[Sequence[int]] | None, loads: Sequence[float] = (),
+                  static: bool = False) -> tuple[tuple[int, ...], ...]:
     """Each expert unit's holders under ``plan`` (``plan.unit_layers``: their layers): its owner in
     every group of the ranks that hold its layer and run micro-batches (a pipeline standing by
     computes nothing: it holds no expert, unless no other rank holds the layer). An expert stays
@@ -149,7 +149,8 @@ def place_holders(plan, prev_holders: Sequence[Sequence[int]] | None, loads: Seq
     lowest such rank; the others are placed by ``loads`` (tokens routed to each expert unit; empty
     or all zero: contiguous blocks in a first plan, else the fewest experts) among the members, a
     block's at a time, and then moved while that lowers the busiest member's load (a joiner
-    takes its share)."""
+    takes its share). ``static`` (the static-expert-map baseline, ``Plan.expert_map``): the others
+    all go to the group's first member, its backup, and nothing moves by load."""
     groups = expert_groups(plan)
     by_layer: dict[int, list[int]] = {}
     for k, layer in enumerate(plan.unit_layers):
@@ -168,7 +169,8 @@ def place_holders(plan, prev_holders: Sequence[Sequence[int]] | None, loads: Seq
             if prev_holders is None:
                 owners = place(len(ks), len(group), weights if any(weights) else None)
             else:
-                owners = _keep_and_place([[m for m in group if m in prev_holders[k]] for k in ks], group, weights)
+                owners = _keep_and_place([[m for m in group if m in prev_holders[k]] for k in ks], group, weights,
+                                         static)
             for k, m in zip(ks, owners):
                 holders[k].add(group[m])
     for k, layer in enumerate(plan.unit_layers):
@@ -177,7 +179,8 @@ def place_holders(plan, prev_holders: Sequence[Sequence[int]] | None, loads: Seq
     return tuple(tuple(sorted(h)) for h in holders)
 
 
-def _keep_and_place(held: Sequence[Sequence[int]], group: Sequence[int], weights: Sequence[float]) -> list[int]:
+def _keep_and_place(held: Sequence[Sequence[int]], group: Sequence[int], weights: Sequence[float],
+                    static: bool = False) -> list[int]:
     """Expert -> owner index in ``group``: the lowest member already holding it (``held``), else
     the member least loaded so far, heaviest orphan first (by ``weights``; without any: one each,
     so by count); then, while moving one of the busiest member's experts to the least loaded
@@ -185,6 +188,8 @@ def _keep_and_place(held: Sequence[Sequence[int]], group: Sequence[int], weights
     then the last expert): a joiner gets its share, a load-balanced placement stays."""
     n, w = len(group), [float(x) for x in weights] if any(weights) else [1.0] * len(held)
     owners = [group.index(min(h)) if h else -1 for h in held]
+    if static:  # (the baseline: a fixed backup, the first member, takes every orphan)
+        return [0 if m < 0 else m for m in owners]
     load, count = [0.0] * n, [0] * n
     for e, m in enumerate(owners):
         if m >= 0:
@@ -208,6 +213,21 @@ def _keep_and_place(held: Sequence[Sequence[int]], group: Sequence[int], weights
         load[src], load[dst] = load[src] - w[e], load[dst] + w[e]
         count[src], count[dst] = count[src] - 1, count[dst] + 1
     return owners
+
+
+def owner_imbalance(plan) -> dict[tuple[tuple[int, ...], int], float]:
+    """(group, layer) -> its busiest member's experts of the layer over an even share: what that
+    member computes over a balanced placement's, a balanced router sending each expert as many
+    tokens (every member waits for it in the combine). Plans with ``expert_holders`` only."""
+    counts: dict[tuple[tuple[int, ...], int], dict[int, int]] = {}
+    per_layer: dict[int, int] = {}
+    groups = plan.expert_group
+    for k, layer in enumerate(plan.unit_layers):
+        per_layer[layer] = per_layer.get(layer, 0) + 1
+        for h in plan.expert_holders[k] if plan.expert_holders else ():
+            held = counts.setdefault((groups[h], layer), {})
+            held[h] = held.get(h, 0) + 1
+    return {key: max(held.values()) * len(key[0]) / per_layer[key[1]] for key, held in counts.items()}
 
 
 def unite_recomputation(plan):

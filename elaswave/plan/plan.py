@@ -17,7 +17,7 @@ from elaswave.plan.detours import covers
 from elaswave.plan.memory import MemoryModel, by_cost, limit_refusal, stages_memory
 from elaswave.plan.recompute import fit_recomputation
 from elaswave.plan.errors import PlanError  # noqa: F401 (where callers import it from)
-from elaswave.plan.experts import expert_groups, ghost_counts, place_holders, team_layout
+from elaswave.plan.experts import expert_groups, ghost_counts, owner_imbalance, place_holders, team_layout
 from elaswave.plan.partition import PartitionError, partition
 
 
@@ -83,10 +83,14 @@ class Plan:
     expert_loads: tuple[float, ...] = ()
     """Tokens the router sent each expert unit in the last epoch, summed over the reports of the
     change that made this plan: what it placed experts by (empty: not measured)."""
+    expert_map: str = "load"
+    """How a re-plan places a lost owner's experts: ``load`` (elaswave: by the router's counts, then
+    evened out) or ``static`` (the simulator's static-expert-map baseline: all to one backup member)."""
     teams: tuple[int, ...] = ()
     """teams[d] = the expert-parallel team of pipeline d: the ``ep`` pipelines laid out together
-    (their stages' groups inside a host), kept through losses, a new one for joiners' pipelines
-    (empty: pipeline index // ep). Only a team's pipelines exchange tokens (plan/experts.py)."""
+    (their stages' groups inside a host), kept through losses; a joiners' pipeline fills a team
+    that lost one, else starts a new one (empty: pipeline index // ep). Only a team's pipelines
+    exchange tokens (plan/experts.py)."""
     virtual_stages: int = 1
     """Model chunks a rank holds (parallel.virtual_stages, interleaved 1F1B): layer_ranges[d] then
     has ``len(pipelines[d]) * virtual_stages`` ranges, virtual stage ``k`` on rank
@@ -165,6 +169,12 @@ class Plan:
     def expert_group(self) -> dict[int, tuple[int, ...]]:
         """Each rank's expert-parallel group (plan/experts.expert_groups)."""
         return expert_groups(self)
+
+    @cached_property
+    def expert_imbalance(self) -> dict[tuple[tuple[int, ...], int], float]:
+        """(group, layer) -> the busiest member's share of the layer's experts over an even share
+        (plan/experts.owner_imbalance)."""
+        return owner_imbalance(self)
 
     def team(self, d: int) -> int:
         """Pipeline ``d``'s expert-parallel team (:attr:`teams`)."""

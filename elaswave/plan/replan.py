@@ -135,9 +135,10 @@ def _build(prev: Plan, epoch: int, pipelines, ranges, mbs, freqs=(), routes=(), 
                 micro_batch_units=prev.micro_batch_units if units is None else tuple(units),
                 frequency_solver=solver if freqs else "", virtual_stages=prev.virtual_stages,
                 bucket_starts=prev.bucket_starts, unit_layers=prev.unit_layers, ep=prev.ep,
-                expert_loads=prev.expert_loads, teams=tuple(teams))
+                expert_loads=prev.expert_loads, teams=tuple(teams), expert_map=prev.expert_map)
     if prev.expert_holders:
-        plan = replace(plan, expert_holders=place_holders(plan, prev.expert_holders, prev.expert_loads))
+        plan = replace(plan, expert_holders=place_holders(plan, prev.expert_holders, prev.expert_loads,
+                                                          static=prev.expert_map == "static"))
     owners = reassign_owners(prev.chunk_owners, plan.gradient_buckets())
     joined = set(plan.ranks) - set(prev.ranks)
     if joined:

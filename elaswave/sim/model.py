@@ -41,6 +41,7 @@ from typing import Callable, Sequence
 
 from elaswave.pipeline import routed
 from elaswave.pipeline.schedule import GENERATORS, gradients_whole, makespan, schedule_makespan, stage_schedule
+from elaswave.sim.experts import busiest_owner_s
 from elaswave.plan.buckets import gradient_chunks
 from elaswave.plan.frequency import PowerModel
 from elaswave.plan.plan import Plan
@@ -83,6 +84,9 @@ class ClusterModel:
     recomputed block's forward; 0 for a dense layer). A rank of a group of ``n`` sends ``(n - 1) /
     n`` of it over the group's slowest link, nothing overlapped (the runtime waits for each
     exchange). Empty: none. (Blocks the plan chooses to recompute are not counted again.)"""
+    layer_expert_share: tuple[float, ...] = ()
+    """Expert parallelism: the share of each layer's compute its experts take (0: dense), which a
+    group's busiest owner stretches (sim/experts.busiest_owner_s). Empty: none."""
     layer_recompute_tp_s: tuple[float, ...] = ()
     """The TP collectives a recomputed block runs again (its forward's ``layer_tp_s``; not scaled
     by the clock). Empty: none."""
@@ -178,6 +182,8 @@ class ClusterModel:
         if self.layer_exchange_bytes and any(self.layer_exchange_bytes[i:j]):
             compute += self.exchange_s(plan, rank, sum(self.layer_exchange_bytes[i:j]),
                                        4 * sum(1 for b in self.layer_exchange_bytes[i:j] if b))
+        if self.layer_expert_share and plan.expert_holders:
+            compute += busiest_owner_s(self, plan, rank, i, j)
         nxt = [pipe[(s + 1) % len(pipe)]] if k + 1 < len(plan.layer_ranges[d]) else []
         peers = nxt + ([pipe[s - 1]] if k else [])
         comm = sum(self.transfer_s(self.activation_bytes, rank, peer) for peer in peers

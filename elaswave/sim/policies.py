@@ -61,6 +61,9 @@ from elaswave.sim.moves import held_units, migration_s
 from elaswave.sim.trace import Event
 
 POLICIES = ("elaswave", "elaswave_no_dvfs", "reroute", "drop_replica", "restart", "templates")
+CHOICES = POLICIES + ("static_experts",)
+"""What ``--policies`` may name: the default set and the static-expert-map baseline (a mixture of
+experts' comparison: elaswave with its experts' re-placement off)."""
 
 
 @dataclass(frozen=True)
@@ -231,6 +234,17 @@ class ElaswaveNoDvfs(Elaswave):
         return None
 
 
+class StaticExperts(Elaswave):
+    """elaswave's recovery with a static expert map, the baseline to its re-placement by load: a
+    lost owner's experts all go to one backup member of its group (its first), none move after.
+    (Megatron and DeepSpeed fix each expert's rank; this is that map with a backup, not elaswave.)"""
+    name = "static_experts"
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.start = replace(self.start, expert_map="static")
+
+
 class Restart(Policy):
     name = "restart"
 
@@ -339,7 +353,7 @@ def _whole_layers_s(plan: Plan, ranks, model: ClusterModel) -> float:
 
 
 def make_class(name: str) -> type[Policy]:
-    return {c.name: c for c in (Elaswave, ElaswaveNoDvfs, Restart, DropReplica, Reroute, Templates)}[name]
+    return {c.name: c for c in (Elaswave, ElaswaveNoDvfs, StaticExperts, Restart, DropReplica, Reroute, Templates)}[name]
 
 
 def make(name: str, initial: Plan, num_micro_batches: int, model: ClusterModel, costs: BaselineCosts,

@@ -68,7 +68,8 @@ def add_arguments(ap) -> None:
                          "with it and back together (default 0)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--policies", default=",".join(policies.POLICIES),
-                    help=f"comma-separated, from {', '.join(policies.POLICIES)}")
+                    help=f"comma-separated, from {', '.join(policies.CHOICES)} (static_experts: with --ep, "
+                         "elaswave with a static expert map)")
     ap.add_argument("--no-overlap", action="store_true",
                     help="the gradient sums start when a GPU's schedule ends (parallel.overlap_grad_reduce=false), "
                          "not as each model chunk's gradients are whole, and the parameter all-gathers end before "
@@ -168,9 +169,9 @@ def run(args) -> int:
     if args.bucket_numel < 0:
         raise ConfigError(f"--bucket-numel={args.bucket_numel} is invalid: must be >= 0 (0: a bucket a model chunk)")
     names = [p.strip() for p in args.policies.split(",") if p.strip()]
-    bad = [p for p in names if p not in policies.POLICIES]
+    bad = [p for p in names if p not in policies.CHOICES]
     if bad or not names:
-        raise ConfigError(f"--policies={args.policies} is invalid: choose from {', '.join(policies.POLICIES)}")
+        raise ConfigError(f"--policies={args.policies} is invalid: choose from {', '.join(policies.CHOICES)}")
     if args.no_dvfs and args.clocks:
         raise ConfigError(f"--clocks={args.clocks} is invalid with --no-dvfs: without frequency planning every "
                           "device stays at nominal; drop one of them")

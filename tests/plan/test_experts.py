@@ -165,6 +165,22 @@ def test_a_new_groups_experts_are_placed_by_load_not_by_count():
     from elaswave.plan.experts import _keep_and_place
     assert _keep_and_place([[], [], [], []], (0, 2), [10, 1, 1, 1]) == [0, 1, 1, 1]  # loads 10 and 3
     assert _keep_and_place([[3]] * 4, (3, 4), []) == [0, 0, 1, 1]  # a joiner takes its share
+    # The static-expert-map baseline: orphans to the first member, nothing moves.
+    assert _keep_and_place([[5], [], [6], []], (5, 6, 7), [], static=True) == [0, 0, 1, 0]
+    assert _keep_and_place([[5], [], [6], []], (5, 6, 7), []) == [0, 2, 1, 0]  # (by load: one each first)
+
+
+def test_the_busiest_owner_is_measured_against_an_even_share():
+    """dp = 4 at ep = 4, 8 experts a block: 2 a member (even: 1.0). Rank 2 lost: by load its two
+    experts go to two members (3, 3, 2 of 8 among 3: 3 x 3 / 8); with a static map both go to rank 0
+    (4 x 3 / 8)."""
+    plan = initial_plan(4, 4, 1, [1.0] * LAYERS, 8, NUMELS[:LAYERS] + [NUMELS[LAYERS]] * 16, 16,
+                        unit_layers=(2,) * 8 + (3,) * 8, ep=4)
+    assert set(plan.expert_imbalance.values()) == {1.0}
+    for expert_map, busiest in (("load", 9 / 8), ("static", 12 / 8)):
+        after = replan(replace(plan, expert_map=expert_map), [0, 1, 3], 1, 8)
+        assert after.expert_map == expert_map and after.expert_group[0] == (0, 1, 3)
+        assert after.expert_imbalance == {((0, 1, 3), 2): busiest, ((0, 1, 3), 3): busiest}
 
 
 def test_a_loss_leaves_the_other_teams_groups_whole_and_concentration_past_the_limit_is_refused_in_words():
