@@ -322,9 +322,12 @@ class Executor:
         emulated time, which then runs after the waits, as if they had all come first;
         ``backward_share``: the share of a whole backward's modelled time this computation takes
         (None: a forward); ``chunk``: the model chunk it ran; ``ghost``: a ghost's, which models no
-        compute (its rows are none)."""
+        compute and is not the rank's speed (its rows are none; its experts' work on its group mates'
+        rows is, as a real micro-batch's is not either)."""
+        if ghost:
+            return
         began += self.stage.waited_s - waited
-        if self.emulated is not None and not ghost:
+        if self.emulated is not None:
             if backward_share is None:
                 self.emulated.forward(began, chunk)
             else:

@@ -35,14 +35,16 @@ def exchange_s(tokens: int, top_k: int, d_model: int, value_bytes: int, members:
 def busiest_owner_s(model, plan, rank: int, i: int, j: int) -> float:
     """What ``rank`` waits in layers ``i..j`` for its group's busiest owner over a balanced
     placement's time (``ClusterModel``, ``Plan``): each MoE layer's expert compute -- its share of
-    the layer's forward, backward and recomputation -- times that member's share of the layer's
-    experts over an even one (``Plan.expert_imbalance``; a balanced router gives each expert as many
-    tokens), less one; at the rank's clock."""
+    the layer's forward, its backward, and its forward again where the block is recomputed whole
+    (configured, or chosen by the plan; selective's attention core runs no expert) -- times that
+    member's share of the layer's experts over an even one (``Plan.expert_imbalance``; a balanced
+    router gives each expert as many tokens), less one; at the rank's clock."""
     group, extra = plan.expert_group[rank], 0.0
+    chosen = plan.recomputed_of(rank)
     for layer in range(i, j):
         share = model.layer_expert_share[layer]
         busiest = plan.expert_imbalance.get((group, layer), 1.0) if share else 1.0
         if busiest > 1.0:
-            again = model.layer_recompute_s[layer] if model.layer_recompute_s else 0.0
-            extra += share * (busiest - 1.0) * (model.layer_forward_s[layer] * (1 + model.backward_factor) + again)
+            runs = 1 + model.backward_factor + model.layer_expert_again[layer] + model.recompute_runs * (layer in chosen)
+            extra += share * (busiest - 1.0) * model.layer_forward_s[layer] * runs
     return extra / model.power.speed(plan.frequency(rank))

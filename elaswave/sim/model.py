@@ -85,8 +85,10 @@ class ClusterModel:
     n`` of it over the group's slowest link, nothing overlapped (the runtime waits for each
     exchange). Empty: none. (Blocks the plan chooses to recompute are not counted again.)"""
     layer_expert_share: tuple[float, ...] = ()
-    """Expert parallelism: the share of each layer's compute its experts take (0: dense), which a
-    group's busiest owner stretches (sim/experts.busiest_owner_s). Empty: none."""
+    """Expert parallelism: the share of each layer's forward its experts take (0: dense), which a
+    group's busiest owner stretches (sim/experts.busiest_owner_s), and the times the configured
+    checkpointing runs them again in the backward (a whole recomputed block's). Empty: none."""
+    layer_expert_again: tuple[float, ...] = ()
     layer_recompute_tp_s: tuple[float, ...] = ()
     """The TP collectives a recomputed block runs again (its forward's ``layer_tp_s``; not scaled
     by the clock). Empty: none."""

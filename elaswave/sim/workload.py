@@ -105,7 +105,8 @@ def cluster(m: ModelConfig, micro_batch_size: int = 1, hw: Hardware = Hardware()
             2.0 * rows * (2 + model.recompute_runs * again[i]) if i in moe else 0.0 for i in range(len(costs))),
             # (each expert a token's share: a balanced router's, the layer's top-k expert MLPs over its flops)
             layer_expert_share=tuple(m.experts_per_token * 3 * m.d_model * m.expert_ffn_width / costs[i].flops_per_token
-                                     if i in moe else 0.0 for i in range(len(costs))))
+                                     if i in moe else 0.0 for i in range(len(costs))),
+            layer_expert_again=tuple(float(model.recompute_runs * again[i]) for i in range(len(costs))))
     if tp > 1:
         # An all-reduce is a ring reduce-scatter and a ring all-gather.
         ring = 2 * ring_s(tp, activation, model.intra_node_latency_s, model.intra_node_bytes_per_s)

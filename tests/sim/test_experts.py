@@ -79,8 +79,10 @@ def test_a_stage_waits_for_its_groups_busiest_owner_and_a_static_map_makes_one()
     """dp = ep = 4, one stage: 8 experts a block, 2 a member. Rank 2 lost: by load its experts go
     to two members (3, 3, 2: the busiest 9/8 of an even share); the static-expert-map baseline gives
     both to one backup (4, 2, 2: 12/8). The stage takes each MoE layer's expert share of its compute
-    that much longer; the static baseline is the same policy with that one difference."""
+    that much longer (every block recomputed: its experts run again; under selective they do not);
+    the static baseline is the same policy with that one difference."""
     model = cluster(MOE, 1, ep=4, checkpointing="full")
+    assert cluster(MOE, 1, ep=4, checkpointing="selective").layer_expert_again == (0.0,) * len(model.layer_forward_s)
     plan = _plan(model, 4, 1, 4)
     assert set(plan.expert_imbalance.values()) == {1.0}  # (an even placement adds nothing)
     rebuilt = {}
@@ -90,8 +92,10 @@ def test_a_stage_waits_for_its_groups_busiest_owner_and_a_static_map_makes_one()
     load, static = rebuilt["elaswave"], rebuilt["static_experts"]
     assert static.expert_map == "static" and load.expert_map == "load"
     assert set(load.expert_imbalance.values()) == {9 / 8} and set(static.expert_imbalance.values()) == {12 / 8}
-    work = sum(share * (model.layer_forward_s[i] * 3 + model.layer_recompute_s[i])
+    # Forward, backward (2x) and the recomputed block's forward again: the experts' share of each.
+    work = sum(share * model.layer_forward_s[i] * (3 + model.layer_expert_again[i])
                for i, share in enumerate(model.layer_expert_share))
+    assert work == pytest.approx(4 * sum(share * f for share, f in zip(model.layer_expert_share, model.layer_forward_s)))
     assert work > 0 and static.micro_batches == load.micro_batches
     assert model.chunk_s(static, 0, 0) - model.chunk_s(load, 0, 0) == pytest.approx(work * (12 - 9) / 8)
 
