@@ -268,7 +268,7 @@ def rank_bytes(model: MemoryModel, plan, rank: int) -> dict[str, float]:
         model = replace(model, recomputed=model.recomputed | plan.recomputed_of(rank))
     d, s = plan.position(rank)
     depth = len(plan.pipelines[d])
-    mbs = len(plan.micro_batches[d])
+    mbs = len(plan.schedule_of(d))  # (a ghost is in flight too: its experts' work on its group mates' rows)
     chunks = plan.chunk_ranges(rank)
     held = sorted({i for start, end in chunks for i in model.held_layers(start, end)})
     slot = _slot_values(model, plan, rank)

@@ -134,6 +134,19 @@ def test_a_loss_leaves_the_other_teams_groups_and_experts_where_they_were():
     assert sum(map(len, after.micro_batches)) == 17
 
 
+def test_a_ghost_is_in_flight_in_the_memory_model():
+    """dp = 4 x pp = 4 at ep = 2, 5 micro-batches: 2, 1, 1, 1, pipeline 1 running a ghost. Its
+    first stage keeps two micro-batches in flight as its mate's does (the ghost's experts work on
+    the mate's rows), and is modelled so."""
+    from elaswave.plan.memory import MIB, MemoryModel, rank_bytes
+    memory = MemoryModel(layer_numels=tuple(NUMELS[:LAYERS]), layer_activation_bytes=(50.0 * MIB,) * LAYERS,
+                         boundary_bytes=4.0 * MIB, param_bytes=2, sum_bytes=4, chunk_numel=16)
+    plan = initial_plan(16, 4, 4, [1.0] * LAYERS, 5, NUMELS, 16, memory=memory, unit_layers=UNIT_LAYERS, ep=2)
+    assert [len(m) for m in plan.micro_batches] == [2, 1, 1, 1] and plan.ghosts[1] == (5,)
+    first = [rank_bytes(memory, plan, plan.pipelines[p][0])["activations"] for p in range(4)]
+    assert first[0] == first[1] > first[2] == first[3]
+
+
 def test_the_reroute_baseline_and_reshaping_hold_every_expert_where_computed():
     plan = _plan(4, 2, 2, 4, 2)
     routed = replan(plan, [0, 1, 2], 1, 4, policy="reroute")
