@@ -77,6 +77,11 @@ class Executor:
             Op.RECV_GRAD: self._recv_grad, Op.BACKWARD: self._backward, Op.SEND_GRAD: self._send_grad,
             Op.BACKWARD_INPUT: self._backward_input, Op.BACKWARD_WEIGHT: self._backward_weight,
         }
+        # A ghost's messages are none (both ends know), its forward is on no rows; its backwards are
+        # a real micro-batch's, less the loss's relay and the modelled compute (see _end_compute).
+        self._ghost_table = {**self._table, Op.RECV_ACT: self._ghost_recv_act, Op.FORWARD: self._ghost_forward,
+                             Op.SEND_ACT: lambda a: None, Op.RECV_GRAD: self._ghost_recv_grad,
+                             Op.SEND_GRAD: self._ghost_send_grad}
         self._weights = [t for layer in stage.layers for t in (*layer.params, *(alias for alias, _ in layer.uses))]
         """Every tensor whose gradient a backward accumulates: the layers' parameters and tied uses."""
         self._recomputed_weights = [[*layer.params, *(p for u in stage.followers.get(layer.index, ()) for p in u.params)]
@@ -102,7 +107,7 @@ class Executor:
             if self.before is not None:
                 self.before(step, action)
             self.index = i
-            self._table[action.op](action)
+            (self._ghost_table if action.micro_batch in self.ghosts else self._table)[action.op](action)
             if self.after is not None:
                 self.after(i)
         self._run_first_backward_hook()
@@ -162,6 +167,15 @@ class Executor:
             out = self.stage.forward(x, self.step, a.micro_batch, chunk=a.chunk)
         self.outputs[at] = [out.float().sum() if self.stage.chunk_is_last(a.chunk) else out]
 
+    def _ghost_recv_act(self, a: Action) -> None:
+        self.inputs[(a.micro_batch, a.chunk)] = self._nothing(a.chunk).requires_grad_(True)
+
+    def _ghost_recv_grad(self, a: Action) -> None:
+        self.grads[(a.micro_batch, a.chunk)] = torch.zeros_like(self.outputs[(a.micro_batch, a.chunk)][0])
+
+    def _ghost_send_grad(self, a: Action) -> None:
+        self.inputs.pop((a.micro_batch, a.chunk), None)
+
     def _rows(self, mb: int) -> int | None:
         """Sequences of micro-batch ``mb`` (None: the configured size)."""
         pieces = self.pieces(mb)
@@ -184,9 +198,6 @@ class Executor:
             yield key, x, data
 
     def _recv_act(self, a: Action) -> None:
-        if a.micro_batch in self.ghosts:
-            self.inputs[(a.micro_batch, a.chunk)] = self._nothing(a.chunk).requires_grad_(True)
-            return
         self.inputs[(a.micro_batch, a.chunk)] = self.p2p.recv_act(a.micro_batch, a.peer, self._rows(a.micro_batch),
                                                                   a.chunk).requires_grad_(True)
         if self.relay is not None:
@@ -194,8 +205,6 @@ class Executor:
                 a.micro_batch, False, (len(self.pieces(a.micro_batch)), self.relay.forward_width), a.peer))
 
     def _forward(self, a: Action) -> None:
-        if a.micro_batch in self.ghosts:
-            return self._ghost_forward(a)
         mb, at = a.micro_batch, (a.micro_batch, a.chunk)
         began, cpu, waited = time.perf_counter(), time.process_time(), self.stage.waited_s
         outs, last = [], self.stage.chunk_is_last(a.chunk)
@@ -230,16 +239,11 @@ class Executor:
         return float(moe.aux_loss(record, self.stage.model.cfg.num_experts).detach())
 
     def _send_act(self, a: Action) -> None:
-        if a.micro_batch in self.ghosts:
-            return
         self.p2p.send_act(_joined(self.outputs[(a.micro_batch, a.chunk)]), a.micro_batch, a.peer, a.chunk)
         if self.relay is not None:
             self.p2p.send_beside(self.relay.outgoing(a.micro_batch), a.micro_batch, False, a.peer)
 
     def _recv_grad(self, a: Action) -> None:
-        if a.micro_batch in self.ghosts:
-            self.grads[(a.micro_batch, a.chunk)] = torch.zeros_like(self.outputs[(a.micro_batch, a.chunk)][0])
-            return
         self.grads[(a.micro_batch, a.chunk)] = self.p2p.recv_grad(a.micro_batch, a.peer, self._rows(a.micro_batch),
                                                                   a.chunk)
         if self.relay is not None:
@@ -283,16 +287,16 @@ class Executor:
     def _backward_input(self, a: Action) -> None:
         """ZB-H1's B: the input's gradient now (the stage before waits for it), the weights' at W."""
         began, cpu, waited = self._begin_backward()
-        mb = a.micro_batch
+        mb, ghost = a.micro_batch, a.micro_batch in self.ghosts
         passes = []
         for piece, (out, grad) in enumerate(self._output_grads(mb)):
             term = (self.relay.surrogate(mb, piece, out.shape[0])
-                    if self.relay is not None and grad is not None and mb not in self.ghosts else None)
+                    if self.relay is not None and grad is not None and not ghost else None)
             if term is not None:  # one root: the gradient reaching ``out`` is ``grad`` exactly (1 x grad)
                 out, grad = (out * grad).sum() + term, None
             passes.append(backward_input(out, grad, self.inputs.get((mb, 0)), self._weights, self._recomputed_weights))
         self.weight_passes[mb] = passes
-        self._end_compute(began, cpu, waited, BACKWARD_INPUT_SHARE, ghost=mb in self.ghosts)
+        self._end_compute(began, cpu, waited, BACKWARD_INPUT_SHARE, ghost=ghost)
 
     def _backward_weight(self, a: Action) -> None:
         began, cpu, waited = self._begin_backward()
@@ -347,9 +351,6 @@ class Executor:
             time.sleep((self.slowdown - 1.0) * spent)
 
     def _send_grad(self, a: Action) -> None:
-        if a.micro_batch in self.ghosts:
-            self.inputs.pop((a.micro_batch, a.chunk), None)
-            return
         self.p2p.send_grad(self.inputs.pop((a.micro_batch, a.chunk)).grad, a.micro_batch, a.peer, a.chunk)
         if self.relay is not None:
             self.p2p.send_beside(self.relay.returning(a.micro_batch), a.micro_batch, True, a.peer)

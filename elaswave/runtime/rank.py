@@ -105,7 +105,7 @@ def build_rank(cfg: JobConfig, plan: Plan, rank: int, stage: Stage, sampler: Sam
               (t.micro_batch_size, getattr(model, "boundary_tokens", model.seq_len), model.hidden_size), device, dtype,
               plan.virtual_stages,
               first=s == 0, last=s == depth - 1)
-    ghosts = set(plan.ghosts[d])  # (they send nothing down the pipeline: plan/experts.py)
+    ghosts = frozenset(plan.ghosts[d])  # (they send nothing down the pipeline: plan/experts.py)
     if ring and depth > 1 and not plan.routes:  # each peer's messages in the order it sends them (p2p.py)
         p2p.expect(incoming_of(pipeline, s, plan.virtual_stages, lambda other: [a for a in stage_schedule(
             par.schedule, other, depth, plan.schedule_of(d), plan.virtual_stages) if a.micro_batch not in ghosts]))
@@ -132,7 +132,7 @@ def build_rank(cfg: JobConfig, plan: Plan, rank: int, stage: Stage, sampler: Sam
     stage.reads = gathering.before_layer
     executor = Executor(stage, p2p, sampler, step_tokens, accumulator.add_micro_batch, before, emulated,
                         pieces_of(plan, t) if k > 1 else None, after=reduction.after)
-    executor.ghosts = frozenset(ghosts)
+    executor.ghosts = ghosts
     # ... and within the backward that makes them whole, layer by layer (zero/watch.py).
     executor.watch = (LayerWatch(stage.layers, accumulator, reduction, emulated, stage.followers)
                       if par.overlap_grad_reduce else None)
