@@ -3,7 +3,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import faulthandler
 import os
+import signal
 import sys
 
 from elaswave import config, preflight
@@ -471,6 +473,10 @@ def main(argv: list[str] | None = None) -> int:
     sim_run.add_arguments(sim)
     sim.set_defaults(func=sim_run.run)
     args = ap.parse_args(argv)
+    if args.command in ("run", "join"):
+        # `kill -USR1` of a job's processes shows where each is, the agent's threads too: the
+        # signal's default action would end the agent (its workers outlive it by design).
+        faulthandler.register(signal.SIGUSR1, all_threads=True)
     try:
         code = args.func(args)
     except ConfigError as exc:

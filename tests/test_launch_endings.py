@@ -35,10 +35,15 @@ def _long_job(extra=()):
 
 def test_without_elasticity_a_sigkill_ends_the_job_cleanly():
     with _long_job(["elastic.enabled=false"]) as (proc, workers):
+        os.kill(proc.pid, signal.SIGUSR1)  # the launcher shows its threads' stacks and goes on
+        time.sleep(1.0)
+        assert proc.poll() is None, "SIGUSR1 ended the launcher"
         os.kill(workers[2], signal.SIGKILL)
         code = proc.wait(timeout=60)
         assert code == 1, code  # docs/cluster.md: a failure the job could not absorb
-        assert "rank" in proc.stderr.read()
+        err = proc.stderr.read()
+        assert "rank" in err
+        assert "most recent call first" in err, err[-2000:]
         time.sleep(0.5)
         assert not [w for w in workers if alive(w)], "workers outlived the job"
 
