@@ -261,13 +261,6 @@ class JobConfig:
         if self.parallel.ep > 1 and self.elastic.reshape:
             _fail("parallel.ep", self.parallel.ep, "with elastic.reshape=true would never exchange: a reshaped "
                   "micro-batch's units run alone (runtime/experts.py); leave one of them at its default")
-        if moe and self.model.moe_aux_loss_coef and (self.parallel.schedule == "interleaved"
-                                                     or self.elastic.policy == "reroute"):
-            key, value = (("parallel.schedule", self.parallel.schedule) if self.parallel.schedule == "interleaved"
-                          else ("elastic.policy", self.elastic.policy))
-            _fail(key, value, "with a mixture of experts' load-balancing loss (model.moe_aux_loss_coef="
-                  f"{self.model.moe_aux_loss_coef}), whose statistics travel beside a pipeline's messages, is not "
-                  "built yet: use parallel.schedule=1f1b or zb-h1 (and no reroute), or model.moe_aux_loss_coef=0")
         if self.parallel.tp > 1 and self.model.lora.enabled:
             _fail("model.lora.rank", self.model.lora.rank, f"adapters on tensor-parallel shards are not built yet "
                   f"(parallel.tp={self.parallel.tp}); use parallel.tp=1, or model.lora.rank=0")

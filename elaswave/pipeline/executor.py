@@ -68,8 +68,7 @@ class Executor:
         """Each forward and backward takes this many times as long (an injected straggler)."""
         self.watch = None
         """Its layers' gradients made whole within a backward (zero/watch.LayerWatch): their sums start then."""
-        self.relay: BalanceRelay | None = None
-        """A mixture of experts' load-balancing loss across this pipeline's stages (pipeline/balance.py)."""
+        self._relay: BalanceRelay | None = None
         self.ghosts: frozenset[int] = frozenset()
         """The ghost micro-batches in the schedules this runs (see the module's docstring)."""
         self._table = {
@@ -88,6 +87,17 @@ class Executor:
                                     for layer in stage.running if layer.index in stage.recomputed]
         """A split backward's W takes each recomputed layer's weights in one autograd call: every
         call that reads the layer runs its forward again."""
+
+    @property
+    def relay(self) -> BalanceRelay | None:
+        """A mixture of experts' load-balancing loss across this pipeline's stages (pipeline/balance.py)."""
+        return self._relay
+
+    @relay.setter
+    def relay(self, relay: BalanceRelay | None) -> None:
+        self._relay = relay
+        self.p2p.beside_shape = None if relay is None else (
+            lambda mb, grad: (len(self.pieces(mb)), relay.backward_width if grad else relay.forward_width))
 
     def run(self, actions: Sequence[Action], step: int) -> dict[int, tuple[float, int]]:
         """Execute the actions; returns each piece's (micro-batch's, unless reshaped) summed token
@@ -201,8 +211,7 @@ class Executor:
         self.inputs[(a.micro_batch, a.chunk)] = self.p2p.recv_act(a.micro_batch, a.peer, self._rows(a.micro_batch),
                                                                   a.chunk).requires_grad_(True)
         if self.relay is not None:
-            self.relay.arrived(a.micro_batch, self.p2p.recv_beside(
-                a.micro_batch, False, (len(self.pieces(a.micro_batch)), self.relay.forward_width), a.peer))
+            self.relay.arrived(a.micro_batch, self.p2p.recv_beside(a.micro_batch, False, a.peer, a.chunk), a.chunk)
 
     def _forward(self, a: Action) -> None:
         mb, at = a.micro_batch, (a.micro_batch, a.chunk)
@@ -213,10 +222,10 @@ class Executor:
                 out = self.stage.forward(x, self.step, key, documents=batch.documents if batch is not None else None,
                                          chunk=a.chunk)
             if self.relay is not None:
-                self.relay.forwarded(mb, piece, record)
+                self.relay.forwarded(mb, piece, record, a.chunk)
             if last:
                 loss_sum = self.stage.model.loss_sum(out, batch.targets.to(self.stage.device))
-                term, aux = (self.relay.loss_term(mb, piece, batch.targets.shape[0]) if self.relay is not None else
+                term, aux = (self.relay.loss_term(mb, piece, batch.targets.shape[0], a.chunk) if self.relay is not None else
                              (None, self._aux_alone(record)))
                 self.losses[key] = (float(loss_sum.detach()), batch.loss_tokens, aux)
                 # Scale by the *global* count of loss tokens: the gradient is the mean over the whole
@@ -226,7 +235,7 @@ class Executor:
                     out = out + term
             outs.append(out)
         if last and self.relay is not None:
-            self.relay.last_forward_done(mb)
+            self.relay.last_forward_done(mb, a.chunk)
         self.outputs[at] = outs
         self._end_compute(began, cpu, waited, chunk=a.chunk)
 
@@ -241,14 +250,13 @@ class Executor:
     def _send_act(self, a: Action) -> None:
         self.p2p.send_act(_joined(self.outputs[(a.micro_batch, a.chunk)]), a.micro_batch, a.peer, a.chunk)
         if self.relay is not None:
-            self.p2p.send_beside(self.relay.outgoing(a.micro_batch), a.micro_batch, False, a.peer)
+            self.p2p.send_beside(self.relay.outgoing(a.micro_batch, a.chunk), a.micro_batch, False, a.peer, a.chunk)
 
     def _recv_grad(self, a: Action) -> None:
         self.grads[(a.micro_batch, a.chunk)] = self.p2p.recv_grad(a.micro_batch, a.peer, self._rows(a.micro_batch),
                                                                   a.chunk)
         if self.relay is not None:
-            self.relay.totals_arrived(a.micro_batch, self.p2p.recv_beside(
-                a.micro_batch, True, (len(self.pieces(a.micro_batch)), self.relay.backward_width), a.peer))
+            self.relay.totals_arrived(a.micro_batch, self.p2p.recv_beside(a.micro_batch, True, a.peer, a.chunk), a.chunk)
 
     def _run_first_backward_hook(self) -> None:
         hook, self.first_backward = self.first_backward, None
@@ -274,7 +282,7 @@ class Executor:
         ghost = a.micro_batch in self.ghosts
         for piece, (out, grad) in enumerate(out_grads):  # each folded alone
             # Before the last stage, this stage's MoE blocks take the load-balancing loss's gradient too.
-            term = (self.relay.surrogate(a.micro_batch, piece, out.shape[0])
+            term = (self.relay.surrogate(a.micro_batch, piece, out.shape[0], a.chunk)
                     if self.relay is not None and grad is not None and not ghost else None)
             with self._watching(piece == len(out_grads) - 1, a.chunk, began, waited):
                 if term is not None:
@@ -353,7 +361,7 @@ class Executor:
     def _send_grad(self, a: Action) -> None:
         self.p2p.send_grad(self.inputs.pop((a.micro_batch, a.chunk)).grad, a.micro_batch, a.peer, a.chunk)
         if self.relay is not None:
-            self.p2p.send_beside(self.relay.returning(a.micro_batch), a.micro_batch, True, a.peer)
+            self.p2p.send_beside(self.relay.returning(a.micro_batch, a.chunk), a.micro_batch, True, a.peer, a.chunk)
 
 
 def _joined(outs: list[torch.Tensor]) -> torch.Tensor:

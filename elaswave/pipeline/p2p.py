@@ -24,23 +24,29 @@ from elaswave.comm.groups import Group
 from elaswave.pipeline.schedule import Action, Op
 
 
-def sends_of(stage: int, num_stages: int, num_chunks: int, actions: Sequence[Action]) -> list[tuple[int, int]]:
+def sends_of(stage: int, num_stages: int, num_chunks: int, actions: Sequence[Action],
+             beside: bool = False) -> list[tuple[int, int]]:
     """(destination stage, tag) of each message stage ``stage``'s ``actions`` send, in order (pure:
-    what every rank can work out of any other's schedule; the tags :class:`P2P` uses)."""
+    what every rank can work out of any other's schedule; the tags :class:`P2P` uses); ``beside``:
+    each followed by what travels beside it (:meth:`P2P.send_beside`)."""
     out = []
     for a in actions:
         if a.op is Op.SEND_ACT:
             out.append(((stage + 1) % num_stages, _act_tag(num_chunks, stage == num_stages - 1, a.micro_batch, a.chunk)))
         elif a.op is Op.SEND_GRAD:
             out.append(((stage - 1) % num_stages, _grad_tag(num_chunks, stage == 0, a.micro_batch, a.chunk)))
+        else:
+            continue
+        if beside:
+            out.append((out[-1][0], SIDE + out[-1][1]))
     return out
 
 
 def incoming_of(pipeline: Sequence[int], stage: int, num_chunks: int,
-                schedule_of: Callable[[int], Sequence[Action]]) -> dict[int, list[int]]:
+                schedule_of: Callable[[int], Sequence[Action]], beside: bool = False) -> dict[int, list[int]]:
     """Each other rank of ``pipeline``'s messages to stage ``stage``, as tags in the order it sends
     them (``schedule_of``: a stage's actions): what :meth:`P2P.expect` takes."""
-    return {pipeline[other]: [tag for dst, tag in sends_of(other, len(pipeline), num_chunks, schedule_of(other))
+    return {pipeline[other]: [tag for dst, tag in sends_of(other, len(pipeline), num_chunks, schedule_of(other), beside)
                               if dst == stage]
             for other in range(len(pipeline)) if other != stage}
 
@@ -82,6 +88,8 @@ class P2P:
         self._early: dict[tuple[int, int], torch.Tensor] = {}
         self.rows_of: Callable[[int], int | None] = lambda mb: None
         """Micro-batch -> its sequences (a reshaped one's; None: the configured size): the executor's."""
+        self.beside_shape: Callable[[int, bool], tuple[int, ...]] | None = None
+        """(micro-batch, a gradient's?) -> the shape of what travels beside it: the executor's."""
 
     def expect(self, incoming: dict[int, list[int]]) -> None:
         """Each peer's messages to this rank in a step, as tags in the order it sends them: received
@@ -97,10 +105,10 @@ class P2P:
     def _tag(self, mb: int, chunk: int, grad: bool) -> int:
         return _tag(self.num_chunks, mb, chunk, grad)
 
-    def _send(self, t: torch.Tensor, dst: int, tag: int) -> None:
+    def _send(self, t: torch.Tensor, dst: int, tag: int, dtype: torch.dtype | None = None) -> None:
         # In the compute dtype whatever a layer returned (e.g. float32 from a user's float32 buffer):
         # the receiver's buffer has that dtype, and gloo moves bytes.
-        t = t.detach().to(self.dtype).contiguous()
+        t = t.detach().to(device=self.device, dtype=dtype or self.dtype).contiguous()
         if dst == self.group.me:
             self._loopback[tag] = t.clone()
             return
@@ -116,12 +124,18 @@ class P2P:
             early = order.popleft()
             self._early[(src, early)] = self._recv_now(src, early, what if early == tag else
                                                        f"an earlier message (tag {early}) before the {what}",
-                                                       rows if early == tag else self.rows_of(early // 2 // self.num_chunks))
+                                                       rows if early == tag else self.rows_of(self._mb_of(early)))
         return self._early.pop((src, tag))
 
+    def _mb_of(self, tag: int) -> int:
+        return tag % SIDE // 2 // self.num_chunks
+
     def _recv_now(self, src: int, tag: int, what: str, rows: int | None = None) -> torch.Tensor:
-        shape = self.shape if rows is None else (rows, *self.shape[1:])
-        buf = torch.empty(shape, dtype=self.dtype, device=self.device)
+        if tag >= SIDE:  # what travels beside a message: float32 statistics
+            buf = torch.empty(self.beside_shape(self._mb_of(tag), bool(tag % 2)), dtype=torch.float32, device=self.device)
+        else:
+            shape = self.shape if rows is None else (rows, *self.shape[1:])
+            buf = torch.empty(shape, dtype=self.dtype, device=self.device)
         self.group.wait(self.group.irecv(buf, src, tag), f"{what} from rank {src}")
         return buf
 
@@ -142,22 +156,21 @@ class P2P:
         return self._recv(self.next_rank if peer is None else peer, self._tag(mb, chunk, True),
                           f"gradient of micro-batch {mb}" + (f", chunk {chunk}" if chunk else ""), rows)
 
-    # Beside an activation or a gradient, a small float32 tensor of ``shape`` (a mixture of experts'
-    # routing statistics, pipeline/balance.py): sent right after it, received right after it, so
-    # both sides of a pair keep one order (NCCL matches by order).
-    def send_beside(self, t: torch.Tensor, mb: int, grad: bool, peer: int | None = None) -> None:
+    # Beside an activation or a gradient, a small float32 tensor (a mixture of experts' routing
+    # statistics, pipeline/balance.py; shaped by ``beside_shape``): sent right after it, received
+    # right after it, and in a peer's send order where the messages are (``expect``: ``sends_of``
+    # with ``beside``), so both sides of a pair keep one order (NCCL matches by order).
+    def send_beside(self, t: torch.Tensor, mb: int, grad: bool, peer: int | None = None, chunk: int = 0) -> None:
         dst = (self.prev_rank if grad else self.next_rank) if peer is None else peer
-        tag = SIDE + (_grad_tag(self.num_chunks, self.first, mb, 0) if grad else _act_tag(self.num_chunks, self.last, mb, 0))
-        t = t.detach().to(device=self.device, dtype=torch.float32).contiguous()
-        self.pending.append((self.group.isend(t, dst, tag), t))
+        tag = SIDE + (_grad_tag(self.num_chunks, self.first, mb, chunk) if grad
+                      else _act_tag(self.num_chunks, self.last, mb, chunk))
+        self._send(t, dst, tag, torch.float32)
 
-    def recv_beside(self, mb: int, grad: bool, shape: tuple[int, ...], peer: int | None = None) -> torch.Tensor:
+    def recv_beside(self, mb: int, grad: bool, peer: int | None = None, chunk: int = 0) -> torch.Tensor:
         src = (self.next_rank if grad else self.prev_rank) if peer is None else peer
-        buf = torch.empty(shape, dtype=torch.float32, device=self.device)
-        self.group.wait(self.group.irecv(buf, src, SIDE + self._tag(mb, 0, grad)),
-                        f"routing statistics beside the {'gradient' if grad else 'activation'} of micro-batch {mb} "
-                        f"from rank {src}")
-        return buf
+        return self._recv(src, SIDE + self._tag(mb, chunk, grad),
+                          f"routing statistics beside the {'gradient' if grad else 'activation'} of micro-batch {mb}"
+                          + (f", chunk {chunk}" if chunk else ""))
 
     def drain(self) -> None:
         for work, _ in self.pending:

@@ -106,9 +106,14 @@ def build_rank(cfg: JobConfig, plan: Plan, rank: int, stage: Stage, sampler: Sam
               plan.virtual_stages,
               first=s == 0, last=s == depth - 1)
     ghosts = frozenset(plan.ghosts[d])  # (they send nothing down the pipeline: plan/experts.py)
+    # A mixture of experts' load-balancing loss spans every (virtual) stage a micro-batch passes:
+    # its statistics travel beside the messages (pipeline/balance.py), on detours too. Relayed with
+    # any coefficient, so the recorded value is whole.
+    relayed = bool(getattr(getattr(model, "cfg", None), "num_experts", 0))
     if ring and depth > 1 and not plan.routes:  # each peer's messages in the order it sends them (p2p.py)
         p2p.expect(incoming_of(pipeline, s, plan.virtual_stages, lambda other: [a for a in stage_schedule(
-            par.schedule, other, depth, plan.schedule_of(d), plan.virtual_stages) if a.micro_batch not in ghosts]))
+            par.schedule, other, depth, plan.schedule_of(d), plan.virtual_stages) if a.micro_batch not in ghosts],
+            beside=relayed))
     def step_tokens(step: int) -> int:
         return sampler.loss_tokens(step, plan.batch_units // k)
     # With detours (the reroute baseline) no per-pipeline 1F1B fits; all ranks derive one schedule.
@@ -138,12 +143,7 @@ def build_rank(cfg: JobConfig, plan: Plan, rank: int, stage: Stage, sampler: Sam
                       if par.overlap_grad_reduce else None)
     for exchange in experts["exchanges"] if fault is not None else ():
         exchange.fault = lambda what: fault(executor.step, what)
-    # A mixture of experts' load-balancing loss spans every stage a micro-batch passes: its
-    # pipeline's, or another's on a detour (a pipeline of one rank may send its micro-batches through
-    # another pipeline's stages). Relayed with any coefficient, so the recorded value is whole; the
-    # interleaved schedule and the reroute baseline carry none (the config refuses the loss there).
-    if getattr(getattr(model, "cfg", None), "num_experts", 0) and plan.virtual_stages == 1 \
-            and cfg.elastic.policy != "reroute":
+    if relayed:
         executor.relay = BalanceRelay(model, t.num_micro_batches * t.micro_batch_size, device)
     return RankState(
         rank=rank, plan=plan, stage=stage, shards=shards, experts=experts,

@@ -220,3 +220,10 @@ def test_a_pair_of_ranks_receives_in_the_order_its_peer_sends():
                     if sent != posted:
                         mismatched.append((p, m))
     assert mismatched and {p for p, _ in mismatched} == {2} and (2, 5) in mismatched and (2, 4) not in mismatched
+
+
+def test_what_travels_beside_a_message_is_in_the_send_order_right_after_it():
+    from elaswave.pipeline.p2p import SIDE, sends_of
+    sched = interleaved_1f1b(0, 2, 2, range(5))
+    plain, beside = sends_of(0, 2, 2, sched), sends_of(0, 2, 2, sched, beside=True)
+    assert beside[0::2] == plain and beside[1::2] == [(d, SIDE + tag) for d, tag in plain]
