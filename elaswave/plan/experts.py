@@ -141,16 +141,22 @@ def ghost_counts(plan) -> tuple[int, ...]:
 
 
 def place_holders(plan, prev_holders: Sequence[Sequence[int]] | None, loads: Sequence[float] = (),
-                  static: bool = False) -> tuple[tuple[int, ...], ...]:
+                  static: bool = False, standing_keep: bool = True) -> tuple[tuple[int, ...], ...]:
     """Each expert unit's holders under ``plan`` (``plan.unit_layers``: their layers): its owner in
-    every group of the ranks that hold its layer and run micro-batches (a pipeline standing by
-    computes nothing: it holds no expert, unless no other rank holds the layer). An expert stays
+    every group of the ranks that hold its layer and run micro-batches, and a rank of a pipeline
+    standing by wherever it held it in ``prev_holders``: such a rank computes nothing, but its
+    experts' values and optimizer state stay where they are (its group's others take the orphans
+    of a lost member, and no holder group shrinks, which would give each survivor a larger share of
+    the state); a rank standing by that held none of a layer's experts takes none, unless no other
+    rank holds the layer. An expert stays
     with a member that held it in ``prev_holders`` (the last plan's; None: a first plan), the
     lowest such rank; the others are placed by ``loads`` (tokens routed to each expert unit; empty
     or all zero: contiguous blocks in a first plan, else the fewest experts) among the members, a
     block's at a time, and then moved while that lowers the busiest member's load (a joiner
     takes its share). ``static`` (the static-expert-map baseline, ``Plan.expert_map``): the others
-    all go to the group's first member, its backup, and nothing moves by load."""
+    all go to the group's first member, its backup, and nothing moves by load. Without
+    ``standing_keep`` (the drop_replica baseline: TorchFT's dropped replica group is out, its state
+    too) a pipeline that runs nothing holds no expert."""
     groups = expert_groups(plan)
     by_layer: dict[int, list[int]] = {}
     for k, layer in enumerate(plan.unit_layers):
@@ -173,8 +179,11 @@ def place_holders(plan, prev_holders: Sequence[Sequence[int]] | None, loads: Seq
                                          static)
             for k, m in zip(ks, owners):
                 holders[k].add(group[m])
+    standing = {r for d, pipe in enumerate(plan.pipelines) if not plan.micro_batches[d] and standing_keep for r in pipe}
     for k, layer in enumerate(plan.unit_layers):
-        if not holders[k]:  # (every pipeline holding it stands by: they keep it)
+        if prev_holders is not None:
+            holders[k].update(r for r in prev_holders[k] if r in standing and r in plan.holders(layer))
+        if not holders[k]:  # (every pipeline holding it stands by, and the one that held it is lost)
             holders[k].update(plan.holders(layer))
     return tuple(tuple(sorted(h)) for h in holders)
 

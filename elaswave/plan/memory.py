@@ -426,6 +426,11 @@ def over_limit(plan) -> dict[int, float]:
     return {rank: mib for rank, mib in need.items() if mib > plan.stage_memory_limit}
 
 
+def _mib(x: float) -> str:
+    """MiB in words: whole from 100 on, else to two decimals (a test's 5.5 MiB limit is not "6")."""
+    return f"{x:.0f}" if abs(x) >= 100 else f"{x:.2f}".rstrip("0").rstrip(".")
+
+
 def limit_refusal(plan) -> str | None:
     """:func:`over_limit`'s first rank in words; None when every rank fits."""
     over = over_limit(plan)
@@ -433,16 +438,16 @@ def limit_refusal(plan) -> str | None:
         return None
     rank = min(over)
     if not by_cost(plan.virtual_stages, plan.memory):  # experts held by their owners (over_limit)
-        return (f"rank {rank} would hold {over[rank]:.0f} MiB at its peak with the experts the plan gives it, over "
-                f"the limit of {plan.stage_memory_limit:.0f} MiB (an expert's state is shared by one rank of each "
+        return (f"rank {rank} would hold {_mib(over[rank])} MiB at its peak with the experts the plan gives it, over "
+                f"the limit of {_mib(plan.stage_memory_limit)} MiB (an expert's state is shared by one rank of each "
                 "expert-parallel group of its stage, and a rank alone in its group holds every expert of its "
                 "layers); more stages, a larger limit, or parallel.ep=1")
     if plan.virtual_stages == 1:  # the plan recomputes: every block of the rank's already is
-        return (f"rank {rank} would hold {over[rank]:.0f} MiB at its peak with every block it runs recomputed, "
-                f"over the limit of {plan.stage_memory_limit:.0f} MiB; more stages, or a larger limit")
-    return (f"rank {rank} would hold {over[rank]:.0f} MiB at its peak under interleaved 1F1B "
+        return (f"rank {rank} would hold {_mib(over[rank])} MiB at its peak with every block it runs recomputed, "
+                f"over the limit of {_mib(plan.stage_memory_limit)} MiB; more stages, or a larger limit")
+    return (f"rank {rank} would hold {_mib(over[rank])} MiB at its peak under interleaved 1F1B "
             f"({plan.virtual_stages} chunks{', every block it runs recomputed' if plan.memory.plan_recomputation else ''}), "
-            f"over the limit of {plan.stage_memory_limit:.0f} MiB; parallel.virtual_stages=1 partitions by memory")
+            f"over the limit of {_mib(plan.stage_memory_limit)} MiB; parallel.virtual_stages=1 partitions by memory")
 
 
 def _slot_values(model: MemoryModel, plan, rank: int) -> int:

@@ -95,7 +95,7 @@ def replan(prev: Plan, live: Sequence[int], epoch: int, num_micro_batches: int,
                             f"{sorted(set(prev.ranks) - alive)}, and none is left")
         return _build(prev, epoch, pipelines, kept_ranges,
                       tuple(prev.micro_batches[d] if ok and d not in gone else () for d, ok in zip(kept, complete)),
-                      teams=teams)
+                      teams=teams, standing_keep=False)
     mbs = tuple(prev.micro_batches[d] for d in kept)
     return _build(prev, epoch, pipelines, kept_ranges, mbs,
                   routes=detour_routes(prev, pipelines, kept_ranges, complete, mbs, epoch), teams=teams)
@@ -123,10 +123,11 @@ def _teams(prev: Plan, kept: Sequence[int | None]) -> tuple[int, ...]:
 
 
 def _build(prev: Plan, epoch: int, pipelines, ranges, mbs, freqs=(), routes=(), units=None, solver="",
-           check: bool = True, teams: tuple[int, ...] = ()) -> Plan:
+           check: bool = True, teams: tuple[int, ...] = (), standing_keep: bool = True) -> Plan:
     """``units``: each micro-batch id's units (None: ``prev``'s, whose ids ``mbs`` then are);
     ``check``: refuse an interleaved plan over the memory limit (else the caller decides);
-    ``teams``: each pipeline's expert-parallel team (:func:`_teams`)."""
+    ``teams``: each pipeline's expert-parallel team (:func:`_teams`); ``standing_keep``: a pipeline
+    that runs nothing keeps the experts it held (plan/experts.place_holders)."""
     plan = Plan(epoch=epoch, num_layers=prev.num_layers, pipelines=tuple(pipelines), layer_ranges=tuple(ranges),
                 micro_batches=tuple(mbs), layer_costs=prev.layer_costs, frequencies=tuple(freqs), routes=tuple(routes),
                 layer_memory=prev.layer_memory, stage_memory_limit=prev.stage_memory_limit, memory=prev.memory,
@@ -138,7 +139,7 @@ def _build(prev: Plan, epoch: int, pipelines, ranges, mbs, freqs=(), routes=(), 
                 expert_loads=prev.expert_loads, teams=tuple(teams), expert_map=prev.expert_map)
     if prev.expert_holders:
         plan = replace(plan, expert_holders=place_holders(plan, prev.expert_holders, prev.expert_loads,
-                                                          static=prev.expert_map == "static"))
+                                                          static=prev.expert_map == "static", standing_keep=standing_keep))
     owners = reassign_owners(prev.chunk_owners, plan.gradient_buckets())
     joined = set(plan.ranks) - set(prev.ranks)
     if joined:

@@ -162,7 +162,7 @@ def test_a_group_recomputes_the_union_of_its_members_blocks():
     assert united.recomputed == (((2, 3),), ((2, 3),), ((),), ((),))
 
 
-def test_a_pipeline_standing_by_holds_no_expert_and_drop_replica_drops_the_expert_parallel_group():
+def test_a_dropped_pipeline_holds_no_expert_and_drop_replica_drops_the_expert_parallel_group():
     """TorchFT keeps expert parallelism inside a replica group: losing rank 3 (pipeline 1) takes
     pipeline 0, its group mate, out too; the idle pipelines hold no expert, the others keep theirs."""
     plan = _plan(8, 4, 2, 8, 2)
@@ -200,9 +200,10 @@ def test_a_loss_leaves_the_other_teams_groups_whole_and_concentration_past_the_l
     """Four pipelines of two stages at ep = 2 (teams (0, 1) and (2, 3)) lose rank 3, pipeline 1's
     second stage: pipeline 1 stands by, pipeline 0 is left alone in its team and holds every expert
     of its layers; team 1 keeps its groups, its pipeline dealt 2 micro-batches running a ghost to
-    match the other's 3. That fits 9000 MiB. Under 8500 pipeline 0 stands by too, and each expert's
-    state is then shared by the one group left instead of two: over the limit, a refusal naming the
-    way out, where ep = 1 fits (the memory model's own peaks)."""
+    match the other's 3. That fits 9000 MiB. Under 8500 pipeline 0 stands by too: team 0's ranks
+    keep the experts they held (their state where it was, no holder group shrinking), and team 1
+    takes the batch. Under 8100 that leaves rank 7 (holding rank 3's experts' whole state) over the
+    limit: a refusal naming the way out, where ep = 1 fits (the memory model's own peaks)."""
     from elaswave.plan.memory import MIB, MemoryModel, rank_bytes
     layers, moe = 6, [1, 2, 3, 4]
     unit_layers = tuple(layer for layer in moe for _ in range(4))
@@ -223,10 +224,15 @@ def test_a_loss_leaves_the_other_teams_groups_whole_and_concentration_past_the_l
     assert [after.expert_group[r] for r in (0, 2, 4, 6)] == [(0,), (2,), (4, 5), (6, 7)]
     assert after.experts_held(0) == frozenset(u for u in range(layers, layers + 16) if unit_layers[u - layers] < 3)
     assert max(rank_bytes(memory, after, r)["total"] for r in after.ranks) / MIB <= 9000.0
-    assert max(rank_bytes(memory, lose_rank_3(1, 8500.0), r)["total"] for r in range(8) if r != 3) / MIB <= 8500.0
-    with pytest.raises(PlanError, match=r"would hold \d+ MiB at its peak with the experts the plan gives it.*"
+    first = initial_plan(8, 4, 2, [1.0] * layers, 8, own + experts, m, memory=memory, unit_layers=unit_layers, ep=2)
+    tight = lose_rank_3(2, 8500.0)
+    assert [len(m) for m in tight.micro_batches] == [0, 0, 4, 4]
+    assert all(tight.experts_held(r) == first.experts_held(r) for r in (0, 1, 2))
+    assert max(rank_bytes(memory, tight, r)["total"] for r in tight.ranks) / MIB <= 8500.0
+    assert max(rank_bytes(memory, lose_rank_3(1, 8100.0), r)["total"] for r in range(8) if r != 3) / MIB <= 8100.0
+    with pytest.raises(PlanError, match=r"rank 7 would hold \d+ MiB at its peak with the experts the plan gives it.*"
                                         r"parallel.ep=1"):
-        lose_rank_3(2, 8500.0)
+        lose_rank_3(2, 8100.0)
 
 
 # -- groups: cut among the pipelines that run one schedule, so every member issues the same exchanges --

@@ -49,8 +49,8 @@ SLOW = pytest.mark.slow  # the default run keeps the kills, the join and the gro
     # default run recomputes a block over real ranks in tests/expert/test_exchange.py.)
     pytest.param(2, 1, 2, ["train.activation_checkpointing=full", "train.precision=bf16"], [[0, 1]] * STEPS,
                  marks=SLOW),
-    # Interleaved 1F1B (V = 2; no load-balancing loss there): the same schedule on both pipelines.
-    pytest.param(2, 2, 2, ["parallel.schedule=interleaved", "parallel.virtual_stages=2", "model.moe_aux_loss_coef=0",
+    # Interleaved 1F1B (V = 2): the same schedule on both pipelines.
+    pytest.param(2, 2, 2, ["parallel.schedule=interleaved", "parallel.virtual_stages=2",
                            "elastic.inject=kill:rank=1,step=3,phase=backward"], [[0, 1]] * 2 + [[0]] * 3, marks=SLOW),
 ], ids=["2", "2-kill-dispatch", "4x2-kill-combine", "2x2-kill-backward", "2x2-zb-h1-kill-weight", "2-join", "2-recompute-bf16",
         "2x2-interleaved-kill"])
@@ -112,6 +112,22 @@ def test_ghosts_run_down_a_pipeline_without_messages_in_training_and_evaluation(
     assert [r["event"] for r in res.records].count("eval") == [r["event"] for r in ref.records].count("eval") > 0
     assert res.steps[0]["ghost_micro_batches"] == [0, 0, 1, 1] and res.steps[0]["expert_group"] == [0, 1, 2, 3]
     assert [r["lost_ranks"] for r in res.records if r["event"] == "recovery"] == [[7]]
+
+
+def test_a_team_too_short_to_hold_its_experts_stands_by_keeping_them(tmp_path):
+    """dp = 4 x pp = 2 at ep = 2 (teams (0, 2) + (1, 3) and (4, 6) + (5, 7)), 16 micro-batches, a
+    limit of 5.5 MiB: rank 3 is killed; rank 1 cannot hold the whole model, and rank 0's pipeline,
+    left alone in its team, would hold every expert of its layers: team 0 stands by, and team 1
+    runs the whole batch. Team 0's ranks keep the experts they held -- had they given them up,
+    team 1's ranks would hold each expert's whole state, over the limit (the job stopped with that
+    refusal until then) -- and the end-of-run check finds every holder of an expert equal."""
+    sets = [*EXPERTS, "parallel.pp=1", "train.num_micro_batches=16"]
+    ref = run_reference(tmp_path, STEPS, True, 16, extra=sets)
+    res = run_job(tmp_path, 4, 2, STEPS, True, extra=[*sets, "parallel.pp=2", "parallel.ep=2", "parallel.stage_memory_mb=5.5",
+                                                      "elastic.inject=kill:rank=3,step=2,phase=backward"])
+    assert_same_run(res, ref, STEPS)
+    (rec,) = [r for r in res.records if r["event"] == "recovery"]
+    assert rec["plan"]["pipelines"] == [[0, 2], [1], [4, 6], [5, 7]] and rec["plan"]["micro_batches"] == [0, 0, 8, 8]
 
 
 @pytest.mark.parametrize("sets,message", [
