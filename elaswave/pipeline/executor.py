@@ -71,6 +71,9 @@ class Executor:
         self._relay: BalanceRelay | None = None
         self.ghosts: frozenset[int] = frozenset()
         """The ghost micro-batches in the schedules this runs (see the module's docstring)."""
+        self.releases: dict[int, list[tuple[int, int]]] = {}
+        """Index of an action in a step's schedule -> the sends (destination rank, tag) it frees once
+        done (pipeline/release.py); the others at the step's end."""
         self._table = {
             Op.RECV_ACT: self._recv_act, Op.FORWARD: self._forward, Op.SEND_ACT: self._send_act,
             Op.RECV_GRAD: self._recv_grad, Op.BACKWARD: self._backward, Op.SEND_GRAD: self._send_grad,
@@ -118,6 +121,8 @@ class Executor:
                 self.before(step, action)
             self.index = i
             (self._ghost_table if action.micro_batch in self.ghosts else self._table)[action.op](action)
+            for dst, tag in self.releases.get(i, ()):
+                self.p2p.release(dst, tag)
             if self.after is not None:
                 self.after(i)
         self._run_first_backward_hook()

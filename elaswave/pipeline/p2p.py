@@ -1,7 +1,8 @@
 """Activation and gradient transfer between neighbouring (virtual) stages of one pipeline.
 
-Sends are asynchronous (kept alive until :meth:`P2P.drain`); receives wait with the epoch group's
-bounded, interruptible wait. Tags keep activations and gradients of different micro-batches (and
+Sends are asynchronous, each kept alive until :meth:`P2P.release` (once the peer must have taken
+it: pipeline/release.py) or :meth:`P2P.drain` at the step's end; receives wait with the epoch
+group's bounded, interruptible wait. Tags keep activations and gradients of different micro-batches (and
 model chunks) apart on gloo; NCCL ignores tags and matches a pair's messages by their order. Without
 chunks each pair carries one kind, in the same order on both sides. With chunks two ranks of a
 pipeline of two are each other's neighbour both ways, and the interleaved schedule sends a
@@ -81,7 +82,10 @@ class P2P:
         self.prev_rank, self.next_rank = prev_rank, next_rank
         self.shape, self.device, self.dtype = shape, device, dtype
         self.num_chunks, self.first, self.last = num_chunks, first, last
-        self.pending: list = []
+        self.pending: dict[tuple[int, int], tuple] = {}
+        """(destination rank, tag) -> the send's work and tensor, until released or drained."""
+        self.most_pending = 0
+        """The most sends (not counting what travels beside them) alive at once in the last step."""
         self._loopback: dict[int, torch.Tensor] = {}
         self._incoming: dict[int, list[int]] = {}
         self._expected: dict[int, deque] = {}
@@ -100,6 +104,8 @@ class P2P:
         """Before a step's schedule (``training``) or an evaluation's forwards, which send activations
         only: one kind, in the same order on both sides of every pair."""
         self._expected = {peer: deque(tags) for peer, tags in self._incoming.items()} if training else {}
+        if training:
+            self.most_pending = 0
         self._early.clear()
 
     def _tag(self, mb: int, chunk: int, grad: bool) -> int:
@@ -112,7 +118,16 @@ class P2P:
         if dst == self.group.me:
             self._loopback[tag] = t.clone()
             return
-        self.pending.append((self.group.isend(t, dst, tag), t))
+        self.pending[(dst, tag)] = (self.group.isend(t, dst, tag), t)
+        self.most_pending = max(self.most_pending, sum(k[1] < SIDE for k in self.pending))
+
+    def release(self, dst: int, tag: int) -> None:
+        """Free the send of ``tag`` to rank ``dst`` and what travelled beside it: the peer has taken
+        them (pipeline/release.py), so the wait returns at once."""
+        for key in ((dst, tag), (dst, SIDE + tag)):
+            done = self.pending.pop(key, None)
+            if done is not None:
+                self.group.wait(done[0], "pipeline send")
 
     def _recv(self, src: int, tag: int, what: str, rows: int | None = None) -> torch.Tensor:
         if src == self.group.me:
@@ -173,7 +188,7 @@ class P2P:
                           + (f", chunk {chunk}" if chunk else ""))
 
     def drain(self) -> None:
-        for work, _ in self.pending:
+        for work, _ in self.pending.values():
             self.group.wait(work, "pipeline send")
         self.pending.clear()
         self._loopback.clear()

@@ -165,14 +165,21 @@ class MemoryModel:
         return (self.value_bytes * sum(self.layer_numels[i] for i in held) + self.gradient_bytes * uses
                 + self.frozen_bytes(held))
 
-    def activation_bytes(self, start: int, end: int, in_flight: int, micro_batches: int, first: bool,
-                         last: bool) -> float:
+    def activation_bytes(self, start: int, end: int, in_flight: int, sends: int = 0) -> float:
         """Activations of a stage running layers [start, end) with ``in_flight`` micro-batches
-        alive at once and ``micro_batches`` in the step."""
+        alive at once and at most ``sends`` of its sends (activations and gradients) not yet freed
+        (:func:`sends_alive`)."""
         kept = [self.boundary_bytes if i in self.recomputed else self.layer_activation_bytes[i]
                 for i in range(start, end)]
-        sent = micro_batches * self.boundary_bytes * ((not last) + (not first))
-        return (in_flight - 1) * sum(kept) + self._backward_peak(start, kept) + sent
+        return (in_flight - 1) * sum(kept) + self._backward_peak(start, kept) + sends * self.boundary_bytes
+
+    def sends_alive(self, stage: int, num_stages: int, num_micro_batches: int, num_chunks: int = 1) -> int:
+        """The most of a stage's sends alive at once: each is freed once its peer must have taken it
+        (pipeline/release.py), not at the step's end."""
+        from elaswave.pipeline.release import alive_sends  # late: the plan needs no schedule
+
+        schedule = "interleaved" if num_chunks > 1 else "zb-h1" if self.split_backward else "1f1b"
+        return alive_sends(schedule, stage, num_stages, num_micro_batches, num_chunks) if num_micro_batches else 0
 
     def _backward_peak(self, start: int, kept: Sequence[float]) -> float:
         """The most one micro-batch holds: all it kept, or -- while recomputed layer ``i`` runs its
@@ -231,7 +238,7 @@ class MemoryModel:
             shared = own + (borrowed - lent) / 2
             held -= away[end] - away[start]
             uses = sum(t for (o, u), t in zip(self.ties, self.tied_numels) if start <= u < end)
-            sent = micro_batches * self.boundary_bytes * ((end < n) + (start > 0))
+            sent = self.sends_alive(stage, num_stages, micro_batches) * self.boundary_bytes
             in_flight = self.in_flight(stage, num_stages, num_micro_batches)
             data = self.data_bytes if start == 0 or end == n else 0.0
             activations = ((in_flight - 1) * (acts[end] - acts[start]) + sent
@@ -284,8 +291,8 @@ def rank_bytes(model: MemoryModel, plan, rank: int) -> dict[str, float]:
         out["activations"] = 0.0
     elif len(chunks) == 1:
         start, end = chunks[0]
-        out["activations"] = model.activation_bytes(start, end, model.in_flight(s, depth, mbs), mbs, start == 0,
-                                                    end == plan.num_layers)
+        out["activations"] = model.activation_bytes(start, end, model.in_flight(s, depth, mbs),
+                                                    model.sends_alive(s, depth, mbs))
     else:
         out["activations"] = _interleaved_activations(model, chunks, s, depth, mbs, plan.num_layers)
     # After the backward the activations are gone and the reduce packs the sums: one or the other --
@@ -316,8 +323,8 @@ def _as_held(model: MemoryModel, plan, rank: int, held) -> MemoryModel:
 def _one_and_kept(model: MemoryModel, chunks) -> tuple[list[float], list[float]]:
     """Per model chunk: one micro-batch's activation peak, and what each micro-batch keeps alive
     between its forward and its backward."""
-    one = [model.activation_bytes(start, end, 1, 0, True, True) for start, end in chunks]
-    return one, [model.activation_bytes(start, end, 2, 0, True, True) - o for (start, end), o in zip(chunks, one)]
+    one = [model.activation_bytes(start, end, 1) for start, end in chunks]
+    return one, [model.activation_bytes(start, end, 2) - o for (start, end), o in zip(chunks, one)]
 
 
 def _overlap_peak(model: MemoryModel, chunks, stage: int, depth: int, mbs: int) -> float:
@@ -349,7 +356,7 @@ def _within_peak(model: MemoryModel, plan, rank: int, chunks, stage: int, depth:
             if start < a < end:
                 out = max(out, sum(n * k for n, k in zip(after[c], kept)) + sum(packed[c + 1:])
                           + summed * sum(model.layer_numels[i] for i in range(a, end))
-                          + model.activation_bytes(start, a, 1, 0, True, True))
+                          + model.activation_bytes(start, a, 1))
     return out
 
 
@@ -374,11 +381,10 @@ def _gather_peak(model: MemoryModel, chunks, stage: int, depth: int, mbs: int, s
 def _interleaved_activations(model: MemoryModel, chunks, stage: int, depth: int, mbs: int, num_layers: int) -> float:
     """A rank's activations under interleaved 1F1B, instant by instant through its schedule: the
     most its alive (micro-batch, chunk) pairs keep together -- each chunk keeps its own layers'
-    (a head chunk's logits are not an embedding chunk's) -- plus one backward's extra peak and every
-    chunk's send and receive buffers."""
+    (a head chunk's logits are not an embedding chunk's) -- plus one backward's extra peak and its
+    sends not yet freed (:meth:`MemoryModel.sends_alive`)."""
     one, kept = _one_and_kept(model, chunks)  # one: a micro-batch's peak
-    sent = sum(model.activation_bytes(start, end, 1, mbs, start == 0, end == num_layers) - o
-               for (start, end), o in zip(chunks, one))
+    sent = model.sends_alive(stage, depth, mbs, len(chunks)) * model.boundary_bytes
     peak = max((sum(n * k for n, k in zip(counts, kept)) for counts in _walk(stage, depth, len(chunks), mbs)[0]),
                default=0.0)
     return peak + max(o - k for o, k in zip(one, kept)) + sent
@@ -427,8 +433,8 @@ def over_limit(plan) -> dict[int, float]:
 
 
 def _mib(x: float) -> str:
-    """MiB in words: whole from 100 on, else to two decimals (a test's 5.5 MiB limit is not "6")."""
-    return f"{x:.0f}" if abs(x) >= 100 else f"{x:.2f}".rstrip("0").rstrip(".")
+    """MiB in words: whole from 100 on, else to 4 significant digits (a test's 5.5 MiB limit is not "6")."""
+    return f"{x:.0f}" if abs(x) >= 100 else f"{x:.4g}"
 
 
 def limit_refusal(plan) -> str | None:

@@ -243,8 +243,9 @@ def _elaswave(prev: Plan, epoch: int, pipelines, kept_ranges, kept, num_micro_ba
     # by, as one that no partition fits does (its survivors keep their layers; the others take its batch).
     # With experts held by their owners a pipeline alone in its expert-parallel groups (a re-split one)
     # holds every expert of its layers, and one in a smaller group than ``ep`` (its team lost pipelines)
-    # a larger share of them: over the limit it stands by too, holding none (plan/experts.py), the whole
-    # team if need be (the batch is kept by the other teams, whose groups are untouched).
+    # a larger share of them: over the limit it stands by too, keeping only the experts it held
+    # (plan/experts.py), the whole team if need be (the batch is kept by the other teams, whose
+    # groups are untouched).
     def over_now() -> list[int]:
         ranks = set(over_limit(plan))
         return [i for i, pipe in enumerate(pipelines) if i not in standby and set(pipe) & ranks and (

@@ -16,6 +16,7 @@ from elaswave.pipeline.balance import BalanceRelay
 from elaswave.pipeline.emulate import EmulatedCompute, layer_forward_s
 from elaswave.pipeline.executor import Executor
 from elaswave.pipeline.p2p import P2P, incoming_of
+from elaswave.pipeline.release import send_releases
 from elaswave.pipeline.routed import plan_schedules
 from elaswave.pipeline.schedule import Action, stage_schedule
 from elaswave.pipeline.stage import Stage
@@ -138,6 +139,10 @@ def build_rank(cfg: JobConfig, plan: Plan, rank: int, stage: Stage, sampler: Sam
     executor = Executor(stage, p2p, sampler, step_tokens, accumulator.add_micro_batch, before, emulated,
                         pieces_of(plan, t) if k > 1 else None, after=reduction.after)
     executor.ghosts = ghosts
+    if not plan.routes and depth > 1:  # each send freed once the peer must have taken it (pipeline/release.py)
+        every = [stage_schedule(par.schedule, other, depth, plan.schedule_of(d), plan.virtual_stages) for other in range(depth)]
+        executor.releases = {i: [(pipeline[dst], tag) for dst, tag in sends]
+                             for i, sends in send_releases(every, s, plan.virtual_stages, ghosts).items()}
     # ... and within the backward that makes them whole, layer by layer (zero/watch.py).
     executor.watch = (LayerWatch(stage.layers, accumulator, reduction, emulated, stage.followers)
                       if par.overlap_grad_reduce else None)

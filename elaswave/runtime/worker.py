@@ -131,7 +131,8 @@ def run(cfg: JobConfig, rank: int, world_size: int, metrics_out: str | None) -> 
                         result, before, peak = measure_step(st, one_step, device)
                         ctx.measured_memory = {"step": step, "before_bytes": before, "peak_bytes": peak,
                                                "predicted": rank_bytes(ctx.memory_model, st.plan, rank),
-                                               "held_values": sum(layer.numel for layer in st.stage.layers)}
+                                               "held_values": sum(layer.numel for layer in st.stage.layers),
+                                               "sends_alive": st.executor.p2p.most_pending}
                     else:
                         result = one_step()
                     for what in ctx.injector.flips(step):

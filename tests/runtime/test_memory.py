@@ -49,3 +49,25 @@ def test_a_memory_limit_no_layout_meets_names_the_least_that_would(tmp_path):
     fits = run_cli(["run", "--set", f"parallel.stage_memory_mb={least * 1.001:.3f}", "--set", "train.steps=1"]
                    + [x for s in sets for x in ("--set", s)], tmp_path, timeout_s=120)
     assert fits.returncode == 0, fits.stderr
+
+
+@pytest.mark.parametrize("pp,extra", [
+    (4, ["train.num_micro_batches=8"]),
+    (3, ["train.num_micro_batches=7", "parallel.schedule=zb-h1"]),
+    (2, ["train.num_micro_batches=5", "parallel.schedule=interleaved", "parallel.virtual_stages=2"]),
+], ids=["1f1b", "zb-h1", "interleaved"])
+def test_each_send_is_freed_once_its_peer_has_taken_it_as_the_memory_model_counts(tmp_path, pp, extra):
+    """A stage's sends were kept to the step's end: every micro-batch's activation and gradient.
+    Each is now freed at the receive of the first message its peer sent after taking it
+    (pipeline/release.py): the most a rank had alive at once is the memory model's count, fewer
+    than the step's sends."""
+    from elaswave.plan.memory import MemoryModel
+    from elaswave.pipeline.schedule import stage_schedule
+    cfg = config.load(None, [*TINY, *extra, f"parallel.pp={pp}"])
+    m, v = cfg.train.num_micro_batches, cfg.parallel.virtual_stages
+    res = run_job(tmp_path, 1, pp, 3, True, extra=[*extra, "train.measure_memory_step=2"])
+    model = MemoryModel(layer_numels=(0,), layer_activation_bytes=(0.0,), boundary_bytes=0.0, param_bytes=2,
+                        sum_bytes=4, chunk_numel=1, split_backward=cfg.parallel.schedule == "zb-h1")
+    for s, measured in enumerate(res.summary["memory_measured_per_rank"]):
+        sends = sum(a.op.name.startswith("SEND") for a in stage_schedule(cfg.parallel.schedule, s, pp, range(m), v))
+        assert measured["sends_alive"] == model.sends_alive(s, pp, m, v) < sends, (s, measured["sends_alive"], sends)

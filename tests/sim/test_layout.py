@@ -76,12 +76,14 @@ def test_interleaved_plans_are_held_to_the_device_memory_by_their_chunk_aware_pe
     doc = json.loads(capsys.readouterr().out)
     assert doc["config"]["peak_gib"] == pytest.approx(peak, rel=1e-9)
     # The failure (a middle stage of pipeline 0) leaves 3 ranks for the 26 layers in 6 chunks: more a
-    # GPU: its re-split pipeline stands by, the other then takes every micro-batch and passes the limit
-    # too, so the re-plan is refused: no layout until a repair.
+    # GPU than the limit, so the re-split pipeline stands by and the other takes every micro-batch --
+    # within the limit, each send freed once its peer has taken it (pipeline/release.py; kept to the
+    # step's end, twice the micro-batches' sends passed the limit and the job stalled until session 52).
     after = replan(plan, [r for r in plan.ranks if r != 2], 1, 16)
     need = max(rank_bytes(memory, after, r)["total"] for r in after.ranks) / 2 ** 30
     assert doc["config"]["peak_gib_after_first_failure"] == pytest.approx(need, rel=1e-9)
-    assert need > peak + 0.05 and doc["policies"]["elaswave_no_dvfs"]["stalls"] == 1
+    kept = doc["policies"]["elaswave_no_dvfs"]
+    assert need > peak + 0.05 and kept["stalls"] == 0 and 0.5 < kept["throughput_after_over_before"] < 1.0
     assert cli.main(argv + ["--schedule", "interleaved", "--virtual-stages", "2", "--device-gib", f"{peak + 0.95:.3f}"]) == 2
     err = capsys.readouterr().err
     assert "is too small for dp=2 x pp=4" in err and "interleaved over 2 virtual stages" in err

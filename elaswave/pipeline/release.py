@@ -1,0 +1,83 @@
+"""When a stage may free what it sent (pure: every rank works it out of its pipeline's schedules).
+
+A send is asynchronous, and its tensor must live until the transport is done with it. Kept to the
+step's end, a stage's sends add up to every micro-batch's activation and gradient: at 32
+micro-batches of a 32k-token sequence of a 235B model, 16 GiB a rank. A rank cannot ask whether
+its peer has taken a message without waiting, but it knows when the peer must have: the peer
+sends it something only after a receive of ours it had to take first, so once this stage receives
+the first message its peer sends after taking ours, ours is done, and waiting for it returns at
+once. (NCCL completes a send when the peer has it; gloo no later.)
+
+A ghost micro-batch (plan.Plan.ghosts) sends and receives nothing; its actions are skipped.
+"""
+from __future__ import annotations
+
+from functools import lru_cache
+from typing import Collection, Sequence
+
+from elaswave.pipeline.p2p import _tag, sends_of
+from elaswave.pipeline.schedule import Action, Op, stage_schedule
+
+
+def receives_of(stage: int, num_stages: int, num_chunks: int, actions: Sequence[Action],
+                ghosts: Collection[int] = ()) -> dict[tuple[int, int], int]:
+    """(source stage, tag) -> the index in ``actions`` of the receive that takes that message."""
+    out = {}
+    for i, a in enumerate(actions):
+        if a.micro_batch in ghosts:
+            continue
+        if a.op is Op.RECV_ACT:
+            out[((stage - 1) % num_stages, _tag(num_chunks, a.micro_batch, a.chunk, False))] = i
+        elif a.op is Op.RECV_GRAD:
+            out[((stage + 1) % num_stages, _tag(num_chunks, a.micro_batch, a.chunk, True))] = i
+    return out
+
+
+def _sends(stage: int, num_stages: int, num_chunks: int, actions: Sequence[Action],
+           ghosts: Collection[int]) -> list[tuple[int, int, int]]:
+    """(index in ``actions``, destination stage, tag) of each message the stage sends, in order."""
+    at = [i for i, a in enumerate(actions) if a.op in (Op.SEND_ACT, Op.SEND_GRAD) and a.micro_batch not in ghosts]
+    kept = [a for a in actions if a.micro_batch not in ghosts]
+    return [(i, dst, tag) for i, (dst, tag) in zip(at, sends_of(stage, num_stages, num_chunks, kept))]
+
+
+def send_releases(schedules: Sequence[Sequence[Action]], stage: int, num_chunks: int = 1,
+                  ghosts: Collection[int] = ()) -> dict[int, list[tuple[int, int]]]:
+    """Index in stage ``stage``'s actions -> the sends (destination stage, tag) it may free once
+    that action (a receive) is done: for each send, the receive of the first message its
+    destination sends this stage after taking it. A send no such message follows, or one to
+    itself (a pipeline of one rank keeps those in process), is freed at the step's end."""
+    p = len(schedules)
+    sends = [_sends(q, p, num_chunks, schedules[q], ghosts) for q in range(p)]
+    mine = receives_of(stage, p, num_chunks, schedules[stage], ghosts)
+    out: dict[int, list[tuple[int, int]]] = {}
+    for _, dst, tag in sends[stage]:
+        if dst == stage:
+            continue
+        taken = receives_of(dst, p, num_chunks, schedules[dst], ghosts).get((stage, tag))
+        back = next(((d, t) for i, d, t in sends[dst] if taken is not None and i > taken and d == stage), None)
+        if back is not None:
+            out.setdefault(mine[(dst, back[1])], []).append((dst, tag))
+    return out
+
+
+def alive_peak(schedules: Sequence[Sequence[Action]], stage: int, num_chunks: int = 1) -> int:
+    """The most of stage ``stage``'s sends alive at once when each is freed by :func:`send_releases`
+    (what the memory model counts of a stage's send buffers)."""
+    releases = send_releases(schedules, stage, num_chunks)
+    p, alive, peak = len(schedules), 0, 0
+    for i, a in enumerate(schedules[stage]):
+        if a.op in (Op.SEND_ACT, Op.SEND_GRAD) and (stage + (1 if a.op is Op.SEND_ACT else -1)) % p != stage:
+            alive += 1
+            peak = max(peak, alive)
+        alive -= len(releases.get(i, ()))
+    return peak
+
+
+@lru_cache(maxsize=4096)
+def alive_sends(schedule: str, stage: int, num_stages: int, num_micro_batches: int, num_chunks: int = 1) -> int:
+    """:func:`alive_peak` of stage ``stage`` of a pipeline under ``schedule`` (cached by shape: a plan
+    of 10^4 ranks has a few)."""
+    schedules = [stage_schedule(schedule, s, num_stages, range(num_micro_batches), num_chunks)
+                 for s in range(num_stages)]
+    return alive_peak(schedules, stage, num_chunks)
