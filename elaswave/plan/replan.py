@@ -201,10 +201,21 @@ def _elaswave(prev: Plan, epoch: int, pipelines, kept_ranges, kept, num_micro_ba
         extra.clear()
         for _ in range(2):
             d = dealt()
-            # The clock planner times 1F1B: levels the schedule's own timing finds slower give way to nominal.
-            if d[1] and nominal_ok and timed(n := dealt(False)) < timed(d) * (1 - 1e-3):
-                d = n
             built = _build(prev, epoch, pipelines, ranges, d[0], d[1], units=d[2], solver=d[3], check=False, teams=teams)
+            # The clock planner times 1F1B: levels the schedule's own timing finds slower give way to
+            # nominal -- under interleaved 1F1B each chunk priced alone with what it recomputes (its
+            # rank's chunks as even shares read levels as no slower that were: 0.929 against 0.934).
+            if d[1] and nominal_ok:
+                n = dealt(False)
+                if prev.virtual_stages > 1:
+                    plain = _build(prev, epoch, pipelines, ranges, n[0], n[1], units=n[2], solver=n[3], check=False,
+                                   teams=teams)
+                    at_levels = {r: rate[r] * power.speed(built.frequency(r)) for r in built.ranks}
+                    if priced_step_s(plain, rate, schedule) < priced_step_s(built, at_levels, schedule) * (1 - 1e-3):
+                        d, built = n, plain
+                elif timed(n) < timed(d) * (1 - 1e-3):
+                    d, built = n, _build(prev, epoch, pipelines, ranges, n[0], n[1], units=n[2], solver=n[3],
+                                         check=False, teams=teams)
             if not built.recomputed or extra:
                 break
             extra.update(recompute_cost(built, schedule))
