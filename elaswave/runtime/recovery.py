@@ -260,7 +260,7 @@ def recover(ctx, st: RankState | None, cause: Disruption | None, noticed_wall: f
         for d, (pipe, mbs) in enumerate(zip(plan.pipelines, plan.micro_batches)):
             if not mbs and not plan.is_complete(d) and cfg.elastic.policy == "elaswave":
                 print(f"elaswave: ranks {list(pipe)} cannot hold the whole model within parallel.stage_memory_mb="
-                      f"{cfg.parallel.stage_memory_mb} ({plan.stage_memory_limit:.0f} MiB): they stand by with their layers and chunks, and the other "
+                      f"{cfg.parallel.stage_memory_mb} ({plan.stage_memory_limit:g} MiB): they stand by with their layers and chunks, and the other "
                       "pipelines run the whole batch, until ranks join", file=sys.stderr, flush=True)
     restore = plan_restore(old.chunk_owners, plan.chunk_owners, holdings, disk_step, within)
     if restore.is_fallback and ctx.rank == members[0]:
