@@ -291,8 +291,9 @@ def rank_bytes(model: MemoryModel, plan, rank: int) -> dict[str, float]:
         out["activations"] = 0.0
     elif len(chunks) == 1:
         start, end = chunks[0]
-        out["activations"] = model.activation_bytes(start, end, model.in_flight(s, depth, mbs),
-                                                    model.sends_alive(s, depth, mbs))
+        # (With detours, the reroute baseline's, every send lives to the step's end, as before.)
+        sends = mbs * ((s > 0) + (s < depth - 1)) if getattr(plan, "routes", ()) else model.sends_alive(s, depth, mbs)
+        out["activations"] = model.activation_bytes(start, end, model.in_flight(s, depth, mbs), sends)
     else:
         out["activations"] = _interleaved_activations(model, chunks, s, depth, mbs, plan.num_layers)
     # After the backward the activations are gone and the reduce packs the sums: one or the other --
