@@ -49,15 +49,16 @@ def send_releases(schedules: Sequence[Sequence[Action]], stage: int, num_chunks:
     itself (a pipeline of one rank keeps those in process), is freed at the step's end."""
     p = len(schedules)
     sends = [_sends(q, p, num_chunks, schedules[q], ghosts) for q in range(p)]
+    taken_at = {q: receives_of(q, p, num_chunks, schedules[q], ghosts) for q in {(stage + 1) % p, (stage - 1) % p}}
     mine = receives_of(stage, p, num_chunks, schedules[stage], ghosts)
     out: dict[int, list[tuple[int, int]]] = {}
     for _, dst, tag in sends[stage]:
-        if dst == stage:
+        taken = taken_at[dst].get((stage, tag)) if dst != stage else None
+        if taken is None:
             continue
-        taken = receives_of(dst, p, num_chunks, schedules[dst], ghosts).get((stage, tag))
-        back = next(((d, t) for i, d, t in sends[dst] if taken is not None and i > taken and d == stage), None)
+        back = next((t for i, d, t in sends[dst] if i > taken and d == stage), None)
         if back is not None:
-            out.setdefault(mine[(dst, back[1])], []).append((dst, tag))
+            out.setdefault(mine[(dst, back)], []).append((dst, tag))
     return out
 
 
