@@ -262,6 +262,11 @@ def recover(ctx, st: RankState | None, cause: Disruption | None, noticed_wall: f
                 print(f"elaswave: ranks {list(pipe)} cannot hold the whole model within parallel.stage_memory_mb="
                       f"{cfg.parallel.stage_memory_mb} ({plan.stage_memory_limit:g} MiB): they stand by with their layers and chunks, and the other "
                       "pipelines run the whole batch, until ranks join", file=sys.stderr, flush=True)
+            elif not mbs and plan.ep > 1 and cfg.elastic.policy == "elaswave":
+                print(f"elaswave: ranks {list(pipe)} stand by with their layers, chunks and experts: their expert-parallel "
+                      f"team is short of parallel.ep={plan.ep} pipelines, whose experts its others cannot hold within "
+                      f"parallel.stage_memory_mb={cfg.parallel.stage_memory_mb}; the other teams run the whole batch, "
+                      "until ranks join", file=sys.stderr, flush=True)
     restore = plan_restore(old.chunk_owners, plan.chunk_owners, holdings, disk_step, within)
     if restore.is_fallback and ctx.rank == members[0]:
         source = (f"the disk checkpoint in {disk.step_dir(ctx.checkpoint_root, disk_step)}"

@@ -128,6 +128,7 @@ def test_a_team_too_short_to_hold_its_experts_stands_by_keeping_them(tmp_path):
     assert_same_run(res, ref, STEPS)
     (rec,) = [r for r in res.records if r["event"] == "recovery"]
     assert rec["plan"]["pipelines"] == [[0, 2], [1], [4, 6], [5, 7]] and rec["plan"]["micro_batches"] == [0, 0, 8, 8]
+    assert "ranks [0, 2] stand by with their layers, chunks and experts: their expert-parallel team is short" in res.stderr
 
 
 @pytest.mark.parametrize("sets,message", [
