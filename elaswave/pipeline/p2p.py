@@ -117,9 +117,10 @@ class P2P:
         t = t.detach().to(device=self.device, dtype=dtype or self.dtype).contiguous()
         if dst == self.group.me:
             self._loopback[tag] = t.clone()
-            return
-        self.pending[(dst, tag)] = (self.group.isend(t, dst, tag), t)
-        self.most_pending = max(self.most_pending, sum(k[1] < SIDE for k in self.pending))
+        else:
+            self.pending[(dst, tag)] = (self.group.isend(t, dst, tag), t)
+        self.most_pending = max(self.most_pending, sum(k[1] < SIDE for k in self.pending)
+                                + sum(k < SIDE for k in self._loopback))
 
     def release(self, dst: int, tag: int) -> None:
         """Free the send of ``tag`` to rank ``dst`` and what travelled beside it: the peer has taken

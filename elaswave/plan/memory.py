@@ -291,8 +291,13 @@ def rank_bytes(model: MemoryModel, plan, rank: int) -> dict[str, float]:
         out["activations"] = 0.0
     elif len(chunks) == 1:
         start, end = chunks[0]
-        # (With detours, the reroute baseline's, every send lives to the step's end, as before.)
-        sends = mbs * ((s > 0) + (s < depth - 1)) if getattr(plan, "routes", ()) else model.sends_alive(s, depth, mbs)
+        # With detours (the reroute baseline's) every send lives to the step's end, by the layers the
+        # rank holds (a survivor last in its pipeline still sends onto a detour), a host's guests'
+        # activations and gradients too.
+        own = set(plan.micro_batches[d])
+        sends = (mbs * ((start > 0) + (end < plan.num_layers))
+                 + 2 * sum(rank in route and mb not in own for mb, route in plan.routes)
+                 if getattr(plan, "routes", ()) else model.sends_alive(s, depth, mbs))
         out["activations"] = model.activation_bytes(start, end, model.in_flight(s, depth, mbs), sends)
     else:
         out["activations"] = _interleaved_activations(model, chunks, s, depth, mbs, plan.num_layers)

@@ -50,14 +50,14 @@ def _run(schedules, num_chunks, ghosts, rng):
 @pytest.mark.parametrize("schedule,chunks", [("1f1b", 1), ("zb-h1", 1), ("interleaved", 2), ("interleaved", 3)])
 def test_a_send_is_freed_only_once_its_peer_has_taken_it_in_any_order(schedule, chunks):
     rng = random.Random(7)
-    for p in range(2, 6):
+    for p in range(1, 6):  # (a pipeline of one rank: a ring to itself under interleaved, kept in process)
         for m in range(1, 2 * p + 3):
             ghosts = frozenset(range(m - rng.randint(0, 1), m))  # a ghost at the end, or none
             schedules = [stage_schedule(schedule, s, p, range(m), chunks) for s in range(p)]
             freed = _run(schedules, chunks, ghosts, rng)
             sends = sum(len(sends_of(s, p, chunks, [a for a in schedules[s] if a.micro_batch not in ghosts]))
                         for s in range(p))
-            assert freed <= sends and (m - len(ghosts) < 2 or freed > 0)
+            assert freed <= sends and (not sends or m - len(ghosts) < 2 or freed > 0)
 
 
 def test_a_stage_holds_about_its_in_flight_count_of_sends_not_the_steps():

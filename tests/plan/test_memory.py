@@ -162,3 +162,21 @@ def test_the_bytes_per_parameter_table_adds_up_to_what_a_rank_holds(holders, on_
     # snapshot arriving -- its own is sent from its state; the rest waits in host memory).
     elastic = 12 * (1 if on_gpu else 3) / holders + (0 if on_gpu else 12 / holders)
     assert sum(table.values()) == pytest.approx(2 + 4 + 12 / holders + elastic)
+
+
+def test_with_detours_every_send_a_rank_makes_is_counted_to_the_steps_end():
+    """The reroute baseline's routed schedules free no send early: the model counts a rank's own
+    micro-batches' by the layers it holds (rank 2 is last in its pipeline of three but sends onto
+    a detour) and a host's guests' (ranks 7 and 11), at least what each rank's schedule sends."""
+    from elaswave.pipeline.routed import plan_schedules
+    from elaswave.pipeline.schedule import Op
+    from elaswave.plan.replan import replan
+    m = MemoryModel(layer_numels=(9,) * 8, layer_activation_bytes=(0.0,) * 8, boundary_bytes=1.0, param_bytes=2,
+                    sum_bytes=4, chunk_numel=4)
+    plan = initial_plan(12, 3, 4, [1.0] * 8, 12, [9] * 8, 4, memory=m)
+    after = replan(plan, [r for r in range(12) if r != 3], 1, 12, policy="reroute")
+    schedules = plan_schedules(after)
+    for r in after.ranks:
+        sent = sum(a.op in (Op.SEND_ACT, Op.SEND_GRAD) and a.peer != r for a in schedules.get(r, []))
+        assert rank_bytes(m, after, r)["activations"] >= sent > 0, r
+    assert rank_bytes(m, after, 2)["activations"] == 8.0
