@@ -17,7 +17,7 @@ message stays in this process (no transport carries a message to its own sender)
 from __future__ import annotations
 
 from collections import deque
-from typing import Callable, Sequence
+from typing import Callable, Collection, Sequence
 
 import torch
 
@@ -40,6 +40,21 @@ def sends_of(stage: int, num_stages: int, num_chunks: int, actions: Sequence[Act
             continue
         if beside:
             out.append((out[-1][0], SIDE + out[-1][1]))
+    return out
+
+
+def receives_of(stage: int, num_stages: int, num_chunks: int, actions: Sequence[Action],
+                ghosts: Collection[int] = ()) -> dict[tuple[int, int], int]:
+    """(source stage, tag) -> the index in ``actions`` of the receive that takes that message (the
+    receiving side of :func:`sends_of`; a ghost micro-batch's, which none sends, skipped)."""
+    out = {}
+    for i, a in enumerate(actions):
+        if a.micro_batch in ghosts:
+            continue
+        if a.op is Op.RECV_ACT:
+            out[((stage - 1) % num_stages, _tag(num_chunks, a.micro_batch, a.chunk, False))] = i
+        elif a.op is Op.RECV_GRAD:
+            out[((stage + 1) % num_stages, _tag(num_chunks, a.micro_batch, a.chunk, True))] = i
     return out
 
 
@@ -84,6 +99,7 @@ class P2P:
         self.num_chunks, self.first, self.last = num_chunks, first, last
         self.pending: dict[tuple[int, int], tuple] = {}
         """(destination rank, tag) -> the send's work and tensor, until released or drained."""
+        self._alive = 0  # sends (not what travels beside them) in ``pending`` and ``_loopback``
         self.most_pending = 0
         """The most sends (not counting what travels beside them) alive at once in the last step."""
         self._loopback: dict[int, torch.Tensor] = {}
@@ -119,8 +135,9 @@ class P2P:
             self._loopback[tag] = t.clone()
         else:
             self.pending[(dst, tag)] = (self.group.isend(t, dst, tag), t)
-        self.most_pending = max(self.most_pending, sum(k[1] < SIDE for k in self.pending)
-                                + sum(k < SIDE for k in self._loopback))
+        if tag < SIDE:
+            self._alive += 1
+            self.most_pending = max(self.most_pending, self._alive)
 
     def release(self, dst: int, tag: int) -> None:
         """Free the send of ``tag`` to rank ``dst`` and what travelled beside it: the peer has taken
@@ -129,9 +146,11 @@ class P2P:
             done = self.pending.pop(key, None)
             if done is not None:
                 self.group.wait(done[0], "pipeline send")
+                self._alive -= key[1] < SIDE
 
     def _recv(self, src: int, tag: int, what: str, rows: int | None = None) -> torch.Tensor:
         if src == self.group.me:
+            self._alive -= tag < SIDE
             return self._loopback.pop(tag)
         order = self._expected.get(src)
         if order is None or ((src, tag) not in self._early and tag not in order):
@@ -193,4 +212,5 @@ class P2P:
             self.group.wait(work, "pipeline send")
         self.pending.clear()
         self._loopback.clear()
+        self._alive = 0
         self._early.clear()

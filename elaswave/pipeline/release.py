@@ -16,22 +16,8 @@ from bisect import bisect_right
 from functools import lru_cache
 from typing import Collection, Sequence
 
-from elaswave.pipeline.p2p import _tag, sends_of
+from elaswave.pipeline.p2p import receives_of, sends_of
 from elaswave.pipeline.schedule import Action, Op, stage_schedule
-
-
-def receives_of(stage: int, num_stages: int, num_chunks: int, actions: Sequence[Action],
-                ghosts: Collection[int] = ()) -> dict[tuple[int, int], int]:
-    """(source stage, tag) -> the index in ``actions`` of the receive that takes that message."""
-    out = {}
-    for i, a in enumerate(actions):
-        if a.micro_batch in ghosts:
-            continue
-        if a.op is Op.RECV_ACT:
-            out[((stage - 1) % num_stages, _tag(num_chunks, a.micro_batch, a.chunk, False))] = i
-        elif a.op is Op.RECV_GRAD:
-            out[((stage + 1) % num_stages, _tag(num_chunks, a.micro_batch, a.chunk, True))] = i
-    return out
 
 
 def _sends(stage: int, num_stages: int, num_chunks: int, actions: Sequence[Action],
@@ -50,7 +36,7 @@ def send_releases(schedules: Sequence[Sequence[Action]], stage: int, num_chunks:
     it in process until its own receive), that receive. A send no such message follows is freed
     at the step's end."""
     p = len(schedules)
-    sends = [_sends(q, p, num_chunks, schedules[q], ghosts) for q in range(p)]
+    sends = {q: _sends(q, p, num_chunks, schedules[q], ghosts) for q in {stage, (stage + 1) % p, (stage - 1) % p}}
     taken_at = {q: receives_of(q, p, num_chunks, schedules[q], ghosts) for q in {(stage + 1) % p, (stage - 1) % p}}
     mine = receives_of(stage, p, num_chunks, schedules[stage], ghosts)
     # The messages each neighbour sends this stage, by its action index (ascending).
