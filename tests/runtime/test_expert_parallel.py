@@ -127,7 +127,9 @@ def test_a_team_too_short_to_hold_its_experts_stands_by_keeping_them(tmp_path):
                                                       "elastic.inject=kill:rank=3,step=2,phase=backward"])
     assert_same_run(res, ref, STEPS)
     (rec,) = [r for r in res.records if r["event"] == "recovery"]
-    assert rec["plan"]["pipelines"] == [[0, 2], [1], [4, 6], [5, 7]] and rec["plan"]["micro_batches"] == [0, 0, 8, 8]
+    # (how team 1 shares the 16 goes by the measured speeds: 8 and 8, or 7 and 9 on a loaded box)
+    mbs = rec["plan"]["micro_batches"]
+    assert rec["plan"]["pipelines"] == [[0, 2], [1], [4, 6], [5, 7]] and mbs[:2] == [0, 0] and sum(mbs) == 16, mbs
     assert "ranks [0, 2] stand by with their layers, chunks and experts: their expert-parallel team is short" in res.stderr
 
 
