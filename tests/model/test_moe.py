@@ -230,3 +230,27 @@ def test_a_shape_no_family_has_is_refused_before_it_trains(tmp_path):
     res = run_cli(["run", "--set", "model.num_experts=4", "--set", "parallel.pp=1", "--set",
                    f"checkpoint.export_hf={tmp_path / 'x'}"], tmp_path, timeout_s=60)  # Qwen names, no shared expert
     assert res.returncode == 2 and "no Hugging Face family's" in res.stderr and "shared expert" in res.stderr, res.stderr
+
+
+@pytest.mark.parametrize("family,edit,message", [
+    ("mixtral", {"router_jitter_noise": 0.1}, "sets router_jitter_noise=0.1, which elaswave does not implement (only 0)"),
+    ("qwen3_moe", {"mlp_only_layers": [1]}, "sets mlp_only_layers=[1], which elaswave does not implement"),
+    ("mixtral", {"architectures": ["DeepseekV3ForCausalLM"]}, "declares architectures ['DeepseekV3ForCausalLM']; supported:"),
+])
+def test_a_moe_folder_of_an_unknown_family_or_routing_option_is_refused_by_name(tmp_path, family, edit, message):
+    import json
+    _save(tmp_path, family)
+    doc = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**doc, **edit}))
+    with pytest.raises(config.ConfigError) as err:
+        model_for(config.load(None, [f"model.init_from={tmp_path}", "parallel.pp=1"]))
+    assert message in str(err.value) and "\n" not in str(err.value), str(err.value)
+
+
+def test_more_experts_a_token_than_there_are_is_one_line_and_exit_2(tmp_path):
+    from tests.helpers.spawn import run_cli
+    res = run_cli(["run", "--set", "model.num_experts=4", "--set", "model.experts_per_token=5", "--set",
+                   "parallel.pp=1"], tmp_path, timeout_s=60)
+    lines = res.stderr.strip().splitlines()
+    assert res.returncode == 2 and len(lines) == 1, res.stderr
+    assert "model.experts_per_token=5 is invalid: must be in 1..model.num_experts=4" in lines[0], res.stderr

@@ -43,6 +43,11 @@ SLOW = pytest.mark.slow  # the default run keeps the kills, the join and the gro
     # the kill lands before step 2's snapshot is committed everywhere, the survivors' on a re-run.)
     (2, 2, 2, ["parallel.schedule=zb-h1", "elastic.inject=kill:rank=2,step=3,phase=weight"],
      [[0, 1]] * 2 + [None] + [[0]] * 2),
+    # 4 x 2 at ep = 2 again, rank 5 (stage 0 of pipeline 3, team 1) killed as it starts a
+    # dispatch, and a spare joins: it fills pipeline 3's stage 0, team 1's groups whole again.
+    # Team 0 (rank 0's group) is untouched throughout.
+    pytest.param(4, 2, 2, ["elastic.inject=kill:rank=5,step=2,phase=dispatch", "elastic.spares=1"], [[0, 1]] * STEPS,
+                 marks=SLOW),
     # A spare joins after the loss: the group is whole again, its experts given back.
     (2, 1, 2, ["elastic.inject=kill:rank=1,step=1", "elastic.spares=1"], [[0]] + [[0, 2]] * 4),
     # Every block recomputed (each forward's exchange again in the backward), in bfloat16. (The
@@ -52,7 +57,8 @@ SLOW = pytest.mark.slow  # the default run keeps the kills, the join and the gro
     # Interleaved 1F1B (V = 2): the same schedule on both pipelines.
     pytest.param(2, 2, 2, ["parallel.schedule=interleaved", "parallel.virtual_stages=2",
                            "elastic.inject=kill:rank=1,step=3,phase=backward"], [[0, 1]] * 2 + [[0]] * 3, marks=SLOW),
-], ids=["2", "2-kill-dispatch", "4x2-kill-combine", "2x2-kill-backward", "2x2-zb-h1-kill-weight", "2-join", "2-recompute-bf16",
+], ids=["2", "2-kill-dispatch", "4x2-kill-combine", "2x2-kill-backward", "2x2-zb-h1-kill-weight",
+        "4x2-kill-dispatch-join", "2-join", "2-recompute-bf16",
         "2x2-interleaved-kill"])
 def test_experts_over_ranks_train_bit_identical_to_the_reference(tmp_path, reference, dp, pp, ep, extra, groups):
     own = [x for x in extra if x.startswith(("train.precision", "model."))]  # what the reference computes too
@@ -69,6 +75,10 @@ def test_experts_over_ranks_train_bit_identical_to_the_reference(tmp_path, refer
         said = f"injecting kill into rank {kill.rank} at step {kill.step} ({kill.phase})"
         assert said in res.stderr, res.stderr[-2000:]  # where it was killed: in that exchange
         assert [r["lost_ranks"] for r in res.records if r["event"] == "recovery"] == [[kill.rank]]
+    if "elastic.spares=1" in extra:  # the spare (rank dp x pp) joined in the killed rank's place
+        (join,) = [r for r in res.records if r["event"] == "join"]
+        assert join["joined_ranks"] == [dp * pp] and dp * pp in join["plan"]["pipelines"][kill.rank // (pp * ep) * ep
+                                                                                    + kill.rank % ep], join["plan"]
     assert [s for s, g in zip(_expert_steps(res), groups) if g is not None] == [(g, len(g) > 1) for g in groups
                                                                                  if g is not None]
     if dp == ep and pp == 1 and groups[0] == [0, 1]:  # the simulator's price of a balanced router's exchanges

@@ -62,6 +62,13 @@ def test_a_checkpoint_of_experts_held_by_their_owners_resumes_with_experts_every
     assert second.returncode == 0, second.stderr
     reference = run_reference(tmp_path, STEPS, deterministic=True, num_micro_batches=MBS, extra=moe)
     _assert_continues_the_same_run(second.records, reference, resumed_at=4)
+    # A job of another expert count is refused in one line per rank, naming both counts.
+    other = [x if x != "model.num_experts=4" else "model.num_experts=6" for x in moe]
+    third = run_cli(["run"] + [x for s in _sets(tmp_path, 1, 2, other) for x in ("--set", s)], tmp_path)
+    errors = [line for line in third.stderr.splitlines() if "error" in line]
+    assert third.returncode == 2 and errors, third.stderr
+    assert all("another model: model.num_experts=4 there, 6 here" in e for e in errors), third.stderr
+    assert "Traceback" not in third.stderr
 
 
 def test_a_checkpoint_of_another_model_is_refused_and_left_as_it_was(tmp_path):
