@@ -26,26 +26,49 @@ Fold = Callable[[int], None]
 """Fold expert e's weight gradient, just computed for one member's rows, into the sums."""
 
 
+def _kept(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
 class _Experts(torch.autograd.Function):
     @staticmethod
     def forward(ctx, exchange, block, graph, *xs):
-        # Inside a recomputed (checkpointed) block saved-tensor hooks are active: keep only the
-        # experts' rows, which the checkpoint drops and recomputes with the block, and run the
-        # experts again in the backward. (A graph kept here would escape the checkpoint; built
-        # under its hooks, each of its backwards -- a graph task of its own -- would redo the block.)
-        defer = graph and torch._C._autograd._top_saved_tensors_default_hooks(False) is not None
-        call = exchange.forward(block, xs, graph, defer)
+        # Inside a recomputed (checkpointed) block saved-tensor hooks are active. Its first forward
+        # keeps only the experts' rows, which the checkpoint drops and recomputes with the block (a
+        # graph kept there would escape the checkpoint; built under its hooks, each of its
+        # backwards -- a graph task of its own -- would redo the block). Its recomputation runs
+        # inside the backward's graph task: that one keeps the experts' graph, out of the
+        # checkpoint's hooks, and hands it to the first forward's node through a tensor both save
+        # (the checkpoint gives that node what its recomputation saved), so the experts' forward
+        # runs twice, as every recomputed layer's does, not a third time in their backward.
+        hooked = graph and torch._C._autograd._top_saved_tensors_default_hooks(False) is not None
+        again = hooked and torch._C._current_graph_task_id() != -1
+        defer = hooked and not again
+        if again:
+            with torch.autograd.graph.saved_tensors_hooks(_kept, _kept):
+                call = exchange.forward(block, xs, graph, False)
+        else:
+            call = exchange.forward(block, xs, graph, defer)
         outputs, call.outputs = tuple(call.outputs), None  # (they point back to ctx: no cycle kept)
-        if defer:
-            ctx.save_for_backward(*call.rows)
-            call.rows = None
+        rows, call.rows = call.rows, None
+        if hooked:
+            handoff = torch.empty(0)
+            if again:
+                handoff.call = call
+            ctx.save_for_backward(*rows, handoff)
         ctx.call, ctx.defer = call, defer
         return outputs
 
     @staticmethod
     def backward(ctx, *grads):
         call, ctx.call = ctx.call, None
-        return (None, None, None, *call.backward(grads, ctx.saved_tensors if ctx.defer else None))
+        saved = ctx.saved_tensors if ctx.defer else ()
+        handoff = saved[-1] if saved else None
+        kept = getattr(handoff, "call", None)
+        if kept is not None:  # the recomputation's call, its experts' graph kept
+            handoff.call = None
+            return (None, None, None, *kept.backward(grads, None))
+        return (None, None, None, *call.backward(grads, saved[:-1] if ctx.defer else None))
 
 
 def run_experts(block, xs: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
@@ -88,7 +111,7 @@ class _LocalCall:
     def __init__(self, block, xs, graph, defer: bool, fold: Fold | None):
         self.computed = [_Computed(block.experts[e], x, graph, defer) for e, x in enumerate(xs)]
         self.outputs = [c.y.detach() for c in self.computed]
-        self.rows = list(xs) if defer else None
+        self.rows = list(xs)
         self.fold = fold
 
     def backward(self, grads, rows=None):
@@ -172,7 +195,7 @@ class _Call:
                 count = self.routed[m][e]
                 self.computed.append((e, _Computed(block.experts[e], got[at:at + count], graph, defer)))
                 at += count
-        self.rows = [got] if defer else None
+        self.rows = [got]
         if graph and ex.fault is not None:
             ex.fault("combine")
         back = self._exchange([c.y.detach() for _, c in self.computed], self.send, self.take, "combine")

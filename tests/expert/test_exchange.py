@@ -125,17 +125,24 @@ def test_the_local_exchange_is_the_blocks_plain_computation():
 
 
 def test_a_recomputed_block_gives_the_same_bits_and_keeps_nothing_after_its_backward():
-    """Checkpointed, the exchange keeps only the rows and runs the experts again in the backward
-    (its graph would escape the checkpoint); no call outlives its backward -- a call that kept its
-    own outputs made a cycle through autograd, and every recomputation's leaked its graph."""
+    """Checkpointed, the exchange keeps only the rows in the first forward (its graph would escape
+    the checkpoint) and the experts' graph in the recomputation, which their backward then uses:
+    each expert runs forward twice, as a recomputed layer does (it ran a third time in the
+    backward). No call outlives its backward -- a call that kept its own outputs made a cycle
+    through autograd, and every recomputation's leaked its graph."""
     torch.set_num_threads(1)
     plain, again = _block(4), _block(4)
+    runs = [0] * 4
+    for e, expert in enumerate(again.experts):
+        expert.register_forward_hook(lambda *_, e=e: runs.__setitem__(e, runs[e] + 1))
     for step in range(3):
+        runs[:] = [0] * 4
         want, got = _run(plain, _rows(step)), _run(again, _rows(step), recompute=True)
         for key in ("out", "x_grad", "gate_grad"):
             assert torch.equal(got[key], want[key]), (step, key)
         for p, q in zip(plain.experts.parameters(), again.experts.parameters()):
             assert torch.equal(p.grad, q.grad)
+        assert sum(runs) > 0 and set(runs) <= {0, 2}, runs  # (an expert no row chose runs on none)
     del want, got
     gc.collect()
     assert not [o for o in gc.get_objects() if type(o) in (exchange._LocalCall, exchange._Call)]
