@@ -149,6 +149,8 @@ def test_a_team_too_short_to_hold_its_experts_stands_by_keeping_them(tmp_path):
     (["parallel.ep=2"], "parallel.ep=2 is invalid: needs a mixture of experts"),
     (["model.num_experts=4", "parallel.ep=2", "elastic.reshape=true"],
      "parallel.ep=2 is invalid: with elastic.reshape=true would never exchange"),
+    (["model.num_experts=4", "parallel.tp=2"], "model.num_experts=4 is invalid: a mixture of experts on "
+                                                "tensor-parallel shards is not built yet (parallel.tp=2)"),
     (["model.num_experts=4", "elastic.inject=kill:rank=1,step=2,phase=dispatch"],
      "phase=dispatch is an expert-parallel exchange's: needs parallel.ep > 1"),
 ])
