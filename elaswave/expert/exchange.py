@@ -22,6 +22,8 @@ from typing import Callable, Sequence
 
 import torch
 
+from elaswave.pipeline.zero_bubble import backward_input
+
 Fold = Callable[[int], None]
 """Fold expert e's weight gradient, just computed for one member's rows, into the sums."""
 
@@ -32,7 +34,11 @@ def _kept(t: torch.Tensor) -> torch.Tensor:
 
 class _Experts(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, exchange, block, graph, *xs):
+    def forward(ctx, exchange, block, graph, count, *tensors):
+        # ``tensors``: the ``count`` rows by expert, then the weights of the experts this rank
+        # computes -- inputs only so that autograd sees them behind this node: ZB-H1 then splits
+        # it like any product (``splits_backward``), the experts' weight gradients in W.
+        xs = tensors[:count]
         # Inside a recomputed (checkpointed) block saved-tensor hooks are active. Its first forward
         # keeps only the experts' rows, which the checkpoint drops and recomputes with the block (a
         # graph kept there would escape the checkpoint; built under its hooks, each of its
@@ -56,25 +62,54 @@ class _Experts(torch.autograd.Function):
             if again:
                 handoff.call = call
             ctx.save_for_backward(*rows, handoff)
-        ctx.call, ctx.defer = call, defer
+        ctx.call, ctx.defer, ctx.weights = call, defer, None
+        ctx.count, ctx.num_weights = count, len(tensors) - count
         return outputs
+
+    splits_backward = True  # ZB-H1: B the rows' gradients (and every exchange), W the experts' weights'
 
     @staticmethod
     def backward(ctx, *grads):
+        half = getattr(ctx, "split_pass", None)  # "input" (ZB-H1's B), "weight" (its W), None: both
+        nothing = (None,) * (4 + ctx.count + ctx.num_weights)
+        if half == "weight":  # what B left: each expert's weight gradient, member by member
+            weights, ctx.weights = ctx.weights, None
+            if weights is not None:
+                weights.run()
+            return nothing
         call, ctx.call = ctx.call, None
         saved = ctx.saved_tensors if ctx.defer else ()
         handoff = saved[-1] if saved else None
         kept = getattr(handoff, "call", None)
         if kept is not None:  # the recomputation's call, its experts' graph kept
             handoff.call = None
-            return (None, None, None, *kept.backward(grads, None))
-        return (None, None, None, *call.backward(grads, saved[:-1] if ctx.defer else None))
+            call, rows = kept, None
+        else:
+            rows = saved[:-1] if ctx.defer else None
+        back, ctx.weights = call.backward(grads, rows, half == "input")
+        return (None, None, None, None, *back, *(None,) * ctx.num_weights)
 
 
 def run_experts(block, xs: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
     """Each expert of ``block`` on its rows ``xs[e]`` (zero rows: zero rows back)."""
     exchange = getattr(block, "exchange", None) or LOCAL
-    return _Experts.apply(exchange, block, torch.is_grad_enabled(), *xs)
+    weights = [p for e in exchange.computes(len(xs)) for p in block.experts[e].parameters() if p.requires_grad]
+    return _Experts.apply(exchange, block, torch.is_grad_enabled(), len(xs), *xs, *weights)
+
+
+class _Weights:
+    """The experts' weight gradients a split backward's B left for W (ZB-H1): each member's rows'
+    in turn, each folded alone as the unsplit backward folds them (``fold``)."""
+
+    def __init__(self, fold: Fold | None):
+        self.fold, self.passes = fold, []
+
+    def run(self) -> None:
+        passes, self.passes = self.passes, []
+        for e, weight_pass in passes:
+            weight_pass.run()
+            if self.fold is not None:
+                self.fold(e)
 
 
 class _Computed:
@@ -93,16 +128,23 @@ class _Computed:
         else:
             self.y = expert(x)
 
-    def backward(self, grad: torch.Tensor | None, x: torch.Tensor | None = None) -> torch.Tensor:
-        """The rows' input gradient; the expert's weight gradient accumulates into ``.grad``.
-        ``x``: the rows again, where the forward kept no graph."""
+    def backward(self, grad: torch.Tensor | None, x: torch.Tensor | None = None,
+                 later: _Weights | None = None, e: int = -1) -> torch.Tensor:
+        """The rows' input gradient; the expert's weight gradient accumulates into ``.grad`` (with
+        ``later``, ZB-H1's B: left to it as expert ``e``'s, for W). ``x``: the rows again, where the
+        forward kept no graph."""
         if x is not None:
             self.x = x.detach().requires_grad_(True)
             if self.rows:
                 with torch.enable_grad():
                     self.y = self.expert(self.x)
         if self.y.requires_grad and self.rows:
-            torch.autograd.backward(self.y, grad if grad is not None else torch.zeros_like(self.y))
+            grad = grad if grad is not None else torch.zeros_like(self.y)
+            if later is None:
+                torch.autograd.backward(self.y, grad)
+            else:
+                weights = [p for p in self.expert.parameters() if p.requires_grad]
+                later.passes.append((e, backward_input(self.y, grad, self.x, weights)))
         self.y = None
         return self.x.grad if self.x.grad is not None else torch.zeros_like(self.x)
 
@@ -114,14 +156,15 @@ class _LocalCall:
         self.rows = list(xs)
         self.fold = fold
 
-    def backward(self, grads, rows=None):
-        back = []
+    def backward(self, grads, rows=None, split: bool = False) -> tuple[list[torch.Tensor], _Weights | None]:
+        """The rows' gradients, and (``split``, ZB-H1's B) the weights' left for W."""
+        back, later = [], _Weights(self.fold) if split else None
         for e, (c, g) in enumerate(zip(self.computed, grads)):
-            back.append(c.backward(g, rows[e] if rows is not None else None))
-            if self.fold is not None and c.rows:
+            back.append(c.backward(g, rows[e] if rows is not None else None, later, e))
+            if self.fold is not None and c.rows and not split:
                 self.fold(e)
         self.computed = []
-        return back
+        return back, later
 
 
 class Local:
@@ -131,6 +174,10 @@ class Local:
 
     def __init__(self, fold: Fold | None = None):
         self.fold = fold
+
+    def computes(self, num_experts: int) -> range:
+        """The experts this rank runs: every one."""
+        return range(num_experts)
 
     def forward(self, block, xs, graph: bool, defer: bool = False) -> _LocalCall:
         return _LocalCall(block, xs, graph, defer, self.fold)
@@ -162,6 +209,10 @@ class AllToAll:
     def take_rows(self) -> list[float]:
         seen, self.rows_seen = self.rows_seen, torch.zeros_like(self.rows_seen)
         return seen.tolist()
+
+    def computes(self, num_experts: int) -> list[int]:
+        """The experts this rank runs: those it owns in its group."""
+        return self.experts_of[self.group.group_rank]
 
     def forward(self, block, xs, graph: bool, defer: bool = False) -> "_Call":
         return _Call(self, block, xs, graph, defer)
@@ -226,19 +277,21 @@ class _Call:
                 at += count
         return out
 
-    def backward(self, grads, rows=None) -> list[torch.Tensor]:
+    def backward(self, grads, rows=None, split: bool = False) -> tuple[list[torch.Tensor], _Weights | None]:
+        """The rows' gradients, back from their owners, and (``split``, ZB-H1's B) the weight
+        gradients of this rank's experts left for W, which exchanges nothing."""
         ex, n, me = self.ex, self.ex.group.size, self.ex.group.group_rank
         E = len(grads)
         grads = [g if g is not None else torch.zeros(self.routed[me][e], self.width, dtype=self.dtype,
                                                      device=self.device) for e, g in enumerate(grads)]
         got = self._exchange([grads[e] for m in range(n) for e in ex.experts_of[m]], self.take, self.send,
                              "gradient dispatch")
-        at, back = 0, []
+        at, back, later = 0, [], _Weights(ex.fold) if split else None
         for e, c in self.computed:  # member by member, expert by expert, as the forward
             count = c.rows
-            back.append(c.backward(got[at:at + count], rows[0][at:at + count] if rows is not None else None))
+            back.append(c.backward(got[at:at + count], rows[0][at:at + count] if rows is not None else None, later, e))
             at += count
-            if ex.fold is not None and count:
+            if ex.fold is not None and count and not split:
                 ex.fold(e)
         self.computed = []
-        return self._by_expert(self._exchange(back, self.send, self.take, "gradient combine"), E)
+        return self._by_expert(self._exchange(back, self.send, self.take, "gradient combine"), E), later

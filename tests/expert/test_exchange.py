@@ -146,3 +146,28 @@ def test_a_recomputed_block_gives_the_same_bits_and_keeps_nothing_after_its_back
     del want, got
     gc.collect()
     assert not [o for o in gc.get_objects() if type(o) in (exchange._LocalCall, exchange._Call)]
+
+
+@pytest.mark.parametrize("recompute", [False, True], ids=["kept", "recomputed"])
+def test_zb_h1_leaves_the_experts_weight_gradients_to_w_with_one_backwards_bits(recompute):
+    """ZB-H1's B (pipeline/zero_bubble.backward_input) takes the rows' gradients through the
+    exchange alone; every expert's weight gradient -- and its fold -- comes in W, with the bits of
+    one whole backward. (They were computed in B, which ZB-H1's timing does not expect.)"""
+    from elaswave.pipeline.zero_bubble import backward_input
+    torch.set_num_threads(1)
+    whole, split = _block(4), _block(4)
+    want = _run(whole, _rows(0), recompute=recompute)
+    folded = []
+    split.exchange = exchange.Local(lambda e: folded.append(e))
+    x = _rows(0)
+    out = checkpoint(split, x, use_reentrant=False) if recompute else split(x)
+    grad = torch.linspace(-1, 1, out.numel()).view_as(out)
+    layer = [p for p in split.parameters() if p.requires_grad]
+    w = backward_input(out, grad, x, layer, [layer] if recompute else ())
+    experts = list(split.experts.parameters())
+    assert torch.equal(x.grad, want["x_grad"]) and all(p.grad is None for p in experts) and not folded
+    w.run()
+    assert sorted(set(folded)) == [e for e in range(4) if any(p.grad is not None for p in split.experts[e].parameters())]
+    assert folded and torch.equal(split.gate.weight.grad, want["gate_grad"])
+    for p, q in zip(whole.experts.parameters(), experts):
+        assert (p.grad is None and q.grad is None) or torch.equal(p.grad, q.grad)

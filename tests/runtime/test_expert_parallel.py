@@ -43,6 +43,10 @@ SLOW = pytest.mark.slow  # the default run keeps the kills, the join and the gro
     # the kill lands before step 2's snapshot is committed everywhere, the survivors' on a re-run.)
     (2, 2, 2, ["parallel.schedule=zb-h1", "elastic.inject=kill:rank=2,step=3,phase=weight"],
      [[0, 1]] * 2 + [None] + [[0]] * 2),
+    # ZB-H1 with every block recomputed: B takes the rows' gradients (and every exchange), W each
+    # expert's weights' from the recomputation's graph (expert/exchange.py).
+    pytest.param(2, 2, 2, ["parallel.schedule=zb-h1", "train.activation_checkpointing=full"], [[0, 1]] * STEPS,
+                 marks=SLOW),
     # 4 x 2 at ep = 2 again, rank 5 (stage 0 of pipeline 3, team 1) killed as it starts a
     # dispatch, and a spare joins: it fills pipeline 3's stage 0, team 1's groups whole again.
     # Team 0 (rank 0's group) is untouched throughout.
@@ -58,7 +62,7 @@ SLOW = pytest.mark.slow  # the default run keeps the kills, the join and the gro
     pytest.param(2, 2, 2, ["parallel.schedule=interleaved", "parallel.virtual_stages=2",
                            "elastic.inject=kill:rank=1,step=3,phase=backward"], [[0, 1]] * 2 + [[0]] * 3, marks=SLOW),
 ], ids=["2", "2-kill-dispatch", "4x2-kill-combine", "2x2-kill-backward", "2x2-zb-h1-kill-weight",
-        "4x2-kill-dispatch-join", "2-join", "2-recompute-bf16",
+        "2x2-zb-h1-recompute", "4x2-kill-dispatch-join", "2-join", "2-recompute-bf16",
         "2x2-interleaved-kill"])
 def test_experts_over_ranks_train_bit_identical_to_the_reference(tmp_path, reference, dp, pp, ep, extra, groups):
     own = [x for x in extra if x.startswith(("train.precision", "model."))]  # what the reference computes too
