@@ -14,10 +14,10 @@ communication time: what is left is the schedules' own cost.
 Measured here (p 16, V 4, m 16, uniform chunks): failure-free 59.25; one more micro-batch 62.25
 (0.952); detours of whole chunks over 127 hosts 60.00 (0.9875), of half chunks over 127 or 128
 hosts 60.00 (0.9875), of quarter chunks over 127 hosts 61.31 -- both the broken pipeline and most
-hosts end late, since each pipeline's interleaved timeline has no slack where a guest lands. So at
-this layout, with this insertion, finer detours stay below drop_replica's 0.9922; beating it would
-take a schedule that gives guests slack (ZB-style deferred weight passes into the cool-down's
-bubbles, say), not just a finer grain.
+hosts end late, since each pipeline's interleaved timeline has no slack where a guest lands. With
+each guest's weight pass deferred to its host's end (ZB-H1's W, half its backward), 59.75
+(0.9916), whole chunks or halves: the broken pipeline, waiting for its guests' input gradients,
+ends last. So at this layout, with this insertion, detours stay below drop_replica's 0.9922.
 
     python bench/sim/detour_grain.py [--lost-stage 5]
 """
@@ -31,7 +31,8 @@ from bench.common import bench_args, write_results  # noqa: E402
 from elaswave.pipeline.schedule import Op, stage_schedule  # noqa: E402
 
 P, V, M = 16, 4, 16
-CASES = ((127, 1), (127, 2), (128, 2), (127, 4))  # (hosts, pieces a chunk)
+CASES = ((127, 1, False), (127, 2, False), (128, 2, False), (127, 4, False), (127, 1, True), (127, 2, True))
+"""(hosts, pieces a chunk, guests' weight passes deferred to their hosts' end)"""
 
 
 def _order(p: int, v: int, m: int, s: int) -> list[tuple[str, int, int]]:
@@ -40,10 +41,12 @@ def _order(p: int, v: int, m: int, s: int) -> list[tuple[str, int, int]]:
             for a in stage_schedule("interleaved", s, p, range(m), v) if a.op in (Op.FORWARD, Op.BACKWARD)]
 
 
-def _timed(ranks: dict, routes: dict, f: float, b: float) -> dict:
+def _timed(ranks: dict, routes: dict, f: float, b: float, deferred: bool = False) -> dict:
     """End time of every action ``(kind, pipe, mb, hop)``: each rank's in its order, a forward
     after its previous hop's forward, a backward after its next hop's backward (the last hop's
-    after its own forward); a hop takes its share of a chunk's time."""
+    after its own forward), a deferred weight pass (``W``) after its backward; a hop takes its
+    share of a chunk's time. ``deferred``: a guest's backward is its input gradient's half, its
+    ``W`` the other half."""
     done, at, free = {}, {r: 0 for r in ranks}, {r: 0.0 for r in ranks}
     pending, moved = set(ranks), True
     while pending and moved:
@@ -53,12 +56,13 @@ def _timed(ranks: dict, routes: dict, f: float, b: float) -> dict:
             while at[r] < len(acts):
                 kind, pipe, mb, hop = a = acts[at[r]]
                 last = len(routes[pipe, mb]) - 1
-                dep = (("F", pipe, mb, hop - 1) if hop else None) if kind == "F" else (
-                    ("B", pipe, mb, hop + 1) if hop < last else ("F", pipe, mb, hop))
+                dep = (("F", pipe, mb, hop - 1) if hop else None) if kind == "F" else ("B", pipe, mb, hop) if kind == "W" \
+                    else ("B", pipe, mb, hop + 1) if hop < last else ("F", pipe, mb, hop)
                 if dep is not None and dep not in done:
                     break
                 share = routes[pipe, mb][hop][1]
-                end = max(free[r], done[dep] if dep else 0.0) + (f if kind == "F" else b) * share
+                cost = f if kind == "F" else b / 2 if kind == "W" or (deferred and r[0] != pipe) else b
+                end = max(free[r], done[dep] if dep else 0.0) + cost * share
                 done[a], free[r], at[r], moved = end, end, at[r] + 1, True
             if at[r] == len(acts):
                 pending.discard(r)
@@ -67,7 +71,8 @@ def _timed(ranks: dict, routes: dict, f: float, b: float) -> dict:
     return done
 
 
-def study(p: int, v: int, m: int, lost: int, hosts: int, pieces: int) -> dict:
+def study(p: int, v: int, m: int, lost: int, hosts: int, pieces: int, deferred: bool = False) -> dict:
+    """``deferred``: each guest's weight pass runs at its host's end (ZB-H1's W, in the cool-down)."""
     f, b, broken = 1.0 / v, 2.0 / v, hosts
     whole = [(k, 1.0) for k in range(p * v)]
     routes = {(0, mb): whole for mb in range(m)}
@@ -98,11 +103,13 @@ def study(p: int, v: int, m: int, lost: int, hosts: int, pieces: int) -> dict:
                 at = next((j for j, (k2, d2, mb2, h2) in enumerate(own) if d2 != broken and ideal[k2, 0, mb2, h2] > t),
                           len(own))
                 own.insert(at, (kind, broken, mb, hop))
+            if deferred:
+                own.append(("W", broken, mb, hop))
     for r in range(p):  # the broken pipeline's own computations by hop, not virtual stage
         if r != lost:
             ranks[broken, r] = [(k, d, mb, next(h for h, (kk, share) in enumerate(routes[broken, mb])
                                                 if kk == vs and share == 1.0)) for k, d, mb, vs in ranks[broken, r]]
-    done = _timed(ranks, routes, f, b)
+    done = _timed(ranks, routes, f, b, deferred)
     ends: dict[int, float] = {}
     for (_, d, _, _), t in done.items():
         ends[d] = max(ends.get(d, 0.0), t)
@@ -118,15 +125,15 @@ def main() -> int:
     ap.add_argument("--lost-stage", type=int, default=5)
     args = ap.parse_args()
     rows, doc = [], {}
-    for hosts, pieces in CASES:
-        res = study(P, V, M, args.lost_stage, hosts, pieces)
-        doc[f"{hosts} hosts, 1/{pieces} chunk"] = res
+    for hosts, pieces, deferred in CASES:
+        res = study(P, V, M, args.lost_stage, hosts, pieces, deferred)
+        doc[f"{hosts} hosts, 1/{pieces} chunk{', W deferred' if deferred else ''}"] = res
         t = res["failure_free"]
-        rows.append(f"| {hosts} | 1/{pieces} | {t:.2f} | {res['detours']:.2f} | {t / res['detours']:.4f} | "
+        rows.append(f"| {hosts} | 1/{pieces} | {'yes' if deferred else 'no'} | {t:.2f} | {res['detours']:.2f} | {t / res['detours']:.4f} | "
                     f"{res['broken_ends']:.2f} | {res['hosts_late']} | {t / res['one_more_micro_batch']:.4f} |")
     lines = [f"p {P}, V {V}, m {M}, stage {args.lost_stage} lost; drop_replica at 128 pipelines: {127 / 128:.4f}", "",
-             "| hosts | piece | step before | step with detours | after/before | broken pipeline ends | hosts late "
-             "| one more micro-batch: after/before |", "| --- " * 8 + "|", *rows]
+             "| hosts | piece | guests' W deferred | step before | step with detours | after/before | broken pipeline ends | hosts late "
+             "| one more micro-batch: after/before |", "| --- " * 9 + "|", *rows]
     write_results(args.out, doc, lines)
     return 0
 
