@@ -22,6 +22,7 @@ from typing import Callable, Sequence
 
 import torch
 
+from elaswave.model.recompute import in_checkpoint
 from elaswave.pipeline.zero_bubble import backward_input
 
 Fold = Callable[[int], None]
@@ -29,6 +30,12 @@ Fold = Callable[[int], None]
 
 
 def _kept(t: torch.Tensor) -> torch.Tensor:
+    # Detached: a tensor saved as itself would hold its own autograd node (an output an op saves,
+    # exp's or sigmoid's), a cycle freed only by that graph's backward.
+    return t.detach()
+
+
+def _unpacked(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
@@ -39,7 +46,7 @@ class _Experts(torch.autograd.Function):
         # computes -- inputs only so that autograd sees them behind this node: ZB-H1 then splits
         # it like any product (``splits_backward``), the experts' weight gradients in W.
         xs = tensors[:count]
-        # Inside a recomputed (checkpointed) block saved-tensor hooks are active. Its first forward
+        # Inside a recomputed (checkpointed) block (model/recompute.checkpointed). Its first forward
         # keeps only the experts' rows, which the checkpoint drops and recomputes with the block (a
         # graph kept there would escape the checkpoint; built under its hooks, each of its
         # backwards -- a graph task of its own -- would redo the block). Its recomputation runs
@@ -47,15 +54,17 @@ class _Experts(torch.autograd.Function):
         # checkpoint's hooks, and hands it to the first forward's node through a tensor both save
         # (the checkpoint gives that node what its recomputation saved), so the experts' forward
         # runs twice, as every recomputed layer's does, not a third time in their backward.
-        hooked = graph and torch._C._autograd._top_saved_tensors_default_hooks(False) is not None
+        hooked = graph and in_checkpoint()
         again = hooked and torch._C._current_graph_task_id() != -1
         defer = hooked and not again
         if again:
-            with torch.autograd.graph.saved_tensors_hooks(_kept, _kept):
+            with torch.autograd.graph.saved_tensors_hooks(_kept, _unpacked):
                 call = exchange.forward(block, xs, graph, False)
         else:
             call = exchange.forward(block, xs, graph, defer)
         outputs, call.outputs = tuple(call.outputs), None  # (they point back to ctx: no cycle kept)
+        if defer:  # nothing reads the experts' outputs again: the backward runs them anew
+            call.drop_outputs()
         rows, call.rows = call.rows, None
         if hooked:
             handoff = torch.empty(0)
@@ -138,7 +147,7 @@ class _Computed:
             if self.rows:
                 with torch.enable_grad():
                     self.y = self.expert(self.x)
-        if self.y.requires_grad and self.rows:
+        if self.y is not None and self.y.requires_grad and self.rows:
             grad = grad if grad is not None else torch.zeros_like(self.y)
             if later is None:
                 torch.autograd.backward(self.y, grad)
@@ -146,7 +155,8 @@ class _Computed:
                 weights = [p for p in self.expert.parameters() if p.requires_grad]
                 later.passes.append((e, backward_input(self.y, grad, self.x, weights)))
         self.y = None
-        return self.x.grad if self.x.grad is not None else torch.zeros_like(self.x)
+        grad_x, self.x.grad = self.x.grad, None  # (W keeps the leaf till it runs: not its gradient)
+        return grad_x if grad_x is not None else torch.zeros_like(self.x)
 
 
 class _LocalCall:
@@ -155,6 +165,10 @@ class _LocalCall:
         self.outputs = [c.y.detach() for c in self.computed]
         self.rows = list(xs)
         self.fold = fold
+
+    def drop_outputs(self) -> None:
+        for c in self.computed:
+            c.y = None
 
     def backward(self, grads, rows=None, split: bool = False) -> tuple[list[torch.Tensor], _Weights | None]:
         """The rows' gradients, and (``split``, ZB-H1's B) the weights' left for W."""
@@ -169,8 +183,9 @@ class _LocalCall:
 
 class Local:
     """Every expert on this rank. ``fold`` (deterministic mode): each expert's weight gradient is
-    folded as soon as it is computed, so a split backward (ZB-H1), which computes it in B where
-    the micro-batch's fold comes after W, still folds each micro-batch's alone."""
+    folded as soon as it is computed, each micro-batch's (member's) alone -- in W under ZB-H1,
+    where the block's norm weights, below the experts, still take theirs after them, so the layer
+    is whole (zero/watch.py starts its experts' sums then) only once its experts are."""
 
     def __init__(self, fold: Fold | None = None):
         self.fold = fold
@@ -276,6 +291,10 @@ class _Call:
                 out[e] = came[at:at + count]
                 at += count
         return out
+
+    def drop_outputs(self) -> None:
+        for _, c in self.computed:
+            c.y = None
 
     def backward(self, grads, rows=None, split: bool = False) -> tuple[list[torch.Tensor], _Weights | None]:
         """The rows' gradients, back from their owners, and (``split``, ZB-H1's B) the weight

@@ -17,10 +17,13 @@ them where the hooks see them.)
 """
 from __future__ import annotations
 
+import threading
 from typing import Callable
 
 import torch
 from torch import nn
+
+_RUNNING = threading.local()
 
 Core = Callable[..., torch.Tensor]
 """``core(q, k, v, *fixed, gen) -> y``: ``fixed`` are tensors without gradient (masks)."""
@@ -72,3 +75,22 @@ def select(layer: nn.Module, on: bool) -> None:
         if hasattr(module, "recompute_core"):
             module.recompute_core = on
 
+
+
+def checkpointed(fn: Callable) -> Callable:
+    """``fn`` as ``torch.utils.checkpoint`` is to run it (pipeline/stage.py): marked while it runs,
+    its first forward and its recomputation alike (whichever thread autograd runs that on), so code
+    inside can tell (expert/exchange.py keeps only a mixture of experts' rows there)."""
+    def run(*args, **kwargs):
+        depth = getattr(_RUNNING, "depth", 0)
+        _RUNNING.depth = depth + 1
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            _RUNNING.depth = depth
+    return run
+
+
+def in_checkpoint() -> bool:
+    """Whether a :func:`checkpointed` function is running on this thread."""
+    return getattr(_RUNNING, "depth", 0) > 0

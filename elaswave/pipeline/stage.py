@@ -118,8 +118,8 @@ class Stage:
                 self.waited_s += time.perf_counter() - waiting
             if train and layer.index in self.recomputed and torch.is_grad_enabled():
                 # The recomputation makes its generator anew from the same key: the same masks.
-                x = checkpoint(self._run, layer, x, step, micro_batch, train, documents, use_reentrant=False,
-                               preserve_rng_state=False)
+                x = checkpoint(recompute.checkpointed(self._run), layer, x, step, micro_batch, train, documents,
+                               use_reentrant=False, preserve_rng_state=False)
             else:
                 x = self._run(layer, x, step, micro_batch, train, documents)
         return x

@@ -11,6 +11,7 @@ from torch.utils.checkpoint import checkpoint
 from elaswave.expert import exchange
 from elaswave.expert.exchange import AllToAll
 from elaswave.model.moe import SparseMoE
+from elaswave.model.recompute import checkpointed
 from elaswave.plan.experts import place
 from tests.helpers.spawn import run_group
 
@@ -46,7 +47,7 @@ def _expert_grads(block, e: int) -> torch.Tensor:
 
 
 def _run(block, x: torch.Tensor, sums: dict[int, torch.Tensor] | None = None, recompute: bool = False) -> dict:
-    out = checkpoint(block, x, use_reentrant=False) if recompute else block(x)
+    out = checkpoint(checkpointed(block), x, use_reentrant=False) if recompute else block(x)
     (out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum().backward()
     if sums is not None:  # the reference: one fold of every expert per micro-batch
         for e in range(block.num_experts):
@@ -160,7 +161,7 @@ def test_zb_h1_leaves_the_experts_weight_gradients_to_w_with_one_backwards_bits(
     folded = []
     split.exchange = exchange.Local(lambda e: folded.append(e))
     x = _rows(0)
-    out = checkpoint(split, x, use_reentrant=False) if recompute else split(x)
+    out = checkpoint(checkpointed(split), x, use_reentrant=False) if recompute else split(x)
     grad = torch.linspace(-1, 1, out.numel()).view_as(out)
     layer = [p for p in split.parameters() if p.requires_grad]
     w = backward_input(out, grad, x, layer, [layer] if recompute else ())
