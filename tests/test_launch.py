@@ -269,7 +269,9 @@ def test_a_host_whose_store_connections_drop_and_come_back_keeps_its_place(tmp_p
     """Host 1's agent and workers reach the store through a loopback proxy. Every connection it
     carries is cut, and new ones refused for 0.6 s (under the 2 s heartbeat timeout), twice: each
     link re-connects, nobody is declared gone, the world stays 4 and the run equals the reference."""
-    steps = 60  # slowed: the cuts fall well inside the training (a step takes ~0.13 s here)
+    # Slowed: the cuts fall well inside the training (a step takes 0.08-0.13 s here: at 60 steps,
+    # 41 were written once by the end of the cuts' 3.2 s).
+    steps = 80
     sets = [*TINY, "parallel.dp=2", "parallel.pp=2", f"train.steps={steps}", "train.num_micro_batches=4",
             "train.deterministic=true", "parallel.timeout_s=30", f"checkpoint.dir={tmp_path / 'ckpt'}", f"elastic.inject={slowed(4)}"]
     port, metrics = free_port(), tmp_path / "run.jsonl"
