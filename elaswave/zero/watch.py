@@ -14,7 +14,11 @@ One backward call gives each leaf its gradient once, so a tensor counted is a te
 mixture of experts' experts (units of their own, model/units.py) are not counted but follow their
 layer: an exchange gives their weights their gradients in nested backwards (folded as they come,
 expert/exchange.py), all of which end before the block's attention gets its -- and an expert no
-row reached, or another rank owns, gets none -- so they are whole when their layer is. A layer
+row reached, or another rank owns, gets none -- so they are whole when their layer is. Under
+ZB-H1's W the exchange's node is restarted among its layer's products: some of the layer's
+weights take their gradients before the experts', but its norms' products, below the experts in
+the built-in families, after them, so the layer is still whole last (a custom block with no
+counted weight below its experts would not be). A layer
 with nothing to count (a head without adapters under LoRA) is whole at once. A
 layer one of whose counted tensors gets no gradient in that backward (a tied use computed in another
 chunk) is never whole here: its bucket, and the buckets after it in the order, start once the
