@@ -166,6 +166,14 @@ class Plan:
         return {r: frozenset(us) for r, us in out.items()}
 
     @cached_property
+    def experts_of_layer(self) -> dict[int, tuple[int, ...]]:
+        """Layer -> its expert units (``num_layers + k``), in order."""
+        out: dict[int, list[int]] = {}
+        for k, layer in enumerate(self.unit_layers):
+            out.setdefault(layer, []).append(self.num_layers + k)
+        return {layer: tuple(us) for layer, us in out.items()}
+
+    @cached_property
     def expert_group(self) -> dict[int, tuple[int, ...]]:
         """Each rank's expert-parallel group (plan/experts.expert_groups)."""
         return expert_groups(self)
