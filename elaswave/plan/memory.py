@@ -479,17 +479,17 @@ def _slot_values(model: MemoryModel, plan, rank: int) -> int:
 def _unit_numels(model: MemoryModel, plan) -> list[int]:
     """Each unit's values (model/units.py): a layer's own, then each expert's (the last answer kept:
     every rank of a plan asks with the same tuples, 53 s at 2,048 ranks of qwen3-235b-a22b)."""
-    key = (model.layer_numels, model.expert_numels, plan.unit_layers)
-    if not all(a is b for a, b in zip(key, _UNIT_NUMELS[0])):
-        out = list(model.layer_numels)
+    key, (last, numels) = (model.layer_numels, model.expert_numels, plan.unit_layers), _UNIT_NUMELS[0]
+    if not all(a is b for a, b in zip(key, last)):
+        numels = list(model.layer_numels)
         for layer, n in zip(plan.unit_layers, model.expert_numels):
-            out[layer] -= n
-        _UNIT_NUMELS[:] = [key, out + list(model.expert_numels) if plan.unit_layers and model.expert_numels
-                           else list(model.layer_numels)]
-    return _UNIT_NUMELS[1]
+            numels[layer] -= n
+        numels = numels + list(model.expert_numels) if plan.unit_layers and model.expert_numels else list(model.layer_numels)
+        _UNIT_NUMELS[0] = key, numels  # (one assignment: a thread reads a key with its own answer)
+    return numels
 
 
-_UNIT_NUMELS: list = [(None, None, None), []]
+_UNIT_NUMELS: list = [((None, None, None), [])]
 
 
 def stages_memory(memory: MemoryModel | None, num_stages: int, pipelines: int, num_micro_batches: int):
