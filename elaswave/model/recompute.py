@@ -76,7 +76,6 @@ def select(layer: nn.Module, on: bool) -> None:
             module.recompute_core = on
 
 
-
 def checkpointed(fn: Callable) -> Callable:
     """``fn`` as ``torch.utils.checkpoint`` is to run it (pipeline/stage.py): marked while it runs,
     its first forward and its recomputation alike (whichever thread autograd runs that on), so code
