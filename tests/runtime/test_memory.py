@@ -21,8 +21,8 @@ SHAPE = ["train.micro_batch_size=8", "train.num_micro_batches=4", "data.max_corp
     (2, 1, True, ["model.num_experts=4", "model.expert_ffn_dim=64", "model.moe_aux_loss_coef=0.01", "parallel.ep=2"]),
     # ... and every block recomputed: a block keeps its input and its experts' rows (the tiny
     # model's peak does not tell the experts' outputs, kept too until session 53, from noise)
-    (2, 1, True, ["model.num_experts=4", "model.expert_ffn_dim=64", "model.moe_aux_loss_coef=0.01", "parallel.ep=2",
-                  "train.activation_checkpointing=full"]),
+    pytest.param(2, 1, True, ["model.num_experts=4", "model.expert_ffn_dim=64", "model.moe_aux_loss_coef=0.01",
+                              "parallel.ep=2", "train.activation_checkpointing=full"], marks=pytest.mark.slow),
 ])
 def test_the_memory_model_predicts_each_ranks_measured_peak_within_15_percent(tmp_path, dp, pp, deterministic, extra):
     # Step 3: the model is of a step at steady state; the snapshot pool's third buffer first
