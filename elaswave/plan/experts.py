@@ -158,9 +158,7 @@ def place_holders(plan, prev_holders: Sequence[Sequence[int]] | None, loads: Seq
     ``standing_keep`` (the drop_replica baseline: TorchFT's dropped replica group is out, its state
     too) a pipeline that runs nothing holds no expert."""
     groups = expert_groups(plan)
-    by_layer: dict[int, list[int]] = {}
-    for k, layer in enumerate(plan.unit_layers):
-        by_layer.setdefault(layer, []).append(k)
+    by_layer = {layer: [u - plan.num_layers for u in us] for layer, us in plan.experts_of_layer.items()}
     holders: list[set[int]] = [set() for _ in plan.unit_layers]
     done: set[tuple[int, ...]] = set()
     for rank in plan.ranks:

@@ -476,20 +476,21 @@ def _slot_values(model: MemoryModel, plan, rank: int) -> int:
     return out
 
 
-def _unit_numels(model: MemoryModel, plan) -> list[int]:
-    """Each unit's values (model/units.py): a layer's own, then each expert's (the last answer kept:
-    every rank of a plan asks with the same tuples, 53 s at 2,048 ranks of qwen3-235b-a22b)."""
-    key, (last, numels) = (model.layer_numels, model.expert_numels, plan.unit_layers), _UNIT_NUMELS[0]
-    if not all(a is b for a, b in zip(key, last)):
-        numels = list(model.layer_numels)
-        for layer, n in zip(plan.unit_layers, model.expert_numels):
-            numels[layer] -= n
-        numels = numels + list(model.expert_numels) if plan.unit_layers and model.expert_numels else list(model.layer_numels)
-        _UNIT_NUMELS[0] = key, numels  # (one assignment: a thread reads a key with its own answer)
-    return numels
+def _unit_numels(model: MemoryModel, plan) -> tuple[int, ...]:
+    """Each unit's values (model/units.py): a layer's own, then each expert's (every rank of a plan
+    asks: once per plan, not 53 s at 2,048 ranks of qwen3-235b-a22b)."""
+    return _numels_by_unit(model.layer_numels, model.expert_numels, plan.unit_layers)
 
 
-_UNIT_NUMELS: list = [((None, None, None), [])]
+@lru_cache(maxsize=8)
+def _numels_by_unit(layer_numels: tuple[int, ...], expert_numels: tuple[int, ...],
+                    unit_layers: tuple[int, ...]) -> tuple[int, ...]:
+    if not unit_layers or not expert_numels:
+        return tuple(layer_numels)
+    out = list(layer_numels)
+    for layer, n in zip(unit_layers, expert_numels):
+        out[layer] -= n
+    return (*out, *expert_numels)
 
 
 def stages_memory(memory: MemoryModel | None, num_stages: int, pipelines: int, num_micro_batches: int):
