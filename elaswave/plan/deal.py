@@ -82,11 +82,12 @@ def _chunked_s(virtual_s: tuple[float, ...], sizes: tuple[float, ...], num_chunk
 def detoured_step_s(pipelines, mbs, routes, stage_s: Mapping[int, float]) -> float:
     """Predicted compute of a plan with detours: its routed schedule's length (the schedule the
     ranks would run; ``stage_s`` is forward + backward, split 1:2), or above
-    ``routed.EXACT_MAX_RANKS`` the busiest rank's micro-batches (own and guests') plus one fill."""
+    ``routed.EXACT_MAX_RANKS`` ranks in a connected set of routes the busiest rank's micro-batches
+    (own and guests') plus one fill."""
     all_routes, home = routed.routes_of(pipelines, mbs, dict(routes))
-    if len(stage_s) <= routed.EXACT_MAX_RANKS:
-        _, makespan = routed.routed_schedules(all_routes, home, {r: t / 3.0 for r, t in stage_s.items()}, 2.0)
-        return makespan
+    exact = routed.routed_timing(all_routes, home, {r: t / 3.0 for r, t in stage_s.items()}, 2.0)
+    if exact is not None:
+        return exact[0]
     count: dict[int, int] = {}
     for route in all_routes.values():
         for r in route:

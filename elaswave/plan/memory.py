@@ -35,6 +35,7 @@ from dataclasses import dataclass, fields, replace
 from functools import lru_cache
 from typing import Callable, Sequence
 
+from elaswave.pipeline.routed import guests_in_flight
 
 MIB = 2 ** 20
 STATE_BYTES = 12  # float32 master, exp_avg, exp_avg_sq
@@ -291,14 +292,14 @@ def rank_bytes(model: MemoryModel, plan, rank: int) -> dict[str, float]:
         out["activations"] = 0.0
     elif len(chunks) == 1:
         start, end = chunks[0]
-        # With detours (the reroute baseline's) every send lives to the step's end, by the layers the
-        # rank holds (a survivor last in its pipeline still sends onto a detour), a host's guests'
-        # activations and gradients too.
+        # With detours every send lives to the step's end, by the layers the rank holds (a survivor last
+        # in its pipeline still sends onto a detour); a host's guests' sends, and those it holds at once.
         own = set(plan.micro_batches[d])
         sends = (mbs * ((start > 0) + (end < plan.num_layers))
                  + 2 * sum(rank in route and mb not in own for mb, route in plan.routes)
                  if getattr(plan, "routes", ()) else model.sends_alive(s, depth, mbs))
-        out["activations"] = model.activation_bytes(start, end, model.in_flight(s, depth, mbs), sends)
+        out["activations"] = model.activation_bytes(start, end, model.in_flight(s, depth, mbs)
+                                                    + guests_in_flight(plan, rank, depth - s), sends)
     else:
         out["activations"] = _interleaved_activations(model, chunks, s, depth, mbs, plan.num_layers)
     # After the backward the activations are gone and the reduce packs the sums: one or the other --

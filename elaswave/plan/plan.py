@@ -205,6 +205,18 @@ class Plan:
     def route_of(self) -> dict[int, tuple[int, ...]]:
         return dict(self.routes)
 
+    @cached_property
+    def guest_places(self) -> dict[int, tuple[int, ...]]:
+        """Each host's guests (micro-batches detoured through it) by their place in their own
+        pipeline's schedule."""
+        out: dict[int, list[int]] = {}
+        for d, pipe in enumerate(self.pipelines):
+            for j, mb in enumerate(self.schedule_of(d)):
+                for r in self.route_of.get(mb, ()):
+                    if r not in pipe:
+                        out.setdefault(r, []).append(j)
+        return {r: tuple(sorted(places)) for r, places in out.items()}
+
     def frequency(self, rank: int) -> float:
         d, s = self.position(rank) if self.frequencies else (0, 0)
         return self.frequencies[d][s] if self.frequencies else 1.0

@@ -12,12 +12,12 @@ The same :class:`~elaswave.plan.plan.Plan` the runtime trains with is priced her
   lists the runtime executes timed by :func:`~elaswave.pipeline.schedule.makespan`: fill and drain
   from the real stage times (each chunk's, interleaved), not ``(S - 1)`` times the slowest; ZB-H1's
   split backward priced with B and W each half of a backward (``BACKWARD_INPUT_SHARE``, an
-  assumption). A plan with detours (the
-  reroute baseline) is timed by the routed scheduler the runtime runs whatever
-  ``pipeline_schedule`` says (the runtime runs that one there too), and above its size limit a
-  rank that hosts detoured micro-batches is bounded by its own and its guests' work plus one fill
-  at the slowest stage. The ``lower_bound`` pricing (:func:`routed_lower_bound`) does not depend
-  on the schedule;
+  assumption). A plan with detours is timed by the routed scheduler the runtime runs whatever
+  ``pipeline_schedule`` says (the runtime runs that one there too), and where a broken pipeline
+  and its hosts are over that scheduler's size limit a rank that hosts detoured micro-batches is
+  bounded by its own and its guests' work plus one fill at the slowest stage (sim/detours.py). The
+  ``lower_bound`` pricing (:func:`~elaswave.sim.detours.routed_lower_bound`) does not depend on the
+  schedule;
 - each gradient bucket's sum starts when its holders' schedules have made its gradients whole
   (a rank's last stage long before the first, and under interleaved 1F1B a chunk's last backward;
   within a whole backward as it reaches the bucket's lowest layer: :func:`overlapped_collectives_s`,
@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Callable, Sequence
 
-from elaswave.pipeline import routed
+from elaswave.sim.detours import routed_compute, routed_lower_bound, routed_whole_at  # noqa: F401 (a name of the model)
 from elaswave.pipeline.schedule import GENERATORS, gradients_whole, makespan, schedule_makespan, stage_schedule
 from elaswave.sim.experts import busiest_owner_s
 from elaswave.plan.buckets import gradient_chunks
@@ -236,8 +236,9 @@ SCHEDULES = ("runtime", "lower_bound")
 
 def step_time(plan: Plan, model: ClusterModel, schedule: str = "runtime") -> StepEstimate:
     """``schedule``: ``runtime``, the model's ``pipeline_schedule`` (1F1B, ZB-H1 or interleaved), or for a
-    plan with detours the routed schedule the runtime runs (its bound above ``routed.EXACT_MAX_RANKS``); ``lower_bound``, what no schedule of the
-    plan's routes can beat (:func:`routed_lower_bound`): how a baseline whose own schedule is not
+    plan with detours the routed schedule the runtime runs (its bound where a connected set of routes has more
+    than ``elaswave.pipeline.routed.EXACT_MAX_RANKS`` ranks); ``lower_bound``, what no schedule of the
+    plan's routes can beat (:func:`~elaswave.sim.detours.routed_lower_bound`): how a baseline whose own schedule is not
     modelled is priced (:func:`~elaswave.sim.engine.simulate`)."""
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule={schedule!r} is invalid: choose from {', '.join(SCHEDULES)}")
@@ -248,19 +249,25 @@ def step_time(plan: Plan, model: ClusterModel, schedule: str = "runtime") -> Ste
                          f"schedule runs; the cluster model's pipeline_schedule is {model.pipeline_schedule!r}")
     virtual = {d: model.virtual_stage_s(plan, d) for d in range(len(plan.pipelines))}
     stage = {r: sum(virtual[d][s::len(pipe)]) for d, pipe in enumerate(plan.pipelines) for s, r in enumerate(pipe)}
-    # A plan with detours is priced as if every sum waited for the step's compute and every
-    # all-gather came after (the runtime overlaps them there too: conservative).
+    # A plan with detours: its routed schedule, each rank's forwards after its all-gathers and its sums
+    # after its last backward (the runtime overlaps both there too); where that schedule is too large
+    # to build, its bound, with every sum after the step's compute and every all-gather after that.
     released = (gather_releases(plan, model) if model.overlap_param_gather and schedule == "runtime"
-                and not plan.routes and model.layer_param_bytes else None)
+                and model.layer_param_bytes else None)
+    routed_ends = None
     if schedule == "lower_bound":
         compute = routed_lower_bound(plan, stage, virtual)
-    elif plan.routes and len(plan.ranks) <= routed.EXACT_MAX_RANKS:
-        compute = _routed_compute(plan, stage, model.split_factor(plan))
+    elif plan.routes and (exact := routed_compute(plan, stage, model.split_factor(plan), released)) is not None:
+        compute, routed_ends = exact
     else:
+        released = None if plan.routes else released
         compute = _analytic_compute(plan, stage, virtual, model.split_factor(plan), model.pipeline_schedule, released)
-    whole = (_whole_at(plan, virtual, model.split_factor(plan), model.pipeline_schedule, model.overlap_grad_reduce,
-                       released, model.layer_forward_s)
-             if schedule == "runtime" and not plan.routes else None)
+    if routed_ends is not None:
+        whole = routed_whole_at(plan, stage, routed_ends, model)
+    else:
+        whole = (_whole_at(plan, virtual, model.split_factor(plan), model.pipeline_schedule, model.overlap_grad_reduce,
+                           released, model.layer_forward_s)
+                 if schedule == "runtime" and not plan.routes else None)
     summed, gathers = overlapped_collectives_s(plan, model, whole or (lambda rank, layers: compute))
     step = max(compute, summed) + (0.0 if released is not None else gathers)
     power = sum(model.power.power(plan.frequency(r)) for r in plan.ranks)
@@ -415,37 +422,6 @@ def pipeline_compute_s(schedule: str, times: tuple[float, ...], m: int | tuple[f
     num_stages = len(times) // num_chunks
     return makespan([stage_schedule(schedule, s, num_stages, range(count), num_chunks) for s in range(num_stages)],
                     times, backward_factor, sizes=sizes, released=released)
-
-
-def _routed_compute(plan: Plan, stage: dict[int, float], backward_factor: float) -> float:
-    routes, home = routed.routes_of(plan.pipelines, plan.micro_batches, plan.route_of)
-    _, makespan = routed.routed_schedules(routes, home, {r: t / (1 + backward_factor) for r, t in stage.items()},
-                                          backward_factor)
-    return makespan
-
-
-def routed_lower_bound(plan: Plan, stage: dict[int, float],
-                       virtual: dict[int, tuple[float, ...]] | None = None) -> float:
-    """No schedule of the plan's routes finishes sooner: some rank must run every forward and
-    backward that passes through it (``stage[r]`` each), cannot start before the first of them has
-    come through the stages before it (their forwards), and after its last backward that one still
-    goes back through them (their backwards). A schedule that fills bubbles perfectly -- ReCycle's
-    decoupled backward passes aim at it -- reaches this; the runtime's greedy one runs above it.
-    With virtual stages (no detours) what comes before a rank is the first chunks of the ranks
-    before it (``virtual``: :meth:`ClusterModel.virtual_stage_s` by pipeline)."""
-    routes, home = routed.routes_of(plan.pipelines, plan.micro_batches, plan.route_of)
-    work: dict[int, float] = {}
-    upstream: dict[int, float] = {}
-    for mb, route in routes.items():
-        size = plan.units_of(mb) / plan.units_per_micro_batch if plan.micro_batch_units else 1.0
-        before = 0.0
-        for s, r in enumerate(route):
-            work[r] = work.get(r, 0.0) + stage[r] * size
-            upstream[r] = min(upstream.get(r, before), before)
-            before += (stage[r] if plan.virtual_stages == 1 or virtual is None else virtual[home[mb]][s]) * size
-    # Fill (the forwards before r) and drain (the backwards before r), each at least the cheapest
-    # route's to r: together its whole upstream forward + backward.
-    return max(w + upstream[r] for r, w in work.items())
 
 
 def ring_s(n: int, nbytes: float, latency_s: float, bytes_per_s: float) -> float:

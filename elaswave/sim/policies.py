@@ -35,7 +35,7 @@ batch by pipeline speed deals it at those clocks; a restarted job plans its cloc
 - **reroute** (ReCycle): the layout stays; the broken pipeline's micro-batches pass through the
   same stage of the other pipelines; recovery is detection + a communicator built for the new
   routes (``partial_rebuild_s``); no state moves. Its steps are priced at the routes' lower bound
-  (:func:`~elaswave.sim.model.routed_lower_bound`: the busiest device's own and rerouted work plus
+  (:func:`~elaswave.sim.detours.routed_lower_bound`: the busiest device's own and rerouted work plus
   its fill and drain): ReCycle's decoupled-backward schedule, which fills the bubbles, is not
   modelled, so it is given the best any schedule could do. elaswave's own detours are priced by the
   schedule its runtime runs. Interleaved pipelines share no stages to route through: there it has

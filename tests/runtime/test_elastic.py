@@ -139,15 +139,19 @@ def test_a_broken_pipeline_is_re_partitioned_and_gives_the_same_run(tmp_path, pi
     assert res.summary["world_size"] == dp * pp - 1
 
 
-def test_reroute_baseline_keeps_the_batch_and_gives_the_same_run(tmp_path, pipe_reference):
-    # ReCycle's way: rank 1 (stage 1 of pipeline 0) is gone; its micro-batches pass through rank 3.
-    res = run_job(tmp_path, 2, 2, PIPE_STEPS, True,
+@pytest.mark.parametrize("dp,killed,phase", [(2, 1, "forward"), (3, 2, "backward")])
+def test_reroute_baseline_keeps_the_batch_and_gives_the_same_run(tmp_path, pipe_reference, dp, killed, phase):
+    # ReCycle's way: a rank is gone; its pipeline's micro-batches pass through the same stage of the
+    # others (at dp=3 one guest on each of two hosts, each inserted in its host's 1F1B order).
+    res = run_job(tmp_path, dp, 2, PIPE_STEPS, True,
                   extra=[f"train.num_micro_batches={PIPE_MBS}", "parallel.timeout_s=60", "elastic.policy=reroute",
-                         "elastic.inject=kill:rank=1,step=5,phase=forward"])
+                         f"elastic.inject=kill:rank={killed},step=5,phase={phase}"])
     assert res.losses == pipe_reference.losses
     assert res.summary["params_sha256"] == pipe_reference.summary["params_sha256"]
+    assert res.summary["state_sha256"] == pipe_reference.summary["state_sha256"]
     (rec,) = _recoveries(res)
-    assert rec["plan"]["detours"] == PIPE_MBS // 2 and rec["plan"]["layer_ranges"][0] == [[0, 3]]
+    survivor = [[0, 3], [3, 6]][1 - killed % 2]  # the broken pipeline keeps its survivor's stage
+    assert rec["plan"]["detours"] == PIPE_MBS // dp and rec["plan"]["layer_ranges"][killed // 2] == [survivor]
 
 
 def test_drop_replica_baseline_idles_the_broken_pipeline(tmp_path):
