@@ -247,9 +247,6 @@ class JobConfig:
         if self.parallel.virtual_stages > 1 and chunks > self.model.num_layers:
             _fail("parallel.virtual_stages", self.parallel.virtual_stages,
                   f"x parallel.pp={self.parallel.pp} = {chunks} chunks must be <= the model's {self.model.num_layers} layers")
-        if self.parallel.virtual_stages > 1 and self.elastic.policy == "reroute":
-            _fail("elastic.policy", self.elastic.policy, "sends micro-batches through other pipelines' stages, which "
-                  "interleaved pipelines do not share; use elastic.policy=elaswave or drop_replica")
         moe = self.model.num_experts and self._llama
         if self.checkpoint.export_hf and self._llama and not self.model.init_from:
             try:

@@ -27,7 +27,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Mapping, Sequence
 
-from elaswave.pipeline.schedule import Action, DeadlockError, Op, one_f_one_b
+from elaswave.pipeline.schedule import Action, DeadlockError, Op, stage_schedule
 
 SPARE_IN_FLIGHT = 2
 EXACT_MAX_RANKS = 512
@@ -46,22 +46,23 @@ def guests_in_flight(plan, rank: int, window: int) -> int:
 
 
 def routes_of(pipelines: Sequence[Sequence[int]], micro_batches: Sequence[Sequence[int]],
-              detours: Mapping[int, Sequence[int]]) -> tuple[dict[int, Sequence[int]], dict[int, int]]:
-    """Every micro-batch's route (its pipeline's ranks, unless it takes a detour) and its home
-    pipeline: the two inputs of :func:`routed_schedules`."""
+              detours: Mapping[int, Sequence[int]], num_chunks: int = 1) -> tuple[dict[int, Sequence[int]], dict[int, int]]:
+    """Every micro-batch's route (the rank of each virtual stage: its pipeline's ranks, ``num_chunks``
+    times round, unless it takes a detour) and its home pipeline: the inputs of :func:`routed_schedules`."""
     routes, home = {}, {}
     for d, (pipe, ids) in enumerate(zip(pipelines, micro_batches)):
         for mb in ids:
-            routes[mb], home[mb] = detours.get(mb, pipe), d
+            routes[mb], home[mb] = detours.get(mb, tuple(pipe) * num_chunks), d
     return routes, home
 
 
 def routed_schedules(routes: Mapping[int, Sequence[int]], home: Mapping[int, int],
-                     forward_s: Mapping[int, float], backward_factor: float = 2.0,
-                     spare: int | None = None) -> tuple[dict[int, list[Action]], float]:
+                     forward_s: Mapping[int, float | tuple[float, ...]], backward_factor: float = 2.0,
+                     spare: int | None = None, num_chunks: int = 1) -> tuple[dict[int, list[Action]], float]:
     """``routes[mb]``: the rank of each stage for micro-batch ``mb``; ``home[mb]``: its pipeline;
-    ``forward_s[rank]``: a forward's modelled time there; ``spare``: micro-batches in flight beyond
-    1F1B's bound (None: :data:`SPARE_IN_FLIGHT` once any micro-batch takes a detour, else 0).
+    ``forward_s[rank]``: a forward's modelled time there (with ``num_chunks`` chunks a rank, each
+    chunk's); ``spare``: micro-batches in flight beyond 1F1B's bound in the list schedule (None:
+    :data:`SPARE_IN_FLIGHT` once any micro-batch takes a detour, else 0).
     Returns each rank's actions and the predicted time of the step's compute.
 
     Micro-batches whose routes share no rank never wait for each other, so each connected set of
@@ -71,7 +72,8 @@ def routed_schedules(routes: Mapping[int, Sequence[int]], home: Mapping[int, int
     pipelines and their hosts differ from one intact pipeline."""
     schedules: dict[int, list[Action]] = {}
     makespan = 0.0
-    for mbs, ranks, (alike, span, _) in _by_component(routes, home, forward_s, backward_factor, spare):
+    for mbs, ranks, (alike, span, _) in _by_component(routes, home, forward_s, backward_factor, spare,
+                                                      num_chunks=num_chunks):
         makespan = max(makespan, span)
         for i, r in enumerate(ranks):
             schedules[r] = [replace(a, micro_batch=mbs[a.micro_batch], peer=None if a.peer is None else ranks[a.peer])
@@ -79,9 +81,10 @@ def routed_schedules(routes: Mapping[int, Sequence[int]], home: Mapping[int, int
     return schedules, makespan
 
 
-def routed_timing(routes: Mapping[int, Sequence[int]], home: Mapping[int, int], forward_s: Mapping[int, float],
-                  backward_factor: float = 2.0,
-                  released: Mapping[int, float] | None = None) -> tuple[float, dict[int, float]] | None:
+def routed_timing(routes: Mapping[int, Sequence[int]], home: Mapping[int, int],
+                  forward_s: Mapping[int, float | tuple[float, ...]], backward_factor: float = 2.0,
+                  released: Mapping[int, float] | None = None,
+                  num_chunks: int = 1) -> tuple[float, dict[int, float]] | None:
     """The routed schedule's compute time and when each rank's last backward ends, its actions in
     :func:`routed_schedules`' order with each rank's forwards after ``released[rank]`` (its
     parameters' all-gather); or None where a connected set of routes spans more than
@@ -90,7 +93,8 @@ def routed_timing(routes: Mapping[int, Sequence[int]], home: Mapping[int, int], 
     if max((len(ranks) for _, ranks in sets), default=0) > EXACT_MAX_RANKS:
         return None
     makespan, ends = 0.0, {}
-    for _, ranks, (_, span, local) in _by_component(routes, home, forward_s, backward_factor, None, sets, released):
+    for _, ranks, (_, span, local) in _by_component(routes, home, forward_s, backward_factor, None, sets, released,
+                                                    num_chunks):
         makespan = max(makespan, span)
         ends.update((r, local[i]) for i, r in enumerate(ranks))
     return makespan, ends
@@ -113,7 +117,7 @@ def _components(routes: Mapping[int, Sequence[int]]) -> list[tuple[list[int], li
     return [(ids, sorted({r for mb in ids for r in routes[mb]})) for ids in mbs.values()]
 
 
-def _by_component(routes, home, forward_s, backward_factor, spare, sets=None, released=None):
+def _by_component(routes, home, forward_s, backward_factor, spare, sets=None, released=None, num_chunks=1):
     """Each connected set's (micro-batches, ranks, (actions by rank index, makespan, each rank
     index's end)), scheduled with micro-batches and ranks renumbered in their order, each distinct
     set once; timed with its forwards after ``released``."""
@@ -128,63 +132,75 @@ def _by_component(routes, home, forward_s, backward_factor, spare, sets=None, re
         homes = {h: i for i, h in enumerate(sorted({home[mb] for mb in mbs}))}
         local = tuple(tuple(at[r] for r in routes[mb]) for mb in mbs)
         waits = tuple((released or {}).get(r, 0.0) for r in ranks)
-        key = (local, tuple(homes[home[mb]] for mb in mbs), tuple(forward_s[r] for r in ranks), waits)
+        key = (local, tuple(homes[home[mb]] for mb in mbs), tuple(forward_s[r] for r in ranks), waits, num_chunks)
         if key not in done:
             args = dict(enumerate(local)), dict(enumerate(key[1])), dict(enumerate(key[2])), backward_factor
-            actions, span, ends = _inserted(*args) or _greedy(*args, spare)
+            found = _inserted(*args, num_chunks)
+            if found is None and num_chunks > 1:
+                raise DeadlockError(f"no schedule for detours between pipelines of {num_chunks} chunks a rank: "
+                                    "the inserted interleaved order deadlocks")
+            actions, span, ends = found or _greedy(*args, spare)
             if any(waits):
                 span, ends = _timed(actions, dict(enumerate(key[2])), backward_factor, dict(enumerate(waits)))
             done[key] = actions, span, ends
         yield mbs, ranks, done[key]
 
 
-def _inserted(routes, home, forward_s, backward_factor: float):
-    """Each rank's own pipeline's 1F1B order with its guests inserted (the module's doc), timed;
-    None where a rank holds only guests or the order would deadlock."""
+def _inserted(routes, home, forward_s, backward_factor: float, num_chunks: int = 1):
+    """Each rank's own pipeline's order (1F1B, or interleaved 1F1B over ``num_chunks`` chunks: a
+    route then names the rank of each virtual stage) with its guests inserted (the module's doc),
+    timed; None where a rank holds only guests or the order would deadlock."""
     by_home: dict[int, list[int]] = {}
     for mb in sorted(routes):
         by_home.setdefault(home[mb], []).append(mb)
-    own: dict[int, tuple[int, int]] = {}  # rank -> (its pipeline, its stage): on every route of it
+    own: dict[int, tuple[int, int, int]] = {}  # rank -> (its pipeline, its stage, stages): on every route of it
     for h, mbs in by_home.items():
-        for s, r in enumerate(routes[mbs[0]]):
-            if all(routes[mb][s] == r for mb in mbs):
-                own[r] = (h, s)
+        p = len(routes[mbs[0]]) // num_chunks
+        for s, r in enumerate(routes[mbs[0]][:p]):
+            if all(routes[mb][c * p + s] == r for mb in mbs for c in range(num_chunks)):
+                own[r] = (h, s, p)
     ranks = {r for route in routes.values() for r in route}
-    if set(own) != ranks or any(len(set(route)) < len(route) for route in routes.values()):
+    if set(own) != ranks or any(len(set(route)) * num_chunks < len(route) for route in routes.values()):
         return None
     order = {}
-    for r, (h, s) in own.items():
-        order[r] = [(a.op is Op.FORWARD, a.micro_batch) for a in one_f_one_b(s, len(routes[by_home[h][0]]), by_home[h])
-                    if a.op in (Op.FORWARD, Op.BACKWARD)]
+    for r, (h, s, p) in own.items():
+        order[r] = [(a.op is Op.FORWARD, a.micro_batch, a.chunk) for a in stage_schedule(
+            "interleaved" if num_chunks > 1 else "1f1b", s, p, by_home[h], num_chunks) if a.op in (Op.FORWARD, Op.BACKWARD)]
     for g, mbs in by_home.items():
         for j, mb in enumerate(mbs):
-            for s, r in enumerate(routes[mb]):
-                h, _ = own[r]
+            for v, r in enumerate(routes[mb]):
+                h, _, p = own[r]
                 if h == g:
                     continue
-                ops, mine = order[r], by_home[h]
+                ops, mine, c = order[r], by_home[h], v // p
                 for forward in (True, False):
-                    at = ops.index((forward, mine[j])) if j < len(mine) else len(ops)
+                    at = ops.index((forward, mine[j], c)) if j < len(mine) else len(ops)
                     if not forward:
-                        at = max(at, ops.index((True, mb)) + 1)
-                    ops.insert(at, (forward, mb))
+                        at = max(at, ops.index((True, mb, c)) + 1)
+                    ops.insert(at, (forward, mb, c))
     schedules = {}
     for r, ops in order.items():
         acts = schedules[r] = []
-        for forward, mb in ops:
+        p = own[r][2]
+        for forward, mb, c in ops:
             route = routes[mb]
-            s, last = route.index(r), len(route) - 1
+            v, last = c * p + own[r][1], len(route) - 1
             if forward:
-                acts += ([Action(Op.RECV_ACT, mb, route[s - 1])] if s else []) + [Action(Op.FORWARD, mb)] + \
-                    ([Action(Op.SEND_ACT, mb, route[s + 1])] if s < last else [])
+                acts += ([Action(Op.RECV_ACT, mb, route[v - 1], c)] if v else []) + [Action(Op.FORWARD, mb, None, c)] + \
+                    ([Action(Op.SEND_ACT, mb, route[v + 1], c)] if v < last else [])
             else:
-                acts += ([Action(Op.RECV_GRAD, mb, route[s + 1])] if s < last else []) + [Action(Op.BACKWARD, mb)] + \
-                    ([Action(Op.SEND_GRAD, mb, route[s - 1])] if s else [])
+                acts += ([Action(Op.RECV_GRAD, mb, route[v + 1], c)] if v < last else []) + \
+                    [Action(Op.BACKWARD, mb, None, c)] + ([Action(Op.SEND_GRAD, mb, route[v - 1], c)] if v else [])
     try:
         span, ends = _timed(schedules, forward_s, backward_factor, {})
     except DeadlockError:
         return None
     return schedules, span, ends
+
+
+def _cost(forward_s: float | tuple[float, ...], chunk: int) -> float:
+    """A forward's time: a rank's, or with model chunks its chunk's."""
+    return forward_s[chunk] if isinstance(forward_s, tuple) else forward_s
 
 
 def _timed(schedules: Mapping[int, Sequence[Action]], forward_s: Mapping[int, float], backward_factor: float,
@@ -206,9 +222,9 @@ def _timed(schedules: Mapping[int, Sequence[Action]], forward_s: Mapping[int, fl
                 elif a.op in (Op.SEND_ACT, Op.SEND_GRAD):
                     sent[(a.op is Op.SEND_ACT, r, a.peer, a.micro_batch)] = free[r]
                 elif a.op is Op.FORWARD:
-                    free[r] = max(free[r], released.get(r, 0.0)) + forward_s[r]
+                    free[r] = max(free[r], released.get(r, 0.0)) + _cost(forward_s[r], a.chunk)
                 else:
-                    free[r] += forward_s[r] * backward_factor
+                    free[r] += _cost(forward_s[r], a.chunk) * backward_factor
                 at[r], moved = at[r] + 1, True
         if not moved:
             raise DeadlockError("the routed schedule deadlocks")
@@ -274,13 +290,13 @@ def _pick(ready, free, routes, home, spare, in_flight, limited: bool):
 def plan_schedules(plan, backward_factor: float = 2.0) -> dict[int, list[Action]]:
     """Every rank's actions for a plan with detours (``plan.routes``), timed by the plan's layer
     costs and frequency levels."""
-    routes, home = routes_of(plan.pipelines, plan.micro_batches, plan.route_of)
+    routes, home = routes_of(plan.pipelines, plan.micro_batches, plan.route_of, plan.virtual_stages)
     costs = plan.layer_costs or (1.0,) * plan.num_layers
     forward_s = {}
     for r in plan.ranks:
-        i, j = plan.layers_of(r)
-        forward_s[r] = sum(costs[i:j]) / plan.frequency(r)
-    schedules, _ = routed_schedules(routes, home, forward_s, backward_factor)
+        chunks = tuple(sum(costs[i:j]) / plan.frequency(r) for i, j in plan.chunk_ranges(r))
+        forward_s[r] = chunks if plan.virtual_stages > 1 else chunks[0]
+    schedules, _ = routed_schedules(routes, home, forward_s, backward_factor, num_chunks=plan.virtual_stages)
     return schedules
 
 

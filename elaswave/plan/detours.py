@@ -25,11 +25,14 @@ def detour_routes(prev, pipelines, ranges, complete, mbs, epoch: int) -> tuple[t
     for pipe, rng, ok, ids in zip(pipelines, ranges, complete, mbs):
         if ok:
             continue
-        own = dict(zip(rng, pipe))
+        # With model chunks a pipeline's ranges go round its ranks once a chunk (virtual stage v on
+        # rank v % p), and so does a route: the rank of each virtual stage, a detoured one's on the host.
+        own = dict(zip(rng, (pipe[k % len(pipe)] for k in range(len(rng)))))
         if any(r not in layout for r in rng):
             raise PlanError(f"epoch {epoch}: elastic.policy=reroute cannot route through stages {list(rng)}: "
                             f"they differ from the layout {list(layout)}")
         for mb in ids:
-            routes.append((mb, tuple(own.get(r, hosts[turn % len(hosts)][s]) for s, r in enumerate(layout))))
+            host = hosts[turn % len(hosts)]
+            routes.append((mb, tuple(own.get(r, host[v % len(host)]) for v, r in enumerate(layout))))
             turn += 1
     return tuple(routes)

@@ -59,9 +59,6 @@ def replan(prev: Plan, live: Sequence[int], epoch: int, num_micro_batches: int,
         raise PlanError(f"epoch {epoch}: no rank is left")
     alive, known = set(live), set(prev.ranks)
     joined = tuple(r for r in live if r not in known)
-    if policy == "reroute" and prev.virtual_stages > 1:
-        raise PlanError(f"epoch {epoch}: elastic.policy=reroute sends micro-batches through other pipelines' stages, "
-                        f"which pipelines of {prev.virtual_stages} interleaved chunks a rank do not share")
     if joined and policy != "elaswave":
         raise PlanError(f"epoch {epoch}: ranks {list(joined)} cannot join under elastic.policy={policy}, "
                         "which keeps the layout it lost ranks from; elastic.policy=elaswave re-plans for joins")

@@ -102,10 +102,14 @@ def build_rank(cfg: JobConfig, plan: Plan, rank: int, stage: Stage, sampler: Sam
     experts = attach_experts(cfg, plan, rank, stage, accumulator, world, comm, built)
     # With model chunks the pipeline's ranks form a ring: the last one's chunk c feeds the first one's c + 1.
     ring, depth = plan.virtual_stages > 1, len(pipeline)
+    first, last = s == 0, s == depth - 1
+    route = plan.route_of.get(plan.micro_batches[d][0]) if plan.routes and ring and plan.micro_batches[d] else None
+    if route is not None and rank in route:  # a broken pipeline's survivor keeps its stage of the whole layout
+        at, whole = route.index(rank), len(route) // plan.virtual_stages  # (whose ring its tags follow: p2p.py)
+        first, last = at % whole == 0, at % whole == whole - 1
     p2p = P2P(world, pipeline[s - 1] if s > 0 or ring else None, pipeline[(s + 1) % depth] if s < depth - 1 or ring else None,
               (t.micro_batch_size, getattr(model, "boundary_tokens", model.seq_len), model.hidden_size), device, dtype,
-              plan.virtual_stages,
-              first=s == 0, last=s == depth - 1)
+              plan.virtual_stages, first=first, last=last)
     ghosts = frozenset(plan.ghosts[d])  # (they send nothing down the pipeline: plan/experts.py)
     # A mixture of experts' load-balancing loss spans every (virtual) stage a micro-batch passes:
     # its statistics travel beside the messages (pipeline/balance.py), on detours too. Relayed with

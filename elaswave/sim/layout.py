@@ -16,14 +16,14 @@ from elaswave.plan.recompute import every_block
 from elaswave.sim import policies
 from elaswave.sim.workload import MODELS, choose_layout, model_units
 
-REROUTE_INTERLEAVED = ("reroute sends micro-batches through other pipelines' stages, which interleaved pipelines do "
-                       "not share (the runtime refuses elastic.policy=reroute with virtual stages)")
+REROUTE_INTERLEAVED = ("reroute is priced at its routes' lower bound, which the simulator does not yet model for "
+                       "interleaved pipelines (the runtime runs elastic.policy=reroute with virtual stages)")
 
 
 def check_schedule(args, names: list[str]) -> tuple[list[str], dict[str, str]]:
     """``--schedule`` and ``--virtual-stages`` checked by parallel.schedule's rules, and (the
-    policies that can run them, {a default policy left out: why}): reroute keeps no interleaved
-    layout, so it is left out of the default list and an error where named."""
+    policies that can run them, {a default policy left out: why}): reroute has no interleaved
+    price, so it is left out of the default list and an error where named."""
     v = args.virtual_stages
     if args.schedule not in GENERATORS:
         raise ConfigError(f"--schedule={args.schedule} is invalid: choose from {', '.join(GENERATORS)}")

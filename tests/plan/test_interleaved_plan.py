@@ -108,9 +108,28 @@ def test_a_memory_limit_is_kept_on_the_interleaved_plan_or_said():
         replan(limited, [0, 2], 1, 8)  # every pipeline broken and over the limit
 
 
-def test_reroute_is_refused_on_interleaved_pipelines():
-    with pytest.raises(PlanError, match="elastic.policy=reroute .* 2 interleaved chunks a rank do not share"):
-        replan(_plan(), [0, 2, 3], 1, 8, policy="reroute")
+@pytest.mark.parametrize("lost", [1, 4, 5, 8])
+def test_reroute_on_interleaved_pipelines_sends_every_chunk_of_the_lost_rank_to_one_host(lost):
+    """A route names the rank of each virtual stage: the broken pipeline's survivors keep theirs,
+    the lost rank's chunks go to the same stage of another pipeline, every one of a micro-batch's
+    to one host; each rank keeps its interleaved order with its guests inserted, deadlock-free."""
+    from elaswave.pipeline.routed import check_deadlock_free, plan_schedules
+    from elaswave.pipeline.schedule import Op
+    plan = _plan(dp=3, pp=3, mbs=9)
+    after = replan(plan, [r for r in plan.ranks if r != lost], 1, 9, policy="reroute")
+    d, s = plan.position(lost)
+    assert len(after.routes) == 3 and all(len(route) == 6 for _, route in after.routes)
+    for mb, route in after.routes:
+        host = route[s]
+        assert host != lost and plan.position(host)[1] == s and route[s + 3] == host
+        assert all(route[v] == plan.pipelines[d][v % 3] for v in range(6) if v % 3 != s)
+    schedules = plan_schedules(after)
+    check_deadlock_free(schedules)
+    done = sorted((a.op.value, a.micro_batch, a.chunk, r) for r, acts in schedules.items() for a in acts
+                  if a.op in (Op.FORWARD, Op.BACKWARD))
+    route_of = {mb: after.route_of.get(mb, plan.pipelines[mb // 3] * 2) for mb in range(9)}
+    assert done == sorted((op.value, mb, v // 3, route_of[mb][v]) for op in (Op.FORWARD, Op.BACKWARD)
+                          for mb in range(9) for v in range(6))
 
 
 def test_a_rebalance_over_the_limit_keeps_a_whole_pipeline_training():

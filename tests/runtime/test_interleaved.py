@@ -129,3 +129,17 @@ def test_a_broken_pipeline_stands_by_where_that_is_the_faster_plan(tmp_path, ref
     (rec,) = [r for r in res.records if r["event"] == "recovery"]
     assert rec["plan"]["pipelines"][0] == [0] and rec["plan"]["micro_batches"] == [0, 3, 3]  # counts
     assert_same_run(res, reference_of_6, STEPS)
+
+
+@pytest.mark.parametrize("rank,phase", [(1, "backward"), (2, "forward")])
+def test_the_reroute_baseline_sends_a_lost_ranks_chunks_through_a_peer_and_keeps_the_bits(tmp_path, reference_of_6,
+                                                                                         rank, phase):
+    """dp=3 x pp=2, V=2: the lost rank's two chunks of each of its pipeline's micro-batches run on the
+    same stage of another pipeline, inserted into that rank's interleaved order (pipeline/routed.py);
+    rank 1 is its pipeline's last stage, whose survivor then sends on round the whole layout's ring."""
+    res = run_job(tmp_path, 3, 2, STEPS, deterministic=True,
+                  extra=[*interleaved(2), "train.num_micro_batches=6", "elastic.policy=reroute",
+                         f"elastic.inject=kill:rank={rank},step=2,phase={phase}"])
+    (rec,) = [r for r in res.records if r["event"] == "recovery"]
+    assert rec["plan"]["detours"] == 2 and rec["plan"]["virtual_stages"] == 2
+    assert_same_run(res, reference_of_6, STEPS)

@@ -219,7 +219,8 @@ def test_reshaping_at_16384_devices_keeps_the_batch_and_catches_up_with_dropping
 def test_a_failure_under_interleaved_keeps_the_virtual_stages_and_is_priced_on_them():
     """Every policy survives a failure of an interleaved job: elaswave re-splits the broken
     pipeline into p' x V chunks, priced by the interleaved schedule's timing on those chunks;
-    reroute has no layout (interleaved pipelines share no stages) and stalls; none crashes."""
+    reroute has no price (its lower bound is not modelled for interleaved pipelines) and stalls;
+    none crashes."""
     import random
     from dataclasses import replace
 
