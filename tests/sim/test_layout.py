@@ -23,7 +23,7 @@ BASE = ["simulate", "--devices", "8", "--dp", "2", "--pp", "4", "--model", "gpt-
     (["--virtual-stages", "2"], "--virtual-stages=2 is invalid with --schedule 1f1b: must be 1"),
     (["--schedule", "zb-h1", "--virtual-stages", "3"], "--virtual-stages=3 is invalid with --schedule zb-h1: must be 1"),
     (["--schedule", "interleaved", "--virtual-stages", "2", "--policies", "elaswave,reroute"],
-     "--policies=elaswave,reroute is invalid with --schedule interleaved: reroute sends"),
+     "--policies=elaswave,reroute is invalid with --schedule interleaved: reroute is priced at its routes' lower bound"),
     (["--schedule", "interleaved", "--virtual-stages", "7"],
      "--virtual-stages=7 is invalid with pp=4: 28 chunks, more than gpt-1.3b's 26 layers; give at most 6"),
     (["--schedule", "1f2b"], "--schedule=1f2b is invalid: choose from 1f1b, zb-h1, interleaved"),
