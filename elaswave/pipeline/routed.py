@@ -30,7 +30,7 @@ from typing import Mapping, Sequence
 from elaswave.pipeline.schedule import Action, DeadlockError, Op, stage_schedule
 
 SPARE_IN_FLIGHT = 2
-EXACT_MAX_RANKS = 512
+EXACT_MAX_RANKS = 2048
 """Up to this many ranks in a connected set of routes (a broken pipeline and the pipelines hosting
 its micro-batches), a plan with detours is timed (by the planner and the simulator) by this
 module's schedule; above it the schedule gets too slow to build and they bound it analytically."""
@@ -41,8 +41,20 @@ def guests_in_flight(plan, rank: int, window: int) -> int:
     host's own forward of the same place in the pipelines' orders to before that one's backward, and
     under 1F1B a stage ``window`` from its pipeline's end runs ``window`` forwards ahead of its
     backwards, so guests whose places are less than ``window`` apart overlap."""
-    places = plan.guest_places.get(rank, ()) if getattr(plan, "routes", ()) else ()
+    places = [j for j, _ in plan.guest_places.get(rank, ())] if getattr(plan, "routes", ()) else ()
     return max((sum(1 for q in places if p - window < q <= p) for p in places), default=0)
+
+
+def layout_stage(plan, rank: int, stage: int, depth: int) -> tuple[int, int]:
+    """(stage, stages) of ``rank`` in its pipeline's whole layout: a broken pipeline's survivor that
+    its micro-batches' routes still pass keeps its place there (their ring's, its schedule's), not
+    its place among the survivors (``stage`` of ``depth``, the rest's)."""
+    d = plan.position(rank)[0]
+    route = plan.route_of.get(plan.micro_batches[d][0]) if plan.routes and plan.micro_batches[d] else None
+    if route is None or rank not in route:
+        return stage, depth
+    whole = len(route) // plan.virtual_stages
+    return route.index(rank) % whole, whole
 
 
 def routes_of(pipelines: Sequence[Sequence[int]], micro_batches: Sequence[Sequence[int]],
@@ -84,11 +96,11 @@ def routed_schedules(routes: Mapping[int, Sequence[int]], home: Mapping[int, int
 def routed_timing(routes: Mapping[int, Sequence[int]], home: Mapping[int, int],
                   forward_s: Mapping[int, float | tuple[float, ...]], backward_factor: float = 2.0,
                   released: Mapping[int, float] | None = None,
-                  num_chunks: int = 1) -> tuple[float, dict[int, float]] | None:
-    """The routed schedule's compute time and when each rank's last backward ends, its actions in
-    :func:`routed_schedules`' order with each rank's forwards after ``released[rank]`` (its
-    parameters' all-gather); or None where a connected set of routes spans more than
-    :data:`EXACT_MAX_RANKS` ranks (too slow to schedule: bound it)."""
+                  num_chunks: int = 1) -> tuple[float, dict[int, tuple[float, ...]]] | None:
+    """The routed schedule's compute time and when each rank's last backward of each of its chunks
+    ends, its actions in :func:`routed_schedules`' order with each rank's forwards after
+    ``released[rank]`` (its parameters' all-gather); or None where a connected set of routes spans
+    more than :data:`EXACT_MAX_RANKS` ranks (too slow to schedule: bound it)."""
     sets = _components(routes)
     if max((len(ranks) for _, ranks in sets), default=0) > EXACT_MAX_RANKS:
         return None
@@ -203,11 +215,12 @@ def _cost(forward_s: float | tuple[float, ...], chunk: int) -> float:
     return forward_s[chunk] if isinstance(forward_s, tuple) else forward_s
 
 
-def _timed(schedules: Mapping[int, Sequence[Action]], forward_s: Mapping[int, float], backward_factor: float,
-           released: Mapping[int, float]) -> tuple[float, dict[int, float]]:
+def _timed(schedules: Mapping[int, Sequence[Action]], forward_s: Mapping[int, float | tuple[float, ...]],
+           backward_factor: float, released: Mapping[int, float]) -> tuple[float, dict[int, tuple[float, ...]]]:
     """Every rank's actions run in their order, a receive after its send, a rank's forwards after
-    ``released``: (the last end, each rank's)."""
+    ``released``: (the last end, when each rank's last backward of each of its chunks ends)."""
     sent: dict[tuple[bool, int, int, int], float] = {}  # (activation, from, to, micro-batch) -> when
+    whole: dict[tuple[int, int], float] = {}  # (rank, chunk) -> when its last backward ends
     at, free = {r: 0 for r in schedules}, {r: 0.0 for r in schedules}
     while any(at[r] < len(a) for r, a in schedules.items()):
         moved = False
@@ -225,10 +238,12 @@ def _timed(schedules: Mapping[int, Sequence[Action]], forward_s: Mapping[int, fl
                     free[r] = max(free[r], released.get(r, 0.0)) + _cost(forward_s[r], a.chunk)
                 else:
                     free[r] += _cost(forward_s[r], a.chunk) * backward_factor
+                    whole[r, a.chunk] = free[r]
                 at[r], moved = at[r] + 1, True
         if not moved:
             raise DeadlockError("the routed schedule deadlocks")
-    return max(free.values(), default=0.0), free
+    chunks = 1 + max((c for _, c in whole), default=0)
+    return max(free.values(), default=0.0), {r: tuple(whole.get((r, c), 0.0) for c in range(chunks)) for r in schedules}
 
 
 def _greedy(routes, home, forward_s, backward_factor: float, spare: int) -> tuple[dict[int, list[Action]], float, dict]:
@@ -271,7 +286,7 @@ def _greedy(routes, home, forward_s, backward_factor: float, spare: int) -> tupl
                 schedules[r].append(Action(Op.SEND_GRAD, mb, route[s - 1]))
                 ready[route[s - 1]].append((end, False, mb, s - 1))
         left -= 1
-    return schedules, max(free.values(), default=0.0), free
+    return schedules, max(free.values(), default=0.0), {r: (t,) for r, t in free.items()}
 
 
 def _pick(ready, free, routes, home, spare, in_flight, limited: bool):

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import Enum
+from functools import lru_cache
 from typing import Sequence
 
 
@@ -380,3 +381,25 @@ def schedule_makespan(name: str, stage_s: Sequence[float], num_micro_batches: in
     virtual = [stage_s[k % num_stages] / num_chunks for k in range(num_stages * num_chunks)]
     return makespan([stage_schedule(name, s, num_stages, range(num_micro_batches), num_chunks)
                      for s in range(num_stages)], virtual, backward_factor, sizes=sizes)
+
+
+@lru_cache(maxsize=4096)
+def alive_counts(stage: int, depth: int, num_chunks: int, mbs: int) -> tuple[frozenset, tuple, tuple]:
+    """Stage ``stage``'s interleaved 1F1B schedule, walked once per shape (a plan of 10^4 ranks has a
+    few; plan/memory.py counts its activations by it):
+    each chunk's count of micro-batches alive after every forward (the distinct ones: a peak is at
+    one of them), right after each chunk's last backward, and right before its first forward, by chunk."""
+    actions = interleaved_1f1b(stage, depth, num_chunks, range(mbs))
+    last = {a.chunk: i for i, a in enumerate(actions) if a.op is Op.BACKWARD}
+    counts, forwards, after, first = [0] * num_chunks, set(), {}, {}
+    for i, a in enumerate(actions):
+        if a.op is Op.FORWARD:
+            first.setdefault(a.chunk, tuple(counts))
+            counts[a.chunk] += 1
+            forwards.add(tuple(counts))
+        elif a.op is Op.BACKWARD:
+            counts[a.chunk] -= 1
+            if last[a.chunk] == i:
+                after[a.chunk] = tuple(counts)
+    return (frozenset(forwards), tuple(after.get(c, (0,) * num_chunks) for c in range(num_chunks)),
+            tuple(first.get(c, (0,) * num_chunks) for c in range(num_chunks)))

@@ -79,18 +79,21 @@ def _chunked_s(virtual_s: tuple[float, ...], sizes: tuple[float, ...], num_chunk
                     virtual_s, sizes=sizes)
 
 
-def detoured_step_s(pipelines, mbs, routes, stage_s: Mapping[int, float]) -> float:
+def detoured_step_s(pipelines, mbs, routes, stage_s: Mapping[int, float | tuple[float, ...]],
+                    num_chunks: int = 1) -> float:
     """Predicted compute of a plan with detours: its routed schedule's length (the schedule the
-    ranks would run; ``stage_s`` is forward + backward, split 1:2), or above
-    ``routed.EXACT_MAX_RANKS`` ranks in a connected set of routes the busiest rank's micro-batches
-    (own and guests') plus one fill."""
-    all_routes, home = routed.routes_of(pipelines, mbs, dict(routes))
-    exact = routed.routed_timing(all_routes, home, {r: t / 3.0 for r, t in stage_s.items()}, 2.0)
+    ranks would run; ``stage_s`` is forward + backward, split 1:2, with ``num_chunks`` model chunks
+    a rank each chunk's), or above ``routed.EXACT_MAX_RANKS`` ranks in a connected set of routes
+    the busiest rank's micro-batches (own and guests') plus one fill."""
+    all_routes, home = routed.routes_of(pipelines, mbs, dict(routes), num_chunks)
+    forward = {r: tuple(c / 3.0 for c in t) if isinstance(t, tuple) else t / 3.0 for r, t in stage_s.items()}
+    exact = routed.routed_timing(all_routes, home, forward, 2.0, num_chunks=num_chunks)
     if exact is not None:
         return exact[0]
+    whole = {r: sum(t) if isinstance(t, tuple) else t for r, t in stage_s.items()}
     count: dict[int, int] = {}
     for route in all_routes.values():
-        for r in route:
+        for r in set(route):
             count[r] = count.get(r, 0) + 1
-    depth = max(len(route) for route in all_routes.values())
-    return max(stage_s[r] * n for r, n in count.items()) + (depth - 1) * max(stage_s.values())
+    depth = max(len(route) for route in all_routes.values()) // num_chunks
+    return max(whole[r] * n for r, n in count.items()) + (depth - 1) * max(whole.values())

@@ -35,7 +35,8 @@ from dataclasses import dataclass, fields, replace
 from functools import lru_cache
 from typing import Callable, Sequence
 
-from elaswave.pipeline.routed import guests_in_flight
+from elaswave.pipeline.routed import guests_in_flight, layout_stage
+from elaswave.pipeline.schedule import alive_counts
 
 MIB = 2 ** 20
 STATE_BYTES = 12  # float32 master, exp_avg, exp_avg_sq
@@ -301,7 +302,8 @@ def rank_bytes(model: MemoryModel, plan, rank: int) -> dict[str, float]:
         out["activations"] = model.activation_bytes(start, end, model.in_flight(s, depth, mbs)
                                                     + guests_in_flight(plan, rank, depth - s), sends)
     else:
-        out["activations"] = _interleaved_activations(model, chunks, s, depth, mbs, plan.num_layers)
+        out["activations"] = _interleaved_activations(model, chunks, *layout_stage(plan, rank, s, depth), mbs,
+                                                      plan.num_layers, getattr(plan, "guest_places", {}).get(rank, ()))
     # After the backward the activations are gone and the reduce packs the sums: one or the other --
     # but a chunk's sum that starts early is packed while the chunks before it still compute.
     out["update"] = model.update_bytes(sum(model.layer_numels[i] for i in held), slot)
@@ -341,7 +343,7 @@ def _overlap_peak(model: MemoryModel, chunks, stage: int, depth: int, mbs: int) 
     kept = _one_and_kept(model, chunks)[1]
     summed = model.sum_bytes or model.param_bytes
     packed = [summed * sum(model.layer_numels[i] for i in range(start, end)) for start, end in chunks]
-    after = _walk(stage, depth, len(chunks), mbs)[1]
+    after = alive_counts(stage, depth, len(chunks), mbs)[1]
     return max((sum(n * k for n, k in zip(after[c], kept)) + sum(packed[c:]) for c in range(1, len(chunks))),
                default=0.0)
 
@@ -354,7 +356,7 @@ def _within_peak(model: MemoryModel, plan, rank: int, chunks, stage: int, depth:
     the other chunks keep then -- the most of that over the rank's buckets."""
     summed = model.sum_bytes or model.param_bytes
     packed = [summed * sum(model.layer_numels[i] for i in range(start, end)) for start, end in chunks]
-    after = _walk(stage, depth, len(chunks), mbs)[1] if len(chunks) > 1 else ((0,),)
+    after = alive_counts(stage, depth, len(chunks), mbs)[1] if len(chunks) > 1 else ((0,),)
     kept = _one_and_kept(model, chunks)[1]
     out, buckets = 0.0, plan.gradient_buckets()
     for b in plan.buckets_of(rank):
@@ -380,44 +382,24 @@ def _gather_peak(model: MemoryModel, chunks, stage: int, depth: int, mbs: int, s
         return 0.0
     values = [sum(model.layer_numels[i] for i in model.held_layers(start, end)) for start, end in chunks]
     one, kept = _one_and_kept(model, chunks)
-    before = _walk(stage, depth, len(chunks), mbs)[2]
+    before = alive_counts(stage, depth, len(chunks), mbs)[2]
     return max(model.param_bytes * (sum(values[c + 1:]) + slot) + sum(n * k for n, k in zip(before[c], kept))
                + max(model.param_bytes * values[c], one[c]) for c in range(1, len(chunks)))
 
 
-def _interleaved_activations(model: MemoryModel, chunks, stage: int, depth: int, mbs: int, num_layers: int) -> float:
+def _interleaved_activations(model: MemoryModel, chunks, stage: int, depth: int, mbs: int, num_layers: int,
+                             guests: Sequence[tuple[int, int]] = ()) -> float:
     """A rank's activations under interleaved 1F1B, instant by instant through its schedule: the
     most its alive (micro-batch, chunk) pairs keep together -- each chunk keeps its own layers'
     (a head chunk's logits are not an embedding chunk's) -- plus one backward's extra peak and its
-    sends not yet freed (:meth:`MemoryModel.sends_alive`)."""
+    sends not yet freed (:meth:`MemoryModel.sends_alive`); a host's ``guests`` ((place, chunk): the
+    chunk each runs) with their sends, as if all alive at once (pipeline/routed.py inserts them apart)."""
     one, kept = _one_and_kept(model, chunks)  # one: a micro-batch's peak
-    sent = model.sends_alive(stage, depth, mbs, len(chunks)) * model.boundary_bytes
-    peak = max((sum(n * k for n, k in zip(counts, kept)) for counts in _walk(stage, depth, len(chunks), mbs)[0]),
+    sent = (model.sends_alive(stage, depth, mbs, len(chunks)) * model.boundary_bytes
+            + sum(kept[c] + 2 * model.boundary_bytes for _, c in guests))
+    peak = max((sum(n * k for n, k in zip(counts, kept)) for counts in alive_counts(stage, depth, len(chunks), mbs)[0]),
                default=0.0)
     return peak + max(o - k for o, k in zip(one, kept)) + sent
-
-
-@lru_cache(maxsize=4096)
-def _walk(stage: int, depth: int, num_chunks: int, mbs: int) -> tuple[frozenset, tuple, tuple]:
-    """The stage's interleaved 1F1B schedule, walked once per shape (a plan of 10^4 ranks has a few):
-    each chunk's count of micro-batches alive after every forward (the distinct ones: a peak is at
-    one of them), right after each chunk's last backward, and right before its first forward, by chunk."""
-    from elaswave.pipeline.schedule import Op, interleaved_1f1b  # late: the plan needs no schedule
-
-    actions = interleaved_1f1b(stage, depth, num_chunks, range(mbs))
-    last = {a.chunk: i for i, a in enumerate(actions) if a.op is Op.BACKWARD}
-    counts, forwards, after, first = [0] * num_chunks, set(), {}, {}
-    for i, a in enumerate(actions):
-        if a.op is Op.FORWARD:
-            first.setdefault(a.chunk, tuple(counts))
-            counts[a.chunk] += 1
-            forwards.add(tuple(counts))
-        elif a.op is Op.BACKWARD:
-            counts[a.chunk] -= 1
-            if last[a.chunk] == i:
-                after[a.chunk] = tuple(counts)
-    return (frozenset(forwards), tuple(after.get(c, (0,) * num_chunks) for c in range(num_chunks)),
-            tuple(first.get(c, (0,) * num_chunks) for c in range(num_chunks)))
 
 
 def by_cost(virtual_stages: int, memory: MemoryModel | None) -> bool:

@@ -206,15 +206,16 @@ class Plan:
         return dict(self.routes)
 
     @cached_property
-    def guest_places(self) -> dict[int, tuple[int, ...]]:
-        """Each host's guests (micro-batches detoured through it) by their place in their own
-        pipeline's schedule."""
-        out: dict[int, list[int]] = {}
+    def guest_places(self) -> dict[int, tuple[tuple[int, int], ...]]:
+        """Each host's guests (micro-batches detoured through it) as (their place in their own
+        pipeline's schedule, the host's chunk they run)."""
+        out: dict[int, list[tuple[int, int]]] = {}
         for d, pipe in enumerate(self.pipelines):
             for j, mb in enumerate(self.schedule_of(d)):
-                for r in self.route_of.get(mb, ()):
+                route = self.route_of.get(mb, ())
+                for v, r in enumerate(route):
                     if r not in pipe:
-                        out.setdefault(r, []).append(j)
+                        out.setdefault(r, []).append((j, v * self.virtual_stages // len(route)))
         return {r: tuple(sorted(places)) for r, places in out.items()}
 
     def frequency(self, rank: int) -> float:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import statistics
 from typing import Mapping, Sequence
 
-from elaswave.plan.deal import chunks_step_s, step_s
+from elaswave.plan.deal import chunks_step_s, detoured_step_s, step_s
 from elaswave.plan.frequency import PowerModel
 
 
@@ -63,6 +63,25 @@ def timing(schedule: str, virtual_stages: int) -> tuple[str, int]:
     return ("interleaved", virtual_stages) if virtual_stages > 1 else (schedule, 1)
 
 
+def chunk_times(plan, d: int, rate: Mapping[int, float]) -> list[float]:
+    """Pipeline ``d``'s virtual stages' times a micro-batch (forward + backward), each with the blocks
+    its rank recomputes, at nominal clocks."""
+    costs, pipe = layer_costs(plan), plan.pipelines[d]
+    again = {r: plan.recomputed_of(r) for r in pipe} if plan.recomputed else {}
+    return [(range_cost(plan, i, j) + sum(costs[b] for b in again.get(pipe[k % len(pipe)], ()) if i <= b < j) / 3.0)
+            / rate[pipe[k % len(pipe)]] for k, (i, j) in enumerate(plan.layer_ranges[d])]
+
+
+def priced_detoured_s(plan, rate: Mapping[int, float]) -> float:
+    """A plan with detours between interleaved pipelines as the planner times it: the routed schedule
+    (pipeline/routed.py) on each rank's chunks, with what they recompute."""
+    times = {}
+    for d, pipe in enumerate(plan.pipelines):
+        chunks = chunk_times(plan, d, rate)
+        times.update((r, tuple(chunks[s::len(pipe)])) for s, r in enumerate(pipe))
+    return detoured_step_s(plan.pipelines, plan.micro_batches, plan.routes, times, plan.virtual_stages)
+
+
 def priced_step_s(plan, rate: Mapping[int, float], schedule: str) -> float:
     """The plan's step as the planner times it (:func:`~elaswave.plan.deal.step_s`), each rank's
     stage including its recomputation (:func:`recompute_cost`), at nominal clocks. Under
@@ -74,14 +93,7 @@ def priced_step_s(plan, rate: Mapping[int, float], schedule: str) -> float:
     mbs = [plan.micro_batches[d] for d in run]
     sizes = [[plan.units_of(mb) / plan.units_per_micro_batch for mb in plan.micro_batches[d]] for d in run]
     if plan.virtual_stages > 1:
-        costs, times = layer_costs(plan), []
-        for d in run:
-            pipe = plan.pipelines[d]
-            again = {r: plan.recomputed_of(r) for r in pipe} if plan.recomputed else {}
-            times.append([(range_cost(plan, i, j) + sum(costs[b] for b in again.get(pipe[k % len(pipe)], ())
-                                                        if i <= b < j) / 3.0) / rate[pipe[k % len(pipe)]]
-                          for k, (i, j) in enumerate(plan.layer_ranges[d])])
-        return chunks_step_s(times, mbs, sizes, plan.virtual_stages)
+        return chunks_step_s([chunk_times(plan, d, rate) for d in run], mbs, sizes, plan.virtual_stages)
     extra = recompute_cost(plan, schedule)
     return step_s([stage_times(plan, plan.pipelines[d], plan.layer_ranges[d], rate, extra) for d in run], mbs, sizes,
                   *timing(schedule, plan.virtual_stages))

@@ -17,7 +17,7 @@ from elaswave.plan.frequency import PowerModel
 from elaswave.plan.memory import by_cost, limit_refusal, over_limit
 from elaswave.plan.partition import PartitionError
 from elaswave.plan.plan import Plan
-from elaswave.plan.rates import priced_step_s, range_cost, rank_rates, recompute_cost, stage_times, timing
+from elaswave.plan.rates import priced_detoured_s, priced_step_s, range_cost, rank_rates, recompute_cost, stage_times, timing
 from elaswave.plan.recompute import fit_recomputation
 from elaswave.plan.resplit import place_joiners, split
 
@@ -234,8 +234,8 @@ def _elaswave(prev: Plan, epoch: int, pipelines, kept_ranges, kept, num_micro_ba
             extra.clear()
             extra.update(kept_extra)
     complete = [covers(rng, prev.num_layers) for rng in kept_ranges]
-    # Interleaved pipelines share no stage layout a detour could pass through.
-    if detours and prev.virtual_stages == 1 and any(complete) and not all(complete):
+    # (Detours between interleaved pipelines of experts held across ranks: not tested, not taken.)
+    if detours and (prev.virtual_stages == 1 or not prev.expert_holders) and any(complete) and not all(complete):
         kept_mbs = tuple(prev.micro_batches[d] if d is not None else () for d in kept)
         try:
             routes = detour_routes(prev, pipelines, kept_ranges, complete, kept_mbs, epoch)
@@ -246,11 +246,14 @@ def _elaswave(prev: Plan, epoch: int, pipelines, kept_ranges, kept, num_micro_ba
             # Priced with what it recomputes itself: a host keeps its guests' activations too, and
             # recomputes more to fit them (priced with the other plan's, Llama 3 405B at 16,384 GPUs
             # took detours the simulator then found 4 % slower than standing by).
-            own = recompute_cost(detoured, schedule)
-            forward = {r: (range_cost(prev, i, j) + own.get(r, 0.0)) / rate[r] for pipe, rng in zip(pipelines, kept_ranges)
-                       for r, (i, j) in zip(pipe, rng)}
-            if not limit_refusal(detoured) and \
-                    detoured_step_s(pipelines, kept_mbs, routes, forward) < step_s(at_levels, run_mbs, sizes, schedule) * (1 - 1e-3):
+            if prev.virtual_stages > 1:  # each chunk timed as the simulator times it, both plans alike
+                price, other = priced_detoured_s(detoured, rate), priced_step_s(built, rate, schedule)
+            else:
+                own = recompute_cost(detoured, schedule)
+                forward = {r: (range_cost(prev, i, j) + own.get(r, 0.0)) / rate[r] for pipe, rng in zip(pipelines, kept_ranges)
+                           for r, (i, j) in zip(pipe, rng)}
+                price, other = detoured_step_s(pipelines, kept_mbs, routes, forward), step_s(at_levels, run_mbs, sizes, schedule)
+            if not limit_refusal(detoured) and price < other * (1 - 1e-3):
                 return detoured
     plan = built
     # A partition by cost (interleaved, or recomputing to fit): a re-split pipeline over the limit stands

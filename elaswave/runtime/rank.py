@@ -17,7 +17,7 @@ from elaswave.pipeline.emulate import EmulatedCompute, layer_forward_s
 from elaswave.pipeline.executor import Executor
 from elaswave.pipeline.p2p import P2P, incoming_of
 from elaswave.pipeline.release import send_releases
-from elaswave.pipeline.routed import plan_schedules
+from elaswave.pipeline.routed import layout_stage, plan_schedules
 from elaswave.pipeline.schedule import Action, stage_schedule
 from elaswave.pipeline.stage import Stage
 from elaswave.plan.buckets import gradient_chunks, issue_order, ready_after
@@ -102,11 +102,8 @@ def build_rank(cfg: JobConfig, plan: Plan, rank: int, stage: Stage, sampler: Sam
     experts = attach_experts(cfg, plan, rank, stage, accumulator, world, comm, built)
     # With model chunks the pipeline's ranks form a ring: the last one's chunk c feeds the first one's c + 1.
     ring, depth = plan.virtual_stages > 1, len(pipeline)
-    first, last = s == 0, s == depth - 1
-    route = plan.route_of.get(plan.micro_batches[d][0]) if plan.routes and ring and plan.micro_batches[d] else None
-    if route is not None and rank in route:  # a broken pipeline's survivor keeps its stage of the whole layout
-        at, whole = route.index(rank), len(route) // plan.virtual_stages  # (whose ring its tags follow: p2p.py)
-        first, last = at % whole == 0, at % whole == whole - 1
+    at, whole = layout_stage(plan, rank, s, depth)  # a broken pipeline's survivor: its tags follow the whole ring's
+    first, last = at == 0, at == whole - 1
     p2p = P2P(world, pipeline[s - 1] if s > 0 or ring else None, pipeline[(s + 1) % depth] if s < depth - 1 or ring else None,
               (t.micro_batch_size, getattr(model, "boundary_tokens", model.seq_len), model.hidden_size), device, dtype,
               plan.virtual_stages, first=first, last=last)

@@ -10,32 +10,46 @@ from elaswave.plan.buckets import gradient_chunks
 from elaswave.plan.plan import Plan
 
 
-def routed_compute(plan: Plan, stage: dict[int, float], backward_factor: float,
+def routed_compute(plan: Plan, virtual: dict[int, tuple[float, ...]], backward_factor: float,
                    released: dict[int, tuple[float, ...]] | None) -> tuple[float, dict[int, float]] | None:
     """The routed schedule's compute and each rank's end (:func:`~elaswave.pipeline.routed.routed_timing`)
-    on stages of ``stage`` (forward + backward), a rank's forwards after ``released`` (its
-    all-gathers); None where it is too large to build."""
-    routes, home = routed.routes_of(plan.pipelines, plan.micro_batches, plan.route_of)
-    return routed.routed_timing(routes, home, {r: t / (1 + backward_factor) for r, t in stage.items()},
-                                backward_factor, {r: at[0] for r, at in released.items()} if released else None)
+    on each pipeline's ``virtual`` stages (forward + backward; a rank's chunks with virtual stages),
+    a rank's forwards after ``released`` (its all-gathers); None where it is too large to build."""
+    v = plan.virtual_stages
+    routes, home = routed.routes_of(plan.pipelines, plan.micro_batches, plan.route_of, v)
+    forward = {}
+    for d, pipe in enumerate(plan.pipelines):
+        for s, r in enumerate(pipe):
+            chunks = tuple(t / (1 + backward_factor) for t in virtual[d][s::len(pipe)])
+            forward[r] = chunks if v > 1 else sum(chunks)
+    return routed.routed_timing(routes, home, forward, backward_factor,
+                                {r: at[0] for r, at in released.items()} if released else None, v)
 
 
-def routed_whole_at(plan: Plan, stage: dict[int, float], ends: dict[int, float], model):
-    """``sim.model._whole_at`` for a plan with detours: a rank's gradients are whole after its
-    last backward (``ends``, its routed schedule's) -- a guest's or its own, the same layers --,
-    and within it once it has run the rank's layers from the bucket's lowest up."""
+def routed_whole_at(plan: Plan, virtual: dict[int, tuple[float, ...]], ends: dict[int, tuple[float, ...]], model):
+    """``sim.model._whole_at`` for a plan with detours: a rank's gradients of a chunk are whole
+    after its last backward of the chunk (``ends``, its routed schedule's: a guest's or its own, the
+    same layers), and within it once it has run the chunk's layers from the bucket's lowest up;
+    without overlap, when all the rank's chunks are done."""
     split = model.split_factor(plan)
 
     def at(rank: int, layers: Sequence[int]) -> float:
+        d, s = plan.position(rank)
         lowest = plan.layer_of(layers[0])
         chunks = gradient_chunks(plan, rank, lowest)
         if rank not in ends or not chunks:
             return 0.0
-        end, (start, stop) = ends[rank], plan.layers_of(rank)
-        if model.overlap_grad_reduce and model.layer_forward_s and start <= lowest < stop:
-            layer_s = model.layer_forward_s
-            end -= stage[rank] * split / (1 + split) * sum(layer_s[start:lowest]) / (sum(layer_s[start:stop]) or 1.0)
-        return end
+        if not model.overlap_grad_reduce:
+            chunks = frozenset(range(len(ends[rank])))
+        out, ranges = 0.0, plan.chunk_ranges(rank)
+        for c in chunks:
+            end, (start, stop) = ends[rank][c], ranges[c]
+            if model.overlap_grad_reduce and model.layer_forward_s and len(chunks) == 1 and start <= lowest < stop:
+                layer_s = model.layer_forward_s
+                backward = virtual[d][c * len(plan.pipelines[d]) + s] * split / (1 + split)
+                end -= backward * sum(layer_s[start:lowest]) / (sum(layer_s[start:stop]) or 1.0)
+            out = max(out, end)
+        return out
     return at
 
 

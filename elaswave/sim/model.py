@@ -257,13 +257,13 @@ def step_time(plan: Plan, model: ClusterModel, schedule: str = "runtime") -> Ste
     routed_ends = None
     if schedule == "lower_bound":
         compute = routed_lower_bound(plan, stage, virtual)
-    elif plan.routes and (exact := routed_compute(plan, stage, model.split_factor(plan), released)) is not None:
+    elif plan.routes and (exact := routed_compute(plan, virtual, model.split_factor(plan), released)) is not None:
         compute, routed_ends = exact
     else:
         released = None if plan.routes else released
         compute = _analytic_compute(plan, stage, virtual, model.split_factor(plan), model.pipeline_schedule, released)
     if routed_ends is not None:
-        whole = routed_whole_at(plan, stage, routed_ends, model)
+        whole = routed_whole_at(plan, virtual, routed_ends, model)
     else:
         whole = (_whole_at(plan, virtual, model.split_factor(plan), model.pipeline_schedule, model.overlap_grad_reduce,
                            released, model.layer_forward_s)

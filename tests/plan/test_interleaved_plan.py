@@ -109,19 +109,19 @@ def test_a_memory_limit_is_kept_on_the_interleaved_plan_or_said():
 
 
 @pytest.mark.parametrize("lost", [1, 4, 5, 8])
-def test_reroute_on_interleaved_pipelines_sends_every_chunk_of_the_lost_rank_to_one_host(lost):
+def test_reroute_on_interleaved_pipelines_sends_each_chunk_of_the_lost_rank_to_the_next_host(lost):
     """A route names the rank of each virtual stage: the broken pipeline's survivors keep theirs,
-    the lost rank's chunks go to the same stage of another pipeline, every one of a micro-batch's
-    to one host; each rank keeps its interleaved order with its guests inserted, deadlock-free."""
+    the lost rank's chunks go to the same stage of other pipelines, a micro-batch's chunks to the
+    hosts in turn; each rank keeps its interleaved order with its guests inserted, deadlock-free."""
     from elaswave.pipeline.routed import check_deadlock_free, plan_schedules
     from elaswave.pipeline.schedule import Op
     plan = _plan(dp=3, pp=3, mbs=9)
     after = replan(plan, [r for r in plan.ranks if r != lost], 1, 9, policy="reroute")
     d, s = plan.position(lost)
     assert len(after.routes) == 3 and all(len(route) == 6 for _, route in after.routes)
+    hosts = [route[v] for _, route in after.routes for v in (s, s + 3)]
+    assert [plan.position(h) for h in hosts] == [(e, s) for e in [k for k in range(3) if k != d] * 3]
     for mb, route in after.routes:
-        host = route[s]
-        assert host != lost and plan.position(host)[1] == s and route[s + 3] == host
         assert all(route[v] == plan.pipelines[d][v % 3] for v in range(6) if v % 3 != s)
     schedules = plan_schedules(after)
     check_deadlock_free(schedules)

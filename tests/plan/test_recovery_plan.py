@@ -281,18 +281,34 @@ def test_a_broken_pipeline_stands_by_when_that_is_faster_than_re_splitting_it(mo
     from elaswave.plan.rates import priced_step_s, rank_rates
     plan = initial_plan(32, 8, 4, [1.0] * 8, mbs, [8] * 8, chunk_numel=4, virtual_stages=2)
     live = [r for r in plan.ranks if r != 1]
-    after = replan(plan, live, 1, mbs, schedule="interleaved")
+    after = replan(plan, live, 1, mbs, schedule="interleaved", detours=False)  # (detours: the next test)
     assert sorted(m for ids in after.micro_batches for m in ids) == list(range(mbs)) and not after.routes
     assert (after.micro_batches[0] == ()) == stands_by
     if stands_by:  # the survivors keep their chunks of the old layout
         assert after.layer_ranges[0] == tuple(r for k, r in enumerate(plan.layer_ranges[0]) if k % 4 != 1)
     # The other candidate: with every plan priced alike the planner keeps the re-split one.
     monkeypatch.setattr(planner, "priced_step_s", lambda *_: 1.0)
-    resplit = replan(plan, live, 1, mbs, schedule="interleaved")
+    resplit = replan(plan, live, 1, mbs, schedule="interleaved", detours=False)
     assert resplit.micro_batches[0] and resplit.is_complete(0)
     rate = rank_rates(plan, {})
     mine, other = priced_step_s(after, rate, "interleaved"), priced_step_s(resplit, rate, "interleaved")
     assert mine < other if stands_by else mine == other
+
+
+def test_an_interleaved_pipeline_that_lost_a_rank_sends_its_chunks_through_a_peer_where_that_is_fastest():
+    """The same 8 x 4 pipelines, V = 2, 24 micro-batches, rank 1 lost: the lost rank's two chunks of
+    each of its pipeline's 3 micro-batches go to stage 1 of six other pipelines, one chunk each,
+    priced by the routed schedule the runtime runs (each chunk its own time) below standing by,
+    which the planner takes without detours."""
+    from elaswave.plan.rates import priced_detoured_s, priced_step_s, rank_rates
+    plan = initial_plan(32, 8, 4, [1.0] * 8, 24, [8] * 8, chunk_numel=4, virtual_stages=2)
+    live = [r for r in plan.ranks if r != 1]
+    after = replan(plan, live, 1, 24, schedule="interleaved")
+    assert len(after.routes) == 3 and after.micro_batches[0] == plan.micro_batches[0]
+    assert sorted(route[v] for _, route in after.routes for v in (1, 5)) == [5, 9, 13, 17, 21, 25]
+    standby = replan(plan, live, 1, 24, schedule="interleaved", detours=False)
+    rate = rank_rates(plan, {})
+    assert priced_detoured_s(after, rate) < priced_step_s(standby, rate, "interleaved") * (1 - 1e-3)
 
 
 def test_an_interleaved_re_split_is_priced_chunk_by_chunk_as_the_simulator_times_it():

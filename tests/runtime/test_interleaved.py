@@ -36,8 +36,8 @@ def test_a_kill_leaves_the_survivors_interleaved_and_bit_identical(tmp_path, ref
     pipeline's survivor runs both halves of the model as two chunks of its own (the ring closes on
     itself), the other pipeline keeps its four virtual stages, and the run ends with the
     reference's bits."""
-    res = run_job(tmp_path, 2, 2, STEPS, deterministic=True,
-                  extra=[*interleaved(2), f"elastic.inject=kill:rank={rank},step=2,phase={phase}"])
+    res = run_job(tmp_path, 2, 2, STEPS, deterministic=True,  # (detours: the next test)
+                  extra=[*interleaved(2), f"elastic.inject=kill:rank={rank},step=2,phase={phase}", "elastic.detours=false"])
     assert f"injecting kill into rank {rank} at step 2 ({phase})" in res.stderr
     plans = [r["plan"] for r in res.records if r["event"] == "recovery"]
     assert plans, res.stderr

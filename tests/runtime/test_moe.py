@@ -43,7 +43,10 @@ def test_experts_with_the_balancing_loss_train_bit_identical_to_the_reference(tm
     # Round a ring of virtual stages: each rank sees a micro-batch once per chunk.
     (1, 3, ["parallel.schedule=interleaved", "parallel.virtual_stages=2"]),
     (2, 2, ["parallel.schedule=interleaved", "parallel.virtual_stages=2", "elastic.inject=kill:rank=1,step=2,phase=backward"]),
-], ids=["2x2-kill", "1x3-recompute", "1x6", "zb-h1-kill", "interleaved-1x3", "interleaved-2x2-kill"])
+    # The lost rank's chunks through its peer (pipeline/routed.py), the statistics beside them.
+    (2, 2, ["parallel.schedule=interleaved", "parallel.virtual_stages=2", "elastic.policy=reroute",
+            "elastic.inject=kill:rank=2,step=2,phase=forward"]),
+], ids=["2x2-kill", "1x3-recompute", "1x6", "zb-h1-kill", "interleaved-1x3", "interleaved-2x2-kill", "interleaved-2x2-detours"])
 def test_the_balancing_loss_spans_a_pipeline_bit_identical_to_the_reference(tmp_path, reference, dp, pp, extra):
     """Each forward's routing statistics travel beside the activation, the totals back beside the
     gradient, and every stage's blocks take the same gradient as in the reference."""
