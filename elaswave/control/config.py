@@ -41,7 +41,8 @@ class ElasticConfig:
     Each copy costs one more send per step and the memory of one more peer's snapshot per rank."""
     detours: bool = True
     """elaswave's planner may leave a broken pipeline's survivors in place and send its micro-batches
-    through the other pipelines' same stage, when it predicts that faster than re-partitioning."""
+    (with model chunks, each lost chunk) through the other pipelines' same stage, when it predicts
+    that faster than re-partitioning or standing the survivors by."""
     overlap_migration: bool = True
     """On a recovery, chunk parameters move first (the next forward needs them) and Adam moments
     travel while the next step computes; off: both before the step starts (the blocking baseline)."""
