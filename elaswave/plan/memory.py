@@ -299,8 +299,9 @@ def rank_bytes(model: MemoryModel, plan, rank: int) -> dict[str, float]:
         sends = (mbs * ((start > 0) + (end < plan.num_layers))
                  + 2 * sum(rank in route and mb not in own for mb, route in plan.routes)
                  if getattr(plan, "routes", ()) else model.sends_alive(s, depth, mbs))
-        out["activations"] = model.activation_bytes(start, end, model.in_flight(s, depth, mbs)
-                                                    + guests_in_flight(plan, rank, depth - s), sends)
+        at, whole = layout_stage(plan, rank, s, depth)  # a broken pipeline's survivor runs its whole layout's 1F1B
+        out["activations"] = model.activation_bytes(start, end, model.in_flight(at, whole, mbs)
+                                                    + guests_in_flight(plan, rank, whole - at), sends)
     else:
         out["activations"] = _interleaved_activations(model, chunks, *layout_stage(plan, rank, s, depth), mbs,
                                                       plan.num_layers, getattr(plan, "guest_places", {}).get(rank, ()))

@@ -180,3 +180,29 @@ def test_with_detours_every_send_a_rank_makes_is_counted_to_the_steps_end():
         sent = sum(a.op in (Op.SEND_ACT, Op.SEND_GRAD) and a.peer != r for a in schedules.get(r, []))
         assert rank_bytes(m, after, r)["activations"] >= sent > 0, r
     assert rank_bytes(m, after, 2)["activations"] == 8.0
+
+
+@pytest.mark.parametrize("lost", [0, 1, 2, 3])
+def test_with_detours_a_rank_holds_no_more_micro_batches_at_once_than_the_model_counts(lost):
+    """A broken pipeline's survivor runs 1F1B at its place in the whole layout (a survivor before
+    the lost stage keeps as many micro-batches alive as before the loss, not as in a shorter
+    pipeline), and a host its own plus the guests whose places are close (pipeline/routed.py)."""
+    from elaswave.pipeline.routed import guests_in_flight, layout_stage, plan_schedules
+    from elaswave.pipeline.schedule import Op
+    from elaswave.plan.replan import replan
+    m = MemoryModel(layer_numels=(9,) * 8, layer_activation_bytes=(1.0,) * 8, boundary_bytes=1.0, param_bytes=2,
+                    sum_bytes=4, chunk_numel=4)
+    plan = initial_plan(16, 4, 4, [1.0] * 8, 32, [9] * 8, 4, memory=m)
+    after = replan(plan, [r for r in range(16) if r != 4 + lost], 1, 32, policy="reroute")
+    tight = 0
+    for r, actions in plan_schedules(after).items():
+        alive = peak = 0
+        for a in actions:
+            alive += (a.op is Op.FORWARD) - (a.op is Op.BACKWARD)
+            peak = max(peak, alive)
+        d, s = after.position(r)
+        at, whole = layout_stage(after, r, s, len(after.pipelines[d]))
+        counted = m.in_flight(at, whole, len(after.micro_batches[d])) + guests_in_flight(after, r, whole - at)
+        assert peak <= counted, (r, peak, counted)
+        tight += peak == counted
+    assert tight >= len(after.ranks) // 2
