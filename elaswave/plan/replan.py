@@ -243,9 +243,8 @@ def _elaswave(prev: Plan, epoch: int, pipelines, kept_ranges, kept, num_micro_ba
             routes = None
         if routes is not None and sum(map(len, kept_mbs)) == num_micro_batches:
             detoured = _build(prev, epoch, pipelines, kept_ranges, kept_mbs, routes=routes, teams=teams, check=False)
-            # Priced with what it recomputes itself: a host keeps its guests' activations too, and
-            # recomputes more to fit them (priced with the other plan's, Llama 3 405B at 16,384 GPUs
-            # took detours the simulator then found 4 % slower than standing by).
+            # Priced with what it recomputes itself: a host keeps its guests' activations too, and may
+            # recompute more to fit them.
             if prev.virtual_stages > 1:  # each chunk timed as the simulator times it, both plans alike
                 price, other = priced_detoured_s(detoured, rate), priced_step_s(built, rate, schedule)
             else:
