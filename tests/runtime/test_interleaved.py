@@ -131,7 +131,7 @@ def test_a_broken_pipeline_stands_by_where_that_is_the_faster_plan(tmp_path, ref
     assert_same_run(res, reference_of_6, STEPS)
 
 
-@pytest.mark.parametrize("rank,phase", [(1, "backward"), (2, "forward")])
+@pytest.mark.parametrize("rank,phase", [(1, "backward"), pytest.param(2, "forward", marks=pytest.mark.slow)])
 def test_the_reroute_baseline_sends_a_lost_ranks_chunks_through_a_peer_and_keeps_the_bits(tmp_path, reference_of_6,
                                                                                          rank, phase):
     """dp=3 x pp=2, V=2: the lost rank's two chunks of each of its pipeline's micro-batches run on the

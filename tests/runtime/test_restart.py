@@ -38,7 +38,10 @@ def test_a_new_run_resumes_the_checkpoint_in_another_layout(tmp_path, first_sets
     # Saved at dp=2 x pp=2 (2 x 2 x 2 virtual stages), the job dies (no elasticity); the next run at
     # dp=3 x pp=1 (1 x 3 x 2 virtual stages) continues it: a checkpoint is by layer, not by rank.
     metrics = tmp_path / "m.jsonl"
-    first = run_cli(["run"] + [x for s in _sets(tmp_path, 2, 2, ["elastic.inject=kill:rank=3,step=7", *first_sets])
+    # Step 6 slowed on every rank (a sleep: the same bits) so that step 4's checkpoint is written
+    # before the kill: under a full suite's load it once was not, and the second run began afresh.
+    faults = ";".join([*(f"slow:rank={r},step=6,factor=80" for r in range(4)), "kill:rank=3,step=7"])
+    first = run_cli(["run"] + [x for s in _sets(tmp_path, 2, 2, [f"elastic.inject={faults}", *first_sets])
                                for x in ("--set", s)], tmp_path, metrics=metrics)
     assert first.returncode != 0
     dp, pp, extra = second
