@@ -221,8 +221,9 @@ def _cost(forward_s: float | tuple[float, ...], chunk: int) -> float:
 
 def _timed(schedules: Mapping[int, Sequence[Action]], forward_s: Mapping[int, float | tuple[float, ...]],
            backward_factor: float, released: Mapping[int, float]) -> tuple[float, dict[int, tuple[float, ...]]]:
-    """Every rank's actions run in their order, a receive after its send, a rank's forwards after
-    ``released``: (the last end, when each rank's last backward of each of its chunks ends)."""
+    """Every rank's actions run in their order, a receive after its send (sends never wait), a
+    rank's forwards after ``released``: (the last end, when each rank's last backward of each of
+    its chunks ends); :class:`DeadlockError` where they get stuck or a message is never received."""
     sent: dict[tuple[bool, int, int, int], float] = {}  # (activation, from, to, micro-batch) -> when
     whole: dict[tuple[int, int], float] = {}  # (rank, chunk) -> when its last backward ends
     at, free = {r: 0 for r in schedules}, {r: 0.0 for r in schedules}
@@ -245,7 +246,10 @@ def _timed(schedules: Mapping[int, Sequence[Action]], forward_s: Mapping[int, fl
                     whole[r, a.chunk] = free[r]
                 at[r], moved = at[r] + 1, True
         if not moved:
-            raise DeadlockError("the routed schedule deadlocks")
+            stuck = {r: str(a[at[r]]) for r, a in schedules.items() if at[r] < len(a)}
+            raise DeadlockError(f"schedule deadlocks; ranks waiting at {stuck}")
+    if sent:
+        raise DeadlockError(f"messages sent but never received: {sorted(sent)}")
     chunks = 1 + max((c for _, c in whole), default=0)
     return max(free.values(), default=0.0), {r: tuple(whole.get((r, c), 0.0) for c in range(chunks)) for r in schedules}
 
@@ -322,26 +326,4 @@ def plan_schedules(plan, backward_factor: float = 2.0) -> dict[int, list[Action]
 def check_deadlock_free(schedules: Mapping[int, Sequence[Action]]) -> None:
     """Run every rank's actions symbolically (receives wait for the matching send, sends never
     wait); raise :class:`DeadlockError` if they can get stuck or a message is never received."""
-    sent: set[tuple[str, int, int, int]] = set()  # (kind, from, to, micro-batch)
-    pos = {r: 0 for r in schedules}
-    while True:
-        progressed = False
-        for r, sched in schedules.items():
-            while pos[r] < len(sched):
-                a = sched[pos[r]]
-                if a.op in (Op.RECV_ACT, Op.RECV_GRAD):
-                    key = ("act" if a.op is Op.RECV_ACT else "grad", a.peer, r, a.micro_batch)
-                    if key not in sent:
-                        break
-                    sent.discard(key)
-                elif a.op in (Op.SEND_ACT, Op.SEND_GRAD):
-                    sent.add(("act" if a.op is Op.SEND_ACT else "grad", r, a.peer, a.micro_batch))
-                pos[r] += 1
-                progressed = True
-        if all(pos[r] == len(s) for r, s in schedules.items()):
-            if sent:
-                raise DeadlockError(f"messages sent but never received: {sorted(sent)}")
-            return
-        if not progressed:
-            stuck = {r: str(s[pos[r]]) for r, s in schedules.items() if pos[r] < len(s)}
-            raise DeadlockError(f"schedule deadlocks; ranks waiting at {stuck}")
+    _timed(schedules, dict.fromkeys(schedules, 0.0), 0.0, {})

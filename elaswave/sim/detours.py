@@ -3,16 +3,13 @@
 the plan's routes can beat (the reroute baseline's price)."""
 from __future__ import annotations
 
-from typing import Sequence
-
 from elaswave.pipeline import routed
-from elaswave.plan.buckets import gradient_chunks
 from elaswave.plan.plan import Plan
 
 
 def routed_compute(plan: Plan, virtual: dict[int, tuple[float, ...]], backward_factor: float,
-                   released: dict[int, tuple[float, ...]] | None) -> tuple[float, dict[int, float]] | None:
-    """The routed schedule's compute and each rank's end (:func:`~elaswave.pipeline.routed.routed_timing`)
+                   released: dict[int, tuple[float, ...]] | None) -> tuple[float, dict[int, tuple[float, ...]]] | None:
+    """The routed schedule's compute and each rank's chunks' ends (:func:`~elaswave.pipeline.routed.routed_timing`)
     on each pipeline's ``virtual`` stages (forward + backward; a rank's chunks with virtual stages),
     a rank's forwards after ``released`` (its all-gathers); None where it is too large to build."""
     v = plan.virtual_stages
@@ -26,31 +23,18 @@ def routed_compute(plan: Plan, virtual: dict[int, tuple[float, ...]], backward_f
                                 {r: at[0] for r, at in released.items()} if released else None, v)
 
 
-def routed_whole_at(plan: Plan, virtual: dict[int, tuple[float, ...]], ends: dict[int, tuple[float, ...]], model):
-    """``sim.model._whole_at`` for a plan with detours: a rank's gradients of a chunk are whole
-    after its last backward of the chunk (``ends``, its routed schedule's: a guest's or its own, the
-    same layers), and within it once it has run the chunk's layers from the bucket's lowest up;
-    without overlap, when all the rank's chunks are done."""
-    split = model.split_factor(plan)
-
-    def at(rank: int, layers: Sequence[int]) -> float:
+def routed_chunk_times(plan: Plan, virtual: dict[int, tuple[float, ...]], ends: dict[int, tuple[float, ...]],
+                       backward_factor: float):
+    """``sim.model._whole_at``'s ``chunk_times`` for a plan with detours: each chunk's last backward
+    on the rank in its routed schedule (``ends``: a guest's or its own, the same layers), as long as
+    one of the chunk's own."""
+    def times(rank: int) -> list[tuple[float, float]] | None:
+        if rank not in ends:
+            return None
         d, s = plan.position(rank)
-        lowest = plan.layer_of(layers[0])
-        chunks = gradient_chunks(plan, rank, lowest)
-        if rank not in ends or not chunks:
-            return 0.0
-        if not model.overlap_grad_reduce:
-            chunks = frozenset(range(len(ends[rank])))
-        out, ranges = 0.0, plan.chunk_ranges(rank)
-        for c in chunks:
-            end, (start, stop) = ends[rank][c], ranges[c]
-            if model.overlap_grad_reduce and model.layer_forward_s and len(chunks) == 1 and start <= lowest < stop:
-                layer_s = model.layer_forward_s
-                backward = virtual[d][c * len(plan.pipelines[d]) + s] * split / (1 + split)
-                end -= backward * sum(layer_s[start:lowest]) / (sum(layer_s[start:stop]) or 1.0)
-            out = max(out, end)
-        return out
-    return at
+        p = len(plan.pipelines[d])
+        return [(end, virtual[d][c * p + s] * backward_factor / (1 + backward_factor)) for c, end in enumerate(ends[rank])]
+    return times
 
 
 def routed_lower_bound(plan: Plan, stage: dict[int, float],

@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Callable, Sequence
 
-from elaswave.sim.detours import routed_compute, routed_lower_bound, routed_whole_at  # noqa: F401 (a name of the model)
+from elaswave.sim.detours import routed_chunk_times, routed_compute, routed_lower_bound  # noqa: F401 (a name of the model)
 from elaswave.pipeline.schedule import GENERATORS, gradients_whole, makespan, schedule_makespan, stage_schedule
 from elaswave.sim.experts import busiest_owner_s
 from elaswave.plan.buckets import gradient_chunks
@@ -263,11 +263,12 @@ def step_time(plan: Plan, model: ClusterModel, schedule: str = "runtime") -> Ste
         released = None if plan.routes else released
         compute = _analytic_compute(plan, stage, virtual, model.split_factor(plan), model.pipeline_schedule, released)
     if routed_ends is not None:
-        whole = routed_whole_at(plan, virtual, routed_ends, model)
+        times = routed_chunk_times(plan, virtual, routed_ends, model.split_factor(plan))
+    elif schedule == "runtime" and not plan.routes:
+        times = _scheduled_chunk_times(plan, virtual, model.split_factor(plan), model.pipeline_schedule, released)
     else:
-        whole = (_whole_at(plan, virtual, model.split_factor(plan), model.pipeline_schedule, model.overlap_grad_reduce,
-                           released, model.layer_forward_s)
-                 if schedule == "runtime" and not plan.routes else None)
+        times = None
+    whole = _whole_at(plan, times, model.overlap_grad_reduce, model.layer_forward_s) if times is not None else None
     summed, gathers = overlapped_collectives_s(plan, model, whole or (lambda rank, layers: compute))
     step = max(compute, summed) + (0.0 if released is not None else gathers)
     power = sum(model.power.power(plan.frequency(r)) for r in plan.ranks)
@@ -275,38 +276,24 @@ def step_time(plan: Plan, model: ClusterModel, schedule: str = "runtime") -> Ste
                         plan.batch_units / plan.units_per_micro_batch, power)
 
 
-def _whole_at(plan: Plan, virtual: dict[int, tuple[float, ...]], backward_factor: float, schedule: str,
-              overlap: bool, released: dict[int, tuple[float, ...]] | None = None,
+def _whole_at(plan: Plan, chunk_times: Callable[[int], Sequence[tuple[float, float]] | None], overlap: bool,
               layer_s: Sequence[float] = ()):
-    """(rank, a bucket's layers) -> when their gradients are whole on the rank in the step, by the
-    schedule's own timing of the rank's pipeline (0 on a pipeline that runs nothing), its forwards
-    after the all-gathers they read (``released``: :func:`gather_releases`): the last backward of
-    the chunks that compute them, and within a whole backward once it has run the chunk's layers
-    from the bucket's lowest up (zero/watch.py; shares by ``layer_s``, each layer's forward);
-    without ``overlap``, when all the rank's chunks are done."""
-    by_pipeline: dict[int, tuple[tuple[float, float], ...]] = {}
-
-    def whole(d: int) -> tuple[float, ...]:
-        if d not in by_pipeline:
-            m = len(plan.micro_batches[d])
-            sizes = (tuple(plan.units_of(mb) / plan.units_per_micro_batch for mb in plan.micro_batches[d])
-                     if plan.micro_batch_units else m)
-            by_pipeline[d] = _gradients_whole(schedule, virtual[d], sizes, backward_factor, plan.virtual_stages,
-                                              _released_of(plan, d, released))
-        return by_pipeline[d]
-
+    """(rank, a bucket's layers) -> when their gradients are whole on the rank in the step:
+    ``chunk_times(rank)``, each of its chunks' last backward (its end and its length; None where
+    the rank runs nothing), of the chunks that compute them, and within a whole backward once it
+    has run the chunk's layers from the bucket's lowest up (zero/watch.py; shares by ``layer_s``,
+    each layer's forward); without ``overlap``, when all the rank's chunks are done."""
     def at(rank: int, layers: Sequence[int]) -> float:
-        d, s = plan.position(rank)
         lowest = plan.layer_of(layers[0])  # (a bucket's units are in layer order)
         chunks = gradient_chunks(plan, rank, lowest)
         if not overlap and chunks:
             chunks = frozenset(range(plan.virtual_stages))
-        if not plan.micro_batches[d] or not chunks:
+        times = chunk_times(rank)
+        if times is None or not chunks:
             return 0.0
-        times, ranges = whole(d), plan.chunk_ranges(rank)
-        out = 0.0
+        out, ranges = 0.0, plan.chunk_ranges(rank)
         for c in chunks:
-            end, backward = times[c * len(plan.pipelines[d]) + s]
+            end, backward = times[c]
             start, stop = ranges[c]
             # What it still runs below (the runtime counts a tied use's tensors too: one computed in
             # another chunk leaves the bucket to the backward's end there).
@@ -315,6 +302,26 @@ def _whole_at(plan: Plan, virtual: dict[int, tuple[float, ...]], backward_factor
             out = max(out, end)
         return out
     return at
+
+
+def _scheduled_chunk_times(plan: Plan, virtual: dict[int, tuple[float, ...]], backward_factor: float, schedule: str,
+                           released: dict[int, tuple[float, ...]] | None = None):
+    """:func:`_whole_at`'s ``chunk_times`` by the schedule's own timing of each rank's pipeline, its
+    forwards after the all-gathers they read (``released``: :func:`gather_releases`)."""
+    by_pipeline: dict[int, tuple[tuple[float, float], ...]] = {}
+
+    def times(rank: int) -> Sequence[tuple[float, float]] | None:
+        d, s = plan.position(rank)
+        if not plan.micro_batches[d]:
+            return None
+        if d not in by_pipeline:
+            m = len(plan.micro_batches[d])
+            sizes = (tuple(plan.units_of(mb) / plan.units_per_micro_batch for mb in plan.micro_batches[d])
+                     if plan.micro_batch_units else m)
+            by_pipeline[d] = _gradients_whole(schedule, virtual[d], sizes, backward_factor, plan.virtual_stages,
+                                              _released_of(plan, d, released))
+        return by_pipeline[d][s::len(plan.pipelines[d])]
+    return times
 
 
 @lru_cache(maxsize=4096)
