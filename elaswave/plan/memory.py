@@ -227,25 +227,31 @@ class MemoryModel:
             k = (end - start).bit_length() - 1
             return max(table[k][start], table[k][end - (1 << k)])
 
+        by_stage: dict[int, tuple[float, int]] = {}  # the partitioner asks O(L^2 S) times, each stage's alike
+
         def memory(stage: int, start: int, end: int) -> float:
             own = values[end] - values[start]
-            borrowed = sum(self.layer_numels[o] for o in {o for o, u in self.ties if start <= u < end
-                                                           and not start <= o < end})
-            lent = sum(self.layer_numels[o] for o in {o for o, u in self.ties if start <= o < end
-                                                       and not start <= u < end})
+            borrowed = lent = uses = 0
+            if self.ties:
+                borrowed = sum(self.layer_numels[o] for o in {o for o, u in self.ties if start <= u < end
+                                                               and not start <= o < end})
+                lent = sum(self.layer_numels[o] for o in {o for o, u in self.ties if start <= o < end
+                                                           and not start <= u < end})
+                uses = sum(t for (o, u), t in zip(self.ties, self.tied_numels) if start <= u < end)
             held = own + borrowed
             # A tied owner's chunks are shared by the holders of both its layers: half each. (An
             # expert's chunks are shared by its owners, 1/ep of the holders, each holding 1/ep of
             # the experts: the same share of the state as a layer's.)
             shared = own + (borrowed - lent) / 2
             held -= away[end] - away[start]
-            uses = sum(t for (o, u), t in zip(self.ties, self.tied_numels) if start <= u < end)
-            sent = self.sends_alive(stage, num_stages, micro_batches) * self.boundary_bytes
-            in_flight = self.in_flight(stage, num_stages, num_micro_batches)
+            if stage not in by_stage:
+                by_stage[stage] = (self.sends_alive(stage, num_stages, micro_batches) * self.boundary_bytes,
+                                   self.in_flight(stage, num_stages, num_micro_batches))
+            sent, in_flight = by_stage[stage]
             data = self.data_bytes if start == 0 or end == n else 0.0
             activations = ((in_flight - 1) * (acts[end] - acts[start]) + sent
                            + max(acts[end], recompute_peak(start, end)) - acts[start])
-            frozen = self.frozen_bytes(self.held_layers(start, end))
+            frozen = self.frozen_bytes(self.held_layers(start, end)) if self.frozen_numels else 0.0
             return (held * per_value + shared * share + self.gradient_bytes * uses + data + frozen
                     + max(activations, self.update_bytes(held, shared / holders))) / MIB
         return memory

@@ -28,12 +28,12 @@ def routed_chunk_times(plan: Plan, virtual: dict[int, tuple[float, ...]], ends: 
     """``sim.model._whole_at``'s ``chunk_times`` for a plan with detours: each chunk's last backward
     on the rank in its routed schedule (``ends``: a guest's or its own, the same layers), as long as
     one of the chunk's own."""
-    def times(rank: int) -> list[tuple[float, float]] | None:
+    def times(rank: int) -> tuple[tuple[float, float], ...] | None:
         if rank not in ends:
             return None
         d, s = plan.position(rank)
         p = len(plan.pipelines[d])
-        return [(end, virtual[d][c * p + s] * backward_factor / (1 + backward_factor)) for c, end in enumerate(ends[rank])]
+        return tuple((end, virtual[d][c * p + s] * backward_factor / (1 + backward_factor)) for c, end in enumerate(ends[rank]))
     return times
 
 

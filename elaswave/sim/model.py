@@ -283,15 +283,23 @@ def _whole_at(plan: Plan, chunk_times: Callable[[int], Sequence[tuple[float, flo
     the rank runs nothing), of the chunks that compute them, and within a whole backward once it
     has run the chunk's layers from the bucket's lowest up (zero/watch.py; shares by ``layer_s``,
     each layer's forward); without ``overlap``, when all the rank's chunks are done."""
+    seen: dict[tuple, float] = {}  # at 10^4 devices most ranks repeat a few (ranges, times)
+
     def at(rank: int, layers: Sequence[int]) -> float:
         lowest = plan.layer_of(layers[0])  # (a bucket's units are in layer order)
+        ranges, times = plan.chunk_ranges(rank), chunk_times(rank)
+        key = (lowest, ranges, times)
+        if key not in seen:
+            seen[key] = _whole(rank, lowest, ranges, times)
+        return seen[key]
+
+    def _whole(rank: int, lowest: int, ranges, times) -> float:
         chunks = gradient_chunks(plan, rank, lowest)
         if not overlap and chunks:
             chunks = frozenset(range(plan.virtual_stages))
-        times = chunk_times(rank)
         if times is None or not chunks:
             return 0.0
-        out, ranges = 0.0, plan.chunk_ranges(rank)
+        out = 0.0
         for c in chunks:
             end, backward = times[c]
             start, stop = ranges[c]
@@ -360,16 +368,20 @@ def gather_releases(plan: Plan, model: ClusterModel) -> dict[int, tuple[float, .
     for owner, user in plan.ties:
         owners.setdefault(user, []).append(owner)
     out: dict[int, tuple[float, ...]] = {}
+    seen: dict[tuple, tuple[float, ...]] = {}  # by (chunk ranges, clock): most ranks repeat a few
     for r in plan.ranks:
-        at = []
-        for start, end in plan.chunk_ranges(r):
-            release, before = 0.0, 0.0
-            for layer in range(start, end):
-                need = max([done.get(layer, 0.0), *(done.get(o, 0.0) for o in owners.get(layer, ()))])
-                release = max(release, need - before)
-                before += model.layer_forward_s[layer] / plan.frequency(r)
-            at.append(release)
-        out[r] = tuple(at)
+        key = (plan.chunk_ranges(r), plan.frequency(r))
+        if key not in seen:
+            at = []
+            for start, end in key[0]:
+                release, before = 0.0, 0.0
+                for layer in range(start, end):
+                    need = max([done.get(layer, 0.0), *(done.get(o, 0.0) for o in owners.get(layer, ()))])
+                    release = max(release, need - before)
+                    before += model.layer_forward_s[layer] / key[1]
+                at.append(release)
+            seen[key] = tuple(at)
+        out[r] = seen[key]
     return out
 
 

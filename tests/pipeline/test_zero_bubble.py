@@ -183,7 +183,8 @@ def tensor_parallel_rank(group, exact: bool, sequence: bool):
     return out
 
 
-@pytest.mark.parametrize("exact,sequence", [(True, False), (True, True), (False, True), (False, False)])
+@pytest.mark.parametrize("exact,sequence", [pytest.param(True, False, marks=pytest.mark.slow), (True, True),
+                                            pytest.param(False, True, marks=pytest.mark.slow), (False, False)])
 def test_b_then_w_splits_tensor_parallel_products(tmp_path, exact, sequence):
     """The tensor-parallel products (column, row, norm and bias Functions with collectives in their
     backward) compute the input's gradient alone in B and the weights' alone in W: the bits of one
