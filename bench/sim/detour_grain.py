@@ -19,7 +19,12 @@ each guest's weight pass deferred to its host's end (ZB-H1's W, half its backwar
 (0.9916), whole chunks or halves: the broken pipeline, waiting for its guests' input gradients,
 ends last. So at this layout, with this insertion, detours stay below drop_replica's 0.9922.
 
-    python bench/sim/detour_grain.py [--lost-stage 5]
+Under plain 1F1B (``--virtual-stages 1``; session 55) the same holds: whole stages over 127 hosts
+0.9688 (stage 5 lost), 0.9789 (stage 1), 0.9490 (stage 10); halves and quarters the same, eighths
+lower; with guests' W deferred 0.9894 (stages 1 and 5), 0.9789 (stage 10) -- in each the broken
+pipeline ends last.
+
+    python bench/sim/detour_grain.py [--lost-stage 5] [--virtual-stages 4]
 """
 from __future__ import annotations
 
@@ -38,7 +43,8 @@ CASES = ((127, 1, False), (127, 2, False), (128, 2, False), (127, 4, False), (12
 def _order(p: int, v: int, m: int, s: int) -> list[tuple[str, int, int]]:
     """Rank ``s``'s computations in Megatron's interleaved order: (F or B, micro-batch, virtual stage)."""
     return [("F" if a.op is Op.FORWARD else "B", a.micro_batch, a.chunk * p + s)
-            for a in stage_schedule("interleaved", s, p, range(m), v) if a.op in (Op.FORWARD, Op.BACKWARD)]
+            for a in stage_schedule("interleaved" if v > 1 else "1f1b", s, p, range(m), v)
+            if a.op in (Op.FORWARD, Op.BACKWARD)]
 
 
 def _timed(ranks: dict, routes: dict, f: float, b: float, deferred: bool = False) -> dict:
@@ -123,15 +129,17 @@ def study(p: int, v: int, m: int, lost: int, hosts: int, pieces: int, deferred: 
 def main() -> int:
     ap = bench_args(__doc__, out="detour_grain")
     ap.add_argument("--lost-stage", type=int, default=5)
+    ap.add_argument("--virtual-stages", type=int, default=V, help="1: plain 1F1B")
     args = ap.parse_args()
+    v = args.virtual_stages
     rows, doc = [], {}
     for hosts, pieces, deferred in CASES:
-        res = study(P, V, M, args.lost_stage, hosts, pieces, deferred)
+        res = study(P, v, M, args.lost_stage, hosts, pieces, deferred)
         doc[f"{hosts} hosts, 1/{pieces} chunk{', W deferred' if deferred else ''}"] = res
         t = res["failure_free"]
         rows.append(f"| {hosts} | 1/{pieces} | {'yes' if deferred else 'no'} | {t:.2f} | {res['detours']:.2f} | {t / res['detours']:.4f} | "
                     f"{res['broken_ends']:.2f} | {res['hosts_late']} | {t / res['one_more_micro_batch']:.4f} |")
-    lines = [f"p {P}, V {V}, m {M}, stage {args.lost_stage} lost; drop_replica at 128 pipelines: {127 / 128:.4f}", "",
+    lines = [f"p {P}, V {v}, m {M}, stage {args.lost_stage} lost; drop_replica at 128 pipelines: {127 / 128:.4f}", "",
              "| hosts | piece | guests' W deferred | step before | step with detours | after/before | broken pipeline ends | hosts late "
              "| one more micro-batch: after/before |", "| --- " * 9 + "|", *rows]
     write_results(args.out, doc, lines)

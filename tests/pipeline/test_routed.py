@@ -99,6 +99,25 @@ def test_pipelines_no_detour_touches_run_1f1b_and_guests_go_before_their_hosts_o
                 assert ops[ops.index((op, own[j])) - 1] == (op, j)
 
 
+@pytest.mark.parametrize("broken,hosted,lost", [(4, 2, 0), (8, 3, 1), (2, 1, 2), (12, 6, 3)])
+def test_a_broken_pipeline_dealt_more_than_its_host_keeps_its_order_among_the_hosts_guests(broken, hosted, lost):
+    """Guests past the host's own count went to the end of its order and deadlocked (a rank of
+    the home waiting for a backward the host ran only after a forward that rank would send later):
+    the list schedule ran instead, seconds at the simulator's 95-rank sets. A guest now goes before
+    the host's own computation of its place in its home's order."""
+    pp = 4
+    routes = {mb: tuple(pp + s if s == lost else s for s in range(pp)) for mb in range(broken)}
+    routes.update({broken + j: tuple(pp + s for s in range(pp)) for j in range(hosted)})
+    home = {mb: 0 if mb < broken else 1 for mb in routes}
+    found = routed._inserted(routes, home, {r: 1.0 for r in range(2 * pp)}, 2.0)
+    assert found is not None
+    schedules = found[0]
+    check_deadlock_free(schedules)
+    ops = _compute(schedules[pp + lost])
+    assert [x for x in ops if x[1] < broken] == _compute(one_f_one_b(lost, pp, range(broken)))
+    assert [x for x in ops if x[1] >= broken] == _compute(one_f_one_b(lost, pp, range(broken, broken + hosted)))
+
+
 def test_guests_placed_where_their_hosts_wait_cost_less_than_the_list_schedule():
     """Llama 3 405B's 1F1B stages at 16,384 GPUs as the simulator has them (the early ones
     recompute more): a stage-8 host waits for stages 1-3 a little every micro-batch, enough to
