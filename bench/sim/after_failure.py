@@ -7,8 +7,8 @@ policy's failure-free schedule (1F1B; interleaved V = 4, Llama 3's, the fastest 
 the rows compare recoveries, not schedules. ``after/before``: tokens per second after the failure
 over before (drop_replica trains a smaller batch after it; every other row keeps the batch);
 ``ETTR``: the hour's effective training time. reroute (ReCycle) is priced at its routes' lower
-bound (a perfect bubble-filling schedule) and cannot run with interleaved pipelines (no stage
-layout a detour could pass through); restart pays 300 s of restart.
+bound (a perfect bubble-filling schedule), with interleaved pipelines each lost chunk on the next
+host in turn (as the runtime's ``elastic.policy=reroute`` runs it); restart pays 300 s of restart.
 
     python bench/sim/after_failure.py
 """
@@ -31,10 +31,9 @@ POLICIES = ("elaswave_no_dvfs", "templates", "drop_replica", "restart", "reroute
 
 
 def run(model: str, gpus: int, schedule: list[str]) -> dict:
-    policies = [p for p in POLICIES if p != "reroute" or "interleaved" not in schedule]
     argv = ["simulate", "--json", "--devices", str(gpus), "--tp", "8", "--pp", "16", "--model", model,
             "--hardware", "h100", "--clocks", "sustained", "--checkpointing", "auto",
-            "--micro-batches", str(gpus // 8), "--policies", ",".join(policies), *schedule]
+            "--micro-batches", str(gpus // 8), "--policies", ",".join(POLICIES), *schedule]
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         code = cli.main(argv)

@@ -44,18 +44,26 @@ def routed_lower_bound(plan: Plan, stage: dict[int, float],
     come through the stages before it (their forwards), and after its last backward that one still
     goes back through them (their backwards). A schedule that fills bubbles perfectly -- ReCycle's
     decoupled backward passes aim at it -- reaches this; the runtime's greedy one runs above it.
-    With virtual stages (no detours) what comes before a rank is the first chunks of the ranks
-    before it (``virtual``: :meth:`ClusterModel.virtual_stage_s` by pipeline)."""
-    routes, home = routed.routes_of(plan.pipelines, plan.micro_batches, plan.route_of)
+    With virtual stages a route names the rank of each (a guest's chunk, on its host, costs what
+    the host's own chunk of that place does), and what comes before a rank is the chunks before its
+    first (``virtual``: :meth:`ClusterModel.virtual_stage_s` by pipeline): without detours, the first
+    chunks of the ranks before it."""
+    chunks = plan.virtual_stages
+    routes, home = routed.routes_of(plan.pipelines, plan.micro_batches, plan.route_of, chunks)
     work: dict[int, float] = {}
     upstream: dict[int, float] = {}
     for mb, route in routes.items():
         size = plan.units_of(mb) / plan.units_per_micro_batch if plan.micro_batch_units else 1.0
-        before = 0.0
-        for s, r in enumerate(route):
-            work[r] = work.get(r, 0.0) + stage[r] * size
+        before, depth = 0.0, len(route) // chunks
+        for v, r in enumerate(route):
+            if chunks == 1:
+                cost = stage[r] * size
+            else:
+                d, s = plan.position(r)
+                cost = virtual[d][v // depth * len(plan.pipelines[d]) + s] * size
+            work[r] = work.get(r, 0.0) + cost
             upstream[r] = min(upstream.get(r, before), before)
-            before += (stage[r] if plan.virtual_stages == 1 or virtual is None else virtual[home[mb]][s]) * size
+            before += cost
     # Fill (the forwards before r) and drain (the backwards before r), each at least the cheapest
     # route's to r: together its whole upstream forward + backward.
     return max(w + upstream[r] for r, w in work.items())

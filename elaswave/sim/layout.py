@@ -13,17 +13,11 @@ from elaswave.plan.partition import least_memory
 from elaswave.plan.plan import Plan, PlanError, initial_plan
 from elaswave.plan.replan import replan
 from elaswave.plan.recompute import every_block
-from elaswave.sim import policies
 from elaswave.sim.workload import MODELS, choose_layout, model_units
 
-REROUTE_INTERLEAVED = ("reroute is priced at its routes' lower bound, which the simulator does not yet model for "
-                       "interleaved pipelines (the runtime runs elastic.policy=reroute with virtual stages)")
-
-
-def check_schedule(args, names: list[str]) -> tuple[list[str], dict[str, str]]:
-    """``--schedule`` and ``--virtual-stages`` checked by parallel.schedule's rules, and (the
-    policies that can run them, {a default policy left out: why}): reroute has no interleaved
-    price, so it is left out of the default list and an error where named."""
+def check_schedule(args) -> None:
+    """``--schedule`` and ``--virtual-stages`` checked by parallel.schedule's rules (every policy
+    runs each schedule: reroute's lower bound counts virtual stages)."""
     v = args.virtual_stages
     if args.schedule not in GENERATORS:
         raise ConfigError(f"--schedule={args.schedule} is invalid: choose from {', '.join(GENERATORS)}")
@@ -33,12 +27,6 @@ def check_schedule(args, names: list[str]) -> tuple[list[str], dict[str, str]]:
     if args.schedule != "interleaved" and v != 1:
         raise ConfigError(f"--virtual-stages={v} is invalid with --schedule {args.schedule}: must be 1; model chunks "
                           "are interleaved only by --schedule interleaved")
-    if v == 1 or "reroute" not in names:
-        return names, {}
-    if args.policies != ",".join(policies.POLICIES):
-        raise ConfigError(f"--policies={args.policies} is invalid with --schedule interleaved: {REROUTE_INTERLEAVED}; "
-                          "drop reroute")
-    return [n for n in names if n != "reroute"], {"reroute": REROUTE_INTERLEAVED}
 
 
 def layouts(args) -> list[tuple[int, int]]:

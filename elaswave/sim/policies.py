@@ -38,9 +38,8 @@ batch by pipeline speed deals it at those clocks; a restarted job plans its cloc
   (:func:`~elaswave.sim.detours.routed_lower_bound`: the busiest device's own and rerouted work plus
   its fill and drain): ReCycle's decoupled-backward schedule, which fills the bubbles, is not
   modelled, so it is given the best any schedule could do. elaswave's own detours are priced by the
-  schedule its runtime runs. With interleaved pipelines it has no price here: its lower bound does
-  not yet count a route of virtual stages (the runtime runs ``elastic.policy=reroute`` there, each
-  rank keeping its interleaved order).
+  schedule its runtime runs. With interleaved pipelines the same, a route naming the rank of each
+  virtual stage (each lost chunk on the next host in turn, as ``elastic.policy=reroute`` runs it).
 - **templates** (Oobleck): pipelines re-instantiated from precomputed templates over the live
   devices -- the broken pipeline becomes a template one stage shorter -- without frequency
   planning; the re-instantiated pipeline's ranks copy all their layers' state from peers and every
@@ -310,12 +309,6 @@ class DropReplica(Policy):
 class Reroute(Policy):
     name = "reroute"
     schedule = "lower_bound"  # ReCycle's decoupled-backward schedule is not modelled: its best case
-
-    def rebuild(self, live: Sequence[int]) -> Plan:
-        if self.start.virtual_stages > 1:  # (routed_lower_bound counts a route's stages, not its virtual stages)
-            raise PlanError(f"reroute is priced at its routes' lower bound, which is not modelled for interleaved "
-                            f"pipelines ({self.start.virtual_stages} chunks a rank)")
-        return super().rebuild(live)
 
     def change(self, prev, live, joined, step_s):
         m, c = self.model, self.costs

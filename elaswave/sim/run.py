@@ -180,7 +180,7 @@ def run(args) -> int:
             raise ConfigError(f"--policies={args.policies} is invalid with --no-dvfs: policy elaswave plans frequencies; "
                               "name elaswave_no_dvfs, or drop --no-dvfs")
         names = list(dict.fromkeys(n for n in names if n != "elaswave"))
-    names, left_out = layout.check_schedule(args, names)
+    layout.check_schedule(args)
     if not is_checkpointing(args.checkpointing):
         raise ConfigError(f"--checkpointing={args.checkpointing} is invalid: choose {CHECKPOINTING}")
     ctl = _control(args, names)
@@ -260,7 +260,7 @@ def run(args) -> int:
               "gpus_per_node": args.gpus_per_node,
               "model": args.model, "micro_batches": m, "pipeline_schedule": args.schedule,
               "overlap_grad_reduce": not args.no_overlap, "overlap_param_gather": not args.no_overlap,
-              "virtual_stages": args.virtual_stages, "policies_left_out": left_out,
+              "virtual_stages": args.virtual_stages,
               "peak_gib": layout.peak_gib(memory, plan) if memory is not None else None,
               "peak_gib_after_first_failure": after_gib,
               "micro_batch_size": args.micro_batch_size, "reshape": not args.no_reshape and args.micro_batch_size > 1,
@@ -295,8 +295,6 @@ def run(args) -> int:
     print(f"elaswave simulate: {args.devices} devices (dp={dp} x pp={pp}{f' x tp={args.tp}' if args.tp > 1 else ''}), {args.model}, {m} micro-batches of "
           f"{args.micro_batch_size} per step{' (reshaped after a change)' if config['reshape'] else ''}, "
           f"{config['hours']:g} h, {config['failures']} failures, {config['joins']} joins; {wall:.1f} s")
-    for n, why in left_out.items():
-        print(f"{n}: left out with --schedule interleaved: {why}")
     chunks = f", {args.virtual_stages} virtual stages" if args.virtual_stages > 1 else ""
     print(f"failure-free ({args.schedule}{chunks}): step {step_s:.2f} s, {tflops:.0f} model TFLOP/s per GPU, MFU {100 * tflops / hw.device_tflops:.1f} % "
           f"of {hw.device_tflops:g} ({args.hardware} hardware, {hw.efficiency:g} of the peak in a layer's compute)")

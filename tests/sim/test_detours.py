@@ -48,3 +48,31 @@ def test_a_routed_price_is_the_schedules_timing_with_each_rank_waiting_for_its_a
     assert span < late <= span + 0.05 + 1e-9
     routes, home = routed.routes_of(after.pipelines, after.micro_batches, after.route_of)
     assert routed_compute(after, virtual, 2.0, None)[0] == routed.routed_schedules(routes, home, {r: 0.02 for r in after.ranks})[1]
+
+
+def test_reroutes_bound_on_interleaved_pipelines_counts_each_hosts_guest_chunks_and_no_schedule_beats_it():
+    """Each lost chunk on a host costs the host what its own chunk of that place does; before its
+    first computation a rank waits at least for the chunks before it on the cheapest route."""
+    from dataclasses import replace
+    from elaswave.sim.detours import routed_lower_bound
+    costs = [1.0, 2.0, 1.0, 1.5, 1.0, 1.0, 3.0, 1.0]
+    model = replace(_model(), layer_forward_s=tuple(0.01 * c for c in costs), pipeline_schedule="interleaved")
+    plan = initial_plan(16, 4, 4, costs, 32, [9] * 8, 4, virtual_stages=2)
+    virtual = {d: model.virtual_stage_s(plan, d) for d in range(4)}
+    stage = {r: sum(virtual[d][s::4]) for d, pipe in enumerate(plan.pipelines) for s, r in enumerate(pipe)}
+    # No detours: the busiest rank's micro-batches after the first chunks of the ranks before it.
+    assert routed_lower_bound(plan, stage, virtual) == pytest.approx(max(
+        8 * stage[r] + sum(virtual[d][:s]) for d, pipe in enumerate(plan.pipelines) for s, r in enumerate(pipe)))
+    after = replan(plan, [r for r in plan.ranks if r != 6], 1, 32, policy="reroute")
+    virtual = {d: model.virtual_stage_s(after, d) for d in range(len(after.pipelines))}
+    stage = {r: sum(virtual[d][s::len(pipe)]) for d, pipe in enumerate(after.pipelines) for s, r in enumerate(pipe)}
+    guests: dict[int, float] = {}
+    for _, route in after.routes:
+        for v, r in enumerate(route):
+            d, s = after.position(r)
+            if r not in after.pipelines[1]:  # pipeline 1 lost rank 6 (its stage 2)
+                guests[r] = guests.get(r, 0.0) + virtual[d][v // 4 * 4 + s]
+    assert guests and all(after.position(r)[1] == 2 for r in guests)
+    bound = routed_lower_bound(after, stage, virtual)
+    assert bound >= max(8 * stage[r] + g for r, g in guests.items()) - 1e-12
+    assert bound <= step_time(after, model).compute_s

@@ -219,8 +219,8 @@ def test_reshaping_at_16384_devices_keeps_the_batch_and_catches_up_with_dropping
 def test_a_failure_under_interleaved_keeps_the_virtual_stages_and_is_priced_on_them():
     """Every policy survives a failure of an interleaved job: elaswave re-splits the broken
     pipeline into p' x V chunks, priced by the interleaved schedule's timing on those chunks;
-    reroute has no price (its lower bound is not modelled for interleaved pipelines) and stalls;
-    none crashes."""
+    reroute sends each lost chunk through a host, priced at its routes' lower bound, which no
+    schedule of them beats; none crashes."""
     import random
     from dataclasses import replace
 
@@ -237,9 +237,12 @@ def test_a_failure_under_interleaved_keeps_the_virtual_stages_and_is_priced_on_t
     for name in policies.POLICIES:
         policy = policies.make(name, plan, 64, model, policies.BaselineCosts(), start=plan)  # nominal clocks
         res[name] = simulate(events, policy, model, 3600)
-        if name == "reroute":
-            continue
         after = policy.layout([r for r in plan.ranks if r != 5])
+        if name == "reroute":
+            assert after.routes and after.virtual_stages == 2
+            bound, runs = step_time(after, model, "lower_bound").compute_s, step_time(after, model).compute_s
+            assert 0 < bound <= runs
+            continue
         assert after.virtual_stages == 2
         assert all(len(ranges) == 2 * len(p) for p, ranges in zip(after.pipelines, after.layer_ranges))
         if name == "elaswave":
@@ -251,7 +254,7 @@ def test_a_failure_under_interleaved_keeps_the_virtual_stages_and_is_priced_on_t
             assert step_time(after, replace(model, overlap_param_gather=False)).compute_s == pytest.approx(expected, rel=1e-12)
             assert step_time(after, model).compute_s > expected
             assert res[name].throughput_after == pytest.approx(step_time(after, model).micro_batches_per_s)
-    assert res["reroute"].stalls == 1 and res["reroute"].throughput_after == 0.0
+    assert res["reroute"].stalls == 0 and res["reroute"].throughput_after > 0
     assert res["elaswave"].throughput_after_over_before > res["drop_replica"].throughput_after_over_before
     assert all(r.failures == 1 for r in res.values())
 
