@@ -361,12 +361,19 @@ def stage_schedule(name: str, stage: int, num_stages: int, micro_batches: Sequen
                    num_chunks: int = 1) -> list[Action]:
     """Stage ``stage``'s actions under schedule ``name`` with ``num_chunks`` model chunks a rank
     (``parallel.virtual_stages``; only ``interleaved`` takes more than 1)."""
-    if name == "interleaved":
-        return interleaved_1f1b(stage, num_stages, num_chunks, micro_batches)
-    if num_chunks != 1:
+    if num_chunks != 1 and name != "interleaved":
         raise ValueError(f"schedule {name!r} runs one model chunk a rank, not {num_chunks}: "
                          "virtual stages take the interleaved schedule")
-    return GENERATORS[name](stage, num_stages, micro_batches)
+    return list(_stage_schedule(name, stage, num_stages, tuple(micro_batches), num_chunks))
+
+
+@lru_cache(maxsize=4096)
+def _stage_schedule(name: str, stage: int, num_stages: int, micro_batches: tuple[int, ...],
+                    num_chunks: int) -> tuple[Action, ...]:
+    """(The planner and the simulator ask for the same stages' orders thousands of times.)"""
+    if name == "interleaved":
+        return tuple(interleaved_1f1b(stage, num_stages, num_chunks, micro_batches))
+    return tuple(GENERATORS[name](stage, num_stages, micro_batches))
 
 
 def schedule_makespan(name: str, stage_s: Sequence[float], num_micro_batches: int, backward_factor: float = 2.0,
