@@ -187,9 +187,12 @@ def _inserted(routes, home, forward_s, backward_factor: float, num_chunks: int =
 
     mine = {r: stage_order(by_home[h], s, p) for r, (h, s, p) in own.items()}
     found = None
-    # Homes of unlike counts: each anchoring is timed and the shorter taken (random layouts: either
-    # may be up to ~30 % shorter; by micro-batch can deadlock, by place cannot). Alike: the same.
-    for by_place in (True, False) if len({len(mbs) for mbs in by_home.values()}) > 1 else (True,):
+    # Homes of unlike counts or depths: each anchoring is timed and the shorter taken (random
+    # layouts: either may be up to ~30 % shorter; with one broken pipeline a host's, by micro-batch
+    # can deadlock and by place did not in ~12,000 layouts; two broken pipelines sharing hosts can
+    # deadlock both, and then the list schedule runs). Alike homes: the same schedules.
+    shapes = {(len(mbs), len(routes[mbs[0]])) for mbs in by_home.values()}
+    for by_place in (True, False) if len(shapes) > 1 else (True,):
         schedules = _actions(_with_guests(routes, by_home, own, mine, stage_order, num_chunks, by_place), routes, own)
         try:
             span, ends = _timed(schedules, forward_s, backward_factor, {})
@@ -203,9 +206,11 @@ def _inserted(routes, home, forward_s, backward_factor: float, num_chunks: int =
 def _with_guests(routes, by_home, own, mine, stage_order, num_chunks: int, by_place: bool) -> dict[int, list]:
     """Each rank's order of (forward?, micro-batch, chunk): its own (``mine``) with its guests in.
     ``by_place``: the k-th computation of a home's order at a stage goes just before its host's own
-    k-th, so a host's guests keep their home's order among themselves and cannot deadlock; else
+    k-th, so a host's guests keep their home's order among themselves (those past the host's count
+    at its end, home after home: two homes' tails on two hosts can then wait on each other); else
     before the host's own computation of the micro-batch of the guest's index in its home (the
-    same where homes deal alike counts; a guest past the host's count at the end, which can deadlock)."""
+    same where homes are alike in count and depth; a guest past the host's count at the end, which
+    can deadlock)."""
     order = {r: list(ops) for r, ops in mine.items()}
     for g, mbs in by_home.items():
         p = len(routes[mbs[0]]) // num_chunks

@@ -131,9 +131,14 @@ def _below_threshold(total: int, first: int, each_s: Sequence[float], fill_s: Se
         return k
 
     lo, hi = float(np.min(f + (first + 1) * t)), float(np.max(f + (first + left + 1) * t))
+    counts = taken(lo)
     for _ in range(64):
         mid = (lo + hi) / 2
-        if mid in (lo, hi):
-            break
-        lo, hi = (mid, hi) if taken(mid).sum() - first * len(t) <= left else (lo, mid)
-    return [int(x) for x in taken(lo)]
+        if mid in (lo, hi) or left - (counts.sum() - first * len(t)) <= len(t):
+            break  # (the greedy deals the last few, at most one a pipeline, quicker than more passes)
+        below = taken(mid)
+        if below.sum() - first * len(t) <= left:
+            lo, counts = mid, below
+        else:
+            hi = mid
+    return [int(x) for x in counts]

@@ -49,7 +49,9 @@ def routed_lower_bound(plan: Plan, stage: dict[int, float],
     first (``virtual``: :meth:`ClusterModel.virtual_stage_s` by pipeline): without detours, the first
     chunks of the ranks before it."""
     chunks = plan.virtual_stages
-    routes, home = routed.routes_of(plan.pipelines, plan.micro_batches, plan.route_of, chunks)
+    if chunks > 1 and virtual is None:
+        raise ValueError(f"a plan of {chunks} model chunks a rank is bounded by its chunks' times: give virtual")
+    routes, _ = routed.routes_of(plan.pipelines, plan.micro_batches, plan.route_of, chunks)
     work: dict[int, float] = {}
     upstream: dict[int, float] = {}
     for mb, route in routes.items():

@@ -276,11 +276,11 @@ def step_time(plan: Plan, model: ClusterModel, schedule: str = "runtime") -> Ste
                         plan.batch_units / plan.units_per_micro_batch, power)
 
 
-def _whole_at(plan: Plan, chunk_times: Callable[[int], Sequence[tuple[float, float]] | None], overlap: bool,
+def _whole_at(plan: Plan, chunk_times: Callable[[int], tuple[tuple[float, float], ...] | None], overlap: bool,
               layer_s: Sequence[float] = ()):
     """(rank, a bucket's layers) -> when their gradients are whole on the rank in the step:
-    ``chunk_times(rank)``, each of its chunks' last backward (its end and its length; None where
-    the rank runs nothing), of the chunks that compute them, and within a whole backward once it
+    ``chunk_times(rank)``, each of its chunks' last backward (its end and its length; a tuple, as
+    it keys a memo; None where the rank runs nothing), of the chunks that compute them, and within a whole backward once it
     has run the chunk's layers from the bucket's lowest up (zero/watch.py; shares by ``layer_s``,
     each layer's forward); without ``overlap``, when all the rank's chunks are done."""
     seen: dict[tuple, float] = {}  # at 10^4 devices most ranks repeat a few (ranges, times)
@@ -318,7 +318,7 @@ def _scheduled_chunk_times(plan: Plan, virtual: dict[int, tuple[float, ...]], ba
     forwards after the all-gathers they read (``released``: :func:`gather_releases`)."""
     by_pipeline: dict[int, tuple[tuple[float, float], ...]] = {}
 
-    def times(rank: int) -> Sequence[tuple[float, float]] | None:
+    def times(rank: int) -> tuple[tuple[float, float], ...] | None:
         d, s = plan.position(rank)
         if not plan.micro_batches[d]:
             return None

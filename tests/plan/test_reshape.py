@@ -124,3 +124,5 @@ def test_the_bulk_deal_gives_the_counts_of_the_greedy_a_unit_at_a_time(seed):
     fill = [0.0 if tie else rng.uniform(0.0, 30.0) for _ in range(n)]
     total = first * n + rng.randrange(0, 40 * n)
     assert microbatches._fill(total, first, each, fill) == _greedy_a_unit_at_a_time(total, first, each, fill)
+    if total - first * n > 4 * n:  # and the bulk start dealt all but at most one a pipeline
+        assert sum(microbatches._below_threshold(total, first, each, fill)) >= total - n
