@@ -188,9 +188,10 @@ def _inserted(routes, home, forward_s, backward_factor: float, num_chunks: int =
     mine = {r: stage_order(by_home[h], s, p) for r, (h, s, p) in own.items()}
     found = None
     # Homes of unlike counts or depths: each anchoring is timed and the shorter taken (random
-    # layouts: either may be up to ~30 % shorter; with one broken pipeline a host's, by micro-batch
-    # can deadlock and by place did not in ~12,000 layouts; two broken pipelines sharing hosts can
-    # deadlock both, and then the list schedule runs). Alike homes: the same schedules.
+    # layouts: either may be up to ~30 % shorter; by micro-batch can deadlock; by place did not in
+    # ~12,000 layouts of one broken pipeline nor 1,500 of two sharing hosts, but a review saw it
+    # deadlock where a broken pipeline's survivor hosts too: then the list schedule runs, or with
+    # chunks the plan is refused). Alike homes: the same schedules.
     shapes = {(len(mbs), len(routes[mbs[0]])) for mbs in by_home.values()}
     for by_place in (True, False) if len(shapes) > 1 else (True,):
         schedules = _actions(_with_guests(routes, by_home, own, mine, stage_order, num_chunks, by_place), routes, own)
@@ -206,13 +207,14 @@ def _inserted(routes, home, forward_s, backward_factor: float, num_chunks: int =
 def _with_guests(routes, by_home, own, mine, stage_order, num_chunks: int, by_place: bool) -> dict[int, list]:
     """Each rank's order of (forward?, micro-batch, chunk): its own (``mine``) with its guests in.
     ``by_place``: the k-th computation of a home's order at a stage goes just before its host's own
-    k-th, so a host's guests keep their home's order among themselves (those past the host's count
-    at its end, home after home: two homes' tails on two hosts can then wait on each other); else
+    k-th (those past the host's count after its end, still by place, so two homes' tails keep one
+    order on every host they share), and a host's guests keep their home's order; else
     before the host's own computation of the micro-batch of the guest's index in its home (the
     same where homes are alike in count and depth; a guest past the host's count at the end, which
     can deadlock)."""
     order = {r: list(ops) for r, ops in mine.items()}
-    for g, mbs in by_home.items():
+    placed = {r: [((k, 1, 0), op) for k, op in enumerate(ops)] for r, ops in mine.items()}
+    for turn, (g, mbs) in enumerate(by_home.items()):
         p = len(routes[mbs[0]]) // num_chunks
         index = {mb: j for j, mb in enumerate(mbs)}
         for s in range(p):
@@ -221,14 +223,16 @@ def _with_guests(routes, by_home, own, mine, stage_order, num_chunks: int, by_pl
                 h = own[r][0]
                 if h == g:
                     continue
-                ops, j = order[r], index[mb]
                 if by_place:
-                    at = ops.index(mine[r][k]) if k < len(mine[r]) else len(ops)
-                else:
-                    at = ops.index((forward, by_home[h][j], c)) if j < len(by_home[h]) else len(ops)
+                    placed[r].append(((k, 0, turn), (forward, mb, c)))
+                    continue
+                ops, j = order[r], index[mb]
+                at = ops.index((forward, by_home[h][j], c)) if j < len(by_home[h]) else len(ops)
                 if not forward:
                     at = max(at, ops.index((True, mb, c)) + 1)
                 ops.insert(at, (forward, mb, c))
+    if by_place:  # by place, then guests before the host's own, then home by home
+        return {r: [op for _, op in sorted(items, key=lambda item: item[0])] for r, items in placed.items()}
     return order
 
 

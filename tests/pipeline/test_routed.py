@@ -118,6 +118,24 @@ def test_a_broken_pipeline_dealt_more_than_its_host_keeps_its_order_among_the_ho
     assert [x for x in ops if x[1] >= broken] == _compute(one_f_one_b(lost, pp, range(broken, broken + hosted)))
 
 
+def test_two_broken_pipelines_sharing_their_hosts_keep_one_order_of_their_guests_past_the_hosts_count():
+    """Pipelines of 3 stages with 1, 3, 6 and 3 micro-batches; pipelines 2 and 3 lose stage 0 and
+    send their micro-batches to ranks 0 and 3 in turn. Their guests past a host's own count used to
+    go to its end home by home -- in opposite orders on the two hosts, each waiting on the other
+    (found by a review): both anchorings deadlocked and the list schedule ran."""
+    counts, p = (1, 3, 6, 3), 3
+    routes, home, turn = {}, {}, 0
+    for d, m in enumerate(counts):
+        for _ in range(m):
+            route = [d * p + s for s in range(p)]
+            if d >= 2:
+                route[0], turn = (0, 3)[turn % 2], turn + 1
+            routes[len(routes)], home[len(home)] = tuple(route), d
+    found = routed._inserted(routes, home, {r: 1.0 for route in routes.values() for r in route}, 2.0)
+    assert found is not None
+    check_deadlock_free(found[0])
+
+
 def test_guests_placed_where_their_hosts_wait_cost_less_than_the_list_schedule():
     """Llama 3 405B's 1F1B stages at 16,384 GPUs as the simulator has them (the early ones
     recompute more): a stage-8 host waits for stages 1-3 a little every micro-batch, enough to
