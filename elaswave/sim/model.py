@@ -280,9 +280,10 @@ def _whole_at(plan: Plan, chunk_times: Callable[[int], tuple[tuple[float, float]
               layer_s: Sequence[float] = ()):
     """(rank, a bucket's layers) -> when their gradients are whole on the rank in the step:
     ``chunk_times(rank)``, each of its chunks' last backward (its end and its length; a tuple, as
-    it keys a memo; None where the rank runs nothing), of the chunks that compute them, and within a whole backward once it
-    has run the chunk's layers from the bucket's lowest up (zero/watch.py; shares by ``layer_s``,
-    each layer's forward); without ``overlap``, when all the rank's chunks are done."""
+    it keys a memo; None where the rank runs nothing), of the chunks that compute them, and within
+    a whole backward once it has run the chunk's layers from the bucket's lowest up (zero/watch.py;
+    shares by ``layer_s``, each layer's forward); without ``overlap``, when all the rank's chunks
+    are done."""
     seen: dict[tuple, float] = {}  # at 10^4 devices most ranks repeat a few (ranges, times)
 
     def at(rank: int, layers: Sequence[int]) -> float:
