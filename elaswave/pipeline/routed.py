@@ -212,28 +212,34 @@ def _with_guests(routes, by_home, own, mine, stage_order, num_chunks: int, by_pl
     before the host's own computation of the micro-batch of the guest's index in its home (the
     same where homes are alike in count and depth; a guest past the host's count at the end, which
     can deadlock)."""
+    guests = _guests(routes, by_home, own, stage_order, num_chunks)
+    if by_place:  # by place, then guests before the host's own, then home by home
+        placed = {r: [((k, 1, 0), op) for k, op in enumerate(ops)] for r, ops in mine.items()}
+        for r, k, turn, _, op in guests:
+            placed[r].append(((k, 0, turn), op))
+        return {r: [op for _, op in sorted(items, key=lambda item: item[0])] for r, items in placed.items()}
     order = {r: list(ops) for r, ops in mine.items()}
-    placed = {r: [((k, 1, 0), op) for k, op in enumerate(ops)] for r, ops in mine.items()}
+    for r, _, _, j, (forward, mb, c) in guests:
+        ops, theirs = order[r], by_home[own[r][0]]
+        at = ops.index((forward, theirs[j], c)) if j < len(theirs) else len(ops)
+        if not forward:
+            at = max(at, ops.index((True, mb, c)) + 1)
+        ops.insert(at, (forward, mb, c))
+    return order
+
+
+def _guests(routes, by_home, own, stage_order, num_chunks: int):
+    """Every guest computation, home by home and stage by stage in its home's order: (its host,
+    its place k in that order, its home's turn, its micro-batch's index in its home, (forward?,
+    micro-batch, chunk))."""
     for turn, (g, mbs) in enumerate(by_home.items()):
         p = len(routes[mbs[0]]) // num_chunks
         index = {mb: j for j, mb in enumerate(mbs)}
         for s in range(p):
             for k, (forward, mb, c) in enumerate(stage_order(mbs, s, p)):
                 r = routes[mb][c * p + s]
-                h = own[r][0]
-                if h == g:
-                    continue
-                if by_place:
-                    placed[r].append(((k, 0, turn), (forward, mb, c)))
-                    continue
-                ops, j = order[r], index[mb]
-                at = ops.index((forward, by_home[h][j], c)) if j < len(by_home[h]) else len(ops)
-                if not forward:
-                    at = max(at, ops.index((True, mb, c)) + 1)
-                ops.insert(at, (forward, mb, c))
-    if by_place:  # by place, then guests before the host's own, then home by home
-        return {r: [op for _, op in sorted(items, key=lambda item: item[0])] for r, items in placed.items()}
-    return order
+                if own[r][0] != g:
+                    yield r, k, turn, index[mb], (forward, mb, c)
 
 
 def _actions(order, routes, own) -> dict[int, list[Action]]:

@@ -101,7 +101,12 @@ def _fill(total: int, first: int, each_s: Sequence[float], fill_s: Sequence[floa
     """Minimax counts by greedy filling: every pipeline starts at ``first``, each next one goes to
     the pipeline that would finish it soonest (``fill_s[d] + count * each_s[d]``, ties to the lower
     index)."""
-    counts = _below_threshold(total, first, each_s, fill_s)
+    return _greedy(_below_threshold(total, first, each_s, fill_s), total, each_s, fill_s)
+
+
+def _greedy(counts: list[int], total: int, each_s: Sequence[float], fill_s: Sequence[float]) -> list[int]:
+    """``counts`` grown a unit at a time, each to the pipeline that would finish it soonest (ties to
+    the lower index), until they hold ``total``."""
     heap = [(f + (c + 1) * t, d) for d, (t, f, c) in enumerate(zip(each_s, fill_s, counts))]
     heapq.heapify(heap)
     for _ in range(total - sum(counts)):

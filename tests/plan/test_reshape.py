@@ -100,18 +100,6 @@ def test_initial_plan_refuses_zero_units():
         _job(0)
 
 
-def _greedy_a_unit_at_a_time(total, first, each_s, fill_s):
-    import heapq
-    counts = [first] * len(each_s)
-    heap = [(f + (first + 1) * t, d) for d, (t, f) in enumerate(zip(each_s, fill_s))]
-    heapq.heapify(heap)
-    for _ in range(total - sum(counts)):
-        _, d = heapq.heappop(heap)
-        counts[d] += 1
-        heapq.heappush(heap, (fill_s[d] + (counts[d] + 1) * each_s[d], d))
-    return counts
-
-
 @pytest.mark.parametrize("seed", range(40))
 def test_the_bulk_deal_gives_the_counts_of_the_greedy_a_unit_at_a_time(seed):
     """At 10^4 pipelines the deal starts from a threshold; ties and uneven speeds included."""
@@ -123,6 +111,7 @@ def test_the_bulk_deal_gives_the_counts_of_the_greedy_a_unit_at_a_time(seed):
     each = [0.1 if tie and rng.random() < 0.7 else rng.uniform(0.01, 2.0) for _ in range(n)]
     fill = [0.0 if tie else rng.uniform(0.0, 30.0) for _ in range(n)]
     total = first * n + rng.randrange(0, 40 * n)
-    assert microbatches._fill(total, first, each, fill) == _greedy_a_unit_at_a_time(total, first, each, fill)
+    one_at_a_time = microbatches._greedy([first] * n, total, each, fill)
+    assert microbatches._fill(total, first, each, fill) == one_at_a_time
     if total - first * n > 4 * n:  # and the bulk start dealt all but at most one a pipeline
         assert sum(microbatches._below_threshold(total, first, each, fill)) >= total - n
