@@ -133,6 +133,12 @@ def test_a_link_whose_failure_predates_a_move_gives_the_new_store_a_grace_of_its
         assert not link.lost.is_set()
 
 
+def _state(pid: int) -> str:
+    """A process's state letter in /proc (T: stopped)."""
+    with open(f"/proc/{pid}/stat") as fh:
+        return fh.read().rsplit(")", 1)[1].split()[0]
+
+
 def test_a_frozen_store_is_lost_within_the_grace_not_never():
     # A real store process SIGSTOPped after the link connected: its kernel keeps the connection
     # open, so a TCPStore call waits for good (past its own timeout). The link's deadline ends it.
@@ -147,6 +153,10 @@ def test_a_frozen_store_is_lost_within_the_grace_not_never():
                          f"127.0.0.1:{port}", timeout_s=30, grace_s=1.0)
         assert link.add("n", 1) == 1
         os.killpg(holder.pid, signal.SIGSTOP)
+        # A SIGSTOP lands asynchronously: under load the store once answered the next call first.
+        deadline = time.monotonic() + 10
+        while _state(holder.pid) not in ("T", "t") and time.monotonic() < deadline:
+            time.sleep(0.01)
         began = time.monotonic()
         with pytest.raises(StoreLost, match="has not answered for 1 s"):
             link.add("n", 1)
