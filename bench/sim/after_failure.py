@@ -8,7 +8,9 @@ the rows compare recoveries, not schedules. ``after/before``: tokens per second 
 over before (drop_replica trains a smaller batch after it; every other row keeps the batch);
 ``ETTR``: the hour's effective training time. reroute (ReCycle) is priced at its routes' lower
 bound (a perfect bubble-filling schedule), with interleaved pipelines each lost chunk on the next
-host in turn (as the runtime's ``elastic.policy=reroute`` runs it); restart pays 300 s of restart.
+host in turn (as the runtime's ``elastic.policy=reroute`` runs it); ``reroute_runtime``, the same
+routes priced by the routed schedule that ``elastic.policy=reroute`` runs (what a rerouted job
+reaches here, not a bound); restart pays 300 s of restart.
 
     python bench/sim/after_failure.py
 """
@@ -27,7 +29,7 @@ from elaswave import cli  # noqa: E402
 MODELS = ("llama3-70b", "llama3-405b")
 GPUS = (1024, 16384)
 SCHEDULES = {"1F1B": ["--schedule", "1f1b"], "interleaved V=4": ["--schedule", "interleaved", "--virtual-stages", "4"]}
-POLICIES = ("elaswave_no_dvfs", "templates", "drop_replica", "restart", "reroute")
+POLICIES = ("elaswave_no_dvfs", "templates", "drop_replica", "restart", "reroute", "reroute_runtime")
 
 
 def run(model: str, gpus: int, schedule: list[str]) -> dict:

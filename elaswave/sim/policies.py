@@ -40,6 +40,9 @@ batch by pipeline speed deals it at those clocks; a restarted job plans its cloc
   modelled, so it is given the best any schedule could do. elaswave's own detours are priced by the
   schedule its runtime runs. With interleaved pipelines the same, a route naming the rank of each
   virtual stage (each lost chunk on the next host in turn, as ``elastic.policy=reroute`` runs it).
+- **reroute_runtime**: the same routes priced by the schedule elaswave's runtime runs for
+  ``elastic.policy=reroute`` (each guest in its host's own order, :mod:`~elaswave.pipeline.routed`):
+  what a rerouted job reaches here, beside the bound no schedule of those routes beats.
 - **templates** (Oobleck): pipelines re-instantiated from precomputed templates over the live
   devices -- the broken pipeline becomes a template one stage shorter -- without frequency
   planning; the re-instantiated pipeline's ranks copy all their layers' state from peers and every
@@ -61,9 +64,10 @@ from elaswave.sim.moves import held_units, migration_s
 from elaswave.sim.trace import Event
 
 POLICIES = ("elaswave", "elaswave_no_dvfs", "reroute", "drop_replica", "restart", "templates")
-CHOICES = POLICIES + ("static_experts",)
-"""What ``--policies`` may name: the default set and the static-expert-map baseline (a mixture of
-experts' comparison: elaswave with its experts' re-placement off)."""
+CHOICES = POLICIES + ("static_experts", "reroute_runtime")
+"""What ``--policies`` may name: the default set, the static-expert-map baseline (a mixture of
+experts' comparison: elaswave with its experts' re-placement off) and reroute priced by the
+runtime's routed schedule instead of its lower bound."""
 
 
 @dataclass(frozen=True)
@@ -316,6 +320,14 @@ class Reroute(Policy):
         return Change(self._try(live), control, 0.0 if joined else step_s / 2)
 
 
+class RerouteRuntime(Reroute):
+    name = "reroute_runtime"
+    schedule = "runtime"
+
+    def rebuild(self, live: Sequence[int]) -> Plan:
+        return replan(self.start, live, 1, self.m, policy="reroute", schedule=self.model.pipeline_schedule)
+
+
 class Templates(Policy):
     name = "templates"
     deal = "micro_batches"  # Oobleck deals the batch over its pipeline instances by their throughput
@@ -347,7 +359,8 @@ def _whole_layers_s(plan: Plan, ranks, model: ClusterModel) -> float:
 
 
 def make_class(name: str) -> type[Policy]:
-    return {c.name: c for c in (Elaswave, ElaswaveNoDvfs, StaticExperts, Restart, DropReplica, Reroute, Templates)}[name]
+    return {c.name: c for c in (Elaswave, ElaswaveNoDvfs, StaticExperts, Restart, DropReplica, Reroute, RerouteRuntime,
+                                 Templates)}[name]
 
 
 def make(name: str, initial: Plan, num_micro_batches: int, model: ClusterModel, costs: BaselineCosts,

@@ -353,6 +353,8 @@ def run(args) -> int:
     if "reroute" in results:
         print("reroute (ReCycle): its schedule is not modelled; priced at its routes' lower bound (the busiest "
               "device's own and rerouted work plus its fill and drain), relative to the same bound before the failure")
+    if "reroute_runtime" in results:
+        print("reroute_runtime: the same routes priced by the schedule elaswave's runtime runs for elastic.policy=reroute")
     if any(r.stalls for r in results.values()):
         print("stalls: failures after which the policy had no layout to train on until a repair "
               "(e.g. no pipeline left whole for reroute and drop_replica)")

@@ -273,3 +273,32 @@ def test_clock_planning_never_slows_an_interleaved_job_at_sustained_clocks(capsy
     doc = json.loads(capsys.readouterr().out)["policies"]
     ratio = {n: p["throughput_after_over_before"] for n, p in doc.items()}
     assert ratio["elaswave"] >= ratio["elaswave_no_dvfs"] - 1e-9 and ratio["elaswave_no_dvfs"] < 1.0, ratio
+
+
+@pytest.mark.parametrize("schedule, virtual", [("1f1b", 1), ("interleaved", 2)])
+def test_reroute_as_the_runtime_runs_it_is_priced_by_the_routed_schedule_and_elaswave_never_trails_it(schedule, virtual):
+    """reroute_runtime prices reroute's routes by the routed schedule the runtime runs (its rate after
+    the failure is that schedule's), which takes at least their bound's compute; elaswave, whose
+    planner prices that same plan among its choices (``plan.replan`` with detours), is never slower."""
+    import random
+    from dataclasses import replace
+
+    from elaswave.sim.model import step_time
+
+    draw = random.Random(5)
+    costs = [draw.uniform(0.5, 1.5) for _ in range(16)]
+    model = replace(MODEL, layer_forward_s=tuple(0.01 * c for c in costs), layer_param_bytes=(4e6,) * 16,
+                    pipeline_schedule=schedule)
+    plan = initial_plan(16, 4, 4, costs, 64, [10**6] * 16, 1 << 16, virtual_stages=virtual)
+    events = trace.single_failure(6, 600.0)
+    rate = {}
+    for name in ("elaswave_no_dvfs", "reroute_runtime"):
+        policy = policies.make(name, plan, 64, model, policies.BaselineCosts(), start=plan)
+        rate[name] = simulate(events, policy, model, 3600).throughput_after
+        if name == "reroute_runtime":
+            after = policy.layout([r for r in plan.ranks if r != 6])
+            assert after.routes and after.virtual_stages == virtual
+            runs = step_time(after, model)
+            assert rate[name] == pytest.approx(runs.micro_batches_per_s, rel=1e-12)
+            assert step_time(after, model, "lower_bound").compute_s <= runs.compute_s
+    assert 0 < rate["reroute_runtime"] <= rate["elaswave_no_dvfs"] * (1 + 1e-12)
