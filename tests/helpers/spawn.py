@@ -14,6 +14,7 @@ import sys
 import tempfile
 import threading
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -164,9 +165,33 @@ def run_cli(args: list[str], tmp_path: Path, timeout_s: float = 240.0, metrics: 
     cmd = [sys.executable, "-m", "elaswave.cli", *args]
     if args and args[0] in ("run", "reference"):
         cmd += ["--metrics-out", str(metrics)]
+    began = time.monotonic()
     code, out, err, left = _run(cmd, timeout_s, env, forkable=True)
     records = read_jsonl(str(metrics)) if metrics.exists() else []
+    if (took := time.monotonic() - began) > SLOW_RUN_S:
+        _warn_slow(args, took, out, err, records)
     return Result(code, out, err, records, left)
+
+
+SLOW_RUN_S = 60.0
+"""A tiny job's run takes seconds, the slowest (partitions, a store's move) about 40: a run past
+this waited out something (a timeout nobody should reach), even when it then passed."""
+
+
+class SlowRun(UserWarning):
+    pass
+
+
+def _warn_slow(args: list[str], took: float, out: str, err: str, records: list[dict]) -> None:
+    """Leaves a passing but slow run's evidence in the session's warnings summary: its last lines
+    and each recovery's phases (the CI log of a green run is all there is to read afterwards)."""
+    phases = [{k: r.get(k) for k in ("epoch", "mttr_s", "phases_s")} for r in records if r.get("event") == "recovery"]
+    steps = [r for r in records if r.get("event") == "step"]
+    slowest = max(steps, key=lambda r: r.get("step_time_s") or 0.0, default={})
+    tail = lambda text: " | ".join(text.strip().splitlines()[-8:])  # noqa: E731
+    warnings.warn(SlowRun(f"elaswave {' '.join(args)} took {took:.0f} s (> {SLOW_RUN_S:g}); recoveries {phases}; slowest step "
+                          f"{ {k: slowest.get(k) for k in ('step', 'step_time_s', 'phases_s')} }; "
+                          f"stdout ... {tail(out)}; stderr ... {tail(err)}"), stacklevel=3)
 
 
 class Running:
