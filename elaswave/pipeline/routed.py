@@ -13,13 +13,15 @@ it (the simulator's Llama 3 405B 1F1B stages, one guest a host: a step 2.2 % lon
 the loss, against 7.8 % for the list schedule below: ``tests/pipeline/test_routed.py``).
 Pipelines no detour touches run their plain schedule.
 
-Where that order would deadlock (or a rank holds only guests) without model chunks, a greedy list
-schedule over a timing model (forward ``f``, backward ``b`` per stage) is run instead, as ReCycle
-does: earliest start first, backwards before forwards on a tie, and at most ``stages - s``
-micro-batches of each home pipeline in flight on a stage (1F1B's memory bound), 2 more once any
-micro-batch takes a detour (with exactly 1F1B's bound a broken pipeline's first stage starves
-waiting for its busy hosts; 2 was the best of 0-3 on 4x4, 8x4 and 4x8 layouts). With chunks there
-is no such fallback: the plan is refused (:class:`DeadlockError`).
+Where that order would deadlock (a broken pipeline's survivor that hosts too can make it), every
+rank's computations go by when each ends in its home's own schedule run alone, which cannot
+deadlock (:func:`_with_guests`). Without model chunks the greedy list schedule below is also timed
+and the shorter run (and it alone where a rank holds only guests), as ReCycle does: earliest start
+first, backwards before forwards on a tie, and at most ``stages - s`` micro-batches of each home
+pipeline in flight on a stage (1F1B's memory bound), 2 more once any micro-batch takes a detour
+(with exactly 1F1B's bound a broken pipeline's first stage starves waiting for its busy hosts; 2
+was the best of 0-3 on 4x4, 8x4 and 4x8 layouts). With chunks a rank holding only guests has no
+schedule: the plan is refused (:class:`DeadlockError`).
 
 Every rank computes the same schedule from the same inputs. Run with blocking receives and
 non-blocking sends, each rank's order is that of a complete simulated execution, so it cannot
@@ -30,7 +32,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Mapping, Sequence
 
-from elaswave.pipeline.schedule import Action, DeadlockError, Op, stage_schedule
+from elaswave.pipeline.schedule import Action, DeadlockError, Op, stage_schedule, timeline
 
 SPARE_IN_FLIGHT = 2
 EXACT_MAX_RANKS = 2048
@@ -153,20 +155,26 @@ def _by_component(routes, home, forward_s, backward_factor, spare, sets=None, re
         if key not in done:
             args = dict(enumerate(local)), dict(enumerate(key[1])), dict(enumerate(key[2])), backward_factor
             found = _inserted(*args, num_chunks)
-            if found is None and num_chunks > 1:
+            if found is None:  # (a broken pipeline's survivor that hosts too can deadlock both anchorings)
+                found = _inserted(*args, num_chunks, by_time=True)
+                if num_chunks == 1:
+                    listed = _greedy(*args, spare)
+                    found = listed if found is None or listed[1] < found[1] else found
+            if found is None:
                 raise DeadlockError(f"no schedule for detours between pipelines of {num_chunks} chunks a rank: "
-                                    "the inserted interleaved order deadlocks")
-            actions, span, ends = found or _greedy(*args, spare)
+                                    "a rank would hold only guests")
+            actions, span, ends = found
             if any(waits):
                 span, ends = _timed(actions, dict(enumerate(key[2])), backward_factor, dict(enumerate(waits)))
             done[key] = actions, span, ends
         yield mbs, ranks, done[key]
 
 
-def _inserted(routes, home, forward_s, backward_factor: float, num_chunks: int = 1):
+def _inserted(routes, home, forward_s, backward_factor: float, num_chunks: int = 1, by_time: bool = False):
     """Each rank's own pipeline's order (1F1B, or interleaved 1F1B over ``num_chunks`` chunks: a
     route then names the rank of each virtual stage) with its guests inserted (the module's doc),
-    timed; None where a rank holds only guests or the order would deadlock."""
+    timed; None where a rank holds only guests or the order would deadlock. ``by_time``: anchored
+    by time (:func:`_with_guests`), which cannot deadlock."""
     by_home: dict[int, list[int]] = {}
     for mb in sorted(routes):
         by_home.setdefault(home[mb], []).append(mb)
@@ -189,37 +197,67 @@ def _inserted(routes, home, forward_s, backward_factor: float, num_chunks: int =
     found = None
     # Homes of unlike counts or depths: each anchoring is timed and the shorter taken (random
     # layouts: either may be up to ~30 % shorter; by micro-batch can deadlock; by place did not in
-    # ~12,000 layouts of one broken pipeline nor 1,500 of two sharing hosts, but a review saw it
-    # deadlock where a broken pipeline's survivor hosts too: then the list schedule runs, or with
-    # chunks the plan is refused). Alike homes: the same schedules.
+    # ~12,000 layouts of one broken pipeline nor 1,500 of two sharing hosts, but can where a broken
+    # pipeline's survivor hosts too: the caller then anchors by time). Alike homes: the same schedules.
     shapes = {(len(mbs), len(routes[mbs[0]])) for mbs in by_home.values()}
-    for by_place in (True, False) if len(shapes) > 1 else (True,):
-        schedules = _actions(_with_guests(routes, by_home, own, mine, stage_order, num_chunks, by_place), routes, own)
-        try:
-            span, ends = _timed(schedules, forward_s, backward_factor, {})
-        except DeadlockError:
-            continue
-        if found is None or span < found[1]:
-            found = schedules, span, ends
+    if by_time:
+        ideal = _ideal_ends(routes, by_home, kind, num_chunks, backward_factor)
+        return _shorter(None, _actions(_with_guests(routes, by_home, own, mine, stage_order, num_chunks, "time", ideal),
+                                       routes, own), forward_s, backward_factor)
+    for anchoring in ("place", "micro_batch") if len(shapes) > 1 else ("place",):
+        found = _shorter(found, _actions(_with_guests(routes, by_home, own, mine, stage_order, num_chunks, anchoring),
+                                         routes, own), forward_s, backward_factor)
     return found
 
 
-def _with_guests(routes, by_home, own, mine, stage_order, num_chunks: int, by_place: bool) -> dict[int, list]:
+def _shorter(found, schedules, forward_s, backward_factor: float):
+    """``found`` or ``schedules`` timed, whichever is shorter; ``found`` where ``schedules`` deadlock."""
+    try:
+        span, ends = _timed(schedules, forward_s, backward_factor, {})
+    except DeadlockError:
+        return found
+    return found if found is not None and found[1] <= span else (schedules, span, ends)
+
+
+def _ideal_ends(routes, by_home, kind: str, num_chunks: int, backward_factor: float) -> dict[tuple, float]:
+    """(forward?, micro-batch, chunk, stage) -> when that computation ends in its home's own
+    schedule run alone, a forward taking 1: a time that grows along every micro-batch's route
+    (a computation ends before any that needs its output starts)."""
+    ends = {}
+    for mbs in by_home.values():
+        p = len(routes[mbs[0]]) // num_chunks
+        done, _ = timeline([stage_schedule(kind, s, p, mbs, num_chunks) for s in range(p)],
+                           [1.0 + backward_factor] * (p * num_chunks), backward_factor)
+        for (op, k, mb), end in done.items():
+            ends[op is Op.FORWARD, mb, k // p, k % p] = end
+    return ends
+
+
+def _with_guests(routes, by_home, own, mine, stage_order, num_chunks: int, anchoring: str,
+                 ideal: Mapping[tuple, float] | None = None) -> dict[int, list]:
     """Each rank's order of (forward?, micro-batch, chunk): its own (``mine``) with its guests in.
-    ``by_place``: the k-th computation of a home's order at a stage goes just before its host's own
-    k-th (those past the host's count after its end, still by place, so two homes' tails keep one
-    order on every host they share), and a host's guests keep their home's order; else
-    before the host's own computation of the micro-batch of the guest's index in its home (the
-    same where homes are alike in count and depth; a guest past the host's count at the end, which
-    can deadlock)."""
+    ``anchoring``: ``place``, the k-th computation of a home's order at a stage goes just before
+    its host's own k-th (those past the host's count after its end, still by place, so two homes'
+    tails keep one order on every host they share), and a host's guests keep their home's order;
+    ``micro_batch``, before the host's own computation of the micro-batch of the guest's index in
+    its home (the same where homes are alike in count and depth; a guest past the host's count at
+    the end, which can deadlock); ``time``, every rank's computations by when each ends in its
+    home's own schedule (``ideal``, :func:`_ideal_ends`), guests first on a tie. That one cannot
+    deadlock: every computation a rank waits for comes earlier in that time than the one waiting,
+    and each rank runs its computations in that time's order, so no ring of waits can close."""
     guests = _guests(routes, by_home, own, stage_order, num_chunks)
-    if by_place:  # by place, then guests before the host's own, then home by home
+    if anchoring == "time":
+        timed = {r: [((ideal[(*op, own[r][1])], 1, 0), op) for op in ops] for r, ops in mine.items()}
+        for r, _, turn, _, op, s in guests:
+            timed[r].append(((ideal[(*op, s)], 0, turn), op))
+        return {r: [op for _, op in sorted(items, key=lambda item: item[0])] for r, items in timed.items()}
+    if anchoring == "place":  # by place, then guests before the host's own, then home by home
         placed = {r: [((k, 1, 0), op) for k, op in enumerate(ops)] for r, ops in mine.items()}
-        for r, k, turn, _, op in guests:
+        for r, k, turn, _, op, _ in guests:
             placed[r].append(((k, 0, turn), op))
         return {r: [op for _, op in sorted(items, key=lambda item: item[0])] for r, items in placed.items()}
     order = {r: list(ops) for r, ops in mine.items()}
-    for r, _, _, j, (forward, mb, c) in guests:
+    for r, _, _, j, (forward, mb, c), _ in guests:
         ops, theirs = order[r], by_home[own[r][0]]
         at = ops.index((forward, theirs[j], c)) if j < len(theirs) else len(ops)
         if not forward:
@@ -231,7 +269,7 @@ def _with_guests(routes, by_home, own, mine, stage_order, num_chunks: int, by_pl
 def _guests(routes, by_home, own, stage_order, num_chunks: int):
     """Every guest computation, home by home and stage by stage in its home's order: (its host,
     its place k in that order, its home's turn, its micro-batch's index in its home, (forward?,
-    micro-batch, chunk))."""
+    micro-batch, chunk), its stage in its home)."""
     for turn, (g, mbs) in enumerate(by_home.items()):
         p = len(routes[mbs[0]]) // num_chunks
         index = {mb: j for j, mb in enumerate(mbs)}
@@ -239,7 +277,7 @@ def _guests(routes, by_home, own, stage_order, num_chunks: int):
             for k, (forward, mb, c) in enumerate(stage_order(mbs, s, p)):
                 r = routes[mb][c * p + s]
                 if own[r][0] != g:
-                    yield r, k, turn, index[mb], (forward, mb, c)
+                    yield r, k, turn, index[mb], (forward, mb, c), s
 
 
 def _actions(order, routes, own) -> dict[int, list[Action]]:

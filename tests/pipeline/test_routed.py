@@ -165,3 +165,69 @@ def test_a_host_holds_its_guests_at_once_only_where_their_places_are_close():
     after = replan(plan, [r for r in plan.ranks if r != 0], 1, 16, policy="reroute")
     assert after.guest_places[2] == tuple((j, 0) for j in range(8))
     assert [routed.guests_in_flight(after, 2, w) for w in (1, 2, 8, 9)] == [1, 2, 8, 8]
+
+
+def _survivors_hosting(draw, chunks):
+    """Up to five pipelines of 2-5 stages and 1-10 micro-batches, one to three of them broken,
+    each lost stage's work (chunk by chunk) on that stage of a pipeline that kept it -- which may be
+    broken at another stage, so that a broken pipeline's survivor hosts too."""
+    dp, p = draw.randint(2, 5), draw.randint(2, 5)
+    counts = [draw.randint(1, 10) for _ in range(dp)]
+    lost = {d: draw.randrange(p) for d in draw.sample(range(dp), draw.randint(1, min(3, dp - 1)))}
+    routes, home = {}, {}
+    for d, m in enumerate(counts):
+        for j in range(m):
+            route = [d * p + s for s in range(p)] * chunks
+            if d in lost:
+                s = lost[d]
+                hosts = [e for e in range(dp) if e != d and lost.get(e) != s]
+                if not hosts:
+                    return None
+                for c in range(chunks):
+                    route[c * p + s] = (draw.choice(hosts) if draw.random() < 0.5 else hosts[(j + c) % len(hosts)]) * p + s
+            routes[len(routes)], home[len(home)] = tuple(route), d
+    forward = {r: tuple(draw.uniform(0.5, 1.5) for _ in range(chunks)) if chunks > 1 else draw.uniform(0.5, 1.5)
+               for route in routes.values() for r in route}
+    return routes, home, forward
+
+
+@pytest.mark.parametrize("chunks", [1, 2])
+def test_the_order_by_time_never_deadlocks(chunks):
+    """Every rank's computations by when each ends in its home's own schedule run alone: no ring of
+    waits can close, whoever hosts whom (random layouts with survivors of broken pipelines hosting)."""
+    import random
+    draw = random.Random(chunks)
+    for _ in range(150):
+        layout = _survivors_hosting(draw, chunks)
+        if layout is not None:
+            found = routed._inserted(*layout, 2.0, chunks, by_time=True)
+            assert found is not None
+            check_deadlock_free(found[0])
+
+
+@pytest.mark.parametrize("chunks", [1, 2])
+def test_a_survivor_that_hosts_too_is_scheduled_by_time_where_both_anchorings_deadlock(chunks):
+    """Pipelines of 5 stages with 1, 7 and 4 micro-batches: pipeline 0 lost stage 1 (its
+    micro-batch through rank 6, of pipeline 1), pipeline 1 lost stage 2 (through rank 2 -- pipeline
+    0's survivor -- and rank 12). Both anchorings deadlock (found in random layouts): interleaved
+    plans were refused. Now ordered by time; under 1F1B the list schedule too, the shorter run."""
+    hosts, p = (2, 2, 2, 12, 2, 12, 2), 5
+    routes, home = {}, {}
+    for d, m in enumerate((1, 7, 4)):
+        for j in range(m):
+            route = [d * p + s for s in range(p)] * chunks
+            for c in range(chunks):
+                if d == 0:
+                    route[c * p + 1] = 6
+                elif d == 1:
+                    route[c * p + 2] = hosts[(j + c) % len(hosts)]
+            routes[len(routes)], home[len(home)] = tuple(route), d
+    forward = {r: (1.0,) * chunks if chunks > 1 else 1.0 for route in routes.values() for r in route}
+    assert routed._inserted(routes, home, forward, 2.0, chunks) is None
+    schedules, span = routed_schedules(routes, home, forward, num_chunks=chunks)
+    check_deadlock_free(schedules)
+    forwards = [a.micro_batch for acts in schedules.values() for a in acts if a.op is Op.FORWARD]
+    assert sorted(forwards) == sorted(mb for mb, route in routes.items() for _ in route)
+    by_time = routed._inserted(routes, home, forward, 2.0, chunks, by_time=True)[1]
+    listed = routed._greedy(routes, home, forward, 2.0, routed.SPARE_IN_FLIGHT)[1] if chunks == 1 else by_time
+    assert span == min(by_time, listed)
