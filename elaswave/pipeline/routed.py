@@ -32,8 +32,12 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Mapping, Sequence
 
-from elaswave.pipeline.schedule import Action, DeadlockError, Op, stage_schedule, timeline
+from elaswave.pipeline.schedule import BACKWARD_INPUT_SHARE, Action, DeadlockError, Op, stage_schedule, timeline
 
+_COMPUTE = (Op.FORWARD, Op.BACKWARD, Op.BACKWARD_INPUT, Op.BACKWARD_WEIGHT)
+_NEEDS = {Op.BACKWARD: Op.FORWARD, Op.BACKWARD_INPUT: Op.FORWARD, Op.BACKWARD_WEIGHT: Op.BACKWARD_INPUT}
+_SHARE = {Op.BACKWARD: 1.0, Op.BACKWARD_INPUT: BACKWARD_INPUT_SHARE, Op.BACKWARD_WEIGHT: 1.0 - BACKWARD_INPUT_SHARE}
+"""A backward's share of the whole: ZB-H1's B and W split it as the executor times them."""
 SPARE_IN_FLIGHT = 2
 EXACT_MAX_RANKS = 2048
 """Up to this many ranks in a connected set of routes (a broken pipeline and the pipelines hosting
@@ -45,9 +49,10 @@ seconds from a few hundred: it runs only where the inserted order fails.)"""
 
 def guests_in_flight(plan, rank: int, window: int) -> int:
     """The most guests ``rank`` holds at once under ``plan``'s detours: each is alive from before its
-    host's own forward of the same place in the pipelines' orders to before that one's backward, and
-    under 1F1B a stage ``window`` from its pipeline's end runs ``window`` forwards ahead of its
-    backwards, so guests whose places are less than ``window`` apart overlap."""
+    host's own forward of the same place in the pipelines' orders to before that one's backward (its
+    W under ZB-H1), and under 1F1B a stage ``window`` from its pipeline's end runs ``window``
+    forwards ahead of its backwards (under ZB-H1 every stage holds ``window`` = the pipeline's
+    depth, as its own), so guests whose places are less than ``window`` apart overlap."""
     places = [j for j, _ in plan.guest_places.get(rank, ())] if getattr(plan, "routes", ()) else ()
     return max((sum(1 for q in places if p - window < q <= p) for p in places), default=0)
 
@@ -77,11 +82,13 @@ def routes_of(pipelines: Sequence[Sequence[int]], micro_batches: Sequence[Sequen
 
 def routed_schedules(routes: Mapping[int, Sequence[int]], home: Mapping[int, int],
                      forward_s: Mapping[int, float | tuple[float, ...]], backward_factor: float = 2.0,
-                     spare: int | None = None, num_chunks: int = 1) -> tuple[dict[int, list[Action]], float]:
+                     spare: int | None = None, num_chunks: int = 1,
+                     schedule: str = "1f1b") -> tuple[dict[int, list[Action]], float]:
     """``routes[mb]``: the rank of each stage for micro-batch ``mb``; ``home[mb]``: its pipeline;
     ``forward_s[rank]``: a forward's modelled time there (with ``num_chunks`` chunks a rank, each
     chunk's); ``spare``: micro-batches in flight beyond 1F1B's bound in the list schedule (None:
-    :data:`SPARE_IN_FLIGHT` once any micro-batch takes a detour, else 0).
+    :data:`SPARE_IN_FLIGHT` once any micro-batch takes a detour, else 0); ``schedule``: each
+    pipeline's own (``parallel.schedule``: 1f1b or zb-h1; interleaved with chunks).
     Returns each rank's actions and the predicted time of the step's compute.
 
     Micro-batches whose routes share no rank never wait for each other, so each connected set of
@@ -92,7 +99,7 @@ def routed_schedules(routes: Mapping[int, Sequence[int]], home: Mapping[int, int
     schedules: dict[int, list[Action]] = {}
     makespan = 0.0
     for mbs, ranks, (alike, span, _) in _by_component(routes, home, forward_s, backward_factor, spare,
-                                                      num_chunks=num_chunks):
+                                                      num_chunks=num_chunks, schedule=schedule):
         makespan = max(makespan, span)
         for i, r in enumerate(ranks):
             schedules[r] = [replace(a, micro_batch=mbs[a.micro_batch], peer=None if a.peer is None else ranks[a.peer])
@@ -102,10 +109,10 @@ def routed_schedules(routes: Mapping[int, Sequence[int]], home: Mapping[int, int
 
 def routed_timing(routes: Mapping[int, Sequence[int]], home: Mapping[int, int],
                   forward_s: Mapping[int, float | tuple[float, ...]], backward_factor: float = 2.0,
-                  released: Mapping[int, float] | None = None,
-                  num_chunks: int = 1) -> tuple[float, dict[int, tuple[float, ...]]] | None:
-    """The routed schedule's compute time and when each rank's last backward of each of its chunks
-    ends, its actions in :func:`routed_schedules`' order with each rank's forwards after
+                  released: Mapping[int, float] | None = None, num_chunks: int = 1,
+                  schedule: str = "1f1b") -> tuple[float, dict[int, tuple[float, ...]]] | None:
+    """The routed schedule's compute time and when each rank's last backward (or W) of each of its
+    chunks ends, its actions in :func:`routed_schedules`' order with each rank's forwards after
     ``released[rank]`` (its parameters' all-gather); or None where a connected set of routes spans
     more than :data:`EXACT_MAX_RANKS` ranks (too slow to schedule: bound it)."""
     sets = _components(routes)
@@ -113,7 +120,7 @@ def routed_timing(routes: Mapping[int, Sequence[int]], home: Mapping[int, int],
         return None
     makespan, ends = 0.0, {}
     for _, ranks, (_, span, local) in _by_component(routes, home, forward_s, backward_factor, None, sets, released,
-                                                    num_chunks):
+                                                    num_chunks, schedule):
         makespan = max(makespan, span)
         ends.update((r, local[i]) for i, r in enumerate(ranks))
     return makespan, ends
@@ -136,7 +143,8 @@ def _components(routes: Mapping[int, Sequence[int]]) -> list[tuple[list[int], li
     return [(ids, sorted({r for mb in ids for r in routes[mb]})) for ids in mbs.values()]
 
 
-def _by_component(routes, home, forward_s, backward_factor, spare, sets=None, released=None, num_chunks=1):
+def _by_component(routes, home, forward_s, backward_factor, spare, sets=None, released=None, num_chunks=1,
+                  schedule="1f1b"):
     """Each connected set's (micro-batches, ranks, (actions by rank index, makespan, each rank
     index's end)), scheduled with micro-batches and ranks renumbered in their order, each distinct
     set once; timed with its forwards after ``released``."""
@@ -151,12 +159,13 @@ def _by_component(routes, home, forward_s, backward_factor, spare, sets=None, re
         homes = {h: i for i, h in enumerate(sorted({home[mb] for mb in mbs}))}
         local = tuple(tuple(at[r] for r in routes[mb]) for mb in mbs)
         waits = tuple((released or {}).get(r, 0.0) for r in ranks)
-        key = (local, tuple(homes[home[mb]] for mb in mbs), tuple(forward_s[r] for r in ranks), waits, num_chunks)
+        key = (local, tuple(homes[home[mb]] for mb in mbs), tuple(forward_s[r] for r in ranks), waits, num_chunks,
+               schedule)
         if key not in done:
             args = dict(enumerate(local)), dict(enumerate(key[1])), dict(enumerate(key[2])), backward_factor
-            found = _inserted(*args, num_chunks)
+            found = _inserted(*args, num_chunks, schedule=schedule)
             if found is None:  # (a broken pipeline's survivor that hosts too can deadlock both anchorings)
-                found = _inserted(*args, num_chunks, by_time=True)
+                found = _inserted(*args, num_chunks, by_time=True, schedule=schedule)
                 if num_chunks == 1:
                     listed = _greedy(*args, spare)
                     found = listed if found is None or listed[1] < found[1] else found
@@ -170,11 +179,12 @@ def _by_component(routes, home, forward_s, backward_factor, spare, sets=None, re
         yield mbs, ranks, done[key]
 
 
-def _inserted(routes, home, forward_s, backward_factor: float, num_chunks: int = 1, by_time: bool = False):
-    """Each rank's own pipeline's order (1F1B, or interleaved 1F1B over ``num_chunks`` chunks: a
-    route then names the rank of each virtual stage) with its guests inserted (the module's doc),
-    timed; None where a rank holds only guests or the order would deadlock. ``by_time``: anchored
-    by time (:func:`_with_guests`), which cannot deadlock."""
+def _inserted(routes, home, forward_s, backward_factor: float, num_chunks: int = 1, by_time: bool = False,
+              schedule: str = "1f1b"):
+    """Each rank's own pipeline's order (``schedule``: 1F1B or ZB-H1, or interleaved 1F1B over
+    ``num_chunks`` chunks: a route then names the rank of each virtual stage) with its guests
+    inserted (the module's doc), timed; None where a rank holds only guests or the order would
+    deadlock. ``by_time``: anchored by time (:func:`_with_guests`), which cannot deadlock."""
     by_home: dict[int, list[int]] = {}
     for mb in sorted(routes):
         by_home.setdefault(home[mb], []).append(mb)
@@ -187,11 +197,10 @@ def _inserted(routes, home, forward_s, backward_factor: float, num_chunks: int =
     ranks = {r for route in routes.values() for r in route}
     if set(own) != ranks or any(len(set(route)) * num_chunks < len(route) for route in routes.values()):
         return None
-    kind = "interleaved" if num_chunks > 1 else "1f1b"
+    kind = "interleaved" if num_chunks > 1 else "zb-h1" if schedule == "zb-h1" else "1f1b"
 
-    def stage_order(mbs: list[int], s: int, p: int) -> list[tuple[bool, int, int]]:
-        return [(a.op is Op.FORWARD, a.micro_batch, a.chunk) for a in stage_schedule(kind, s, p, mbs, num_chunks)
-                if a.op in (Op.FORWARD, Op.BACKWARD)]
+    def stage_order(mbs: list[int], s: int, p: int) -> list[tuple[Op, int, int]]:
+        return [(a.op, a.micro_batch, a.chunk) for a in stage_schedule(kind, s, p, mbs, num_chunks) if a.op in _COMPUTE]
 
     mine = {r: stage_order(by_home[h], s, p) for r, (h, s, p) in own.items()}
     found = None
@@ -220,7 +229,7 @@ def _shorter(found, schedules, forward_s, backward_factor: float):
 
 
 def _ideal_ends(routes, by_home, kind: str, num_chunks: int, backward_factor: float) -> dict[tuple, float]:
-    """(forward?, micro-batch, chunk, stage) -> when that computation ends in its home's own
+    """(op, micro-batch, chunk, stage) -> when that computation ends in its home's own
     schedule run alone, a forward taking 1: a time that grows along every micro-batch's route
     (a computation ends before any that needs its output starts)."""
     ends = {}
@@ -229,13 +238,13 @@ def _ideal_ends(routes, by_home, kind: str, num_chunks: int, backward_factor: fl
         done, _ = timeline([stage_schedule(kind, s, p, mbs, num_chunks) for s in range(p)],
                            [1.0 + backward_factor] * (p * num_chunks), backward_factor)
         for (op, k, mb), end in done.items():
-            ends[op is Op.FORWARD, mb, k // p, k % p] = end
+            ends[op, mb, k // p, k % p] = end
     return ends
 
 
 def _with_guests(routes, by_home, own, mine, stage_order, num_chunks: int, anchoring: str,
                  ideal: Mapping[tuple, float] | None = None) -> dict[int, list]:
-    """Each rank's order of (forward?, micro-batch, chunk): its own (``mine``) with its guests in.
+    """Each rank's order of (op, micro-batch, chunk): its own (``mine``) with its guests in.
     ``anchoring``: ``place``, the k-th computation of a home's order at a stage goes just before
     its host's own k-th (those past the host's count after its end, still by place, so two homes'
     tails keep one order on every host they share), and a host's guests keep their home's order;
@@ -257,27 +266,27 @@ def _with_guests(routes, by_home, own, mine, stage_order, num_chunks: int, ancho
             placed[r].append(((k, 0, turn), op))
         return {r: [op for _, op in sorted(items, key=lambda item: item[0])] for r, items in placed.items()}
     order = {r: list(ops) for r, ops in mine.items()}
-    for r, _, _, j, (forward, mb, c), _ in guests:
+    for r, _, _, j, (op, mb, c), _ in guests:
         ops, theirs = order[r], by_home[own[r][0]]
-        at = ops.index((forward, theirs[j], c)) if j < len(theirs) else len(ops)
-        if not forward:
-            at = max(at, ops.index((True, mb, c)) + 1)
-        ops.insert(at, (forward, mb, c))
+        at = ops.index((op, theirs[j], c)) if j < len(theirs) else len(ops)
+        if op is not Op.FORWARD:  # after what it needs: its forward (a W: its B)
+            at = max(at, ops.index((_NEEDS[op], mb, c)) + 1)
+        ops.insert(at, (op, mb, c))
     return order
 
 
 def _guests(routes, by_home, own, stage_order, num_chunks: int):
     """Every guest computation, home by home and stage by stage in its home's order: (its host,
-    its place k in that order, its home's turn, its micro-batch's index in its home, (forward?,
+    its place k in that order, its home's turn, its micro-batch's index in its home, (op,
     micro-batch, chunk), its stage in its home)."""
     for turn, (g, mbs) in enumerate(by_home.items()):
         p = len(routes[mbs[0]]) // num_chunks
         index = {mb: j for j, mb in enumerate(mbs)}
         for s in range(p):
-            for k, (forward, mb, c) in enumerate(stage_order(mbs, s, p)):
+            for k, (op, mb, c) in enumerate(stage_order(mbs, s, p)):
                 r = routes[mb][c * p + s]
                 if own[r][0] != g:
-                    yield r, k, turn, index[mb], (forward, mb, c), s
+                    yield r, k, turn, index[mb], (op, mb, c), s
 
 
 def _actions(order, routes, own) -> dict[int, list[Action]]:
@@ -286,15 +295,17 @@ def _actions(order, routes, own) -> dict[int, list[Action]]:
     for r, ops in order.items():
         acts = schedules[r] = []
         p = own[r][2]
-        for forward, mb, c in ops:
+        for op, mb, c in ops:
             route = routes[mb]
             v, last = c * p + own[r][1], len(route) - 1
-            if forward:
+            if op is Op.FORWARD:
                 acts += ([Action(Op.RECV_ACT, mb, route[v - 1], c)] if v else []) + [Action(Op.FORWARD, mb, None, c)] + \
                     ([Action(Op.SEND_ACT, mb, route[v + 1], c)] if v < last else [])
+            elif op is Op.BACKWARD_WEIGHT:  # nobody waits for it, and it waits for nobody
+                acts.append(Action(op, mb, None, c))
             else:
                 acts += ([Action(Op.RECV_GRAD, mb, route[v + 1], c)] if v < last else []) + \
-                    [Action(Op.BACKWARD, mb, None, c)] + ([Action(Op.SEND_GRAD, mb, route[v - 1], c)] if v else [])
+                    [Action(op, mb, None, c)] + ([Action(Op.SEND_GRAD, mb, route[v - 1], c)] if v else [])
     return schedules
 
 
@@ -326,8 +337,9 @@ def _timed(schedules: Mapping[int, Sequence[Action]], forward_s: Mapping[int, fl
                 elif a.op is Op.FORWARD:
                     free[r] = max(free[r], released.get(r, 0.0)) + _cost(forward_s[r], a.chunk)
                 else:
-                    free[r] += _cost(forward_s[r], a.chunk) * backward_factor
-                    whole[r, a.chunk] = free[r]
+                    free[r] += _cost(forward_s[r], a.chunk) * backward_factor * _SHARE[a.op]
+                    if a.op is not Op.BACKWARD_INPUT:  # (a B leaves the weights' gradients to its W)
+                        whole[r, a.chunk] = free[r]
                 at[r], moved = at[r] + 1, True
         if not moved:
             stuck = {r: str(a[at[r]]) for r, a in schedules.items() if at[r] < len(a)}
@@ -394,16 +406,17 @@ def _pick(ready, free, routes, home, spare, in_flight, limited: bool):
     return None if best is None else (best[0][0], best[1], best[2])
 
 
-def plan_schedules(plan, backward_factor: float = 2.0) -> dict[int, list[Action]]:
+def plan_schedules(plan, backward_factor: float = 2.0, schedule: str = "1f1b") -> dict[int, list[Action]]:
     """Every rank's actions for a plan with detours (``plan.routes``), timed by the plan's layer
-    costs and frequency levels."""
+    costs and frequency levels; ``schedule``: the pipelines' own (``parallel.schedule``)."""
     routes, home = routes_of(plan.pipelines, plan.micro_batches, plan.route_of, plan.virtual_stages)
     costs = plan.layer_costs or (1.0,) * plan.num_layers
     forward_s = {}
     for r in plan.ranks:
         chunks = tuple(sum(costs[i:j]) / plan.frequency(r) for i, j in plan.chunk_ranges(r))
         forward_s[r] = chunks if plan.virtual_stages > 1 else chunks[0]
-    schedules, _ = routed_schedules(routes, home, forward_s, backward_factor, num_chunks=plan.virtual_stages)
+    schedules, _ = routed_schedules(routes, home, forward_s, backward_factor, num_chunks=plan.virtual_stages,
+                                    schedule=schedule)
     return schedules
 
 

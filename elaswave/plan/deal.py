@@ -49,20 +49,23 @@ def deal(stage_s: Sequence[Sequence[float]], num_micro_batches: int, k: int, pow
 
 
 def step_s(stage_s: Sequence[Sequence[float]], mbs, sizes: Sequence[Sequence[float]] | None = None,
-           schedule: str = "1f1b", num_chunks: int = 1) -> float:
+           schedule: str = "1f1b", num_chunks: int = 1, backward_factor: float = 2.0) -> float:
     """The pipelines' step as the planner compares its candidate plans by: each pipeline timed by
     the runtime's order of ``schedule`` (parallel.schedule; ``num_chunks`` model chunks a rank,
     interleaved), each kind of pipeline once. (Timing only the 8 slowest by an analytic estimate
     above 256 ranks missed the slowest: Llama 3 405B 1F1B at 16,384 GPUs read 0.957 after a loss,
-    0.967 timed whole.) ``sizes``: each pipeline's micro-batches as shares of a whole one (reshaped)."""
+    0.967 timed whole.) ``sizes``: each pipeline's micro-batches as shares of a whole one (reshaped).
+    ``backward_factor``: a stage's backward over its forward (:func:`~elaswave.plan.rates.split_factor`)."""
     if sizes is None:
         sizes = [[1.0] * len(m) for m in mbs]
-    return max(_pipeline_s(schedule, tuple(p), tuple(z), num_chunks) for p, z, m in zip(stage_s, sizes, mbs) if m)
+    return max(_pipeline_s(schedule, tuple(p), tuple(z), num_chunks, backward_factor)
+               for p, z, m in zip(stage_s, sizes, mbs) if m)
 
 
 @lru_cache(maxsize=4096)
-def _pipeline_s(schedule: str, stage_s: tuple[float, ...], sizes: tuple[float, ...], num_chunks: int) -> float:
-    return schedule_makespan(schedule, stage_s, len(sizes), sizes=sizes, num_chunks=num_chunks)
+def _pipeline_s(schedule: str, stage_s: tuple[float, ...], sizes: tuple[float, ...], num_chunks: int,
+                backward_factor: float = 2.0) -> float:
+    return schedule_makespan(schedule, stage_s, len(sizes), backward_factor, sizes=sizes, num_chunks=num_chunks)
 
 
 def chunks_step_s(virtual_s: Sequence[Sequence[float]], mbs, sizes: Sequence[Sequence[float]],
@@ -80,14 +83,17 @@ def _chunked_s(virtual_s: tuple[float, ...], sizes: tuple[float, ...], num_chunk
 
 
 def detoured_step_s(pipelines, mbs, routes, stage_s: Mapping[int, float | tuple[float, ...]],
-                    num_chunks: int = 1) -> float:
+                    num_chunks: int = 1, schedule: str = "1f1b", backward_factor: float = 2.0) -> float:
     """Predicted compute of a plan with detours: its routed schedule's length (the schedule the
-    ranks would run; ``stage_s`` is forward + backward, split 1:2, with ``num_chunks`` model chunks
-    a rank each chunk's), or above ``routed.EXACT_MAX_RANKS`` ranks in a connected set of routes
-    the busiest rank's micro-batches (own and guests') plus one fill."""
+    ranks would run; ``stage_s`` is forward + backward, split 1 : ``backward_factor``, with
+    ``num_chunks`` model chunks a rank each chunk's), or above ``routed.EXACT_MAX_RANKS`` ranks in
+    a connected set of routes the busiest rank's micro-batches (own and guests') plus one fill.
+    ``schedule``: the pipelines' own, which each rank keeps with its guests in (1f1b or zb-h1; with
+    chunks interleaved)."""
     all_routes, home = routed.routes_of(pipelines, mbs, dict(routes), num_chunks)
-    forward = {r: tuple(c / 3.0 for c in t) if isinstance(t, tuple) else t / 3.0 for r, t in stage_s.items()}
-    exact = routed.routed_timing(all_routes, home, forward, 2.0, num_chunks=num_chunks)
+    share = 1.0 + backward_factor
+    forward = {r: tuple(c / share for c in t) if isinstance(t, tuple) else t / share for r, t in stage_s.items()}
+    exact = routed.routed_timing(all_routes, home, forward, backward_factor, num_chunks=num_chunks, schedule=schedule)
     if exact is not None:
         return exact[0]
     whole = {r: sum(t) if isinstance(t, tuple) else t for r, t in stage_s.items()}

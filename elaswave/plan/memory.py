@@ -307,7 +307,8 @@ def rank_bytes(model: MemoryModel, plan, rank: int) -> dict[str, float]:
                  if getattr(plan, "routes", ()) else model.sends_alive(s, depth, mbs))
         at, whole = layout_stage(plan, rank, s, depth)  # a broken pipeline's survivor runs its whole layout's 1F1B
         out["activations"] = model.activation_bytes(start, end, model.in_flight(at, whole, mbs)
-                                                    + guests_in_flight(plan, rank, whole - at), sends)
+                                                    + guests_in_flight(plan, rank, whole if model.split_backward
+                                                                       else whole - at), sends)
     else:
         out["activations"] = _interleaved_activations(model, chunks, *layout_stage(plan, rank, s, depth), mbs,
                                                       plan.num_layers, getattr(plan, "guest_places", {}).get(rank, ()))

@@ -17,7 +17,8 @@ from elaswave.plan.frequency import PowerModel
 from elaswave.plan.memory import by_cost, limit_refusal, over_limit
 from elaswave.plan.partition import PartitionError
 from elaswave.plan.plan import Plan
-from elaswave.plan.rates import priced_detoured_s, priced_step_s, range_cost, rank_rates, recompute_cost, stage_times, timing
+from elaswave.plan.rates import (priced_detoured_s, priced_step_s, range_cost, rank_rates, recompute_cost, split_factor,
+                                 stage_times, timing)
 from elaswave.plan.recompute import fit_recomputation
 from elaswave.plan.resplit import place_joiners, split
 
@@ -249,9 +250,13 @@ def _elaswave(prev: Plan, epoch: int, pipelines, kept_ranges, kept, num_micro_ba
                 price, other = priced_detoured_s(detoured, rate), priced_step_s(built, rate, schedule)
             else:
                 own = recompute_cost(detoured, schedule)
-                forward = {r: (range_cost(prev, i, j) + own.get(r, 0.0)) / rate[r] for pipe, rng in zip(pipelines, kept_ranges)
-                           for r, (i, j) in zip(pipe, rng)}
-                price, other = detoured_step_s(pipelines, kept_mbs, routes, forward), step_s(at_levels, run_mbs, sizes, schedule)
+                cost = {r: range_cost(prev, i, j) for pipe, rng in zip(pipelines, kept_ranges) for r, (i, j) in zip(pipe, rng)}
+                forward = {r: (c + own.get(r, 0.0)) / rate[r] for r, c in cost.items()}
+                price = detoured_step_s(pipelines, kept_mbs, routes, forward, schedule=schedule,
+                                        backward_factor=split_factor(cost, own))
+                theirs = {r: range_cost(built, i, j) for pipe, rng in zip(built.pipelines, built.layer_ranges)
+                         for r, (i, j) in zip(pipe, rng)}
+                other = step_s(at_levels, run_mbs, sizes, schedule, backward_factor=split_factor(theirs, extra))
             if not limit_refusal(detoured) and price < other * (1 - 1e-3):
                 return detoured
     plan = built

@@ -119,7 +119,7 @@ def build_rank(cfg: JobConfig, plan: Plan, rank: int, stage: Stage, sampler: Sam
     def step_tokens(step: int) -> int:
         return sampler.loss_tokens(step, plan.batch_units // k)
     # With detours (the reroute baseline) no per-pipeline 1F1B fits; all ranks derive one schedule.
-    schedule = (plan_schedules(plan, cfg.emulate.backward_factor).get(rank, []) if plan.routes
+    schedule = (plan_schedules(plan, cfg.emulate.backward_factor, par.schedule).get(rank, []) if plan.routes
                 else stage_schedule(par.schedule, s, len(pipeline), plan.schedule_of(d), plan.virtual_stages))
     emulated = None
     if cfg.emulate.enabled:

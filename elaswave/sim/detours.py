@@ -4,14 +4,17 @@ the plan's routes can beat (the reroute baseline's price)."""
 from __future__ import annotations
 
 from elaswave.pipeline import routed
+from elaswave.pipeline.schedule import BACKWARD_INPUT_SHARE
 from elaswave.plan.plan import Plan
 
 
 def routed_compute(plan: Plan, virtual: dict[int, tuple[float, ...]], backward_factor: float,
-                   released: dict[int, tuple[float, ...]] | None) -> tuple[float, dict[int, tuple[float, ...]]] | None:
+                   released: dict[int, tuple[float, ...]] | None,
+                   schedule: str = "1f1b") -> tuple[float, dict[int, tuple[float, ...]]] | None:
     """The routed schedule's compute and each rank's chunks' ends (:func:`~elaswave.pipeline.routed.routed_timing`)
     on each pipeline's ``virtual`` stages (forward + backward; a rank's chunks with virtual stages),
-    a rank's forwards after ``released`` (its all-gathers); None where it is too large to build."""
+    a rank's forwards after ``released`` (its all-gathers); None where it is too large to build.
+    ``schedule``: the pipelines' own (the cluster model's ``pipeline_schedule``)."""
     v = plan.virtual_stages
     routes, home = routed.routes_of(plan.pipelines, plan.micro_batches, plan.route_of, v)
     forward = {}
@@ -20,20 +23,23 @@ def routed_compute(plan: Plan, virtual: dict[int, tuple[float, ...]], backward_f
             chunks = tuple(t / (1 + backward_factor) for t in virtual[d][s::len(pipe)])
             forward[r] = chunks if v > 1 else sum(chunks)
     return routed.routed_timing(routes, home, forward, backward_factor,
-                                {r: at[0] for r, at in released.items()} if released else None, v)
+                                {r: at[0] for r, at in released.items()} if released else None, v, schedule)
 
 
 def routed_chunk_times(plan: Plan, virtual: dict[int, tuple[float, ...]], ends: dict[int, tuple[float, ...]],
-                       backward_factor: float):
+                       backward_factor: float, schedule: str = "1f1b"):
     """``sim.model._whole_at``'s ``chunk_times`` for a plan with detours: each chunk's last backward
-    on the rank in its routed schedule (``ends``: a guest's or its own, the same layers), as long as
-    one of the chunk's own."""
+    (under ZB-H1 its last W) on the rank in its routed schedule (``ends``: a guest's or its own, the
+    same layers), as long as one of the chunk's own (a W: its share of a backward, as
+    ``pipeline.schedule.gradients_whole`` has it)."""
+    share = 1.0 - BACKWARD_INPUT_SHARE if schedule == "zb-h1" else 1.0
     def times(rank: int) -> tuple[tuple[float, float], ...] | None:
         if rank not in ends:
             return None
         d, s = plan.position(rank)
         p = len(plan.pipelines[d])
-        return tuple((end, virtual[d][c * p + s] * backward_factor / (1 + backward_factor)) for c, end in enumerate(ends[rank]))
+        return tuple((end, virtual[d][c * p + s] * backward_factor / (1 + backward_factor) * share)
+                     for c, end in enumerate(ends[rank]))
     return times
 
 

@@ -257,13 +257,14 @@ def step_time(plan: Plan, model: ClusterModel, schedule: str = "runtime") -> Ste
     routed_ends = None
     if schedule == "lower_bound":
         compute = routed_lower_bound(plan, stage, virtual)
-    elif plan.routes and (exact := routed_compute(plan, virtual, model.split_factor(plan), released)) is not None:
+    elif plan.routes and (exact := routed_compute(plan, virtual, model.split_factor(plan), released,
+                                                  model.pipeline_schedule)) is not None:
         compute, routed_ends = exact
     else:
         released = None if plan.routes else released
         compute = _analytic_compute(plan, stage, virtual, model.split_factor(plan), model.pipeline_schedule, released)
     if routed_ends is not None:
-        times = routed_chunk_times(plan, virtual, routed_ends, model.split_factor(plan))
+        times = routed_chunk_times(plan, virtual, routed_ends, model.split_factor(plan), model.pipeline_schedule)
     elif schedule == "runtime" and not plan.routes:
         times = _scheduled_chunk_times(plan, virtual, model.split_factor(plan), model.pipeline_schedule, released)
     else:

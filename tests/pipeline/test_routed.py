@@ -4,7 +4,8 @@ import pytest
 
 from elaswave.pipeline import routed
 from elaswave.pipeline.routed import check_deadlock_free, plan_schedules, routed_schedules
-from elaswave.pipeline.schedule import Action, DeadlockError, Op, one_f_one_b, one_f_one_b_makespan
+from elaswave.pipeline.schedule import (Action, DeadlockError, Op, one_f_one_b, one_f_one_b_makespan, schedule_makespan,
+                                         zb_h1)
 from elaswave.plan.plan import initial_plan
 from elaswave.plan.replan import replan
 
@@ -15,7 +16,8 @@ def _layout(dp, pp, m):
 
 
 def _compute(actions):
-    return [(a.op, a.micro_batch) for a in actions if a.op in (Op.FORWARD, Op.BACKWARD)]
+    return [(a.op, a.micro_batch) for a in actions
+            if a.op in (Op.FORWARD, Op.BACKWARD, Op.BACKWARD_INPUT, Op.BACKWARD_WEIGHT)]
 
 
 @pytest.mark.parametrize("dp,pp,m", [(1, 4, 8), (2, 3, 5), (3, 2, 1)])
@@ -27,6 +29,40 @@ def test_without_detours_it_is_1f1b(dp, pp, m):
             assert _compute(schedules[d * pp + s]) == _compute(one_f_one_b(s, pp, range(d * m, (d + 1) * m)))
     assert makespan == pytest.approx((m + pp - 1) * 3.0)
     check_deadlock_free(schedules)
+
+
+@pytest.mark.parametrize("dp,pp,m", [(1, 4, 8), (2, 3, 5)])
+def test_without_detours_it_is_zb_h1(dp, pp, m):
+    routes, home = _layout(dp, pp, m)
+    stage_s = [1.0 + 0.25 * s for s in range(pp)]
+    schedules, makespan = routed_schedules(routes, home, {d * pp + s: stage_s[s] for d in range(dp) for s in range(pp)},
+                                           schedule="zb-h1")
+    for d in range(dp):
+        for s in range(pp):
+            assert _compute(schedules[d * pp + s]) == _compute(zb_h1(s, pp, range(d * m, (d + 1) * m)))
+    assert makespan == pytest.approx(schedule_makespan("zb-h1", [3 * t for t in stage_s], m))
+    check_deadlock_free(schedules)
+
+
+def test_under_zb_h1_guests_keep_their_hosts_zb_h1_order_and_hold_their_w_back_as_the_host_does():
+    """ZB-H1 pipelines (the runtime's parallel.schedule=zb-h1): each guest's F, B and W go before the
+    host's own of the same place in its ZB-H1 order, so its W waits as the host's own do and fills the
+    drain; the step is shorter than with the detours in 1F1B's order (whole backwards), which is what
+    ran under ZB-H1 until session 56."""
+    routes, home, forward = _detoured([1.0] * 4, 5, 8, 2, 3)  # pipeline 4 hosts nothing
+    schedules, span = routed_schedules(routes, home, forward, schedule="zb-h1")
+    check_deadlock_free(schedules)
+    for s in range(4):
+        assert _compute(schedules[16 + s]) == _compute(zb_h1(s, 4, range(32, 40)))
+    for d in (1, 2, 3):
+        ops, own = _compute(schedules[d * 4 + 2]), list(range(d * 8, d * 8 + 8))
+        assert [x for x in ops if x[1] in own] == _compute(zb_h1(2, 4, own))
+        guests = [x for x in ops if x[1] not in own]
+        assert guests == [x for x in _compute(zb_h1(2, 4, range(8))) if x[1] % 3 == d - 1]  # its home's order
+        for j in range(d - 1, 8, 3):  # before the host's own of the same place
+            for op in (Op.FORWARD, Op.BACKWARD_INPUT, Op.BACKWARD_WEIGHT):
+                assert ops[ops.index((op, own[j])) - 1] == (op, j)
+    assert span < routed_schedules(routes, home, forward)[1]
 
 
 @pytest.mark.parametrize("dead_stage", [0, 1, 3])
@@ -191,8 +227,8 @@ def _survivors_hosting(draw, chunks):
     return routes, home, forward
 
 
-@pytest.mark.parametrize("chunks", [1, 2])
-def test_the_order_by_time_never_deadlocks(chunks):
+@pytest.mark.parametrize("chunks, schedule", [(1, "1f1b"), (1, "zb-h1"), (2, "interleaved")])
+def test_the_order_by_time_never_deadlocks(chunks, schedule):
     """Every rank's computations by when each ends in its home's own schedule run alone: no ring of
     waits can close, whoever hosts whom (random layouts with survivors of broken pipelines hosting)."""
     import random
@@ -200,7 +236,7 @@ def test_the_order_by_time_never_deadlocks(chunks):
     for _ in range(150):
         layout = _survivors_hosting(draw, chunks)
         if layout is not None:
-            found = routed._inserted(*layout, 2.0, chunks, by_time=True)
+            found = routed._inserted(*layout, 2.0, chunks, by_time=True, schedule=schedule)
             assert found is not None
             check_deadlock_free(found[0])
 

@@ -243,18 +243,31 @@ def test_elaswave_takes_detours_only_when_they_are_predicted_faster(dp, expect_d
         assert after.routes == () and len(after.pipelines[0]) == 3 and after.is_complete(0)
 
 
-@pytest.mark.parametrize("dp", [3, 16])
-def test_under_zb_h1_a_re_partition_is_weighed_by_zb_h1s_timing(dp):
+@pytest.mark.parametrize("dp,detours", [(3, False), (16, True)])
+def test_under_zb_h1_detours_and_a_re_partition_are_each_timed_by_zb_h1(dp, detours):
     """The same loss as above: under 1F1B the survivors keep their layout and micro-batches take
-    detours; under ZB-H1 the re-partitioned pipelines run ZB-H1 (its W fills the drain), which the
-    routed schedule of detours does not, and the planner, timing each plan by what would run,
-    re-partitions instead (it kept detours while it priced 1F1B: a slower plan under zb-h1)."""
+    detours. Under ZB-H1 a re-partitioned pipeline runs ZB-H1 (its W fills the drain), and since
+    session 56 so do detours (each host's ZB-H1 order with its guests' F, B and W in): with 3
+    pipelines, 2 hosts take 4 guests each and re-partitioning is as fast (25.4 against 25.4 by the
+    planner's timing), so it is kept; with 16, 15 hosts take one or none and the detours are faster
+    (23.5 against 25.4). Until session 56 detours ran 1F1B's order under ZB-H1 too and lost both."""
+    from elaswave.plan.deal import detoured_step_s
+    from elaswave.plan.rates import priced_step_s, range_cost
     costs = [1.0] * 7 + [1.6]
     plan = initial_plan(4 * dp, dp, 4, costs, 8 * dp, [9] * 8, 4)
     live = [r for r in plan.ranks if r != 1]
     assert replan(plan, live, 1, 8 * dp).routes  # 1f1b, the default
     after = replan(plan, live, 1, 8 * dp, schedule="zb-h1")
-    assert after.routes == () and len(after.pipelines[0]) == 3 and after.is_complete(0)
+    split = replan(plan, live, 1, 8 * dp, schedule="zb-h1", detours=False)
+    assert split.routes == () and len(split.pipelines[0]) == 3 and split.is_complete(0)
+    split_s = priced_step_s(split, dict.fromkeys(split.ranks, 1.0), "zb-h1")
+    if not detours:
+        assert after.routes == () and after.layer_ranges == split.layer_ranges
+        return
+    assert after.routes and after.pipelines[0] == (0, 2, 3)
+    forward = {r: range_cost(after, i, j) for pipe, ranges in zip(after.pipelines, after.layer_ranges)
+               for r, (i, j) in zip(pipe, ranges)}
+    assert detoured_step_s(after.pipelines, after.micro_batches, after.routes, forward, schedule="zb-h1") < split_s
     assert sorted(m for mbs in after.micro_batches for m in mbs) == list(range(8 * dp))
 
 

@@ -9,6 +9,7 @@ STEPS = 6
 ZB = ["parallel.schedule=zb-h1"]
 
 reference = reference_fixture(STEPS, 4)  # run_job's global batch: max(4, dp) micro-batches
+reference_of_6 = reference_fixture(STEPS, 6)
 
 
 # Recomputed layers give the reference's bits too (tests/runtime/test_layouts.py): W recomputes them again.
@@ -32,6 +33,18 @@ def test_a_kill_in_a_split_backward_still_ends_bit_identical(tmp_path, reference
     assert f"injecting kill into rank 3 at step 2 ({phase})" in res.stderr
     assert any(r["event"] == "recovery" for r in res.records)
     assert_same_run(res, reference, STEPS)
+
+
+def test_the_reroute_baseline_keeps_zb_h1_with_its_guests_and_the_bits(tmp_path, reference_of_6):
+    """dp=3 x pp=2 under ZB-H1, the last stage of pipeline 0 SIGKILLed as its first W starts: its
+    micro-batches pass through the last stage of the other pipelines, each host running its ZB-H1
+    order with its guest's F, B and W in (pipeline/routed.py), and the run keeps the reference's bits."""
+    res = run_job(tmp_path, 3, 2, STEPS, deterministic=True,
+                  extra=[*ZB, "train.num_micro_batches=6", "elastic.policy=reroute",
+                         "elastic.inject=kill:rank=1,step=2,phase=weight"])
+    (rec,) = [r for r in res.records if r["event"] == "recovery"]
+    assert rec["plan"]["detours"] == 2 and rec["plan"]["pipelines"][0] == [0]
+    assert_same_run(res, reference_of_6, STEPS)
 
 
 def test_fast_bf16_zb_h1_keeps_the_bits_of_1f1b(tmp_path):
