@@ -3,8 +3,8 @@
 Llama 3 70B and 405B at TP 8 x PP 16 (H100 preset, sustained clocks, 80 GiB, the planner's
 recomputation: ``--checkpointing auto``), 16 sequences of 8,192 tokens a pipeline a step (16 M
 tokens at 16,384 GPUs), one device lost at 360 s of an hour. Each schedule in turn is every
-policy's failure-free schedule (1F1B; interleaved V = 4, Llama 3's, the fastest that fits), so
-the rows compare recoveries, not schedules. ``after/before``: tokens per second after the failure
+policy's failure-free schedule (1F1B; interleaved V = 4, Llama 3's, the fastest that fits;
+ZB-H1), so the rows compare recoveries, not schedules. ``after/before``: tokens per second after the failure
 over before (drop_replica trains a smaller batch after it; every other row keeps the batch);
 ``ETTR``: the hour's effective training time. reroute (ReCycle) is priced at its routes' lower
 bound (a perfect bubble-filling schedule), with interleaved pipelines each lost chunk on the next
@@ -28,7 +28,8 @@ from elaswave import cli  # noqa: E402
 
 MODELS = ("llama3-70b", "llama3-405b")
 GPUS = (1024, 16384)
-SCHEDULES = {"1F1B": ["--schedule", "1f1b"], "interleaved V=4": ["--schedule", "interleaved", "--virtual-stages", "4"]}
+SCHEDULES = {"1F1B": ["--schedule", "1f1b"], "interleaved V=4": ["--schedule", "interleaved", "--virtual-stages", "4"],
+             "ZB-H1": ["--schedule", "zb-h1"]}
 POLICIES = ("elaswave_no_dvfs", "templates", "drop_replica", "restart", "reroute", "reroute_runtime")
 
 
