@@ -33,6 +33,10 @@ SCHEDULES = {"1F1B": ["--schedule", "1f1b"], "interleaved V=4": ["--schedule", "
 POLICIES = ("elaswave_no_dvfs", "templates", "drop_replica", "restart", "reroute", "reroute_runtime")
 
 
+class DoesNotFit(Exception):
+    """The layout's every plan is over the device's memory (the simulator's own refusal)."""
+
+
 def run(model: str, gpus: int, schedule: list[str]) -> dict:
     argv = ["simulate", "--json", "--devices", str(gpus), "--tp", "8", "--pp", "16", "--model", model,
             "--hardware", "h100", "--clocks", "sustained", "--checkpointing", "auto",
@@ -41,6 +45,8 @@ def run(model: str, gpus: int, schedule: list[str]) -> dict:
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         code = cli.main(argv)
     if code:
+        if "is too small" in err.getvalue():
+            raise DoesNotFit(err.getvalue().split("needs ")[1].split(" a GPU")[0])
         raise RuntimeError(f"elaswave {' '.join(argv)} exited {code}: {err.getvalue().strip()}")
     return json.loads(out.getvalue())
 
@@ -51,7 +57,11 @@ def main() -> int:
     for model in MODELS:
         for gpus in GPUS:
             for name, schedule in SCHEDULES.items():
-                res = run(model, gpus, schedule)
+                try:
+                    res = run(model, gpus, schedule)
+                except DoesNotFit as exc:
+                    rows.append(f"| {model} | {gpus:,} | {name} | does not fit 80 GiB: {exc} |" + " |" * (len(POLICIES) + 2))
+                    continue
                 doc[f"{model} {gpus} {name}"] = res
                 pol = res["policies"]
                 ratio = {p: pol[p]["throughput_after_over_before"] for p in pol}

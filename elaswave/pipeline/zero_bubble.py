@@ -52,6 +52,14 @@ class WeightPass:
         self.restarts = restarts
         self.whole = whole
 
+    def held_bytes(self) -> int:
+        """Bytes B keeps for W beside the graph: the gradients that flowed into the boundary (or,
+        without a B, the one into the stage's output)."""
+        grads = [g for r in self.restarts for _, flowing in r.boundary for g in flowing if g is not None]
+        if self.whole is not None and self.whole[1] is not None:
+            grads.append(self.whole[1])
+        return sum(g.numel() * g.element_size() for g in grads)
+
     def run(self) -> None:
         """Accumulate the weights' gradients into their ``.grad`` as one whole backward would, and
         free the graph. Runs once."""
@@ -166,7 +174,7 @@ def _refuse_aliases(reached: list[torch.Tensor]) -> None:
     seen: set[tuple[int, int]] = set()
     for w in reached:
         at = (w.untyped_storage().data_ptr(), w.storage_offset())
-        if w.numel() and at in seen:
+        if w.numel() and at in seen and not w.is_meta:  # (meta tensors share no values: every address is 0)
             raise ValueError("parallel.schedule=zb-h1: a tied tensor's owner and user both run on this stage, "
                              "whose gradients W cannot sum in one backward's order; use parallel.schedule=1f1b")
         seen.add(at)
@@ -212,3 +220,29 @@ def _boundary(weight_nodes: list[Node], on_input_path: set[Node], parents: dict[
                 seen.add(p)
                 queue.append(p)
     return list(found)
+
+
+def held_for_w_bytes(model, micro_batch_size: int, dtype: torch.dtype) -> list[int]:
+    """Per layer, the bytes one micro-batch's B keeps for its W beside the activations (the memory
+    model's, plan/memory.py): the gradients flowing into its weights' boundary nodes, measured by
+    running each layer's B on the meta device (0 for layer 0, whose stage has no B: its W is the
+    whole backward, which keeps only the gradient into the stage's output)."""
+    from elaswave.model.contract import on_meta, untie
+
+    out = [0]
+    b, t = micro_batch_size, model.seq_len
+    for i in range(1, model.num_layers):
+        with on_meta():
+            layer = model.build_layer(i, 0, init=False)
+        for _, parent, name, shape in untie(model, layer, i):
+            setattr(parent, name, torch.nn.Parameter(torch.empty(shape, device="meta")))
+        layer.to(dtype)
+        x = torch.zeros(b, t, model.hidden_size, dtype=dtype, device="meta", requires_grad=True)
+        y = layer(x, torch.Generator())
+        if i == model.num_layers - 1:
+            y, grad = model.loss_sum(y, torch.zeros(b, t, dtype=torch.long, device="meta")), None
+        else:
+            grad = torch.zeros_like(y)
+        weights = [w for w in layer.parameters() if w.requires_grad]
+        out.append(backward_input(y, grad, x, weights).held_bytes())
+    return out

@@ -85,6 +85,10 @@ class MemoryModel:
     """ZB-H1 (parallel.schedule=zb-h1): a micro-batch keeps its graph from its forward to its W,
     which stage ``s`` holds back ``s`` micro-batches, so every stage has as many in flight as
     1F1B's first stage."""
+    layer_held_for_w_bytes: tuple[float, ...] = ()
+    """Under ZB-H1, what one micro-batch's B keeps for its W beside its activations, per layer: the
+    gradients flowing into its weights' products (``pipeline.zero_bubble.held_for_w_bytes``; empty:
+    not counted)."""
     slot_chunk_numel: int = 0
     """The chunk size whose padding a rank's optimizer slots and snapshots pay, where the plan's
     chunks are a coarser planning grain (the simulator's 2^24 values; the runtime's are
@@ -110,6 +114,18 @@ class MemoryModel:
     def in_flight(self, stage: int, num_stages: int, num_micro_batches: int) -> int:
         """Micro-batches whose activations stage ``stage`` of ``num_stages`` holds at its peak."""
         return min(num_stages if self.split_backward else num_stages - stage, num_micro_batches)
+
+    def held_for_w(self, stage: int, num_micro_batches: int) -> int:
+        """Micro-batches between their B and their W on stage ``stage`` at its peak: ZB-H1 holds a W
+        back until ``stage`` + 1 are waiting (pipeline.schedule.zb_h1)."""
+        return min(stage + 1, num_micro_batches) if self.split_backward and self.layer_held_for_w_bytes else 0
+
+    def held_for_w_bytes(self, start: int, end: int) -> float:
+        """What one micro-batch's B on layers [start, end) keeps for its W: a first stage has no B, and
+        its W (the whole backward) keeps only the gradient into its output."""
+        if start == 0:
+            return self.boundary_bytes if end < len(self.layer_numels) else 0.0
+        return sum(self.layer_held_for_w_bytes[start:end])
 
     def to_doc(self) -> dict:
         doc = {f.name: getattr(self, f.name) for f in fields(self)}
@@ -167,13 +183,14 @@ class MemoryModel:
         return (self.value_bytes * sum(self.layer_numels[i] for i in held) + self.gradient_bytes * uses
                 + self.frozen_bytes(held))
 
-    def activation_bytes(self, start: int, end: int, in_flight: int, sends: int = 0) -> float:
+    def activation_bytes(self, start: int, end: int, in_flight: int, sends: int = 0, held_for_w: int = 0) -> float:
         """Activations of a stage running layers [start, end) with ``in_flight`` micro-batches
         alive at once and at most ``sends`` of its sends (activations and gradients) not yet freed
-        (:func:`sends_alive`)."""
+        (:func:`sends_alive`), ``held_for_w`` of them between their B and W (:meth:`held_for_w`)."""
         kept = [self.boundary_bytes if i in self.recomputed else self.layer_activation_bytes[i]
                 for i in range(start, end)]
-        return (in_flight - 1) * sum(kept) + self._backward_peak(start, kept) + sends * self.boundary_bytes
+        return ((in_flight - 1) * sum(kept) + self._backward_peak(start, kept) + sends * self.boundary_bytes
+                + (held_for_w * self.held_for_w_bytes(start, end) if held_for_w else 0.0))
 
     def sends_alive(self, stage: int, num_stages: int, num_micro_batches: int, num_chunks: int = 1) -> int:
         """The most of a stage's sends alive at once: each is freed once its peer must have taken it
@@ -246,11 +263,13 @@ class MemoryModel:
             held -= away[end] - away[start]
             if stage not in by_stage:
                 by_stage[stage] = (self.sends_alive(stage, num_stages, micro_batches) * self.boundary_bytes,
-                                   self.in_flight(stage, num_stages, num_micro_batches))
-            sent, in_flight = by_stage[stage]
+                                   self.in_flight(stage, num_stages, num_micro_batches),
+                                   self.held_for_w(stage, micro_batches))
+            sent, in_flight, waiting = by_stage[stage]
             data = self.data_bytes if start == 0 or end == n else 0.0
             activations = ((in_flight - 1) * (acts[end] - acts[start]) + sent
-                           + max(acts[end], recompute_peak(start, end)) - acts[start])
+                           + max(acts[end], recompute_peak(start, end)) - acts[start]
+                           + (waiting * self.held_for_w_bytes(start, end) if waiting else 0.0))
             frozen = self.frozen_bytes(self.held_layers(start, end)) if self.frozen_numels else 0.0
             return (held * per_value + shared * share + self.gradient_bytes * uses + data + frozen
                     + max(activations, self.update_bytes(held, shared / holders))) / MIB
@@ -308,7 +327,8 @@ def rank_bytes(model: MemoryModel, plan, rank: int) -> dict[str, float]:
         at, whole = layout_stage(plan, rank, s, depth)  # a broken pipeline's survivor runs its whole layout's 1F1B
         out["activations"] = model.activation_bytes(start, end, model.in_flight(at, whole, mbs)
                                                     + guests_in_flight(plan, rank, whole if model.split_backward
-                                                                       else whole - at), sends)
+                                                                       else whole - at), sends,
+                                                    model.held_for_w(at, mbs))
     else:
         out["activations"] = _interleaved_activations(model, chunks, *layout_stage(plan, rank, s, depth), mbs,
                                                       plan.num_layers, getattr(plan, "guest_places", {}).get(rank, ()))
@@ -415,42 +435,6 @@ def by_cost(virtual_stages: int, memory: MemoryModel | None) -> bool:
     (a rank's chunks are not one range the partition's memory terms price), and where the plan
     chooses what to recompute to fit (plan/recompute.py) rather than moving layers."""
     return virtual_stages > 1 or (memory is not None and memory.plan_recomputation)
-
-
-def over_limit(plan) -> dict[int, float]:
-    """Where the partition is by cost alone (:func:`by_cost`), or experts are held by their owners
-    (which the partition's memory terms do not see: a rank alone in its expert-parallel group
-    holds every expert of its layers, plan/experts.py): each rank whose modelled peak passes the
-    plan's limit, with its MiB (none without a limit, or where the partition weighed it all)."""
-    experts = bool(getattr(plan, "expert_holders", ()))
-    if not (by_cost(plan.virtual_stages, plan.memory) or experts) or not plan.stage_memory_limit or plan.memory is None:
-        return {}
-    need = {rank: rank_bytes(plan.memory, plan, rank)["total"] / MIB for rank in plan.ranks}
-    return {rank: mib for rank, mib in need.items() if mib > plan.stage_memory_limit}
-
-
-def _mib(x: float) -> str:
-    """MiB in words: whole from 100 on, else to 4 significant digits (a test's 5.5 MiB limit is not "6")."""
-    return f"{x:.0f}" if abs(x) >= 100 else f"{x:.4g}"
-
-
-def limit_refusal(plan) -> str | None:
-    """:func:`over_limit`'s first rank in words; None when every rank fits."""
-    over = over_limit(plan)
-    if not over:
-        return None
-    rank = min(over)
-    if not by_cost(plan.virtual_stages, plan.memory):  # experts held by their owners (over_limit)
-        return (f"rank {rank} would hold {_mib(over[rank])} MiB at its peak with the experts the plan gives it, over "
-                f"the limit of {_mib(plan.stage_memory_limit)} MiB (an expert's state is shared by one rank of each "
-                "expert-parallel group of its stage, and a rank alone in its group holds every expert of its "
-                "layers); more stages, a larger limit, or parallel.ep=1")
-    if plan.virtual_stages == 1:  # the plan recomputes: every block of the rank's already is
-        return (f"rank {rank} would hold {_mib(over[rank])} MiB at its peak with every block it runs recomputed, "
-                f"over the limit of {_mib(plan.stage_memory_limit)} MiB; more stages, or a larger limit")
-    return (f"rank {rank} would hold {_mib(over[rank])} MiB at its peak under interleaved 1F1B "
-            f"({plan.virtual_stages} chunks{', every block it runs recomputed' if plan.memory.plan_recomputation else ''}), "
-            f"over the limit of {_mib(plan.stage_memory_limit)} MiB; parallel.virtual_stages=1 partitions by memory")
 
 
 def _slot_values(model: MemoryModel, plan, rank: int) -> int:

@@ -14,7 +14,8 @@ from elaswave.plan import microbatches
 from elaswave.plan.buckets import gradient_buckets
 from elaswave.plan.chunks import Owners, chunks_by_rank, round_robin_owners, slot_chunks
 from elaswave.plan.detours import covers
-from elaswave.plan.memory import MemoryModel, by_cost, limit_refusal, stages_memory
+from elaswave.plan.limit import limit_refusal
+from elaswave.plan.memory import MemoryModel, by_cost, stages_memory
 from elaswave.plan.recompute import fit_recomputation
 from elaswave.plan.errors import PlanError  # noqa: F401 (where callers import it from)
 from elaswave.plan.experts import expert_groups, ghost_counts, owner_imbalance, place_holders, team_layout

@@ -17,7 +17,8 @@ from dataclasses import replace
 
 from elaswave.plan.errors import PlanError
 from elaswave.plan.experts import unite_recomputation
-from elaswave.plan.memory import MIB, limit_refusal, rank_bytes
+from elaswave.plan.limit import limit_refusal
+from elaswave.plan.memory import MIB, rank_bytes
 
 
 def fit_recomputation(plan):

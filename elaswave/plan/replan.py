@@ -14,7 +14,8 @@ from elaswave.plan.detours import covers, detour_routes
 from elaswave.plan.errors import PlanError
 from elaswave.plan.experts import place_holders
 from elaswave.plan.frequency import PowerModel
-from elaswave.plan.memory import by_cost, limit_refusal, over_limit
+from elaswave.plan.limit import limit_refusal, over_limit
+from elaswave.plan.memory import by_cost
 from elaswave.plan.partition import PartitionError
 from elaswave.plan.plan import Plan
 from elaswave.plan.rates import (priced_detoured_s, priced_step_s, range_cost, rank_rates, recompute_cost, split_factor,

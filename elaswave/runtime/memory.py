@@ -28,6 +28,7 @@ from elaswave.plan.buckets import size_starts
 from elaswave.plan.memory import MIB, MemoryModel, by_cost, rank_bytes
 from elaswave.plan.partition import least_memory
 from elaswave.plan.plan import initial_plan
+from elaswave.pipeline.zero_bubble import held_for_w_bytes
 from elaswave.plan.recompute import every_block
 from elaswave.precision import compute_dtype
 
@@ -67,6 +68,8 @@ def job_memory_model(cfg: JobConfig, model: Model, dtype: torch.dtype, device: t
         generation_before_to_host=device.type == "cuda",
         reduce_whole=device.type != "cuda",  # gloo off a GPU: the reduce-scatter is an all-reduce
         split_backward=cfg.parallel.schedule == "zb-h1", frozen_numels=tuple(frozen),
+        layer_held_for_w_bytes=(tuple(float(b) for b in held_for_w_bytes(model, t.micro_batch_size, dtype))
+                                if cfg.parallel.schedule == "zb-h1" else ()),
         overlap_grad_reduce=cfg.parallel.overlap_grad_reduce, overlap_param_gather=cfg.parallel.overlap_param_gather,
         data_bytes=float(corpus_bytes(cfg.data)))
 
