@@ -325,10 +325,10 @@ def rank_bytes(model: MemoryModel, plan, rank: int) -> dict[str, float]:
                  + 2 * sum(rank in route and mb not in own for mb, route in plan.routes)
                  if getattr(plan, "routes", ()) else model.sends_alive(s, depth, mbs))
         at, whole = layout_stage(plan, rank, s, depth)  # a broken pipeline's survivor runs its whole layout's 1F1B
-        out["activations"] = model.activation_bytes(start, end, model.in_flight(at, whole, mbs)
-                                                    + guests_in_flight(plan, rank, whole if model.split_backward
-                                                                       else whole - at), sends,
-                                                    model.held_for_w(at, mbs))
+        guests = guests_in_flight(plan, rank, whole if model.split_backward else whole - at)
+        waiting = model.held_for_w(at, mbs)  # (a guest waits for its W beside its place's own: ZB-H1 hosts read 0.91)
+        out["activations"] = model.activation_bytes(start, end, model.in_flight(at, whole, mbs) + guests, sends,
+                                                    waiting + guests if waiting else 0)
     else:
         out["activations"] = _interleaved_activations(model, chunks, *layout_stage(plan, rank, s, depth), mbs,
                                                       plan.num_layers, getattr(plan, "guest_places", {}).get(rank, ()))

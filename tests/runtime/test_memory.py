@@ -17,7 +17,11 @@ SHAPE = ["train.micro_batch_size=8", "train.num_micro_batches=4", "data.max_corp
     (1, 2, True, ["train.activation_checkpointing=selective"]),
     # ZB-H1: between a micro-batch's B and its W the gradients into its weights' products are kept
     # too (the head's: a token's logits); the last stage read 0.76 of its peak without them
-    (1, 2, True, ["parallel.schedule=zb-h1"]),  # each attention keeps only q, k and v  # frozen weights: their bytes, no gradient, sum or optimizer state
+    (1, 2, True, ["parallel.schedule=zb-h1"]),
+    # ... and the reroute baseline's hosts, each with a guest waiting for its W (0.71 of the peak
+    # without what B keeps, 0.91 without the guest's share of it)
+    (3, 2, True, ["parallel.schedule=zb-h1", "train.num_micro_batches=6", "elastic.policy=reroute",
+                  "elastic.inject=kill:rank=3,step=1,phase=forward"]),  # each attention keeps only q, k and v  # frozen weights: their bytes, no gradient, sum or optimizer state
     # experts: all held, each running on its share of the assignments (modelled as a balanced router's)
     (2, 1, False, ["model.num_experts=4", "model.expert_ffn_dim=64", "model.moe_aux_loss_coef=0.01"]),
     # expert parallelism: a rank holds and runs its experts on both ranks' rows, and holds no other
