@@ -51,6 +51,16 @@ def run(model: str, gpus: int, schedule: list[str]) -> dict:
     return json.loads(out.getvalue())
 
 
+def _cell(result: dict | None) -> str:
+    """A policy's after/before; where it found no layout within the memory (the planner's refusal:
+    reroute's hosts over 80 GiB with their guests), it stalls until a repair, and the cell says so."""
+    if result is None:
+        return "-"
+    if result["stalls"] and not result["throughput_after_over_before"]:
+        return "no layout fits (stalls)"
+    return f"{result['throughput_after_over_before']:.3f}"
+
+
 def main() -> int:
     args = bench_args(__doc__, out="after_failure").parse_args()
     rows, doc = [], {}
@@ -67,7 +77,7 @@ def main() -> int:
                 ratio = {p: pol[p]["throughput_after_over_before"] for p in pol}
                 best = max(v for p, v in ratio.items() if p != "elaswave_no_dvfs")
                 rows.append(f"| {model} | {gpus:,} | {name} | {res['config']['failure_free']['step_s']:.2f} | "
-                            + " | ".join(f"{ratio[p]:.3f}" if p in ratio else "-" for p in POLICIES)
+                            + " | ".join(_cell(pol.get(p)) for p in POLICIES)
                             + f" | {ratio['elaswave_no_dvfs'] / best:.3f} | {pol['elaswave_no_dvfs']['ettr']:.4f} |")
     lines = ["| model | GPUs | schedule | step s before | " + " | ".join(POLICIES)
              + " | elaswave over the best baseline | elaswave ETTR |",

@@ -16,7 +16,7 @@ from elaswave.plan.chunks import Owners, chunks_by_rank, round_robin_owners, slo
 from elaswave.plan.detours import covers
 from elaswave.plan.limit import limit_refusal
 from elaswave.plan.memory import MemoryModel, by_cost, stages_memory
-from elaswave.plan.recompute import fit_recomputation
+from elaswave.plan.recompute import auto_partition, fit_recomputation
 from elaswave.plan.errors import PlanError  # noqa: F401 (where callers import it from)
 from elaswave.plan.experts import expert_groups, ghost_counts, owner_imbalance, place_holders, team_layout
 from elaswave.plan.partition import PartitionError, partition
@@ -338,7 +338,9 @@ def initial_plan(world_size: int, dp: int, pp: int, layer_costs: Sequence[float]
     if dp * pp != world_size:
         raise ValueError(f"dp={dp} x pp={pp} = {dp * pp} must equal the world size {world_size}")
     try:
-        if by_cost(virtual_stages, memory):
+        if virtual_stages == 1 and by_cost(virtual_stages, memory):  # the plan recomputes to fit
+            ranges = tuple(auto_partition(layer_costs, pp, memory, stage_memory_limit, dp, num_micro_batches))
+        elif by_cost(virtual_stages, memory):
             ranges = tuple(partition(layer_costs, pp * virtual_stages))
         else:
             ranges = tuple(partition(layer_costs, pp, layer_memory or None, stage_memory_limit or None,

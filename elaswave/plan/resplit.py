@@ -8,6 +8,7 @@ from elaswave.plan.errors import PlanError
 from elaswave.plan.memory import by_cost, stages_memory
 from elaswave.plan.partition import PartitionError, partition
 from elaswave.plan.rates import layer_costs
+from elaswave.plan.recompute import auto_partition
 
 
 def place_joiners(prev, epoch: int, joined: Sequence[int], pipelines: list, ranges: list, kept: list) -> None:
@@ -46,7 +47,10 @@ def split(prev, count: int, pipelines: int, num_micro_batches: int,
           speeds: Sequence[float] | None = None) -> tuple[tuple[int, int], ...]:
     """A pipeline of ``count`` stages, one of ``pipelines``, re-partitioned within the memory limit;
     ``count x V`` chunks by cost where the memory is checked after (plan.memory.by_cost)."""
-    if by_cost(v := prev.virtual_stages, prev.memory):
+    if (v := prev.virtual_stages) == 1 and by_cost(v, prev.memory):  # the plan recomputes to fit
+        return tuple(auto_partition(layer_costs(prev), count, prev.memory, prev.stage_memory_limit, pipelines,
+                                    num_micro_batches, speeds))
+    if by_cost(v, prev.memory):
         return tuple(partition(layer_costs(prev), count * v, speeds=[speeds[k % count] for k in range(count * v)]
                                if speeds is not None else None))
     return tuple(partition(layer_costs(prev), count, prev.layer_memory or None, prev.stage_memory_limit or None, speeds,

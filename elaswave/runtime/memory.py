@@ -148,7 +148,8 @@ def least_mb(cfg: JobConfig, model: Model, memory: MemoryModel, num_stages: int,
     """:func:`least_stage_memory_mb` of ``model`` and its ``memory``. Where the planner partitions
     by memory, the minimax of stage memory; where it partitions by cost and checks after (virtual
     stages, or recomputation it chooses: plan/memory.by_cost), the largest rank of that plan --
-    with every block recomputed, where the plan recomputes what it must."""
+    with every block recomputed, where the plan recomputes what it must: a limit it meets (with
+    one chunk a rank a little less may still fit, partitioned as full is: recompute.auto_partition)."""
     t = cfg.train
     if not by_cost(cfg.parallel.virtual_stages, memory):
         return least_memory(model.num_layers, num_stages, memory.stage_memory(num_stages, pipelines, t.num_micro_batches))

@@ -8,7 +8,7 @@ from dataclasses import replace
 from elaswave.errors import ConfigError
 from elaswave.pipeline.schedule import GENERATORS
 from elaswave.plan.buckets import size_starts
-from elaswave.plan.memory import MemoryModel, by_cost, rank_bytes
+from elaswave.plan.memory import MemoryModel, rank_bytes
 from elaswave.plan.partition import least_memory
 from elaswave.plan.plan import Plan, PlanError, initial_plan
 from elaswave.plan.replan import replan
@@ -109,7 +109,7 @@ def first_fit(args, layouts, model, memory, m: int):
                 raise ConfigError(f"the initial layout: {exc}") from None
             if (dp, pp) == layouts[0]:
                 failure = exc
-            if by_cost(args.virtual_stages, memory):
+            if args.virtual_stages > 1:
                 try:
                     plan = plan_of(dp, pp, 0.0)
                     if memory.plan_recomputation:  # the least it needs: every block recomputed
@@ -117,8 +117,11 @@ def first_fit(args, layouts, model, memory, m: int):
                     over.append((peak_gib(memory, plan) + args.reserve_gib, dp, pp))
                 except PlanError:
                     pass
-    # The layout that needs least (the deepest, mostly) is what the message names.
-    need, dp, pp = min(over or [(least_memory(m_cfg.num_layers, p, memory.stage_memory(p, d, m)) / 1024
+    # The layout that needs least (the deepest, mostly) is what the message names; where the plan
+    # recomputes to fit (auto), its best partition with every block recomputed (plan/recompute.auto_partition).
+    least = replace(memory, recomputed=memory.recomputed | frozenset(range(1, m_cfg.num_layers - 1)),
+                    plan_recomputation=False) if memory is not None and memory.plan_recomputation else memory
+    need, dp, pp = min(over or [(least_memory(m_cfg.num_layers, p, least.stage_memory(p, d, m)) / 1024
                                  + args.reserve_gib, d, p) for d, p in layouts])
     if need <= args.device_gib:  # not memory: the preferred layout failed for its own reason
         raise ConfigError(f"the initial layout: {failure}") from None
@@ -131,8 +134,8 @@ def first_fit(args, layouts, model, memory, m: int):
              if len(layouts) > 1 else "")
     ways = other[0] if len(other) == 1 else f"{', '.join(other[:-1])} or {other[-1]}"
     schedule = args.schedule + (f" over {args.virtual_stages} virtual stages" if args.virtual_stages > 1 else "")
-    partition = ("its partition (by cost: the planner weighs no memory with virtual stages)" if over and
-                 args.virtual_stages > 1 else "its partition with every block recomputed" if over else "its best partition")
+    partition = ("its partition (by cost: the planner weighs no memory with virtual stages)" if over else
+                 "its best partition" + (" with every block recomputed" if memory.plan_recomputation else ""))
     raise ConfigError(f"--device-gib={args.device_gib:g} is too small for dp={dp} x pp={pp}"
                       f"{f' x tp={args.tp}' if args.tp > 1 else ''}{tried} ({args.model}, {args.micro_batch_size} "
                       f"sequence{'s' if args.micro_batch_size > 1 else ''} a micro-batch, checkpointing "

@@ -4,10 +4,10 @@ from dataclasses import replace
 
 import pytest
 
-from elaswave.plan.memory import MIB, MemoryModel, rank_bytes
+from elaswave.plan.memory import MIB, MemoryModel, rank_bytes, stages_memory
 from elaswave.plan.plan import Plan, PlanError, initial_plan
 from elaswave.plan.replan import replan
-from elaswave.plan.recompute import refitted
+from elaswave.plan.recompute import every_block, refitted
 
 COSTS = [0.1] + [1.0] * 8 + [0.5]  # embedding, 8 blocks, head
 NUMELS = [64] * 10
@@ -51,8 +51,33 @@ def test_each_rank_recomputes_the_fewest_blocks_that_fit(v):
     # A tighter limit recomputes more; past every block the plan is refused, naming the rank.
     tighter = _plan(limit - 60, v=v)
     assert sum(len(_mine(tighter, r)) for r in plan.ranks) > sum(len(_mine(plan, r)) for r in plan.ranks)
-    with pytest.raises(PlanError, match="rank 0 would hold .* every block it runs recomputed.*, over the limit"):
-        _plan(_peak(free, 0, first) - 1, v=v)
+    if v > 1:  # (one chunk a rank: below this the partition moves layers, as full does: the next test)
+        with pytest.raises(PlanError, match="rank 0 would hold .* every block it runs recomputed.*, over the limit"):
+            _plan(_peak(free, 0, first) - 1, v=v)
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])
+def test_auto_fits_wherever_full_does(schedule):
+    """Where the partition by cost would pass the limit even with every block recomputed (the first
+    stage keeps more micro-batches in flight), auto partitions as full does, within the limit at
+    every block recomputed, and recomputes no more than full; it is refused only where full is."""
+    memory = MEMORY if schedule == "1f1b" else replace(
+        MEMORY, split_backward=True, layer_held_for_w_bytes=(0.0,) + (30.0 * MIB,) * 8 + (0.0,))
+    full = replace(memory, plan_recomputation=False, recomputed=frozenset(range(1, 9)))
+    free = _plan(0.0, memory=memory)
+    limit = max(rank_bytes(memory, every_block(free), r)["total"] for r in free.ranks) / MIB - 1
+    plan, fixed = _plan(limit, memory=memory), _plan(limit, memory=full)
+    assert plan.layer_ranges == fixed.layer_ranges != free.layer_ranges
+    assert all(rank_bytes(memory, plan, r)["total"] <= limit * MIB for r in plan.ranks)
+    for r in plan.ranks:  # no more than full, and every block it recomputes is needed
+        for i in _mine(plan, r):
+            fewer = tuple(tuple(tuple(sorted(_mine(plan, q) - {i})) for q in p) for p in plan.pipelines)
+            assert rank_bytes(memory, replace(plan, recomputed=fewer), r)["total"] > limit * MIB
+    stage = stages_memory(full, 2, 1, 8)  # what full's partition weighs: its best split needs least
+    least = min(max(stage(0, 0, k), stage(1, k, 10)) for k in range(1, 10))
+    for m in (memory, full):  # a MiB short of that: both refused
+        with pytest.raises(PlanError, match="does not fit"):
+            _plan(least - 1, memory=m)
 
 
 def test_after_a_loss_the_survivors_recompute_more_instead_of_standing_by():
