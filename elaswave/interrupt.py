@@ -61,9 +61,14 @@ class Interrupt:
         if self.is_broken(epoch):
             raise EpochBroken(f"epoch {epoch} was declared broken by the control plane")
 
-    def register(self, ev: threading.Event) -> None:
+    def register(self, ev: threading.Event, epoch: int) -> None:
+        """``ev`` is set by the next trip of ``epoch`` or newer -- or now, where one came already: a
+        wait that checked before it registered would miss a trip in between and sit out its whole
+        timeout (a SIGKILLed peer's recovery waited 120 s for one rank under a loaded suite)."""
         with self._lock:
             self._waiters.add(ev)
+            if self._broken_epoch >= epoch:
+                ev.set()
 
     def unregister(self, ev: threading.Event) -> None:
         with self._lock:

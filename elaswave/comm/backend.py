@@ -131,7 +131,7 @@ def wait(work: dist.Work, timeout_s: float, what: str, interrupt: Interrupt | No
         return
     interrupt.check(epoch)
     watched = _Watched(work, timeout_s)
-    interrupt.register(watched.done)
+    interrupt.register(watched.done, epoch)
     try:
         if not watched.done.wait(timeout_s):
             raise CommError(f"{what} did not complete within {timeout_s}s")

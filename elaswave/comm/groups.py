@@ -173,7 +173,7 @@ class Communicator:
 
         self.interrupt.check(epoch)
         threading.Thread(target=connect, name=f"connect-{kind}-{epoch}", daemon=True).start()
-        self.interrupt.register(done)
+        self.interrupt.register(done, epoch)
         try:
             done.wait(self.timeout_s + 5.0)
             self.interrupt.check(epoch)

@@ -108,7 +108,9 @@ def test_a_straggler_gets_less_work_instead_of_being_dropped(tmp_path, reference
     assert res.summary["ranks"] == [0, 1, 2, 3]
     slow = [r["step_time_s"] for r in res.steps if 8 <= r["step"] < answer["resume_step"]]
     after = [r["step_time_s"] for r in res.steps if r["step"] > rebalances[-1]["resume_step"]]
-    assert sorted(after)[len(after) // 2] < sorted(slow)[len(slow) // 2]
+    # Load from other processes only adds time: each window's fastest step is its least disturbed
+    # (the medians, of 3 slow steps here, crossed once in a suite run beside a CPU-bound bench).
+    assert min(after) < min(slow), (slow, after)
 
 
 def test_no_plan_fits_after_a_loss_the_state_is_saved_and_a_restart_loses_nothing(tmp_path, reference):

@@ -1,0 +1,53 @@
+"""Waits on gloo work (comm/backend.py): bounded, and cut short by the control plane's interrupt."""
+import time
+
+import torch
+
+from elaswave.comm import backend
+from elaswave.interrupt import CommError, EpochBroken, Interrupt
+from tests.helpers.spawn import run_group
+
+ME = "tests.comm.test_backend"
+
+
+class TripsAsItRegisters(Interrupt):
+    """The control plane's trip landing between a wait's first check and its registering: the
+    window a loaded host widens (a helper thread starts in it)."""
+
+    def register(self, ev, epoch):
+        self.trip(epoch)
+        super().register(ev, epoch)
+
+
+def late_trip_rank(group, hold_s: float):
+    if group.me == 1:
+        time.sleep(hold_s)  # alive and sending nothing: rank 0's receive can only end by the interrupt
+        return None
+    work = group.pg.recv([torch.zeros(1)], 1, 0)
+    start = time.monotonic()
+    try:
+        backend.wait(work, 60.0, "a receive from a silent peer", TripsAsItRegisters(), 0)
+    except EpochBroken:
+        return "broken", time.monotonic() - start
+    except CommError:
+        return "comm error", time.monotonic() - start
+    return "done", time.monotonic() - start
+
+
+def test_a_trip_just_before_a_wait_registers_ends_the_wait_at_once(tmp_path):
+    """Before the fix such a wait sat out its timeout: one rank's recovery took 120 s (the group's
+    timeout) in a green suite under load; here it would end only when the silent peer exits."""
+    how, took = run_group(f"{ME}:late_trip_rank", 2, tmp_path, timeout_s=60.0, hold_s=6.0)[0]
+    assert how == "broken" and took < 2.0, (how, took)
+
+
+def test_a_trip_before_registering_sets_the_event_and_an_older_one_does_not():
+    import threading
+    interrupt = Interrupt()
+    interrupt.trip(3)
+    older, newer = threading.Event(), threading.Event()
+    interrupt.register(older, 3)
+    interrupt.register(newer, 4)
+    assert older.is_set() and not newer.is_set()
+    interrupt.trip(4)
+    assert newer.is_set()
