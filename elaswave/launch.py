@@ -161,6 +161,12 @@ def _launch(cfg: JobConfig, metrics_out: str | None, host: str, timeout_s: float
                     code = _wait_for_workers(cfg, workers)
                     break
                 if not _follow(cfg, workers, store, watching, lost):
+                    if _finished_here(workers, watching.reported):  # they finished while it looked
+                        code = _wait_for_workers(cfg, workers)
+                        break
+                    if watching.directory is not None and watching.directory.why_not:
+                        print(f"elaswave: this agent found nowhere to follow the job's store: "
+                              f"{watching.directory.why_not}", file=sys.stderr, flush=True)
                     return _after_store_lost(cfg, workers, lost)
         if node.is_multi_host:
             _finish(store, node, done_grace_s)

@@ -212,9 +212,14 @@ class Directory:
         self.generation = 0
         self.ranks = 0
         self.clients: dict[str, dist.Store] = {}
+        self.why_not = ""
+        """Why the last :meth:`follow` found nowhere to go (said in the agent's message)."""
 
     def refresh(self, store) -> None:
-        if time.monotonic() - self.at < self.every_s:
+        # Until every rank's standby is known, look often: a store lost just after the ranks
+        # registered would leave this agent nothing to follow.
+        every_s = self.every_s if self.ranks and len(self.known) >= self.ranks else min(self.every_s, 0.05)
+        if time.monotonic() - self.at < every_s:
             return
         self.at = time.monotonic()
         self.ranks = rank_numbers.count(store, self.ranks)
@@ -233,6 +238,10 @@ class Directory:
                 addr, self.generation = moved
                 return addr
             time.sleep(0.05)
+        self.why_not = ("every worker of this host had exited" if pointless() else
+                        f"no rank's standby store was known (of {self.ranks} ranks)" if not self.known else
+                        f"none of the standbys of ranks {sorted(self.known)} became the job's store (after "
+                        f"generation {self.generation}) within {within_s:g} s")
         return None
 
 

@@ -36,11 +36,13 @@ def test_a_paused_host_continued_after_the_job_went_on_writes_nothing_and_stops(
     """On etcd the paused ranks' leases go unrenewed (their watchers name them) and then expire."""
     # The job must outlast the pause by many seconds (the paused ranks' links give up first): slowed,
     # 120 steps last longer than 400 did at full speed, and the reference trains 120 (6 s, not 20).
+    # After the pause begins (step 12) ranks 0 and 1 train on alone and faster: slowed more from step
+    # 13 (an unloaded run's remaining 108 steps took 10.8 s at factor 5, ending before the 12 s pause).
     steps = 120
     ckpt = tmp_path / "ckpt"  # one directory for both hosts: a shared file system
     sets = [*TINY, "parallel.dp=2", "parallel.pp=2", f"train.steps={steps}", "train.num_micro_batches=4",
             "train.deterministic=true", "parallel.timeout_s=30", "elastic.respawn_after_s=-1",
-            f"checkpoint.dir={ckpt}", "checkpoint.every_steps=5", f"elastic.inject={slowed(4, 5)}"]
+            f"checkpoint.dir={ckpt}", "checkpoint.every_steps=5", f"elastic.inject={slowed(4, 5)};slow:rank=0,step=13,factor=12;slow:rank=1,step=13,factor=12"]
     metrics, metrics1 = tmp_path / "run.jsonl", tmp_path / "m1.jsonl"
     with (EtcdCluster(3) if backend == "etcd" else contextlib.nullcontext()) as etcd:
         rdzv = (["--rdzv-backend", "etcd", "--rdzv-endpoint", etcd.endpoints] if etcd is not None else
