@@ -22,9 +22,11 @@ from tests.helpers.spawn import Running, assert_same_run, job_args, free_port, r
 
 STEPS, MBS, STARVED_AT = 120, 4, 6
 EXTRA = [f"train.num_micro_batches={MBS}", "parallel.timeout_s=60", "elastic.heartbeat_timeout_s=2",
-         "elastic.respawn_after_s=-1", f"elastic.inject=starve:rank=2,step={STARVED_AT},seconds=3;{slowed(4, 2)}"]
+         "elastic.respawn_after_s=-1", f"elastic.inject=starve:rank=2,step={STARVED_AT},seconds=3;{slowed(4, 2)};"
+         + ";".join(f"slow:rank={r},step={STARVED_AT + 1},factor=8" for r in range(4))]
 # Slowed (a sleep: the same bits) so that the job goes on for seconds after the watcher runs again:
-# at full speed it once ended 4.7 s after the starvation began.
+# at full speed it once ended 4.7 s after the starvation began, and slowed only twice, unloaded,
+# 4.9 s after (the three left train faster): from the step after it, eight times.
 reference = reference_fixture(STEPS, MBS)
 
 
