@@ -16,7 +16,7 @@ from elaswave.plan.chunks import Owners, chunks_by_rank, round_robin_owners, slo
 from elaswave.plan.detours import covers
 from elaswave.plan.limit import limit_refusal
 from elaswave.plan.memory import MemoryModel, by_cost, stages_memory
-from elaswave.plan.recompute import auto_partition, fit_recomputation
+from elaswave.plan.recompute import by_memory, fit_recomputation
 from elaswave.plan.errors import PlanError  # noqa: F401 (where callers import it from)
 from elaswave.plan.experts import expert_groups, ghost_counts, owner_imbalance, place_holders, team_layout
 from elaswave.plan.partition import PartitionError, partition
@@ -338,36 +338,42 @@ def initial_plan(world_size: int, dp: int, pp: int, layer_costs: Sequence[float]
     if dp * pp != world_size:
         raise ValueError(f"dp={dp} x pp={pp} = {dp * pp} must equal the world size {world_size}")
     try:
-        if virtual_stages == 1 and by_cost(virtual_stages, memory):  # the plan recomputes to fit
-            ranges = tuple(auto_partition(layer_costs, pp, memory, stage_memory_limit, dp, num_micro_batches))
-        elif by_cost(virtual_stages, memory):
+        if by_cost(virtual_stages, memory):
             ranges = tuple(partition(layer_costs, pp * virtual_stages))
         else:
             ranges = tuple(partition(layer_costs, pp, layer_memory or None, stage_memory_limit or None,
                                      stage_memory=stages_memory(memory, pp, dp, num_micro_batches)))
     except PartitionError as exc:
         raise PlanError(f"the initial layout does not fit: {exc}") from None
-    pipelines = team_layout(dp, pp, ep if unit_layers else 1)
-    plan = Plan(
-        epoch=0,
-        num_layers=len(layer_costs),
-        pipelines=pipelines,
-        layer_ranges=tuple(ranges for _ in range(dp)),
-        micro_batches=tuple(microbatches.assign(num_micro_batches, [1.0] * dp)),
-        layer_costs=tuple(float(c) for c in layer_costs),
-        layer_memory=tuple(float(m) for m in layer_memory),
-        stage_memory_limit=float(stage_memory_limit),
-        memory=memory,
-        depth=pp,
-        ties=tuple(tuple(t) for t in ties),
-        units_per_micro_batch=units_per_micro_batch,
-        virtual_stages=virtual_stages, bucket_starts=tuple(bucket_starts), unit_layers=tuple(unit_layers), ep=ep,
-    )
-    if ep > 1 and unit_layers:
-        plan = replace(plan, expert_holders=place_holders(plan, None))
-    if layer_numels:
-        plan = replace(plan, chunk_owners=round_robin_owners(plan.gradient_buckets(), layer_numels, chunk_numel))
-    plan = fit_recomputation(plan)
-    if why := limit_refusal(plan):
+
+    def planned(ranges) -> Plan:
+        plan = Plan(
+            epoch=0,
+            num_layers=len(layer_costs),
+            pipelines=team_layout(dp, pp, ep if unit_layers else 1),
+            layer_ranges=tuple(ranges for _ in range(dp)),
+            micro_batches=tuple(microbatches.assign(num_micro_batches, [1.0] * dp)),
+            layer_costs=tuple(float(c) for c in layer_costs),
+            layer_memory=tuple(float(m) for m in layer_memory),
+            stage_memory_limit=float(stage_memory_limit),
+            memory=memory,
+            depth=pp,
+            ties=tuple(tuple(t) for t in ties),
+            units_per_micro_batch=units_per_micro_batch,
+            virtual_stages=virtual_stages, bucket_starts=tuple(bucket_starts), unit_layers=tuple(unit_layers), ep=ep,
+        )
+        if ep > 1 and unit_layers:
+            plan = replace(plan, expert_holders=place_holders(plan, None))
+        if layer_numels:
+            plan = replace(plan, chunk_owners=round_robin_owners(plan.gradient_buckets(), layer_numels, chunk_numel))
+        return fit_recomputation(plan)
+    plan = planned(ranges)
+    why = limit_refusal(plan)
+    if why and virtual_stages == 1 and memory is not None and memory.plan_recomputation:
+        # By cost it does not fit even recomputing every block: partitioned as full is, it may.
+        other = by_memory(layer_costs, pp, memory, stage_memory_limit, dp, num_micro_batches)
+        if other is not None and not limit_refusal(refit := planned(tuple(other))):
+            plan, why = refit, None
+    if why:
         raise PlanError(f"the initial layout does not fit: {why}")
     return plan

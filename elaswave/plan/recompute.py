@@ -19,25 +19,41 @@ from elaswave.plan.errors import PlanError
 from elaswave.plan.experts import unite_recomputation
 from elaswave.plan.limit import limit_refusal
 from elaswave.plan.memory import MIB, rank_bytes, stages_memory
-from elaswave.plan.partition import partition
+from elaswave.plan.partition import PartitionError, partition
 
 
 def auto_partition(costs, count: int, memory, limit_mib: float, pipelines: int, num_micro_batches: int,
                    speeds=None) -> list[tuple[int, int]]:
-    """A pipeline's ``count`` stages where the plan chooses what to recompute (one chunk a rank):
-    by cost alone, unless a stage of that partition would pass ``limit_mib`` even with every block
-    recomputed; then by cost within the limit at every block recomputed, as ``full`` partitions,
-    so that auto fits wherever full does (:func:`fit_recomputation` then gives back what each
-    rank does not need). Under ZB-H1 every stage keeps p micro-batches until their W, and Llama 3
-    405B's by-cost partition needed 85 GiB with every block recomputed where full's fit 76."""
+    """A pipeline's ``count`` stages where the plan chooses what to recompute (one chunk a rank),
+    for a re-split: by cost alone, unless a stage of that partition would pass ``limit_mib`` even
+    with every block recomputed by the partition's own memory terms; then :func:`by_memory`'s,
+    where there is one. (The initial plan decides by the plan's own check: plan.initial_plan.)"""
     ranges = partition(costs, count, speeds=speeds)
     if memory is None or not limit_mib:
         return ranges
-    least = stages_memory(replace(memory, recomputed=memory.recomputed | frozenset(range(1, len(costs) - 1)),
-                                  plan_recomputation=False), count, pipelines, num_micro_batches)
+    least = _every_block_memory(memory, len(costs), count, pipelines, num_micro_batches)
     if all(least(s, start, end) <= limit_mib for s, (start, end) in enumerate(ranges)):
         return ranges
-    return partition(costs, count, None, limit_mib, speeds, least)
+    return by_memory(costs, count, memory, limit_mib, pipelines, num_micro_batches, speeds) or ranges
+
+
+def by_memory(costs, count: int, memory, limit_mib: float, pipelines: int, num_micro_batches: int,
+              speeds=None) -> list[tuple[int, int]] | None:
+    """``count`` stages by cost within ``limit_mib`` at every block recomputed, as ``full``
+    partitions (None: no partition fits so), so that auto fits wherever full does
+    (:func:`fit_recomputation` then gives back what each rank does not need). Under ZB-H1 every
+    stage keeps p micro-batches until their W, and Llama 3 405B's partition by cost needed 85 GiB
+    with every block recomputed where full's fit 76."""
+    try:
+        return partition(costs, count, None, limit_mib, speeds,
+                         _every_block_memory(memory, len(costs), count, pipelines, num_micro_batches))
+    except PartitionError:
+        return None
+
+
+def _every_block_memory(memory, num_layers: int, count: int, pipelines: int, num_micro_batches: int):
+    every = replace(memory, recomputed=memory.recomputed | frozenset(range(1, num_layers - 1)), plan_recomputation=False)
+    return stages_memory(every, count, pipelines, num_micro_batches)
 
 
 def fit_recomputation(plan):
