@@ -10,6 +10,7 @@ import os
 import queue
 import socket
 import threading
+import time
 from datetime import timedelta
 
 import torch
@@ -106,19 +107,25 @@ class _Watched:
     def __init__(self, work: dist.Work, timeout_s: float):
         self.work, self.done = work, threading.Event()
         self.error: BaseException | None = None
+        self.finished = False
+        """The work ended (``done`` is also set by an interrupt's trip)."""
         self.has_future = True
         try:
-            work.get_future().add_done_callback(lambda _: self.done.set())
+            work.get_future().add_done_callback(lambda _: self._end())
         except RuntimeError:
             self.has_future = False
             _WAITERS.submit(self._wait_once, timeout_s)
+
+    def _end(self) -> None:
+        self.finished = True
+        self.done.set()
 
     def _wait_once(self, timeout_s: float) -> None:
         try:
             self.work.wait(timeout=timedelta(seconds=timeout_s))
         except RuntimeError as exc:
             self.error = exc
-        self.done.set()
+        self._end()
 
 
 def wait(work: dist.Work, timeout_s: float, what: str, interrupt: Interrupt | None = None,
@@ -132,10 +139,20 @@ def wait(work: dist.Work, timeout_s: float, what: str, interrupt: Interrupt | No
     interrupt.check(epoch)
     watched = _Watched(work, timeout_s)
     interrupt.register(watched.done, epoch)
+    deadline = time.monotonic() + timeout_s
     try:
-        if not watched.done.wait(timeout_s):
-            raise CommError(f"{what} did not complete within {timeout_s}s")
-        interrupt.check(epoch)
+        while True:
+            if not watched.done.wait(max(0.0, deadline - time.monotonic())):
+                raise CommError(f"{what} did not complete within {timeout_s}s")
+            interrupt.check(epoch)
+            if watched.finished:
+                break
+            # Woken by a trip of an older epoch (epochs also advance without one: a join, a
+            # rebalance): this epoch's work goes on. Cleared, then looked at again, so that an end
+            # or a trip between the two is not lost.
+            watched.done.clear()
+            if watched.finished or interrupt.is_broken(epoch):
+                watched.done.set()
     finally:
         interrupt.unregister(watched.done)
     if watched.has_future:
