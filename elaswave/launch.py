@@ -198,7 +198,9 @@ class _Watching:
             if node.node_rank == 0 else []
         self.respawns: list[float] = []
         """When to start the next replacements (monotonic clock)."""
-        self.directory = failover.Directory() if node.node_rank != 0 and cfg.elastic.store_failover else None
+        # (With tp the ranks register no standby: the store does not move.)
+        moves = node.node_rank != 0 and cfg.elastic.store_failover and cfg.parallel.tp == 1
+        self.directory = failover.Directory() if moves else None
         """Where the store may move (an agent that does not host it)."""
         self.started = time.monotonic()
         self.done = False

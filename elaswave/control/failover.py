@@ -202,6 +202,10 @@ def followed(link: StoreLink, node_rank: int) -> None:
     link.set(f"{FOLLOWS}{node_rank}", "1")
 
 
+EAGER_S = 10.0
+"""How long after the ranks or their standbys last grew an agent's directory looks every 0.05 s."""
+
+
 class Directory:
     """An agent's view of the members' standby stores, refreshed while the job's store is up,
     to follow the store when it moves."""
@@ -214,17 +218,22 @@ class Directory:
         self.clients: dict[str, dist.Store] = {}
         self.why_not = ""
         """Why the last :meth:`follow` found nowhere to go (said in the agent's message)."""
+        self.grew_at = time.monotonic()
 
     def refresh(self, store) -> None:
         # Until every rank's standby is known, look often: a store lost just after the ranks
-        # registered would leave this agent nothing to follow.
-        every_s = self.every_s if self.ranks and len(self.known) >= self.ranks else min(self.every_s, 0.05)
-        if time.monotonic() - self.at < every_s:
+        # registered would leave this agent nothing to follow. For a while after the last change
+        # only: a rank that died before registering never will.
+        eager = (not self.ranks or len(self.known) < self.ranks) and time.monotonic() - self.grew_at < EAGER_S
+        if time.monotonic() - self.at < (min(self.every_s, 0.05) if eager else self.every_s):
             return
         self.at = time.monotonic()
+        before = (self.ranks, len(self.known))
         self.ranks = rank_numbers.count(store, self.ranks)
         self.known.update(_standbys(store, [r for r in range(self.ranks) if r not in self.known]))
         self.generation = _generation(store)
+        if (self.ranks, len(self.known)) != before:
+            self.grew_at = time.monotonic()
 
     def follow(self, link: StoreLink, within_s: float, timeout_s: float,
                pointless: Callable[[], bool] = lambda: False) -> str | None:

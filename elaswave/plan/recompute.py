@@ -52,7 +52,8 @@ def by_memory(costs, count: int, memory, limit_mib: float, pipelines: int, num_m
 
 
 def _every_block_memory(memory, num_layers: int, count: int, pipelines: int, num_micro_batches: int):
-    every = replace(memory, recomputed=memory.recomputed | frozenset(range(1, num_layers - 1)), plan_recomputation=False)
+    every = replace(memory, recomputed=memory.recomputed | frozenset(range(1, num_layers - 1)),
+                    plan_recomputation=False)
     return stages_memory(every, count, pipelines, num_micro_batches)
 
 
