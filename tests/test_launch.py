@@ -15,8 +15,9 @@ from elaswave.control.link import EXIT_STORE_LOST, SILENT_S
 from elaswave.runtime.metrics import read_jsonl
 from elaswave.runtime.worker import EXIT_EXCLUDED
 from tests.helpers import netns
+from tests.helpers.mttr import assert_honest_mttr
 from tests.helpers.proxy import Proxy
-from tests.helpers.spawn import (TINY, Result, Running, alive, assert_honest_mttr, assert_same_run, children,
+from tests.helpers.spawn import (TINY, Result, Running, alive, assert_same_run, children,
                                  fault_mid_run, free_port, rank_of, run_cli, run_reference, session_members,
                                  slowed, steps_written)
 

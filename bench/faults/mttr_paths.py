@@ -40,8 +40,9 @@ from bench.common import RESULTS, short_error, write_results  # noqa: E402
 from bench.faults import partition_matrix  # noqa: E402
 from elaswave.runtime.metrics import read_jsonl  # noqa: E402
 from tests.helpers.etcd import EtcdCluster  # noqa: E402
-from tests.helpers.spawn import (TINY, Running, children, free_port, mttr_against_steps, rank_of,  # noqa: E402
-                                 sigkill_launcher, wait_gone)
+from tests.helpers.mttr import mttr_against_steps  # noqa: E402
+from tests.helpers.spawn import (TINY, Running, children, free_port, rank_of, sigkill_launcher,  # noqa: E402
+                                 wait_gone)
 
 STEPS, FAULT_STEP = 40, 8
 ENV = {"ELASWAVE_TOKEN": "mttr-paths", "TORCH_CPP_LOG_LEVEL": "ERROR"}

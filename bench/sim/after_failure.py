@@ -70,7 +70,8 @@ def main() -> int:
                 try:
                     res = run(model, gpus, schedule)
                 except DoesNotFit as exc:
-                    rows.append(f"| {model} | {gpus:,} | {name} | does not fit 80 GiB: {exc} |" + " |" * (len(POLICIES) + 2))
+                    rows.append(f"| {model} | {gpus:,} | {name} | does not fit 80 GiB: {exc} |"
+                                + " |" * (len(POLICIES) + 2))
                     continue
                 doc[f"{model} {gpus} {name}"] = res
                 pol = res["policies"]

@@ -31,7 +31,7 @@ def auto_partition(costs, count: int, memory, limit_mib: float, pipelines: int, 
     ranges = partition(costs, count, speeds=speeds)
     if memory is None or not limit_mib:
         return ranges
-    least = _every_block_memory(memory, len(costs), count, pipelines, num_micro_batches)
+    least = stages_memory(every_block_memory(memory, len(costs)), count, pipelines, num_micro_batches)
     if all(least(s, start, end) <= limit_mib for s, (start, end) in enumerate(ranges)):
         return ranges
     return by_memory(costs, count, memory, limit_mib, pipelines, num_micro_batches, speeds) or ranges
@@ -46,15 +46,15 @@ def by_memory(costs, count: int, memory, limit_mib: float, pipelines: int, num_m
     with every block recomputed where full's fit 76."""
     try:
         return partition(costs, count, None, limit_mib, speeds,
-                         _every_block_memory(memory, len(costs), count, pipelines, num_micro_batches))
+                         stages_memory(every_block_memory(memory, len(costs)), count, pipelines, num_micro_batches))
     except PartitionError:
         return None
 
 
-def _every_block_memory(memory, num_layers: int, count: int, pipelines: int, num_micro_batches: int):
-    every = replace(memory, recomputed=memory.recomputed | frozenset(range(1, num_layers - 1)),
-                    plan_recomputation=False)
-    return stages_memory(every, count, pipelines, num_micro_batches)
+def every_block_memory(memory, num_layers: int):
+    """``memory`` with every block of a model of ``num_layers`` recomputed (not the embedding or
+    the head), as ``full`` has it: the least a partition of it can need (see :func:`every_block`)."""
+    return replace(memory, recomputed=memory.recomputed | frozenset(range(1, num_layers - 1)), plan_recomputation=False)
 
 
 def fit_recomputation(plan):

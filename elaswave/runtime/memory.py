@@ -24,11 +24,11 @@ from elaswave.data.corpus import corpus_bytes
 from elaswave.model.contract import Model, on_meta, saved_activation_bytes, tie_pairs, untie
 from elaswave.model.registry import model_for
 from elaswave.model.units import units_of
+from elaswave.pipeline.zero_bubble import held_for_w_bytes
 from elaswave.plan.buckets import size_starts
 from elaswave.plan.memory import MIB, MemoryModel, by_cost, rank_bytes
 from elaswave.plan.partition import least_memory
 from elaswave.plan.plan import initial_plan
-from elaswave.pipeline.zero_bubble import held_for_w_bytes
 from elaswave.plan.recompute import every_block
 from elaswave.precision import compute_dtype
 

@@ -12,7 +12,7 @@ from elaswave.plan.memory import MemoryModel, rank_bytes
 from elaswave.plan.partition import least_memory
 from elaswave.plan.plan import Plan, PlanError, initial_plan
 from elaswave.plan.replan import replan
-from elaswave.plan.recompute import every_block
+from elaswave.plan.recompute import every_block, every_block_memory
 from elaswave.sim.workload import MODELS, choose_layout, model_units
 
 def check_schedule(args) -> None:
@@ -118,9 +118,9 @@ def first_fit(args, layouts, model, memory, m: int):
                 except PlanError:
                     pass
     # The layout that needs least (the deepest, mostly) is what the message names; where the plan
-    # recomputes to fit (auto), its best partition with every block recomputed (plan/recompute.auto_partition).
-    least = replace(memory, recomputed=memory.recomputed | frozenset(range(1, m_cfg.num_layers - 1)),
-                    plan_recomputation=False) if memory is not None and memory.plan_recomputation else memory
+    # recomputes to fit (auto), its best partition with every block recomputed (plan/recompute.by_memory).
+    least = (every_block_memory(memory, m_cfg.num_layers) if memory is not None and memory.plan_recomputation
+             else memory)
     need, dp, pp = min(over or [(least_memory(m_cfg.num_layers, p, least.stage_memory(p, d, m)) / 1024
                                  + args.reserve_gib, d, p) for d, p in layouts])
     if need <= args.device_gib:  # not memory: the preferred layout failed for its own reason

@@ -85,8 +85,8 @@ def _gpu_dtype(precision: str) -> torch.dtype:
 def tp_shard(memory: MemoryModel, tp: int) -> MemoryModel:
     """What one GPU of a TP group of ``tp`` holds (Megatron's split with sequence parallelism): a
     ``1/tp`` share of every layer's values -- so of its gradients, optimizer state and snapshots --
-    and of every activation it keeps or sends (and, under ZB-H1, keeps for a W). The norms' replicated weights are counted in the
-    share too (under 0.01 % of a block at these widths)."""
+    and of every activation it keeps or sends (and, under ZB-H1, keeps for a W). The norms'
+    replicated weights are counted in the share too (under 0.01 % of a block at these widths)."""
     if tp == 1:
         return memory
     return replace(memory, layer_numels=tuple(-(-n // tp) for n in memory.layer_numels),

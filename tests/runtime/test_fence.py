@@ -42,7 +42,8 @@ def test_a_paused_host_continued_after_the_job_went_on_writes_nothing_and_stops(
     ckpt = tmp_path / "ckpt"  # one directory for both hosts: a shared file system
     sets = [*TINY, "parallel.dp=2", "parallel.pp=2", f"train.steps={steps}", "train.num_micro_batches=4",
             "train.deterministic=true", "parallel.timeout_s=30", "elastic.respawn_after_s=-1",
-            f"checkpoint.dir={ckpt}", "checkpoint.every_steps=5", f"elastic.inject={slowed(4, 5)};slow:rank=0,step=13,factor=12;slow:rank=1,step=13,factor=12"]
+            f"checkpoint.dir={ckpt}", "checkpoint.every_steps=5",
+            f"elastic.inject={slowed(4, 5)};slow:rank=0,step=13,factor=12;slow:rank=1,step=13,factor=12"]
     metrics, metrics1 = tmp_path / "run.jsonl", tmp_path / "m1.jsonl"
     with (EtcdCluster(3) if backend == "etcd" else contextlib.nullcontext()) as etcd:
         rdzv = (["--rdzv-backend", "etcd", "--rdzv-endpoint", etcd.endpoints] if etcd is not None else
